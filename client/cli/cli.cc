@@ -1,0 +1,58 @@
+#include <iostream>
+#include <map>
+#include <memory>
+
+#include "client/cli/command.h"
+#include "client/cli/admin_commands.h"
+#include "client/cli/generate_command.h"
+#include "client/cli/health_command.h"
+
+namespace ctxcache::cli {
+
+int RunCli(int argc, char** argv) {
+  CLI::App app{"ctxcache: admin CLI and reference decode worker for ctxcached", "ctxcache"};
+  GlobalOptions global;
+  app.add_option("--server", global.server, "ctxcached address HOST:PORT")->capture_default_str();
+  app.add_flag("--json", global.json, "Print JSON instead of tables");
+  app.add_option("--timeout", global.timeout_s, "Per-RPC deadline in seconds")
+      ->capture_default_str();
+  app.require_subcommand(1);
+
+  std::map<CLI::App*, std::unique_ptr<Command>> commands;
+  auto add = [&](const char* name, const char* help, std::unique_ptr<Command> cmd) {
+    CLI::App* sub = app.add_subcommand(name, help);
+    // Let global flags also appear after the subcommand name.
+    sub->add_option("--server", global.server, "ctxcached address HOST:PORT");
+    sub->add_flag("--json", global.json, "Print JSON instead of tables");
+    sub->add_option("--timeout", global.timeout_s, "Per-RPC deadline in seconds");
+    cmd->Configure(sub);
+    commands[sub] = std::move(cmd);
+  };
+  add("build", "Build a context from text or token ids (progress bar on a TTY)",
+      std::make_unique<BuildCommand>());
+  add("ls", "List contexts", std::make_unique<ListCommand>());
+  add("show", "Show one context: manifest, sizes per artifact kind, index params",
+      std::make_unique<ShowCommand>());
+  add("evict", "Evict a context (deferred while sessions are open)",
+      std::make_unique<EvictCommand>());
+  add("pin", "Pin a context against eviction", std::make_unique<PinCommand>(true));
+  add("unpin", "Unpin a context", std::make_unique<PinCommand>(false));
+  add("stats", "Server statistics", std::make_unique<StatsCommand>());
+  add("watch", "Stream context events (created, ready, extended, evicted, failed)",
+      std::make_unique<WatchCommand>());
+  add("generate", "Decode against a context with sparse attention (reference worker)",
+      std::make_unique<GenerateCommand>());
+  add("health", "Check the server's health (exit 0 if SERVING)", std::make_unique<HealthCommand>());
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  for (auto& [sub, cmd] : commands) {
+    if (sub->parsed()) return cmd->Run(global, std::cout, std::cerr);
+  }
+  return 2;
+}
+
+}  // namespace ctxcache::cli

@@ -1,0 +1,99 @@
+#include "client/cli/cli_util.h"
+
+#include <cstdio>
+#include <ctime>
+
+namespace ctxcache::cli {
+
+std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err) {
+  client::ClientOptions o;
+  o.server = global.server;
+  o.timeout_s = global.timeout_s;
+  o.max_attempts = 2;
+  auto c = client::Client::Connect(o);
+  if (!c.ok()) {
+    err << "ctxcache: " << c.status().message() << "\n";
+    return nullptr;
+  }
+  return std::move(c).value();
+}
+
+int Fail(const Status& s, const GlobalOptions& global, std::ostream& err) {
+  if (s.code() == StatusCode::kUnavailable) {
+    err << "ctxcache: cannot reach ctxcached at " << global.server
+        << "; is it running? pass --server HOST:PORT\n";
+    return 2;
+  }
+  std::string msg(s.message());
+  if (s.code() == StatusCode::kNotFound) {
+    err << "ctxcache: not found: " << msg << "; `ctxcache ls` lists the contexts\n";
+  } else {
+    err << "ctxcache: " << StatusCodeName(s.code()) << ": " << msg << "\n";
+  }
+  return 1;
+}
+
+std::string HumanBytes(uint64_t b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string HumanTime(int64_t ms) {
+  if (ms <= 0) return "-";
+  std::time_t t = static_cast<std::time_t>(ms / 1000);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+std::string StateName(v1::ContextState s) {
+  switch (s) {
+    case v1::CONTEXT_STATE_BUILDING: return "BUILDING";
+    case v1::CONTEXT_STATE_READY: return "READY";
+    case v1::CONTEXT_STATE_FAILED: return "FAILED";
+    default: return "UNSPECIFIED";
+  }
+}
+
+nlohmann::json InfoToJson(const v1::ContextInfo& info) {
+  nlohmann::json j;
+  j["context_id"] = info.context_id();
+  j["name"] = info.name();
+  j["state"] = StateName(info.state());
+  j["model"] = info.model_name();
+  j["n_tokens"] = info.n_tokens();
+  j["block_tokens"] = info.block_tokens();
+  j["stored_bytes"] = info.stored_bytes();
+  j["raw_kv_bytes"] = info.raw_kv_bytes();
+  j["bytes_by_kind"] = nlohmann::json::object();
+  for (const auto& [k, v] : info.bytes_by_kind()) j["bytes_by_kind"][k] = v;
+  j["indexes"] = nlohmann::json::array();
+  for (const auto& ip : info.indexes()) {
+    nlohmann::json p = nlohmann::json::object();
+    for (const auto& [k, v] : ip.params()) p[k] = v;
+    j["indexes"].push_back({{"method", ip.method()}, {"params", p}});
+  }
+  j["created_at_ms"] = info.created_at_ms();
+  j["last_access_ms"] = info.last_access_ms();
+  j["expires_at_ms"] = info.expires_at_ms();
+  j["pinned"] = info.pinned();
+  j["labels"] = nlohmann::json::object();
+  for (const auto& [k, v] : info.labels()) j["labels"][k] = v;
+  if (!info.parent_id().empty()) {
+    j["parent_id"] = info.parent_id();
+    j["prefix_tokens"] = info.prefix_tokens();
+  }
+  return j;
+}
+
+}  // namespace ctxcache::cli

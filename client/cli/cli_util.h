@@ -1,0 +1,30 @@
+// Helpers shared by the CLI subcommands.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+
+#include "client/cli/command.h"
+#include "common/status.h"
+#include "ctxcache/client.h"
+
+namespace ctxcache::cli {
+
+// Connects with the global options; prints the error and returns null on failure.
+std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err);
+
+// Prints "ctxcache: <message>" for a failed call and returns the exit code
+// (2 for an unreachable server, 1 otherwise).
+int Fail(const Status& s, const GlobalOptions& global, std::ostream& err);
+
+// 1234567 -> "1.2 MB".
+std::string HumanBytes(uint64_t bytes);
+// ms since epoch -> "2026-11-21T06:00:00Z" ("-" for 0).
+std::string HumanTime(int64_t ms);
+nlohmann::json InfoToJson(const v1::ContextInfo& info);
+std::string StateName(v1::ContextState s);
+
+}  // namespace ctxcache::cli

@@ -1,0 +1,36 @@
+// The `ctxcache` admin CLI: one class per subcommand, registered in
+// cli/cli.cc. Output is a human-readable table by default and JSON with
+// --json. Failures print one line "ctxcache: <what went wrong>; <what to do>"
+// to stderr and exit non-zero.
+//
+// Thread-safety: commands run once on the main thread.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <ostream>
+#include <string>
+
+namespace ctxcache::cli {
+
+// Options shared by every subcommand.
+struct GlobalOptions {
+  std::string server = "127.0.0.1:7700";
+  bool json = false;
+  // Deadline for each RPC, seconds.
+  double timeout_s = 10.0;
+};
+
+class Command {
+ public:
+  virtual ~Command() = default;
+  // Adds the subcommand's flags to `sub`.
+  virtual void Configure(CLI::App* sub) = 0;
+  // Runs it; returns the process exit code.
+  virtual int Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) = 0;
+};
+
+// Entry point of the CLI (the 3-line main calls this).
+int RunCli(int argc, char** argv);
+
+}  // namespace ctxcache::cli

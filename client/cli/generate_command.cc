@@ -1,0 +1,187 @@
+#include "client/cli/generate_command.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <iomanip>
+
+#include "client/cli/cli_util.h"
+#include "client/worker/decode_worker.h"
+#include "model/tokenizer.h"
+
+namespace ctxcache::cli {
+
+namespace {
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t i = static_cast<size_t>(p * (v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+std::string Decode(const model::Tokenizer* tok, const std::vector<int32_t>& ids) {
+  if (!tok) {
+    std::string s;
+    for (int32_t id : ids) s += (s.empty() ? "" : " ") + std::to_string(id);
+    return s;
+  }
+  std::string text;
+  if (!tok->Decode(ids, &text).ok()) return "<undecodable>";
+  return text;
+}
+
+}  // namespace
+
+void GenerateCommand::Configure(CLI::App* sub) {
+  sub->add_option("--context", context_, "Context id")->required();
+  sub->add_option("--prompt", prompt_, "Question or continuation prompt")->required();
+  sub->add_option("--method", method_, "csa|tactic|lfps|quest|streaming|oracle|full")
+      ->capture_default_str();
+  sub->add_option("--max-tokens", max_tokens_, "Tokens to generate")->capture_default_str();
+  sub->add_option("--rho", rho_, "Token budget as a fraction of the context")
+      ->capture_default_str();
+  sub->add_option("--mode", mode_, "server (server-side selection) or client")
+      ->check(CLI::IsMember({"server", "client"}))
+      ->capture_default_str();
+  sub->add_option("--compare", compare_, "Also decode densely and compare (value: full)")
+      ->check(CLI::IsMember({"full"}));
+  sub->add_option("--model-dir", model_dir_, "Local directory of HF model directories")
+      ->capture_default_str();
+  sub->add_option("--model", model_, "Local model name (default: the context's model)");
+}
+
+int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
+  if (max_tokens_ < 1) {
+    err << "ctxcache: --max-tokens must be >= 1\n";
+    return 2;
+  }
+  if (!(rho_ > 0 && rho_ <= 1)) {
+    err << "ctxcache: --rho must be in (0, 1]\n";
+    return 2;
+  }
+  auto client = ConnectOrExplain(global, err);
+  if (!client) return 2;
+  auto info = client->GetContext(context_);
+  if (!info.ok()) return Fail(info.status(), global, err);
+  const std::string name = model_.empty() ? info->model_name() : model_;
+  const std::string dir = (std::filesystem::path(model_dir_) / name).string();
+  auto model = model::Model::Load(dir);
+  if (!model.ok()) {
+    err << "ctxcache: cannot load the worker's model from " << dir << ": "
+        << model.status().message() << "; pass --model-dir\n";
+    return 1;
+  }
+  if ((*model)->spec().fingerprint.empty() == false &&
+      info->model().fingerprint().size() == 32) {
+    std::string hex;
+    static const char* kHex = "0123456789abcdef";
+    for (unsigned char c : info->model().fingerprint()) {
+      hex += kHex[c >> 4];
+      hex += kHex[c & 15];
+    }
+    if (hex != (*model)->spec().fingerprint) {
+      err << "ctxcache: the local model " << dir << " differs from the one context "
+          << context_ << " was built with (fingerprint mismatch)\n";
+      return 1;
+    }
+  }
+  std::unique_ptr<model::Tokenizer> tok;
+  if (std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.model")) {
+    auto t = model::Tokenizer::Load((std::filesystem::path(dir) / "tokenizer.model").string());
+    if (!t.ok()) {
+      err << "ctxcache: " << t.status().message() << "\n";
+      return 1;
+    }
+    tok = std::move(t).value();
+  }
+  std::vector<int32_t> prompt;
+  if (tok) {
+    if (Status s = tok->Encode(prompt_, &prompt); !s.ok()) return Fail(s, global, err);
+  }
+  if (prompt.empty()) {
+    err << "ctxcache: the prompt tokenizes to 0 tokens\n";
+    return 2;
+  }
+
+  client::GenerateOptions go;
+  go.session.context_id = context_;
+  go.session.method = method_;
+  go.session.params["rho"] = std::to_string(rho_);
+  go.session.mode = mode_ == "client" ? client::SelectMode::kClient : client::SelectMode::kServer;
+  go.max_new_tokens = max_tokens_;
+  auto t0 = std::chrono::steady_clock::now();
+  auto sparse = client::GenerateRemote(**model, client.get(), prompt, go);
+  if (!sparse.ok()) return Fail(sparse.status(), global, err);
+  double sparse_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string sparse_text = Decode(tok.get(), sparse->tokens);
+  const double bytes_per_step =
+      static_cast<double>(sparse->bytes_received) / std::max<int64_t>(1, sparse->steps);
+  nlohmann::json j;
+  j["context_id"] = context_;
+  j["method"] = method_;
+  j["mode"] = mode_;
+  j["rho"] = rho_;
+  j["prompt_tokens"] = prompt.size();
+  j["tokens"] = sparse->tokens;
+  j["text"] = sparse_text;
+  j["step_p50_ms"] = Percentile(sparse->step_seconds, 0.5) * 1e3;
+  j["step_p99_ms"] = Percentile(sparse->step_seconds, 0.99) * 1e3;
+  j["bytes_per_step"] = bytes_per_step;
+  j["wall_s"] = sparse_s;
+
+  if (!compare_.empty()) {
+    client::GenerateOptions dense_opts = go;
+    dense_opts.keep_logits = true;
+    uint64_t dense_bytes = 0;
+    auto t1 = std::chrono::steady_clock::now();
+    auto dense = client::GenerateDense(**model, client.get(), context_, prompt, dense_opts,
+                                       &dense_bytes);
+    if (!dense.ok()) return Fail(dense.status(), global, err);
+    double dense_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    // Teacher-forced sparse run on the dense tokens: per-position agreement and KL.
+    client::GenerateOptions tf = go;
+    tf.forced_tokens = dense->tokens;
+    tf.keep_logits = true;
+    auto forced = client::GenerateRemote(**model, client.get(), prompt, tf);
+    if (!forced.ok()) return Fail(forced.status(), global, err);
+    size_t agree = 0;
+    for (size_t i = 0; i < dense->tokens.size() && i < forced->argmax.size(); ++i) {
+      agree += forced->argmax[i] == dense->tokens[i];
+    }
+    const double agreement = static_cast<double>(agree) / std::max<size_t>(1, dense->tokens.size());
+    const double kl = client::MeanKl(dense->logits, forced->logits);
+    j["dense_text"] = Decode(tok.get(), dense->tokens);
+    j["dense_tokens"] = dense->tokens;
+    j["agreement"] = agreement;
+    j["mean_kl"] = kl;
+    j["dense_bytes_per_step"] = dense_bytes;
+    j["bytes_ratio_vs_dense"] =
+        bytes_per_step > 0 ? static_cast<double>(dense_bytes) / bytes_per_step : 0.0;
+    j["dense_step_p50_ms"] = Percentile(dense->step_seconds, 0.5) * 1e3;
+    j["dense_wall_s"] = dense_s;
+  }
+  if (global.json) {
+    out << j.dump() << "\n";
+    return 0;
+  }
+  out << "--- " << method_ << " (rho " << rho_ << ", " << mode_ << "-side selection) ---\n"
+      << sparse_text << "\n";
+  if (!compare_.empty()) {
+    out << "--- full attention (dense) ---\n" << j["dense_text"].get<std::string>() << "\n";
+    out << std::fixed << std::setprecision(3) << "--- comparison over " << max_tokens_
+        << " tokens ---\n"
+        << "greedy agreement     " << j["agreement"].get<double>() * 100 << " %\n"
+        << "mean KL(full||" << method_ << ") " << j["mean_kl"].get<double>() << "\n"
+        << "bytes fetched/step   " << HumanBytes(static_cast<uint64_t>(bytes_per_step))
+        << " vs dense " << HumanBytes(j["dense_bytes_per_step"].get<uint64_t>()) << " ("
+        << std::setprecision(1) << j["bytes_ratio_vs_dense"].get<double>() << "x less)\n";
+  }
+  out << std::fixed << std::setprecision(2) << "step latency         p50 "
+      << j["step_p50_ms"].get<double>() << " ms, p99 " << j["step_p99_ms"].get<double>()
+      << " ms (all layers, loopback)\n"
+      << "wall time            " << sparse_s << " s\n";
+  return 0;
+}
+
+}  // namespace ctxcache::cli

@@ -1,0 +1,51 @@
+#include "client/cli/health_command.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace ctxcache::cli {
+
+void HealthCommand::Configure(CLI::App* sub) {
+  sub->add_option("--service", service_, "Service name to check (default: the whole server)");
+}
+
+int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
+  auto channel = grpc::CreateChannel(global.server, grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(global.timeout_s * 1000)));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service_);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) {
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      err << "ctxcache: cannot reach ctxcached at " << global.server << " ("
+          << s.error_message() << "); is it running? pass --server HOST:PORT\n";
+    } else {
+      err << "ctxcache: health check failed: " << s.error_message() << "\n";
+    }
+    return 2;
+  }
+  bool serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  std::string status = serving ? "SERVING"
+                       : resp.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING
+                           ? "NOT_SERVING"
+                           : "UNKNOWN";
+  if (global.json) {
+    out << nlohmann::json{{"server", global.server}, {"service", service_}, {"status", status}}
+               .dump()
+        << "\n";
+  } else {
+    out << status << "\n";
+  }
+  return serving ? 0 : 1;
+}
+
+}  // namespace ctxcache::cli

@@ -1,0 +1,136 @@
+// ctxcache C++ SDK: admin calls and decode sessions against ctxcached.
+//
+//   auto client = ctxcache::client::Client::Connect({.server = "127.0.0.1:7700"});
+//   auto info = (*client)->Build(request, on_progress);
+//   auto session = (*client)->OpenSession({.context_id = info->context_id(), .method = "csa"});
+//   for each layer: (*session)->Step(layer, queries, &selected);   // selection + KV
+//   (*session)->Append(k, v, q);                                    // streaming update
+//
+// Every call has a deadline (ClientOptions::timeout_s). Unary calls and
+// stream opens are retried with exponential backoff on UNAVAILABLE. Every
+// page received is checked against its crc32c (DATA_LOSS on mismatch).
+//
+// Thread-safety: Client is safe for concurrent use (one channel, many
+// calls). A DecodeSession is NOT: use one per decode stream / thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "ctxcache/v1/ctxcache_service.pb.h"
+
+namespace ctxcache::client {
+
+struct ClientOptions {
+  // ctxcached address, HOST:PORT. Default: 127.0.0.1:7700.
+  std::string server = "127.0.0.1:7700";
+  // Deadline of each unary call and of each session message, seconds. Default: 30.
+  double timeout_s = 30.0;
+  // Attempts for calls failing with UNAVAILABLE (1 = no retry). Default: 5.
+  int max_attempts = 5;
+  // First retry delay, doubled each attempt (capped at 5 s). Default: 0.1 s.
+  double initial_backoff_s = 0.1;
+  // Max gRPC message size received, bytes. Default: 16 MiB.
+  int max_message_bytes = 16 << 20;
+};
+
+enum class SelectMode {
+  // One round trip per layer-step: the server selects and returns pages.
+  kServer,
+  // FetchIndex once, select locally with index/, FetchPages for pages the
+  // local page cache does not hold.
+  kClient,
+};
+
+struct SessionOptions {
+  std::string context_id;
+  // csa | tactic | lfps | quest | streaming | oracle | full
+  std::string method = "csa";
+  // Session params, e.g. {"rho", "0.05"} (see docs/api.md).
+  std::map<std::string, std::string> params;
+  SelectMode mode = SelectMode::kServer;
+  // Byte budget of the local page cache (immutable stored pages; LRU).
+  // Default: 256 MiB.
+  size_t page_cache_bytes = 256u << 20;
+};
+
+// The selected context tokens of one layer-step and their K/V (fp32).
+struct SelectedKV {
+  struct Head {
+    // Union over the kv head's q heads, sorted; K and V are [ids.size()][d].
+    std::vector<int32_t> ids;
+    std::vector<float> k, v;
+    // Per q head of this kv head's group: its own selection (subset of ids).
+    std::vector<std::vector<int32_t>> per_q_head;
+  };
+  std::vector<Head> heads;  // one per kv head
+  // Bytes of page payload received from the server for this step.
+  uint64_t bytes_received = 0;
+  // Pages served from the local page cache.
+  uint64_t cache_hits = 0;
+  uint64_t pages = 0;
+};
+
+struct PageCacheStats {
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t bytes = 0;     // bytes held now
+  uint64_t evictions = 0;
+};
+
+class DecodeSession {
+ public:
+  virtual ~DecodeSession() = default;
+  virtual const v1::ContextInfo& context() const = 0;
+  // Tokens in the session's sequence (context + appended).
+  virtual int64_t n_tokens() const = 0;
+  // queries: [n_q_heads][head_dim] fp32 (post-RoPE) of `layer`.
+  virtual Status Step(uint32_t layer, const float* queries, SelectedKV* out) = 0;
+  // The new token's post-RoPE K, V ([n_layers][n_kv_heads][d]) and Q
+  // ([n_layers][n_q_heads][d], may be null).
+  virtual Status Append(const float* k, const float* v, const float* q) = 0;
+  virtual Status Close() = 0;
+  virtual PageCacheStats page_cache_stats() const = 0;
+};
+
+class Client {
+ public:
+  static StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  virtual ~Client() = default;
+
+  // Streams progress to `on_progress` (may be empty); returns the final info.
+  virtual StatusOr<v1::BuildProgress> Build(
+      const v1::BuildContextRequest& request,
+      const std::function<void(const v1::BuildProgress&)>& on_progress) = 0;
+  virtual StatusOr<v1::BuildProgress> Extend(
+      const v1::ExtendContextRequest& request,
+      const std::function<void(const v1::BuildProgress&)>& on_progress) = 0;
+  virtual StatusOr<v1::ContextInfo> GetContext(const std::string& context_id) = 0;
+  virtual StatusOr<v1::ListContextsResponse> ListContexts(
+      const v1::ListContextsRequest& request) = 0;
+  virtual StatusOr<v1::EvictContextResponse> Evict(const std::string& context_id) = 0;
+  virtual StatusOr<v1::ContextInfo> Pin(const std::string& context_id, bool pinned) = 0;
+  virtual StatusOr<v1::ServerStats> GetStats() = 0;
+  // Calls on_event for each event until it returns false, the server ends
+  // the stream, or max_seconds pass (0 = no limit).
+  virtual Status Watch(const v1::WatchRequest& request,
+                       const std::function<bool(const v1::ContextEvent&)>& on_event,
+                       double max_seconds) = 0;
+  // Serialized index artifacts for client-side selection: key (layer, kv head).
+  virtual StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
+      const std::string& context_id, const std::string& method) = 0;
+  // Pages for the given tables, crc-checked.
+  virtual Status FetchPages(const v1::FetchPagesRequest& request,
+                            std::vector<v1::Page>* pages) = 0;
+
+  virtual StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) = 0;
+
+  virtual const ClientOptions& options() const = 0;
+};
+
+}  // namespace ctxcache::client

@@ -1,0 +1,666 @@
+// Implementation of the ctxcache SDK (client/include/ctxcache/client.h).
+#include "ctxcache/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <list>
+#include <thread>
+#include <unordered_map>
+
+#include "common/crc32c.h"
+#include "common/dtype.h"
+#include "ctxcache/v1/ctxcache_service.grpc.pb.h"
+#include "index/page_table.h"
+#include "index/selector.h"
+
+namespace ctxcache::client {
+
+namespace {
+
+Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return Status::OK();
+  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
+}
+
+std::chrono::system_clock::time_point Deadline(double seconds) {
+  return std::chrono::system_clock::now() +
+         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
+}
+
+StatusOr<DType> PageDType(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_F32: return DType::kF32;
+    case v1::DTYPE_F16: return DType::kF16;
+    case v1::DTYPE_BF16: return DType::kBF16;
+    default: return DataLossError("page with unknown dtype");
+  }
+}
+
+Status CheckPage(const v1::Page& p, uint32_t head_dim) {
+  uint32_t crc = crc32c::Extend(crc32c::Value(p.k()), p.v().data(), p.v().size());
+  if (crc != p.crc32c()) {
+    return DataLossError("page crc32c mismatch (layer " + std::to_string(p.layer()) +
+                         ", kv head " + std::to_string(p.kv_head()) + ", block " +
+                         std::to_string(p.block()) + "): the page was corrupted in transit");
+  }
+  ASSIGN_OR_RETURN(DType dt, PageDType(p.dtype()));
+  size_t want = size_t{p.n_tokens()} * head_dim * DTypeSize(dt);
+  if (p.k().size() != want || p.v().size() != want) {
+    return DataLossError("page of block " + std::to_string(p.block()) + " has the wrong size");
+  }
+  return Status::OK();
+}
+
+// Decoded (fp32) K/V of one page.
+struct DecodedPage {
+  uint32_t n_tokens = 0;
+  std::vector<float> k, v;
+  size_t bytes() const { return (k.size() + v.size()) * sizeof(float) + 64; }
+};
+
+StatusOr<std::shared_ptr<DecodedPage>> DecodePage(const v1::Page& p, uint32_t head_dim) {
+  RETURN_IF_ERROR(CheckPage(p, head_dim));
+  ASSIGN_OR_RETURN(DType dt, PageDType(p.dtype()));
+  auto out = std::make_shared<DecodedPage>();
+  out->n_tokens = p.n_tokens();
+  out->k.resize(size_t{p.n_tokens()} * head_dim);
+  out->v.resize(out->k.size());
+  ConvertToFloat(dt, p.k().data(), out->k.data(), out->k.size());
+  ConvertToFloat(dt, p.v().data(), out->v.data(), out->v.size());
+  return out;
+}
+
+// LRU cache of decoded stored pages, keyed by (layer, kv head, block).
+class PageCache {
+ public:
+  explicit PageCache(size_t budget) : budget_(budget) {}
+
+  std::shared_ptr<DecodedPage> Get(uint64_t key) {
+    auto it = map_.find(key);
+    if (it == map_.end()) {
+      stats_.misses++;
+      return nullptr;
+    }
+    stats_.hits++;
+    lru_.splice(lru_.begin(), lru_, it->second.second);
+    return it->second.first;
+  }
+
+  void Put(uint64_t key, std::shared_ptr<DecodedPage> page) {
+    if (page->bytes() > budget_ || map_.count(key)) return;
+    while (stats_.bytes + page->bytes() > budget_ && !lru_.empty()) {
+      uint64_t victim = lru_.back();
+      lru_.pop_back();
+      stats_.bytes -= map_[victim].first->bytes();
+      map_.erase(victim);
+      stats_.evictions++;
+    }
+    lru_.push_front(key);
+    stats_.bytes += page->bytes();
+    map_[key] = {std::move(page), lru_.begin()};
+  }
+
+  const PageCacheStats& stats() const { return stats_; }
+
+  static uint64_t Key(uint32_t layer, uint32_t head, uint32_t block) {
+    return (uint64_t{layer} << 48) | (uint64_t{head} << 32) | block;
+  }
+
+ private:
+  size_t budget_;
+  std::list<uint64_t> lru_;
+  std::unordered_map<uint64_t, std::pair<std::shared_ptr<DecodedPage>, std::list<uint64_t>::iterator>>
+      map_;
+  PageCacheStats stats_;
+};
+
+// Gathers the K/V of head.ids from pages (block -> decoded page).
+void FillHead(const std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>& pages,
+              uint32_t block_tokens, uint32_t d, SelectedKV::Head* head) {
+  head->k.resize(head->ids.size() * d);
+  head->v.resize(head->ids.size() * d);
+  for (size_t i = 0; i < head->ids.size(); ++i) {
+    uint32_t id = static_cast<uint32_t>(head->ids[i]);
+    const auto& page = pages.at(id / block_tokens);
+    size_t row = size_t(id % block_tokens) * d;
+    std::copy_n(page->k.data() + row, d, head->k.data() + i * d);
+    std::copy_n(page->v.data() + row, d, head->v.data() + i * d);
+  }
+}
+
+class ClientImpl;
+
+class SessionImpl final : public DecodeSession {
+ public:
+  SessionImpl(ClientImpl* client, SessionOptions options)
+      : client_(client), options_(std::move(options)), cache_(options_.page_cache_bytes) {}
+  ~SessionImpl() override { Close().IgnoreError(); }
+
+  Status Open();
+  const v1::ContextInfo& context() const override { return info_; }
+  int64_t n_tokens() const override { return n_tokens_; }
+  Status Step(uint32_t layer, const float* queries, SelectedKV* out) override;
+  Status Append(const float* k, const float* v, const float* q) override;
+  Status Close() override;
+  PageCacheStats page_cache_stats() const override { return cache_.stats(); }
+
+ private:
+  StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest* req,
+                                         std::vector<v1::PageBatch>* batches);
+  Status ClientSelect(uint32_t layer, const float* queries, SelectedKV* out);
+
+  ClientImpl* client_;
+  SessionOptions options_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  v1::ContextInfo info_;
+  uint32_t n_layers_ = 0, n_q_ = 0, n_kv_ = 0, d_ = 0, block_ = 16;
+  int64_t n_stored_ = 0, n_tokens_ = 0;
+  uint64_t next_id_ = 1;
+  PageCache cache_;
+  bool closed_ = true;
+  // Client-select mode: local selectors [layer * n_kv + head] and the
+  // appended KV (for pages that reach into the appended part).
+  std::vector<std::unique_ptr<index::Selector>> selectors_;
+  std::vector<std::vector<float>> app_k_, app_v_;
+  double rho_ = 0.05;
+  int64_t budget_ = 0;
+  index::PageTableOptions table_options_;
+};
+
+class ClientImpl final : public Client {
+ public:
+  explicit ClientImpl(const ClientOptions& options) : options_(options) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(options.max_message_bytes);
+    args.SetMaxSendMessageSize(options.max_message_bytes);
+    channel_ = grpc::CreateCustomChannel(options.server, grpc::InsecureChannelCredentials(), args);
+    admin_ = v1::ContextAdmin::NewStub(channel_);
+    decode_ = v1::DecodeService::NewStub(channel_);
+  }
+
+  // Runs fn(ctx) with a fresh deadline, retrying UNAVAILABLE with backoff.
+  template <typename Fn>
+  grpc::Status WithRetry(Fn fn) {
+    double backoff = options_.initial_backoff_s;
+    grpc::Status s;
+    for (int attempt = 1; attempt <= std::max(1, options_.max_attempts); ++attempt) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(Deadline(options_.timeout_s));
+      s = fn(&ctx);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return s;
+      if (attempt < options_.max_attempts) {
+        std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(backoff * 1e6)));
+        backoff = std::min(5.0, backoff * 2);
+      }
+    }
+    return s;
+  }
+
+  std::string Unreachable(const grpc::Status& s) const {
+    return "cannot reach ctxcached at " + options_.server + " (" + s.error_message() + ")";
+  }
+
+  Status Convert(const grpc::Status& s, const std::string& what) const {
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) return UnavailableError(Unreachable(s));
+    return FromGrpc(s, what);
+  }
+
+  template <typename Req>
+  StatusOr<v1::BuildProgress> StreamBuild(
+      const Req& request, const std::function<void(const v1::BuildProgress&)>& on_progress,
+      bool extend) {
+    v1::BuildProgress last;
+    bool got_done = false;
+    grpc::Status s = WithRetry([&](grpc::ClientContext* ctx) {
+      // Builds can take long: no per-call deadline beyond a generous one.
+      ctx->set_deadline(Deadline(std::max(options_.timeout_s, 3600.0)));
+      std::unique_ptr<grpc::ClientReader<v1::BuildProgress>> reader;
+      if constexpr (std::is_same_v<Req, v1::BuildContextRequest>) {
+        reader = admin_->BuildContext(ctx, request);
+      } else {
+        reader = admin_->ExtendContext(ctx, request);
+      }
+      v1::BuildProgress p;
+      while (reader->Read(&p)) {
+        if (on_progress) on_progress(p);
+        if (p.phase() == v1::BuildProgress::DONE) got_done = true;
+        last = p;
+      }
+      return reader->Finish();
+    });
+    if (!s.ok()) return Convert(s, extend ? "ExtendContext" : "BuildContext");
+    if (!got_done) return InternalError("build stream ended without a final message");
+    return last;
+  }
+
+  StatusOr<v1::BuildProgress> Build(
+      const v1::BuildContextRequest& request,
+      const std::function<void(const v1::BuildProgress&)>& on_progress) override {
+    return StreamBuild(request, on_progress, false);
+  }
+  StatusOr<v1::BuildProgress> Extend(
+      const v1::ExtendContextRequest& request,
+      const std::function<void(const v1::BuildProgress&)>& on_progress) override {
+    return StreamBuild(request, on_progress, true);
+  }
+
+  StatusOr<v1::ContextInfo> GetContext(const std::string& id) override {
+    v1::GetContextRequest req;
+    req.set_context_id(id);
+    v1::ContextInfo resp;
+    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->GetContext(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "GetContext");
+    return resp;
+  }
+  StatusOr<v1::ListContextsResponse> ListContexts(const v1::ListContextsRequest& req) override {
+    v1::ListContextsResponse resp;
+    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->ListContexts(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "ListContexts");
+    return resp;
+  }
+  StatusOr<v1::EvictContextResponse> Evict(const std::string& id) override {
+    v1::EvictContextRequest req;
+    req.set_context_id(id);
+    v1::EvictContextResponse resp;
+    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->EvictContext(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "EvictContext");
+    return resp;
+  }
+  StatusOr<v1::ContextInfo> Pin(const std::string& id, bool pinned) override {
+    v1::PinContextRequest req;
+    req.set_context_id(id);
+    req.set_pinned(pinned);
+    v1::ContextInfo resp;
+    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->PinContext(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "PinContext");
+    return resp;
+  }
+  StatusOr<v1::ServerStats> GetStats() override {
+    v1::GetStatsRequest req;
+    v1::ServerStats resp;
+    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->GetStats(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "GetStats");
+    return resp;
+  }
+
+  Status Watch(const v1::WatchRequest& request,
+               const std::function<bool(const v1::ContextEvent&)>& on_event,
+               double max_seconds) override {
+    grpc::ClientContext ctx;
+    if (max_seconds > 0) ctx.set_deadline(Deadline(max_seconds));
+    auto reader = decode_->WatchContexts(&ctx, request);
+    v1::ContextEvent ev;
+    while (reader->Read(&ev)) {
+      if (ev.type() == v1::ContextEvent::TYPE_UNSPECIFIED) continue;  // subscription marker
+      if (!on_event(ev)) {
+        ctx.TryCancel();
+        break;
+      }
+    }
+    grpc::Status s = reader->Finish();
+    if (s.ok() || s.error_code() == grpc::StatusCode::CANCELLED ||
+        s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return Status::OK();
+    }
+    return Convert(s, "WatchContexts");
+  }
+
+  StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
+      const std::string& context_id, const std::string& method) override {
+    std::map<std::pair<uint32_t, uint32_t>, std::string> out;
+    v1::FetchIndexRequest req;
+    req.set_context_id(context_id);
+    req.add_methods(method);
+    auto s = WithRetry([&](grpc::ClientContext* c) {
+      out.clear();
+      auto reader = decode_->FetchIndex(c, req);
+      v1::IndexChunk chunk;
+      while (reader->Read(&chunk)) {
+        out[{chunk.layer(), chunk.kv_head()}] += chunk.data();
+        auto& bytes = out[{chunk.layer(), chunk.kv_head()}];
+        if (chunk.chunk_index() + 1 == chunk.n_chunks() &&
+            (bytes.size() != chunk.total_bytes() || crc32c::Value(bytes) != chunk.crc32c())) {
+          return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                              "index artifact crc32c mismatch (layer " +
+                                  std::to_string(chunk.layer()) + ", kv head " +
+                                  std::to_string(chunk.kv_head()) + ")");
+        }
+      }
+      return reader->Finish();
+    });
+    if (!s.ok()) return Convert(s, "FetchIndex");
+    return out;
+  }
+
+  Status FetchPages(const v1::FetchPagesRequest& request, std::vector<v1::Page>* pages) override {
+    auto s = WithRetry([&](grpc::ClientContext* c) {
+      pages->clear();
+      auto reader = decode_->FetchPages(c, request);
+      v1::PageBatch batch;
+      while (reader->Read(&batch)) {
+        for (auto& p : *batch.mutable_pages()) pages->push_back(std::move(p));
+      }
+      return reader->Finish();
+    });
+    if (!s.ok()) return Convert(s, "FetchPages");
+    for (const auto& p : *pages) {
+      if (crc32c::Extend(crc32c::Value(p.k()), p.v().data(), p.v().size()) != p.crc32c()) {
+        return DataLossError("page crc32c mismatch (layer " + std::to_string(p.layer()) +
+                             ", kv head " + std::to_string(p.kv_head()) + ", block " +
+                             std::to_string(p.block()) + "): the page was corrupted in transit");
+      }
+    }
+    return Status::OK();
+  }
+
+  StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
+    auto s = std::make_unique<SessionImpl>(this, options);
+    RETURN_IF_ERROR(s->Open());
+    return std::unique_ptr<DecodeSession>(std::move(s));
+  }
+
+  const ClientOptions& options() const override { return options_; }
+  v1::DecodeService::Stub* decode_stub() { return decode_.get(); }
+
+ private:
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::ContextAdmin::Stub> admin_;
+  std::unique_ptr<v1::DecodeService::Stub> decode_;
+};
+
+Status SessionImpl::Open() {
+  v1::DecodeRequest req;
+  req.mutable_open()->set_context_id(options_.context_id);
+  req.mutable_open()->set_method(options_.method);
+  for (const auto& [k, v] : options_.params) (*req.mutable_open()->mutable_params())[k] = v;
+  req.mutable_open()->set_want_pages(options_.mode == SelectMode::kServer);
+  // Opening the stream is retried on UNAVAILABLE (e.g. a server restart).
+  double backoff = client_->options().initial_backoff_s;
+  StatusOr<v1::DecodeResponse> resp = UnavailableError("not attempted");
+  for (int attempt = 1; attempt <= std::max(1, client_->options().max_attempts); ++attempt) {
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    stream_ = client_->decode_stub()->Decode(ctx_.get());
+    closed_ = false;
+    resp = RoundTrip(&req, nullptr);
+    if (resp.ok() || resp.status().code() != StatusCode::kUnavailable) break;
+    closed_ = true;
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(backoff * 1e6)));
+    backoff = std::min(5.0, backoff * 2);
+  }
+  if (!resp.ok()) {
+    closed_ = true;
+    return resp.status();
+  }
+  info_ = resp->opened().context();
+  n_layers_ = info_.model().n_layers();
+  n_q_ = info_.model().n_q_heads();
+  n_kv_ = info_.model().n_kv_heads();
+  d_ = info_.model().head_dim();
+  block_ = info_.block_tokens();
+  n_stored_ = n_tokens_ = static_cast<int64_t>(info_.n_tokens());
+  if (options_.mode == SelectMode::kClient) {
+    for (const auto& [k, v] : options_.params) {
+      if (k == "rho") rho_ = std::stod(v);
+      if (k == "budget") budget_ = std::stoll(v);
+      if (k == "subgroup") table_options_.subgroup_size = std::stoi(v);
+      if (k == "recent_blocks") table_options_.recent_blocks = std::stoi(v);
+    }
+    table_options_.page_size = static_cast<int>(block_);
+    ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
+    selectors_.resize(size_t{n_layers_} * n_kv_);
+    for (uint32_t l = 0; l < n_layers_; ++l) {
+      for (uint32_t h = 0; h < n_kv_; ++h) {
+        auto it = artifacts.find({l, h});
+        if (it == artifacts.end()) {
+          return DataLossError("FetchIndex returned no artifact for layer " + std::to_string(l));
+        }
+        ASSIGN_OR_RETURN(selectors_[size_t{l} * n_kv_ + h],
+                         index::LoadSelector(options_.method, it->second));
+      }
+    }
+    app_k_.resize(selectors_.size());
+    app_v_.resize(selectors_.size());
+  }
+  return Status::OK();
+}
+
+StatusOr<v1::DecodeResponse> SessionImpl::RoundTrip(v1::DecodeRequest* req,
+                                                    std::vector<v1::PageBatch>* batches) {
+  if (closed_) return FailedPreconditionError("session is closed");
+  req->set_request_id(next_id_++);
+  if (!stream_->Write(*req)) {
+    closed_ = true;
+    grpc::Status s = stream_->Finish();
+    return Status(s.ok() ? StatusCode::kUnavailable : static_cast<StatusCode>(s.error_code()),
+                  "decode stream broke: " + s.error_message());
+  }
+  v1::DecodeResponse resp;
+  if (!stream_->Read(&resp)) {
+    closed_ = true;
+    grpc::Status s = stream_->Finish();
+    return Status(s.ok() ? StatusCode::kUnavailable : static_cast<StatusCode>(s.error_code()),
+                  "decode stream ended: " + s.error_message());
+  }
+  if (resp.has_error()) {
+    return Status(static_cast<StatusCode>(resp.error().code()), resp.error().message());
+  }
+  if (resp.has_step() && batches) {
+    for (uint32_t i = 0; i < resp.step().n_page_batches(); ++i) {
+      v1::DecodeResponse pr;
+      if (!stream_->Read(&pr) || !pr.has_pages()) {
+        closed_ = true;
+        return UnavailableError("decode stream ended inside a page batch");
+      }
+      batches->push_back(std::move(*pr.mutable_pages()));
+    }
+  }
+  return resp;
+}
+
+Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) {
+  if (layer >= n_layers_) {
+    return InvalidArgumentError("layer " + std::to_string(layer) + " out of range");
+  }
+  if (options_.mode == SelectMode::kClient) return ClientSelect(layer, queries, out);
+  v1::DecodeRequest req;
+  auto* t = req.mutable_step()->mutable_queries();
+  req.mutable_step()->set_layer(layer);
+  t->set_dtype(v1::DTYPE_F32);
+  t->add_shape(n_q_);
+  t->add_shape(d_);
+  t->set_data(reinterpret_cast<const char*>(queries), size_t{n_q_} * d_ * sizeof(float));
+  std::vector<v1::PageBatch> batches;
+  ASSIGN_OR_RETURN(v1::DecodeResponse resp, RoundTrip(&req, &batches));
+  const v1::StepResult& step = resp.step();
+  const uint32_t g = n_q_ / n_kv_;
+  *out = SelectedKV();
+  out->heads.resize(n_kv_);
+  for (auto& h : out->heads) h.per_q_head.resize(g);
+  for (const auto& s : step.selections()) {
+    auto& head = out->heads[s.q_head() / g];
+    head.per_q_head[s.q_head() % g].assign(s.token_ids().begin(), s.token_ids().end());
+  }
+  std::vector<std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>> pages(n_kv_);
+  for (const auto& b : batches) {
+    for (const auto& p : b.pages()) {
+      out->bytes_received += p.k().size() + p.v().size();
+      out->pages++;
+      ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));
+      pages[p.kv_head()][p.block()] = page;
+    }
+  }
+  for (uint32_t h = 0; h < n_kv_; ++h) {
+    auto& head = out->heads[h];
+    for (const auto& sel : head.per_q_head) head.ids.insert(head.ids.end(), sel.begin(), sel.end());
+    std::sort(head.ids.begin(), head.ids.end());
+    head.ids.erase(std::unique(head.ids.begin(), head.ids.end()), head.ids.end());
+    for (int32_t id : head.ids) {
+      if (!pages[h].count(static_cast<uint32_t>(id) / block_)) {
+        return DataLossError("server selected token " + std::to_string(id) +
+                             " but sent no page for it");
+      }
+    }
+    FillHead(pages[h], block_, d_, &head);
+  }
+  return Status::OK();
+}
+
+Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedKV* out) {
+  const uint32_t g = n_q_ / n_kv_;
+  const int64_t n = n_tokens_;
+  const int64_t budget =
+      budget_ > 0 ? std::min(budget_, n)
+                  : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
+  *out = SelectedKV();
+  out->heads.resize(n_kv_);
+  v1::FetchPagesRequest fetch;
+  fetch.set_context_id(options_.context_id);
+  std::vector<std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>> pages(n_kv_);
+  const uint32_t full_stored_blocks = static_cast<uint32_t>(n_stored_ / block_);
+  for (uint32_t h = 0; h < n_kv_; ++h) {
+    index::SelectInput in;
+    in.queries = queries + size_t{h} * g * d_;
+    in.n_queries = static_cast<int>(g);
+    in.budget = budget;
+    index::Selection sel;
+    RETURN_IF_ERROR(selectors_[size_t{layer} * n_kv_ + h]->Select(in, &sel, nullptr));
+    auto& head = out->heads[h];
+    head.per_q_head = sel.per_head;
+    ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
+    std::vector<uint32_t> need;
+    for (const auto& t : tables) {
+      for (int32_t p : t.pages) need.push_back(static_cast<uint32_t>(p));
+    }
+    std::sort(need.begin(), need.end());
+    need.erase(std::unique(need.begin(), need.end()), need.end());
+    v1::PageTable* pt = nullptr;
+    for (uint32_t b : need) {
+      if (b >= full_stored_blocks) continue;  // partly appended: assembled below
+      auto cached = cache_.Get(PageCache::Key(layer, h, b));
+      if (cached) {
+        pages[h][b] = cached;
+        out->cache_hits++;
+        continue;
+      }
+      if (!pt) {
+        pt = fetch.add_tables();
+        pt->set_layer(layer);
+        pt->set_kv_head(h);
+      }
+      pt->add_blocks(b);
+    }
+    for (const auto& sq : head.per_q_head) head.ids.insert(head.ids.end(), sq.begin(), sq.end());
+    std::sort(head.ids.begin(), head.ids.end());
+    head.ids.erase(std::unique(head.ids.begin(), head.ids.end()), head.ids.end());
+  }
+  if (fetch.tables_size() > 0) {
+    std::vector<v1::Page> got;
+    RETURN_IF_ERROR(client_->FetchPages(fetch, &got));
+    for (const auto& p : got) {
+      out->bytes_received += p.k().size() + p.v().size();
+      out->pages++;
+      ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));
+      cache_.Put(PageCache::Key(p.layer(), p.kv_head(), p.block()), page);
+      pages[p.kv_head()][p.block()] = page;
+    }
+  }
+  // Blocks reaching into the appended part: fetch the stored rows (not
+  // cached: a partial block) and add the appended KV kept locally.
+  for (uint32_t h = 0; h < n_kv_; ++h) {
+    auto& head = out->heads[h];
+    for (int32_t id : head.ids) {
+      uint32_t b = static_cast<uint32_t>(id) / block_;
+      if (pages[h].count(b)) continue;
+      auto page = std::make_shared<DecodedPage>();
+      const int64_t begin = int64_t{b} * block_;
+      const int64_t end = std::min<int64_t>(begin + block_, n_tokens_);
+      page->n_tokens = static_cast<uint32_t>(end - begin);
+      page->k.resize(size_t(end - begin) * d_);
+      page->v.resize(page->k.size());
+      if (begin < n_stored_) {
+        v1::FetchPagesRequest one;
+        one.set_context_id(options_.context_id);
+        auto* t = one.add_tables();
+        t->set_layer(layer);
+        t->set_kv_head(h);
+        t->add_blocks(b);
+        std::vector<v1::Page> got;
+        RETURN_IF_ERROR(client_->FetchPages(one, &got));
+        if (got.size() != 1) return DataLossError("FetchPages returned no page");
+        out->bytes_received += got[0].k().size() + got[0].v().size();
+        out->pages++;
+        ASSIGN_OR_RETURN(auto stored, DecodePage(got[0], d_));
+        std::copy(stored->k.begin(), stored->k.end(), page->k.begin());
+        std::copy(stored->v.begin(), stored->v.end(), page->v.begin());
+      }
+      const auto& ak = app_k_[size_t{layer} * n_kv_ + h];
+      const auto& av = app_v_[size_t{layer} * n_kv_ + h];
+      for (int64_t t = std::max(begin, n_stored_); t < end; ++t) {
+        std::copy_n(ak.data() + (t - n_stored_) * d_, d_, page->k.data() + (t - begin) * d_);
+        std::copy_n(av.data() + (t - n_stored_) * d_, d_, page->v.data() + (t - begin) * d_);
+      }
+      pages[h][b] = page;
+    }
+    FillHead(pages[h], block_, d_, &head);
+  }
+  return Status::OK();
+}
+
+Status SessionImpl::Append(const float* k, const float* v, const float* q) {
+  v1::DecodeRequest req;
+  auto* a = req.mutable_append();
+  auto set = [&](v1::Tensor* t, const float* data, uint32_t heads) {
+    t->set_dtype(v1::DTYPE_F32);
+    t->add_shape(n_layers_);
+    t->add_shape(heads);
+    t->add_shape(d_);
+    t->set_data(reinterpret_cast<const char*>(data), size_t{n_layers_} * heads * d_ * 4);
+  };
+  set(a->mutable_k(), k, n_kv_);
+  set(a->mutable_v(), v, n_kv_);
+  if (q) set(a->mutable_q(), q, n_q_);
+  ASSIGN_OR_RETURN(v1::DecodeResponse resp, RoundTrip(&req, nullptr));
+  (void)resp;
+  if (options_.mode == SelectMode::kClient) {
+    const uint32_t g = n_q_ / n_kv_;
+    for (uint32_t l = 0; l < n_layers_; ++l) {
+      for (uint32_t h = 0; h < n_kv_; ++h) {
+        const size_t slot = size_t{l} * n_kv_ + h;
+        const float* kp = k + slot * d_;
+        const float* vp = v + slot * d_;
+        const float* qp = q ? q + (size_t{l} * n_q_ + size_t{h} * g) * d_ : nullptr;
+        RETURN_IF_ERROR(selectors_[slot]->Append(kp, vp, qp));
+        app_k_[slot].insert(app_k_[slot].end(), kp, kp + d_);
+        app_v_[slot].insert(app_v_[slot].end(), vp, vp + d_);
+      }
+    }
+  }
+  n_tokens_++;
+  return Status::OK();
+}
+
+Status SessionImpl::Close() {
+  if (closed_) return Status::OK();
+  v1::DecodeRequest req;
+  req.mutable_close();
+  auto resp = RoundTrip(&req, nullptr);
+  closed_ = true;
+  stream_->WritesDone();
+  grpc::Status s = stream_->Finish();
+  if (!resp.ok()) return resp.status();
+  return FromGrpc(s, "Decode");
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.server.empty()) return InvalidArgumentError("server address is empty");
+  if (options.timeout_s <= 0) return InvalidArgumentError("timeout_s must be > 0");
+  return std::unique_ptr<Client>(new ClientImpl(options));
+}
+
+}  // namespace ctxcache::client

@@ -1,0 +1,93 @@
+// The reference decode worker: runs the embedded model's decode loop on the
+// worker side while attention over the stored context goes through a
+// ctxcached session (server- or client-side selection, pages on demand).
+// The prompt and every generated token are appended to the session
+// (streaming updates), and their K/V is also kept locally and always
+// attended (the "tail").
+//
+// This is the template for integrating a real serving engine: replace
+// model::DecodeStep with the engine's layer loop and RemoteAttention with
+// its attention kernel fed from SelectedKV.
+//
+// Thread-safety: one RemoteAttention / Generate call per session; not safe
+// for concurrent use.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ctxcache/client.h"
+#include "model/decode.h"
+#include "model/kv_cache.h"
+#include "model/model.h"
+
+namespace ctxcache::client {
+
+// AttentionProvider whose context part comes from a DecodeSession.
+class RemoteAttention final : public model::AttentionProvider {
+ public:
+  // n_context: tokens stored in the context (positions [0, n_context)).
+  RemoteAttention(const model::ModelSpec& spec, DecodeSession* session, int64_t n_context);
+
+  Status Attend(int layer, int64_t pos, const float* q, const float* k, const float* v,
+                float* out) override;
+
+  // Sends the last token's K/V/Q of every layer to the server (call after
+  // each DecodeStep).
+  Status FlushAppend();
+
+  uint64_t bytes_received() const { return bytes_received_; }
+  uint64_t context_tokens_attended() const { return context_tokens_; }
+
+ private:
+  const model::ModelSpec& spec_;
+  DecodeSession* session_;
+  int64_t n_context_;
+  // Local tail K/V per [layer][kv head]: [n_tail][d].
+  std::vector<std::vector<std::vector<float>>> tail_k_, tail_v_;
+  // The pending token's K/V/Q, [layer][heads][d].
+  std::vector<float> pend_k_, pend_v_, pend_q_;
+  std::vector<float> scores_;
+  uint64_t bytes_received_ = 0;
+  uint64_t context_tokens_ = 0;
+};
+
+struct GenerateOptions {
+  SessionOptions session;
+  int max_new_tokens = 64;
+  // If non-empty, teacher forcing: feed these tokens instead of the argmax
+  // (used to compare with a dense run on the same sequence).
+  std::vector<int32_t> forced_tokens;
+  // Keep the logits of each generated position (vocab floats each).
+  bool keep_logits = false;
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;              // generated (or forced) tokens
+  std::vector<int32_t> argmax;              // the model's argmax at each position
+  std::vector<std::vector<float>> logits;   // with keep_logits
+  std::vector<double> step_seconds;         // wall time per decoded token
+  uint64_t bytes_received = 0;              // page payload bytes over all steps
+  int64_t steps = 0;                        // token steps (prompt + generated)
+};
+
+// Sparse decode through a session: feeds `prompt` after the context, then
+// greedily generates max_new_tokens tokens.
+StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* client,
+                                        const std::vector<int32_t>& prompt,
+                                        const GenerateOptions& options);
+
+// Dense reference: fetches the whole context's KV once (FetchPages) into a
+// local cache and decodes with full attention. Also returns the page bytes
+// a dense worker would fetch per token step (all pages of all layers).
+StatusOr<GenerateResult> GenerateDense(const model::Model& model, Client* client,
+                                       const std::string& context_id,
+                                       const std::vector<int32_t>& prompt,
+                                       const GenerateOptions& options,
+                                       uint64_t* dense_bytes_per_step);
+
+// Mean KL(p || q) over positions of the softmax of two logit sequences.
+double MeanKl(const std::vector<std::vector<float>>& p, const std::vector<std::vector<float>>& q);
+
+}  // namespace ctxcache::client

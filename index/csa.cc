@@ -1,0 +1,623 @@
+#include "index/csa.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "common/dtype.h"
+#include "index/byte_io.h"
+#include "index/oracle.h"
+#include "index/params.h"
+
+namespace ctxcache::index {
+namespace {
+
+constexpr uint32_t kFormatVersion = 1;
+constexpr size_t kEntryBytes = sizeof(int32_t) + sizeof(uint16_t);
+
+using StridedMap = Eigen::Map<const RowMatrixXf, 0, Eigen::OuterStride<>>;
+
+inline float Half(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return HalfToFloat(h);
+#endif
+}
+
+inline float RoundToHalf(float x) { return Half(FloatToHalf(x)); }
+
+// Heap order: the root is the worst entry (lowest score; among equal scores
+// the highest id), so "a beats b" is score_a > score_b or a tie with id_a < id_b.
+inline bool Beats(float sa, int32_t ia, float sb, int32_t ib) {
+  return sa > sb || (sa == sb && ia < ib);
+}
+
+void SiftDown(int32_t* ids, uint16_t* sc, int64_t L, int64_t i) {
+  const int32_t id = ids[i];
+  const uint16_t h = sc[i];
+  const float s = Half(h);
+  while (true) {
+    const int64_t l = 2 * i + 1;
+    if (l >= L) break;
+    int64_t worst = l;
+    float ws = Half(sc[l]);
+    if (l + 1 < L) {
+      const float rs = Half(sc[l + 1]);
+      if (Beats(ws, ids[l], rs, ids[l + 1])) {
+        worst = l + 1;
+        ws = rs;
+      }
+    }
+    // Done once the worst child does not lose to the element.
+    if (!Beats(s, id, ws, ids[worst])) break;
+    ids[i] = ids[worst];
+    sc[i] = sc[worst];
+    i = worst;
+  }
+  ids[i] = id;
+  sc[i] = h;
+}
+
+// acc[ids[e]] += w * scores[e] + bias for e < L.
+void AccumulateList(const int32_t* ids, const uint16_t* sc, int64_t L, float w, float bias,
+                    float* acc) {
+  int64_t e = 0;
+#ifdef __F16C__
+  const __m256 wv = _mm256_set1_ps(w);
+  const __m256 bv = _mm256_set1_ps(bias);
+  alignas(32) float t[8];
+  for (; e + 8 <= L; e += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + e));
+    _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtph_ps(h), wv, bv));
+    const int32_t* id = ids + e;
+    acc[id[0]] += t[0];
+    acc[id[1]] += t[1];
+    acc[id[2]] += t[2];
+    acc[id[3]] += t[3];
+    acc[id[4]] += t[4];
+    acc[id[5]] += t[5];
+    acc[id[6]] += t[6];
+    acc[id[7]] += t[7];
+  }
+#endif
+  for (; e < L; ++e) acc[ids[e]] += w * Half(sc[e]) + bias;
+}
+
+Status CheckOptions(const CsaOptions& o) {
+  auto bad = [](const std::string& field, const std::string& msg) {
+    return InvalidArgumentError("csa: " + field + " " + msg);
+  };
+  if (o.m < 1) return bad("m=" + std::to_string(o.m), "expected >= 1");
+  if (o.C < 1) return bad("C=" + std::to_string(o.C), "expected >= 1");
+  if (!(o.alpha > 0 && o.alpha <= 1)) return bad("alpha=" + std::to_string(o.alpha), "expected in (0, 1]");
+  if (o.fixed_L < 0) return bad("L=" + std::to_string(o.fixed_L), "expected >= 0");
+  if (o.kmeans_iters < 1) return bad("iters=" + std::to_string(o.kmeans_iters), "expected >= 1");
+  if (!(o.rho > 0 && o.rho <= 1)) return bad("rho=" + std::to_string(o.rho), "expected in (0, 1]");
+  if (o.recent < 0) return bad("R=" + std::to_string(o.recent), "expected >= 0");
+  if (o.sinks < 0) return bad("sinks=" + std::to_string(o.sinks), "expected >= 0");
+  if (o.tau < 1 || o.tau > o.C) {
+    return bad("tau=" + std::to_string(o.tau), "expected in [1, C=" + std::to_string(o.C) + "]");
+  }
+  if (!(o.backoff_cos >= -1 && o.backoff_cos <= 1)) {
+    return bad("backoff_cos=" + std::to_string(o.backoff_cos), "expected in [-1, 1]");
+  }
+  if (o.period < 1) return bad("period=" + std::to_string(o.period), "expected >= 1");
+  return Status::OK();
+}
+
+}  // namespace
+
+StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
+  CsaOptions o;
+  ParamReader pr("csa", params);
+  ASSIGN_OR_RETURN(int64_t m, pr.Int("m", o.m, 1, 4096));
+  ASSIGN_OR_RETURN(int64_t C, pr.Int("C", o.C, 1, 1 << 20));
+  ASSIGN_OR_RETURN(o.alpha, pr.Ratio("alpha", o.alpha));
+  ASSIGN_OR_RETURN(o.fixed_L, pr.Int("L", o.fixed_L, 0, INT32_MAX));
+  ASSIGN_OR_RETURN(o.query_cap, pr.Int("query_cap", o.query_cap, 1, INT64_MAX));
+  ASSIGN_OR_RETURN(int64_t iters, pr.Int("iters", o.kmeans_iters, 1, 1000));
+  ASSIGN_OR_RETURN(int64_t seed, pr.Int("seed", static_cast<int64_t>(o.seed), 0, INT64_MAX));
+  ASSIGN_OR_RETURN(o.center_keys, pr.Bool("center", o.center_keys));
+  ASSIGN_OR_RETURN(o.rho, pr.Ratio("rho", o.rho));
+  ASSIGN_OR_RETURN(int64_t R, pr.Int("R", o.recent, 0, INT32_MAX));
+  ASSIGN_OR_RETURN(int64_t sinks, pr.Int("sinks", o.sinks, 0, INT32_MAX));
+  ASSIGN_OR_RETURN(int64_t tau, pr.Int("tau", o.tau, 1, 1 << 20));
+  ASSIGN_OR_RETURN(o.backoff_cos, pr.Double("backoff_cos", o.backoff_cos, -1.0, 1.0));
+  ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights", "uniform", {"uniform", "norm", "proj"}));
+  ASSIGN_OR_RETURN(std::string missing, pr.Enum("missing", "zero", {"zero", "min"}));
+  o.impute_min = missing == "min";
+  ASSIGN_OR_RETURN(int64_t period, pr.Int("period", o.period, 1, 1 << 20));
+  ASSIGN_OR_RETURN(std::string format, pr.Enum("format", "plain", {"plain", "compact"}));
+  if (pr.Has("schedule")) {
+    ASSIGN_OR_RETURN(std::string schedule,
+                     pr.Enum("schedule", "", {"0.05/1", "0.15/4", "0.20/8", "0.2/8"}));
+    const size_t slash = schedule.find('/');
+    o.rho = std::stod(schedule.substr(0, slash));
+    period = std::stoi(schedule.substr(slash + 1));
+  }
+  RETURN_IF_ERROR(pr.Finish());
+  o.m = static_cast<int>(m);
+  o.C = static_cast<int>(C);
+  o.kmeans_iters = static_cast<int>(iters);
+  o.seed = static_cast<uint64_t>(seed);
+  o.recent = static_cast<int>(R);
+  o.sinks = static_cast<int>(sinks);
+  o.tau = static_cast<int>(tau);
+  o.norm_weights = weights == "norm";
+  o.proj_weights = weights == "proj";
+  o.period = static_cast<int>(period);
+  o.compact = format == "compact";
+  return o;
+}
+
+StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
+                                                          const CsaOptions& o) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  RETURN_IF_ERROR(ValidatePrefill("csa", p, /*need_queries=*/true, /*need_values=*/false));
+  const int d = p.head_dim;
+  if (d % o.m != 0) {
+    return InvalidArgumentError("csa: m=" + std::to_string(o.m) + " does not divide head_dim=" +
+                                std::to_string(d));
+  }
+  const int64_t n = p.n_tokens;
+  if (o.C > n) {
+    return InvalidArgumentError("csa: C=" + std::to_string(o.C) + " exceeds n_tokens=" +
+                                std::to_string(n));
+  }
+  const int64_t pooled = static_cast<int64_t>(p.group_size) * p.n_queries;
+  const int64_t rows = std::min(pooled, o.query_cap);
+  if (o.C > rows) {
+    return InvalidArgumentError("csa: C=" + std::to_string(o.C) + " exceeds the pooled query rows (" +
+                                std::to_string(rows) + " = min(group_size * n_queries, query_cap))");
+  }
+
+  std::unique_ptr<CsaSelector> s(new CsaSelector());
+  s->options_ = o;
+  s->d_ = d;
+  s->n_tokens_ = n;
+  s->n_built_ = n;
+  s->L_ = o.fixed_L > 0 ? std::min<int64_t>(o.fixed_L, n)
+                        : std::clamp<int64_t>(static_cast<int64_t>(std::ceil(o.alpha * n)), 1, n);
+  const int m = o.m, C = o.C, ds = d / m;
+  const int64_t L = s->L_;
+
+  // Pool the group's queries; subsample deterministically to query_cap rows.
+  std::vector<int64_t> rows_idx(pooled);
+  std::iota(rows_idx.begin(), rows_idx.end(), 0);
+  if (rows < pooled) {
+    std::mt19937_64 rng(o.seed);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::uniform_int_distribution<int64_t> pick(i, pooled - 1);
+      std::swap(rows_idx[i], rows_idx[pick(rng)]);
+    }
+    rows_idx.resize(rows);
+    std::sort(rows_idx.begin(), rows_idx.end());
+  }
+  RowMatrixXf Q(rows, d);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(Q.row(r).data(), p.queries + rows_idx[r] * d, sizeof(float) * d);
+  }
+
+  s->key_mean_.assign(d, 0.0f);
+  if (o.center_keys) {
+    Eigen::Map<const RowMatrixXf> K(p.keys, n, d);
+    Eigen::Map<Eigen::RowVectorXf>(s->key_mean_.data(), d) =
+        (K.cast<double>().colwise().sum() / static_cast<double>(n)).cast<float>();
+  }
+  s->centroids_.resize(static_cast<size_t>(m) * C * ds);
+  s->ids_.resize(static_cast<size_t>(m) * C * L);
+  s->scores_.resize(static_cast<size_t>(m) * C * L);
+  RowMatrixXf S;
+  std::vector<float> row(n);
+  std::vector<int32_t> top;
+  TopKScratch scratch;
+  std::vector<std::pair<float, int32_t>> entries;
+  for (int b = 0; b < m; ++b) {
+    KMeansOptions ko;
+    ko.k = C;
+    ko.metric = KMeansMetric::kCosine;
+    ko.init = KMeansInit::kPlusPlus;
+    ko.max_iters = o.kmeans_iters;
+    ko.seed = o.seed + 7919 * static_cast<uint64_t>(b);
+    auto km = KMeans(Q.data() + b * ds, rows, ds, d, ko);
+    if (!km.ok()) return km.status().WithContext("csa: subspace " + std::to_string(b));
+    const RowMatrixXf& cent = km->centroids;
+    std::memcpy(s->centroids_.data() + static_cast<size_t>(b) * C * ds, cent.data(),
+                sizeof(float) * C * ds);
+    // CSAttention §3.2 (2): s_j^b(i) = c_j^b . k_i^b for all centroids and keys.
+    StridedMap Kb(p.keys + b * ds, n, ds, Eigen::OuterStride<>(d));
+    S.noalias() = cent * Kb.transpose();
+    if (o.center_keys) {
+      Eigen::Map<const Eigen::VectorXf> kbar(s->key_mean_.data() + b * ds, ds);
+      const Eigen::VectorXf shift = cent * kbar;
+      S.colwise() -= shift;
+    }
+    for (int j = 0; j < C; ++j) {
+      const float* srow = S.row(j).data();
+      for (int64_t i = 0; i < n; ++i) row[i] = RoundToHalf(srow[i]);
+      SelectTopK(row.data(), n, L, TopKOrder::kAny, &top, &scratch);
+      entries.resize(L);
+      for (int64_t e = 0; e < L; ++e) entries[e] = {row[top[e]], top[e]};
+      // Max-heap under "beats" puts the worst entry at the root.
+      auto beats = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b2) {
+        return Beats(a.first, a.second, b2.first, b2.second);
+      };
+      std::make_heap(entries.begin(), entries.end(), beats);
+      const int64_t off = s->ListOffset(b, j);
+      for (int64_t e = 0; e < L; ++e) {
+        s->ids_[off + e] = entries[e].second;
+        s->scores_[off + e] = FloatToHalf(entries[e].first);
+      }
+    }
+  }
+  return s;
+}
+
+void CsaSelector::BuildHeap(int64_t list) {
+  int32_t* ids = ids_.data() + list * L_;
+  uint16_t* sc = scores_.data() + list * L_;
+  for (int64_t i = L_ / 2 - 1; i >= 0; --i) SiftDown(ids, sc, L_, i);
+}
+
+Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
+  CsaOptions next = options_;
+  next.rho = o.rho;
+  next.recent = o.recent;
+  next.sinks = o.sinks;
+  next.tau = o.tau;
+  next.backoff_cos = o.backoff_cos;
+  next.norm_weights = o.norm_weights;
+  next.proj_weights = o.proj_weights;
+  next.impute_min = o.impute_min;
+  next.period = o.period;
+  next.compact = o.compact;
+  RETURN_IF_ERROR(CheckOptions(next));
+  options_ = next;
+  steps_since_search_ = 0;
+  last_per_head_.clear();
+  return Status::OK();
+}
+
+void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected, WorkStats* stats) {
+  const int m = options_.m, C = options_.C, ds = sub_dim();
+  const int64_t n = n_tokens_;
+  if (static_cast<int64_t>(acc_.size()) != n) acc_.assign(n, 0.0f);
+  centroid_sims_.resize(C);
+  int64_t lists = 0;
+  for (int b = 0; b < m; ++b) {
+    const float* qb = q + b * ds;
+    Eigen::Map<const Eigen::VectorXf> qv(qb, ds);
+    const float norm = qv.norm();
+    if (!(norm > 0)) continue;  // a zero sub-query carries no signal
+    // CSAttention §3.3 (1): nearest centroid by cosine (centroids are unit).
+    Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
+    Eigen::Map<Eigen::VectorXf> sims(centroid_sims_.data(), C);
+    sims.noalias() = cent * qv;
+    int best = 0;
+    for (int j = 1; j < C; ++j) {
+      if (centroid_sims_[j] > centroid_sims_[best]) best = j;
+    }
+    const float w = options_.norm_weights ? norm : 1.0f;
+    auto weight = [&](int j) { return options_.proj_weights ? centroid_sims_[j] : w; };
+    // With impute_min, entries add w * (V - min_b); the heap root is min_b.
+    auto accumulate = [&](int j, float wj) {
+      const float bias = options_.impute_min ? -wj * Half(list_scores(b, j)[0]) : 0.0f;
+      AccumulateList(list_ids(b, j), list_scores(b, j), L_, wj, bias, acc_.data());
+    };
+    if (options_.tau > 1 && centroid_sims_[best] / norm < options_.backoff_cos) {
+      // Backoff (seed 004 §4.4): the top-tau centroids, averaged.
+      int order[64];
+      const int tau = std::min({options_.tau, C, 64});
+      std::vector<int> all(C);
+      std::iota(all.begin(), all.end(), 0);
+      std::partial_sort(all.begin(), all.begin() + tau, all.end(), [&](int a, int c) {
+        return centroid_sims_[a] > centroid_sims_[c] ||
+               (centroid_sims_[a] == centroid_sims_[c] && a < c);
+      });
+      std::copy(all.begin(), all.begin() + tau, order);
+      for (int t = 0; t < tau; ++t) {
+        accumulate(order[t], weight(order[t]) / tau);
+      }
+      lists += tau;
+    } else {
+      accumulate(best, weight(best));
+      ++lists;
+    }
+  }
+  // Forced tokens: sinks and the recent window (§3.3 (4)).
+  std::vector<int32_t>& forced = *selected;
+  forced.clear();
+  const int64_t n_sinks = std::min<int64_t>(options_.sinks, n);
+  const int64_t recent_start = std::max<int64_t>(n_sinks, n - options_.recent);
+  for (int64_t i = 0; i < n_sinks; ++i) forced.push_back(static_cast<int32_t>(i));
+  for (int64_t i = recent_start; i < n; ++i) forced.push_back(static_cast<int32_t>(i));
+  const int64_t k = BudgetFor(budget_, options_.rho, n);
+  if (k > static_cast<int64_t>(forced.size())) {
+    for (int32_t i : forced) acc_[i] = -std::numeric_limits<float>::infinity();
+    SelectTopK(acc_.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
+               &topk_ids_, &topk_scratch_);
+    std::vector<int32_t> merged;
+    merged.reserve(forced.size() + topk_ids_.size());
+    std::merge(forced.begin(), forced.end(), topk_ids_.begin(), topk_ids_.end(),
+               std::back_inserter(merged));
+    *selected = std::move(merged);
+  }
+  std::fill(acc_.begin(), acc_.end(), 0.0f);
+  if (stats) {
+    stats->entries_touched += static_cast<uint64_t>(lists) * L_ + static_cast<uint64_t>(m) * C;
+    stats->bytes_touched += static_cast<uint64_t>(lists) * L_ * kEntryBytes +
+                            static_cast<uint64_t>(m) * C * ds * sizeof(float);
+  }
+}
+
+Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* stats) {
+  RETURN_IF_ERROR(ValidateSelectInput("csa", in, d_, n_tokens_, /*need_keys=*/false));
+  if (stats) *stats = WorkStats{};
+  out->estimated_mass = -1.0;
+  const bool reuse = options_.period > 1 && steps_since_search_ > 0 &&
+                     steps_since_search_ < options_.period &&
+                     static_cast<int>(last_per_head_.size()) == in.n_queries;
+  if (reuse) {
+    // Keep the last search's selection; add the tokens appended since.
+    out->per_head = last_per_head_;
+    for (auto& h : out->per_head) {
+      for (int64_t i = n_at_last_search_; i < n_tokens_; ++i) h.push_back(static_cast<int32_t>(i));
+      SortUnique(&h);
+    }
+    ++steps_since_search_;
+  } else {
+    budget_ = in.budget;
+    out->per_head.resize(in.n_queries);
+    for (int h = 0; h < in.n_queries; ++h) {
+      SearchOne(in.queries + static_cast<int64_t>(h) * d_, &out->per_head[h], stats);
+    }
+    if (options_.period > 1) {
+      last_per_head_ = out->per_head;
+      n_at_last_search_ = n_tokens_;
+      steps_since_search_ = 1;
+    }
+  }
+  out->merged.clear();
+  for (const auto& h : out->per_head) out->merged = UnionSorted(out->merged, h);
+  return Status::OK();
+}
+
+Status CsaSelector::Append(const float* key, const float* /*value*/, const float* /*queries*/) {
+  if (key == nullptr) return InvalidArgumentError("csa: Append key is null");
+  if (HasNonFinite(key, d_)) return InvalidArgumentError("csa: Append key has NaN/Inf");
+  if (n_tokens_ >= INT32_MAX) return ResourceExhaustedError("csa: token ids exhausted");
+  const int m = options_.m, C = options_.C, ds = sub_dim();
+  const int32_t id = static_cast<int32_t>(n_tokens_);
+  centroid_sims_.resize(C);
+  for (int b = 0; b < m; ++b) {
+    Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
+    Eigen::Map<const Eigen::VectorXf> kb(key + b * ds, ds);
+    Eigen::Map<Eigen::VectorXf> sims(centroid_sims_.data(), C);
+    Eigen::Map<const Eigen::VectorXf> kbar(key_mean_.data() + b * ds, ds);
+    sims.noalias() = cent * kb - cent * kbar;
+    for (int j = 0; j < C; ++j) {
+      const uint16_t h = FloatToHalf(centroid_sims_[j]);
+      const int64_t off = ListOffset(b, j);
+      // Try-insert (§3.3 (5)): the new id is the largest, so it must beat the
+      // root's score strictly.
+      if (Half(h) > Half(scores_[off])) {
+        ids_[off] = id;
+        scores_[off] = h;
+        SiftDown(ids_.data() + off, scores_.data() + off, L_, 0);
+      }
+    }
+  }
+  ++n_tokens_;
+  return Status::OK();
+}
+
+namespace {
+
+void PutOptions(ByteWriter* w, const CsaOptions& o) {
+  w->Put<int32_t>(o.m);
+  w->Put<int32_t>(o.C);
+  w->Put<double>(o.alpha);
+  w->Put<int64_t>(o.fixed_L);
+  w->Put<int64_t>(o.query_cap);
+  w->Put<int32_t>(o.kmeans_iters);
+  w->Put<uint8_t>(o.center_keys ? 1 : 0);
+  w->Put<uint64_t>(o.seed);
+  w->Put<double>(o.rho);
+  w->Put<int32_t>(o.recent);
+  w->Put<int32_t>(o.sinks);
+  w->Put<int32_t>(o.tau);
+  w->Put<double>(o.backoff_cos);
+  w->Put<uint8_t>(o.norm_weights ? 1 : 0);
+  w->Put<uint8_t>(o.proj_weights ? 1 : 0);
+  w->Put<uint8_t>(o.impute_min ? 1 : 0);
+  w->Put<int32_t>(o.period);
+  w->Put<uint8_t>(o.compact ? 1 : 0);
+}
+
+bool GetOptions(ByteReader* r, CsaOptions* o) {
+  uint8_t norm = 0, proj = 0, compact = 0, center = 0, impute = 0;
+  bool ok = r->Get(&o->m) && r->Get(&o->C) && r->Get(&o->alpha) && r->Get(&o->fixed_L) &&
+            r->Get(&o->query_cap) && r->Get(&o->kmeans_iters) && r->Get(&center) &&
+            r->Get(&o->seed) &&
+            r->Get(&o->rho) && r->Get(&o->recent) && r->Get(&o->sinks) && r->Get(&o->tau) &&
+            r->Get(&o->backoff_cos) && r->Get(&norm) && r->Get(&proj) && r->Get(&impute) && r->Get(&o->period) &&
+            r->Get(&compact);
+  o->norm_weights = norm != 0;
+  o->proj_weights = proj != 0;
+  o->center_keys = center != 0;
+  o->impute_min = impute != 0;
+  o->compact = compact != 0;
+  return ok;
+}
+
+}  // namespace
+
+void CsaSelector::SerializePlain(std::string* out) const {
+  out->clear();
+  ByteWriter w(out);
+  w.PutHeader("CSAP", kFormatVersion);
+  PutOptions(&w, options_);
+  w.Put<int32_t>(d_);
+  w.Put<int64_t>(n_tokens_);
+  w.Put<int64_t>(n_built_);
+  w.Put<int64_t>(L_);
+  w.PutArray(centroids_.data(), centroids_.size());
+  w.PutArray(key_mean_.data(), key_mean_.size());
+  w.PutArray(ids_.data(), ids_.size());
+  w.PutArray(scores_.data(), scores_.size());
+}
+
+void CsaSelector::SerializeCompact(std::string* out) const {
+  out->clear();
+  ByteWriter w(out);
+  w.PutHeader("CSAC", kFormatVersion);
+  PutOptions(&w, options_);
+  w.Put<int32_t>(d_);
+  w.Put<int64_t>(n_tokens_);
+  w.Put<int64_t>(n_built_);
+  w.Put<int64_t>(L_);
+  w.PutArray(centroids_.data(), centroids_.size());
+  w.PutArray(key_mean_.data(), key_mean_.size());
+  std::vector<std::pair<int32_t, float>> list(L_);
+  std::vector<uint8_t> q(L_);
+  const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
+  for (int64_t l = 0; l < n_lists; ++l) {
+    const int32_t* ids = ids_.data() + l * L_;
+    const uint16_t* sc = scores_.data() + l * L_;
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int64_t e = 0; e < L_; ++e) {
+      list[e] = {ids[e], Half(sc[e])};
+      lo = std::min(lo, list[e].second);
+      hi = std::max(hi, list[e].second);
+    }
+    std::sort(list.begin(), list.end());
+    w.Put<float>(lo);
+    w.Put<float>(hi);
+    int32_t prev = -1;
+    const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
+    for (int64_t e = 0; e < L_; ++e) {
+      w.PutVarint(static_cast<uint64_t>(list[e].first - prev));  // >= 1: ids are unique
+      prev = list[e].first;
+      q[e] = step > 0 ? static_cast<uint8_t>(std::lround((list[e].second - lo) / step)) : 0;
+    }
+    w.PutArray(q.data(), q.size());
+  }
+}
+
+Status CsaSelector::Serialize(std::string* out) const {
+  if (options_.compact) {
+    SerializeCompact(out);
+  } else {
+    SerializePlain(out);
+  }
+  return Status::OK();
+}
+
+Status CsaSelector::ReadTables(std::string_view bytes) {
+  ByteReader r(bytes);
+  const bool compact = bytes.substr(0, 4) == "CSAC";
+  uint32_t version = 0;
+  RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", kFormatVersion, &version, "csa"));
+  auto loss = [](const std::string& what) { return DataLossError("csa artifact: " + what); };
+  if (!GetOptions(&r, &options_)) return loss("truncated options");
+  if (!CheckOptions(options_).ok()) return loss("corrupt options");
+  if (!r.Get(&d_) || !r.Get(&n_tokens_) || !r.Get(&n_built_) || !r.Get(&L_)) {
+    return loss("truncated header");
+  }
+  if (d_ < 1 || d_ > 4096 || d_ % options_.m != 0 || n_tokens_ < 1 || n_tokens_ > INT32_MAX ||
+      n_built_ < 1 || n_built_ > n_tokens_ || L_ < 1 || L_ > n_built_ || options_.C > n_built_) {
+    return loss("corrupt shape fields");
+  }
+  const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
+  const size_t n_cent = static_cast<size_t>(options_.C) * d_;
+  if (n_cent * sizeof(float) > r.remaining()) return loss("truncated centroids");
+  centroids_.resize(n_cent);
+  if (!r.GetArray(centroids_.data(), n_cent)) return loss("truncated centroids");
+  key_mean_.resize(d_);
+  if (!r.GetArray(key_mean_.data(), d_) || HasNonFinite(key_mean_.data(), d_) ||
+      HasNonFinite(centroids_.data(), n_cent)) {
+    return loss("bad centroids or key mean");
+  }
+  const uint64_t entries = static_cast<uint64_t>(n_lists) * L_;
+  if (entries > r.remaining()) return loss("truncated lists");  // >= 1 byte per entry
+  ids_.resize(entries);
+  scores_.resize(entries);
+  if (!compact) {
+    if (!r.GetArray(ids_.data(), entries) || !r.GetArray(scores_.data(), entries)) {
+      return loss("truncated lists");
+    }
+    for (int32_t id : ids_) {
+      if (id < 0 || id >= n_tokens_) return loss("list id out of range");
+    }
+  } else {
+    std::vector<uint8_t> q(L_);
+    for (int64_t l = 0; l < n_lists; ++l) {
+      float lo = 0, hi = 0;
+      if (!r.Get(&lo) || !r.Get(&hi) || !std::isfinite(lo) || !std::isfinite(hi) || hi < lo) {
+        return loss("bad list range");
+      }
+      int64_t prev = -1;
+      for (int64_t e = 0; e < L_; ++e) {
+        uint64_t delta = 0;
+        if (!r.GetVarint(&delta) || delta == 0 || prev + static_cast<int64_t>(delta) >= n_tokens_) {
+          return loss("bad list ids");
+        }
+        prev += static_cast<int64_t>(delta);
+        ids_[l * L_ + e] = static_cast<int32_t>(prev);
+      }
+      if (!r.GetArray(q.data(), L_)) return loss("truncated scores");
+      const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
+      for (int64_t e = 0; e < L_; ++e) scores_[l * L_ + e] = FloatToHalf(lo + q[e] * step);
+      BuildHeap(l);
+    }
+  }
+  if (r.remaining() != 0) return loss("trailing bytes");
+  return Status::OK();
+}
+
+StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Load(std::string_view bytes) {
+  std::unique_ptr<CsaSelector> s(new CsaSelector());
+  RETURN_IF_ERROR(s->ReadTables(bytes));
+  return s;
+}
+
+std::unique_ptr<Selector> CsaSelector::Clone() const {
+  return std::unique_ptr<Selector>(new CsaSelector(*this));
+}
+
+uint64_t CsaSelector::MemoryBytes() const {
+  return (centroids_.size() + key_mean_.size()) * sizeof(float) + ids_.size() * sizeof(int32_t) +
+         scores_.size() * sizeof(uint16_t) + acc_.capacity() * sizeof(float);
+}
+
+double CsaSelector::PlainBytesPerToken() const {
+  return static_cast<double>(ids_.size() * kEntryBytes + centroids_.size() * sizeof(float)) /
+         static_cast<double>(n_tokens_);
+}
+
+double CsaSelector::CompactBytesPerToken() const {
+  std::string bytes;
+  SerializeCompact(&bytes);
+  return static_cast<double>(bytes.size()) / static_cast<double>(n_tokens_);
+}
+
+StatusOr<std::unique_ptr<Selector>> BuildCsaSelector(const HeadPrefill& prefill,
+                                                     const MethodParams& params) {
+  ASSIGN_OR_RETURN(CsaOptions o, ParseCsaOptions(params));
+  ASSIGN_OR_RETURN(std::unique_ptr<CsaSelector> s, CsaSelector::Build(prefill, o));
+  return std::unique_ptr<Selector>(std::move(s));
+}
+
+StatusOr<std::unique_ptr<Selector>> LoadCsaSelector(std::string_view bytes) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CsaSelector> s, CsaSelector::Load(bytes));
+  return std::unique_ptr<Selector>(std::move(s));
+}
+
+}  // namespace ctxcache::index

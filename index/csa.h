@@ -1,0 +1,190 @@
+// CSAttention: query-centric centroid-score tables (seed 004, DESIGN §5.1).
+//
+// Build, per (layer, kv head): pool the prefill queries of the GQA group
+// (subsampled to query_cap rows), split d into m equal subspaces, run cosine
+// k-means (k-means++, unit centroids) on the L2-normalized sub-queries, score
+// every key against every centroid, s_j^b(i) = c_j^b . (k_i^b - kbar^b) (one
+// GEMM per subspace; kbar = mean build key, see center_keys; the paper uses
+// raw keys, center=0), and keep the top-L (id int32, score fp16) per centroid.
+// Ranking uses the fp16-rounded score, ties to the lower id, so that a
+// streaming insert reproduces a rebuild exactly (up to GEMM rounding).
+//
+// Retrieve, per query q (CSAttention §3.3): in each subspace the nearest
+// centroid by cosine, or the top tau when the best cosine < backoff_cos;
+// sparse accumulation s^(i) = sum_b w_b [i in I_b] V_b[i] into a dense,
+// reused accumulator (w_b = 1 "uniform", or ||q^b|| "norm", which makes s^
+// approximate q.k; seed 004 §2.3), or q^b.c_b "proj" (confidence-weighted,
+// the least-squares estimate of q^b.k^b). A key missing from a gathered list
+// scores 0 (the paper's literal sum, default) or is imputed the list
+// minimum (missing=min; equivalently entries add V_b[i] - min_b). The
+// first `sinks` tokens and the last R tokens are always selected; the rest of
+// the budget K (SelectInput.budget, or ceil(rho * N)) is the top of s^, ties
+// to the lower id. With period P > 1 a selection is reused for P calls, plus
+// the tokens appended since (the "keep-rho, search every P steps" schedules
+// 0.05/1, 0.15/4, 0.20/8). Selection.merged is the union over the q heads.
+//
+// Append (§3.3 (5)): the new key is scored against every centroid and
+// replaces the worst entry of each list it beats; lists keep size L (stored
+// as binary min-heaps, worst entry at the root).
+//
+// Method parameters ("csa"):
+//   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=65536
+//   iters=15 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
+//   weights=uniform|norm|proj
+//   missing=zero|min period=1 schedule=<rho>/<period> (preset; overrides
+//   rho and period) format=plain|compact (what Serialize() writes)
+//
+// Serialized forms (LoadCsaSelector reads both, by magic):
+//   plain   "CSAP": options, centroids fp32, each list as int32 ids + fp16
+//           scores in heap order: bit-exact round trip.
+//   compact "CSAC": lists sorted by id, ids delta+varint coded, scores
+//           quantized to 8 bits between the list's min and max; after loading
+//           the scores equal the dequantized values.
+//
+// Thread-safety: as Selector: Select() uses per-instance scratch and schedule
+// state, so one instance per session (Clone()).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "index/kmeans.h"
+#include "index/selector.h"
+#include "index/topk.h"
+
+namespace ctxcache::index {
+
+struct CsaOptions {
+  // Subspaces; must divide head_dim. Default: 8.
+  int m = 8;
+  // Centroids per subspace; <= n_tokens and <= pooled query rows. Default: 128.
+  int C = 128;
+  // List length L = ceil(alpha * N) when fixed_L == 0. In (0, 1]. Default: 0.25.
+  double alpha = 0.25;
+  // Fixed list length, overriding alpha when > 0 (clamped to N). Default: 0.
+  int64_t fixed_L = 0;
+  // Pooled prefill query rows used for k-means (deterministic subsample). Default: 65536.
+  int64_t query_cap = 65536;
+  // Cosine k-means iterations per subspace. Default: 15.
+  int kmeans_iters = 15;
+  // Score centroids against centered keys k_i - mean(k): a shift every query
+  // sees equally (q.mean(k) is constant over keys), so top-K and softmax are
+  // unchanged, but list membership no longer carries the keys' large common
+  // offset (a key missing from a list scores 0, not "offset"). Default: true.
+  bool center_keys = true;
+  // Seed for subsampling and k-means. Default: 42.
+  uint64_t seed = 42;
+
+  // --- retrieval ---
+  // Keep ratio: K = ceil(rho * N) when SelectInput.budget == 0. (0, 1]. Default: 0.05.
+  double rho = 0.05;
+  // Recent window always selected. Default: 32.
+  int recent = 32;
+  // Leading sink tokens always selected. Default: 4.
+  int sinks = 4;
+  // Centroids per subspace on backoff (1 disables). Default: 2.
+  int tau = 2;
+  // Back off to tau centroids when the best cosine is below this. Default: 0.3.
+  double backoff_cos = 0.3;
+  // w_b = ||q^b|| instead of 1. Default: false (uniform, as the paper).
+  bool norm_weights = false;
+  // w_b = q^b . c_b (the projection of q^b on its centroid: the least-squares
+  // estimate of q^b.k^b from c_b.k^b); overrides norm_weights. Default: false.
+  bool proj_weights = false;
+  // A key missing from a gathered list is imputed the list's minimum (the
+  // L-th score, an upper bound on its partial score) instead of 0. Same as
+  // accumulating V_b[i] - min_b; ranking is then invariant to per-subspace
+  // score offsets. false = the paper's literal sum over present entries.
+  // Default: false.
+  bool impute_min = false;
+  // Search period P: a selection is reused for P Select() calls. Default: 1.
+  int period = 1;
+  // Serialize() writes the compact form. Default: false (plain).
+  bool compact = false;
+};
+
+// Parses "csa" MethodParams into options (InvalidArgument on bad values).
+StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params);
+
+class CsaSelector final : public Selector {
+ public:
+  // Validates prefill and options and builds the tables.
+  static StatusOr<std::unique_ptr<CsaSelector>> Build(const HeadPrefill& prefill,
+                                                      const CsaOptions& options);
+  // Reads either serialized form.
+  static StatusOr<std::unique_ptr<CsaSelector>> Load(std::string_view bytes);
+
+  std::string_view method() const override { return "csa"; }
+  int64_t n_tokens() const override { return n_tokens_; }
+  int head_dim() const override { return d_; }
+  Status Select(const SelectInput& in, Selection* out, WorkStats* stats) override;
+  Status Append(const float* key, const float* value, const float* queries) override;
+  Status Serialize(std::string* out) const override;
+  std::unique_ptr<Selector> Clone() const override;
+  uint64_t MemoryBytes() const override;
+
+  // Explicit forms, independent of options().compact.
+  void SerializePlain(std::string* out) const;
+  void SerializeCompact(std::string* out) const;
+
+  const CsaOptions& options() const { return options_; }
+  // Mutable retrieval knobs (rho, recent, sinks, tau, backoff_cos,
+  // norm_weights, period); resets the schedule. Table shape (m, C, L) is fixed.
+  Status SetRetrievalOptions(const CsaOptions& options);
+
+  int m() const { return options_.m; }
+  int C() const { return options_.C; }
+  int64_t L() const { return L_; }
+  int sub_dim() const { return d_ / options_.m; }
+  // Centroid (b, j): sub_dim floats, unit norm.
+  const std::vector<float>& key_mean() const { return key_mean_; }
+  const float* centroid(int b, int j) const {
+    return centroids_.data() + (static_cast<int64_t>(b) * options_.C + j) * sub_dim();
+  }
+  // List (b, j): L ids and fp16 scores, in heap order (worst entry first).
+  const int32_t* list_ids(int b, int j) const { return ids_.data() + ListOffset(b, j); }
+  const uint16_t* list_scores(int b, int j) const { return scores_.data() + ListOffset(b, j); }
+
+  // Table bytes per covered token: plain (int32 + fp16 per entry, plus
+  // centroids) and compact (actual encoded size).
+  double PlainBytesPerToken() const;
+  double CompactBytesPerToken() const;
+
+ private:
+  CsaSelector() = default;
+  int64_t ListOffset(int b, int j) const {
+    return (static_cast<int64_t>(b) * options_.C + j) * L_;
+  }
+  void BuildHeap(int64_t list);
+  void SearchOne(const float* q, std::vector<int32_t>* selected, WorkStats* stats);
+  Status ReadTables(std::string_view bytes);
+
+  CsaOptions options_;
+  int d_ = 0;
+  int64_t n_tokens_ = 0;  // covered tokens, including appended ones
+  int64_t n_built_ = 0;   // tokens at build time
+  int64_t L_ = 0;
+  std::vector<float> centroids_;  // m * C * sub_dim
+  std::vector<float> key_mean_;   // d: subtracted from keys before scoring (zeros if !center)
+  std::vector<int32_t> ids_;      // m * C * L
+  std::vector<uint16_t> scores_;  // m * C * L (fp16)
+
+  // Per-session state and scratch (not serialized).
+  std::vector<float> acc_;            // dense accumulator, n_tokens_
+  std::vector<float> centroid_sims_;  // C
+  std::vector<int32_t> topk_ids_;
+  TopKScratch topk_scratch_;
+  int64_t budget_ = 0;  // SelectInput.budget of the current search
+  int steps_since_search_ = 0;
+  int64_t n_at_last_search_ = 0;
+  std::vector<std::vector<int32_t>> last_per_head_;
+};
+
+StatusOr<std::unique_ptr<Selector>> BuildCsaSelector(const HeadPrefill& prefill,
+                                                     const MethodParams& params);
+StatusOr<std::unique_ptr<Selector>> LoadCsaSelector(std::string_view bytes);
+
+}  // namespace ctxcache::index

@@ -1,0 +1,111 @@
+#include "index/metrics.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+
+#include "common/dtype.h"
+#include "index/topk.h"
+
+namespace ctxcache::index {
+
+using RowMajorMap =
+    Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+void ScoreKeys(const float* q, const float* keys, int64_t n, int d, float* out) {
+  RowMajorMap K(keys, n, d);
+  Eigen::Map<const Eigen::VectorXf> qv(q, d);
+  Eigen::Map<Eigen::VectorXf> o(out, n);
+  o.noalias() = K * qv;
+}
+
+StatusOr<ExactAttention> ExactAttention::Compute(const float* q, const float* keys,
+                                                 const float* values, int64_t n, int d) {
+  if (q == nullptr || keys == nullptr || n < 1 || d < 1) {
+    return InvalidArgumentError("ExactAttention: need q, keys, n >= 1, d >= 1");
+  }
+  if (HasNonFinite(q, d)) return InvalidArgumentError("ExactAttention: q has NaN/Inf");
+  ExactAttention a;
+  a.d_ = d;
+  a.values_ = values;
+  a.logits_.resize(n);
+  ScoreKeys(q, keys, n, d, a.logits_.data());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  double mx = -INFINITY;
+  for (float s : a.logits_) mx = std::max(mx, s * scale);
+  a.probs_.resize(n);
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    a.probs_[i] = std::exp(a.logits_[i] * scale - mx);
+    total += a.probs_[i];
+  }
+  for (double& p : a.probs_) p /= total;
+  if (values != nullptr) {
+    a.output_.assign(d, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = values + i * d;
+      for (int j = 0; j < d; ++j) a.output_[j] += a.probs_[i] * v[j];
+    }
+  }
+  return a;
+}
+
+std::vector<int32_t> ExactAttention::TopK(int64_t k) const {
+  std::vector<int32_t> ids;
+  SelectTopK(logits_.data(), n(), k, TopKOrder::kById, &ids);
+  return ids;
+}
+
+double ExactAttention::Mass(const std::vector<int32_t>& ids) const {
+  double m = 0;
+  for (int32_t i : ids) {
+    if (i >= 0 && i < n()) m += probs_[i];
+  }
+  return m;
+}
+
+double ExactAttention::OutputError(const std::vector<int32_t>& ids) const {
+  if (values_ == nullptr || ids.empty()) return -1.0;
+  std::vector<double> o(d_, 0.0);
+  double total = 0;
+  for (int32_t i : ids) {
+    if (i < 0 || i >= n()) continue;
+    total += probs_[i];
+    const float* v = values_ + static_cast<int64_t>(i) * d_;
+    for (int j = 0; j < d_; ++j) o[j] += probs_[i] * v[j];
+  }
+  if (total <= 0) return -1.0;
+  double num = 0, den = 0;
+  for (int j = 0; j < d_; ++j) {
+    const double diff = o[j] / total - output_[j];
+    num += diff * diff;
+    den += output_[j] * output_[j];
+  }
+  return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+double RecallAtK(const std::vector<int32_t>& selected, const std::vector<int32_t>& exact_topk) {
+  if (exact_topk.empty()) return 1.0;
+  return static_cast<double>(IntersectionSize(selected, exact_topk)) /
+         static_cast<double>(exact_topk.size());
+}
+
+void FidelitySummary::Add(double r, double m, double e) {
+  recall += r;
+  mass += m;
+  if (e < 0 || output_error < 0) {
+    output_error = -1;
+  } else {
+    output_error += e;
+  }
+  ++count;
+}
+
+void FidelitySummary::Finish() {
+  if (count == 0) return;
+  recall /= count;
+  mass /= count;
+  if (output_error >= 0) output_error /= count;
+}
+
+}  // namespace ctxcache::index

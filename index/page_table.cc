@@ -1,0 +1,96 @@
+#include "index/page_table.h"
+
+#include <algorithm>
+#include <string>
+
+namespace ctxcache::index {
+
+int64_t PageTokens(int32_t page, int page_size, int64_t n_tokens) {
+  const int64_t begin = static_cast<int64_t>(page) * page_size;
+  const int64_t end = std::min<int64_t>(begin + page_size, n_tokens);
+  return std::max<int64_t>(0, end - begin);
+}
+
+double PageEfficiency(const std::vector<PageTable>& tables) {
+  int64_t selected = 0;
+  int64_t fetched = 0;
+  for (const PageTable& t : tables) {
+    selected += t.selected_tokens;
+    fetched += t.fetched_tokens;
+  }
+  return fetched > 0 ? static_cast<double>(selected) / fetched : 1.0;
+}
+
+StatusOr<std::vector<PageTable>> BuildPageTables(
+    const std::vector<std::vector<int32_t>>& per_q_head, int group_size, int subgroup_size,
+    int page_size, int64_t n_tokens, int recent_blocks) {
+  if (group_size <= 0) {
+    return InvalidArgumentError("page_table: group_size must be > 0, got " +
+                                std::to_string(group_size));
+  }
+  if (static_cast<int64_t>(per_q_head.size()) != group_size) {
+    return InvalidArgumentError("page_table: per_q_head must have group_size=" +
+                                std::to_string(group_size) + " entries, got " +
+                                std::to_string(per_q_head.size()));
+  }
+  if (subgroup_size <= 0) {
+    return InvalidArgumentError("page_table: subgroup_size must be > 0, got " +
+                                std::to_string(subgroup_size));
+  }
+  if (page_size <= 0) {
+    return InvalidArgumentError("page_table: page_size must be > 0, got " +
+                                std::to_string(page_size));
+  }
+  if (recent_blocks < 0) {
+    return InvalidArgumentError("page_table: recent_blocks must be >= 0, got " +
+                                std::to_string(recent_blocks));
+  }
+  if (n_tokens < 0) {
+    return InvalidArgumentError("page_table: n_tokens must be >= 0, got " +
+                                std::to_string(n_tokens));
+  }
+  const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
+  if (n_pages > INT32_MAX) return InvalidArgumentError("page_table: n_tokens too large");
+  const int sg = std::min(subgroup_size, group_size);
+  const int n_subgroups = (group_size + sg - 1) / sg;
+
+  std::vector<PageTable> tables(n_subgroups);
+  std::vector<int32_t> tokens;
+  for (int s = 0; s < n_subgroups; ++s) {
+    PageTable& t = tables[s];
+    t.subgroup = s;
+    tokens.clear();
+    for (int h = s * sg; h < std::min(group_size, (s + 1) * sg); ++h) {
+      t.q_heads.push_back(h);
+      for (int32_t id : per_q_head[h]) {
+        if (id < 0 || id >= n_tokens) {
+          return InvalidArgumentError("page_table: per_q_head[" + std::to_string(h) +
+                                      "] holds token id " + std::to_string(id) +
+                                      ", expected in [0, " + std::to_string(n_tokens) + ")");
+        }
+        tokens.push_back(id);
+      }
+    }
+    std::sort(tokens.begin(), tokens.end());
+    tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+    t.selected_tokens = static_cast<int64_t>(tokens.size());
+    // Tokens are sorted, so their pages come out sorted too.
+    for (int32_t id : tokens) {
+      const int32_t page = id / page_size;
+      if (t.pages.empty() || t.pages.back() != page) t.pages.push_back(page);
+    }
+    if (n_pages > 0) {
+      const int64_t current = n_pages - 1;
+      const int64_t first_forced = std::max<int64_t>(0, current - recent_blocks);
+      const size_t before = t.pages.size();
+      for (int64_t p = first_forced; p <= current; ++p) t.pages.push_back(static_cast<int32_t>(p));
+      std::inplace_merge(t.pages.begin(), t.pages.begin() + static_cast<std::ptrdiff_t>(before),
+                         t.pages.end());
+      t.pages.erase(std::unique(t.pages.begin(), t.pages.end()), t.pages.end());
+    }
+    for (int32_t p : t.pages) t.fetched_tokens += PageTokens(p, page_size, n_tokens);
+  }
+  return tables;
+}
+
+}  // namespace ctxcache::index

@@ -1,0 +1,46 @@
+// ContextAdmin: build, ingest, extend, inspect, pin and evict contexts.
+// See docs/api.md for the contract of each RPC and its status codes.
+//
+// Thread-safety: gRPC calls the handlers concurrently; all shared state is
+// in ServiceContext, whose members are thread-safe.
+#pragma once
+
+#include "ctxcache/v1/ctxcache_service.grpc.pb.h"
+#include "service/service_context.h"
+
+namespace ctxcache::service {
+
+// Converts a stored manifest to its API form.
+v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m);
+
+struct BuildJob;
+
+class AdminServiceImpl final : public v1::ContextAdmin::Service {
+ public:
+  explicit AdminServiceImpl(ServiceContext* ctx) : ctx_(ctx) {}
+
+  grpc::Status BuildContext(grpc::ServerContext* context, const v1::BuildContextRequest* request,
+                            grpc::ServerWriter<v1::BuildProgress>* writer) override;
+  grpc::Status ExtendContext(grpc::ServerContext* context,
+                             const v1::ExtendContextRequest* request,
+                             grpc::ServerWriter<v1::BuildProgress>* writer) override;
+  grpc::Status GetContext(grpc::ServerContext* context, const v1::GetContextRequest* request,
+                          v1::ContextInfo* response) override;
+  grpc::Status ListContexts(grpc::ServerContext* context, const v1::ListContextsRequest* request,
+                            v1::ListContextsResponse* response) override;
+  grpc::Status EvictContext(grpc::ServerContext* context, const v1::EvictContextRequest* request,
+                            v1::EvictContextResponse* response) override;
+  grpc::Status PinContext(grpc::ServerContext* context, const v1::PinContextRequest* request,
+                          v1::ContextInfo* response) override;
+  grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
+                        v1::ServerStats* response) override;
+
+ private:
+  // Shared by Build and Extend: queue, run, stream progress, publish events.
+  grpc::Status RunBuildRpc(grpc::ServerContext* context, BuildJob* job,
+                           grpc::ServerWriter<v1::BuildProgress>* writer, bool extend);
+
+  ServiceContext* ctx_;
+};
+
+}  // namespace ctxcache::service

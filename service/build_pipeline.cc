@@ -1,0 +1,340 @@
+#include "service/build_pipeline.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/dtype.h"
+#include "common/thread_pool.h"
+#include "model/kv_cache.h"
+#include "model/prefill.h"
+#include "service/index_artifacts.h"
+#include "storage/context_reader.h"
+#include "storage/context_writer.h"
+
+namespace ctxcache::service {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Writes each chunk's K/V to the context writer as bf16 pages.
+class PageSink final : public model::PrefillSink {
+ public:
+  PageSink(storage::ContextWriter* writer, int n_kv_heads, int head_dim)
+      : writer_(writer), n_kv_(n_kv_heads), d_(head_dim) {}
+
+  Status OnChunk(int layer, int64_t pos0, int64_t n, const float*, const float* k,
+                 const float* v) override {
+    const size_t per_head = static_cast<size_t>(n) * d_;
+    kb_.resize(per_head);
+    vb_.resize(per_head);
+    for (int h = 0; h < n_kv_; ++h) {
+      FloatToBf16(k + h * per_head, kb_.data(), per_head);
+      FloatToBf16(v + h * per_head, vb_.data(), per_head);
+      RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                                        static_cast<uint64_t>(pos0), static_cast<uint32_t>(n),
+                                        DType::kBF16, kb_.data(), vb_.data()));
+    }
+    return Status::OK();
+  }
+
+ private:
+  storage::ContextWriter* writer_;
+  int n_kv_, d_;
+  std::vector<uint16_t> kb_, vb_;
+};
+
+// Keeps a strided sample of the prefill queries (plus the last 32 positions)
+// per layer, in bf16, for query-centric index builders.
+class QuerySink final : public model::PrefillSink {
+ public:
+  QuerySink(const model::ModelSpec& spec, int64_t cap) : spec_(spec), cap_(cap) {}
+
+  Status OnBegin(const model::ModelSpec&, int64_t pos0, int64_t n_tokens) override {
+    pos0_ = pos0;
+    end_ = pos0 + n_tokens;
+    const int64_t rows = n_tokens * spec_.group_size();
+    stride_ = std::max<int64_t>(1, (rows + cap_ - 1) / cap_);
+    layers_.assign(spec_.n_layers, {});
+    return Status::OK();
+  }
+
+  Status OnChunk(int layer, int64_t pos0, int64_t n, const float* q, const float*,
+                 const float*) override {
+    LayerQueries& lq = layers_[layer];
+    const int d = spec_.head_dim;
+    if (lq.rows.empty()) lq.rows.resize(spec_.n_q_heads);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = pos0 + i;
+      if ((p - pos0_) % stride_ != 0 && p < end_ - 32) continue;
+      lq.positions.push_back(p);
+      for (int h = 0; h < spec_.n_q_heads; ++h) {
+        auto& r = lq.rows[h];
+        size_t off = r.size();
+        r.resize(off + d);
+        FloatToBf16(q + (static_cast<size_t>(h) * n + i) * d, r.data() + off, d);
+      }
+    }
+    return Status::OK();
+  }
+
+  // Queries of the q heads of kv head `kv` at `layer`: [G][rows][d] fp32.
+  void Gather(int layer, int kv, std::vector<float>* out, std::vector<int64_t>* positions) const {
+    const LayerQueries& lq = layers_[layer];
+    const int g = spec_.group_size();
+    const size_t rows = lq.positions.size();
+    const int d = spec_.head_dim;
+    out->resize(static_cast<size_t>(g) * rows * d);
+    for (int j = 0; j < g; ++j) {
+      const auto& r = lq.rows[kv * g + j];
+      Bf16ToFloat(r.data(), out->data() + static_cast<size_t>(j) * rows * d, rows * d);
+    }
+    *positions = lq.positions;
+  }
+
+ private:
+  struct LayerQueries {
+    std::vector<int64_t> positions;
+    std::vector<std::vector<uint16_t>> rows;  // per q head: [rows][d] bf16
+  };
+  const model::ModelSpec& spec_;
+  int64_t cap_;
+  int64_t pos0_ = 0, end_ = 0, stride_ = 1;
+  std::vector<LayerQueries> layers_;
+};
+
+// Loads a READY parent's KV into `cache` (extend builds).
+Status LoadParentKv(storage::Store* store, const storage::ContextId& parent,
+                    const model::ModelSpec& spec, model::KvCache* cache) {
+  ASSIGN_OR_RETURN(auto reader, store->OpenReader(parent));
+  const uint32_t n_blocks = reader->n_blocks();
+  const int64_t n = static_cast<int64_t>(reader->manifest().n_tokens());
+  std::vector<uint32_t> blocks(n_blocks);
+  for (uint32_t b = 0; b < n_blocks; ++b) blocks[b] = b;
+  const int d = spec.head_dim, nkv = spec.n_kv_heads;
+  std::vector<float> k(static_cast<size_t>(n) * nkv * d), v(k.size());
+  storage::PageBatch batch;
+  for (int layer = 0; layer < spec.n_layers; ++layer) {
+    for (int h = 0; h < nkv; ++h) {
+      RETURN_IF_ERROR(reader->ReadPages(layer, h, blocks, &batch));
+      int64_t tok = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        for (uint32_t t = 0; t < batch.n_tokens[i]; ++t, ++tok) {
+          const size_t row = (static_cast<size_t>(tok) * nkv + h) * d;
+          const size_t elem = DTypeSize(batch.dtype);
+          ConvertToFloat(batch.dtype, batch.K(i) + size_t{t} * d * elem, k.data() + row, d);
+          ConvertToFloat(batch.dtype, batch.V(i) + size_t{t} * d * elem, v.data() + row, d);
+        }
+      }
+    }
+    cache->Append(layer, static_cast<int>(n), k.data(), v.data(), int64_t{nkv} * d);
+  }
+  return Status::OK();
+}
+
+// Defaults that depend on the context: CSA's C cannot exceed the number of
+// keys or of query rows.
+index::MethodParams EffectiveParams(const IndexRequest& req, int64_t n_keys, int64_t n_rows) {
+  index::MethodParams p = req.params;
+  if (req.method == "csa" && p.find("C") == p.end()) {
+    int64_t c = std::min<int64_t>({128, n_keys, n_rows});
+    p["C"] = std::to_string(std::max<int64_t>(1, c));
+  }
+  return p;
+}
+
+}  // namespace
+
+Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes) {
+  std::vector<std::string> known = index::SelectorMethods();
+  for (const auto& r : indexes) {
+    if (std::find(known.begin(), known.end(), r.method) == known.end()) {
+      std::string list;
+      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      return InvalidArgumentError("unknown index method '" + r.method + "'; expected one of " +
+                                  list);
+    }
+    if (!ArtifactKind(r.method)) {
+      return InvalidArgumentError("index method '" + r.method + "' cannot be persisted");
+    }
+  }
+  return Status::OK();
+}
+
+StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
+                                const BuildOptions& options,
+                                const std::function<void(const v1::BuildProgress&)>& progress,
+                                const std::atomic<bool>* cancel) {
+  RETURN_IF_ERROR(ValidateIndexRequests(job.indexes));
+  if (job.tokens.empty()) {
+    return InvalidArgumentError("the context has 0 tokens; pass non-empty text or token ids");
+  }
+  const model::Model& mdl = *job.model->model;
+  const model::ModelSpec& spec = mdl.spec();
+  for (size_t i = 0; i < job.tokens.size(); ++i) {
+    if (job.tokens[i] < 0 || job.tokens[i] >= spec.vocab) {
+      return InvalidArgumentError("token id " + std::to_string(job.tokens[i]) + " at index " +
+                                  std::to_string(i) + " is outside the model's vocabulary [0, " +
+                                  std::to_string(spec.vocab) + ")");
+    }
+  }
+  std::vector<uint32_t> tokens_u32(job.tokens.begin(), job.tokens.end());
+  storage::BuildRequest req;
+  req.model = job.model->spec;
+  req.tokens = tokens_u32;
+  req.parent = job.parent;
+  req.name = job.name;
+  req.tenant = job.tenant;
+  req.labels = job.labels;
+  req.ttl_ms = job.ttl_ms;
+  req.pinned = job.pinned;
+  ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(req));
+  BuildOutcome outcome;
+  if (!start.writer) {
+    outcome.manifest = start.existing;
+    outcome.reused = true;
+    return outcome;
+  }
+  storage::ContextWriter* writer = start.writer.get();
+  auto fail = [&](const Status& s) -> Status {
+    writer->Abort().IgnoreError();
+    return s;
+  };
+
+  const int64_t n_total = static_cast<int64_t>(job.tokens.size());
+  const int64_t first = static_cast<int64_t>(writer->first_token());
+  const int64_t n_new = n_total - first;
+  auto t0 = Clock::now();
+  v1::BuildProgress p;
+  p.set_tokens_total(static_cast<uint64_t>(n_total));
+  p.set_layers_total(static_cast<uint32_t>(spec.n_layers));
+
+  model::KvCache cache(spec, DType::kBF16);
+  cache.Reserve(n_total);
+  if (first > 0) {
+    if (Status s = LoadParentKv(store, *job.parent, spec, &cache); !s.ok()) {
+      return fail(s.WithContext("loading the parent's KV"));
+    }
+  }
+
+  PageSink pages(writer, spec.n_kv_heads, spec.head_dim);
+  QuerySink queries(spec, options.query_cap);
+  model::PrefillOptions po;
+  po.chunk_size = options.prefill_chunk;
+  po.logits = model::PrefillOptions::LogitsMode::kNone;
+  po.cancel = cancel;
+  auto last_report = Clock::now();
+  po.progress = [&](const model::PrefillProgress& pp) {
+    if (!progress) return;
+    auto now = Clock::now();
+    bool done = pp.tokens_done == pp.tokens_total && pp.layer == pp.n_layers - 1;
+    if (!done && now - last_report < std::chrono::milliseconds(200)) return;
+    last_report = now;
+    double el = Since(t0);
+    double frac = (static_cast<double>(pp.tokens_done) +
+                   static_cast<double>(pp.layer + 1) / pp.n_layers *
+                       std::min<int64_t>(options.prefill_chunk, pp.tokens_total - pp.tokens_done)) /
+                  std::max<int64_t>(1, pp.tokens_total);
+    p.set_phase(v1::BuildProgress::PREFILL);
+    p.set_tokens_prefilled(static_cast<uint64_t>(first + pp.tokens_done));
+    p.set_bytes_written(writer->bytes_written());
+    p.set_tokens_per_s(el > 0 ? frac * n_new / el : 0);
+    p.set_eta_s(frac > 0 ? el * (1 - frac) / frac : 0);
+    progress(p);
+  };
+  std::vector<int32_t> new_tokens(job.tokens.begin() + first, job.tokens.end());
+  model::PrefillResult pr;
+  if (Status s = model::Prefill(mdl, new_tokens, &cache, {&pages, &queries}, po, &pr); !s.ok()) {
+    return fail(s);
+  }
+  outcome.prefill_s = Since(t0);
+
+  // Index builds, layer by layer, kv heads (x methods) in parallel.
+  auto t1 = Clock::now();
+  std::vector<IndexRequest> artifact_methods = job.indexes;
+  for (std::string_view m : kAlwaysBuiltMethods) {
+    bool present = false;
+    for (const auto& r : artifact_methods) present = present || r.method == m;
+    if (!present) artifact_methods.push_back(IndexRequest{std::string(m), {}});
+  }
+  const int nkv = spec.n_kv_heads, d = spec.head_dim;
+  p.set_phase(v1::BuildProgress::INDEXING);
+  p.set_tokens_prefilled(static_cast<uint64_t>(n_total));
+  for (int layer = 0; layer < spec.n_layers; ++layer) {
+    if (cancel && cancel->load()) return fail(CancelledError("build cancelled"));
+    // One item per kv head: its keys are read once for every method.
+    const size_t n_items = static_cast<size_t>(nkv);
+    std::vector<Status> results(n_items);
+    ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
+      std::vector<float> k(static_cast<size_t>(n_total) * d), v(k.size()), q;
+      std::vector<int64_t> positions;
+      for (size_t item = b; item < e; ++item) {
+        const int h = static_cast<int>(item);
+        cache.Read(layer, h, 0, n_total, k.data(), v.data());
+        queries.Gather(layer, h, &q, &positions);
+        index::HeadPrefill hp;
+        hp.n_tokens = n_total;
+        hp.head_dim = d;
+        hp.group_size = spec.group_size();
+        hp.keys = k.data();
+        hp.values = v.data();
+        hp.n_queries = static_cast<int64_t>(positions.size());
+        hp.query_positions = positions.data();
+        hp.queries = q.data();
+        for (const IndexRequest& r : artifact_methods) {
+          auto sel = index::BuildSelector(
+              r.method, hp, EffectiveParams(r, n_total, hp.n_queries * hp.group_size));
+          Status s = sel.status();
+          std::string bytes;
+          if (s.ok()) s = (*sel)->Serialize(&bytes);
+          if (s.ok()) {
+            s = writer->PutArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                                    *ArtifactKind(r.method), r.method, bytes);
+          }
+          if (!s.ok()) {
+            results[item] = s.WithContext("building the " + r.method + " index of layer " +
+                                          std::to_string(layer) + " kv head " +
+                                          std::to_string(h));
+            break;
+          }
+        }
+      }
+    });
+    for (const auto& s : results) {
+      if (!s.ok()) return fail(s);
+    }
+    if (progress) {
+      p.set_layers_indexed(static_cast<uint32_t>(layer + 1));
+      p.set_bytes_written(writer->bytes_written());
+      progress(p);
+    }
+  }
+  outcome.index_s = Since(t1);
+  for (const auto& r : job.indexes) {
+    v1::IndexParams ip;
+    ip.set_method(r.method);
+    for (const auto& [key, val] : r.params) (*ip.mutable_params())[key] = val;
+    writer->AddIndexParams(ip);
+  }
+  if (cancel && cancel->load()) return fail(CancelledError("build cancelled"));
+  if (progress) {
+    p.set_phase(v1::BuildProgress::COMMITTING);
+    p.set_layers_indexed(static_cast<uint32_t>(spec.n_layers));
+    progress(p);
+  }
+  auto committed = writer->Commit();
+  if (!committed.ok()) return fail(committed.status());
+  outcome.manifest = std::move(committed).value();
+  spdlog::info("built context {}: {} tokens ({} new), prefill {:.2f} s, indexes {:.2f} s, {} bytes",
+               writer->id().ToHex(), n_total, n_new, outcome.prefill_s, outcome.index_s,
+               outcome.manifest.stored_bytes());
+  return outcome;
+}
+
+}  // namespace ctxcache::service

@@ -1,0 +1,73 @@
+// The offline build: tokens -> chunked prefill (model/) -> KV pages
+// (storage::ContextWriter) + index artifacts (index/ selectors, built per
+// (layer, kv head) in parallel once the prefill is done) -> atomic commit.
+//
+// Memory: the prefill's KvCache (the context's KV in bf16), the pooled
+// prefill queries kept for query-centric indexes (bf16, at most
+// BuildOptions::query_cap rows per (layer, kv head), always including the
+// last 32 positions for LFPS), and the writer's bounded buffer.
+//
+// Thread-safety: RunBuild may run concurrently for different jobs.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "ctxcache/v1/ctxcache_service.pb.h"
+#include "index/selector.h"
+#include "service/model_registry.h"
+#include "storage/store.h"
+
+namespace ctxcache::service {
+
+struct IndexRequest {
+  std::string method;
+  index::MethodParams params;
+};
+
+struct BuildJob {
+  std::shared_ptr<const LoadedModel> model;
+  // All tokens of the context (for an extend: the parent's then the new ones).
+  std::vector<int32_t> tokens;
+  // Extend: the parent context (its tokens must be a prefix of `tokens`).
+  std::optional<storage::ContextId> parent;
+  std::vector<IndexRequest> indexes;
+  std::string name;
+  std::string tenant;
+  std::map<std::string, std::string> labels;
+  int64_t ttl_ms = 0;
+  bool pinned = false;
+};
+
+struct BuildOptions {
+  // Prefill chunk size, tokens. Default: 512.
+  int prefill_chunk = 512;
+  // Prefill query rows kept per (layer, kv head) for index builds. Default: 65536.
+  int64_t query_cap = 65536;
+};
+
+struct BuildOutcome {
+  v1::ContextManifest manifest;
+  bool reused = false;  // the context already existed; nothing was done
+  double prefill_s = 0;
+  double index_s = 0;
+};
+
+// Validates index requests up front (unknown method, bad params) so a bad
+// request fails before any work: INVALID_ARGUMENT naming the method/param.
+Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes);
+
+// Runs a build. `progress` (may be empty) is called from this thread;
+// `cancel` (may be null) aborts the build with CANCELLED and removes
+// everything written.
+StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
+                                const BuildOptions& options,
+                                const std::function<void(const v1::BuildProgress&)>& progress,
+                                const std::atomic<bool>* cancel);
+
+}  // namespace ctxcache::service

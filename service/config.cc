@@ -1,0 +1,99 @@
+#include "service/config.h"
+
+#include <CLI/CLI.hpp>
+#include <sstream>
+
+namespace ctxcache::service {
+
+std::string ServerConfig::ToToml() const {
+  std::ostringstream os;
+  auto q = [](const std::string& s) { return "\"" + s + "\""; };
+  os << "data-dir = " << q(data_dir) << "\n"
+     << "listen = " << q(listen) << "\n"
+     << "metrics-listen = " << q(metrics_listen) << "\n"
+     << "model-dir = " << q(model_dir) << "\n"
+     << "default-model = " << q(default_model) << "\n"
+     << "block-cache-mb = " << block_cache_mb << "\n"
+     << "capacity-bytes = " << capacity_bytes << "\n"
+     << "high-watermark = " << high_watermark << "\n"
+     << "low-watermark = " << low_watermark << "\n"
+     << "default-ttl-s = " << default_ttl_s << "\n"
+     << "max-concurrent-builds = " << max_concurrent_builds << "\n"
+     << "build-queue-size = " << build_queue_size << "\n"
+     << "default-indexes = " << q(default_indexes) << "\n"
+     << "prefill-chunk = " << prefill_chunk << "\n"
+     << "max-sessions = " << max_sessions << "\n"
+     << "session-idle-timeout-s = " << session_idle_timeout_s << "\n"
+     << "max-message-bytes = " << max_message_bytes << "\n"
+     << "keepalive-time-s = " << keepalive_time_s << "\n"
+     << "drain-timeout-s = " << drain_timeout_s << "\n"
+     << "log-level = " << q(log_level) << "\n";
+  return os.str();
+}
+
+StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
+  ServerConfig c;
+  CLI::App app{"ctxcached: persistent context-cache server (gRPC + RocksDB)", "ctxcached"};
+  app.set_config("--config", "", "Read options from a TOML/INI file (flags override it)");
+  app.add_option("--data-dir", c.data_dir, "RocksDB data directory")->capture_default_str();
+  app.add_option("--listen", c.listen, "gRPC listen address HOST:PORT")->capture_default_str();
+  app.add_option("--metrics-listen", c.metrics_listen, "Prometheus endpoint HOST:PORT ('' = off)")
+      ->capture_default_str();
+  app.add_option("--model-dir", c.model_dir, "Directory of HF model directories")
+      ->capture_default_str();
+  app.add_option("--default-model", c.default_model, "Model used when a request names none")
+      ->capture_default_str();
+  app.add_option("--port-file", c.port_file, "Write the bound gRPC port to this file");
+  app.add_option("--block-cache-mb", c.block_cache_mb, "RocksDB block cache (MiB)")
+      ->capture_default_str();
+  app.add_option("--capacity-bytes", c.capacity_bytes, "Capacity budget (bytes, 0 = unlimited)")
+      ->capture_default_str();
+  app.add_option("--high-watermark", c.high_watermark, "Evict above this fraction of capacity")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--low-watermark", c.low_watermark, "Evict down to this fraction of capacity")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--default-ttl-s", c.default_ttl_s, "Default context TTL (s, 0 = none)")
+      ->capture_default_str();
+  app.add_option("--max-concurrent-builds", c.max_concurrent_builds, "Builds running at once")
+      ->check(CLI::Range(1u, 64u))
+      ->capture_default_str();
+  app.add_option("--build-queue-size", c.build_queue_size, "Builds allowed to wait")
+      ->capture_default_str();
+  app.add_option("--default-indexes", c.default_indexes, "Index methods built by default")
+      ->capture_default_str();
+  app.add_option("--prefill-chunk", c.prefill_chunk, "Prefill chunk size (tokens)")
+      ->check(CLI::Range(1u, 65536u))
+      ->capture_default_str();
+  app.add_option("--max-sessions", c.max_sessions, "Open decode sessions allowed")
+      ->capture_default_str();
+  app.add_option("--session-idle-timeout-s", c.session_idle_timeout_s, "Idle session timeout (s)")
+      ->capture_default_str();
+  app.add_option("--max-message-bytes", c.max_message_bytes, "gRPC max message size (bytes)")
+      ->check(CLI::Range(1u << 20, 1u << 30))
+      ->capture_default_str();
+  app.add_option("--keepalive-time-s", c.keepalive_time_s, "gRPC keepalive interval (s)")
+      ->capture_default_str();
+  app.add_option("--drain-timeout-s", c.drain_timeout_s, "Drain time on SIGTERM (s)")
+      ->capture_default_str();
+  app.add_option("--log-level", c.log_level, "trace|debug|info|warn|error|off")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
+      ->capture_default_str();
+  app.add_flag("--fault-corrupt-pages-for-testing", c.fault_corrupt_pages,
+               "TESTING ONLY: corrupt every page sent (clients must report DATA_LOSS)")
+      ->group("");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    return CancelledError(app.help());
+  } catch (const CLI::ParseError& e) {
+    return InvalidArgumentError(std::string(e.what()) + "; run ctxcached --help for the options");
+  }
+  if (c.low_watermark > c.high_watermark) {
+    return InvalidArgumentError("--low-watermark must be <= --high-watermark");
+  }
+  return c;
+}
+
+}  // namespace ctxcache::service

@@ -1,0 +1,82 @@
+// ctxcached configuration: every knob with its default, parsed from flags
+// and an optional TOML/INI file (--config FILE; flags override the file).
+//
+// Thread-safety: a plain value; copy it freely.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ctxcache::service {
+
+struct ServerConfig {
+  // --- Addresses and paths ---
+  // RocksDB data directory; created if missing. Default: ./ctxcache-data
+  std::string data_dir = "./ctxcache-data";
+  // gRPC listen address. Port 0 picks a free port (printed at start).
+  std::string listen = "127.0.0.1:7700";
+  // Prometheus text endpoint (GET /metrics). "" disables it.
+  std::string metrics_listen = "127.0.0.1:7701";
+  // Directory holding one HF model directory per model (models/<name>/).
+  std::string model_dir = "./models";
+  // Model used when a request names none.
+  std::string default_model = "ctxcache-ref";
+  // If non-empty, once serving, write the bound gRPC port (line 1) and
+  // metrics port (line 2) here (for scripts and tests).
+  std::string port_file;
+
+  // --- Storage ---
+  // RocksDB block cache, MiB.
+  uint64_t block_cache_mb = 256;
+  // Capacity budget for stored contexts, bytes; 0 = unlimited.
+  uint64_t capacity_bytes = 0;
+  // Eviction starts above high_watermark * capacity and stops below low.
+  double high_watermark = 0.95;
+  double low_watermark = 0.85;
+  // TTL applied to contexts built without one, seconds; 0 = none.
+  int64_t default_ttl_s = 0;
+
+  // --- Builds ---
+  // Builds running at once.
+  uint32_t max_concurrent_builds = 1;
+  // Builds waiting in the queue; beyond this BuildContext is RESOURCE_EXHAUSTED.
+  uint32_t build_queue_size = 8;
+  // Index methods built by default (comma-separated).
+  std::string default_indexes = "csa";
+  // Prefill chunk size, tokens.
+  uint32_t prefill_chunk = 512;
+
+  // --- Sessions ---
+  uint32_t max_sessions = 256;
+  // A session with no message for this long is closed, seconds.
+  uint32_t session_idle_timeout_s = 300;
+
+  // --- gRPC ---
+  // Max message size sent and received, bytes.
+  uint32_t max_message_bytes = 8 << 20;
+  // Keepalive ping interval, seconds.
+  uint32_t keepalive_time_s = 60;
+  // Seconds to wait for in-flight RPCs on SIGTERM before cancelling them.
+  uint32_t drain_timeout_s = 5;
+
+  // --- Testing ---
+  // Flips one bit of every page payload sent (after its crc32c is computed),
+  // so tests can prove clients detect corruption. Never set in production.
+  bool fault_corrupt_pages = false;
+
+  // --- Logging ---
+  // trace|debug|info|warn|error|off
+  std::string log_level = "info";
+
+  // The effective configuration as TOML (printed at start).
+  std::string ToToml() const;
+};
+
+// Parses argv (and --config FILE if given). On --help, prints usage and
+// returns a CANCELLED status whose message is the help text.
+StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv);
+
+}  // namespace ctxcache::service

@@ -1,0 +1,396 @@
+#include "service/decode_service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "common/crc32c.h"
+#include "service/admin_service.h"
+#include "service/decode_session.h"
+#include "service/grpc_status.h"
+#include "service/index_artifacts.h"
+#include "service/rpc_metrics.h"
+
+namespace ctxcache::service {
+
+namespace {
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+StatusOr<storage::ContextId> ParseContextId(const std::string& hex) {
+  if (hex.empty()) return InvalidArgumentError("context_id is required (32 hex characters)");
+  auto id = storage::ContextId::FromHex(hex);
+  if (!id.ok()) return InvalidArgumentError("context_id '" + hex + "' is not 32 hex characters");
+  return *id;
+}
+
+v1::DecodeResponse ErrorResponse(uint64_t request_id, const Status& s) {
+  v1::DecodeResponse r;
+  r.set_request_id(request_id);
+  r.mutable_error()->set_code(static_cast<int32_t>(s.code()));
+  r.mutable_error()->set_message(std::string(s.message()));
+  return r;
+}
+
+}  // namespace
+
+DecodeServiceImpl::DecodeServiceImpl(ServiceContext* ctx) : ctx_(ctx) {
+  reaper_ = std::thread([this] { ReaperLoop(); });
+}
+
+DecodeServiceImpl::~DecodeServiceImpl() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  reaper_.join();
+}
+
+void DecodeServiceImpl::ReaperLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    cv_.wait_for(lock, std::chrono::seconds(1));
+    const int64_t limit = int64_t{ctx_->config.session_idle_timeout_s} * 1000;
+    const int64_t now = NowMs();
+    for (auto& [key, s] : streams_) {
+      if (now - s->last_activity_ms.load() > limit) {
+        spdlog::info("closing a decode session idle for more than {} s",
+                     ctx_->config.session_idle_timeout_s);
+        s->context->TryCancel();
+        s->last_activity_ms = now;  // don't cancel twice a second
+      }
+    }
+  }
+}
+
+void DecodeServiceImpl::CancelAll() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, s] : streams_) s->context->TryCancel();
+}
+
+grpc::Status DecodeServiceImpl::Decode(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
+  RpcScope rpc(ctx_, "Decode");
+  if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  auto live = std::make_unique<LiveStream>();
+  live->context = context;
+  live->last_activity_ms = NowMs();
+  LiveStream* key = live.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_[key] = std::move(live);
+  }
+  struct Unregister {
+    DecodeServiceImpl* self;
+    LiveStream* key;
+    ~Unregister() {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->streams_.erase(key);
+    }
+  } unregister{this, key};
+
+  std::unique_ptr<DecodeSession> session;
+  struct SessionCount {
+    ServiceContext* ctx;
+    bool counted = false;
+    ~SessionCount() {
+      if (counted) ctx->open_sessions--;
+    }
+  } count{ctx_};
+  Histogram* step_hist = ctx_->metrics.GetHistogram(
+      "ctxcache_decode_step_duration_seconds", "Server time per decode layer-step");
+  Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                                 "Stored page bytes read for decode sessions");
+  Gauge* sessions_gauge = ctx_->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions");
+
+  v1::DecodeRequest req;
+  while (stream->Read(&req)) {
+    key->last_activity_ms = NowMs();
+    const uint64_t rid = req.request_id();
+    switch (req.msg_case()) {
+      case v1::DecodeRequest::kOpen: {
+        if (session) {
+          stream->Write(ErrorResponse(rid, FailedPreconditionError(
+                                               "session already open; Close it first")));
+          break;
+        }
+        if (ctx_->open_sessions.load() >= ctx_->config.max_sessions) {
+          stream->Write(ErrorResponse(
+              rid, ResourceExhaustedError("too many open sessions (limit --max-sessions=" +
+                                          std::to_string(ctx_->config.max_sessions) +
+                                          "); retry later")));
+          break;
+        }
+        auto id = ParseContextId(req.open().context_id());
+        if (!id.ok()) {
+          stream->Write(ErrorResponse(rid, id.status()));
+          break;
+        }
+        auto reader = ctx_->store->OpenReader(*id);
+        if (!reader.ok()) {
+          stream->Write(ErrorResponse(rid, reader.status()));
+          break;
+        }
+        SessionOptions session_options;
+        session_options.corrupt_pages = ctx_->config.fault_corrupt_pages;
+        std::map<std::string, std::string> params(req.open().params().begin(),
+                                                  req.open().params().end());
+        auto s = DecodeSession::Open(std::move(reader).value(), req.open().method(), params,
+                                     req.open().want_pages(), session_options);
+        if (!s.ok()) {
+          stream->Write(ErrorResponse(rid, s.status()));
+          break;
+        }
+        session = std::move(s).value();
+        ctx_->open_sessions++;
+        count.counted = true;
+        sessions_gauge->Set(ctx_->open_sessions.load());
+        v1::DecodeResponse resp;
+        resp.set_request_id(rid);
+        resp.mutable_opened()->set_session_id(req.open().context_id() + "/" +
+                                              std::to_string(reinterpret_cast<uintptr_t>(key)));
+        *resp.mutable_opened()->mutable_context() = ManifestToInfo(session->manifest());
+        stream->Write(resp);
+        break;
+      }
+      case v1::DecodeRequest::kStep: {
+        if (!session) {
+          stream->Write(ErrorResponse(rid, FailedPreconditionError("Step before Open")));
+          break;
+        }
+        auto t0 = std::chrono::steady_clock::now();
+        uint64_t before = session->bytes_served();
+        v1::DecodeResponse resp;
+        resp.set_request_id(rid);
+        std::vector<v1::PageBatch> batches;
+        Status s = session->Step(req.step(), resp.mutable_step(), &batches);
+        if (!s.ok()) {
+          stream->Write(ErrorResponse(rid, s));
+          break;
+        }
+        stream->Write(resp);
+        for (auto& b : batches) {
+          v1::DecodeResponse pr;
+          pr.set_request_id(rid);
+          *pr.mutable_pages() = std::move(b);
+          stream->Write(pr);
+        }
+        step_hist->Observe(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        bytes_read->Inc(static_cast<double>(session->bytes_served() - before));
+        break;
+      }
+      case v1::DecodeRequest::kAppend: {
+        if (!session) {
+          stream->Write(ErrorResponse(rid, FailedPreconditionError("Append before Open")));
+          break;
+        }
+        Status s = session->Append(req.append());
+        if (!s.ok()) {
+          stream->Write(ErrorResponse(rid, s));
+          break;
+        }
+        v1::DecodeResponse resp;
+        resp.set_request_id(rid);
+        resp.mutable_appended()->set_n_tokens(static_cast<uint64_t>(session->n_tokens()));
+        stream->Write(resp);
+        break;
+      }
+      case v1::DecodeRequest::kClose: {
+        v1::DecodeResponse resp;
+        resp.set_request_id(rid);
+        resp.mutable_closed();
+        stream->Write(resp);
+        return rpc.Finish(grpc::Status::OK);
+      }
+      default:
+        stream->Write(ErrorResponse(
+            rid, InvalidArgumentError("DecodeRequest has none of open, step, append, close")));
+    }
+  }
+  if (context->IsCancelled()) {
+    return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle"));
+  }
+  return rpc.Finish(grpc::Status::OK);
+}
+
+grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
+                                           const v1::FetchIndexRequest* request,
+                                           grpc::ServerWriter<v1::IndexChunk>* writer) {
+  RpcScope rpc(ctx_, "FetchIndex");
+  auto id = ParseContextId(request->context_id());
+  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+  auto reader = ctx_->store->OpenReader(*id);
+  if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+  const v1::ContextManifest& m = (*reader)->manifest();
+  std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
+  std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
+  std::vector<std::string> methods(request->methods().begin(), request->methods().end());
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < m.model().n_layers(); ++l) layers.push_back(l);
+  }
+  if (heads.empty()) {
+    for (uint32_t h = 0; h < m.model().n_kv_heads(); ++h) heads.push_back(h);
+  }
+  if (methods.empty()) {
+    for (const auto& ip : m.index_params()) methods.push_back(ip.method());
+  }
+  for (uint32_t l : layers) {
+    if (l >= m.model().n_layers()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "layers: " + std::to_string(l) + " out of range [0, " +
+                                         std::to_string(m.model().n_layers()) + ")"));
+    }
+  }
+  for (uint32_t h : heads) {
+    if (h >= m.model().n_kv_heads()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "kv_heads: " + std::to_string(h) + " out of range"));
+    }
+  }
+  constexpr size_t kChunk = 1u << 20;
+  for (const auto& method : methods) {
+    auto kind = ArtifactKind(method);
+    if (!kind) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "methods: unknown method '" + method + "'"));
+    }
+    for (uint32_t l : layers) {
+      for (uint32_t h : heads) {
+        if (context->IsCancelled()) {
+          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+        }
+        auto bytes = (*reader)->ReadArtifact(l, h, *kind);
+        if (!bytes.ok()) {
+          Status s = bytes.status();
+          if (s.code() == StatusCode::kNotFound) {
+            s = FailedPreconditionError("context has no '" + method + "' index");
+          }
+          return rpc.Finish(ToGrpc(s));
+        }
+        const uint32_t crc = crc32c::Value(*bytes);
+        const uint32_t n_chunks =
+            static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
+        for (uint32_t c = 0; c < n_chunks; ++c) {
+          v1::IndexChunk chunk;
+          chunk.set_layer(l);
+          chunk.set_kv_head(h);
+          chunk.set_method(method);
+          chunk.set_chunk_index(c);
+          chunk.set_n_chunks(n_chunks);
+          chunk.set_crc32c(crc);
+          chunk.set_total_bytes(bytes->size());
+          size_t off = size_t{c} * kChunk;
+          chunk.set_data(bytes->substr(off, std::min(kChunk, bytes->size() - off)));
+          if (!writer->Write(chunk)) {
+            return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+          }
+        }
+      }
+    }
+  }
+  return rpc.Finish(grpc::Status::OK);
+}
+
+grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
+                                           const v1::FetchPagesRequest* request,
+                                           grpc::ServerWriter<v1::PageBatch>* writer) {
+  RpcScope rpc(ctx_, "FetchPages");
+  auto id = ParseContextId(request->context_id());
+  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+  auto reader = ctx_->store->OpenReader(*id);
+  if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+  const v1::ContextManifest& m = (*reader)->manifest();
+  constexpr size_t kMaxBatch = 4u << 20;
+  v1::PageBatch out;
+  size_t out_bytes = 0;
+  storage::PageBatch batch;
+  Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                                 "Stored page bytes read for decode sessions");
+  for (const auto& t : request->tables()) {
+    if (context->IsCancelled()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+    }
+    if (t.layer() >= m.model().n_layers() || t.kv_head() >= m.model().n_kv_heads()) {
+      return rpc.Finish(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          "tables: layer " + std::to_string(t.layer()) + " / kv_head " +
+              std::to_string(t.kv_head()) + " out of range (context has " +
+              std::to_string(m.model().n_layers()) + " layers, " +
+              std::to_string(m.model().n_kv_heads()) + " kv heads)"));
+    }
+    std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
+    Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    bytes_read->Inc(static_cast<double>(batch.stored_bytes));
+    const size_t elem = DTypeSize(batch.dtype);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const size_t bytes = size_t{batch.n_tokens[i]} * batch.head_dim * elem;
+      if (out.pages_size() > 0 && out_bytes + 2 * bytes > kMaxBatch) {
+        if (!writer->Write(out)) {
+          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+        }
+        out.Clear();
+        out_bytes = 0;
+      }
+      v1::Page* p = out.add_pages();
+      p->set_layer(t.layer());
+      p->set_kv_head(t.kv_head());
+      p->set_block(batch.blocks[i]);
+      p->set_n_tokens(batch.n_tokens[i]);
+      p->set_dtype(storage::ToProtoDType(batch.dtype));
+      p->set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
+      p->set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);
+      p->set_crc32c(crc32c::Extend(crc32c::Value(p->k()), p->v().data(), bytes));
+      if (ctx_->config.fault_corrupt_pages && bytes > 0) (*p->mutable_k())[0] ^= 0x01;
+      out_bytes += 2 * bytes;
+    }
+  }
+  out.set_last(true);
+  writer->Write(out);
+  return rpc.Finish(grpc::Status::OK);
+}
+
+grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
+                                              const v1::WatchRequest* request,
+                                              grpc::ServerWriter<v1::ContextEvent>* writer) {
+  RpcScope rpc(ctx_, "WatchContexts");
+  auto sub = ctx_->events.Subscribe();
+  struct Unsub {
+    EventHub* hub;
+    std::shared_ptr<EventHub::Subscriber> s;
+    ~Unsub() { hub->Unsubscribe(s); }
+  } unsub{&ctx_->events, sub};
+  // Initial empty event: tells the client the subscription is live.
+  v1::ContextEvent hello;
+  hello.set_type(v1::ContextEvent::TYPE_UNSPECIFIED);
+  if (!writer->Write(hello)) return rpc.Finish(grpc::Status::OK);
+  while (!context->IsCancelled() && !ctx_->draining) {
+    std::unique_lock<std::mutex> lock(sub->mu);
+    sub->cv.wait_for(lock, std::chrono::milliseconds(200),
+                     [&] { return !sub->queue.empty() || sub->closed; });
+    if (sub->closed) break;
+    while (!sub->queue.empty()) {
+      v1::ContextEvent ev = std::move(sub->queue.front());
+      sub->queue.pop_front();
+      lock.unlock();
+      bool match = request->context_id().empty() ||
+                   ev.context().context_id() == request->context_id();
+      for (const auto& [k, v] : request->label_filter()) {
+        auto it = ev.context().labels().find(k);
+        match = match && it != ev.context().labels().end() && it->second == v;
+      }
+      if (match && !writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
+      lock.lock();
+    }
+  }
+  return rpc.Finish(grpc::Status::OK);
+}
+
+}  // namespace ctxcache::service

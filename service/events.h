@@ -1,0 +1,76 @@
+// EventHub: fan-out of context lifecycle events to WatchContexts streams.
+// Each subscriber has a bounded queue (oldest events dropped beyond it, and
+// counted) so a slow watcher never blocks builds.
+//
+// Thread-safety: safe for concurrent use.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+
+#include "ctxcache/v1/ctxcache_service.pb.h"
+
+namespace ctxcache::service {
+
+class EventHub {
+ public:
+  struct Subscriber {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<v1::ContextEvent> queue;  // guarded by mu
+    uint64_t dropped = 0;                // guarded by mu
+    bool closed = false;                 // guarded by mu
+  };
+
+  std::shared_ptr<Subscriber> Subscribe() {
+    auto s = std::make_shared<Subscriber>();
+    std::lock_guard<std::mutex> lock(mu_);
+    subs_.push_back(s);
+    return s;
+  }
+
+  void Unsubscribe(const std::shared_ptr<Subscriber>& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    subs_.remove(s);
+  }
+
+  void Publish(v1::ContextEvent::Type type, const v1::ContextInfo& info) {
+    v1::ContextEvent ev;
+    ev.set_type(type);
+    *ev.mutable_context() = info;
+    ev.set_at_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count());
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : subs_) {
+      std::lock_guard<std::mutex> sl(s->mu);
+      if (s->queue.size() >= kMaxQueue) {
+        s->queue.pop_front();
+        s->dropped++;
+      }
+      s->queue.push_back(ev);
+      s->cv.notify_one();
+    }
+  }
+
+  // Wakes every subscriber (shutdown).
+  void CloseAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& s : subs_) {
+      std::lock_guard<std::mutex> sl(s->mu);
+      s->closed = true;
+      s->cv.notify_all();
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxQueue = 4096;
+  std::mutex mu_;
+  std::list<std::shared_ptr<Subscriber>> subs_;  // guarded by mu_
+};
+
+}  // namespace ctxcache::service

@@ -1,0 +1,43 @@
+// The ctxcached server: owns the store, the gRPC server (ContextAdmin,
+// DecodeService, grpc.health.v1.Health, server reflection) and the metrics
+// endpoint.
+//
+// Lifecycle: Start() opens the data dir (failing fast if another process
+// holds its RocksDB LOCK), binds the ports and starts serving. Shutdown()
+// flips health to NOT_SERVING, stops accepting RPCs, waits up to
+// drain_timeout_s for in-flight ones, then closes the store.
+//
+// Thread-safety: Start/Shutdown are called from one thread; everything else
+// is internal.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "service/config.h"
+
+namespace ctxcache::service {
+
+class ServerImpl;
+
+class Server {
+ public:
+  explicit Server(ServerConfig config);
+  ~Server();
+
+  Status Start();
+  // The bound gRPC port (after Start).
+  int port() const;
+  int metrics_port() const;
+  void Shutdown();
+
+ private:
+  std::unique_ptr<ServerImpl> impl_;
+};
+
+// The whole ctxcached process: parse flags, log the effective config, start,
+// wait for SIGTERM/SIGINT, drain. Returns the process exit code.
+int RunCtxcached(int argc, char** argv);
+
+}  // namespace ctxcache::service

@@ -1,0 +1,36 @@
+// State shared by the gRPC service implementations of one ctxcached.
+// Internal to service/.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+
+#include "service/build_queue.h"
+#include "service/config.h"
+#include "service/events.h"
+#include "service/metrics.h"
+#include "service/model_registry.h"
+#include "storage/store.h"
+
+namespace ctxcache::service {
+
+struct ServiceContext {
+  explicit ServiceContext(ServerConfig c)
+      : config(std::move(c)),
+        models(config.model_dir, config.default_model),
+        build_queue(config.max_concurrent_builds, config.build_queue_size) {}
+
+  ServerConfig config;
+  std::unique_ptr<storage::Store> store;
+  ModelRegistry models;
+  BuildQueue build_queue;
+  EventHub events;
+  MetricsRegistry metrics;
+  std::chrono::steady_clock::time_point start_time;
+  // Set when SIGTERM drain starts; new sessions/builds get UNAVAILABLE.
+  std::atomic<bool> draining{false};
+  std::atomic<uint32_t> open_sessions{0};
+};
+
+}  // namespace ctxcache::service

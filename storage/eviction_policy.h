@@ -1,0 +1,65 @@
+// Eviction policy: which READY contexts to delete, given a capacity budget
+// with high/low watermarks, LRU order, TTLs, pins, leases and parent/child
+// references. Pure function; Store::RunEvictionPass applies its decisions.
+//
+// Rules (in this order):
+//  1. A pinned context is never selected.
+//  2. A context that still has children (contexts that reference its pages)
+//     is never selected; once all its children are selected in the same
+//     pass, it becomes eligible.
+//  3. Every eligible context whose TTL has passed (expires_at_ms != 0 and
+//     now_ms >= expires_at_ms) is selected (reason kExpired).
+//  4. If capacity_bytes > 0 and the bytes in use exceed
+//     high_watermark * capacity_bytes, eligible contexts are selected in
+//     least-recently-accessed order until the bytes in use are at most
+//     low_watermark * capacity_bytes (reason kCapacity).
+//  5. A selected context that holds a lease is returned with deferred=true:
+//     the store marks it and deletes it when its last lease drops. Its
+//     bytes count as freed for rule 4.
+//
+// Thread-safety: pure function.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "storage/keys.h"
+
+namespace ctxcache::storage {
+
+struct EvictionPolicyOptions {
+  // Budget for the bytes stored by READY contexts. 0 = unlimited. Default: 0.
+  uint64_t capacity_bytes = 0;
+  // Start evicting above this fraction of capacity. Default: 0.95.
+  double high_watermark = 0.95;
+  // Evict down to this fraction of capacity. Default: 0.85.
+  double low_watermark = 0.85;
+};
+
+struct EvictionCandidate {
+  ContextId id;
+  std::optional<ContextId> parent;
+  uint64_t bytes = 0;
+  int64_t last_access_ms = 0;
+  int64_t expires_at_ms = 0;  // 0 = never
+  bool pinned = false;
+  bool leased = false;
+  int children = 0;
+};
+
+enum class EvictionReason { kExpired, kCapacity };
+
+struct EvictionDecision {
+  ContextId id;
+  EvictionReason reason = EvictionReason::kCapacity;
+  bool deferred = false;  // leased: mark now, delete when the last lease drops
+};
+
+// `candidates` are all READY, not yet marked contexts; the bytes in use are
+// the sum of their `bytes`. Decisions come in the order they were taken.
+std::vector<EvictionDecision> SelectEvictionVictims(const EvictionPolicyOptions& options,
+                                                    std::vector<EvictionCandidate> candidates,
+                                                    int64_t now_ms);
+
+}  // namespace ctxcache::storage

@@ -1,0 +1,154 @@
+// Internal state shared by Store, ContextWriter and ContextReader. Not part
+// of the public surface: include only from storage/*.cc.
+#pragma once
+
+#include <rocksdb/db.h>
+#include <rocksdb/write_batch.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "storage/context_reader.h"
+#include "storage/context_writer.h"
+#include "storage/store.h"
+
+namespace ctxcache::storage {
+
+// Column families, in the order they are opened.
+enum Cf : int { kCfMeta = 0, kCfTokens = 1, kCfPages = 2, kCfIndex = 3, kNumCfs = 4 };
+inline constexpr const char* kCfNames[kNumCfs] = {"meta", "tokens", "pages", "index"};
+
+// Token ids per value in the tokens column family.
+inline constexpr uint32_t kTokensPerChunk = 16384;
+
+// Converts a RocksDB status; `what` says which operation failed.
+Status FromRocks(const rocksdb::Status& s, std::string_view what);
+
+// One in-process build of a context id (concurrent builds of the same id
+// wait on it).
+struct BuildSlot {
+  ContextId id;
+  std::optional<ContextId> parent;
+  int64_t ttl_ms = 0;      // applied at commit
+  bool done = false;       // guarded by StoreCore::mu
+  bool committed = false;  // guarded by StoreCore::mu
+  v1::ContextManifest result;
+};
+
+struct ContextEntry {
+  v1::ContextManifest manifest;  // READY; guarded by StoreCore::mu
+  int leases = 0;                // guarded by StoreCore::mu
+  int children = 0;              // guarded by StoreCore::mu
+  bool doomed = false;           // marked for deletion; guarded by StoreCore::mu
+  std::atomic<int64_t> last_access_ms{0};
+  int64_t persisted_access_ms = 0;  // guarded by StoreCore::mu
+};
+
+class StoreCore {
+ public:
+  StoreCore(const StoreOptions& options, std::string path);
+  ~StoreCore();
+
+  Status Open();
+  void StartBackground();
+  void StopBackground();
+
+  StatusOr<BuildStart> BeginBuild(const BuildRequest& request);
+  StatusOr<v1::ContextManifest> GetManifest(const ContextId& id) const;
+  std::vector<v1::ContextManifest> ListContexts() const;
+  StatusOr<std::unique_ptr<ContextReader>> OpenReader(const ContextId& id);
+  StatusOr<Lease> AcquireLease(const ContextId& id);
+  Status Verify(const ContextId& id);
+  Status SetPinned(const ContextId& id, bool pinned);
+  Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
+  StatusOr<bool> Delete(const ContextId& id);
+  StatusOr<EvictionReport> RunEvictionPass();
+  Status FlushAccessTimes();
+  StoreStats GetStats() const;
+
+  // Called by Lease.
+  void ReleaseLease(const ContextId& id);
+  // Called by ContextWriter.
+  StatusOr<v1::ContextManifest> CommitBuild(ContextWriter* writer, v1::ContextManifest manifest);
+  Status AbortBuild(ContextWriter* writer);
+  // Writes a batch; data writes skip the WAL (Commit flushes), meta writes
+  // use it. Remembers out-of-space errors so the next write resumes the DB.
+  Status Write(rocksdb::WriteBatch* batch, bool sync, bool disable_wal);
+
+  // RESOURCE_EXHAUSTED if writing `incoming` more bytes would eat into
+  // StoreOptions::min_free_disk_bytes.
+  Status CheckDiskSpace(uint64_t incoming) const;
+
+  // Every use of db()/cf() holds this shared lock; it is exclusive while the
+  // DB is reopened after an unrecoverable write error (see MaybeResume).
+  std::shared_lock<std::shared_mutex> LockDb() const {
+    return std::shared_lock<std::shared_mutex>(db_mu_);
+  }
+  // Bumped by every reopen; a writer started before a reopen cannot commit.
+  uint64_t generation() const { return generation_.load(); }
+
+  rocksdb::DB* db() const { return db_.get(); }
+  rocksdb::ColumnFamilyHandle* cf(int c) const { return cfs_[c]; }
+  const StoreOptions& options() const { return options_; }
+  const std::string& path() const { return path_; }
+  Clock* clock() const { return clock_; }
+  void Touch(const ContextId& id);
+
+ private:
+  // read_only: fallback after a failed reopen, so reads go on.
+  Status OpenDb(bool read_only);
+  void CloseDb();
+  Status CheckFormatVersion();
+  // Deletes non-READY manifests and every key range without a READY
+  // manifest. At first open (reload = false) also loads contexts_.
+  Status CollectGarbage(bool reload);
+  // Deletes every key of `ids` (all CFs + manifests) and compacts the ranges.
+  Status DeleteContextsData(const std::vector<ContextId>& ids);
+  Status DeleteContextsDataNoLock(const std::vector<ContextId>& ids);
+  Status WriteNoLock(rocksdb::WriteBatch* batch, bool sync, bool disable_wal);
+  // Removes a READY entry from memory (lock held); returns its id for
+  // DeleteContextsData.
+  void DetachLocked(const ContextId& id);
+  Status MaybeResume();
+  Status PutManifestLocked(const v1::ContextManifest& m, bool sync);
+  StatusOr<std::vector<ContextReader::Owner>> OwnersLocked(const ContextId& id) const;
+  Status CheckParentLocked(const BuildRequest& req, const ContextId& parent,
+                           v1::ContextManifest* parent_manifest) const;
+  StatusOr<std::vector<uint32_t>> ReadTokensRaw(const ContextId& id, uint64_t n_tokens) const;
+  void BackgroundLoop();
+
+  StoreOptions options_;
+  std::string path_;
+  Clock* clock_;
+  std::shared_ptr<rocksdb::Cache> block_cache_;
+  std::shared_ptr<rocksdb::Cache> blob_cache_;
+  std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::ColumnFamilyHandle* cfs_[kNumCfs] = {};
+  std::vector<rocksdb::ColumnFamilyHandle*> extra_cfs_;  // default + unknown
+  std::atomic<bool> needs_resume_{false};
+  bool read_only_ = false;  // guarded by db_mu_
+  mutable std::shared_mutex db_mu_;
+  std::atomic<uint64_t> generation_{0};
+
+  mutable std::mutex mu_;
+  std::condition_variable build_cv_;
+  std::map<ContextId, std::shared_ptr<ContextEntry>> contexts_;  // guarded by mu_
+  std::map<ContextId, std::shared_ptr<BuildSlot>> building_;     // guarded by mu_
+  uint64_t gc_contexts_at_open_ = 0;
+  uint64_t orphan_prefixes_at_open_ = 0;
+
+  std::mutex bg_mu_;
+  std::condition_variable bg_cv_;
+  bool bg_stop_ = false;  // guarded by bg_mu_
+  std::thread bg_thread_;
+};
+
+}  // namespace ctxcache::storage

@@ -1,0 +1,507 @@
+// CSAttention tables and retrieval against a naive reimplementation of the
+// definition (index/csa.h, DESIGN §5.1), streaming inserts against a rebuild,
+// both serializations, schedules and the bad-parameter table.
+#include "index/csa.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <set>
+
+#include "common/dtype.h"
+
+namespace ctxcache::index {
+namespace {
+
+constexpr int kD = 32;
+constexpr int kG = 2;
+
+struct Data {
+  int64_t n = 512;
+  int64_t nq = 128;  // query rows per head
+  std::vector<float> keys, queries, decode;
+  HeadPrefill prefill() const {
+    HeadPrefill p;
+    p.n_tokens = n;
+    p.head_dim = kD;
+    p.group_size = kG;
+    p.keys = keys.data();
+    p.n_queries = nq;
+    p.queries = queries.data();
+    return p;
+  }
+};
+
+Data MakeData(int64_t n, uint64_t seed) {
+  Data data;
+  data.n = n;
+  data.nq = std::min<int64_t>(128, n);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g(0, 1);
+  // Clustered queries (8 directions) and keys with an offset, so the tables
+  // have structure; exact values do not matter for the definition checks.
+  std::vector<float> dirs(8 * kD);
+  for (auto& v : dirs) v = g(rng);
+  data.queries.resize(kG * data.nq * kD);
+  for (int64_t r = 0; r < kG * data.nq; ++r) {
+    const int c = static_cast<int>(r % 8);
+    for (int j = 0; j < kD; ++j) data.queries[r * kD + j] = dirs[c * kD + j] + 0.3f * g(rng);
+  }
+  data.keys.resize(n * kD);
+  for (auto& v : data.keys) v = 0.5f + g(rng);
+  data.decode.resize(6 * kG * kD);
+  for (size_t i = 0; i < data.decode.size(); ++i) {
+    data.decode[i] = dirs[((i / kD) % 8) * kD + i % kD] + 0.3f * g(rng);
+  }
+  return data;
+}
+
+CsaOptions SmallOptions() {
+  CsaOptions o;
+  o.m = 4;
+  o.C = 16;
+  o.kmeans_iters = 5;
+  return o;
+}
+
+float Fp16(double x) { return HalfToFloat(FloatToHalf(static_cast<float>(x))); }
+
+// Naive definition of list (b, j) over keys[0..n): top-L by fp16-rounded
+// c_j^b . (k_i^b - kbar^b), ties to the lower id. Returns (score, id) sorted.
+std::vector<std::pair<float, int32_t>> NaiveList(const CsaSelector& s, const float* keys,
+                                                 int64_t n, int b, int j) {
+  const int ds = s.sub_dim();
+  std::vector<std::pair<float, int32_t>> all;
+  for (int64_t i = 0; i < n; ++i) {
+    double dot = 0;
+    for (int t = 0; t < ds; ++t) {
+      dot += static_cast<double>(s.centroid(b, j)[t]) *
+             (keys[i * kD + b * ds + t] - s.key_mean()[b * ds + t]);
+    }
+    all.emplace_back(Fp16(dot), static_cast<int32_t>(i));
+  }
+  std::sort(all.begin(), all.end(), [](const auto& a, const auto& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  });
+  all.resize(s.L());
+  return all;
+}
+
+// The stored list equals the naive one up to fp16 rounding at the boundary.
+void ExpectListMatches(const CsaSelector& s, const float* keys, int64_t n, int b, int j) {
+  auto want = NaiveList(s, keys, n, b, j);
+  const float boundary = want.back().first;
+  std::set<int32_t> want_ids;
+  for (auto& e : want) want_ids.insert(e.second);
+  const int32_t* ids = s.list_ids(b, j);
+  const uint16_t* sc = s.list_scores(b, j);
+  const float root = HalfToFloat(sc[0]);
+  const float tol = std::abs(boundary) * 2e-3f + 1e-3f;
+  int mismatches = 0;
+  for (int64_t e = 0; e < s.L(); ++e) {
+    EXPECT_LE(root, HalfToFloat(sc[e]));  // heap: the root is the minimum
+    if (!want_ids.count(ids[e])) {
+      ++mismatches;
+      EXPECT_NEAR(HalfToFloat(sc[e]), boundary, tol) << "list " << b << "," << j;
+    }
+  }
+  EXPECT_LE(mismatches, 2) << "list " << b << "," << j;
+}
+
+struct NaiveConfig {
+  bool norm = false, proj = false, impute_min = false;
+};
+
+// Naive retrieval for one query using the selector's stored lists.
+std::vector<int32_t> NaiveSelect(const CsaSelector& s, const float* q, int64_t budget,
+                                 std::vector<double>* acc_out) {
+  const CsaOptions& o = s.options();
+  const int64_t n = s.n_tokens();
+  const int ds = s.sub_dim();
+  std::vector<double> acc(n, 0.0);
+  for (int b = 0; b < o.m; ++b) {
+    double norm = 0;
+    for (int t = 0; t < ds; ++t) norm += double(q[b * ds + t]) * q[b * ds + t];
+    norm = std::sqrt(norm);
+    if (norm == 0) continue;
+    std::vector<std::pair<double, int>> sims;
+    for (int j = 0; j < o.C; ++j) {
+      double dot = 0;
+      for (int t = 0; t < ds; ++t) dot += double(q[b * ds + t]) * s.centroid(b, j)[t];
+      sims.emplace_back(-dot, j);
+    }
+    std::sort(sims.begin(), sims.end());
+    int take = 1;
+    if (o.tau > 1 && -sims[0].first / norm < o.backoff_cos) take = o.tau;
+    for (int t = 0; t < take; ++t) {
+      const int j = sims[t].second;
+      double w = o.proj_weights ? -sims[t].first : (o.norm_weights ? norm : 1.0);
+      w /= take;
+      const double mn = o.impute_min ? HalfToFloat(s.list_scores(b, j)[0]) : 0.0;
+      for (int64_t e = 0; e < s.L(); ++e) {
+        acc[s.list_ids(b, j)[e]] += w * (HalfToFloat(s.list_scores(b, j)[e]) - mn);
+      }
+    }
+  }
+  std::set<int32_t> forced;
+  for (int64_t i = 0; i < std::min<int64_t>(o.sinks, n); ++i) forced.insert(i);
+  for (int64_t i = std::max<int64_t>(0, n - o.recent); i < n; ++i) forced.insert(i);
+  const int64_t k = budget > 0 ? budget : static_cast<int64_t>(std::ceil(o.rho * n));
+  std::vector<std::pair<double, int32_t>> rest;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!forced.count(i)) rest.emplace_back(-acc[i], static_cast<int32_t>(i));
+  }
+  std::sort(rest.begin(), rest.end());
+  std::vector<int32_t> out(forced.begin(), forced.end());
+  for (int64_t i = 0; i < k - static_cast<int64_t>(forced.size()) && i < (int64_t)rest.size(); ++i) {
+    out.push_back(rest[i].second);
+  }
+  std::sort(out.begin(), out.end());
+  if (acc_out) *acc_out = acc;
+  return out;
+}
+
+void ExpectSelectionMatches(CsaSelector* s, const float* q, int64_t budget) {
+  std::vector<double> acc;
+  auto want = NaiveSelect(*s, q, budget, &acc);
+  SelectInput in;
+  in.queries = q;
+  in.n_queries = 1;
+  in.budget = budget;
+  Selection out;
+  ASSERT_TRUE(s->Select(in, &out, nullptr).ok());
+  const auto& got = out.per_head[0];
+  EXPECT_EQ(got.size(), want.size());
+  // Equal up to float-vs-double near-ties at the K-th score.
+  std::vector<int32_t> only_got, only_want;
+  std::set_difference(got.begin(), got.end(), want.begin(), want.end(),
+                      std::back_inserter(only_got));
+  std::set_difference(want.begin(), want.end(), got.begin(), got.end(),
+                      std::back_inserter(only_want));
+  ASSERT_EQ(only_got.size(), only_want.size());
+  for (size_t i = 0; i < only_got.size(); ++i) {
+    EXPECT_NEAR(acc[only_got[i]], acc[only_want[i]], 1e-3 * (1 + std::abs(acc[only_want[i]])));
+  }
+  EXPECT_LE(only_got.size(), 2u);
+}
+
+TEST(CsaTest, CentroidsAreCosineKMeansOfPooledQueries) {
+  Data data = MakeData(512, 1);
+  CsaOptions o = SmallOptions();
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ((*s)->L(), 128);  // ceil(0.25 * 512)
+  const int ds = kD / o.m;
+  for (int b = 0; b < o.m; ++b) {
+    KMeansOptions ko;
+    ko.k = o.C;
+    ko.metric = KMeansMetric::kCosine;
+    ko.max_iters = o.kmeans_iters;
+    ko.seed = o.seed + 7919 * static_cast<uint64_t>(b);
+    auto km = KMeans(data.queries.data() + b * ds, kG * data.nq, ds, kD, ko);
+    ASSERT_TRUE(km.ok());
+    for (int j = 0; j < o.C; ++j) {
+      for (int t = 0; t < ds; ++t) EXPECT_EQ((*s)->centroid(b, j)[t], km->centroids(j, t));
+    }
+  }
+}
+
+TEST(CsaTest, ListsMatchNaiveDefinition) {
+  Data data = MakeData(512, 2);
+  for (bool center : {true, false}) {
+    CsaOptions o = SmallOptions();
+    o.center_keys = center;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    ASSERT_TRUE(s.ok());
+    for (int b = 0; b < o.m; ++b) {
+      for (int j = 0; j < o.C; ++j) ExpectListMatches(**s, data.keys.data(), data.n, b, j);
+    }
+  }
+}
+
+TEST(CsaTest, SelectionMatchesNaiveDefinition) {
+  Data data = MakeData(512, 3);
+  struct Case {
+    const char* name;
+    void (*apply)(CsaOptions*);
+  };
+  const Case cases[] = {
+      {"uniform", [](CsaOptions*) {}},
+      {"norm", [](CsaOptions* o) { o->norm_weights = true; }},
+      {"proj", [](CsaOptions* o) { o->proj_weights = true; }},
+      {"always_backoff_tau3", [](CsaOptions* o) { o->backoff_cos = 1.0; o->tau = 3; }},
+      {"missing_min", [](CsaOptions* o) { o->impute_min = true; }},
+      {"no_forced", [](CsaOptions* o) { o->sinks = 0; o->recent = 0; }},
+      {"rho_0.2", [](CsaOptions* o) { o->rho = 0.2; }},
+  };
+  CsaOptions base = SmallOptions();
+  auto built = CsaSelector::Build(data.prefill(), base);
+  ASSERT_TRUE(built.ok());
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    CsaOptions o = base;
+    c.apply(&o);
+    ASSERT_TRUE((*built)->SetRetrievalOptions(o).ok());
+    for (int t = 0; t < 6; ++t) ExpectSelectionMatches(built->get(), data.decode.data() + t * kD, 0);
+    ExpectSelectionMatches(built->get(), data.decode.data(), 50);
+  }
+  // Budget below the forced set: only sinks + recent come back.
+  ASSERT_TRUE((*built)->SetRetrievalOptions(base).ok());
+  SelectInput in;
+  in.queries = data.decode.data();
+  in.n_queries = 1;
+  in.budget = 3;
+  Selection out;
+  ASSERT_TRUE((*built)->Select(in, &out, nullptr).ok());
+  EXPECT_EQ(out.per_head[0].size(), 4u + 32u);
+}
+
+TEST(CsaTest, UnionOverHeadsForcedTokensAndStats) {
+  Data data = MakeData(512, 4);
+  auto s = CsaSelector::Build(data.prefill(), SmallOptions());
+  ASSERT_TRUE(s.ok());
+  SelectInput in;
+  in.queries = data.decode.data();
+  in.n_queries = kG;
+  in.budget = 60;
+  Selection out;
+  WorkStats stats;
+  ASSERT_TRUE((*s)->Select(in, &out, &stats).ok());
+  ASSERT_EQ(out.per_head.size(), static_cast<size_t>(kG));
+  std::set<int32_t> u;
+  for (const auto& h : out.per_head) {
+    EXPECT_EQ(h.size(), 60u);
+    u.insert(h.begin(), h.end());
+    for (int32_t i : {0, 1, 2, 3, 480, 511}) EXPECT_TRUE(std::binary_search(h.begin(), h.end(), i));
+  }
+  EXPECT_EQ(out.merged, std::vector<int32_t>(u.begin(), u.end()));
+  // m lists of L entries per head (no backoff here or more), plus centroids.
+  EXPECT_GE(stats.entries_touched, static_cast<uint64_t>(kG) * (4 * 128 + 4 * 16));
+  EXPECT_EQ(stats.keys_scored, 0u);
+  EXPECT_GT(stats.bytes_touched, stats.entries_touched * 4);
+}
+
+TEST(CsaTest, StreamingInsertKeepsListsEqualToRebuild) {
+  Data data = MakeData(600, 5);
+  CsaOptions o = SmallOptions();
+  o.fixed_L = 100;
+  Data first = data;
+  first.n = 500;
+  first.keys.resize(500 * kD);
+  auto s = CsaSelector::Build(first.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  for (int64_t i = 500; i < 600; ++i) {
+    ASSERT_TRUE((*s)->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
+  }
+  EXPECT_EQ((*s)->n_tokens(), 600);
+  EXPECT_EQ((*s)->L(), 100);
+  int inserted = 0;
+  for (int b = 0; b < o.m; ++b) {
+    for (int j = 0; j < o.C; ++j) {
+      ExpectListMatches(**s, data.keys.data(), 600, b, j);
+      for (int64_t e = 0; e < 100; ++e) inserted += (*s)->list_ids(b, j)[e] >= 500;
+    }
+  }
+  EXPECT_GT(inserted, 0);  // the appended keys did enter lists
+  // Appended tokens are in the recent window of the next selection.
+  SelectInput in;
+  in.queries = data.decode.data();
+  in.n_queries = 1;
+  Selection out;
+  ASSERT_TRUE((*s)->Select(in, &out, nullptr).ok());
+  EXPECT_EQ(out.per_head[0].back(), 599);
+}
+
+TEST(CsaTest, PlainSerializationIsBitExact) {
+  Data data = MakeData(512, 6);
+  CsaOptions o = SmallOptions();
+  o.norm_weights = true;
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE((*s)->Append(data.keys.data(), nullptr, nullptr).ok());
+  std::string bytes;
+  ASSERT_TRUE((*s)->Serialize(&bytes).ok());
+  auto loaded = LoadSelector("csa", bytes);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  std::string again;
+  ASSERT_TRUE((*loaded)->Serialize(&again).ok());
+  EXPECT_EQ(again, bytes);
+  auto* l = static_cast<CsaSelector*>(loaded->get());
+  EXPECT_EQ(l->n_tokens(), 513);
+  EXPECT_TRUE(l->options().norm_weights);
+  for (int b = 0; b < o.m; ++b) {
+    for (int j = 0; j < o.C; ++j) {
+      ASSERT_TRUE(std::equal(l->list_ids(b, j), l->list_ids(b, j) + l->L(), (*s)->list_ids(b, j)));
+      ASSERT_TRUE(std::equal(l->list_scores(b, j), l->list_scores(b, j) + l->L(),
+                             (*s)->list_scores(b, j)));
+    }
+  }
+  SelectInput in;
+  in.queries = data.decode.data();
+  in.n_queries = kG;
+  Selection a, b2;
+  ASSERT_TRUE((*s)->Select(in, &a, nullptr).ok());
+  ASSERT_TRUE(l->Select(in, &b2, nullptr).ok());
+  EXPECT_EQ(a.per_head, b2.per_head);
+  // Clone is a deep copy with the same tables.
+  std::string cloned;
+  ASSERT_TRUE((*s)->Clone()->Serialize(&cloned).ok());
+  EXPECT_EQ(cloned, bytes);
+  // Corruption is reported, never a crash.
+  for (size_t cut : {size_t{0}, size_t{7}, size_t{100}, bytes.size() - 1}) {
+    EXPECT_FALSE(LoadSelector("csa", bytes.substr(0, cut)).ok()) << cut;
+  }
+  std::string bad = bytes;
+  bad[bad.size() - 3 * 1000] ^= 0x7f;  // inside the id array or the scores
+  auto r = LoadSelector("csa", bad);
+  (void)r;  // may load (scores) or fail (ids); must not crash
+}
+
+TEST(CsaTest, CompactSerializationEqualsDequantizedPlain) {
+  Data data = MakeData(512, 7);
+  CsaOptions o = SmallOptions();
+  o.compact = true;
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  std::string compact, plain;
+  ASSERT_TRUE((*s)->Serialize(&compact).ok());
+  (*s)->SerializePlain(&plain);
+  EXPECT_LT(compact.size() * 2, plain.size());
+  auto loaded = CsaSelector::Load(compact);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  for (int b = 0; b < o.m; ++b) {
+    for (int j = 0; j < o.C; ++j) {
+      // Expected: the same id set, each score dequantized from its 8-bit code.
+      const int64_t L = (*s)->L();
+      float lo = INFINITY, hi = -INFINITY;
+      std::vector<std::pair<int32_t, float>> want;
+      for (int64_t e = 0; e < L; ++e) {
+        const float v = HalfToFloat((*s)->list_scores(b, j)[e]);
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+        want.emplace_back((*s)->list_ids(b, j)[e], v);
+      }
+      const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
+      for (auto& [id, v] : want) {
+        const long q = step > 0 ? std::lround((v - lo) / step) : 0;
+        v = HalfToFloat(FloatToHalf(lo + q * step));
+      }
+      std::vector<std::pair<int32_t, float>> got;
+      for (int64_t e = 0; e < L; ++e) {
+        got.emplace_back((*loaded)->list_ids(b, j)[e],
+                         HalfToFloat((*loaded)->list_scores(b, j)[e]));
+        if (e > 0) {
+          EXPECT_LE(HalfToFloat((*loaded)->list_scores(b, j)[0]), got.back().second);  // heap
+        }
+      }
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      ASSERT_EQ(got, want) << "list " << b << "," << j;
+    }
+  }
+  EXPECT_GT((*s)->PlainBytesPerToken(), (*s)->CompactBytesPerToken());
+}
+
+TEST(CsaTest, SearchPeriodReusesSelection) {
+  Data data = MakeData(512, 8);
+  auto params = ParseParams("m=4,C=16,iters=5,schedule=0.15/4");
+  ASSERT_TRUE(params.ok());
+  auto sel = BuildSelector("csa", data.prefill(), *params);
+  ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+  auto* s = static_cast<CsaSelector*>(sel->get());
+  EXPECT_EQ(s->options().period, 4);
+  EXPECT_DOUBLE_EQ(s->options().rho, 0.15);
+  SelectInput in;
+  in.n_queries = 1;
+  Selection first, out;
+  WorkStats stats;
+  for (int step = 0; step < 6; ++step) {
+    in.queries = data.decode.data() + step * kD;  // a different query each step
+    ASSERT_TRUE(s->Select(in, &out, &stats).ok());
+    if (step == 0) {
+      first = out;
+      EXPECT_EQ(out.per_head[0].size(), 77u);  // ceil(0.15 * 512)
+      EXPECT_GT(stats.entries_touched, 0u);
+      ASSERT_TRUE(s->Append(data.keys.data(), nullptr, nullptr).ok());  // token 512
+    } else if (step < 4) {
+      EXPECT_EQ(stats.entries_touched, 0u) << step;
+      auto want = first.per_head[0];
+      want.push_back(512);
+      EXPECT_EQ(out.per_head[0], want) << step;
+    } else if (step == 4) {
+      EXPECT_GT(stats.entries_touched, 0u);  // searched again
+    }
+  }
+}
+
+TEST(CsaTest, BadParametersAreInvalidArgument) {
+  Data data = MakeData(512, 9);
+  const struct {
+    const char* params;
+    const char* expect;  // substring of the message
+  } cases[] = {
+      {"m=5", "does not divide"},          {"m=0", "'m'"},
+      {"C=600", "exceeds n_tokens"},       {"C=300", "pooled query rows"},
+      {"rho=0", "(0, 1]"},                 {"rho=1.5", "'rho'"},
+      {"alpha=0", "'alpha'"},              {"alpha=2", "'alpha'"},
+      {"tau=0", "'tau'"},                  {"C=16,tau=17", "tau"},
+      {"period=0", "'period'"},            {"schedule=0.3/2", "'schedule'"},
+      {"weights=foo", "'weights'"},        {"backoff_cos=2", "'backoff_cos'"},
+      {"R=-1", "'R'"},                     {"bogus=1", "unknown parameter"},
+      {"m=abc", "'m'"},                    {"format=zip", "'format'"},
+  };
+  for (const auto& c : cases) {
+    auto params = ParseParams(c.params);
+    ASSERT_TRUE(params.ok()) << c.params;
+    auto s = BuildSelector("csa", data.prefill(), *params);
+    ASSERT_FALSE(s.ok()) << c.params;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << c.params;
+    EXPECT_NE(s.status().message().find(c.expect), std::string_view::npos)
+        << c.params << ": " << s.status().ToString();
+  }
+  // Shape and content errors in the prefill.
+  Data bad = data;
+  bad.keys[17] = NAN;
+  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(),
+            StatusCode::kInvalidArgument);
+  bad = data;
+  bad.queries[3] = INFINITY;
+  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(),
+            StatusCode::kInvalidArgument);
+  HeadPrefill p = data.prefill();
+  p.n_queries = 513;
+  EXPECT_EQ(BuildSelector("csa", p, {}).status().code(), StatusCode::kInvalidArgument);
+  p = data.prefill();
+  p.group_size = 0;
+  EXPECT_EQ(BuildSelector("csa", p, {}).status().code(), StatusCode::kInvalidArgument);
+  p = data.prefill();
+  p.queries = nullptr;
+  EXPECT_EQ(BuildSelector("csa", p, {}).status().code(), StatusCode::kInvalidArgument);
+  p = data.prefill();
+  p.head_dim = 0;
+  EXPECT_EQ(BuildSelector("csa", p, {}).status().code(), StatusCode::kInvalidArgument);
+  // Select / Append inputs.
+  auto s = CsaSelector::Build(data.prefill(), SmallOptions());
+  ASSERT_TRUE(s.ok());
+  std::vector<float> q(kD, 1.0f);
+  SelectInput in;
+  in.queries = q.data();
+  in.n_queries = 0;
+  Selection out;
+  EXPECT_EQ((*s)->Select(in, &out, nullptr).code(), StatusCode::kInvalidArgument);
+  in.n_queries = 1;
+  in.budget = -1;
+  EXPECT_EQ((*s)->Select(in, &out, nullptr).code(), StatusCode::kInvalidArgument);
+  in.budget = 0;
+  q[2] = NAN;
+  EXPECT_EQ((*s)->Select(in, &out, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->Append(q.data(), nullptr, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->Append(nullptr, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadSelector("csa", "garbage").status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace ctxcache::index

@@ -1,0 +1,172 @@
+#include "index/kmeans.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <set>
+#include <vector>
+
+namespace ctxcache::index {
+namespace {
+
+// n points around k well-separated centers in d dims; labels returned.
+std::vector<float> Blobs(int k, int per, int d, double spread, uint64_t seed,
+                         std::vector<int>* labels, std::vector<float>* centers) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> g(0, 1);
+  centers->assign(static_cast<size_t>(k) * d, 0);
+  for (int c = 0; c < k; ++c) {
+    for (int j = 0; j < d; ++j) (*centers)[c * d + j] = 10.0f * g(rng);
+  }
+  std::vector<float> x;
+  labels->clear();
+  for (int i = 0; i < k * per; ++i) {
+    const int c = i % k;
+    labels->push_back(c);
+    for (int j = 0; j < d; ++j) x.push_back((*centers)[c * d + j] + spread * g(rng));
+  }
+  return x;
+}
+
+// Every true cluster maps to exactly one found cluster and vice versa.
+void ExpectSamePartition(const std::vector<int>& truth, const std::vector<int32_t>& found, int k) {
+  std::vector<int> map(k, -1);
+  std::set<int> used;
+  for (size_t i = 0; i < truth.size(); ++i) {
+    if (map[truth[i]] < 0) {
+      map[truth[i]] = found[i];
+      EXPECT_TRUE(used.insert(found[i]).second) << "two true clusters merged";
+    }
+    EXPECT_EQ(map[truth[i]], found[i]) << "point " << i;
+  }
+}
+
+TEST(KMeansTest, L2RecoversSeparableClusters) {
+  std::vector<int> labels;
+  std::vector<float> centers;
+  const int k = 8, d = 16;
+  auto x = Blobs(k, 100, d, 0.5, 1, &labels, &centers);
+  KMeansOptions o;
+  o.k = k;
+  o.max_iters = 50;
+  auto r = KMeans(x.data(), k * 100, d, d, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ExpectSamePartition(labels, r->assign, k);
+  EXPECT_LT(r->objective, 0.5 * 0.5 * d * 1.5);  // ~ spread^2 * d
+  EXPECT_GE(r->iterations, 1);
+}
+
+TEST(KMeansTest, CosineRecoversDirectionsWithUnitCentroids) {
+  std::vector<int> labels;
+  std::vector<float> centers;
+  const int k = 6, d = 8;
+  auto x = Blobs(k, 80, d, 0.3, 2, &labels, &centers);
+  // Scale each point by a random positive factor: cosine must ignore it.
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> u(0.1f, 5.0f);
+  for (size_t i = 0; i < x.size(); i += d) {
+    const float s = u(rng);
+    for (int j = 0; j < d; ++j) x[i + j] *= s;
+  }
+  KMeansOptions o;
+  o.k = k;
+  o.metric = KMeansMetric::kCosine;
+  auto r = KMeans(x.data(), k * 80, d, d, o);
+  ASSERT_TRUE(r.ok());
+  ExpectSamePartition(labels, r->assign, k);
+  for (int j = 0; j < k; ++j) EXPECT_NEAR(r->centroids.row(j).norm(), 1.0f, 1e-4);
+}
+
+TEST(KMeansTest, DeterministicForSeedAndStridedInput) {
+  std::vector<int> labels;
+  std::vector<float> centers;
+  const int d = 8;
+  auto x = Blobs(5, 50, d, 3.0, 4, &labels, &centers);  // overlapping: order matters
+  // The same points embedded in a wider matrix (ld = 2d).
+  std::vector<float> wide(x.size() * 2, 7.0f);
+  for (int i = 0; i < 250; ++i) std::copy_n(x.data() + i * d, d, wide.data() + i * 2 * d);
+  for (KMeansInit init : {KMeansInit::kPlusPlus, KMeansInit::kRandom}) {
+    KMeansOptions o;
+    o.k = 5;
+    o.init = init;
+    o.seed = 99;
+    auto a = KMeans(x.data(), 250, d, d, o);
+    auto b = KMeans(x.data(), 250, d, d, o);
+    auto c = KMeans(wide.data(), 250, d, 2 * d, o);
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    EXPECT_EQ(a->assign, b->assign);
+    EXPECT_EQ(a->centroids, b->centroids);
+    EXPECT_EQ(a->assign, c->assign);
+    o.seed = 100;
+    auto e = KMeans(x.data(), 250, d, d, o);
+    ASSERT_TRUE(e.ok());
+  }
+}
+
+TEST(KMeansTest, MiniBatchConvergesOnSeparableData) {
+  std::vector<int> labels;
+  std::vector<float> centers;
+  const int k = 4, d = 8;
+  auto x = Blobs(k, 500, d, 0.5, 5, &labels, &centers);
+  KMeansOptions o;
+  o.k = k;
+  o.batch_size = 256;
+  o.max_iters = 40;
+  auto r = KMeans(x.data(), k * 500, d, d, o);
+  ASSERT_TRUE(r.ok());
+  ExpectSamePartition(labels, r->assign, k);
+}
+
+TEST(KMeansTest, AssignNearestMatchesBruteForce) {
+  std::mt19937_64 rng(6);
+  std::normal_distribution<float> g(0, 1);
+  const int n = 300, d = 12, k = 7;
+  RowMatrixXf C(k, d);
+  for (int j = 0; j < k; ++j) {
+    for (int t = 0; t < d; ++t) C(j, t) = g(rng);
+  }
+  std::vector<float> x(n * d);
+  for (auto& v : x) v = g(rng);
+  std::vector<int32_t> a(n);
+  std::vector<float> best(n);
+  AssignNearest(x.data(), n, d, d, C, KMeansMetric::kL2, a.data(), best.data());
+  for (int i = 0; i < n; ++i) {
+    int arg = 0;
+    double bd = std::numeric_limits<double>::infinity();
+    for (int j = 0; j < k; ++j) {
+      double dist = 0;
+      for (int t = 0; t < d; ++t) dist += (x[i * d + t] - C(j, t)) * (x[i * d + t] - C(j, t));
+      if (dist < bd) {
+        bd = dist;
+        arg = j;
+      }
+    }
+    EXPECT_EQ(a[i], arg);
+    EXPECT_NEAR(best[i], bd, 1e-3 * (1 + bd));
+  }
+}
+
+TEST(KMeansTest, BadParameters) {
+  std::vector<float> x(40, 1.0f);
+  KMeansOptions o;
+  o.k = 11;
+  EXPECT_EQ(KMeans(x.data(), 10, 4, 4, o).status().code(), StatusCode::kInvalidArgument);
+  o.k = 2;
+  EXPECT_EQ(KMeans(x.data(), 10, 4, 3, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(KMeans(nullptr, 10, 4, 4, o).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(KMeans(x.data(), 0, 4, 4, o).status().code(), StatusCode::kInvalidArgument);
+  x[5] = std::numeric_limits<float>::quiet_NaN();
+  auto r = KMeans(x.data(), 10, 4, 4, o);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("NaN"), std::string_view::npos);
+  // Identical points: k-means++ still returns k centroids without crashing.
+  std::vector<float> same(40, 2.0f);
+  auto s = KMeans(same.data(), 10, 4, 4, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->centroids.rows(), 2);
+}
+
+}  // namespace
+}  // namespace ctxcache::index

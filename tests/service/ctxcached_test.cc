@@ -1,0 +1,139 @@
+// Integration test of the real ctxcached binary on loopback: health,
+// reflection, metrics endpoint, SIGTERM drain and the data-dir lock.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <set>
+#include <string>
+
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/service/server_process.h"
+
+namespace ctxcache {
+namespace {
+
+using testing::ServerProcess;
+using testing::TempDir;
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return "";
+  }
+  std::string resp;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return resp;
+}
+
+class CtxcachedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_dir_ = tmp_.path() + "/data";
+    ASSERT_TRUE(server_.Start(data_dir_)) << server_.log();
+    channel_ = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  }
+
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& service) {
+    auto stub = grpc::health::v1::Health::NewStub(channel_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status s = stub->Check(&ctx, req, &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp.status();
+  }
+
+  TempDir tmp_;
+  std::string data_dir_;
+  ServerProcess server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+TEST_F(CtxcachedTest, HealthIsServing) {
+  EXPECT_EQ(Health(""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health("ctxcache.v1.ContextAdmin"), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(CtxcachedTest, ReflectionListsServices) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("*");
+  ASSERT_TRUE(stream->Write(req));
+  stream->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  std::set<std::string> names;
+  for (const auto& s : resp.list_services_response().service()) names.insert(s.name());
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_TRUE(names.count("ctxcache.v1.ContextAdmin")) << resp.DebugString();
+  EXPECT_TRUE(names.count("ctxcache.v1.DecodeService")) << resp.DebugString();
+  EXPECT_TRUE(names.count("grpc.health.v1.Health")) << resp.DebugString();
+  EXPECT_TRUE(names.count("grpc.reflection.v1alpha.ServerReflection")) << resp.DebugString();
+}
+
+TEST_F(CtxcachedTest, MetricsEndpointServesBuildInfo) {
+  std::string resp = HttpGet(server_.metrics_port(), "/metrics");
+  EXPECT_NE(resp.find("HTTP/1.1 200 OK"), std::string::npos) << resp;
+  EXPECT_NE(resp.find("ctxcache_build_info{"), std::string::npos) << resp;
+  EXPECT_NE(resp.find("ctxcache_uptime_seconds"), std::string::npos) << resp;
+  EXPECT_NE(HttpGet(server_.metrics_port(), "/nope").find("404"), std::string::npos);
+}
+
+TEST_F(CtxcachedTest, SigtermExitsZeroWithinFiveSeconds) {
+  auto start = std::chrono::steady_clock::now();
+  int code = server_.Stop(SIGTERM, std::chrono::seconds(5));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(code, 0) << server_.log();
+  EXPECT_LT(elapsed, std::chrono::seconds(5));
+  std::string log = server_.log();
+  EXPECT_NE(log.find("draining"), std::string::npos) << log;
+  EXPECT_NE(log.find("store closed"), std::string::npos) << log;
+}
+
+TEST_F(CtxcachedTest, SecondInstanceOnSameDirFailsFastNamingTheLock) {
+  ServerProcess second;
+  auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(second.Start(data_dir_, {}, std::chrono::seconds(20)));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  std::string log = second.log();
+  EXPECT_NE(log.find("LOCK"), std::string::npos) << log;
+  EXPECT_NE(log.find("another process"), std::string::npos) << log;
+  EXPECT_NE(second.Stop(), 0);
+  // The first one is unaffected.
+  EXPECT_EQ(Health(""), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST(CtxcachedFlagsTest, BadFlagIsAClearError) {
+  std::string out;
+  int code = ServerProcess::RunCapture(
+      {testing::BinDir() + "/ctxcached", "--high-watermark", "3"}, &out);
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(out.find("--high-watermark"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace ctxcache

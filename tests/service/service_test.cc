@@ -1,0 +1,485 @@
+// End-to-end tests of ctxcached's ContextAdmin and DecodeService through the
+// C++ SDK, against the real binary on loopback, with a tiny random-init
+// Llama (tests/data/golden/llama3: 2 layers, 4 q / 2 kv heads, d = 32).
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "client/worker/decode_worker.h"
+#include "common/dtype.h"
+#include "ctxcache/client.h"
+#include "ctxcache/v1/ctxcache_service.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "index/selector.h"
+#include "model/decode.h"
+#include "model/kv_cache.h"
+#include "model/prefill.h"
+#include "tests/service/server_process.h"
+
+namespace ctxcache {
+namespace {
+
+using testing::ServerProcess;
+using testing::TempDir;
+
+std::string ModelDir() { return testing::SourceDir() + "/tests/data/golden"; }
+
+std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab = 512) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(n);
+  // Repetitive structure so attention has something to find.
+  for (int i = 0; i < n; ++i) t[i] = (i % 97 < 40) ? static_cast<int32_t>(rng() % vocab) : t[i % 40];
+  return t;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(); }
+
+  void StartServer(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"--model-dir", ModelDir(), "--default-model", "llama3",
+                                     "--default-indexes", "csa,tactic,lfps,quest"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    ASSERT_TRUE(server_.Start(tmp_.path() + "/data", args)) << server_.log();
+    client::ClientOptions o;
+    o.server = server_.address();
+    o.timeout_s = 60;
+    client_ = std::move(client::Client::Connect(o)).value();
+  }
+
+  StatusOr<v1::BuildProgress> Build(const std::vector<int32_t>& tokens,
+                                    std::vector<v1::BuildProgress>* progress = nullptr) {
+    v1::BuildContextRequest req;
+    for (int32_t t : tokens) req.mutable_tokens()->add_ids(static_cast<uint32_t>(t));
+    req.set_name("test");
+    (*req.mutable_labels())["suite"] = "service";
+    return client_->Build(req, [&](const v1::BuildProgress& p) {
+      if (progress) progress->push_back(p);
+    });
+  }
+
+  bool Healthy() {
+    auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+    auto stub = grpc::health::v1::Health::NewStub(ch);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckResponse resp;
+    return stub->Check(&ctx, {}, &resp).ok() &&
+           resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  }
+
+  TempDir tmp_;
+  ServerProcess server_;
+  std::unique_ptr<client::Client> client_;
+};
+
+TEST_F(ServiceTest, BuildStreamsMonotonicProgressAndIsIdempotent) {
+  auto tokens = RandomTokens(700, 1);
+  std::vector<v1::BuildProgress> progress;
+  auto done = Build(tokens, &progress);
+  ASSERT_TRUE(done.ok()) << done.status().ToString() << server_.log();
+  ASSERT_GE(progress.size(), 3u);
+  for (size_t i = 1; i < progress.size(); ++i) {
+    EXPECT_GE(progress[i].phase(), progress[i - 1].phase());
+    EXPECT_GE(progress[i].tokens_prefilled(), progress[i - 1].tokens_prefilled());
+  }
+  EXPECT_EQ(progress.back().phase(), v1::BuildProgress::DONE);
+  EXPECT_EQ(done->context().state(), v1::CONTEXT_STATE_READY);
+  EXPECT_EQ(done->context().n_tokens(), 700u);
+  EXPECT_FALSE(done->reused());
+  EXPECT_EQ(done->context().context_id().size(), 32u);
+  // The same tokens again: same id, no work.
+  auto again = Build(tokens);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->reused());
+  EXPECT_EQ(again->context().context_id(), done->context().context_id());
+  auto got = client_->GetContext(done->context().context_id());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->n_tokens(), 700u);
+  EXPECT_GT(got->bytes_by_kind().at("index/csa"), 0u);
+  auto list = client_->ListContexts({});
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ(list->contexts_size(), 1);
+}
+
+// Server-side selection must add nothing but transport: a session decodes
+// exactly the tokens of the local SparseAttention with the same selectors.
+TEST_F(ServiceTest, SessionMatchesLocalDecodeForEveryMethod) {
+  auto tokens = RandomTokens(600, 2);
+  auto done = Build(tokens);
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  const std::string id = done->context().context_id();
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const model::ModelSpec& spec = (*model)->spec();
+  model::KvCache cache(spec, DType::kBF16);
+  model::PrefillResult pr;
+  ASSERT_TRUE(model::Prefill(**model, tokens, &cache, {}, {}, &pr).ok());
+  const std::vector<int32_t> prompt = {5, 17, 300, 42};
+  const int64_t budget = 48;
+  for (const char* method : {"csa", "tactic", "lfps", "quest", "streaming", "oracle", "full"}) {
+    SCOPED_TRACE(method);
+    // Local reference.
+    auto artifacts = client_->FetchIndex(id, method);
+    ASSERT_TRUE(artifacts.ok()) << artifacts.status().ToString();
+    std::vector<std::unique_ptr<index::Selector>> owned;
+    std::vector<std::vector<index::Selector*>> sels(spec.n_layers);
+    for (int l = 0; l < spec.n_layers; ++l) {
+      for (int h = 0; h < spec.n_kv_heads; ++h) {
+        auto s = index::LoadSelector(method, artifacts->at({l, h}));
+        ASSERT_TRUE(s.ok()) << s.status().ToString();
+        sels[l].push_back(s->get());
+        owned.push_back(std::move(s).value());
+      }
+    }
+    model::KvCachePageSource pages(&cache);
+    model::SparseAttentionOptions so;
+    so.budget = budget;
+    auto sparse = model::SparseAttention::Create(spec, sels, &pages, so);
+    ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+    std::vector<model::AttentionProvider*> providers = {sparse->get()};
+    std::vector<int32_t> local;
+    std::vector<float> logits;
+    int64_t pos = static_cast<int64_t>(tokens.size());
+    for (int32_t t : prompt) ASSERT_TRUE(model::DecodeStep(**model, t, pos++, providers, &logits).ok());
+    for (int i = 0; i < 12; ++i) {
+      int32_t next = model::Argmax(logits.data(), spec.vocab);
+      local.push_back(next);
+      ASSERT_TRUE(model::DecodeStep(**model, next, pos++, providers, &logits).ok());
+    }
+    // Through ctxcached, both selection modes.
+    for (auto mode : {client::SelectMode::kServer, client::SelectMode::kClient}) {
+      client::GenerateOptions go;
+      go.session.context_id = id;
+      go.session.method = method;
+      go.session.params["budget"] = std::to_string(budget);
+      go.session.mode = mode;
+      go.max_new_tokens = 12;
+      auto remote = client::GenerateRemote(**model, client_.get(), prompt, go);
+      ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+      EXPECT_EQ(remote->tokens, local) << "mode " << static_cast<int>(mode);
+      EXPECT_GT(remote->bytes_received, 0u);
+    }
+  }
+}
+
+TEST_F(ServiceTest, AppendChangesLaterSelections) {
+  auto done = Build(RandomTokens(500, 3));
+  ASSERT_TRUE(done.ok());
+  const auto& info = done->context();
+  const int nq = info.model().n_q_heads(), nkv = info.model().n_kv_heads(),
+            d = info.model().head_dim(), L = info.model().n_layers();
+  for (const char* method : {"csa", "oracle", "quest"}) {
+    SCOPED_TRACE(method);
+    client::SessionOptions so;
+    so.context_id = info.context_id();
+    so.method = method;
+    so.params["budget"] = "16";
+    auto session = client_->OpenSession(so);
+    ASSERT_TRUE(session.ok()) << session.status().ToString();
+    std::vector<float> q(size_t(nq) * d, 0.f);
+    for (int i = 0; i < nq * d; ++i) q[i] = (i % d == 3) ? 4.0f : 0.01f;
+    client::SelectedKV before;
+    ASSERT_TRUE((*session)->Step(0, q.data(), &before).ok());
+    for (const auto& h : before.heads) {
+      for (int32_t id : h.ids) EXPECT_LT(id, 500);
+    }
+    // Append a token whose key is aligned with the query, much more than any context key.
+    std::vector<float> k(size_t(L) * nkv * d, 0.f), v(k.size(), 1.0f);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = (i % d == 3) ? 1000.0f : 0.f;
+    ASSERT_TRUE((*session)->Append(k.data(), v.data(), nullptr).ok());
+    client::SelectedKV after;
+    ASSERT_TRUE((*session)->Step(0, q.data(), &after).ok());
+    bool found = false;
+    for (const auto& h : after.heads) {
+      found = found || std::find(h.ids.begin(), h.ids.end(), 500) != h.ids.end();
+    }
+    EXPECT_TRUE(found) << "the appended token 500 should be selected";
+    ASSERT_TRUE((*session)->Close().ok());
+  }
+}
+
+TEST_F(ServiceTest, FetchPagesEqualsStoredKv) {
+  auto tokens = RandomTokens(300, 4);
+  auto done = Build(tokens);
+  ASSERT_TRUE(done.ok());
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  ASSERT_TRUE(model.ok());
+  model::KvCache cache((*model)->spec(), DType::kBF16);
+  model::PrefillResult pr;
+  ASSERT_TRUE(model::Prefill(**model, tokens, &cache, {}, {}, &pr).ok());
+  v1::FetchPagesRequest req;
+  req.set_context_id(done->context().context_id());
+  auto* t = req.add_tables();
+  t->set_layer(1);
+  t->set_kv_head(1);
+  for (uint32_t b : {0u, 5u, 18u}) t->add_blocks(b);  // 18 = the partial last block (300 = 18*16+12)
+  std::vector<v1::Page> pages;
+  ASSERT_TRUE(client_->FetchPages(req, &pages).ok());
+  ASSERT_EQ(pages.size(), 3u);
+  const int d = (*model)->spec().head_dim;
+  for (const auto& p : pages) {
+    std::vector<float> k(size_t(p.n_tokens()) * d), v(k.size()), want_k(k.size()), want_v(k.size());
+    Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.k().data()), k.data(), k.size());
+    Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.v().data()), v.data(), v.size());
+    cache.Read(1, 1, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(),
+               want_k.data(), want_v.data());
+    EXPECT_EQ(k, want_k) << "block " << p.block();
+    EXPECT_EQ(v, want_v) << "block " << p.block();
+  }
+  EXPECT_EQ(pages[2].n_tokens(), 12u);
+}
+
+TEST_F(ServiceTest, WatchSeesEveryEvent) {
+  std::vector<v1::ContextEvent> events;
+  std::thread watcher([&] {
+    client_->Watch({}, [&](const v1::ContextEvent& ev) {
+      events.push_back(ev);
+      return events.size() < 3;
+    }, 30).IgnoreError();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto done = Build(RandomTokens(200, 5));
+  ASSERT_TRUE(done.ok());
+  ASSERT_TRUE(client_->Evict(done->context().context_id()).ok());
+  watcher.join();
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[0].type(), v1::ContextEvent::CREATED);
+  EXPECT_EQ(events[1].type(), v1::ContextEvent::READY);
+  EXPECT_EQ(events[2].type(), v1::ContextEvent::EVICTED);
+  for (const auto& e : events) EXPECT_EQ(e.context().context_id(), done->context().context_id());
+}
+
+TEST_F(ServiceTest, EvictionWaitsForTheSessionLease) {
+  auto done = Build(RandomTokens(200, 6));
+  ASSERT_TRUE(done.ok());
+  const std::string id = done->context().context_id();
+  client::SessionOptions so;
+  so.context_id = id;
+  so.method = "streaming";
+  auto session = client_->OpenSession(so);
+  ASSERT_TRUE(session.ok());
+  auto ev = client_->Evict(id);
+  ASSERT_TRUE(ev.ok()) << ev.status().ToString();
+  EXPECT_TRUE(ev->deferred());
+  // The open session keeps working on its lease.
+  std::vector<float> q(size_t(done->context().model().n_q_heads()) * 32, 0.5f);
+  client::SelectedKV sel;
+  EXPECT_TRUE((*session)->Step(0, q.data(), &sel).ok());
+  ASSERT_TRUE((*session)->Close().ok());
+  // Deleted once the lease dropped.
+  StatusCode code = StatusCode::kOk;
+  for (int i = 0; i < 50 && code != StatusCode::kNotFound; ++i) {
+    code = client_->GetContext(id).status().code();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(code, StatusCode::kNotFound);
+}
+
+TEST_F(ServiceTest, ReadyContextsSurviveKillAndRestart) {
+  auto done = Build(RandomTokens(250, 7));
+  ASSERT_TRUE(done.ok());
+  server_.Kill();  // SIGKILL: no clean shutdown
+  StartServer();
+  auto got = client_->GetContext(done->context().context_id());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->n_tokens(), 250u);
+  client::SessionOptions so;
+  so.context_id = got->context_id();
+  so.method = "csa";
+  auto session = client_->OpenSession(so);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  std::vector<float> q(size_t(got->model().n_q_heads()) * 32, 0.5f);
+  client::SelectedKV sel;
+  EXPECT_TRUE((*session)->Step(1, q.data(), &sel).ok());
+}
+
+TEST_F(ServiceTest, ExtendSharesTheParentsPages) {
+  auto parent_tokens = RandomTokens(640, 8);  // 40 full pages
+  auto parent = Build(parent_tokens);
+  ASSERT_TRUE(parent.ok());
+  v1::ExtendContextRequest req;
+  req.set_parent_id(parent->context().context_id());
+  for (int i = 0; i < 32; ++i) req.mutable_tokens()->add_ids(static_cast<uint32_t>(i * 7 % 512));
+  auto child = client_->Extend(req, nullptr);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  EXPECT_EQ(child->context().n_tokens(), 672u);
+  EXPECT_EQ(child->context().parent_id(), parent->context().context_id());
+  // Pages the child stores: only the 2 new blocks per (layer, kv head).
+  const auto& info = child->context();
+  const uint64_t page_raw = 2ull * 16 * info.model().head_dim() * 2;  // K+V bf16 per page
+  const uint64_t new_raw = 2ull * info.model().n_layers() * info.model().n_kv_heads() * page_raw;
+  EXPECT_EQ(info.raw_kv_bytes(), new_raw);
+  EXPECT_LT(info.bytes_by_kind().at("pages"), parent->context().bytes_by_kind().at("pages") / 4);
+  // The child's KV equals a from-scratch build of the same tokens.
+  std::vector<int32_t> all = parent_tokens;
+  for (int i = 0; i < 32; ++i) all.push_back(i * 7 % 512);
+  v1::FetchPagesRequest fp;
+  fp.set_context_id(info.context_id());
+  auto* t = fp.add_tables();
+  t->set_layer(1);
+  t->set_kv_head(0);
+  for (uint32_t b = 38; b < 42; ++b) t->add_blocks(b);
+  std::vector<v1::Page> child_pages;
+  ASSERT_TRUE(client_->FetchPages(fp, &child_pages).ok());
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  model::KvCache cache((*model)->spec(), DType::kBF16);
+  model::PrefillResult pr;
+  ASSERT_TRUE(model::Prefill(**model, all, &cache, {}, {}, &pr).ok());
+  for (const auto& p : child_pages) {
+    std::vector<float> k(size_t(p.n_tokens()) * 32), want(k.size());
+    Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.k().data()), k.data(), k.size());
+    cache.Read(1, 0, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(),
+               want.data(), nullptr);
+    for (size_t i = 0; i < k.size(); ++i) {
+      ASSERT_NEAR(k[i], want[i], 0.02f * std::fabs(want[i]) + 1e-3f) << "block " << p.block();
+    }
+  }
+}
+
+// Every bad input gets the expected code and the server keeps serving.
+TEST_F(ServiceTest, BadInputTable) {
+  auto done = Build(RandomTokens(100, 9));
+  ASSERT_TRUE(done.ok());
+  const std::string id = done->context().context_id();
+  // Admin.
+  {
+    v1::BuildContextRequest req;
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kInvalidArgument);
+    req.mutable_tokens();  // 0 tokens
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kInvalidArgument);
+    req.set_text("");
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kInvalidArgument);
+    req.set_text("hello");  // llama3 test model has no tokenizer
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kFailedPrecondition);
+    req.mutable_tokens()->add_ids(1);
+    req.set_model("no-such-model");
+    auto s = client_->Build(req, nullptr).status();
+    EXPECT_EQ(s.code(), StatusCode::kNotFound);
+    EXPECT_NE(s.message().find("llama3"), std::string_view::npos) << s.ToString();
+    req.set_model("");
+    req.mutable_tokens()->add_ids(100000);  // outside the vocabulary
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kInvalidArgument);
+    req.mutable_tokens()->clear_ids();
+    req.mutable_tokens()->add_ids(1);
+    req.add_indexes()->set_method("nope");
+    EXPECT_EQ(client_->Build(req, nullptr).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(client_->GetContext("00112233445566778899aabbccddeeff").status().code(),
+              StatusCode::kNotFound);
+    EXPECT_EQ(client_->GetContext("xyz").status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(client_->GetContext("").status().code(), StatusCode::kInvalidArgument);
+  }
+  // Decode: raw stream so out-of-order and malformed messages can be sent.
+  auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::DecodeService::NewStub(ch);
+  grpc::ClientContext ctx;
+  auto stream = stub->Decode(&ctx);
+  auto send = [&](const v1::DecodeRequest& r) {
+    EXPECT_TRUE(stream->Write(r));
+    v1::DecodeResponse resp;
+    EXPECT_TRUE(stream->Read(&resp));
+    return resp;
+  };
+  auto code_of = [](const v1::DecodeResponse& r) {
+    return r.has_error() ? static_cast<StatusCode>(r.error().code()) : StatusCode::kOk;
+  };
+  v1::DecodeRequest step;
+  step.mutable_step()->set_layer(0);
+  EXPECT_EQ(code_of(send(step)), StatusCode::kFailedPrecondition);  // Step before Open
+  v1::DecodeRequest open;
+  open.mutable_open()->set_context_id("00112233445566778899aabbccddeeff");
+  open.mutable_open()->set_method("csa");
+  EXPECT_EQ(code_of(send(open)), StatusCode::kNotFound);
+  open.mutable_open()->set_context_id(id);
+  open.mutable_open()->set_method("bogus");
+  EXPECT_EQ(code_of(send(open)), StatusCode::kInvalidArgument);
+  open.mutable_open()->set_method("csa");
+  (*open.mutable_open()->mutable_params())["rho"] = "7";
+  EXPECT_EQ(code_of(send(open)), StatusCode::kInvalidArgument);
+  open.mutable_open()->clear_params();
+  auto opened = send(open);
+  ASSERT_TRUE(opened.has_opened()) << opened.DebugString();
+  const int nq = 4, d = 32;
+  auto* t = step.mutable_step()->mutable_queries();
+  t->set_dtype(v1::DTYPE_F32);
+  t->add_shape(nq);
+  t->add_shape(d - 1);  // wrong dims
+  t->set_data(std::string(size_t(nq) * (d - 1) * 4, '\0'));
+  EXPECT_EQ(code_of(send(step)), StatusCode::kInvalidArgument);
+  t->set_shape(1, d);
+  t->set_data(std::string(size_t(nq) * d * 4, '\0'));
+  t->set_dtype(v1::DTYPE_UNSPECIFIED);  // wrong dtype
+  EXPECT_EQ(code_of(send(step)), StatusCode::kInvalidArgument);
+  t->set_dtype(v1::DTYPE_F32);
+  std::vector<float> q(size_t(nq) * d, 0.1f);
+  q[5] = NAN;
+  t->set_data(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+  EXPECT_EQ(code_of(send(step)), StatusCode::kInvalidArgument);  // NaN
+  q[5] = INFINITY;
+  t->set_data(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+  EXPECT_EQ(code_of(send(step)), StatusCode::kInvalidArgument);  // Inf
+  q[5] = 0.1f;
+  t->set_data(reinterpret_cast<const char*>(q.data()), q.size() * 4);
+  step.mutable_step()->set_layer(9);  // layer out of range
+  EXPECT_EQ(code_of(send(step)), StatusCode::kInvalidArgument);
+  step.mutable_step()->set_layer(1);
+  EXPECT_EQ(code_of(send(step)), StatusCode::kOk);  // the session is still usable
+  v1::DecodeRequest append;
+  append.mutable_append()->mutable_k()->set_dtype(v1::DTYPE_F32);
+  EXPECT_EQ(code_of(send(append)), StatusCode::kInvalidArgument);  // missing shapes
+  EXPECT_EQ(code_of(send(open)), StatusCode::kFailedPrecondition);  // second Open
+  stream->WritesDone();
+  stream->Finish();
+  // Oversized message: rejected by gRPC's size limit.
+  {
+    grpc::ClientContext c2;
+    auto s2 = stub->Decode(&c2);
+    v1::DecodeRequest big;
+    big.mutable_step()->mutable_queries()->set_data(std::string(9u << 20, 'x'));
+    s2->Write(big);
+    v1::DecodeResponse r;
+    s2->Read(&r);
+    EXPECT_EQ(s2->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  // FetchPages / FetchIndex errors.
+  v1::FetchPagesRequest fp;
+  fp.set_context_id(id);
+  auto* table = fp.add_tables();
+  table->set_layer(5);
+  std::vector<v1::Page> pages;
+  EXPECT_EQ(client_->FetchPages(fp, &pages).code(), StatusCode::kInvalidArgument);
+  table->set_layer(0);
+  table->add_blocks(1000);
+  EXPECT_EQ(client_->FetchPages(fp, &pages).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(client_->FetchIndex(id, "nope").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Healthy());
+}
+
+TEST_F(ServiceTest, CorruptPagesAreDetectedByTheClient) {
+  server_.Kill();
+  StartServer({"--fault-corrupt-pages-for-testing"});
+  auto done = Build(RandomTokens(200, 10));
+  ASSERT_TRUE(done.ok());
+  client::SessionOptions so;
+  so.context_id = done->context().context_id();
+  so.method = "csa";
+  auto session = client_->OpenSession(so);
+  ASSERT_TRUE(session.ok());
+  std::vector<float> q(4 * 32, 0.3f);
+  client::SelectedKV sel;
+  Status s = (*session)->Step(0, q.data(), &sel);
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+  v1::FetchPagesRequest fp;
+  fp.set_context_id(so.context_id);
+  auto* t = fp.add_tables();
+  t->add_blocks(0);
+  std::vector<v1::Page> pages;
+  EXPECT_EQ(client_->FetchPages(fp, &pages).code(), StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace ctxcache

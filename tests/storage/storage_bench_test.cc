@@ -1,0 +1,50 @@
+// Runs `ctxcache-bench storage --quick` and checks that its JSON line holds
+// every field the storage issue asks for.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "tests/storage/test_util.h"
+
+namespace {
+
+TEST(StorageBenchTest, QuickRunReportsEveryField) {
+  const char* bin_dir = std::getenv("CTXCACHE_BIN_DIR");
+  ASSERT_NE(bin_dir, nullptr) << "CTXCACHE_BIN_DIR not set (run through ctest)";
+  ctxcache::storage::testing::TempDir dir;
+  std::string cmd = std::string(bin_dir) + "/ctxcache-bench storage --quick --dir " + dir.path();
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  int rc = pclose(p);
+  ASSERT_EQ(rc, 0) << out;
+  std::istringstream lines(out);
+  std::string line, last;
+  while (std::getline(lines, line)) {
+    if (!line.empty()) last = line;
+  }
+  auto j = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(j.is_object()) << last;
+  for (const char* f : {"write_gbps", "read_warm_gbps", "read_cold_gbps", "read_p50_us",
+                        "read_p99_us", "fio_randread_gbps", "read_vs_fio", "fio_seqwrite_gbps",
+                        "write_vs_fio"}) {
+    ASSERT_TRUE(j.contains(f)) << f << " missing in " << last;
+    EXPECT_TRUE(j[f].is_number()) << f;
+    EXPECT_GT(j[f].get<double>(), 0.0) << f;
+  }
+  ASSERT_TRUE(j.contains("compression_ratio")) << last;
+  for (const char* codec : {"none", "zstd", "zstd_shuffle"}) {
+    ASSERT_TRUE(j["compression_ratio"].contains(codec)) << codec;
+    EXPECT_GE(j["compression_ratio"][codec].get<double>(), 1.0);
+  }
+  ASSERT_TRUE(j.contains("cold_read_method"));
+}
+
+}  // namespace

@@ -17,27 +17,29 @@
 //                 Target: eta >= 0.85 with <= 5% keys scored.
 //   equal_budget  all methods at the same per-q-head token budget (5%, and the
 //                 budget Tactic picks at P = 0.9): recall@K, attention mass,
-//                 output relative error, select latency, bytes touched.
+//                 output relative error, select latency, bytes touched, and
+//                 the page efficiency of the block-union page tables built
+//                 from the selections (subgroups of 4 q heads, 16-token pages).
 //
 // Usage: ctxcache-bench fidelity [--quick] [--trace FILE] [--n N] [--steps S]
 //        [--lfps-steps T] [--seed X] [--logit-std X] [--layer-slot L] [--kv-slot H]
 // --trace reads a .ctxtrace (model/trace.h); the last --steps stored query
 // rows are the evaluation queries over the keys before the first of them.
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include "bench/bench_registry.h"
 #include "index/lfps.h"
 #include "index/metrics.h"
+#include "index/page_table.h"
 #include "index/selector.h"
 #include "index/synthetic.h"
 #include "index/tactic.h"
@@ -49,8 +51,8 @@ namespace {
 using index::ArrayKeySource;
 using index::ExactAttention;
 using index::HeadPrefill;
-using index::Selection;
 using index::SelectInput;
+using index::Selection;
 using index::Selector;
 using index::WorkStats;
 using Json = nlohmann::json;
@@ -63,11 +65,11 @@ struct Workload {
   int64_t n_all = 0;  // tokens with keys available (context + later tokens)
   int d = 0;
   int G = 0;
-  std::vector<float> keys, values;      // n_all x d
-  std::vector<int64_t> prefill_pos;     // ascending, < n
-  std::vector<float> prefill_q;         // [G][rows][d]
-  std::vector<int64_t> eval_pos;        // ascending, >= n
-  std::vector<float> eval_q;            // [row][G][d]
+  std::vector<float> keys, values;   // n_all x d
+  std::vector<int64_t> prefill_pos;  // ascending, < n
+  std::vector<float> prefill_q;      // [G][rows][d]
+  std::vector<int64_t> eval_pos;     // ascending, >= n
+  std::vector<float> eval_q;         // [row][G][d]
 
   HeadPrefill Prefill() const {
     HeadPrefill p;
@@ -110,7 +112,9 @@ void ShapeStream(index::SyntheticHead* h, const std::string& kind, double rho) {
   if (kind == "native") return;
   const int d = h->head_dim, G = h->group_size, T = h->n_decode;
   for (int g = 0; g < G; ++g) {
-    auto row = [&](int t) { return h->decode_queries.data() + (static_cast<size_t>(t) * G + g) * d; };
+    auto row = [&](int t) {
+      return h->decode_queries.data() + (static_cast<size_t>(t) * G + g) * d;
+    };
     std::vector<double> m(d, 0.0);
     for (int t = 0; t < T; ++t) {
       for (int j = 0; j < d; ++j) m[j] += row(t)[j] / T;
@@ -237,7 +241,8 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
       in.n_queries = w.G;
       in.keys = &ks;
       Selection out;
-      if (Status s = tactic->Select(in, &out, nullptr); !s.ok()) return Json{{"error", s.ToString()}};
+      if (Status s = tactic->Select(in, &out, nullptr); !s.ok())
+        return Json{{"error", s.ToString()}};
       for (int g = 0; g < w.G; ++g) {
         const double mass = exact[g].Mass(out.per_head[g]);
         acc[pi].tactic += static_cast<double>(out.per_head[g].size());
@@ -252,6 +257,13 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
       std::sort(by_prob.begin(), by_prob.end(),
                 [&](int32_t a, int32_t b) { return probs[a] > probs[b]; });
       tactic->RankTokens(w.EvalQ(t) + g * d, &order, &cend);
+      // Cluster-optimal walks the always-selected tokens (sinks, tail) first.
+      std::vector<int32_t> fixed;
+      for (int64_t i = 0; i < tactic->n_sink(); ++i) fixed.push_back(static_cast<int32_t>(i));
+      for (int64_t i = tactic->n_sink() + tactic->n_ranked(); i < w.n; ++i) {
+        fixed.push_back(static_cast<int32_t>(i));
+      }
+      order.insert(order.begin(), fixed.begin(), fixed.end());
       for (size_t pi = 0; pi < ps.size(); ++pi) {
         acc[pi].opt += static_cast<double>(TokensToReach(probs, by_prob, ps[pi]));
         acc[pi].cluster += static_cast<double>(TokensToReach(probs, order, ps[pi]));
@@ -289,7 +301,9 @@ Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& op
   std::vector<std::vector<int32_t>> prev(w.G);
   for (int t = 0; t < w.n_eval(); ++t) {
     while (sel.n_tokens() < std::min<int64_t>(w.eval_pos[t], w.n_all)) {
-      (void)sel.Append(w.keys.data() + sel.n_tokens() * d, nullptr, nullptr);
+      if (Status s = sel.Append(w.keys.data() + sel.n_tokens() * d, nullptr, nullptr); !s.ok()) {
+        return Json{{"error", s.ToString()}};
+      }
     }
     const int64_t n = sel.n_tokens();
     ArrayKeySource ks(w.keys.data(), n, d);
@@ -335,6 +349,7 @@ Json EqualBudget(const Workload& w, const std::vector<std::pair<std::string, Sel
   for (const auto& [name, proto] : methods) {
     std::unique_ptr<Selector> sel = proto->Clone();  // fresh session state (LFPS, CSA schedule)
     double recall = 0, mass = 0, err = 0, tokens = 0, ms = 0;
+    int64_t page_selected = 0, page_fetched = 0;
     uint64_t bytes = 0, scored = 0;
     int count = 0;
     for (int t = 0; t < w.n_eval(); ++t) {
@@ -354,8 +369,16 @@ Json EqualBudget(const Workload& w, const std::vector<std::pair<std::string, Sel
       ms += Ms(std::chrono::steady_clock::now() - t0);
       bytes += st.bytes_touched;
       scored += st.keys_scored;
+      // Block-union page tables (subgroups of 4 q heads, 16-token pages).
+      auto tables = index::BuildPageTables(out.per_head, w.n, index::PageTableOptions{});
+      if (!tables.ok()) return Json{{"error", tables.status().ToString()}};
+      for (const index::PageTable& pt : *tables) {
+        page_selected += pt.selected_tokens;
+        page_fetched += pt.fetched_tokens;
+      }
       for (int g = 0; g < w.G; ++g) {
-        auto e = ExactAttention::Compute(in.queries + g * d, w.keys.data(), w.values.data(), w.n, d);
+        auto e =
+            ExactAttention::Compute(in.queries + g * d, w.keys.data(), w.values.data(), w.n, d);
         if (!e.ok()) return Json{{"error", e.status().ToString()}};
         recall += index::RecallAtK(out.per_head[g], e->TopK(budget));
         mass += e->Mass(out.per_head[g]);
@@ -366,14 +389,17 @@ Json EqualBudget(const Workload& w, const std::vector<std::pair<std::string, Sel
     }
     if (count <= 0) continue;
     const double heads = static_cast<double>(count);
-    rows.push_back(Json{{"method", name},
-                        {"recall", recall / heads},
-                        {"mass", mass / heads},
-                        {"output_error", err / heads},
-                        {"tokens", tokens / heads},
-                        {"select_us_per_head", 1000.0 * ms / heads},
-                        {"bytes_touched_per_head", static_cast<double>(bytes) / heads},
-                        {"keys_scored_frac", static_cast<double>(scored) / heads / w.n}});
+    rows.push_back(
+        Json{{"method", name},
+             {"recall", recall / heads},
+             {"mass", mass / heads},
+             {"output_error", err / heads},
+             {"tokens", tokens / heads},
+             {"select_us_per_head", 1000.0 * ms / heads},
+             {"bytes_touched_per_head", static_cast<double>(bytes) / heads},
+             {"keys_scored_frac", static_cast<double>(scored) / heads / w.n},
+             {"page_efficiency",
+              page_fetched > 0 ? static_cast<double>(page_selected) / page_fetched : 1.0}});
   }
   return rows;
 }
@@ -392,7 +418,8 @@ int RunFidelity(int argc, char** argv) {
   app.add_option("--steps", steps, "evaluation queries (Tactic table, equal budget)");
   app.add_option("--lfps-steps", lfps_steps, "LFPS decode steps (>= 256 for the report)");
   app.add_option("--seed", seed, "synthetic seed");
-  app.add_option("--logit-std", logit_std, "synthetic: std of q.k/sqrt(d) (lower = flatter attention)");
+  app.add_option("--logit-std", logit_std,
+                 "synthetic: std of q.k/sqrt(d) (lower = flatter attention)");
   app.add_option("--layer-slot", layer_slot, "trace: stored layer slot");
   app.add_option("--kv-slot", kv_slot, "trace: stored kv-head slot");
   try {
@@ -420,7 +447,8 @@ int RunFidelity(int argc, char** argv) {
     auto tw = FromTrace(trace, layer_slot, kv_slot, steps);
     if (!tw.ok()) {
       std::fprintf(stderr, "fidelity: %s\n", tw.status().ToString().c_str());
-      std::printf("%s\n", Json{{"bench", "fidelity"}, {"error", tw.status().ToString()}}.dump().c_str());
+      std::printf("%s\n",
+                  Json{{"bench", "fidelity"}, {"error", tw.status().ToString()}}.dump().c_str());
       return 1;
     }
     w = std::move(*tw);
@@ -456,7 +484,8 @@ int RunFidelity(int argc, char** argv) {
   // 1. Tactic table.
   double tactic_tokens = 0;
   Json table = TacticTable(w, tactic, {0.5, 0.6, 0.7, 0.8, 0.9}, &tactic_tokens);
-  std::printf("\n| P | optimal | cluster-optimal | Tactic | Tactic/optimal | avg mass | success |\n");
+  std::printf(
+      "\n| P | optimal | cluster-optimal | Tactic | Tactic/optimal | avg mass | success |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   Json tactic_target = Json::object();
   for (const Json& r : table) {
@@ -478,22 +507,26 @@ int RunFidelity(int argc, char** argv) {
 
   // 2. LFPS streams (synthetic) or the trace's own rows.
   Json lfps = Json::array();
-  std::printf("\n| LFPS stream | rho | eps | steps | eta@2%% | keys scored | bypass | exact top-k step overlap |\n");
-  std::printf("|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| LFPS stream | rho | eps | a | steps | eta@2%% | keys scored | bypass | exact top-k "
+      "step overlap |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
   struct StreamSpec {
     std::string kind;
     double rho;
     double eps;  // 1.0 disables the sink bypass (rho <= 1 always)
+    double a;    // candidate threshold scale (LFPS Table 4 sweeps 0.1..0.4)
   };
-  std::vector<StreamSpec> streams = {{"target", 0.95, 0.85}, {"target", 0.95, 1.0},
-                                     {"target", 0.99, 0.85}, {"target", 0.99, 1.0},
-                                     {"drift", 0.98, 1.0},   {"native", 0.0, 0.85},
-                                     {"native", 0.0, 1.0}};
-  if (!trace.empty()) streams = {{"trace", 0.0, 0.85}, {"trace", 0.0, 1.0}};
+  std::vector<StreamSpec> streams = {{"target", 0.95, 0.85, 0.2}, {"target", 0.95, 1.0, 0.2},
+                                     {"target", 0.95, 1.0, 0.4},  {"target", 0.95, 1.0, 0.8},
+                                     {"target", 0.99, 1.0, 0.2},  {"drift", 0.98, 1.0, 0.2},
+                                     {"native", 0.0, 0.85, 0.2},  {"native", 0.0, 1.0, 0.2}};
+  if (!trace.empty()) streams = {{"trace", 0.0, 0.85, 0.2}, {"trace", 0.0, 1.0, 0.2}};
   for (const StreamSpec& spec : streams) {
     Json r;
     index::LfpsOptions lfps_options;
     lfps_options.epsilon = spec.eps;
+    lfps_options.a = spec.a;
     if (spec.kind == "trace") {
       r = RunLfps(w, 0.02, lfps_options);
     } else {
@@ -508,11 +541,12 @@ int RunFidelity(int argc, char** argv) {
     r["stream"] = spec.kind;
     r["rho"] = spec.rho;
     r["epsilon"] = spec.eps;
+    r["a"] = spec.a;
     if (r.contains("eta")) {
-      std::printf("| %s | %.2f | %.2f | %d | %.3f | %.2f%% | %.1f%% | %.3f |\n", spec.kind.c_str(),
-                  spec.rho, spec.eps, r["steps"].get<int>(), r["eta"].get<double>(),
-                  100 * r["keys_scored_frac"].get<double>(), 100 * r["bypass_rate"].get<double>(),
-                  r["exact_topk_step_overlap"].get<double>());
+      std::printf("| %s | %.2f | %.2f | %.1f | %d | %.3f | %.2f%% | %.1f%% | %.3f |\n",
+                  spec.kind.c_str(), spec.rho, spec.eps, spec.a, r["steps"].get<int>(),
+                  r["eta"].get<double>(), 100 * r["keys_scored_frac"].get<double>(),
+                  100 * r["bypass_rate"].get<double>(), r["exact_topk_step_overlap"].get<double>());
     }
     lfps.push_back(r);
   }
@@ -523,19 +557,21 @@ int RunFidelity(int argc, char** argv) {
   const int64_t b5 = static_cast<int64_t>(std::ceil(0.05 * w.n));
   const int64_t bt = std::max<int64_t>(1, std::llround(tactic_tokens));
   Json equal = Json::array();
-  for (auto [label, budget] : std::vector<std::pair<std::string, int64_t>>{{"5%", b5},
-                                                                            {"tactic@P=0.9", bt}}) {
+  for (auto [label, budget] :
+       std::vector<std::pair<std::string, int64_t>>{{"5%", b5}, {"tactic@P=0.9", bt}}) {
     Json rows = EqualBudget(w, methods, budget);
-    std::printf("\n| budget %s = %lld tokens | recall | mass | output err | tokens | select us/head | bytes/head |\n",
-                label.c_str(), static_cast<long long>(budget));
-    std::printf("|---|---|---|---|---|---|---|\n");
+    std::printf(
+        "\n| budget %s = %lld tokens | recall | mass | output err | tokens | select us/head | "
+        "bytes/head | page eff. |\n",
+        label.c_str(), static_cast<long long>(budget));
+    std::printf("|---|---|---|---|---|---|---|---|\n");
     for (const Json& r : rows) {
       if (!r.contains("recall")) continue;
-      std::printf("| %s | %.3f | %.3f | %.3f | %.0f | %.1f | %.0f |\n",
+      std::printf("| %s | %.3f | %.3f | %.3f | %.0f | %.1f | %.0f | %.3f |\n",
                   r["method"].get<std::string>().c_str(), r["recall"].get<double>(),
                   r["mass"].get<double>(), r["output_error"].get<double>(),
                   r["tokens"].get<double>(), r["select_us_per_head"].get<double>(),
-                  r["bytes_touched_per_head"].get<double>());
+                  r["bytes_touched_per_head"].get<double>(), r["page_efficiency"].get<double>());
     }
     equal.push_back(Json{{"label", label},
                          {"budget_tokens", budget},

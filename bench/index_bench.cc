@@ -21,25 +21,25 @@
 // before the first of them; the earlier rows are the prefill queries.
 //
 // Usage: ctxcache-bench index [--quick] [--n 8192,32768,131072] [--method csa]
-//        [--params m=8,C=128] [--queries 32] [--seed 1] [--trace FILE
+//        [--params m=8,C=128] [--queries 32] [--seed 1] [--regime default|clustered]
+//        [--no-faiss] [--trace FILE
 //        --layer-slot 0 --kv-slot 0]
 // The last stdout line is one JSON object.
 #include <dlfcn.h>
+#include <faiss/IndexFlat.h>
+#include <faiss/IndexIVFFlat.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <faiss/IndexFlat.h>
-#include <faiss/IndexIVFFlat.h>
-#include <nlohmann/json.hpp>
 
 #include "bench/bench_registry.h"
 #include "index/csa.h"
@@ -90,8 +90,19 @@ struct Workload {
   int n_eval() const { return n_eval_rows() * G; }
 };
 
-StatusOr<Workload> Synthetic(int64_t n, int steps, uint64_t seed) {
+// "default": SyntheticOptions defaults (RoPE, latent noise 0.5, 128 topics).
+// "clustered": tight query clusters (16 topics, noise 0.1, weak locality, no
+// RoPE), the regime of tests/index/csa_fidelity_test.cc.
+StatusOr<Workload> Synthetic(int64_t n, int steps, uint64_t seed, const std::string& regime) {
   SyntheticOptions o;
+  if (regime == "clustered") {
+    o.n_topics = 16;
+    o.latent_noise = 0.1;
+    o.local_std = 0.1;
+    o.rope_theta = 0;
+  } else if (regime != "default") {
+    return InvalidArgumentError("--regime must be default or clustered");
+  }
   o.n_tokens = n;
   o.n_decode_steps = steps;
   o.seed = seed;
@@ -167,8 +178,7 @@ struct MethodRun {
   double entries_touched = 0;
 };
 
-StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Reference& ref,
-                                int64_t k) {
+StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Reference& ref, int64_t k) {
   MethodRun r;
   ArrayKeySource keys(w.keys.data(), w.n, w.d);
   Selection out;
@@ -310,14 +320,10 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
   const auto t0 = Clock::now();
   ASSIGN_OR_RETURN(std::unique_ptr<CsaSelector> csa, CsaSelector::Build(w.Prefill(), opts));
   r["build_ms"] = Us(t0, Clock::now()) / 1000.0;
-  r["csa_params"] = {{"m", csa->m()},
-                     {"C", csa->C()},
-                     {"L", csa->L()},
-                     {"alpha", opts.alpha},
-                     {"R", opts.recent},
-                     {"sinks", opts.sinks},
-                     {"tau", opts.tau},
-                     {"backoff_cos", opts.backoff_cos}};
+  r["csa_params"] = {{"m", csa->m()},    {"C", csa->C()},
+                     {"L", csa->L()},    {"alpha", opts.alpha},
+                     {"R", opts.recent}, {"sinks", opts.sinks},
+                     {"tau", opts.tau},  {"backoff_cos", opts.backoff_cos}};
   CsaOptions uniform = opts, norm = opts;
   uniform.norm_weights = false;
   uniform.proj_weights = false;
@@ -367,9 +373,8 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
   csa->SerializeCompact(&compact);
   r["index_bytes_per_token"] = {{"plain", static_cast<double>(plain.size()) / w.n},
                                 {"compact", static_cast<double>(compact.size()) / w.n}};
-  r["index_to_kv_ratio"] = {
-      {"plain", static_cast<double>(plain.size()) / w.n / (4.0 * w.d)},
-      {"compact", static_cast<double>(compact.size()) / w.n / (4.0 * w.d)}};
+  r["index_to_kv_ratio"] = {{"plain", static_cast<double>(plain.size()) / w.n / (4.0 * w.d)},
+                            {"compact", static_cast<double>(compact.size()) / w.n / (4.0 * w.d)}};
   {
     ASSIGN_OR_RETURN(std::unique_ptr<CsaSelector> loaded, CsaSelector::Load(compact));
     RETURN_IF_ERROR(loaded->SetRetrievalOptions(uniform));
@@ -398,15 +403,17 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
 int RunIndexBench(int argc, char** argv) {
   CLI::App app{"index: CSAttention (or --method) vs exact scan and FAISS IVF"};
   bool quick = false, no_faiss = false;
-  std::string n_list, method = "csa", params_text, trace;
+  std::string n_list, method = "csa", params_text, trace, regime = "default";
   int queries = 0, layer_slot = 0, kv_slot = 0;
   uint64_t seed = 1;
   app.add_flag("--quick", quick, "N = 8K, 32K and fewer queries (< 60 s on 2 cores)");
   app.add_option("--n", n_list, "comma-separated context lengths (default 8192,32768,131072)");
   app.add_option("--method", method, "selector method (default csa)");
   app.add_option("--params", params_text, "method parameters, e.g. m=8,C=128,alpha=0.25");
-  app.add_option("--queries", queries, "decode steps evaluated (x G q heads); default 32, 16 quick");
+  app.add_option("--queries", queries,
+                 "decode steps evaluated (x G q heads); default 32, 16 quick");
   app.add_option("--seed", seed, "synthetic seed (default 1)");
+  app.add_option("--regime", regime, "synthetic regime: default | clustered");
   app.add_option("--trace", trace, "a .ctxtrace file instead of synthetic data");
   app.add_option("--layer-slot", layer_slot, "stored layer slot of the trace (default 0)");
   app.add_option("--kv-slot", kv_slot, "stored kv head slot of the trace (default 0)");
@@ -440,6 +447,7 @@ int RunIndexBench(int argc, char** argv) {
   result["quick"] = quick;
   result["source"] = trace.empty() ? "synthetic" : trace;
   result["seed"] = seed;
+  result["regime"] = regime;
   Json runs = Json::array();
   const auto start = Clock::now();
   if (!trace.empty()) {
@@ -452,7 +460,7 @@ int RunIndexBench(int argc, char** argv) {
     runs.push_back(*r);
   } else {
     for (int64_t n : ns) {
-      auto w = Synthetic(n, queries, seed);
+      auto w = Synthetic(n, queries, seed, regime);
       if (!w.ok()) return fail(w.status());
       auto r = RunOne(*w, method, *params, !no_faiss);
       if (!r.ok()) return fail(r.status());

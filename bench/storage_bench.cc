@@ -17,26 +17,30 @@
 //              read_cold_gbps counts stored (on-disk) bytes per second.
 //   fio        fio random reads on the same filesystem, bs = average stored
 //              page size (rounded up to 4 KiB for O_DIRECT), direct=1, psync,
-//              numjobs = reader threads (QD1 each, like the store's reads);
-//              and fio sequential writes (bs 1 MiB, direct=1, libaio QD8).
-//   blob       the same write + cold read with integrated BlobDB for pages,
-//              and the disk space reclaimed by deleting the context, for both.
+//              numjobs = reader threads (QD1 each, like the store's reads),
+//              run right before and right after the cold reads (mean
+//              reported); and fio sequential writes (bs 1 MiB, direct=1,
+//              libaio QD8) before the store's write.
+//   variants   pages written through WAL-less memtable writes into SSTs
+//              (default, "sst_memtable"), by SST ingestion ("sst_ingest"), and
+//              as BlobDB blobs ("blob"): write,
+//              warm/cold reads and the disk space reclaimed by deleting the
+//              context, for each.
 //
 // Usage: ctxcache-bench storage [--quick] [--dir PATH] [--tokens N]
 //        [--threads T] [--read-seconds S] [--no-blob]
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 #include "bench/bench_registry.h"
 #include "common/dtype.h"
@@ -218,7 +222,8 @@ StatusOr<WriteResult> WriteContext(Store* store, uint32_t n_tokens, uint32_t see
     uint32_t n = std::min(chunk, n_tokens - t);
     for (uint32_t l = 0; l < layers; ++l) {
       int p = static_cast<int>((l * 7 + t / chunk) % kPool);
-      RETURN_IF_ERROR(start.writer->AppendLayerKV(l, t, n, DType::kBF16, pk[p].data(), pv[p].data()));
+      RETURN_IF_ERROR(
+          start.writer->AppendLayerKV(l, t, n, DType::kBF16, pk[p].data(), pv[p].data()));
     }
   }
   auto t_append = Clock::now();
@@ -246,8 +251,10 @@ struct ReadResult {
 
 // Page-table fetches: work item = (step, layer, head); each a sorted random
 // 5% of the blocks. Stops after `steps` steps or `seconds`.
-StatusOr<ReadResult> RunReads(Store* store, const ContextId& id, PageReadMethod method,
-                              int threads, int steps, double seconds, uint32_t seed) {
+// `repeat_tables`: every step re-reads the first step's tables (warm runs).
+StatusOr<ReadResult> RunReads(Store* store, const ContextId& id, PageReadMethod method, int threads,
+                              int steps, double seconds, uint32_t seed,
+                              bool repeat_tables = false) {
   ASSIGN_OR_RETURN(auto reader, store->OpenReader(id));
   const uint32_t layers = reader->manifest().model().n_layers();
   const uint32_t heads = reader->manifest().model().n_kv_heads();
@@ -270,7 +277,8 @@ StatusOr<ReadResult> RunReads(Store* store, const ContextId& id, PageReadMethod 
       for (;;) {
         uint64_t item = next.fetch_add(1);
         if (item >= total || failed || Clock::now() > deadline) break;
-        std::mt19937 rng(static_cast<uint32_t>(seed * 1000003u + item));
+        const uint64_t table_id = repeat_tables ? item % (uint64_t{layers} * heads) : item;
+        std::mt19937 rng(static_cast<uint32_t>(seed * 1000003u + table_id));
         // Sorted random subset (partial Fisher-Yates).
         for (uint32_t i = 0; i < per_table; ++i) std::swap(all[i], all[i + rng() % (n_blocks - i)]);
         table.assign(all.begin(), all.begin() + per_table);
@@ -310,12 +318,21 @@ StatusOr<ReadResult> RunReads(Store* store, const ContextId& id, PageReadMethod 
 }
 
 storage::PageCodecOptions g_codec;  // --codec / --zstd-level
+bool g_ingest = true;               // variant: pages by SST ingestion
 
 StoreOptions BenchOptions(bool blob) {
   StoreOptions o;
   o.page_codec = g_codec;
+  o.ingest_pages = g_ingest;
   o.background_interval_ms = 0;
   o.enable_blob_files = blob;
+  return o;
+}
+
+StoreOptions WarmOptions(bool blob) {
+  StoreOptions o = BenchOptions(blob);
+  o.block_cache_bytes = 1ull << 30;  // holds the 5% working set
+  o.blob_cache_bytes = blob ? (1ull << 30) : 0;
   return o;
 }
 
@@ -352,7 +369,7 @@ int RunStorageBench(int argc, char** argv) {
   app.add_option("--tokens", tokens, "context length (default 32768, 2048 with --quick)");
   app.add_option("--threads", threads, "reader threads (and fio numjobs)");
   app.add_option("--read-seconds", read_seconds, "time budget per read measurement");
-  app.add_flag("--no-blob", no_blob, "skip the BlobDB comparison");
+  app.add_flag("--no-blob", no_blob, "only the default variant (skip the others)");
   std::string codec = std::string(storage::PageCodecName(StoreOptions().page_codec.codec));
   int zstd_level = StoreOptions().page_codec.zstd_level;
   app.add_option("--codec", codec, "page codec for the store: none|zstd|zstd_shuffle");
@@ -367,14 +384,13 @@ int RunStorageBench(int argc, char** argv) {
   g_codec = {*parsed_codec, zstd_level};
   if (tokens == 0) tokens = quick ? 2048 : 32768;
   if (read_seconds <= 0) read_seconds = quick ? 2.0 : 8.0;
-  const int steps = quick ? 4 : 20;
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::filesystem::create_directories(dir);
   Json result;
-  result["config"] = {{"tokens", tokens},        {"layers", 32},     {"kv_heads", 8},
-                      {"head_dim", 128},         {"dtype", "bf16"},  {"block_tokens", 16},
-                      {"reader_threads", threads}, {"quick", quick}, {"dir", dir}};
+  result["config"] = {{"tokens", tokens},          {"layers", 32},    {"kv_heads", 8},
+                      {"head_dim", 128},           {"dtype", "bf16"}, {"block_tokens", 16},
+                      {"reader_threads", threads}, {"quick", quick},  {"dir", dir}};
 
   // 1. Codecs.
   Json codecs = MeasureCodecs(quick ? 1024 : 8192, 128);
@@ -386,17 +402,39 @@ int RunStorageBench(int argc, char** argv) {
   result["config"]["page_codec"] = std::string(storage::PageCodecName(g_codec.codec));
   result["config"]["zstd_level"] = g_codec.zstd_level;
 
-  // 2. Write + reads, SST mode (and BlobDB mode for comparison).
+  // 2. fio sequential write on the same filesystem (the write target), then
+  //    write + reads, SST mode (and BlobDB mode for comparison). fio random
+  //    reads run right before and right after the store's cold reads (the
+  //    machine is shared; interleaving keeps the comparison fair).
+  const std::string fio_file = dir + "/fio.dat";
+  const std::string fio_size = quick ? "256m" : "2g";
+  const std::string rt = std::to_string(static_cast<int>(std::ceil(read_seconds)));
+  auto fio_randread = [&](uint64_t bs) {
+    return RunFio("--name=randread --filename=" + fio_file + " --size=" + fio_size +
+                      " --rw=randread --bs=" + std::to_string(bs) +
+                      " --direct=1 --ioengine=psync --numjobs=" + std::to_string(threads) +
+                      " --time_based --runtime=" + rt,
+                  true);
+  };
+  double seq = RunFio("--name=seqwrite --filename=" + fio_file + " --size=" + fio_size +
+                          " --rw=write --bs=1m --direct=1 --ioengine=libaio --iodepth=8",
+                      false);
+  std::printf("fio: seq write %.3f GB/s\n", seq / 1e9);
   Json variants = Json::object();
-  double avg_page = 0;
-  for (bool blob : {false, true}) {
-    if (blob && no_blob) continue;
-    const std::string path = dir + (blob ? "/store-blob" : "/store-sst");
-    const char* name = blob ? "blob" : "sst";
+  double avg_page = 0, rr_before = 0, rr_after = 0;
+  uint64_t bs = 4096;
+  // The headline numbers come from the default configuration.
+  const int headline = StoreOptions().ingest_pages ? 0 : 1;
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool blob = variant == 2;
+    if (variant != headline && no_blob) continue;
+    g_ingest = variant == 0;
+    const char* name = variant == 0 ? "sst_ingest" : variant == 1 ? "sst_memtable" : "blob";
+    const std::string path = dir + "/store-" + name;
     Json v;
     ContextId id;
     {
-      auto store = Store::Open(BenchOptions(blob), path);
+      auto store = Store::Open(WarmOptions(blob), path);
       if (!store.ok()) return Fail(store.status());
       auto w = WriteContext(store->get(), tokens, 1);
       if (!w.ok()) return Fail(w.status());
@@ -406,33 +444,42 @@ int RunStorageBench(int argc, char** argv) {
       v["raw_bytes"] = w->raw_bytes;
       v["stored_bytes"] = w->stored_bytes;
       v["peak_writer_buffer_bytes"] = w->peak_buffered;
-      avg_page = double(w->stored_bytes) / (double(w->n_blocks) * 32 * 8);
-      v["avg_stored_page_bytes"] = avg_page;
+      const double page = double(w->stored_bytes) / (double(w->n_blocks) * 32 * 8);
+      v["avg_stored_page_bytes"] = page;
+      if (variant == headline) {
+        avg_page = page;
+        bs = (static_cast<uint64_t>(avg_page) + 4095) / 4096 * 4096;
+      }
       std::printf("%s: wrote %.2f GB raw (%.2f GB stored) in %.2f s: %.3f GB/s\n", name,
                   w->raw_bytes / 1e9, w->stored_bytes / 1e9, w->seconds,
                   v["write_gbps"].get<double>());
-      // Warm: the same tables twice, the second pass timed.
-      auto r1 = RunReads(store->get(), id, defaults.page_read_method, threads, steps, 1e9, 7);
+      // Warm: one step of tables (5% of the pages) read once to fill the
+      // block cache, then the same tables 5 more times, timed.
+      auto r1 = RunReads(store->get(), id, defaults.page_read_method, threads, 1, 1e9, 7);
       if (!r1.ok()) return Fail(r1.status());
-      auto r2 = RunReads(store->get(), id, defaults.page_read_method, threads, steps, 1e9, 7);
+      auto r2 = RunReads(store->get(), id, defaults.page_read_method, threads, 5, 1e9, 7, true);
       if (!r2.ok()) return Fail(r2.status());
       v["read_warm"] = ReadJson(*r2);
+      v["read_warm"]["first_pass_p50_us"] = r1->p50_us;
+      v["read_warm"]["block_cache_usage_bytes"] = (*store)->GetStats().block_cache_usage_bytes;
       std::printf("%s: warm reads %.3f GB/s stored, p50 %.0f us, p99 %.0f us\n", name,
                   r2->stored_gbps, r2->p50_us, r2->p99_us);
     }
     {
       auto store = Store::Open(ColdOptions(blob), path);
       if (!store.ok()) return Fail(store.status());
+      if (variant == headline) rr_before = fio_randread(bs);
       for (auto method : {PageReadMethod::kMultiGet, PageReadMethod::kIterator}) {
-        if (blob && method == PageReadMethod::kIterator) continue;
+        if (variant != headline && method == PageReadMethod::kIterator) continue;
         const char* mname = method == PageReadMethod::kMultiGet ? "multiget" : "iterator";
         auto r = RunReads(store->get(), id, method, threads, 1'000'000, read_seconds,
                           method == PageReadMethod::kMultiGet ? 11 : 13);
         if (!r.ok()) return Fail(r.status());
         v[std::string("read_cold_") + mname] = ReadJson(*r);
-        std::printf("%s: cold reads (%s) %.3f GB/s stored, p50 %.0f us, p99 %.0f us\n", name,
-                    mname, r->stored_gbps, r->p50_us, r->p99_us);
+        std::printf("%s: cold reads (%s) %.3f GB/s stored, p50 %.0f us, p99 %.0f us\n", name, mname,
+                    r->stored_gbps, r->p50_us, r->p99_us);
       }
+      if (variant == headline) rr_after = fio_randread(bs);
       // Space reclamation.
       uint64_t before = DirBytes(path);
       auto del = (*store)->Delete(id);
@@ -446,29 +493,18 @@ int RunStorageBench(int argc, char** argv) {
     variants[name] = v;
   }
   result["variants"] = variants;
-
-  // 3. fio on the same filesystem.
-  const uint64_t bs = (static_cast<uint64_t>(avg_page) + 4095) / 4096 * 4096;
-  const std::string fio_file = dir + "/fio.dat";
-  const std::string size = quick ? "256m" : "2g";
-  const std::string rt = std::to_string(static_cast<int>(std::ceil(read_seconds)));
-  double seq = RunFio("--name=seqwrite --filename=" + fio_file + " --size=" + size +
-                          " --rw=write --bs=1m --direct=1 --ioengine=libaio --iodepth=8",
-                      false);
-  double rr = RunFio("--name=randread --filename=" + fio_file + " --size=" + size +
-                         " --rw=randread --bs=" + std::to_string(bs) +
-                         " --direct=1 --ioengine=psync --numjobs=" + std::to_string(threads) +
-                         " --time_based --runtime=" + rt,
-                     true);
-  double rr32 = RunFio("--name=randread32 --filename=" + fio_file + " --size=" + size +
-                           " --rw=randread --bs=" + std::to_string(bs) +
-                           " --direct=1 --ioengine=libaio --iodepth=32 --time_based --runtime=" + rt,
-                       true);
+  const double rr = (rr_before + rr_after) / 2;
+  double rr32 =
+      RunFio("--name=randread32 --filename=" + fio_file + " --size=" + fio_size +
+                 " --rw=randread --bs=" + std::to_string(bs) +
+                 " --direct=1 --ioengine=libaio --iodepth=32 --time_based --runtime=" + rt,
+             true);
   std::filesystem::remove(fio_file, ec);
-  std::printf("fio: seq write %.3f GB/s; rand read bs=%lu: %.3f GB/s (QD1 x %d), %.3f GB/s (QD32)\n",
-              seq / 1e9, static_cast<unsigned long>(bs), rr / 1e9, threads, rr32 / 1e9);
+  std::printf(
+      "fio: rand read bs=%lu: %.3f GB/s before, %.3f GB/s after (QD1 x %d); %.3f GB/s (QD32)\n",
+      static_cast<unsigned long>(bs), rr_before / 1e9, rr_after / 1e9, threads, rr32 / 1e9);
 
-  const Json& sst = variants["sst"];
+  const Json& sst = variants[headline == 0 ? "sst_ingest" : "sst_memtable"];
   const char* cold_key = defaults.page_read_method == PageReadMethod::kMultiGet
                              ? "read_cold_multiget"
                              : "read_cold_iterator";
@@ -487,6 +523,8 @@ int RunStorageBench(int argc, char** argv) {
   result["avg_stored_page_bytes"] = avg_page;
   result["fio_randread_bs"] = bs;
   result["fio_randread_gbps"] = rr / 1e9;
+  result["fio_randread_before_gbps"] = rr_before / 1e9;
+  result["fio_randread_after_gbps"] = rr_after / 1e9;
   result["fio_randread_qd32_gbps"] = rr32 / 1e9;
   result["fio_seqwrite_gbps"] = seq / 1e9;
   result["read_vs_fio"] = rr > 0 ? result["read_cold_gbps"].get<double>() / (rr / 1e9) : 0.0;

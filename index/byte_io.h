@@ -111,8 +111,8 @@ class ByteReader {
     if (!Get(&v)) return DataLossError(std::string(what) + ": truncated header");
     if (v == 0 || v > max_version) {
       return InvalidArgumentError(std::string(what) + ": unsupported format version " +
-                                  std::to_string(v) + ", this build reads <= " +
-                                  std::to_string(max_version));
+                                  std::to_string(v) +
+                                  ", this build reads <= " + std::to_string(max_version));
     }
     *version = v;
     return Status::OK();

@@ -96,7 +96,8 @@ Status CheckOptions(const CsaOptions& o) {
   };
   if (o.m < 1) return bad("m=" + std::to_string(o.m), "expected >= 1");
   if (o.C < 1) return bad("C=" + std::to_string(o.C), "expected >= 1");
-  if (!(o.alpha > 0 && o.alpha <= 1)) return bad("alpha=" + std::to_string(o.alpha), "expected in (0, 1]");
+  if (!(o.alpha > 0 && o.alpha <= 1))
+    return bad("alpha=" + std::to_string(o.alpha), "expected in (0, 1]");
   if (o.fixed_L < 0) return bad("L=" + std::to_string(o.fixed_L), "expected >= 0");
   if (o.kmeans_iters < 1) return bad("iters=" + std::to_string(o.kmeans_iters), "expected >= 1");
   if (!(o.rho > 0 && o.rho <= 1)) return bad("rho=" + std::to_string(o.rho), "expected in (0, 1]");
@@ -131,8 +132,9 @@ StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   ASSIGN_OR_RETURN(int64_t tau, pr.Int("tau", o.tau, 1, 1 << 20));
   ASSIGN_OR_RETURN(o.backoff_cos, pr.Double("backoff_cos", o.backoff_cos, -1.0, 1.0));
   ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights", "uniform", {"uniform", "norm", "proj"}));
-  ASSIGN_OR_RETURN(std::string missing, pr.Enum("missing", "zero", {"zero", "min"}));
+  ASSIGN_OR_RETURN(std::string missing, pr.Enum("missing", "zero", {"zero", "min", "mean"}));
   o.impute_min = missing == "min";
+  o.impute_tail_mean = missing == "mean";
   ASSIGN_OR_RETURN(int64_t period, pr.Int("period", o.period, 1, 1 << 20));
   ASSIGN_OR_RETURN(std::string format, pr.Enum("format", "plain", {"plain", "compact"}));
   if (pr.Has("schedule")) {
@@ -163,19 +165,20 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
   RETURN_IF_ERROR(ValidatePrefill("csa", p, /*need_queries=*/true, /*need_values=*/false));
   const int d = p.head_dim;
   if (d % o.m != 0) {
-    return InvalidArgumentError("csa: m=" + std::to_string(o.m) + " does not divide head_dim=" +
-                                std::to_string(d));
+    return InvalidArgumentError("csa: m=" + std::to_string(o.m) +
+                                " does not divide head_dim=" + std::to_string(d));
   }
   const int64_t n = p.n_tokens;
   if (o.C > n) {
-    return InvalidArgumentError("csa: C=" + std::to_string(o.C) + " exceeds n_tokens=" +
-                                std::to_string(n));
+    return InvalidArgumentError("csa: C=" + std::to_string(o.C) +
+                                " exceeds n_tokens=" + std::to_string(n));
   }
   const int64_t pooled = static_cast<int64_t>(p.group_size) * p.n_queries;
   const int64_t rows = std::min(pooled, o.query_cap);
   if (o.C > rows) {
-    return InvalidArgumentError("csa: C=" + std::to_string(o.C) + " exceeds the pooled query rows (" +
-                                std::to_string(rows) + " = min(group_size * n_queries, query_cap))");
+    return InvalidArgumentError("csa: C=" + std::to_string(o.C) +
+                                " exceeds the pooled query rows (" + std::to_string(rows) +
+                                " = min(group_size * n_queries, query_cap))");
   }
 
   std::unique_ptr<CsaSelector> s(new CsaSelector());
@@ -212,6 +215,7 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
         (K.cast<double>().colwise().sum() / static_cast<double>(n)).cast<float>();
   }
   s->centroids_.resize(static_cast<size_t>(m) * C * ds);
+  s->tail_mean_.assign(static_cast<size_t>(m) * C, 0.0f);
   s->ids_.resize(static_cast<size_t>(m) * C * L);
   s->scores_.resize(static_cast<size_t>(m) * C * L);
   RowMatrixXf S;
@@ -244,7 +248,13 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
       for (int64_t i = 0; i < n; ++i) row[i] = RoundToHalf(srow[i]);
       SelectTopK(row.data(), n, L, TopKOrder::kAny, &top, &scratch);
       entries.resize(L);
-      for (int64_t e = 0; e < L; ++e) entries[e] = {row[top[e]], top[e]};
+      double total = 0, in_list = 0;
+      for (int64_t i = 0; i < n; ++i) total += row[i];
+      for (int64_t e = 0; e < L; ++e) {
+        entries[e] = {row[top[e]], top[e]};
+        in_list += row[top[e]];
+      }
+      s->tail_mean_[b * C + j] = n > L ? static_cast<float>((total - in_list) / (n - L)) : 0.0f;
       // Max-heap under "beats" puts the worst entry at the root.
       auto beats = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b2) {
         return Beats(a.first, a.second, b2.first, b2.second);
@@ -276,6 +286,7 @@ Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
   next.norm_weights = o.norm_weights;
   next.proj_weights = o.proj_weights;
   next.impute_min = o.impute_min;
+  next.impute_tail_mean = o.impute_tail_mean;
   next.period = o.period;
   next.compact = o.compact;
   RETURN_IF_ERROR(CheckOptions(next));
@@ -308,22 +319,24 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected, Work
     auto weight = [&](int j) { return options_.proj_weights ? centroid_sims_[j] : w; };
     // With impute_min, entries add w * (V - min_b); the heap root is min_b.
     auto accumulate = [&](int j, float wj) {
-      const float bias = options_.impute_min ? -wj * Half(list_scores(b, j)[0]) : 0.0f;
+      const float missing = options_.impute_tail_mean ? tail_mean_[b * C + j]
+                            : options_.impute_min     ? Half(list_scores(b, j)[0])
+                                                      : 0.0f;
+      const float bias = -wj * missing;
       AccumulateList(list_ids(b, j), list_scores(b, j), L_, wj, bias, acc_.data());
     };
     if (options_.tau > 1 && centroid_sims_[best] / norm < options_.backoff_cos) {
       // Backoff (seed 004 §4.4): the top-tau centroids, averaged.
-      int order[64];
-      const int tau = std::min({options_.tau, C, 64});
-      std::vector<int> all(C);
+      const int tau = std::min(options_.tau, C);
+      std::vector<int>& all = order_scratch_;
+      all.resize(C);
       std::iota(all.begin(), all.end(), 0);
       std::partial_sort(all.begin(), all.begin() + tau, all.end(), [&](int a, int c) {
         return centroid_sims_[a] > centroid_sims_[c] ||
                (centroid_sims_[a] == centroid_sims_[c] && a < c);
       });
-      std::copy(all.begin(), all.begin() + tau, order);
       for (int t = 0; t < tau; ++t) {
-        accumulate(order[t], weight(order[t]) / tau);
+        accumulate(all[t], weight(all[t]) / tau);
       }
       lists += tau;
     } else {
@@ -437,22 +450,23 @@ void PutOptions(ByteWriter* w, const CsaOptions& o) {
   w->Put<uint8_t>(o.norm_weights ? 1 : 0);
   w->Put<uint8_t>(o.proj_weights ? 1 : 0);
   w->Put<uint8_t>(o.impute_min ? 1 : 0);
+  w->Put<uint8_t>(o.impute_tail_mean ? 1 : 0);
   w->Put<int32_t>(o.period);
   w->Put<uint8_t>(o.compact ? 1 : 0);
 }
 
 bool GetOptions(ByteReader* r, CsaOptions* o) {
-  uint8_t norm = 0, proj = 0, compact = 0, center = 0, impute = 0;
+  uint8_t norm = 0, proj = 0, compact = 0, center = 0, impute = 0, tail = 0;
   bool ok = r->Get(&o->m) && r->Get(&o->C) && r->Get(&o->alpha) && r->Get(&o->fixed_L) &&
             r->Get(&o->query_cap) && r->Get(&o->kmeans_iters) && r->Get(&center) &&
-            r->Get(&o->seed) &&
-            r->Get(&o->rho) && r->Get(&o->recent) && r->Get(&o->sinks) && r->Get(&o->tau) &&
-            r->Get(&o->backoff_cos) && r->Get(&norm) && r->Get(&proj) && r->Get(&impute) && r->Get(&o->period) &&
-            r->Get(&compact);
+            r->Get(&o->seed) && r->Get(&o->rho) && r->Get(&o->recent) && r->Get(&o->sinks) &&
+            r->Get(&o->tau) && r->Get(&o->backoff_cos) && r->Get(&norm) && r->Get(&proj) &&
+            r->Get(&impute) && r->Get(&tail) && r->Get(&o->period) && r->Get(&compact);
   o->norm_weights = norm != 0;
   o->proj_weights = proj != 0;
   o->center_keys = center != 0;
   o->impute_min = impute != 0;
+  o->impute_tail_mean = tail != 0;
   o->compact = compact != 0;
   return ok;
 }
@@ -470,6 +484,7 @@ void CsaSelector::SerializePlain(std::string* out) const {
   w.Put<int64_t>(L_);
   w.PutArray(centroids_.data(), centroids_.size());
   w.PutArray(key_mean_.data(), key_mean_.size());
+  w.PutArray(tail_mean_.data(), tail_mean_.size());
   w.PutArray(ids_.data(), ids_.size());
   w.PutArray(scores_.data(), scores_.size());
 }
@@ -485,6 +500,7 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   w.Put<int64_t>(L_);
   w.PutArray(centroids_.data(), centroids_.size());
   w.PutArray(key_mean_.data(), key_mean_.size());
+  w.PutArray(tail_mean_.data(), tail_mean_.size());
   std::vector<std::pair<int32_t, float>> list(L_);
   std::vector<uint8_t> q(L_);
   const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
@@ -545,6 +561,11 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
       HasNonFinite(centroids_.data(), n_cent)) {
     return loss("bad centroids or key mean");
   }
+  tail_mean_.resize(static_cast<size_t>(options_.m) * options_.C);
+  if (!r.GetArray(tail_mean_.data(), tail_mean_.size()) ||
+      HasNonFinite(tail_mean_.data(), tail_mean_.size())) {
+    return loss("bad list tail means");
+  }
   const uint64_t entries = static_cast<uint64_t>(n_lists) * L_;
   if (entries > r.remaining()) return loss("truncated lists");  // >= 1 byte per entry
   ids_.resize(entries);
@@ -593,8 +614,9 @@ std::unique_ptr<Selector> CsaSelector::Clone() const {
 }
 
 uint64_t CsaSelector::MemoryBytes() const {
-  return (centroids_.size() + key_mean_.size()) * sizeof(float) + ids_.size() * sizeof(int32_t) +
-         scores_.size() * sizeof(uint16_t) + acc_.capacity() * sizeof(float);
+  return (centroids_.size() + key_mean_.size() + tail_mean_.size()) * sizeof(float) +
+         ids_.size() * sizeof(int32_t) + scores_.size() * sizeof(uint16_t) +
+         acc_.capacity() * sizeof(float);
 }
 
 double CsaSelector::PlainBytesPerToken() const {

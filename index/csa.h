@@ -31,7 +31,7 @@
 //   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=65536
 //   iters=15 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
 //   weights=uniform|norm|proj
-//   missing=zero|min period=1 schedule=<rho>/<period> (preset; overrides
+//   missing=zero|min|mean period=1 schedule=<rho>/<period> (preset; overrides
 //   rho and period) format=plain|compact (what Serialize() writes)
 //
 // Serialized forms (LoadCsaSelector reads both, by magic):
@@ -100,6 +100,10 @@ struct CsaOptions {
   // score offsets. false = the paper's literal sum over present entries.
   // Default: false.
   bool impute_min = false;
+  // A missing key is imputed the mean build-time score of the keys outside
+  // the list (its expected partial score; one float per list). Overrides
+  // impute_min. Default: false.
+  bool impute_tail_mean = false;
   // Search period P: a selection is reused for P Select() calls. Default: 1.
   int period = 1;
   // Serialize() writes the compact form. Default: false (plain).
@@ -155,9 +159,7 @@ class CsaSelector final : public Selector {
 
  private:
   CsaSelector() = default;
-  int64_t ListOffset(int b, int j) const {
-    return (static_cast<int64_t>(b) * options_.C + j) * L_;
-  }
+  int64_t ListOffset(int b, int j) const { return (static_cast<int64_t>(b) * options_.C + j) * L_; }
   void BuildHeap(int64_t list);
   void SearchOne(const float* q, std::vector<int32_t>* selected, WorkStats* stats);
   Status ReadTables(std::string_view bytes);
@@ -169,12 +171,14 @@ class CsaSelector final : public Selector {
   int64_t L_ = 0;
   std::vector<float> centroids_;  // m * C * sub_dim
   std::vector<float> key_mean_;   // d: subtracted from keys before scoring (zeros if !center)
+  std::vector<float> tail_mean_;  // m * C: mean build score of keys outside each list
   std::vector<int32_t> ids_;      // m * C * L
   std::vector<uint16_t> scores_;  // m * C * L (fp16)
 
   // Per-session state and scratch (not serialized).
   std::vector<float> acc_;            // dense accumulator, n_tokens_
   std::vector<float> centroid_sims_;  // C
+  std::vector<int> order_scratch_;    // C (backoff ranking)
   std::vector<int32_t> topk_ids_;
   TopKScratch topk_scratch_;
   int64_t budget_ = 0;  // SelectInput.budget of the current search

@@ -174,9 +174,8 @@ void AssignNearest(const float* x, int64_t n, int d, int64_t ld, const RowMatrix
       assign[r0 + r] = arg;
       if (best) {
         const float xn2 = X.row(r0 + r).squaredNorm();
-        best[r0 + r] = metric == KMeansMetric::kL2
-                           ? std::max(0.0f, val + xn2)
-                           : (xn2 > 0 ? val / std::sqrt(xn2) : 0.0f);
+        best[r0 + r] = metric == KMeansMetric::kL2 ? std::max(0.0f, val + xn2)
+                                                   : (xn2 > 0 ? val / std::sqrt(xn2) : 0.0f);
       }
     }
   }

@@ -12,10 +12,9 @@
 // Thread-safety: KMeans() is reentrant; it runs on the calling thread.
 #pragma once
 
+#include <Eigen/Core>
 #include <cstdint>
 #include <vector>
-
-#include <Eigen/Core>
 
 #include "common/status.h"
 

@@ -1,20 +1,30 @@
 #include "index/lfps.h"
 
-#include "index/byte_io.h"
-#include "index/params.h"
-#include "index/topk.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
+#include "index/byte_io.h"
+#include "index/params.h"
+
 namespace ctxcache::index {
 namespace {
 
+// Empty vectors have a null data(); skip the copy for them (UBSan: memcpy(nullptr, ..., 0)).
+template <typename T>
+void PutVector(ByteWriter* w, const std::vector<T>& v) {
+  if (!v.empty()) w->PutArray(v.data(), v.size());
+}
+template <typename T>
+bool GetVector(ByteReader* r, std::vector<T>* v) {
+  return v->empty() || r->GetArray(v->data(), v->size());
+}
+
 Status CheckOptions(const LfpsOptions& o) {
   if (o.history <= 0) return InvalidArgumentError("lfps: history (s) must be > 0");
-  if (!(o.decay >= 0 && o.decay < 1)) return InvalidArgumentError("lfps: decay (r) must be in [0, 1)");
+  if (!(o.decay >= 0 && o.decay < 1))
+    return InvalidArgumentError("lfps: decay (r) must be in [0, 1)");
   if (!(o.epsilon > 0 && o.epsilon <= 1)) {
     return InvalidArgumentError("lfps: epsilon (eps) must be in (0, 1]");
   }
@@ -259,8 +269,7 @@ Status LfpsSelector::SelectHead(int h, const float* q, int64_t budget, const Key
   if (lo > 0) {
     const double qn2 = Dot(q, q, d);
     const double log_global = std::log(static_cast<double>(std::max<int64_t>(1, n - lo))) +
-                              Dot(q, key_mean_.data(), d) * inv_sqrt_d +
-                              qn2 * sigma_hat2_[h] / 2.0;
+                              Dot(q, key_mean_.data(), d) * inv_sqrt_d + qn2 * sigma_hat2_[h] / 2.0;
     const double ls = LogSumExp(sink_logits);
     std::vector<double> all = {ls, log_global};
     if (!local_logits.empty()) all.push_back(LogSumExp(local_logits));
@@ -341,7 +350,8 @@ Status LfpsSelector::SelectHead(int h, const float* q, int64_t budget, const Key
   if (stats) {
     stats->keys_scored += scored;
     stats->entries_touched += 2 * static_cast<uint64_t>(n);
-    stats->bytes_touched += scored * d * sizeof(float) + 2 * static_cast<uint64_t>(n) * sizeof(float);
+    stats->bytes_touched +=
+        scored * d * sizeof(float) + 2 * static_cast<uint64_t>(n) * sizeof(float);
   }
   return Status::OK();
 }
@@ -353,18 +363,19 @@ Status LfpsSelector::Select(const SelectInput& in, Selection* out, WorkStats* st
     return InvalidArgumentError("lfps: n_queries must equal group_size=" +
                                 std::to_string(group_size_));
   }
-  int64_t budget = in.budget > 0 ? in.budget
-                                 : static_cast<int64_t>(std::ceil(options_.rho * n_tokens_));
+  int64_t budget =
+      in.budget > 0 ? in.budget : static_cast<int64_t>(std::ceil(options_.rho * n_tokens_));
   budget = std::min(budget, n_tokens_);
   if (stats) *stats = WorkStats{};
   out->per_head.assign(group_size_, {});
   out->estimated_mass = -1.0;
   for (int h = 0; h < group_size_; ++h) {
-    RETURN_IF_ERROR(SelectHead(h, in.queries + static_cast<size_t>(h) * head_dim_, budget,
-                               *in.keys, &out->per_head[h], stats));
+    RETURN_IF_ERROR(SelectHead(h, in.queries + static_cast<size_t>(h) * head_dim_, budget, *in.keys,
+                               &out->per_head[h], stats));
   }
   out->merged.clear();
-  for (const auto& ids : out->per_head) out->merged.insert(out->merged.end(), ids.begin(), ids.end());
+  for (const auto& ids : out->per_head)
+    out->merged.insert(out->merged.end(), ids.begin(), ids.end());
   std::sort(out->merged.begin(), out->merged.end());
   out->merged.erase(std::unique(out->merged.begin(), out->merged.end()), out->merged.end());
   return Status::OK();
@@ -390,13 +401,13 @@ Status LfpsSelector::Serialize(std::string* out) const {
   w.Put<int32_t>(options_.n_sink);
   w.Put<int32_t>(options_.local_window);
   w.Put<double>(options_.rho);
-  w.PutArray(key_mean_.data(), key_mean_.size());
-  w.PutArray(value_mean_.data(), value_mean_.size());
-  w.PutArray(sigma_hat2_.data(), sigma_hat2_.size());
+  PutVector(&w, key_mean_);
+  PutVector(&w, value_mean_);
+  PutVector(&w, sigma_hat2_);
   for (int h = 0; h < group_size_; ++h) {
     w.Put<int64_t>(static_cast<int64_t>(ver_[h].size()));
-    w.PutArray(ver_[h].data(), ver_[h].size());
-    w.PutArray(sla_[h].data(), sla_[h].size());
+    PutVector(&w, ver_[h]);
+    PutVector(&w, sla_[h]);
   }
   return Status::OK();
 }
@@ -423,7 +434,7 @@ StatusOr<std::unique_ptr<LfpsSelector>> LfpsSelector::Load(std::string_view byte
   auto get_floats = [&r](size_t n, std::vector<float>* v) {
     if (n > r.remaining() / sizeof(float)) return false;
     v->resize(n);
-    return r.GetArray(v->data(), n);
+    return GetVector(&r, v);
   };
   if (!get_floats(d, &sel->key_mean_) || !get_floats(d, &sel->value_mean_) ||
       !get_floats(g, &sel->sigma_hat2_)) {
@@ -447,8 +458,9 @@ std::unique_ptr<Selector> LfpsSelector::Clone() const {
 }
 
 uint64_t LfpsSelector::MemoryBytes() const {
-  uint64_t b = sizeof(*this) + (key_mean_.capacity() + value_mean_.capacity() +
-                                sigma_hat2_.capacity()) * sizeof(float);
+  uint64_t b =
+      sizeof(*this) +
+      (key_mean_.capacity() + value_mean_.capacity() + sigma_hat2_.capacity()) * sizeof(float);
   for (int h = 0; h < group_size_; ++h) {
     b += (ver_[h].capacity() + sla_[h].capacity()) * sizeof(float);
   }

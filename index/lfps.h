@@ -58,10 +58,10 @@ struct LfpsOptions {
 
 // Per-call counters, cumulative over the life of the instance.
 struct LfpsCounters {
-  uint64_t head_steps = 0;    // (q head, Select) pairs
-  uint64_t bypassed = 0;      // of which took the sink bypass
-  uint64_t keys_scored = 0;   // exact q.k products
-  uint64_t keys_total = 0;    // Σ n_tokens over head_steps
+  uint64_t head_steps = 0;   // (q head, Select) pairs
+  uint64_t bypassed = 0;     // of which took the sink bypass
+  uint64_t keys_scored = 0;  // exact q.k products
+  uint64_t keys_total = 0;   // Σ n_tokens over head_steps
 };
 
 class LfpsSelector final : public Selector {
@@ -97,9 +97,9 @@ class LfpsSelector final : public Selector {
   int head_dim_ = 0;
   int group_size_ = 0;
   LfpsOptions options_;
-  std::vector<float> key_mean_;    // K̄, d
-  std::vector<float> value_mean_;  // V̄, d (zeros when values were not given)
-  std::vector<float> sigma_hat2_;  // σ̂² per q head
+  std::vector<float> key_mean_;          // K̄, d
+  std::vector<float> value_mean_;        // V̄, d (zeros when values were not given)
+  std::vector<float> sigma_hat2_;        // σ̂² per q head
   std::vector<std::vector<float>> ver_;  // per q head, n_tokens entries
   std::vector<std::vector<float>> sla_;
   LfpsCounters counters_;

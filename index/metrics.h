@@ -27,8 +27,8 @@ class ExactAttention {
                                           int64_t n, int d);
 
   int64_t n() const { return static_cast<int64_t>(logits_.size()); }
-  const std::vector<float>& scores() const { return logits_; }  // q.k (unscaled)
-  const std::vector<double>& probs() const { return probs_; }   // softmax(q.k/sqrt(d))
+  const std::vector<float>& scores() const { return logits_; }   // q.k (unscaled)
+  const std::vector<double>& probs() const { return probs_; }    // softmax(q.k/sqrt(d))
   const std::vector<double>& output() const { return output_; }  // o (d), empty without V
 
   // Exact top-k ids by q.k, ascending ids (ties: lower id).

@@ -29,9 +29,9 @@ StatusOr<std::vector<PageTable>> BuildPageTables(
                                 std::to_string(group_size));
   }
   if (static_cast<int64_t>(per_q_head.size()) != group_size) {
-    return InvalidArgumentError("page_table: per_q_head must have group_size=" +
-                                std::to_string(group_size) + " entries, got " +
-                                std::to_string(per_q_head.size()));
+    return InvalidArgumentError(
+        "page_table: per_q_head must have group_size=" + std::to_string(group_size) +
+        " entries, got " + std::to_string(per_q_head.size()));
   }
   if (subgroup_size <= 0) {
     return InvalidArgumentError("page_table: subgroup_size must be > 0, got " +

@@ -38,11 +38,11 @@ struct PageTableOptions {
 };
 
 struct PageTable {
-  int subgroup = 0;                // index of the subgroup in its GQA group
-  std::vector<int32_t> q_heads;    // q heads (0..G-1) of the subgroup, ascending
-  std::vector<int32_t> pages;      // page ids, sorted ascending, unique
-  int64_t selected_tokens = 0;     // |union of the heads' selections|
-  int64_t fetched_tokens = 0;      // tokens in `pages` (last page may be partial)
+  int subgroup = 0;              // index of the subgroup in its GQA group
+  std::vector<int32_t> q_heads;  // q heads (0..G-1) of the subgroup, ascending
+  std::vector<int32_t> pages;    // page ids, sorted ascending, unique
+  int64_t selected_tokens = 0;   // |union of the heads' selections|
+  int64_t fetched_tokens = 0;    // tokens in `pages` (last page may be partial)
 
   double efficiency() const {
     return fetched_tokens > 0 ? static_cast<double>(selected_tokens) / fetched_tokens : 1.0;

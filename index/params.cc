@@ -21,7 +21,8 @@ StatusOr<int64_t> ParamReader::Int(const std::string& key, int64_t def, int64_t 
   const std::string& s = it->second;
   int64_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  const std::string range = "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
+  const std::string range =
+      "an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
   if (ec != std::errc() || p != s.data() + s.size() || v < lo || v > hi) return Bad(key, range);
   return v;
 }

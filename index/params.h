@@ -54,7 +54,7 @@ Status ValidatePrefill(std::string_view method, const HeadPrefill& prefill, bool
 // Checks a SelectInput against a selector of head_dim `d` (queries present,
 // n_queries >= 1, budget >= 0, finite), and that a KeySource, when
 // `need_keys`, covers `n_tokens` tokens of dimension d.
-Status ValidateSelectInput(std::string_view method, const SelectInput& in, int d,
-                           int64_t n_tokens, bool need_keys);
+Status ValidateSelectInput(std::string_view method, const SelectInput& in, int d, int64_t n_tokens,
+                           bool need_keys);
 
 }  // namespace ctxcache::index

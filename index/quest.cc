@@ -1,14 +1,24 @@
 #include "index/quest.h"
 
-#include "index/byte_io.h"
-#include "index/params.h"
-
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
+#include "index/byte_io.h"
+#include "index/params.h"
+
 namespace ctxcache::index {
 namespace {
+
+// Empty vectors have a null data(); skip the copy for them (UBSan: memcpy(nullptr, ..., 0)).
+template <typename T>
+void PutVector(ByteWriter* w, const std::vector<T>& v) {
+  if (!v.empty()) w->PutArray(v.data(), v.size());
+}
+template <typename T>
+bool GetVector(ByteReader* r, std::vector<T>* v) {
+  return v->empty() || r->GetArray(v->data(), v->size());
+}
 
 Status CheckOptions(const QuestOptions& o) {
   if (o.page_size <= 0) {
@@ -88,10 +98,12 @@ Status QuestSelector::Select(const SelectInput& in, Selection* out, WorkStats* s
     ids.reserve(taken);
     for (int32_t p : pages) {
       const int64_t end = std::min<int64_t>(n, static_cast<int64_t>(p + 1) * B);
-      for (int64_t i = static_cast<int64_t>(p) * B; i < end; ++i) ids.push_back(static_cast<int32_t>(i));
+      for (int64_t i = static_cast<int64_t>(p) * B; i < end; ++i)
+        ids.push_back(static_cast<int32_t>(i));
     }
   }
-  for (const auto& ids : out->per_head) out->merged.insert(out->merged.end(), ids.begin(), ids.end());
+  for (const auto& ids : out->per_head)
+    out->merged.insert(out->merged.end(), ids.begin(), ids.end());
   std::sort(out->merged.begin(), out->merged.end());
   out->merged.erase(std::unique(out->merged.begin(), out->merged.end()), out->merged.end());
   if (stats != nullptr) {
@@ -129,8 +141,8 @@ Status QuestSelector::Serialize(std::string* out) const {
   w.Put<int32_t>(head_dim_);
   w.Put<int32_t>(options_.page_size);
   w.Put<double>(options_.rho);
-  w.PutArray(page_min_.data(), page_min_.size());
-  w.PutArray(page_max_.data(), page_max_.size());
+  PutVector(&w, page_min_);
+  PutVector(&w, page_max_);
   return Status::OK();
 }
 
@@ -153,8 +165,7 @@ StatusOr<std::unique_ptr<QuestSelector>> QuestSelector::Load(std::string_view by
   if (floats > r.remaining() / sizeof(float)) return DataLossError("quest: truncated artifact");
   sel->page_min_.resize(floats);
   sel->page_max_.resize(floats);
-  if (!r.GetArray(sel->page_min_.data(), floats) || !r.GetArray(sel->page_max_.data(), floats) ||
-      r.remaining() != 0) {
+  if (!GetVector(&r, &sel->page_min_) || !GetVector(&r, &sel->page_max_) || r.remaining() != 0) {
     return DataLossError("quest: truncated or oversized artifact");
   }
   sel->n_tokens_ = n;

@@ -1,10 +1,10 @@
 #include "index/streaming.h"
 
-#include "index/byte_io.h"
-#include "index/params.h"
-
 #include <algorithm>
 #include <cmath>
+
+#include "index/byte_io.h"
+#include "index/params.h"
 
 namespace ctxcache::index {
 
@@ -33,15 +33,15 @@ Status StreamingSelector::Select(const SelectInput& in, Selection* out, WorkStat
   if (out == nullptr) return InvalidArgumentError("streaming: out must not be null");
   RETURN_IF_ERROR(ValidateSelectInput("streaming", in, head_dim_, n_tokens_, /*need_keys=*/false));
   const int64_t n = n_tokens_;
-  int64_t budget = in.budget > 0 ? in.budget
-                                 : static_cast<int64_t>(std::ceil(options_.rho * n));
+  int64_t budget = in.budget > 0 ? in.budget : static_cast<int64_t>(std::ceil(options_.rho * n));
   budget = std::min(budget, n);
   const int64_t n_sink = std::min<int64_t>(options_.n_sink, budget);
   const int64_t n_recent = budget - n_sink;
   std::vector<int32_t> ids;
   ids.reserve(budget);
   for (int64_t i = 0; i < n_sink; ++i) ids.push_back(static_cast<int32_t>(i));
-  for (int64_t i = std::max(n_sink, n - n_recent); i < n; ++i) ids.push_back(static_cast<int32_t>(i));
+  for (int64_t i = std::max(n_sink, n - n_recent); i < n; ++i)
+    ids.push_back(static_cast<int32_t>(i));
   out->per_head.assign(in.n_queries, ids);
   out->merged = std::move(ids);
   out->estimated_mass = -1.0;

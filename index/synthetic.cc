@@ -6,7 +6,6 @@
 #include <random>
 #include <string>
 
-
 namespace ctxcache::index {
 namespace {
 
@@ -50,7 +49,8 @@ HeadPrefill SyntheticHead::Prefill() const {
 
 StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
   auto bad = [](const std::string& what) { return InvalidArgumentError("synthetic: " + what); };
-  if (o.n_tokens < 16 || o.n_tokens > (int64_t{1} << 24)) return bad("n_tokens must be in [16, 2^24]");
+  if (o.n_tokens < 16 || o.n_tokens > (int64_t{1} << 24))
+    return bad("n_tokens must be in [16, 2^24]");
   if (o.head_dim < 4 || o.head_dim % 2 != 0) return bad("head_dim must be even and >= 4");
   if (o.group_size < 1 || o.group_size > 64) return bad("group_size must be in [1, 64]");
   if (o.n_prefill_queries < 1) return bad("n_prefill_queries must be >= 1");
@@ -58,12 +58,15 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
   if (o.latent_dim < 2 || o.latent_dim > o.head_dim / 2) {
     return bad("latent_dim must be in [2, head_dim/2]");
   }
+  if (!(o.local_std >= 0)) return bad("local_std must be >= 0");
   if (!(o.latent_noise >= 0)) return bad("latent_noise must be >= 0");
   if (o.vocab_size < 0) return bad("vocab_size must be >= 0");
   if (!(o.heavy_hitter_std >= 0)) return bad("heavy_hitter_std must be >= 0");
   if (o.n_topics < 1 || o.mean_segment < 1) return bad("n_topics and mean_segment must be >= 1");
-  if (!(o.retrieval_prob >= 0 && o.retrieval_prob <= 1)) return bad("retrieval_prob must be in [0, 1]");
-  if (!(o.spectrum_decay >= 0 && o.spectrum_decay <= 4)) return bad("spectrum_decay must be in [0, 4]");
+  if (!(o.retrieval_prob >= 0 && o.retrieval_prob <= 1))
+    return bad("retrieval_prob must be in [0, 1]");
+  if (!(o.spectrum_decay >= 0 && o.spectrum_decay <= 4))
+    return bad("spectrum_decay must be in [0, 4]");
   if (!(o.logit_std > 0) || !(o.salience_sigma >= 0) || !(o.rope_theta >= 0)) {
     return bad("logit_std > 0, salience_sigma >= 0, rope_theta >= 0 required");
   }
@@ -128,7 +131,7 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
   std::vector<int32_t> seg_of(T);  // per position
   Mat local(r, T);
   Eigen::VectorXf a = Eigen::VectorXf::Zero(r);
-  const float phi = 0.98f, sigma_a = 0.7f;
+  const float phi = 0.98f, sigma_a = static_cast<float>(o.local_std);
   for (int64_t t = 0; t < T; ++t) {
     if (t == 0 || unif(rng) < 1.0 / o.mean_segment) seg_topic.push_back(draw_topic());
     seg_of[t] = static_cast<int32_t>(seg_topic.size() - 1);
@@ -138,7 +141,8 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
     local.col(t) = a;
   }
   Eigen::VectorXf spectrum(r);
-  for (int i = 0; i < r; ++i) spectrum[i] = static_cast<float>(std::pow(1.0 + i, -o.spectrum_decay));
+  for (int i = 0; i < r; ++i)
+    spectrum[i] = static_cast<float>(std::pow(1.0 + i, -o.spectrum_decay));
   // Token types: Zipf over the vocabulary; the query of position t carries
   // the type of token t, like a real query carries its token's identity.
   const int vocab = std::max(1, o.vocab_size);
@@ -150,9 +154,8 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
   std::vector<int32_t> token_type(T, 0);
   for (int64_t t = 0; t < T && o.vocab_size > 0; ++t) {
     const double u = unif(rng) * type_acc;
-    token_type[t] = static_cast<int32_t>(
-        std::min<int64_t>(vocab - 1, std::lower_bound(type_cdf.begin(), type_cdf.end(), u) -
-                                                type_cdf.begin()));
+    token_type[t] = static_cast<int32_t>(std::min<int64_t>(
+        vocab - 1, std::lower_bound(type_cdf.begin(), type_cdf.end(), u) - type_cdf.begin()));
   }
   auto token_latent = [&](int64_t t) {
     Eigen::VectorXf z = mu.col(seg_topic[seg_of[t]]) + local.col(t) + type_emb.col(token_type[t]);
@@ -195,7 +198,8 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
   for (int64_t t = 0; t < T; ++t) {
     Eigen::Map<Eigen::VectorXf> k(all_keys.data() + t * d, d);
     k += k_bias;
-    for (int j = 0; j < d; ++j) k[j] += 0.05f * static_cast<float>(key_rms / std::sqrt(d)) * gauss(rng);
+    for (int j = 0; j < d; ++j)
+      k[j] += 0.05f * static_cast<float>(key_rms / std::sqrt(d)) * gauss(rng);
   }
 
   // Queries: prefill rows at evenly spaced positions, decode rows at N + t.
@@ -315,7 +319,8 @@ StatusOr<SyntheticHead> GenerateSyntheticHead(const SyntheticOptions& o) {
     for (int t = 0; t < o.n_sinks; ++t) {
       Eigen::Map<Eigen::VectorXf> k(all_keys.data() + static_cast<int64_t>(t) * d, d);
       k = kappa * u;
-      for (int j = 0; j < d; ++j) k[j] += 0.02f * kappa * gauss(rng) / std::sqrt(static_cast<float>(d));
+      for (int j = 0; j < d; ++j)
+        k[j] += 0.02f * kappa * gauss(rng) / std::sqrt(static_cast<float>(d));
       if (o.rope_theta > 0) ApplyRope(k.data(), d, t, inv_freq);
     }
   }

@@ -47,30 +47,33 @@ struct SyntheticOptions {
   uint64_t seed = 1;
 
   // --- structure ---
-  int latent_dim = 32;            // shared latent size. Default: 32.
-  double spectrum_decay = 1.0;    // latent coordinate i is scaled by (1+i)^-decay
-                                  // (power-law spectrum, as in trained activations). Default: 1.
-  int n_topics = 128;             // topic clusters. Default: 128.
-  double latent_noise = 0.5;      // per-token free latent noise. Default: 0.5.
-  int vocab_size = 0;             // >0: token types (Zipf) whose embedding joins the latent
-                                  // (token identity), with less free noise. Default: 0 (off).
-  double mean_segment = 64;       // mean tokens per topic segment. Default: 64.
-  double retrieval_prob = 0.5;    // P(query targets an earlier segment's topic). Default: 0.5.
-  double logit_std = 2.5;         // target std of q.k/sqrt(d) over keys. Default: 2.5.
-  double salience_sigma = 0.4;    // log-normal key-scale sigma (heavy tail). Default: 0.4.
-  double heavy_hitter_std = 0.0;  // std of a query-independent, exponentially distributed
-                                  // per-key logit term (heavy hitters, as H2O observes). Default: 0 (off).
-  int n_sinks = 4;                // sink tokens at positions 0..n_sinks-1. Default: 4.
-  double sink_boost = 10.0;       // sink logit above the mean logit. Default: 10.
-  double rope_theta = 500000.0;   // RoPE base; 0 disables. Default: 500000 (Llama 3).
+  int latent_dim = 32;          // shared latent size. Default: 32.
+  double spectrum_decay = 1.0;  // latent coordinate i is scaled by (1+i)^-decay
+                                // (power-law spectrum, as in trained activations). Default: 1.
+  int n_topics = 128;           // topic clusters. Default: 128.
+  double latent_noise = 0.5;    // per-token free latent noise. Default: 0.5.
+  double local_std = 0.7;       // std of the slowly varying local AR(0.98) latent term
+                                // (content locality). Default: 0.7.
+  int vocab_size = 0;           // >0: token types (Zipf) whose embedding joins the latent
+                                // (token identity), with less free noise. Default: 0 (off).
+  double mean_segment = 64;     // mean tokens per topic segment. Default: 64.
+  double retrieval_prob = 0.5;  // P(query targets an earlier segment's topic). Default: 0.5.
+  double logit_std = 2.5;       // target std of q.k/sqrt(d) over keys. Default: 2.5.
+  double salience_sigma = 0.4;  // log-normal key-scale sigma (heavy tail). Default: 0.4.
+  double heavy_hitter_std =
+      0.0;          // std of a query-independent, exponentially distributed
+                    // per-key logit term (heavy hitters, as H2O observes). Default: 0 (off).
+  int n_sinks = 4;  // sink tokens at positions 0..n_sinks-1. Default: 4.
+  double sink_boost = 10.0;      // sink logit above the mean logit. Default: 10.
+  double rope_theta = 500000.0;  // RoPE base; 0 disables. Default: 500000 (Llama 3).
 };
 
 struct SyntheticHead {
   int64_t n_tokens = 0;
   int head_dim = 0;
   int group_size = 0;
-  std::vector<float> keys;     // n_tokens x d
-  std::vector<float> values;   // n_tokens x d
+  std::vector<float> keys;                 // n_tokens x d
+  std::vector<float> values;               // n_tokens x d
   std::vector<int64_t> prefill_positions;  // n_prefill, ascending
   std::vector<float> prefill_queries;      // [G][n_prefill][d]
   int n_decode = 0;

@@ -1,11 +1,10 @@
 #include "index/tactic.h"
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
-
-#include <Eigen/Core>
 
 #include "index/byte_io.h"
 #include "index/kmeans.h"
@@ -14,11 +13,22 @@
 namespace ctxcache::index {
 namespace {
 
+// Empty vectors have a null data(); skip the copy for them (UBSan: memcpy(nullptr, ..., 0)).
+template <typename T>
+void PutVector(ByteWriter* w, const std::vector<T>& v) {
+  if (!v.empty()) w->PutArray(v.data(), v.size());
+}
+template <typename T>
+bool GetVector(ByteReader* r, std::vector<T>* v) {
+  return v->empty() || r->GetArray(v->data(), v->size());
+}
+
 Status CheckOptions(const TacticOptions& o) {
   if (o.avg_cluster_size < 1) return InvalidArgumentError("tactic: avg_cluster_size must be >= 1");
   if (o.max_iters < 1) return InvalidArgumentError("tactic: max_iters must be >= 1");
   if (!(o.target > 0 && o.target <= 1)) return InvalidArgumentError("tactic: P must be in (0, 1]");
-  if (!(o.n0_frac >= 0 && o.n0_frac < 1)) return InvalidArgumentError("tactic: n0 must be in [0, 1)");
+  if (!(o.n0_frac >= 0 && o.n0_frac < 1))
+    return InvalidArgumentError("tactic: n0 must be in [0, 1)");
   if (!(o.p1 > 0 && o.p1 < o.p2 && o.p2 < 1)) {
     return InvalidArgumentError("tactic: expected 0 < p1 < p2 < 1");
   }
@@ -26,6 +36,8 @@ Status CheckOptions(const TacticOptions& o) {
   if (o.recluster_every < o.avg_cluster_size) {
     return InvalidArgumentError("tactic: recluster must be >= the average cluster size");
   }
+  if (o.n_sink < 0) return InvalidArgumentError("tactic: sinks must be >= 0");
+  if (o.n_recent < 0) return InvalidArgumentError("tactic: recent must be >= 0");
   return Status::OK();
 }
 
@@ -64,12 +76,16 @@ StatusOr<TacticOptions> ParseTacticParams(const MethodParams& params) {
   ASSIGN_OR_RETURN(o.p2, r.Double("p2", o.p2, 1e-6, 0.999));
   ASSIGN_OR_RETURN(int64_t w, r.Int("w", o.window, 1, 1 << 20));
   ASSIGN_OR_RETURN(int64_t re, r.Int("recluster", o.recluster_every, 1, 1 << 24));
+  ASSIGN_OR_RETURN(int64_t sinks, r.Int("sinks", o.n_sink, 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t recent, r.Int("recent", o.n_recent, 0, 1 << 20));
   RETURN_IF_ERROR(r.Finish());
   o.avg_cluster_size = static_cast<int>(cluster);
   o.max_iters = static_cast<int>(iters);
   o.seed = static_cast<uint64_t>(seed);
   o.window = static_cast<int>(w);
   o.recluster_every = static_cast<int>(re);
+  o.n_sink = static_cast<int>(sinks);
+  o.n_recent = static_cast<int>(recent);
   RETURN_IF_ERROR(CheckOptions(o));
   return o;
 }
@@ -96,19 +112,19 @@ Status TacticSelector::AddClusters(const float* keys, int64_t n, int32_t first_i
   }
   members_.resize(base + n);
   std::vector<int64_t> fill = start;
-  for (int64_t i = 0; i < n; ++i) members_[fill[km.assign[i]]++] = first_id + static_cast<int32_t>(i);
+  for (int64_t i = 0; i < n; ++i)
+    members_[fill[km.assign[i]]++] = first_id + static_cast<int32_t>(i);
   for (int64_t c = 0; c < k; ++c) {
     if (count[c + 1] == 0) continue;
-    centroids_.insert(centroids_.end(), km.centroids.row(c).data(),
-                      km.centroids.row(c).data() + d);
+    centroids_.insert(centroids_.end(), km.centroids.row(c).data(), km.centroids.row(c).data() + d);
     offsets_.push_back(start[c] + count[c + 1]);
   }
   n_ranked_ += n;
   return Status::OK();
 }
 
-StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Build(const float* keys,
-                                                                int64_t n_tokens, int head_dim,
+StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Build(const float* keys, int64_t n_tokens,
+                                                                int head_dim,
                                                                 const TacticOptions& options) {
   RETURN_IF_ERROR(CheckOptions(options));
   HeadPrefill p;
@@ -120,7 +136,15 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Build(const float* key
   sel->head_dim_ = head_dim;
   sel->options_ = options;
   sel->n_tokens_ = n_tokens;
-  RETURN_IF_ERROR(sel->AddClusters(keys, n_tokens, 0, options.seed));
+  sel->n_sink_ = std::min<int64_t>(options.n_sink, n_tokens - 1);  // >= 1 token to cluster
+  // The last `recent` tokens start as the tail: always selected until re-clustered.
+  const int64_t recent =
+      std::min<int64_t>({static_cast<int64_t>(options.n_recent), n_tokens - sel->n_sink_ - 1,
+                         static_cast<int64_t>(options.recluster_every) - 1});
+  const int64_t clustered = n_tokens - sel->n_sink_ - recent;
+  RETURN_IF_ERROR(sel->AddClusters(keys + sel->n_sink_ * head_dim, clustered,
+                                   static_cast<int32_t>(sel->n_sink_), options.seed));
+  sel->tail_keys_.assign(keys + (n_tokens - recent) * head_dim, keys + n_tokens * head_dim);
   return sel;
 }
 
@@ -167,13 +191,14 @@ Status TacticSelector::SelectHead(const float* q, int64_t budget, const KeySourc
   RankTokens(q, &order, &cend);
   *est = TacticHeadEstimate{};
   est->n_ranked = n;
-  est->tail = n_tokens_ - n_ranked_;
+  est->sinks = n_sink_;
+  est->tail = n_tokens_ - n_sink_ - n_ranked_;
   uint64_t scored = 0;
 
   int64_t k_sel = 0;
   if (budget > 0) {
     // Fixed budget: whole clusters in rank order while they fit (at least one).
-    const int64_t room = std::max<int64_t>(0, budget - est->tail);
+    const int64_t room = std::max<int64_t>(0, budget - est->tail - n_sink_);
     int64_t prev = 0;
     for (int64_t end : cend) {
       if (end > room && prev > 0) break;
@@ -200,6 +225,8 @@ Status TacticSelector::SelectHead(const float* q, int64_t budget, const KeySourc
       fetch.insert(fetch.end(), order.begin() + b1, order.begin() + b1 + w);
       fetch.insert(fetch.end(), order.begin() + b2, order.begin() + b2 + w);
     }
+    const int64_t sink_at = static_cast<int64_t>(fetch.size());
+    for (int64_t i = 0; i < n_sink_; ++i) fetch.push_back(static_cast<int32_t>(i));
     std::vector<float> kbuf(fetch.size() * d);
     RETURN_IF_ERROR(keys.GatherKeys(fetch.data(), static_cast<int64_t>(fetch.size()), kbuf.data()));
     scored += fetch.size();
@@ -240,6 +267,7 @@ Status TacticSelector::SelectHead(const float* q, int64_t budget, const KeySourc
     }
     double tail_sum = 0;
     for (int64_t i = 0; i < tail; ++i) tail_sum += e(tail_logits[i]);
+    for (int64_t i = 0; i < n_sink_; ++i) tail_sum += e(logits[sink_at + i]);  // sinks: exact
     double total = tail_sum;
     for (double v : s) total += v;
     // Smallest K whose prefix plus the (always selected) tail reaches P.
@@ -258,7 +286,8 @@ Status TacticSelector::SelectHead(const float* q, int64_t budget, const KeySourc
   }
   est->k_selected = k_sel;
   ids->assign(order.begin(), order.begin() + k_sel);
-  for (int64_t i = n_ranked_; i < n_tokens_; ++i) ids->push_back(static_cast<int32_t>(i));
+  for (int64_t i = 0; i < n_sink_; ++i) ids->push_back(static_cast<int32_t>(i));
+  for (int64_t i = n_sink_ + n_ranked_; i < n_tokens_; ++i) ids->push_back(static_cast<int32_t>(i));
   std::sort(ids->begin(), ids->end());
   if (stats != nullptr) {
     const int64_t C = n_clusters();
@@ -273,7 +302,8 @@ Status TacticSelector::SelectHead(const float* q, int64_t budget, const KeySourc
 
 Status TacticSelector::Select(const SelectInput& in, Selection* out, WorkStats* stats) {
   if (out == nullptr) return InvalidArgumentError("tactic: out must not be null");
-  RETURN_IF_ERROR(ValidateSelectInput("tactic", in, head_dim_, n_tokens_, /*need_keys=*/in.budget == 0));
+  RETURN_IF_ERROR(
+      ValidateSelectInput("tactic", in, head_dim_, n_tokens_, /*need_keys=*/in.budget == 0));
   if (stats != nullptr) *stats = WorkStats{};
   out->per_head.assign(in.n_queries, {});
   last_.assign(in.n_queries, {});
@@ -287,7 +317,8 @@ Status TacticSelector::Select(const SelectInput& in, Selection* out, WorkStats* 
   }
   out->estimated_mass = in.budget > 0 ? -1.0 : mass / in.n_queries;
   out->merged.clear();
-  for (const auto& ids : out->per_head) out->merged.insert(out->merged.end(), ids.begin(), ids.end());
+  for (const auto& ids : out->per_head)
+    out->merged.insert(out->merged.end(), ids.begin(), ids.end());
   std::sort(out->merged.begin(), out->merged.end());
   out->merged.erase(std::unique(out->merged.begin(), out->merged.end()), out->merged.end());
   return Status::OK();
@@ -301,9 +332,9 @@ Status TacticSelector::Append(const float* key, const float*, const float*) {
   if (n_tokens_ >= INT32_MAX - 1) return OutOfRangeError("tactic: too many tokens");
   tail_keys_.insert(tail_keys_.end(), key, key + head_dim_);
   ++n_tokens_;
-  const int64_t tail = n_tokens_ - n_ranked_;
+  const int64_t tail = n_tokens_ - n_sink_ - n_ranked_;
   if (tail >= options_.recluster_every) {
-    RETURN_IF_ERROR(AddClusters(tail_keys_.data(), tail, static_cast<int32_t>(n_ranked_),
+    RETURN_IF_ERROR(AddClusters(tail_keys_.data(), tail, static_cast<int32_t>(n_sink_ + n_ranked_),
                                 options_.seed + static_cast<uint64_t>(n_ranked_)));
     tail_keys_.clear();
   }
@@ -325,12 +356,15 @@ Status TacticSelector::Serialize(std::string* out) const {
   w.Put<double>(options_.p2);
   w.Put<int32_t>(options_.window);
   w.Put<int32_t>(options_.recluster_every);
+  w.Put<int32_t>(options_.n_sink);
+  w.Put<int32_t>(options_.n_recent);
+  w.Put<int64_t>(n_sink_);
   w.Put<int64_t>(n_ranked_);
   w.Put<int64_t>(n_clusters());
-  w.PutArray(centroids_.data(), centroids_.size());
-  w.PutArray(offsets_.data(), offsets_.size());
-  w.PutArray(members_.data(), members_.size());
-  w.PutArray(tail_keys_.data(), tail_keys_.size());
+  PutVector(&w, centroids_);
+  PutVector(&w, offsets_);
+  PutVector(&w, members_);
+  PutVector(&w, tail_keys_);
   return Status::OK();
 }
 
@@ -345,19 +379,21 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Load(std::string_view 
   if (!r.Get(&sel->n_tokens_) || !r.Get(&d) || !r.Get(&o.avg_cluster_size) ||
       !r.Get(&o.max_iters) || !r.Get(&o.seed) || !r.Get(&o.target) || !r.Get(&o.n0_frac) ||
       !r.Get(&o.p1) || !r.Get(&o.p2) || !r.Get(&o.window) || !r.Get(&o.recluster_every) ||
+      !r.Get(&o.n_sink) || !r.Get(&o.n_recent) || !r.Get(&sel->n_sink_) ||
       !r.Get(&sel->n_ranked_) || !r.Get(&n_clusters)) {
     return DataLossError("tactic: truncated artifact header");
   }
   RETURN_IF_ERROR(CheckOptions(o));
   const int64_t n = sel->n_tokens_;
-  if (d <= 0 || d > 4096 || n < 1 || n >= INT32_MAX || sel->n_ranked_ < 1 ||
-      sel->n_ranked_ > n || n - sel->n_ranked_ >= o.recluster_every || n_clusters < 1 ||
-      n_clusters > sel->n_ranked_) {
+  const int64_t clustered_end = sel->n_sink_ + sel->n_ranked_;
+  if (d <= 0 || d > 4096 || n < 1 || n >= INT32_MAX || sel->n_sink_ < 0 ||
+      sel->n_sink_ > o.n_sink || sel->n_ranked_ < 1 || clustered_end > n ||
+      n - clustered_end >= o.recluster_every || n_clusters < 1 || n_clusters > sel->n_ranked_) {
     return DataLossError("tactic: corrupt artifact header");
   }
   sel->head_dim_ = d;
   const size_t nc = static_cast<size_t>(n_clusters);
-  const size_t tail = static_cast<size_t>(n - sel->n_ranked_) * d;
+  const size_t tail = static_cast<size_t>(n - clustered_end) * d;
   const size_t need = nc * d * sizeof(float) + (nc + 1) * sizeof(int64_t) +
                       static_cast<size_t>(sel->n_ranked_) * sizeof(int32_t) + tail * sizeof(float);
   if (r.remaining() != need) return DataLossError("tactic: artifact size does not match header");
@@ -365,10 +401,8 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Load(std::string_view 
   sel->offsets_.resize(nc + 1);
   sel->members_.resize(sel->n_ranked_);
   sel->tail_keys_.resize(tail);
-  if (!r.GetArray(sel->centroids_.data(), sel->centroids_.size()) ||
-      !r.GetArray(sel->offsets_.data(), sel->offsets_.size()) ||
-      !r.GetArray(sel->members_.data(), sel->members_.size()) ||
-      !r.GetArray(sel->tail_keys_.data(), sel->tail_keys_.size())) {
+  if (!GetVector(&r, &sel->centroids_) || !GetVector(&r, &sel->offsets_) ||
+      !GetVector(&r, &sel->members_) || !GetVector(&r, &sel->tail_keys_)) {
     return DataLossError("tactic: truncated artifact");
   }
   if (sel->offsets_.front() != 0 || sel->offsets_.back() != sel->n_ranked_ ||
@@ -376,7 +410,9 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Load(std::string_view 
     return DataLossError("tactic: corrupt cluster offsets");
   }
   for (int32_t id : sel->members_) {
-    if (id < 0 || id >= sel->n_ranked_) return DataLossError("tactic: corrupt member id");
+    if (id < sel->n_sink_ || id >= clustered_end) {
+      return DataLossError("tactic: corrupt member id");
+    }
   }
   return sel;
 }

@@ -13,11 +13,17 @@
 //     s_i = e_i for i ≤ N0, max(0, a/i + b) beyond;
 //  4. K = smallest budget with Σ_{i≤K} s_i ≥ P·Σ s_i, rounded up to the end
 //     of the cluster holding position K (whole-cluster granularity).
-// Tokens appended after the build (the "tail") are always selected; every
-// `recluster_every` appended tokens the tail is clustered on its own and its
-// clusters join the ranking. Selection::estimated_mass is the estimated
-// fraction Σ_{selected} s / Σ s (tail tokens counted with exact e), averaged
-// over the q heads. The union over the q heads is Selection::merged (GQA).
+// The first `n_sink` tokens (attention sinks) are kept out of the clusters,
+// always selected and scored exactly: a sink clustered with ordinary keys
+// would be ranked by its cluster's centroid and could be missed while holding
+// much of the mass (ctxcache addition; the seed does not discuss sinks).
+// Likewise the last `n_recent` prefill tokens start as the "tail" (a recent
+// window, as CSA and StreamingLLM keep). Tokens appended after the build join
+// the tail; the tail is always selected and scored exactly; whenever it
+// reaches `recluster_every` tokens (2048 appended tokens by default) it is
+// clustered on its own and its clusters join the ranking. Selection::estimated_mass is the
+// estimated fraction Σ_{selected} s / Σ s (sinks and tail counted with exact e), averaged over the
+// q heads. The union over the q heads is Selection::merged (GQA).
 //
 // With SelectInput::budget > 0 the fit is skipped: whole clusters are taken
 // in rank order while they fit in the budget (fixed-budget mode, for
@@ -25,7 +31,7 @@
 //
 // Params: "cluster" (avg cluster size, 16), "iters" (10), "seed" (42),
 // "P" (0.9), "n0" (0.015), "p1" (0.1), "p2" (0.6), "w" (64),
-// "recluster" (2048). Unknown keys -> InvalidArgument.
+// "recluster" (2048), "sinks" (0), "recent" (0). Unknown keys -> InvalidArgument.
 //
 // Select() needs SelectInput::keys (exact scores of the sampled tokens).
 // Select() does not mutate the index; Append() does.
@@ -59,6 +65,11 @@ struct TacticOptions {
   int window = 64;
   // Appended tokens are clustered every this many. Default: 2048.
   int recluster_every = 2048;
+  // Leading tokens kept out of the clusters and always selected. Default: 0
+  // (as the seed; see NOTES_methods.md for when 4 helps and when it costs).
+  int n_sink = 0;
+  // Last prefill tokens that start as the (always selected) tail. Default: 0.
+  int n_recent = 0;
 };
 
 // y = a/x + b through (x1, mu1) and (x2, mu2); x1 != x2, both > 0.
@@ -75,11 +86,12 @@ int64_t CumulativeBudget(const std::vector<double>& s, double target);
 
 // What Select() decided for one q head (for benchmarks and tests).
 struct TacticHeadEstimate {
-  int64_t n_ranked = 0;   // tokens in clusters
-  int64_t n0 = 0;         // exactly scored head of the list
-  int64_t k_fit = 0;      // budget from the fitted curve (token granularity)
-  int64_t k_selected = 0; // after rounding up to whole clusters (excl. tail)
-  int64_t tail = 0;       // appended tokens always selected
+  int64_t n_ranked = 0;    // tokens in clusters
+  int64_t n0 = 0;          // exactly scored head of the list
+  int64_t k_fit = 0;       // budget from the fitted curve (token granularity)
+  int64_t k_selected = 0;  // after rounding up to whole clusters (excl. tail)
+  int64_t sinks = 0;       // sink tokens always selected
+  int64_t tail = 0;        // appended tokens always selected
   double estimated_mass = 0;
   InverseFit fit;
 };
@@ -108,6 +120,7 @@ class TacticSelector final : public Selector {
   Status SetTarget(double target);
   int64_t n_clusters() const { return static_cast<int64_t>(offsets_.size()) - 1; }
   int64_t n_ranked() const { return n_ranked_; }
+  int64_t n_sink() const { return n_sink_; }
   // Per q head, from the last Select().
   const std::vector<TacticHeadEstimate>& last_estimates() const { return last_; }
 
@@ -126,11 +139,12 @@ class TacticSelector final : public Selector {
   int64_t n_tokens_ = 0;
   int head_dim_ = 0;
   TacticOptions options_;
-  std::vector<float> centroids_;   // n_clusters * d
+  std::vector<float> centroids_;        // n_clusters * d
   std::vector<int64_t> offsets_ = {0};  // n_clusters + 1 (CSR)
-  std::vector<int32_t> members_;   // n_ranked token ids
-  int64_t n_ranked_ = 0;           // tokens in clusters
-  std::vector<float> tail_keys_;   // keys of tokens n_ranked_ .. n_tokens_-1
+  std::vector<int32_t> members_;        // n_ranked token ids
+  int64_t n_sink_ = 0;                  // sinks: tokens 0 .. n_sink_-1
+  int64_t n_ranked_ = 0;                // tokens in clusters: n_sink_ .. n_sink_+n_ranked_-1
+  std::vector<float> tail_keys_;        // keys of tokens n_sink_+n_ranked_ .. n_tokens_-1
   std::vector<TacticHeadEstimate> last_;
 };
 

@@ -3,6 +3,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace ctxcache::model::internal {
@@ -154,38 +155,67 @@ void Logits(const Model& m, const float* x, const std::vector<int64_t>& rows, fl
          nullptr, logits);
 }
 
-void ChunkAttention(ThreadPool* pool, const ModelSpec& s, int64_t n, int64_t L, const float* q,
-                    int64_t q_stride, const std::vector<const float*>& keys,
-                    const std::vector<const float*>& values, float* out) {
+void ChunkAttention(ThreadPool* pool, const ModelSpec& s, const KvCache& cache, int layer,
+                    int64_t n, int64_t L, const float* q, int64_t q_stride, float* out) {
   const int d = s.head_dim;
   const int G = s.group_size();
   const int64_t pos0 = L - n;
   const int64_t w = s.sliding_window;
   const int64_t kv_lo = w > 0 ? std::max<int64_t>(0, pos0 - w + 1) : 0;
-  const int64_t Lc = L - kv_lo;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const bool f32 = cache.dtype() == DType::kF32;
   auto head = [&](int h) {
     const int g = h / G;
     StridedConstMap Q(q + static_cast<int64_t>(h) * d, n, d, Eigen::OuterStride<>(q_stride));
-    ConstRowMap K(keys[g] + kv_lo * d, Lc, d);
-    ConstRowMap V(values[g] + kv_lo * d, Lc, d);
-    RowMat S(n, Lc);
-    S.noalias() = Q * K.transpose();
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t p = pos0 + t;  // absolute position
-      const int64_t lo = (w > 0 ? std::max<int64_t>(kv_lo, p - w + 1) : 0) - kv_lo;
-      const int64_t hi = p - kv_lo + 1;  // exclusive
-      auto row = S.row(t);
-      auto seg = row.segment(lo, hi - lo).array();
-      seg *= scale;
-      const float mx = seg.maxCoeff();
-      seg = (seg - mx).exp();
-      seg /= seg.sum();
-      if (lo > 0) row.head(lo).setZero();
-      if (hi < Lc) row.tail(Lc - hi).setZero();
+    // Per-thread scratch, reused across calls.
+    thread_local RowMat S, Ktile, Vtile, Acc;
+    thread_local Eigen::VectorXf m, l;
+    Acc.setZero(n, d);
+    m.setConstant(n, -std::numeric_limits<float>::infinity());
+    l.setZero(n);
+    for (int64_t j0 = kv_lo; j0 < L; j0 += kAttentionTile) {
+      const int64_t j1 = std::min(L, j0 + kAttentionTile);
+      const int64_t bt = j1 - j0;
+      const float* kp;
+      const float* vp;
+      if (f32) {
+        kp = cache.KeysF32(layer, g) + j0 * d;
+        vp = cache.ValuesF32(layer, g) + j0 * d;
+      } else {
+        Ktile.resize(bt, d);
+        Vtile.resize(bt, d);
+        cache.Read(layer, g, j0, j1, Ktile.data(), Vtile.data());
+        kp = Ktile.data();
+        vp = Vtile.data();
+      }
+      ConstRowMap K(kp, bt, d), V(vp, bt, d);
+      S.resize(n, bt);
+      S.noalias() = Q * K.transpose();
+      // Rows whose visible range [lo_t, p_t] misses this tile take no update.
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t p = pos0 + t;
+        const int64_t lo = std::max(j0, w > 0 ? std::max<int64_t>(0, p - w + 1) : int64_t{0});
+        const int64_t hi = std::min(j1, p + 1);  // exclusive
+        auto row = S.row(t);
+        if (hi <= lo) {
+          row.setZero();
+          continue;
+        }
+        auto seg = row.segment(lo - j0, hi - lo).array();
+        seg *= scale;
+        const float m_new = std::max(m[t], seg.maxCoeff());
+        const float alpha = std::exp(m[t] - m_new);  // 0 on the first visible tile
+        seg = (seg - m_new).exp();
+        l[t] = l[t] * alpha + seg.sum();
+        m[t] = m_new;
+        if (alpha != 1.0f) Acc.row(t) *= alpha;
+        if (lo > j0) row.head(lo - j0).setZero();
+        if (hi < j1) row.tail(j1 - hi).setZero();
+      }
+      Acc.noalias() += S * V;
     }
     StridedMap O(out + static_cast<int64_t>(h) * d, n, d, Eigen::OuterStride<>(q_stride));
-    O.noalias() = S * V;
+    O = Acc.array().colwise() / l.array();
   };
   if (pool == nullptr || pool->size() <= 1) {
     for (int h = 0; h < s.n_q_heads; ++h) head(h);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "model/kv_cache.h"
 #include "model/model.h"
 
 namespace ctxcache::model::internal {
@@ -51,13 +52,17 @@ Status LayerForward(const Model& m, int layer, int64_t pos0, int64_t n, float* x
 // logits[n_rows][vocab].
 void Logits(const Model& m, const float* x, const std::vector<int64_t>& rows, float* logits);
 
-// Causal attention of one chunk against a fp32 key/value range.
-//   q: [n][q_stride] (head h at q + h*d), keys/values: per kv head [L][d]
-//   via kv(kv_head) -> {k, v} pointers; the chunk's tokens are positions
-//   L-n .. L-1 and token t sees keys j <= L-n+t (and, with sliding_window w
-//   > 0, j > L-n+t-w). out: [n][q_stride].
-void ChunkAttention(ThreadPool* pool, const ModelSpec& s, int64_t n, int64_t L, const float* q,
-                    int64_t q_stride, const std::vector<const float*>& keys,
-                    const std::vector<const float*>& values, float* out);
+// Causal attention of one chunk of n tokens (positions L-n .. L-1) over the
+// keys/values 0..L-1 of `layer` in `cache` (which already holds the chunk).
+// Token t sees keys j <= L-n+t and, with sliding_window w > 0, j > L-n+t-w.
+// q: [n][q_stride] (head h at q + h*d); out: same layout.
+//
+// Flash-style: keys are processed in tiles of kAttentionTile tokens with an
+// online softmax, so per worker thread only one n x tile score block and
+// one tile of fp32 K/V (converted from the cache dtype) are live; nothing
+// grows with L except the cache itself.
+inline constexpr int64_t kAttentionTile = 1024;
+void ChunkAttention(ThreadPool* pool, const ModelSpec& s, const KvCache& cache, int layer,
+                    int64_t n, int64_t L, const float* q, int64_t q_stride, float* out);
 
 }  // namespace ctxcache::model::internal

@@ -72,9 +72,7 @@ Status Prefill(const Model& model, std::span<const int32_t> tokens, KvCache* cac
 
   const int d = s.head_dim;
   const int64_t qd = int64_t{s.n_q_heads} * d, kd = int64_t{s.n_kv_heads} * d;
-  const bool f32_cache = cache->dtype() == DType::kF32;
   std::vector<float> x, hq, hk, hv;
-  std::vector<std::vector<float>> kf(s.n_kv_heads), vf(s.n_kv_heads);
   internal::Workspace ws;
   PrefillProgress prog;
   prog.tokens_total = T;
@@ -97,30 +95,7 @@ Status Prefill(const Model& model, std::span<const int32_t> tokens, KvCache* cac
     // depend on the chunking even when the cache rounds to bf16.
     cache->Append(layer, static_cast<int>(n), k, v, kd);
     const int64_t L = pos0 + n;
-    std::vector<const float*> kp(s.n_kv_heads), vp(s.n_kv_heads);
-    if (f32_cache) {
-      for (int g = 0; g < s.n_kv_heads; ++g) {
-        kp[g] = cache->KeysF32(layer, g);
-        vp[g] = cache->ValuesF32(layer, g);
-      }
-    } else {
-      const int64_t lo =
-          s.sliding_window > 0 ? std::max<int64_t>(0, pos0 - s.sliding_window + 1) : 0;
-      auto convert = [&](size_t g0, size_t g1) {
-        for (size_t g = g0; g < g1; ++g) {
-          kf[g].resize(L * d);
-          vf[g].resize(L * d);
-          cache->Read(layer, static_cast<int>(g), lo, L, kf[g].data() + lo * d,
-                      vf[g].data() + lo * d);
-        }
-      };
-      model.pool()->ParallelFor(static_cast<size_t>(s.n_kv_heads), convert);
-      for (int g = 0; g < s.n_kv_heads; ++g) {
-        kp[g] = kf[g].data();
-        vp[g] = vf[g].data();
-      }
-    }
-    internal::ChunkAttention(model.pool(), s, n, L, q, qd, kp, vp, out);
+    internal::ChunkAttention(model.pool(), s, *cache, layer, n, L, q, qd, out);
     return Status::OK();
   };
 

@@ -3,12 +3,12 @@
 // KvCache) plus itself. Per chunk and layer the post-RoPE Q, K and V go to the
 // registered sinks (page writer, index builders, trace writer).
 //
-// Memory: the KvCache (the context's KV at its dtype: bf16 by default, i.e.
+// Memory: the KvCache (the context's KV at its dtype; bf16 by default, so
 // exactly 1x the context's bf16 KV size) plus per-chunk activations plus, per
-// layer, a transient fp32 copy of that layer's keys and values for attention
-// (2 * n_kv_heads * T * d * 4 bytes; skipped when the cache is fp32) plus the
-// attention scores of one chunk per worker thread (chunk * T * 4 bytes). For
-// the reference model at 16K tokens that is 8 MB + ~16 MB + 2 x 32 MB.
+// worker thread, one chunk x 1024 score tile and one 1024-token fp32 K/V tile
+// (flash-style attention, see internal::ChunkAttention). Nothing but the
+// cache grows with the context: for the reference model at 16K tokens that
+// is 64 MiB of KV plus ~5 MiB of scratch per thread.
 //
 // Extend: if the cache already holds P tokens (a parent context), the new
 // tokens are placed at positions P.. and attend to the parent's KV.

@@ -24,6 +24,9 @@ class AdminServiceImpl final : public v1::ContextAdmin::Service {
   grpc::Status ExtendContext(grpc::ServerContext* context,
                              const v1::ExtendContextRequest* request,
                              grpc::ServerWriter<v1::BuildProgress>* writer) override;
+  grpc::Status IngestContext(grpc::ServerContext* context,
+                             grpc::ServerReader<v1::IngestChunk>* reader,
+                             v1::ContextInfo* response) override;
   grpc::Status GetContext(grpc::ServerContext* context, const v1::GetContextRequest* request,
                           v1::ContextInfo* response) override;
   grpc::Status ListContexts(grpc::ServerContext* context, const v1::ListContextsRequest* request,

@@ -151,6 +151,70 @@ index::MethodParams EffectiveParams(const IndexRequest& req, int64_t n_keys, int
 
 }  // namespace
 
+Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
+                           const std::vector<IndexRequest>& requested, const ReadKvFn& read_kv,
+                           const ReadQueriesFn& read_queries,
+                           const std::function<void(int)>& layer_done,
+                           const std::atomic<bool>* cancel) {
+  std::vector<IndexRequest> methods = requested;
+  for (std::string_view m : kAlwaysBuiltMethods) {
+    bool present = false;
+    for (const auto& r : methods) present = present || r.method == m;
+    if (!present) methods.push_back(IndexRequest{std::string(m), {}});
+  }
+  const int64_t n = shape.n_tokens;
+  const int d = shape.head_dim;
+  for (int layer = 0; layer < shape.n_layers; ++layer) {
+    if (cancel && cancel->load()) return CancelledError("build cancelled");
+    // One item per kv head: its keys are read once for every method.
+    std::vector<Status> results(static_cast<size_t>(shape.n_kv_heads));
+    ThreadPool::Default()->ParallelFor(results.size(), [&](size_t b, size_t e) {
+      std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), q;
+      std::vector<int64_t> positions;
+      for (size_t item = b; item < e; ++item) {
+        const int h = static_cast<int>(item);
+        read_kv(layer, h, k.data(), v.data());
+        read_queries(layer, h, &q, &positions);
+        index::HeadPrefill hp;
+        hp.n_tokens = n;
+        hp.head_dim = d;
+        hp.group_size = shape.group_size;
+        hp.keys = k.data();
+        hp.values = v.data();
+        hp.n_queries = static_cast<int64_t>(positions.size());
+        hp.query_positions = positions.empty() ? nullptr : positions.data();
+        hp.queries = q.empty() ? nullptr : q.data();
+        for (const IndexRequest& r : methods) {
+          auto sel = index::BuildSelector(
+              r.method, hp, EffectiveParams(r, n, hp.n_queries * hp.group_size));
+          Status s = sel.status();
+          std::string bytes;
+          if (s.ok()) s = (*sel)->Serialize(&bytes);
+          if (s.ok()) {
+            s = writer->PutArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                                    *ArtifactKind(r.method), r.method, bytes);
+          }
+          if (!s.ok()) {
+            results[item] = s.WithContext("building the " + r.method + " index of layer " +
+                                          std::to_string(layer) + " kv head " +
+                                          std::to_string(h));
+            break;
+          }
+        }
+      }
+    });
+    for (const auto& s : results) RETURN_IF_ERROR(s);
+    if (layer_done) layer_done(layer + 1);
+  }
+  for (const auto& r : requested) {
+    v1::IndexParams ip;
+    ip.set_method(r.method);
+    for (const auto& [key, val] : r.params) (*ip.mutable_params())[key] = val;
+    writer->AddIndexParams(ip);
+  }
+  return Status::OK();
+}
+
 Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes) {
   std::vector<std::string> known = index::SelectorMethods();
   for (const auto& r : indexes) {
@@ -257,71 +321,25 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
 
   // Index builds, layer by layer, kv heads (x methods) in parallel.
   auto t1 = Clock::now();
-  std::vector<IndexRequest> artifact_methods = job.indexes;
-  for (std::string_view m : kAlwaysBuiltMethods) {
-    bool present = false;
-    for (const auto& r : artifact_methods) present = present || r.method == m;
-    if (!present) artifact_methods.push_back(IndexRequest{std::string(m), {}});
-  }
-  const int nkv = spec.n_kv_heads, d = spec.head_dim;
   p.set_phase(v1::BuildProgress::INDEXING);
   p.set_tokens_prefilled(static_cast<uint64_t>(n_total));
-  for (int layer = 0; layer < spec.n_layers; ++layer) {
-    if (cancel && cancel->load()) return fail(CancelledError("build cancelled"));
-    // One item per kv head: its keys are read once for every method.
-    const size_t n_items = static_cast<size_t>(nkv);
-    std::vector<Status> results(n_items);
-    ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
-      std::vector<float> k(static_cast<size_t>(n_total) * d), v(k.size()), q;
-      std::vector<int64_t> positions;
-      for (size_t item = b; item < e; ++item) {
-        const int h = static_cast<int>(item);
-        cache.Read(layer, h, 0, n_total, k.data(), v.data());
-        queries.Gather(layer, h, &q, &positions);
-        index::HeadPrefill hp;
-        hp.n_tokens = n_total;
-        hp.head_dim = d;
-        hp.group_size = spec.group_size();
-        hp.keys = k.data();
-        hp.values = v.data();
-        hp.n_queries = static_cast<int64_t>(positions.size());
-        hp.query_positions = positions.data();
-        hp.queries = q.data();
-        for (const IndexRequest& r : artifact_methods) {
-          auto sel = index::BuildSelector(
-              r.method, hp, EffectiveParams(r, n_total, hp.n_queries * hp.group_size));
-          Status s = sel.status();
-          std::string bytes;
-          if (s.ok()) s = (*sel)->Serialize(&bytes);
-          if (s.ok()) {
-            s = writer->PutArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
-                                    *ArtifactKind(r.method), r.method, bytes);
-          }
-          if (!s.ok()) {
-            results[item] = s.WithContext("building the " + r.method + " index of layer " +
-                                          std::to_string(layer) + " kv head " +
-                                          std::to_string(h));
-            break;
-          }
-        }
-      }
-    });
-    for (const auto& s : results) {
-      if (!s.ok()) return fail(s);
-    }
-    if (progress) {
-      p.set_layers_indexed(static_cast<uint32_t>(layer + 1));
-      p.set_bytes_written(writer->bytes_written());
-      progress(p);
-    }
-  }
+  const int d = spec.head_dim;
+  Status indexed = BuildIndexArtifacts(
+      writer, IndexShape{spec.n_layers, spec.n_kv_heads, d, spec.group_size(), n_total},
+      job.indexes,
+      [&](int layer, int h, float* k, float* v) { cache.Read(layer, h, 0, n_total, k, v); },
+      [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
+        queries.Gather(layer, h, q, pos);
+      },
+      [&](int layers_done) {
+        if (!progress) return;
+        p.set_layers_indexed(static_cast<uint32_t>(layers_done));
+        p.set_bytes_written(writer->bytes_written());
+        progress(p);
+      },
+      cancel);
+  if (!indexed.ok()) return fail(indexed);
   outcome.index_s = Since(t1);
-  for (const auto& r : job.indexes) {
-    v1::IndexParams ip;
-    ip.set_method(r.method);
-    for (const auto& [key, val] : r.params) (*ip.mutable_params())[key] = val;
-    writer->AddIndexParams(ip);
-  }
   if (cancel && cancel->load()) return fail(CancelledError("build cancelled"));
   if (progress) {
     p.set_phase(v1::BuildProgress::COMMITTING);

@@ -58,6 +58,29 @@ struct BuildOutcome {
   double index_s = 0;
 };
 
+// Shape of the context an index build covers.
+struct IndexShape {
+  int n_layers = 0;
+  int n_kv_heads = 0;
+  int head_dim = 0;
+  int group_size = 0;
+  int64_t n_tokens = 0;
+};
+// Writes the keys and values of (layer, kv head), n_tokens * head_dim fp32 each.
+using ReadKvFn = std::function<void(int layer, int kv_head, float* k, float* v)>;
+// The prefill queries kept for (layer, kv head): [group][rows][d] and positions.
+using ReadQueriesFn =
+    std::function<void(int layer, int kv_head, std::vector<float>* q, std::vector<int64_t>* pos)>;
+
+// Builds and stores every requested method's artifact (plus the always-built
+// reference methods) per (layer, kv head), kv heads in parallel, and records
+// the methods' parameters in the manifest. `layer_done(n)` after each layer.
+Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
+                           const std::vector<IndexRequest>& requested, const ReadKvFn& read_kv,
+                           const ReadQueriesFn& read_queries,
+                           const std::function<void(int)>& layer_done,
+                           const std::atomic<bool>* cancel);
+
 // Validates index requests up front (unknown method, bad params) so a bad
 // request fails before any work: INVALID_ARGUMENT naming the method/param.
 Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes);

@@ -12,7 +12,10 @@ namespace ctxcache::storage {
 
 ContextReader::ContextReader(StoreCore* core, Lease lease, v1::ContextManifest manifest,
                              std::vector<Owner> owners)
-    : core_(core), lease_(std::move(lease)), manifest_(std::move(manifest)), owners_(std::move(owners)) {
+    : core_(core),
+      lease_(std::move(lease)),
+      manifest_(std::move(manifest)),
+      owners_(std::move(owners)) {
   id_ = *ContextId::FromBytes(manifest_.context_id());
   dtype_ = *FromProtoDType(manifest_.model().kv_dtype());
   const uint64_t b = manifest_.block_tokens();
@@ -31,8 +34,9 @@ const ContextId& ContextReader::OwnerOf(uint32_t block) const {
 Status ContextReader::CheckTable(uint32_t layer, uint32_t kv_head,
                                  std::span<const uint32_t> blocks) const {
   if (layer >= manifest_.model().n_layers()) {
-    return InvalidArgumentError("layer: expected < " + std::to_string(manifest_.model().n_layers()) +
-                                ", got " + std::to_string(layer));
+    return InvalidArgumentError("layer: expected < " +
+                                std::to_string(manifest_.model().n_layers()) + ", got " +
+                                std::to_string(layer));
   }
   if (kv_head >= manifest_.model().n_kv_heads()) {
     return InvalidArgumentError("kv_head: expected < " +
@@ -67,9 +71,9 @@ Status ContextReader::DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t bloc
   }
   if (!s.ok()) {
     return Status(s.code() == StatusCode::kInvalidArgument ? StatusCode::kInternal : s.code(),
-                  "context " + id_.ToHex() + " (stored in " + OwnerOf(block).ToHex() +
-                      ") layer " + std::to_string(layer) + " kv_head " + std::to_string(kv_head) +
-                      " block " + std::to_string(block) + ": " + std::string(s.message()));
+                  "context " + id_.ToHex() + " (stored in " + OwnerOf(block).ToHex() + ") layer " +
+                      std::to_string(layer) + " kv_head " + std::to_string(kv_head) + " block " +
+                      std::to_string(block) + ": " + std::string(s.message()));
   }
   out->n_tokens[slot] = h.shape.n_tokens;
   out->stored_bytes += value.size();
@@ -101,7 +105,8 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
     const auto h16 = static_cast<uint16_t>(kv_head);
     rocksdb::ColumnFamilyHandle* cf = core_->cf(kCfPages);
     std::vector<std::string> keys(blocks.size());
-    for (size_t i = 0; i < blocks.size(); ++i) keys[i] = PageKey(OwnerOf(blocks[i]), l16, h16, blocks[i]);
+    for (size_t i = 0; i < blocks.size(); ++i)
+      keys[i] = PageKey(OwnerOf(blocks[i]), l16, h16, blocks[i]);
     rocksdb::ReadOptions ro;
     if (method == PageReadMethod::kMultiGet) {
       std::vector<rocksdb::Slice> slices(keys.begin(), keys.end());
@@ -156,9 +161,9 @@ StatusOr<std::string> ContextReader::ReadArtifact(uint32_t layer, uint32_t kv_he
   for (const auto& a : manifest_.artifacts()) {
     if (a.layer() == layer && a.kv_head() == kv_head && a.kind() == kind) info = &a;
   }
-  const std::string where = "context " + id_.ToHex() + " artifact (layer " +
-                            std::to_string(layer) + ", kv_head " + std::to_string(kv_head) +
-                            ", kind " + std::to_string(kind) + ")";
+  const std::string where = "context " + id_.ToHex() + " artifact (layer " + std::to_string(layer) +
+                            ", kv_head " + std::to_string(kv_head) + ", kind " +
+                            std::to_string(kind) + ")";
   if (info == nullptr) return NotFoundError(where + " not found");
   core_->Touch(id_);
   auto db_lock = core_->LockDb();

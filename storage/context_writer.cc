@@ -1,8 +1,10 @@
 #include "storage/context_writer.h"
 
+#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/write_batch.h>
 
 #include <cstring>
+#include <filesystem>
 
 #include "common/crc32c.h"
 #include "common/thread_pool.h"
@@ -12,11 +14,17 @@
 namespace ctxcache::storage {
 
 struct ContextWriter::HeadState {
-  uint64_t next_token = 0;      // next token index expected
-  uint32_t fill = 0;            // tokens in `staging`
-  bool seeded = false;          // parent's boundary tokens copied in
+  uint64_t next_token = 0;       // next token index expected
+  uint32_t fill = 0;             // tokens in `staging`
+  bool seeded = false;           // parent's boundary tokens copied in
   std::vector<uint8_t> staging;  // K rows [B][d], then V rows [B][d]
   std::string encoded;           // scratch for the encoded page
+  // Ingest path: the open SST of this (layer, kv_head).
+  std::unique_ptr<rocksdb::SstFileWriter> sst;
+  std::string sst_path;
+  uint32_t sst_pages = 0;
+  uint32_t sst_seq = 0;
+  uint64_t sst_bytes_since_check = 0;
 };
 
 ContextWriter::ContextWriter(StoreCore* core, std::shared_ptr<BuildSlot> slot,
@@ -35,6 +43,8 @@ ContextWriter::ContextWriter(StoreCore* core, std::shared_ptr<BuildSlot> slot,
   heads_.resize(size_t{n_layers_} * n_kv_heads_);
   batch_ = std::make_unique<rocksdb::WriteBatch>();
   stored_bytes_.store(manifest_.stored_bytes());  // token ids
+  ingest_ = core_->ingest_pages();
+  if (ingest_) ingest_dir_ = core_->IngestDir(id_);
 }
 
 ContextWriter::~ContextWriter() {
@@ -69,14 +79,74 @@ Status ContextWriter::AddToBatch(const std::string& key, std::string_view value,
   std::lock_guard<std::mutex> l(batch_mu_);
   if (!first_error_.ok()) return first_error_;
   const size_t before = batch_->GetDataSize();
-  RETURN_IF_ERROR(FromRocks(batch_->Put(core_->cf(cf), key, rocksdb::Slice(value.data(), value.size())),
-                            "batch put"));
+  RETURN_IF_ERROR(FromRocks(
+      batch_->Put(core_->cf(cf), key, rocksdb::Slice(value.data(), value.size())), "batch put"));
   const size_t delta = batch_->GetDataSize() - before;
   batch_accounted_ += delta;
   AdjustBuffered(static_cast<int64_t>(delta));
   stored_bytes_.fetch_add(value.size());
   if (batch_->GetDataSize() >= core_->options().write_batch_bytes) return FlushBatchLocked();
   return Status::OK();
+}
+
+Status ContextWriter::PutToSst(uint32_t layer, uint32_t kv_head, HeadState* hs,
+                               const std::string& key, std::string_view value) {
+  if (!hs->sst) {
+    RETURN_IF_ERROR(core_->CheckDiskSpace(1 << 20));
+    std::error_code ec;
+    std::filesystem::create_directories(ingest_dir_, ec);
+    hs->sst_path = ingest_dir_ + "/" + std::to_string(layer) + "_" + std::to_string(kv_head) + "_" +
+                   std::to_string(hs->sst_seq++) + ".sst";
+    // No fallocate: RocksDB would preallocate target_file_size_base per open
+    // file, which is wasted (and can exhaust a small disk) with many heads.
+    rocksdb::EnvOptions env_options;
+    env_options.allow_fallocate = false;
+    // Start writeback every MiB so that Commit's fsync has little left to do.
+    env_options.bytes_per_sync = 1 << 20;
+    hs->sst = std::make_unique<rocksdb::SstFileWriter>(env_options, core_->page_sst_options());
+    RETURN_IF_ERROR(FromRocks(hs->sst->Open(hs->sst_path), "open " + hs->sst_path));
+    hs->sst_pages = 0;
+    AdjustBuffered(static_cast<int64_t>(kSstFixedBytes));
+  }
+  RETURN_IF_ERROR(FromRocks(hs->sst->Put(key, rocksdb::Slice(value.data(), value.size())),
+                            "write " + hs->sst_path));
+  ++hs->sst_pages;
+  AdjustBuffered(static_cast<int64_t>(kSstBytesPerPage));
+  stored_bytes_.fetch_add(value.size());
+  hs->sst_bytes_since_check += value.size();
+  if (hs->sst_bytes_since_check >= (1 << 20)) {
+    hs->sst_bytes_since_check = 0;
+    RETURN_IF_ERROR(core_->CheckDiskSpace(1 << 20));
+  }
+  if (hs->sst_pages >= core_->options().ingest_file_pages) return FinishSst(hs);
+  return Status::OK();
+}
+
+Status ContextWriter::FinishSst(HeadState* hs) {
+  if (!hs->sst) return Status::OK();
+  Status s = FromRocks(hs->sst->Finish(), "finish " + hs->sst_path);
+  AdjustBuffered(-static_cast<int64_t>(kSstFixedBytes + size_t{hs->sst_pages} * kSstBytesPerPage));
+  hs->sst.reset();
+  hs->sst_pages = 0;
+  if (s.ok()) {
+    std::lock_guard<std::mutex> l(batch_mu_);
+    ingest_files_.push_back(hs->sst_path);
+  }
+  return s;
+}
+
+void ContextWriter::DropIngestFiles() {
+  for (auto& hs : heads_) {
+    if (hs && hs->sst) {
+      AdjustBuffered(
+          -static_cast<int64_t>(kSstFixedBytes + size_t{hs->sst_pages} * kSstBytesPerPage));
+      hs->sst.reset();
+    }
+  }
+  if (!ingest_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(ingest_dir_, ec);
+  }
 }
 
 Status ContextWriter::SeedFromParent(uint32_t layer, uint32_t kv_head, HeadState* hs) {
@@ -88,12 +158,12 @@ Status ContextWriter::SeedFromParent(uint32_t layer, uint32_t kv_head, HeadState
   ASSIGN_OR_RETURN(ContextId parent, ContextId::FromBytes(manifest_.parent_id()));
   std::string value;
   auto db_lock = core_->LockDb();
-  RETURN_IF_ERROR(FromRocks(core_->db()->Get(rocksdb::ReadOptions(), core_->cf(kCfPages),
-                                             PageKey(parent, static_cast<uint16_t>(layer),
-                                                     static_cast<uint16_t>(kv_head),
-                                                     shared_blocks_),
-                                             &value),
-                            "read parent boundary page"));
+  RETURN_IF_ERROR(
+      FromRocks(core_->db()->Get(rocksdb::ReadOptions(), core_->cf(kCfPages),
+                                 PageKey(parent, static_cast<uint16_t>(layer),
+                                         static_cast<uint16_t>(kv_head), shared_blocks_),
+                                 &value),
+                "read parent boundary page"));
   std::vector<uint8_t> raw(page_bytes_);
   PageHeader h;
   Status s = DecodePage(value, raw.data(), raw.size(), &h);
@@ -128,8 +198,10 @@ Status ContextWriter::EmitPage(uint32_t layer, uint32_t kv_head, HeadState* hs) 
   RETURN_IF_ERROR(EncodePage(core_->options().page_codec, shape, raw, &hs->encoded));
   raw_kv_bytes_.fetch_add(shape.RawBytes());
   hs->fill = 0;
-  return AddToBatch(PageKey(id_, static_cast<uint16_t>(layer), static_cast<uint16_t>(kv_head), block),
-                    hs->encoded, kCfPages);
+  std::string key =
+      PageKey(id_, static_cast<uint16_t>(layer), static_cast<uint16_t>(kv_head), block);
+  if (ingest_) return PutToSst(layer, kv_head, hs, key, hs->encoded);
+  return AddToBatch(key, hs->encoded, kCfPages);
 }
 
 Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t token_start,
@@ -159,15 +231,14 @@ Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t t
     heads_[size_t{layer} * n_kv_heads_ + kv_head] = std::move(fresh);
   }
   if (token_start != hs->next_token) {
-    return InvalidArgumentError("token_start for layer " + std::to_string(layer) + " kv_head " +
-                                std::to_string(kv_head) + ": expected " +
-                                std::to_string(hs->next_token) + ", got " +
-                                std::to_string(token_start));
+    return InvalidArgumentError(
+        "token_start for layer " + std::to_string(layer) + " kv_head " + std::to_string(kv_head) +
+        ": expected " + std::to_string(hs->next_token) + ", got " + std::to_string(token_start));
   }
   if (token_start + n_tokens > manifest_.n_tokens()) {
     return InvalidArgumentError("n_tokens: tokens [" + std::to_string(token_start) + ", " +
-                                std::to_string(token_start + n_tokens) +
-                                ") exceed the context's " + std::to_string(manifest_.n_tokens()));
+                                std::to_string(token_start + n_tokens) + ") exceed the context's " +
+                                std::to_string(manifest_.n_tokens()));
   }
   if (!hs->seeded) RETURN_IF_ERROR(SeedFromParent(layer, kv_head, hs));
   const size_t row = size_t{head_dim_} * DTypeSize(dtype_);
@@ -190,9 +261,8 @@ Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t t
 
 Status ContextWriter::AppendKV(uint32_t layer, uint32_t kv_head, uint64_t token_start,
                                uint32_t n_tokens, DType dtype, const void* k, const void* v) {
-  return AppendStrided(layer, kv_head, token_start, n_tokens, dtype,
-                       static_cast<const uint8_t*>(k), static_cast<const uint8_t*>(v),
-                       size_t{head_dim_} * DTypeSize(dtype_));
+  return AppendStrided(layer, kv_head, token_start, n_tokens, dtype, static_cast<const uint8_t*>(k),
+                       static_cast<const uint8_t*>(v), size_t{head_dim_} * DTypeSize(dtype_));
 }
 
 Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32_t n_tokens,
@@ -203,8 +273,8 @@ Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32
   auto* vb = static_cast<const uint8_t*>(v);
   if (!core_->options().parallel_encode || n_kv_heads_ == 1) {
     for (uint32_t h = 0; h < n_kv_heads_; ++h) {
-      RETURN_IF_ERROR(
-          AppendStrided(layer, h, token_start, n_tokens, dtype, kb + h * row, vb + h * row, stride));
+      RETURN_IF_ERROR(AppendStrided(layer, h, token_start, n_tokens, dtype, kb + h * row,
+                                    vb + h * row, stride));
     }
     return Status::OK();
   }
@@ -253,10 +323,10 @@ Status ContextWriter::PutArtifact(uint32_t layer, uint32_t kv_head, uint8_t kind
   }
   for (uint64_t c = 0; c < n_chunks; ++c) {
     std::string_view part = bytes.substr(c * chunk, chunk);
-    RETURN_IF_ERROR(AddToBatch(ArtifactKey(id_, static_cast<uint16_t>(layer),
-                                           static_cast<uint16_t>(kv_head), kind,
-                                           static_cast<uint32_t>(c)),
-                               part, kCfIndex));
+    RETURN_IF_ERROR(
+        AddToBatch(ArtifactKey(id_, static_cast<uint16_t>(layer), static_cast<uint16_t>(kv_head),
+                               kind, static_cast<uint32_t>(c)),
+                   part, kCfIndex));
   }
   return Status::OK();
 }
@@ -285,6 +355,16 @@ StatusOr<v1::ContextManifest> ContextWriter::Commit() {
       if (hs != nullptr && hs->fill > 0) RETURN_IF_ERROR(EmitPage(layer, h, hs));
     }
   }
+  if (ingest_) {
+    // Finish (fsync) the open SSTs in parallel: the device overlaps them.
+    std::vector<Status> results(heads_.size());
+    ThreadPool::Default()->ParallelFor(heads_.size(), [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        if (heads_[i]) results[i] = FinishSst(heads_[i].get());
+      }
+    });
+    for (auto& s : results) RETURN_IF_ERROR(s);
+  }
   {
     std::lock_guard<std::mutex> l(batch_mu_);
     RETURN_IF_ERROR(FlushBatchLocked());
@@ -299,9 +379,11 @@ StatusOr<v1::ContextManifest> ContextWriter::Commit() {
   for (const auto& a : artifacts_) *man.add_artifacts() = a;
   man.set_stored_bytes(stored_bytes_.load());
   man.set_raw_kv_bytes(raw_kv_bytes_.load());
-  ASSIGN_OR_RETURN(v1::ContextManifest committed, core_->CommitBuild(this, std::move(man)));
+  ASSIGN_OR_RETURN(v1::ContextManifest committed,
+                   core_->CommitBuild(this, std::move(man), ingest_files_));
   finished_ = true;
   manifest_ = committed;
+  DropIngestFiles();  // moved into the DB; remove what is left of the dir
   return committed;
 }
 
@@ -314,6 +396,7 @@ Status ContextWriter::Abort() {
     batch_accounted_ = 0;
     batch_->Clear();
   }
+  DropIngestFiles();
   for (auto& hs : heads_) {
     if (hs) {
       AdjustBuffered(-static_cast<int64_t>(hs->staging.size()));

@@ -94,14 +94,16 @@ class ContextWriter {
   friend class StoreCore;
   struct HeadState;
 
-  ContextWriter(StoreCore* core, std::shared_ptr<BuildSlot> slot,
-                v1::ContextManifest manifest);
-  Status AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t token_start,
-                       uint32_t n_tokens, DType dtype, const uint8_t* k, const uint8_t* v,
-                       size_t row_stride_bytes);
+  ContextWriter(StoreCore* core, std::shared_ptr<BuildSlot> slot, v1::ContextManifest manifest);
+  Status AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t token_start, uint32_t n_tokens,
+                       DType dtype, const uint8_t* k, const uint8_t* v, size_t row_stride_bytes);
   Status EmitPage(uint32_t layer, uint32_t kv_head, HeadState* hs);
   Status SeedFromParent(uint32_t layer, uint32_t kv_head, HeadState* hs);
   Status AddToBatch(const std::string& key, std::string_view value, int cf);
+  Status PutToSst(uint32_t layer, uint32_t kv_head, HeadState* hs, const std::string& key,
+                  std::string_view value);
+  Status FinishSst(HeadState* hs);
+  void DropIngestFiles();
   Status FlushBatchLocked();
   void AdjustBuffered(int64_t delta);
 
@@ -114,7 +116,7 @@ class ContextWriter {
   uint64_t first_token_;
   uint32_t shared_blocks_;
   uint64_t generation_;  // StoreCore::generation() at BeginBuild
-  size_t page_bytes_;  // raw bytes of a full page
+  size_t page_bytes_;    // raw bytes of a full page
 
   std::vector<std::unique_ptr<HeadState>> heads_;  // n_layers * n_kv_heads
 
@@ -122,7 +124,10 @@ class ContextWriter {
   std::unique_ptr<rocksdb::WriteBatch> batch_;  // guarded by batch_mu_
   size_t batch_accounted_ = 0;  // bytes of batch_ counted in buffered_bytes_; guarded by batch_mu_
   std::vector<v1::ArtifactInfo> artifacts_;  // guarded by batch_mu_
-  Status first_error_;                       // guarded by batch_mu_
+  std::vector<std::string> ingest_files_;    // finished page SSTs; guarded by batch_mu_
+  bool ingest_ = false;
+  std::string ingest_dir_;
+  Status first_error_;  // guarded by batch_mu_
 
   std::atomic<size_t> buffered_bytes_{0};
   std::atomic<size_t> peak_buffered_bytes_{0};

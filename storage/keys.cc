@@ -19,8 +19,7 @@ int HexValue(char c) {
 
 }  // namespace
 
-ContextId ContextId::Compute(std::string_view model_fingerprint,
-                             std::span<const uint32_t> tokens) {
+ContextId ContextId::Compute(std::string_view model_fingerprint, std::span<const uint32_t> tokens) {
   Sha256 h;
   h.Update(model_fingerprint);
   // Token ids as u32 little-endian, in chunks to keep the stack small.
@@ -62,8 +61,7 @@ StatusOr<ContextId> ContextId::FromHex(std::string_view hex) {
 
 StatusOr<ContextId> ContextId::FromBytes(std::string_view raw) {
   if (raw.size() != 16) {
-    return InvalidArgumentError("context_id: expected 16 bytes, got " +
-                                std::to_string(raw.size()));
+    return InvalidArgumentError("context_id: expected 16 bytes, got " + std::to_string(raw.size()));
   }
   ContextId id;
   std::memcpy(id.bytes.data(), raw.data(), 16);

@@ -46,9 +46,12 @@ uint32_t GetLE32(const char* p) {
 
 std::string_view PageCodecName(PageCodec codec) {
   switch (codec) {
-    case PageCodec::kNone: return "none";
-    case PageCodec::kZstd: return "zstd";
-    case PageCodec::kZstdShuffle: return "zstd_shuffle";
+    case PageCodec::kNone:
+      return "none";
+    case PageCodec::kZstd:
+      return "zstd";
+    case PageCodec::kZstdShuffle:
+      return "zstd_shuffle";
   }
   return "unknown";
 }
@@ -131,14 +134,14 @@ Status EncodePage(const PageCodecOptions& options, const PageShape& shape, std::
   if (options.codec == PageCodec::kZstdShuffle) {
     z.scratch.resize(raw.size());
     size_t esize = DTypeSize(shape.dtype);
-    ShuffleBytes(reinterpret_cast<const uint8_t*>(raw.data()), z.scratch.data(),
-                 raw.size() / esize, esize);
+    ShuffleBytes(reinterpret_cast<const uint8_t*>(raw.data()), z.scratch.data(), raw.size() / esize,
+                 esize);
     src = z.scratch.data();
   }
   size_t bound = ZSTD_compressBound(raw.size());
   out->resize(base + kPageHeaderSize + bound);
-  size_t n = ZSTD_compressCCtx(z.cctx, out->data() + base + kPageHeaderSize, bound, src,
-                               raw.size(), options.zstd_level);
+  size_t n = ZSTD_compressCCtx(z.cctx, out->data() + base + kPageHeaderSize, bound, src, raw.size(),
+                               options.zstd_level);
   if (ZSTD_isError(n)) {
     out->resize(base);
     return InternalError(std::string("zstd compress: ") + ZSTD_getErrorName(n));
@@ -169,15 +172,13 @@ Status ParsePageHeader(std::string_view encoded, PageHeader* header) {
       header->raw_bytes != header->shape.RawBytes()) {
     return DataLossError("inconsistent page header");
   }
-  if (header->codec == PageCodec::kNone &&
-      encoded.size() != kPageHeaderSize + header->raw_bytes) {
+  if (header->codec == PageCodec::kNone && encoded.size() != kPageHeaderSize + header->raw_bytes) {
     return DataLossError("page value size mismatch");
   }
   return Status::OK();
 }
 
-Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity,
-                  PageHeader* header) {
+Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity, PageHeader* header) {
   RETURN_IF_ERROR(ParsePageHeader(encoded, header));
   if (dst_capacity < header->raw_bytes) {
     return InvalidArgumentError("page buffer: need " + std::to_string(header->raw_bytes) +
@@ -206,9 +207,8 @@ Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity,
   }
   uint32_t crc = crc32c::Value(out, header->raw_bytes);
   if (crc != header->crc32c) {
-    return DataLossError("page checksum mismatch (stored crc32c " +
-                         std::to_string(header->crc32c) + ", computed " + std::to_string(crc) +
-                         ")");
+    return DataLossError("page checksum mismatch (stored crc32c " + std::to_string(header->crc32c) +
+                         ", computed " + std::to_string(crc) + ")");
   }
   return Status::OK();
 }

@@ -56,8 +56,11 @@ struct PageShape {
 };
 
 struct PageCodecOptions {
-  // Default chosen by bench/storage_bench.cc (see storage/NOTES.md).
-  PageCodec codec = PageCodec::kZstdShuffle;
+  // Default: none. Measured by `ctxcache-bench storage` (storage/NOTES.md):
+  // on bf16 KV zstd saves ~17-20% of the bytes (ratio 1.19-1.24) at 4-10x
+  // the CPU of none on write and on every read; reads are IOPS-bound either
+  // way. Use zstd_shuffle where disk capacity matters more than CPU.
+  PageCodec codec = PageCodec::kNone;
   // zstd compression level (1..19; negative = fast modes). Default: 1.
   int zstd_level = 1;
 };
@@ -81,8 +84,7 @@ Status ParsePageHeader(std::string_view encoded, PageHeader* header);
 // Decodes `encoded` into dst[0, header.raw_bytes). `dst_capacity` must be
 // >= raw_bytes (else INVALID_ARGUMENT). Verifies the crc32c: DATA_LOSS on
 // any corruption. The message names no context; callers prepend it.
-Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity,
-                  PageHeader* header);
+Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity, PageHeader* header);
 
 // Byte-plane shuffle of n elements of `elem_size` bytes: dst[j*n + i] =
 // src[i*elem_size + j]. Unshuffle is the inverse.

@@ -4,17 +4,16 @@
 #include <rocksdb/convenience.h>
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/table.h>
-
+#include <spdlog/spdlog.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <set>
 
 #include "common/logging.h"
 #include "storage/store_internal.h"
-
-#include <spdlog/spdlog.h>
 
 namespace ctxcache::storage {
 namespace {
@@ -96,14 +95,14 @@ rocksdb::ColumnFamilyOptions CfOptions(int cf, const StoreOptions& o,
       break;
     case kCfTokens:
       t.block_size = 16 << 10;
-      c.write_buffer_size = 8 << 20;
+      c.write_buffer_size = std::min<size_t>(8 << 20, o.write_buffer_bytes);
       for (auto ct : rocksdb::GetSupportedCompressions()) {
         if (ct == rocksdb::kZSTD) c.compression = rocksdb::kZSTD;
       }
       break;
     default:  // meta
       t.block_size = 4096;
-      c.write_buffer_size = 4 << 20;
+      c.write_buffer_size = std::min<size_t>(4 << 20, o.write_buffer_bytes);
       break;
   }
   c.table_factory.reset(rocksdb::NewBlockBasedTableFactory(t));
@@ -130,9 +129,12 @@ Status FromRocks(const rocksdb::Status& s, std::string_view what) {
 
 StatusOr<DType> FromProtoDType(v1::DType dtype) {
   switch (dtype) {
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
+    case v1::DTYPE_F32:
+      return DType::kF32;
+    case v1::DTYPE_F16:
+      return DType::kF16;
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
     default:
       return InvalidArgumentError("kv_dtype: expected DTYPE_F32|DTYPE_F16|DTYPE_BF16, got " +
                                   std::to_string(static_cast<int>(dtype)));
@@ -141,9 +143,12 @@ StatusOr<DType> FromProtoDType(v1::DType dtype) {
 
 v1::DType ToProtoDType(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return v1::DTYPE_F32;
-    case DType::kF16: return v1::DTYPE_F16;
-    case DType::kBF16: return v1::DTYPE_BF16;
+    case DType::kF32:
+      return v1::DTYPE_F32;
+    case DType::kF16:
+      return v1::DTYPE_F16;
+    case DType::kBF16:
+      return v1::DTYPE_BF16;
   }
   return v1::DTYPE_UNSPECIFIED;
 }
@@ -151,9 +156,7 @@ v1::DType ToProtoDType(DType dtype) {
 // ---- Lease ----------------------------------------------------------------
 
 Lease::~Lease() { Release(); }
-Lease::Lease(Lease&& other) noexcept : core_(other.core_), id_(other.id_) {
-  other.core_ = nullptr;
-}
+Lease::Lease(Lease&& other) noexcept : core_(other.core_), id_(other.id_) { other.core_ = nullptr; }
 Lease& Lease::operator=(Lease&& other) noexcept {
   if (this != &other) {
     Release();
@@ -194,6 +197,9 @@ Status StoreCore::Open() {
   }
   RETURN_IF_ERROR(OpenDb(/*read_only=*/false));
   RETURN_IF_ERROR(CheckFormatVersion());
+  // Ingest files of builds that never committed (no build is live yet).
+  std::error_code ec;
+  std::filesystem::remove_all(path_ + "/ingest", ec);
   return CollectGarbage(/*reload=*/false);
 }
 
@@ -238,6 +244,8 @@ Status StoreCore::OpenDb(bool read_only) {
     descs.emplace_back(n, idx >= 0 ? CfOptions(idx, options_, block_cache_, blob_cache_)
                                    : rocksdb::ColumnFamilyOptions());
   }
+  page_sst_options_ =
+      rocksdb::Options(dbo, CfOptions(kCfPages, options_, block_cache_, blob_cache_));
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
   RETURN_IF_ERROR(FromRocks(read_only
@@ -409,8 +417,8 @@ Status StoreCore::MaybeResume() {
   if (!needs_resume_.load()) return Status::OK();
   std::unique_lock<std::shared_mutex> l(db_mu_);
   if (!needs_resume_.load()) return Status::OK();  // another thread recovered
-  rocksdb::Status s =
-      read_only_ ? rocksdb::Status::NoSpace("store is read-only after a disk error") : db_->Resume();
+  rocksdb::Status s = read_only_ ? rocksdb::Status::NoSpace("store is read-only after a disk error")
+                                 : db_->Resume();
   if (s.ok()) {
     needs_resume_.store(false);
     return Status::OK();
@@ -434,7 +442,8 @@ Status StoreCore::MaybeResume() {
     // Still no room: serve reads from a read-only instance; the next write
     // tries again.
     Status ro = OpenDb(/*read_only=*/true);
-    if (!ro.ok()) spdlog::error("storage: cannot reopen {} even read-only: {}", path_, ro.ToString());
+    if (!ro.ok())
+      spdlog::error("storage: cannot reopen {} even read-only: {}", path_, ro.ToString());
     return open.code() == StatusCode::kResourceExhausted
                ? open
                : ResourceExhaustedError("reopen after a disk error: " + open.ToString());
@@ -474,11 +483,11 @@ Status StoreCore::CheckDiskSpace(uint64_t incoming) const {
   }
   const uint64_t need = unflushed + incoming + options_.min_free_disk_bytes;
   if (free_bytes < need) {
-    return ResourceExhaustedError("out of disk space in " + path_ + ": " +
-                                  std::to_string(free_bytes) + " bytes free, need " +
-                                  std::to_string(need) + " (unflushed " + std::to_string(unflushed) +
-                                  " + incoming " + std::to_string(incoming) + " + reserve " +
-                                  std::to_string(options_.min_free_disk_bytes) + ")");
+    return ResourceExhaustedError(
+        "out of disk space in " + path_ + ": " + std::to_string(free_bytes) + " bytes free, need " +
+        std::to_string(need) + " (unflushed " + std::to_string(unflushed) + " + incoming " +
+        std::to_string(incoming) + " + reserve " + std::to_string(options_.min_free_disk_bytes) +
+        ")");
   }
   return Status::OK();
 }
@@ -564,8 +573,8 @@ StatusOr<std::vector<uint32_t>> StoreCore::ReadTokensRaw(const ContextId& id,
                               "read tokens of " + Hex(id)));
     uint64_t expect = std::min<uint64_t>(kTokensPerChunk, n_tokens - uint64_t{c} * kTokensPerChunk);
     if (v.size() != expect * 4) {
-      return DataLossError("context " + Hex(id) + ": token chunk " + std::to_string(c) +
-                           " has " + std::to_string(v.size()) + " bytes, expected " +
+      return DataLossError("context " + Hex(id) + ": token chunk " + std::to_string(c) + " has " +
+                           std::to_string(v.size()) + " bytes, expected " +
                            std::to_string(expect * 4));
     }
     for (size_t i = 0; i < expect; ++i) out.push_back(GetLE32(v.data() + 4 * i));
@@ -592,14 +601,20 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
     return InvalidArgumentError("model.fingerprint: expected a non-empty hash");
   }
   if (req.tokens.empty()) return InvalidArgumentError("tokens: expected at least one token");
-  const size_t staging = size_t{m.n_layers()} * m.n_kv_heads() * 2 * options_.block_tokens *
-                         m.head_dim() * DTypeSize(dtype);
+  size_t staging = size_t{m.n_layers()} * m.n_kv_heads() * 2 * options_.block_tokens *
+                   m.head_dim() * DTypeSize(dtype);
+  if (ingest_pages()) {
+    staging += size_t{m.n_layers()} * m.n_kv_heads() *
+               (kSstFixedBytes + size_t{options_.ingest_file_pages} * kSstBytesPerPage);
+  }
   if (staging + 2 * options_.write_batch_bytes > options_.max_writer_buffer_bytes) {
     return InvalidArgumentError(
-        "StoreOptions.max_writer_buffer_bytes: " + std::to_string(options_.max_writer_buffer_bytes) +
+        "StoreOptions.max_writer_buffer_bytes: " +
+        std::to_string(options_.max_writer_buffer_bytes) +
         " is too small for this model; need at least " +
         std::to_string(staging + 2 * options_.write_batch_bytes) +
-        " (one partial page per layer and kv head + two write batches)");
+        " (per layer and kv head: one partial page and, with ingest_pages, one open SST index;"
+        " plus two write batches)");
   }
 
   const ContextId id = ContextId::Compute(m.fingerprint(), req.tokens);
@@ -705,8 +720,8 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
   }
   man.set_stored_bytes(token_bytes);
   {
-    Status s = FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), man.SerializeAsString()),
-                         "put manifest");
+    Status s =
+        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), man.SerializeAsString()), "put manifest");
     if (s.ok()) s = Write(&batch, /*sync=*/true, /*disable_wal=*/false);
     if (!s.ok()) {
       // Best effort: drop what may have been written.
@@ -719,7 +734,8 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
   return out;
 }
 
-StatusOr<v1::ContextManifest> StoreCore::CommitBuild(ContextWriter* w, v1::ContextManifest man) {
+StatusOr<v1::ContextManifest> StoreCore::CommitBuild(ContextWriter* w, v1::ContextManifest man,
+                                                     const std::vector<std::string>& ingest_files) {
   const ContextId id = w->id();
   RETURN_IF_ERROR(MaybeResume());
   {
@@ -739,6 +755,17 @@ StatusOr<v1::ContextManifest> StoreCore::CommitBuild(ContextWriter* w, v1::Conte
     if (!fs.ok()) {
       needs_resume_.store(true);
       return FromRocks(fs, "flush pages of " + Hex(id));
+    }
+    if (!ingest_files.empty()) {
+      // One atomic ingestion; the files do not overlap each other or any
+      // other context, so they go to the bottom level without compaction.
+      rocksdb::IngestExternalFileOptions io;
+      io.move_files = true;
+      io.failed_move_fall_back_to_copy = true;
+      io.allow_blocking_flush = true;
+      io.verify_checksums_before_ingest = false;
+      RETURN_IF_ERROR(FromRocks(db_->IngestExternalFile(cf(kCfPages), ingest_files, io),
+                                "ingest pages of " + Hex(id)));
     }
   }
   const int64_t now = clock_->NowMillis();
@@ -764,8 +791,8 @@ StatusOr<v1::ContextManifest> StoreCore::CommitBuild(ContextWriter* w, v1::Conte
       for (auto& [cid, ce] : contexts_) {
         if (!ce->doomed) used += ce->manifest.stored_bytes();
       }
-      over = static_cast<double>(used) >
-             options_.eviction.high_watermark * static_cast<double>(options_.eviction.capacity_bytes);
+      over = static_cast<double>(used) > options_.eviction.high_watermark *
+                                             static_cast<double>(options_.eviction.capacity_bytes);
     }
   }
   build_cv_.notify_all();
@@ -977,8 +1004,7 @@ StatusOr<bool> StoreCore::Delete(const ContextId& id) {
     }
     if (e.children > 0) {
       return FailedPreconditionError("context " + Hex(id) + " is the parent of " +
-                                     std::to_string(e.children) +
-                                     " context(s); delete them first");
+                                     std::to_string(e.children) + " context(s); delete them first");
     }
     if (e.leases > 0) {
       e.doomed = true;
@@ -1011,7 +1037,8 @@ StatusOr<EvictionReport> StoreCore::RunEvictionPass() {
       c.children = e->children;
       cands.push_back(std::move(c));
     }
-    auto decisions = SelectEvictionVictims(options_.eviction, std::move(cands), clock_->NowMillis());
+    auto decisions =
+        SelectEvictionVictims(options_.eviction, std::move(cands), clock_->NowMillis());
     for (const auto& d : decisions) {
       if (d.deferred) {
         contexts_[d.id]->doomed = true;
@@ -1071,6 +1098,7 @@ StoreStats StoreCore::GetStats() const {
     if (db_->GetIntProperty(cf(c), "rocksdb.live-sst-files-size", &v)) s.live_sst_bytes += v;
     if (db_->GetIntProperty(cf(c), "rocksdb.live-blob-file-size", &v)) s.live_sst_bytes += v;
   }
+  if (block_cache_) s.block_cache_usage_bytes = block_cache_->GetUsage();
   s.gc_contexts_at_open = gc_contexts_at_open_;
   s.orphan_prefixes_at_open = orphan_prefixes_at_open_;
   return s;
@@ -1081,8 +1109,7 @@ StoreStats StoreCore::GetStats() const {
 Store::Store(std::unique_ptr<StoreCore> core) : core_(std::move(core)) {}
 Store::~Store() = default;
 
-StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& options,
-                                             const std::string& path) {
+StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& options, const std::string& path) {
   auto core = std::make_unique<StoreCore>(options, path);
   RETURN_IF_ERROR(core->Open());
   core->StartBackground();

@@ -66,8 +66,8 @@ struct StoreOptions {
   // ---- Pages --------------------------------------------------------------
   // Tokens per KV page (B). Default: 16.
   uint32_t block_tokens = 16;
-  // Page compression. Default: zstd level 1 with byte-plane shuffle (chosen
-  // by `ctxcache-bench storage`, see storage/NOTES.md).
+  // Page compression. Default: none (chosen by `ctxcache-bench storage`,
+  // see storage/NOTES.md and page_codec.h).
   PageCodecOptions page_codec;
 
   // ---- Writer -------------------------------------------------------------
@@ -78,6 +78,16 @@ struct StoreOptions {
   size_t write_batch_bytes = 8u << 20;
   // Artifacts are stored in chunks of at most this many bytes. Default: 1 MiB.
   size_t artifact_chunk_bytes = 1u << 20;
+  // Write pages into per-(layer, kv_head) SST files and ingest them at
+  // Commit (no memtable, no WAL, no compaction rewrite of page data) instead
+  // of through WAL-less memtable writes. Ignored when enable_blob_files.
+  // Default: false. Measured (storage/NOTES.md): ingestion writes ~1.9x
+  // faster and leaves no space amplification, but warm page-table reads were
+  // ~10x slower in the same run (not yet explained), so it stays opt-in.
+  bool ingest_pages = false;
+  // An ingest file is closed after this many pages (bounds the writer's
+  // in-memory SST index, whatever the context size). Default: 4096.
+  uint32_t ingest_file_pages = 4096;
   // Encode the heads of AppendLayerKV in parallel on ThreadPool::Default().
   // Default: true.
   bool parallel_encode = true;
@@ -86,7 +96,8 @@ struct StoreOptions {
   int64_t concurrent_build_wait_ms = 600'000;
 
   // ---- Reader -------------------------------------------------------------
-  // How ReadPages fetches a page table. Default: chosen by the bench.
+  // How ReadPages fetches a page table. Default: MultiGet (2-3x the
+  // iterator's cold throughput in `ctxcache-bench storage`).
   PageReadMethod page_read_method = PageReadMethod::kMultiGet;
 
   // ---- Eviction -----------------------------------------------------------
@@ -181,10 +192,11 @@ struct EvictionReport {
 struct StoreStats {
   uint64_t ready_contexts = 0;
   uint64_t building_contexts = 0;
-  uint64_t stored_bytes = 0;    // sum of READY stored_bytes (capacity accounting)
-  uint64_t capacity_bytes = 0;  // 0 = unlimited
-  uint64_t live_sst_bytes = 0;  // RocksDB's view of live SST + blob files
-  uint64_t gc_contexts_at_open = 0;   // BUILDING contexts removed by Open
+  uint64_t stored_bytes = 0;             // sum of READY stored_bytes (capacity accounting)
+  uint64_t capacity_bytes = 0;           // 0 = unlimited
+  uint64_t live_sst_bytes = 0;           // RocksDB's view of live SST + blob files
+  uint64_t block_cache_usage_bytes = 0;  // bytes held by the block cache
+  uint64_t gc_contexts_at_open = 0;      // BUILDING contexts removed by Open
   uint64_t orphan_prefixes_at_open = 0;  // key ranges with no manifest at all, removed by Open
 };
 

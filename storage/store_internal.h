@@ -26,6 +26,12 @@ namespace ctxcache::storage {
 enum Cf : int { kCfMeta = 0, kCfTokens = 1, kCfPages = 2, kCfIndex = 3, kNumCfs = 4 };
 inline constexpr const char* kCfNames[kNumCfs] = {"meta", "tokens", "pages", "index"};
 
+// In-memory cost of one page in an open SstFileWriter (index entry + bloom
+// bits), and of an open SstFileWriter itself (data block buffer), counted in
+// ContextWriter::buffered_bytes().
+inline constexpr size_t kSstBytesPerPage = 48;
+inline constexpr size_t kSstFixedBytes = 8 << 10;
+
 // Token ids per value in the tokens column family.
 inline constexpr uint32_t kTokensPerChunk = 16384;
 
@@ -77,7 +83,9 @@ class StoreCore {
   // Called by Lease.
   void ReleaseLease(const ContextId& id);
   // Called by ContextWriter.
-  StatusOr<v1::ContextManifest> CommitBuild(ContextWriter* writer, v1::ContextManifest manifest);
+  // `ingest_files`: finished page SSTs to ingest before the READY flip.
+  StatusOr<v1::ContextManifest> CommitBuild(ContextWriter* writer, v1::ContextManifest manifest,
+                                            const std::vector<std::string>& ingest_files);
   Status AbortBuild(ContextWriter* writer);
   // Writes a batch; data writes skip the WAL (Commit flushes), meta writes
   // use it. Remembers out-of-space errors so the next write resumes the DB.
@@ -98,6 +106,12 @@ class StoreCore {
   rocksdb::DB* db() const { return db_.get(); }
   rocksdb::ColumnFamilyHandle* cf(int c) const { return cfs_[c]; }
   const StoreOptions& options() const { return options_; }
+  // Options for rocksdb::SstFileWriter of the pages column family.
+  const rocksdb::Options& page_sst_options() const { return page_sst_options_; }
+  // Whether pages go through SST ingestion (StoreOptions::ingest_pages).
+  bool ingest_pages() const { return options_.ingest_pages && !options_.enable_blob_files; }
+  // Directory for the ingest files of one build: <path>/ingest/<id hex>.
+  std::string IngestDir(const ContextId& id) const { return path_ + "/ingest/" + id.ToHex(); }
   const std::string& path() const { return path_; }
   Clock* clock() const { return clock_; }
   void Touch(const ContextId& id);
@@ -131,6 +145,7 @@ class StoreCore {
   std::shared_ptr<rocksdb::Cache> block_cache_;
   std::shared_ptr<rocksdb::Cache> blob_cache_;
   std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::Options page_sst_options_;
   rocksdb::ColumnFamilyHandle* cfs_[kNumCfs] = {};
   std::vector<rocksdb::ColumnFamilyHandle*> extra_cfs_;  // default + unknown
   std::atomic<bool> needs_resume_{false};

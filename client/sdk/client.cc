@@ -150,6 +150,45 @@ class SessionImpl final : public DecodeSession {
   StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest* req,
                                          std::vector<v1::PageBatch>* batches);
   Status ClientSelect(uint32_t layer, const float* queries, SelectedKV* out);
+  // Stored pages of (layer, head), from the page cache or one batched
+  // FetchPages for the missing ones.
+  Status StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
+                     std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
+                     SelectedKV* stats);
+
+  // Keys for exact-scoring selectors (oracle, tactic, lfps) in client mode.
+  class PageKeySource final : public index::KeySource {
+   public:
+    PageKeySource(SessionImpl* s, uint32_t layer, uint32_t head) : s_(s), l_(layer), h_(head) {}
+    int64_t n_tokens() const override { return s_->n_tokens_; }
+    int head_dim() const override { return static_cast<int>(s_->d_); }
+    Status GatherKeys(const int32_t* ids, int64_t n, float* out) const override {
+      const uint32_t d = s_->d_, b = s_->block_;
+      std::vector<uint32_t> blocks;
+      for (int64_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= s_->n_tokens_) return InvalidArgumentError("key id out of range");
+        if (ids[i] < s_->n_stored_) blocks.push_back(static_cast<uint32_t>(ids[i]) / b);
+      }
+      std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
+      RETURN_IF_ERROR(s_->StoredPages(l_, h_, std::move(blocks), &pages, s_->step_stats_));
+      const auto& app = s_->app_k_[size_t{l_} * s_->n_kv_ + h_];
+      for (int64_t i = 0; i < n; ++i) {
+        if (ids[i] < s_->n_stored_) {
+          const auto& p = pages.at(static_cast<uint32_t>(ids[i]) / b);
+          std::copy_n(p->k.data() + size_t(ids[i] % b) * d, d, out + i * d);
+        } else {
+          std::copy_n(app.data() + size_t(ids[i] - s_->n_stored_) * d, d, out + i * d);
+        }
+      }
+      return Status::OK();
+    }
+
+   private:
+    SessionImpl* s_;
+    uint32_t l_, h_;
+  };
+  std::vector<std::unique_ptr<PageKeySource>> key_sources_;
+  SelectedKV* step_stats_ = nullptr;  // the Step in progress, for byte accounting
 
   ClientImpl* client_;
   SessionOptions options_;
@@ -424,6 +463,48 @@ Status SessionImpl::Open() {
     }
     app_k_.resize(selectors_.size());
     app_v_.resize(selectors_.size());
+    for (uint32_t l = 0; l < n_layers_; ++l) {
+      for (uint32_t h = 0; h < n_kv_; ++h) {
+        key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
+                                std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
+                                SelectedKV* stats) {
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  v1::FetchPagesRequest fetch;
+  fetch.set_context_id(options_.context_id);
+  v1::PageTable* pt = nullptr;
+  for (uint32_t b : blocks) {
+    if (out->count(b)) continue;
+    if (auto cached = cache_.Get(PageCache::Key(layer, head, b))) {
+      (*out)[b] = cached;
+      if (stats) stats->cache_hits++;
+      continue;
+    }
+    if (!pt) {
+      pt = fetch.add_tables();
+      pt->set_layer(layer);
+      pt->set_kv_head(head);
+    }
+    pt->add_blocks(b);
+  }
+  if (!pt) return Status::OK();
+  std::vector<v1::Page> got;
+  RETURN_IF_ERROR(client_->FetchPages(fetch, &got));
+  for (const auto& p : got) {
+    if (stats) {
+      stats->bytes_received += p.k().size() + p.v().size();
+      stats->pages++;
+    }
+    ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));
+    cache_.Put(PageCache::Key(layer, head, p.block()), page);
+    (*out)[p.block()] = page;
   }
   return Status::OK();
 }
@@ -517,95 +598,63 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
                   : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
   *out = SelectedKV();
   out->heads.resize(n_kv_);
-  v1::FetchPagesRequest fetch;
-  fetch.set_context_id(options_.context_id);
-  std::vector<std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>> pages(n_kv_);
-  const uint32_t full_stored_blocks = static_cast<uint32_t>(n_stored_ / block_);
+  step_stats_ = out;
+  struct ResetStats {
+    SelectedKV** p;
+    ~ResetStats() { *p = nullptr; }
+  } reset{&step_stats_};
   for (uint32_t h = 0; h < n_kv_; ++h) {
+    const size_t slot = size_t{layer} * n_kv_ + h;
     index::SelectInput in;
     in.queries = queries + size_t{h} * g * d_;
     in.n_queries = static_cast<int>(g);
     in.budget = budget;
+    in.keys = key_sources_[slot].get();
     index::Selection sel;
-    RETURN_IF_ERROR(selectors_[size_t{layer} * n_kv_ + h]->Select(in, &sel, nullptr));
+    RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, nullptr));
     auto& head = out->heads[h];
     head.per_q_head = sel.per_head;
+    // Page tables as the server would build them; fetch their stored pages.
     ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
     std::vector<uint32_t> need;
     for (const auto& t : tables) {
-      for (int32_t p : t.pages) need.push_back(static_cast<uint32_t>(p));
-    }
-    std::sort(need.begin(), need.end());
-    need.erase(std::unique(need.begin(), need.end()), need.end());
-    v1::PageTable* pt = nullptr;
-    for (uint32_t b : need) {
-      if (b >= full_stored_blocks) continue;  // partly appended: assembled below
-      auto cached = cache_.Get(PageCache::Key(layer, h, b));
-      if (cached) {
-        pages[h][b] = cached;
-        out->cache_hits++;
-        continue;
+      for (int32_t p : t.pages) {
+        if (int64_t{p} * block_ < n_stored_) need.push_back(static_cast<uint32_t>(p));
       }
-      if (!pt) {
-        pt = fetch.add_tables();
-        pt->set_layer(layer);
-        pt->set_kv_head(h);
-      }
-      pt->add_blocks(b);
     }
+    std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
+    RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, out));
     for (const auto& sq : head.per_q_head) head.ids.insert(head.ids.end(), sq.begin(), sq.end());
     std::sort(head.ids.begin(), head.ids.end());
     head.ids.erase(std::unique(head.ids.begin(), head.ids.end()), head.ids.end());
-  }
-  if (fetch.tables_size() > 0) {
-    std::vector<v1::Page> got;
-    RETURN_IF_ERROR(client_->FetchPages(fetch, &got));
-    for (const auto& p : got) {
-      out->bytes_received += p.k().size() + p.v().size();
-      out->pages++;
-      ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));
-      cache_.Put(PageCache::Key(p.layer(), p.kv_head(), p.block()), page);
-      pages[p.kv_head()][p.block()] = page;
-    }
-  }
-  // Blocks reaching into the appended part: fetch the stored rows (not
-  // cached: a partial block) and add the appended KV kept locally.
-  for (uint32_t h = 0; h < n_kv_; ++h) {
-    auto& head = out->heads[h];
+    // Blocks reaching into the appended part: stored rows plus the appended
+    // KV kept locally.
+    const auto& ak = app_k_[slot];
+    const auto& av = app_v_[slot];
     for (int32_t id : head.ids) {
-      uint32_t b = static_cast<uint32_t>(id) / block_;
-      if (pages[h].count(b)) continue;
-      auto page = std::make_shared<DecodedPage>();
+      const uint32_t b = static_cast<uint32_t>(id) / block_;
       const int64_t begin = int64_t{b} * block_;
       const int64_t end = std::min<int64_t>(begin + block_, n_tokens_);
+      if (end <= n_stored_) continue;  // wholly stored: fetched above
+      auto it = pages.find(b);
+      if (it != pages.end() && it->second->n_tokens == static_cast<uint32_t>(end - begin)) {
+        continue;  // already assembled
+      }
+      auto page = std::make_shared<DecodedPage>();
       page->n_tokens = static_cast<uint32_t>(end - begin);
       page->k.resize(size_t(end - begin) * d_);
       page->v.resize(page->k.size());
-      if (begin < n_stored_) {
-        v1::FetchPagesRequest one;
-        one.set_context_id(options_.context_id);
-        auto* t = one.add_tables();
-        t->set_layer(layer);
-        t->set_kv_head(h);
-        t->add_blocks(b);
-        std::vector<v1::Page> got;
-        RETURN_IF_ERROR(client_->FetchPages(one, &got));
-        if (got.size() != 1) return DataLossError("FetchPages returned no page");
-        out->bytes_received += got[0].k().size() + got[0].v().size();
-        out->pages++;
-        ASSIGN_OR_RETURN(auto stored, DecodePage(got[0], d_));
-        std::copy(stored->k.begin(), stored->k.end(), page->k.begin());
-        std::copy(stored->v.begin(), stored->v.end(), page->v.begin());
+      if (it != pages.end()) {  // the stored part of the block
+        std::copy(it->second->k.begin(), it->second->k.end(), page->k.begin());
+        std::copy(it->second->v.begin(), it->second->v.end(), page->v.begin());
       }
-      const auto& ak = app_k_[size_t{layer} * n_kv_ + h];
-      const auto& av = app_v_[size_t{layer} * n_kv_ + h];
       for (int64_t t = std::max(begin, n_stored_); t < end; ++t) {
         std::copy_n(ak.data() + (t - n_stored_) * d_, d_, page->k.data() + (t - begin) * d_);
         std::copy_n(av.data() + (t - n_stored_) * d_, d_, page->v.data() + (t - begin) * d_);
       }
-      pages[h][b] = page;
+      pages[b] = page;
     }
-    FillHead(pages[h], block_, d_, &head);
+    FillHead(pages, block_, d_, &head);
   }
   return Status::OK();
 }

@@ -73,4 +73,20 @@ finish)
   (cd $W/pack && tar cf $OUT/pack.tar .)
   ls -la $OUT $F
   ;;
+reeval)
+  # Re-evaluate the shipped model (models/ctxcache-ref travels with the tree) with
+  # held-out docs that overlap the training text excluded, and remake the golden file.
+  python3 model/train/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
+    --splits heldout
+  M=models/ctxcache-ref
+  python3 -c "from transformers import LlamaForCausalLM; m = LlamaForCausalLM.from_pretrained('$M'); print('loaded', type(m).__name__, m.num_parameters(), 'params', m.dtype)"
+  python3 model/train/train.py eval --data $W/data --model $M --run $C --out $W/eval \
+    --unigram-counts $C/unigram_counts_train.npy --names $C/docs.tsv \
+    --exclude '^erlang-doc/' 2>&1 | grep -v Warn
+  mkdir -p $W/golden-ref
+  python3 model/train/make_golden.py ref --model $M --input-text tests/data/demo/document.txt \
+    --out $W/golden-ref 2>&1 | grep -v Warn | tee $W/golden-ref/report.txt
+  cp $W/eval/* $W/golden-ref/* $OUT/
+  ls -la $OUT
+  ;;
 esac

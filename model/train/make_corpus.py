@@ -384,7 +384,7 @@ def main():
             fm.write(f"package\t{p}\t{v}\n")
         fm.write(f"documents\t{len(docs)}\ttrain\t{len(docs) - len(held)}\theldout\t{len(held)}\n")
         fm.write(f"chars\t{total}\ttrain\t{ntrain}\theldout\t{total - ntrain}\n")
-        fm.write("# held-out documents (md5-ordered selection, >= 3 long ones):\n")
+        fm.write("# held-out documents (md5-ordered: MIN_LONG_HELDOUT long ones, then short ones):\n")
         for i in sorted(held, key=lambda i: docs[i][0]):
             fm.write(f"heldout\t{docs[i][0]}\t{len(docs[i][1])}\n")
     print(f"docs={len(docs)} held={len(held)} chars={total} train={ntrain} heldout={total - ntrain}")

@@ -8,9 +8,10 @@ Two modes (run on the GPU machine, or on any machine with torch+transformers):
       <out>/<name>/{config.json, model.safetensors, golden.safetensors}.
 
   python3 model/train/make_golden.py ref --model models/ctxcache-ref \
-      --heldout model/train/work/corpus/heldout.txt --out tests/data/golden/ctxcache-ref
-      Logits for a fixed 512-token held-out input and three greedy continuations
-      with the trained reference model (bf16 weights upcast to fp32).
+      --input-text tests/data/demo/document.txt --out tests/data/golden/ctxcache-ref
+      Logits for a fixed 512-token held-out input (<s> + the first 511 tokens of
+      the text) and three greedy continuations with the trained reference model
+      (bf16 weights upcast to fp32).
 
 golden.safetensors layout (all tensors little-endian, contiguous):
   input_ids        I64 [T]
@@ -194,13 +195,16 @@ def read_docs(path):
         return [d.strip("\n") for d in f.read().split("\x1e\n") if d.strip()]
 
 
-def ref(model_dir, heldout, out_dir, device):
+def ref(model_dir, heldout, out_dir, device, input_text=None):
     import sentencepiece as spm
     sp = spm.SentencePieceProcessor(model_file=os.path.join(model_dir, "tokenizer.model"))
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     model = model.float().to(device).eval()  # bf16 weights upcast to fp32
-    docs = read_docs(heldout)
-    doc = max(docs[:20], key=len)
+    if input_text:
+        doc = open(input_text, encoding="utf-8").read()
+    else:
+        docs = read_docs(heldout)
+        doc = max(docs[:20], key=len)
     ids = [1] + sp.encode(doc)[:511]
     ids = torch.tensor(ids, dtype=torch.int64)
     T = ids.numel()
@@ -255,6 +259,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="models/ctxcache-ref")
     ap.add_argument("--heldout", default="model/train/work/corpus/heldout.txt")
+    ap.add_argument("--input-text", default="",
+                    help="text whose first 511 tokens (after <s>) form the 512-token input")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -263,7 +269,7 @@ def main():
     if a.mode == "tiny":
         tiny(a.out, a.device)
     else:
-        ref(a.model, a.heldout, a.out, a.device)
+        ref(a.model, a.heldout, a.out, a.device, a.input_text)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import json
 import lzma
 import math
 import os
+import re
 import sys
 import time
 
@@ -75,7 +76,7 @@ def _enc(args):
 def cmd_prep(a):
     from multiprocessing import Pool
     os.makedirs(a.data, exist_ok=True)
-    for split in ("train", "heldout"):
+    for split in a.splits.split(","):
         docs = read_docs(os.path.join(a.corpus, f"{split}.txt"))
         with Pool(os.cpu_count()) as pool:
             enc = pool.map(_enc, [(a.tok, d) for d in docs], chunksize=1)
@@ -269,14 +270,39 @@ def cmd_eval(a):
     res["params"] = model.num_parameters()
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     docs = [held[k].astype(np.int64) for k in held.files]
-    res["heldout_docs"] = len(docs)
-    res["heldout_tokens"] = int(sum(len(d) for d in docs))
-    longest = sorted(docs, key=len, reverse=True)
-    res["heldout_long_doc_tokens"] = [int(len(d)) for d in longest[:5]]
+    names = [f"doc{i}" for i in range(len(docs))]
+    if a.names:  # docs.tsv from make_corpus.py: held-out rows are in file order
+        names = [l.split("\t")[1] for l in open(a.names).read().splitlines()[1:]
+                 if l.startswith("heldout\t")]
+        assert len(names) == len(docs), (len(names), len(docs))
+    keep = [i for i in range(len(docs)) if not (a.exclude and re.search(a.exclude, names[i]))]
+    res["excluded_docs"] = [names[i] for i in range(len(docs)) if i not in keep]
+    res["heldout_docs"] = len(keep)
+    res["heldout_tokens"] = int(sum(len(docs[i]) for i in keep))
+    order = sorted(keep, key=lambda i: len(docs[i]), reverse=True)
+    longest = [docs[i] for i in order]
+    res["heldout_long_docs"] = [(names[i], int(len(docs[i]))) for i in order[:6]]
     # Unigram baseline from training frequencies (add-one smoothing).
-    tr = np.fromfile(os.path.join(a.data, "train.u16"), dtype=np.uint16)
-    counts = np.bincount(tr, minlength=8192).astype(np.float64) + 1.0
+    if a.unigram_counts:
+        counts = np.load(a.unigram_counts).astype(np.float64) + 1.0
+    else:
+        tr = np.fromfile(os.path.join(a.data, "train.u16"), dtype=np.uint16)
+        counts = np.bincount(tr, minlength=8192).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
+    # Per-document perplexity at 4K context (non-overlapping windows, up to 64K tokens).
+    per_doc = {}
+    for i in order:
+        d = docs[i]
+        v = [window_nll(model, d[s:s + 4097], dev)
+             for s in range(0, min(len(d), 65536) - 4097 + 1, 4096)]
+        if v:
+            v = np.concatenate(v)
+            u = np.concatenate([-logp[d[s + 1:s + 4097]]
+                                for s in range(0, min(len(d), 65536) - 4097 + 1, 4096)])
+            per_doc[names[i]] = {"tokens": int(v.size), "ppl": float(np.exp(v.mean())),
+                                 "unigram_ppl": float(np.exp(u.mean()))}
+    res["per_doc_4k"] = per_doc
+    print(json.dumps(per_doc), flush=True)
     ppl = {}
     max_tok = a.eval_tokens
     for L in (1024, 4096, 8192, 16384):
@@ -300,6 +326,7 @@ def cmd_eval(a):
                        "unigram_ppl_same_tokens": float(np.exp(np.concatenate(uni).mean()))}
         print(json.dumps({"ctx": L, **ppl[str(L)]}), flush=True)
     res["perplexity"] = ppl
+    res["eval_tokens_per_context"] = max_tok
     # Attention on token 0 per layer (eager attention, output_attentions).
     model_e = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32,
                                                attn_implementation="eager").to(dev).eval()
@@ -334,6 +361,7 @@ def main():
     p.add_argument("--corpus", required=True)
     p.add_argument("--tok", required=True)
     p.add_argument("--data", required=True)
+    p.add_argument("--splits", default="train,heldout")
     p = sub.add_parser("bench")
     add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -364,6 +392,10 @@ def main():
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--eval-tokens", type=int, default=262144)
+    p.add_argument("--unigram-counts", default="",
+                   help=".npy of training-token counts (else DATA/train.u16 is counted)")
+    p.add_argument("--names", default="", help="docs.tsv written by make_corpus.py")
+    p.add_argument("--exclude", default="", help="regex of held-out doc names to skip")
     p.add_argument("--sink-len", type=int, default=4096)
     a = ap.parse_args()
     {"prep": cmd_prep, "bench": cmd_bench, "train": cmd_train, "eval": cmd_eval}[a.cmd](a)

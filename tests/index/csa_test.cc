@@ -71,8 +71,8 @@ float Fp16(double x) { return HalfToFloat(FloatToHalf(static_cast<float>(x))); }
 
 // Naive definition of list (b, j) over keys[0..n): top-L by fp16-rounded
 // c_j^b . (k_i^b - kbar^b), ties to the lower id. Returns (score, id) sorted.
-std::vector<std::pair<float, int32_t>> NaiveList(const CsaSelector& s, const float* keys,
-                                                 int64_t n, int b, int j) {
+std::vector<std::pair<float, int32_t>> NaiveList(const CsaSelector& s, const float* keys, int64_t n,
+                                                 int b, int j) {
   const int ds = s.sub_dim();
   std::vector<std::pair<float, int32_t>> all;
   for (int64_t i = 0; i < n; ++i) {
@@ -156,7 +156,8 @@ std::vector<int32_t> NaiveSelect(const CsaSelector& s, const float* q, int64_t b
   }
   std::sort(rest.begin(), rest.end());
   std::vector<int32_t> out(forced.begin(), forced.end());
-  for (int64_t i = 0; i < k - static_cast<int64_t>(forced.size()) && i < (int64_t)rest.size(); ++i) {
+  for (int64_t i = 0; i < k - static_cast<int64_t>(forced.size()) && i < (int64_t)rest.size();
+       ++i) {
     out.push_back(rest[i].second);
   }
   std::sort(out.begin(), out.end());
@@ -232,9 +233,17 @@ TEST(CsaTest, SelectionMatchesNaiveDefinition) {
       {"uniform", [](CsaOptions*) {}},
       {"norm", [](CsaOptions* o) { o->norm_weights = true; }},
       {"proj", [](CsaOptions* o) { o->proj_weights = true; }},
-      {"always_backoff_tau3", [](CsaOptions* o) { o->backoff_cos = 1.0; o->tau = 3; }},
+      {"always_backoff_tau3",
+       [](CsaOptions* o) {
+         o->backoff_cos = 1.0;
+         o->tau = 3;
+       }},
       {"missing_min", [](CsaOptions* o) { o->impute_min = true; }},
-      {"no_forced", [](CsaOptions* o) { o->sinks = 0; o->recent = 0; }},
+      {"no_forced",
+       [](CsaOptions* o) {
+         o->sinks = 0;
+         o->recent = 0;
+       }},
       {"rho_0.2", [](CsaOptions* o) { o->rho = 0.2; }},
   };
   CsaOptions base = SmallOptions();
@@ -245,7 +254,8 @@ TEST(CsaTest, SelectionMatchesNaiveDefinition) {
     CsaOptions o = base;
     c.apply(&o);
     ASSERT_TRUE((*built)->SetRetrievalOptions(o).ok());
-    for (int t = 0; t < 6; ++t) ExpectSelectionMatches(built->get(), data.decode.data() + t * kD, 0);
+    for (int t = 0; t < 6; ++t)
+      ExpectSelectionMatches(built->get(), data.decode.data() + t * kD, 0);
     ExpectSelectionMatches(built->get(), data.decode.data(), 50);
   }
   // Budget below the forced set: only sinks + recent come back.
@@ -335,8 +345,8 @@ TEST(CsaTest, PlainSerializationIsBitExact) {
   for (int b = 0; b < o.m; ++b) {
     for (int j = 0; j < o.C; ++j) {
       ASSERT_TRUE(std::equal(l->list_ids(b, j), l->list_ids(b, j) + l->L(), (*s)->list_ids(b, j)));
-      ASSERT_TRUE(std::equal(l->list_scores(b, j), l->list_scores(b, j) + l->L(),
-                             (*s)->list_scores(b, j)));
+      ASSERT_TRUE(
+          std::equal(l->list_scores(b, j), l->list_scores(b, j) + l->L(), (*s)->list_scores(b, j)));
     }
   }
   SelectInput in;
@@ -443,15 +453,24 @@ TEST(CsaTest, BadParametersAreInvalidArgument) {
     const char* params;
     const char* expect;  // substring of the message
   } cases[] = {
-      {"m=5", "does not divide"},          {"m=0", "'m'"},
-      {"C=600", "exceeds n_tokens"},       {"C=300", "pooled query rows"},
-      {"rho=0", "(0, 1]"},                 {"rho=1.5", "'rho'"},
-      {"alpha=0", "'alpha'"},              {"alpha=2", "'alpha'"},
-      {"tau=0", "'tau'"},                  {"C=16,tau=17", "tau"},
-      {"period=0", "'period'"},            {"schedule=0.3/2", "'schedule'"},
-      {"weights=foo", "'weights'"},        {"backoff_cos=2", "'backoff_cos'"},
-      {"R=-1", "'R'"},                     {"bogus=1", "unknown parameter"},
-      {"m=abc", "'m'"},                    {"format=zip", "'format'"},
+      {"m=5", "does not divide"},
+      {"m=0", "'m'"},
+      {"C=600", "exceeds n_tokens"},
+      {"C=300", "pooled query rows"},
+      {"rho=0", "(0, 1]"},
+      {"rho=1.5", "'rho'"},
+      {"alpha=0", "'alpha'"},
+      {"alpha=2", "'alpha'"},
+      {"tau=0", "'tau'"},
+      {"C=16,tau=17", "tau"},
+      {"period=0", "'period'"},
+      {"schedule=0.3/2", "'schedule'"},
+      {"weights=foo", "'weights'"},
+      {"backoff_cos=2", "'backoff_cos'"},
+      {"R=-1", "'R'"},
+      {"bogus=1", "unknown parameter"},
+      {"m=abc", "'m'"},
+      {"format=zip", "'format'"},
   };
   for (const auto& c : cases) {
     auto params = ParseParams(c.params);
@@ -465,12 +484,10 @@ TEST(CsaTest, BadParametersAreInvalidArgument) {
   // Shape and content errors in the prefill.
   Data bad = data;
   bad.keys[17] = NAN;
-  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(), StatusCode::kInvalidArgument);
   bad = data;
   bad.queries[3] = INFINITY;
-  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuildSelector("csa", bad.prefill(), {}).status().code(), StatusCode::kInvalidArgument);
   HeadPrefill p = data.prefill();
   p.n_queries = 513;
   EXPECT_EQ(BuildSelector("csa", p, {}).status().code(), StatusCode::kInvalidArgument);

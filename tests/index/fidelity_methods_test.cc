@@ -1,13 +1,14 @@
 // Fidelity of the methods on synthetic data at N = 8K (issue 5 acceptance):
 //  - Tactic at P = 0.9 reaches attention mass >= 0.85 on average;
-//  - Quest and CSA both beat StreamingLLM on recall at a 5% budget;
+//  - Quest and CSA both beat StreamingLLM on recall at a 5% budget (by a
+//    margin, and a random selector of the same size too);
 //  - a random selector of the same size fails both checks (shown here), so
 //    neither passes by construction.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "index/metrics.h"
 #include "index/selector.h"
@@ -23,8 +24,8 @@ class FidelityMethodsTest : public ::testing::Test {
     o.n_tokens = 8192;
     o.head_dim = 64;
     o.group_size = 2;
-    o.n_prefill_queries = 1024;
-    o.n_decode_steps = 24;
+    o.n_prefill_queries = 512;
+    o.n_decode_steps = 16;
     auto h = GenerateSyntheticHead(o);
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     head_ = new SyntheticHead(std::move(*h));
@@ -125,10 +126,16 @@ TEST_F(FidelityMethodsTest, QuestAndCsaBeatStreamingOnRecall) {
   const Result c = Run(csa->get(), budget);
   const Result s = Run(streaming->get(), budget);
   const Result random = RunRandom(budget, 2);
-  EXPECT_GT(q.recall, s.recall) << "quest " << q.recall << " streaming " << s.recall;
-  EXPECT_GT(c.recall, s.recall) << "csa " << c.recall << " streaming " << s.recall;
-  // A random selector does not beat StreamingLLM.
-  EXPECT_LT(random.recall, s.recall) << "random " << random.recall;
+  // "Beats" means by a margin over StreamingLLM and over a random selector of
+  // the same size, so a random selector cannot pass the check itself; its
+  // recall is about the budget fraction (5%).
+  const double bar = std::max(s.recall, random.recall) + 0.05;
+  EXPECT_GT(q.recall, bar) << "quest " << q.recall << " streaming " << s.recall << " random "
+                           << random.recall;
+  EXPECT_GT(c.recall, bar) << "csa " << c.recall << " streaming " << s.recall << " random "
+                           << random.recall;
+  EXPECT_NEAR(random.recall, 0.05, 0.02);
+  EXPECT_LT(random.recall, bar);
   EXPECT_LE(q.tokens, budget);
   EXPECT_LE(c.tokens, budget);
 }

@@ -1,9 +1,9 @@
 #include "index/lfps.h"
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <random>
-
-#include <gtest/gtest.h>
 
 #include "index/metrics.h"
 #include "index/synthetic.h"
@@ -237,8 +237,9 @@ TEST_F(LfpsDecodeTest, SerializeRoundTripContinuesIdentically) {
   ASSERT_TRUE((*built)->Select(in, &a, nullptr).ok());  // state moved on once
   std::string bytes;
   ASSERT_TRUE((*built)->Serialize(&bytes).ok());
-  auto loaded = LoadLfpsSelector(bytes);
+  auto loaded = LoadSelector("lfps", bytes);  // through the registry
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->method(), "lfps");
   in.queries = head_.DecodeQueries(1);
   ASSERT_TRUE((*built)->Select(in, &a, nullptr).ok());
   ASSERT_TRUE((*loaded)->Select(in, &b, nullptr).ok());
@@ -255,9 +256,13 @@ TEST_F(LfpsDecodeTest, SerializeRoundTripContinuesIdentically) {
 
 TEST_F(LfpsDecodeTest, BadParameters) {
   HeadPrefill p = Prefill();
-  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
-           {"r", "1"}, {"eps", "0"}, {"a", "-1"}, {"s", "0"}, {"sink", "-2"}, {"rho", "1.5"},
-           {"decay", "0.9"}}) {
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{{"r", "1"},
+                                                                      {"eps", "0"},
+                                                                      {"a", "-1"},
+                                                                      {"s", "0"},
+                                                                      {"sink", "-2"},
+                                                                      {"rho", "1.5"},
+                                                                      {"decay", "0.9"}}) {
     auto s = BuildLfpsSelector(p, {{k, v}});
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << k << "=" << v;
     EXPECT_NE(s.status().message().find(k), std::string_view::npos) << s.status().ToString();

@@ -42,8 +42,8 @@ TEST(OracleTest, MatchesBruteForceTopK) {
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   ArrayKeySource array(keys.data(), n, d);
   CopyingKeySource copying(keys.data(), n, d);
-  for (const KeySource* ks : {static_cast<const KeySource*>(&array),
-                              static_cast<const KeySource*>(&copying)}) {
+  for (const KeySource* ks :
+       {static_cast<const KeySource*>(&array), static_cast<const KeySource*>(&copying)}) {
     SelectInput in;
     in.queries = q.data();
     in.n_queries = G;

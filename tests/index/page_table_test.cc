@@ -1,10 +1,10 @@
 #include "index/page_table.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <random>
 #include <set>
-
-#include <gtest/gtest.h>
 
 namespace ctxcache::index {
 namespace {
@@ -59,8 +59,10 @@ TEST(PageTableTest, PropertyRandomSelections) {
       // Clustered ids (as real selections are) plus uniform ones, with duplicates.
       const int32_t centre = static_cast<int32_t>(rng() % n);
       for (int i = 0; i < k; ++i) {
-        const int32_t id = (i % 2 == 0) ? static_cast<int32_t>(rng() % n)
-                                        : std::clamp<int32_t>(centre + static_cast<int32_t>(rng() % 64) - 32, 0, n - 1);
+        const int32_t id =
+            (i % 2 == 0)
+                ? static_cast<int32_t>(rng() % n)
+                : std::clamp<int32_t>(centre + static_cast<int32_t>(rng() % 64) - 32, 0, n - 1);
         s.push_back(id);
       }
     }
@@ -74,8 +76,8 @@ TEST(PageTableTest, PropertyRandomSelections) {
 TEST(PageTableTest, SubgroupsAndForcedPages) {
   // G = 8, subgroups of 4: heads 0-3 and 4-7.
   std::vector<std::vector<int32_t>> sel(8);
-  sel[0] = {0, 1, 2};   // page 0
-  sel[5] = {40};        // page 2
+  sel[0] = {0, 1, 2};  // page 0
+  sel[5] = {40};       // page 2
   auto t = BuildPageTables(sel, 8, 4, 16, 100, /*recent_blocks=*/1);
   ASSERT_TRUE(t.ok());
   ASSERT_EQ(t->size(), 2u);
@@ -106,8 +108,7 @@ TEST(PageTableTest, BadParameters) {
   EXPECT_EQ(BuildPageTables(sel, 3, 4, 16, 10, 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(BuildPageTables(sel, 2, 0, 16, 10, 1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(BuildPageTables(sel, 2, 4, 0, 10, 1).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(BuildPageTables(sel, 2, 4, 16, 10, -1).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuildPageTables(sel, 2, 4, 16, 10, -1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(BuildPageTables(sel, 2, 4, 16, -1, 1).status().code(), StatusCode::kInvalidArgument);
   sel[1] = {10};
   auto bad = BuildPageTables(sel, 2, 4, 16, 10, 1);

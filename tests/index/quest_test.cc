@@ -1,9 +1,9 @@
 #include "index/quest.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <random>
-
-#include <gtest/gtest.h>
 
 namespace ctxcache::index {
 namespace {

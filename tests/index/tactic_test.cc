@@ -1,11 +1,11 @@
 #include "index/tactic.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <set>
-
-#include <gtest/gtest.h>
 
 #include "index/metrics.h"
 #include "index/synthetic.h"
@@ -14,7 +14,8 @@ namespace ctxcache::index {
 namespace {
 
 TEST(TacticMathTest, FitRecoversKnownInverseCurves) {
-  for (auto [a, b] : std::vector<std::pair<double, double>>{{5.0, 0.1}, {120.0, 0.0}, {2.0, -0.01}}) {
+  for (auto [a, b] :
+       std::vector<std::pair<double, double>>{{5.0, 0.1}, {120.0, 0.0}, {2.0, -0.01}}) {
     const InverseFit f = FitInverse(10, a / 10 + b, 60, a / 60 + b);
     EXPECT_NEAR(f.a, a, 1e-9 * std::abs(a) + 1e-12);
     EXPECT_NEAR(f.b, b, 1e-12);
@@ -77,6 +78,7 @@ TEST(TacticSelectorTest, ExactRegimeReachesTargetMinimally) {
   for (float& x : q) x = 2.0f * nd(rng);
   TacticOptions o;
   o.target = 0.8;
+  o.n_sink = 4;
   auto sel = TacticSelector::Build(keys.data(), n, d, o);
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   ArrayKeySource ks(keys.data(), n, d);
@@ -105,7 +107,11 @@ TEST(TacticSelectorTest, ExactRegimeReachesTargetMinimally) {
     ASSERT_NE(it, cend.end()) << "selection is not a whole-cluster prefix";
     const int64_t prev = it == cend.begin() ? 0 : *(it - 1);
     std::vector<int32_t> fewer(order.begin(), order.begin() + prev);
+    for (int32_t i = 0; i < 4; ++i) fewer.push_back(i);  // sinks are always selected
     std::sort(fewer.begin(), fewer.end());
+    for (int32_t i = 0; i < 4; ++i) {
+      EXPECT_TRUE(std::binary_search(out.per_head[h].begin(), out.per_head[h].end(), i));
+    }
     EXPECT_LT(exact->Mass(fewer), 0.8);
     est += e.estimated_mass;
     uni.insert(out.per_head[h].begin(), out.per_head[h].end());
@@ -131,10 +137,11 @@ class TacticSyntheticTest : public ::testing::Test {
 };
 
 TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
-  auto sel = BuildTacticSelector(head_.Prefill(), {});
+  auto sel = BuildTacticSelector(head_.Prefill(), {{"recent", "32"}, {"sinks", "4"}});
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   auto* tactic = static_cast<TacticSelector*>(sel->get());
-  EXPECT_EQ(tactic->n_clusters(), 4096 / 16);
+  EXPECT_EQ(tactic->n_sink(), 4);
+  EXPECT_EQ(tactic->n_clusters(), (4096 - 4 - 32) / 16);  // sinks and the recent tail apart
   const int d = head_.head_dim;
   ArrayKeySource ks(head_.keys.data(), head_.n_tokens, d);
   double mass = 0, est = 0, frac = 0, scored = 0;
@@ -155,6 +162,11 @@ TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
       mass += exact->Mass(out.per_head[h]);
       est += tactic->last_estimates()[h].estimated_mass;
       frac += static_cast<double>(out.per_head[h].size()) / head_.n_tokens;
+      // Sinks and the last 32 prefill tokens (the initial tail) are always selected.
+      EXPECT_EQ(out.per_head[h].front(), 0);
+      EXPECT_EQ(out.per_head[h].back(), head_.n_tokens - 1);
+      EXPECT_TRUE(std::binary_search(out.per_head[h].begin(), out.per_head[h].end(),
+                                     static_cast<int32_t>(head_.n_tokens - 32)));
       ++count;
     }
   }
@@ -173,6 +185,7 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   auto sel = TacticSelector::Build(head_.keys.data(), head_.n_tokens, head_.head_dim, [] {
     TacticOptions o;
     o.recluster_every = 64;
+    o.n_recent = 0;  // the default: the tail is exactly the appended tokens
     return o;
   }());
   ASSERT_TRUE(sel.ok());
@@ -188,11 +201,12 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   }
   const int64_t base = head_.n_tokens;
   for (int i = 0; i < 63; ++i) {
-    ASSERT_TRUE((*sel)->Append(all.data() + (base + head_.n_decode + i) * d, nullptr, nullptr).ok());
+    ASSERT_TRUE(
+        (*sel)->Append(all.data() + (base + head_.n_decode + i) * d, nullptr, nullptr).ok());
   }
   // 63 appended keys: ids base..base+62, all in the unclustered tail.
   EXPECT_EQ((*sel)->n_tokens(), base + 63);
-  EXPECT_EQ((*sel)->n_ranked(), base);
+  EXPECT_EQ((*sel)->n_ranked(), base);  // defaults: no sinks, no recent window
   std::vector<float> ctx(all.begin(), all.begin() + base * d);
   ctx.insert(ctx.end(), all.begin() + (base + head_.n_decode) * d,
              all.begin() + (base + head_.n_decode + 63) * d);
@@ -211,11 +225,11 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   // The 64th append re-clusters the tail: it joins the ranking.
   ASSERT_TRUE((*sel)->Append(all.data() + (base + head_.n_decode + 63) * d, nullptr, nullptr).ok());
   EXPECT_EQ((*sel)->n_ranked(), base + 64);
-  EXPECT_EQ((*sel)->n_clusters(), 4096 / 16 + 4);
+  EXPECT_EQ((*sel)->n_clusters(), 4096 / 16 + 64 / 16);
   // Round trip after appends: identical selections.
   std::string bytes;
   ASSERT_TRUE((*sel)->Serialize(&bytes).ok());
-  auto loaded = LoadTacticSelector(bytes);
+  auto loaded = LoadSelector("tactic", bytes);  // through the registry
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   ctx.insert(ctx.end(), all.begin() + (base + head_.n_decode + 63) * d,
              all.begin() + (base + head_.n_decode + 64) * d);
@@ -263,9 +277,14 @@ TEST(TacticParamsTest, BadParameters) {
   p.head_dim = 4;
   p.keys = keys.data();
   EXPECT_TRUE(BuildTacticSelector(p, {{"cluster", "32"}, {"P", "0.5"}}).ok());
-  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
-           {"cluster", "0"}, {"P", "1.5"}, {"P", "0"}, {"iters", "0"}, {"n0", "0.9"},
-           {"w", "0"}, {"bogus", "1"}}) {
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{{"cluster", "0"},
+                                                                      {"P", "1.5"},
+                                                                      {"P", "0"},
+                                                                      {"iters", "0"},
+                                                                      {"n0", "0.9"},
+                                                                      {"w", "0"},
+                                                                      {"sinks", "-1"},
+                                                                      {"bogus", "1"}}) {
     auto s = BuildTacticSelector(p, {{k, v}});
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << k << "=" << v;
     EXPECT_NE(s.status().message().find(k), std::string_view::npos) << s.status().ToString();

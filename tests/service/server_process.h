@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -66,8 +67,11 @@ class ServerProcess {
     port_file_ = data_dir + ".ports";
     std::filesystem::remove(port_file_);
     std::vector<std::string> args = {BinDir() + "/ctxcached", "--data-dir", data_dir,
-                                     "--listen", "127.0.0.1:0", "--metrics-listen",
-                                     "127.0.0.1:0", "--port-file", port_file_};
+                                     "--metrics-listen", "127.0.0.1:0", "--port-file",
+                                     port_file_};
+    if (std::find(extra.begin(), extra.end(), "--listen") == extra.end()) {
+      args.insert(args.end(), {"--listen", "127.0.0.1:0"});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = Spawn(args, log_path_);
     auto deadline = std::chrono::steady_clock::now() + timeout;

@@ -459,6 +459,133 @@ TEST_F(ServiceTest, BadInputTable) {
   EXPECT_TRUE(Healthy());
 }
 
+// Captures post-RoPE Q/K/V per layer: [heads][T][d] fp32.
+class CaptureSink final : public model::PrefillSink {
+ public:
+  explicit CaptureSink(const model::ModelSpec& s) : spec_(s), q_(s.n_layers), k_(s.n_layers), v_(s.n_layers) {}
+  Status OnChunk(int layer, int64_t, int64_t n, const float* q, const float* k,
+                 const float* v) override {
+    auto add = [&](std::vector<std::vector<float>>* dst, const float* src, int heads) {
+      if (dst->empty()) dst->resize(heads);
+      for (int h = 0; h < heads; ++h) {
+        (*dst)[h].insert((*dst)[h].end(), src + size_t(h) * n * spec_.head_dim,
+                         src + size_t(h + 1) * n * spec_.head_dim);
+      }
+    };
+    add(&q_[layer], q, spec_.n_q_heads);
+    add(&k_[layer], k, spec_.n_kv_heads);
+    add(&v_[layer], v, spec_.n_kv_heads);
+    return Status::OK();
+  }
+  const model::ModelSpec& spec_;
+  std::vector<std::vector<std::vector<float>>> q_, k_, v_;  // [layer][head][T*d]
+};
+
+v1::Tensor MakeTensor(const std::vector<std::vector<float>>& heads, int64_t t0, int64_t n, int d) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_F32);
+  t.add_shape(static_cast<int64_t>(heads.size()));
+  t.add_shape(n);
+  t.add_shape(d);
+  std::string data;
+  for (const auto& h : heads) {
+    data.append(reinterpret_cast<const char*>(h.data() + t0 * d), size_t(n) * d * 4);
+  }
+  t.set_data(data);
+  return t;
+}
+
+TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
+  auto first = Build(RandomTokens(64, 11));  // learn the server's ModelSpec (fingerprint)
+  ASSERT_TRUE(first.ok());
+  const v1::ModelSpec spec_proto = first->context().model();
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  ASSERT_TRUE(model.ok());
+  const auto& spec = (*model)->spec();
+  auto tokens = RandomTokens(400, 12);
+  model::KvCache cache(spec, DType::kBF16);
+  CaptureSink sink(spec);
+  model::PrefillResult pr;
+  ASSERT_TRUE(model::Prefill(**model, tokens, &cache, {&sink}, {}, &pr).ok());
+  auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  auto admin = v1::ContextAdmin::NewStub(ch);
+  auto ingest = [&](int64_t cut_after_tokens, v1::ContextInfo* info) {
+    grpc::ClientContext ctx;
+    auto writer = admin->IngestContext(&ctx, info);
+    v1::IngestChunk h;
+    *h.mutable_header()->mutable_model() = spec_proto;
+    for (int32_t t : tokens) h.mutable_header()->mutable_tokens()->add_ids(t);
+    h.mutable_header()->add_indexes()->set_method("csa");
+    EXPECT_TRUE(writer->Write(h));
+    for (int64_t t0 = 0; t0 < static_cast<int64_t>(tokens.size()); t0 += 100) {
+      if (t0 >= cut_after_tokens) break;
+      for (int l = 0; l < spec.n_layers; ++l) {
+        v1::IngestChunk c;
+        auto* lc = c.mutable_chunk();
+        lc->set_layer(l);
+        lc->set_token_start(t0);
+        lc->set_n_tokens(100);
+        *lc->mutable_k() = MakeTensor(sink.k_[l], t0, 100, spec.head_dim);
+        *lc->mutable_v() = MakeTensor(sink.v_[l], t0, 100, spec.head_dim);
+        *lc->mutable_q() = MakeTensor(sink.q_[l], t0, 100, spec.head_dim);
+        EXPECT_TRUE(writer->Write(c));
+      }
+    }
+    if (cut_after_tokens >= static_cast<int64_t>(tokens.size())) {
+      v1::IngestChunk c;
+      c.mutable_commit();
+      writer->Write(c);
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  // Cut off midway: ABORTED, nothing stored.
+  v1::ContextInfo info;
+  grpc::Status cut = ingest(200, &info);
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::ABORTED) << cut.error_message();
+  EXPECT_EQ(client_->ListContexts({})->contexts_size(), 1);
+  // Complete ingest.
+  grpc::Status ok = ingest(1 << 30, &info);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(info.n_tokens(), 400u);
+  // Same id as a build of the same tokens on the same model (which is then a no-op).
+  auto built = Build(tokens);
+  ASSERT_TRUE(built.ok());
+  EXPECT_TRUE(built->reused());
+  EXPECT_EQ(built->context().context_id(), info.context_id());
+  // And its index equals a real build's, done on a second server.
+  TempDir other_dir;
+  ServerProcess other;
+  ASSERT_TRUE(other.Start(other_dir.path() + "/data",
+                          {"--model-dir", ModelDir(), "--default-model", "llama3"}));
+  client::ClientOptions co;
+  co.server = other.address();
+  auto other_client = std::move(client::Client::Connect(co)).value();
+  v1::BuildContextRequest req;
+  for (int32_t t : tokens) req.mutable_tokens()->add_ids(t);
+  req.add_indexes()->set_method("csa");
+  auto other_built = other_client->Build(req, nullptr);
+  ASSERT_TRUE(other_built.ok());
+  EXPECT_EQ(other_built->context().context_id(), info.context_id());
+  auto a = client_->FetchIndex(info.context_id(), "csa");
+  auto b = other_client->FetchIndex(info.context_id(), "csa");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*a, *b);
+  // Pages equal the local KV.
+  v1::FetchPagesRequest fp;
+  fp.set_context_id(info.context_id());
+  auto* t = fp.add_tables();
+  t->set_layer(1);
+  t->set_kv_head(1);
+  t->add_blocks(7);
+  std::vector<v1::Page> pages;
+  ASSERT_TRUE(client_->FetchPages(fp, &pages).ok());
+  std::vector<float> k(16 * 32), want(k.size());
+  Bf16ToFloat(reinterpret_cast<const uint16_t*>(pages[0].k().data()), k.data(), k.size());
+  cache.Read(1, 1, 7 * 16, 8 * 16, want.data(), nullptr);
+  EXPECT_EQ(k, want);
+}
+
 TEST_F(ServiceTest, CorruptPagesAreDetectedByTheClient) {
   server_.Kill();
   StartServer({"--fault-corrupt-pages-for-testing"});

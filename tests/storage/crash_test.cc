@@ -39,7 +39,9 @@ StoreOptions CrashOptions() {
 
 // Runs until killed.
 [[noreturn]] void ChildMain(const std::string& dir, uint32_t seed) {
-  auto opened = Store::Open(CrashOptions(), dir);
+  StoreOptions options = CrashOptions();
+  options.ingest_pages = seed % 2 == 1;  // both page write paths get killed
+  auto opened = Store::Open(options, dir);
   if (!opened.ok()) {
     fprintf(stderr, "child: open failed: %s\n", opened.status().ToString().c_str());
     _exit(3);
@@ -124,7 +126,8 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
     ASSERT_EQ(kill(pid, SIGKILL), 0);
     int status = 0;
     ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "child exited by itself with status " << WEXITSTATUS(status);
+    ASSERT_TRUE(WIFSIGNALED(status))
+        << "child exited by itself with status " << WEXITSTATUS(status);
 
     auto opened = Store::Open(CrashOptions(), dir.path());
     ASSERT_TRUE(opened.ok()) << "kill " << i << ": " << opened.status().ToString();
@@ -149,13 +152,15 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
     auto raw = OpenRaw(dir.path());
     ASSERT_NE(raw, nullptr);
     for (const char* cf : {"pages", "tokens", "index"}) {
-      std::unique_ptr<rocksdb::Iterator> it(raw->db->NewIterator(rocksdb::ReadOptions(), raw->cf(cf)));
+      std::unique_ptr<rocksdb::Iterator> it(
+          raw->db->NewIterator(rocksdb::ReadOptions(), raw->cf(cf)));
       for (it->SeekToFirst(); it->Valid(); it->Next()) {
         std::string prefix = it->key().ToString().substr(0, 16);
         ASSERT_TRUE(ready_ids.count(prefix)) << "kill " << i << ": orphaned key in " << cf;
       }
     }
-    std::unique_ptr<rocksdb::Iterator> it(raw->db->NewIterator(rocksdb::ReadOptions(), raw->cf("meta")));
+    std::unique_ptr<rocksdb::Iterator> it(
+        raw->db->NewIterator(rocksdb::ReadOptions(), raw->cf("meta")));
     for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
       v1::ContextManifest m;
       ASSERT_TRUE(m.ParseFromString(it->value().ToString()));
@@ -172,7 +177,8 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
   auto st = (*opened)->GetStats();
   EXPECT_LE(st.live_sst_bytes, 2 * st.stored_bytes + (4u << 20))
       << "live " << st.live_sst_bytes << " stored " << st.stored_bytes;
-  fprintf(stderr, "crash test: %zu contexts ever READY, %lu GC'd at reopen, max %lu READY at once\n",
+  fprintf(stderr,
+          "crash test: %zu contexts ever READY, %lu GC'd at reopen, max %lu READY at once\n",
           ever_ready.size(), static_cast<unsigned long>(total_gc),
           static_cast<unsigned long>(max_ready));
 }

@@ -125,31 +125,45 @@ TEST(EnospcTest, TmpfsFillsUp) {
     std::string p;
     ~Unmount() { umount2(p.c_str(), MNT_DETACH); }
   } unmount{mnt};
-  StoreOptions o = TestOptions();
-  o.write_buffer_bytes = 1 << 20;
-  o.write_batch_bytes = 256 << 10;
-  o.min_free_disk_bytes = 2 << 20;
-  o.page_codec.codec = PageCodec::kNone;
-  const std::string path = mnt + "/db";
-  {
-    auto opened = Store::Open(o, path);
-    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
-    std::unique_ptr<Store> store = std::move(opened).value();
-    auto spec = MakeSpec(2, 2, 64);
-    auto a = BuildContext(store.get(), spec, Tokens(256, 1));  // ~256 KiB
-    ASSERT_TRUE(a.ok()) << a.status().ToString();
-    // 32 MiB of KV into a 16 MiB filesystem.
-    auto big = BuildContext(store.get(), spec, Tokens(32768, 2));
-    EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted) << big.status().ToString();
-    EXPECT_TRUE(store->Verify(IdOf(*a)).ok());
-    auto c = BuildContext(store.get(), spec, Tokens(256, 3));
-    ASSERT_TRUE(c.ok()) << c.status().ToString();
-    EXPECT_TRUE(store->Verify(IdOf(*c)).ok());
-    EXPECT_EQ(store->ListContexts().size(), 2u);
+  // With the free-space reserve (refused before the disk is full) and
+  // without it (the real ENOSPC from the filesystem reaches RocksDB).
+  struct Case {
+    uint64_t reserve;
+    bool ingest;
+  };
+  for (Case tc : {Case{2u << 20, false}, Case{0, false}, Case{0, true}}) {
+    const uint64_t reserve = tc.reserve;
+    SCOPED_TRACE("min_free_disk_bytes " + std::to_string(reserve) + " ingest " +
+                 std::to_string(tc.ingest));
+    StoreOptions o = TestOptions();
+    o.ingest_pages = tc.ingest;
+    o.write_buffer_bytes = 1 << 20;
+    o.write_batch_bytes = 256 << 10;
+    o.min_free_disk_bytes = reserve;
+    o.page_codec.codec = PageCodec::kNone;
+    const std::string path = mnt + "/db" + std::to_string(reserve) + (tc.ingest ? "i" : "m");
+    {
+      auto opened = Store::Open(o, path);
+      ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+      std::unique_ptr<Store> store = std::move(opened).value();
+      auto spec = MakeSpec(2, 2, 64);
+      auto a = BuildContext(store.get(), spec, Tokens(256, 1));  // ~256 KiB
+      ASSERT_TRUE(a.ok()) << a.status().ToString();
+      // 32 MiB of KV into a 16 MiB filesystem.
+      auto big = BuildContext(store.get(), spec, Tokens(32768, 2));
+      EXPECT_EQ(big.status().code(), StatusCode::kResourceExhausted) << big.status().ToString();
+      EXPECT_TRUE(store->Verify(IdOf(*a)).ok());
+      auto c = BuildContext(store.get(), spec, Tokens(256, 3));
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      EXPECT_TRUE(store->Verify(IdOf(*c)).ok());
+      EXPECT_EQ(store->ListContexts().size(), 2u);
+    }
+    auto reopened = Store::Open(o, path);
+    ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
+    EXPECT_EQ((*reopened)->ListContexts().size(), 2u);
+    reopened->reset();
+    std::filesystem::remove_all(path);
   }
-  auto reopened = Store::Open(o, path);
-  ASSERT_TRUE(reopened.ok()) << reopened.status().ToString();
-  EXPECT_EQ((*reopened)->ListContexts().size(), 2u);
 }
 
 }  // namespace

@@ -32,8 +32,7 @@ TEST(ContextIdTest, IsSha256PrefixOfFingerprintAndLittleEndianTokens) {
 
 TEST(ContextIdTest, RejectsBadHex) {
   EXPECT_EQ(ContextId::FromHex("abc").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ContextId::FromHex(std::string(32, 'g')).status().code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ContextId::FromHex(std::string(32, 'g')).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ContextId::FromBytes("short").status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -66,8 +65,9 @@ TEST(KeysTest, ContextRangeCoversExactlyOneContext) {
   next.bytes[15] = 0;
   next.bytes[14] = 0x02;
   std::string begin = ContextRangeBegin(id), end = ContextRangeEnd(id);
-  for (const std::string& k : {PageKey(id, 0, 0, 0), PageKey(id, 0xFFFF, 0xFFFF, 0xFFFFFFFF),
-                               ArtifactKey(id, 0xFFFF, 0xFFFF, 0xFF, 0xFFFFFFFF), TokenKey(id, 9)}) {
+  for (const std::string& k :
+       {PageKey(id, 0, 0, 0), PageKey(id, 0xFFFF, 0xFFFF, 0xFFFFFFFF),
+        ArtifactKey(id, 0xFFFF, 0xFFFF, 0xFF, 0xFFFFFFFF), TokenKey(id, 9)}) {
     EXPECT_LE(begin, k);
     EXPECT_LT(k, end);
   }

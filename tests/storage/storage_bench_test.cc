@@ -32,9 +32,9 @@ TEST(StorageBenchTest, QuickRunReportsEveryField) {
   }
   auto j = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
   ASSERT_TRUE(j.is_object()) << last;
-  for (const char* f : {"write_gbps", "read_warm_gbps", "read_cold_gbps", "read_p50_us",
-                        "read_p99_us", "fio_randread_gbps", "read_vs_fio", "fio_seqwrite_gbps",
-                        "write_vs_fio"}) {
+  for (const char* f :
+       {"write_gbps", "read_warm_gbps", "read_cold_gbps", "read_p50_us", "read_p99_us",
+        "fio_randread_gbps", "read_vs_fio", "fio_seqwrite_gbps", "write_vs_fio"}) {
     ASSERT_TRUE(j.contains(f)) << f << " missing in " << last;
     EXPECT_TRUE(j[f].is_number()) << f;
     EXPECT_GT(j[f].get<double>(), 0.0) << f;

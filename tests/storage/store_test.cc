@@ -70,7 +70,8 @@ class StoreTest : public ::testing::Test {
           Status s = (*r)->ReadPages(l, h, AllBlocks((*r)->n_blocks()), &batch, method);
           ASSERT_TRUE(s.ok()) << s.ToString();
           for (size_t i = 0; i < batch.size(); ++i) {
-            ASSERT_TRUE(PageMatches(batch, i, l, h)) << "layer " << l << " head " << h << " block " << i;
+            ASSERT_TRUE(PageMatches(batch, i, l, h))
+                << "layer " << l << " head " << h << " block " << i;
           }
         }
       }
@@ -104,6 +105,20 @@ TEST_F(StoreTest, BuildCommitReadBackAllDtypes) {
     auto toks = (*r)->ReadTokens();
     ASSERT_TRUE(toks.ok());
     EXPECT_EQ(*toks, tokens);
+    EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
+  }
+}
+
+TEST_F(StoreTest, EveryCodecThroughTheStore) {
+  for (PageCodec codec : {PageCodec::kNone, PageCodec::kZstd, PageCodec::kZstdShuffle}) {
+    StoreOptions o = TestOptions(&clock_);
+    o.page_codec = {codec, 3};
+    Open(o);
+    auto m =
+        BuildContext(store_.get(), MakeSpec(2, 2, 64), Tokens(90, 40 + static_cast<int>(codec)));
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ(m->page_codec(), static_cast<v1::PageCodec>(codec));
+    ExpectAllPagesMatch(IdOf(*m));
     EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
   }
 }
@@ -174,10 +189,15 @@ TEST_F(StoreTest, OpenGarbageCollectsBuildingContextsAndOrphans) {
     m.set_context_id(std::string(building.AsBytes()));
     m.set_state(v1::CONTEXT_STATE_BUILDING);
     rocksdb::WriteOptions wo;
-    ASSERT_TRUE(raw->db->Put(wo, raw->cf("meta"), ManifestKey(building), m.SerializeAsString()).ok());
+    ASSERT_TRUE(
+        raw->db->Put(wo, raw->cf("meta"), ManifestKey(building), m.SerializeAsString()).ok());
     for (uint32_t b = 0; b < 10; ++b) {
-      ASSERT_TRUE(raw->db->Put(wo, raw->cf("pages"), PageKey(building, 0, 0, b), std::string(5000, 'x')).ok());
-      ASSERT_TRUE(raw->db->Put(wo, raw->cf("pages"), PageKey(orphan, 0, 1, b), std::string(5000, 'y')).ok());
+      ASSERT_TRUE(
+          raw->db->Put(wo, raw->cf("pages"), PageKey(building, 0, 0, b), std::string(5000, 'x'))
+              .ok());
+      ASSERT_TRUE(
+          raw->db->Put(wo, raw->cf("pages"), PageKey(orphan, 0, 1, b), std::string(5000, 'y'))
+              .ok());
     }
     ASSERT_TRUE(raw->db->Put(wo, raw->cf("tokens"), TokenKey(building, 0), "abcd").ok());
   }
@@ -189,7 +209,8 @@ TEST_F(StoreTest, OpenGarbageCollectsBuildingContextsAndOrphans) {
   ExpectAllPagesMatch(IdOf(*ready));
   Close();
   for (const auto& id : {building, orphan}) {
-    for (const char* cf : {"pages", "tokens", "meta"}) EXPECT_EQ(CountKeys(dir_.path(), cf, id), 0u);
+    for (const char* cf : {"pages", "tokens", "meta"})
+      EXPECT_EQ(CountKeys(dir_.path(), cf, id), 0u);
   }
   EXPECT_GT(CountKeys(dir_.path(), "pages", IdOf(*ready)), 0u);
 }
@@ -508,7 +529,7 @@ TEST_F(StoreTest, WriterMemoryIsBoundedFor32KTokens) {
   auto m = w->Commit();
   ASSERT_TRUE(m.ok()) << m.status().ToString();
   const uint64_t raw = m->raw_kv_bytes();
-  EXPECT_EQ(raw, 32768ull * 2 * 2 * 2 * 16 * 2);  // 8 MiB
+  EXPECT_EQ(raw, 32768ull * 2 * 2 * 2 * 16 * 2);   // 8 MiB
   const size_t staging = 2 * 2 * 2 * 16 * 16 * 2;  // one page per (layer, head)
   // One batch may overshoot by one value (page or key) before it is handed off.
   EXPECT_LE(w->peak_buffered_bytes(), staging + o.write_batch_bytes + 4096);
@@ -516,6 +537,39 @@ TEST_F(StoreTest, WriterMemoryIsBoundedFor32KTokens) {
   EXPECT_GT(w->peak_buffered_bytes(), o.write_batch_bytes / 2);  // batches did fill up
   EXPECT_LT(w->peak_buffered_bytes() * 8, raw);
   EXPECT_EQ(w->buffered_bytes(), 0u);
+  EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
+}
+
+TEST_F(StoreTest, IngestWriterMemoryIsBoundedFor32KTokens) {
+  StoreOptions o = TestOptions(&clock_);
+  o.ingest_pages = true;
+  o.ingest_file_pages = 512;  // SSTs closed every 512 pages
+  o.write_batch_bytes = 64 << 10;
+  o.max_writer_buffer_bytes = 1 << 20;
+  o.page_codec.codec = PageCodec::kNone;
+  Open(o);
+  auto tokens = Tokens(32768);
+  BuildRequest req;
+  req.model = MakeSpec(2, 2, 16);
+  req.tokens = tokens;
+  auto start = store_->BeginBuild(req);
+  ASSERT_TRUE(start.ok()) << start.status().ToString();
+  ContextWriter* w = start->writer.get();
+  const uint32_t chunk = 1000;
+  std::vector<uint16_t> k(chunk * 2 * 16, 1), v(chunk * 2 * 16, 2);
+  for (uint64_t t = 0; t < tokens.size(); t += chunk) {
+    uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(chunk, tokens.size() - t));
+    for (uint32_t l = 0; l < 2; ++l) {
+      ASSERT_TRUE(w->AppendLayerKV(l, t, n, DType::kBF16, k.data(), v.data()).ok());
+    }
+  }
+  auto m = w->Commit();
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  // Per (layer, head): one partial page + one open SST's index (512 pages).
+  const size_t per_head = 2 * 16 * 16 * 2 + 8192 + 512 * 48;
+  EXPECT_LE(w->peak_buffered_bytes(), 4 * per_head + 4096);
+  EXPECT_GT(w->peak_buffered_bytes(), 4 * 512 * 48 / 2);  // SST indexes did fill up
+  EXPECT_LT(w->peak_buffered_bytes() * 8, m->raw_kv_bytes());
   EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
 }
 
@@ -709,6 +763,20 @@ TEST_F(StoreTest, NewerFormatVersionIsRefused) {
   EXPECT_EQ(s.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.status().message().find("newer than this build supports"), std::string_view::npos)
       << s.status().ToString();
+}
+
+TEST_F(StoreTest, IngestPathForPagesWorksToo) {
+  StoreOptions o = TestOptions(&clock_);
+  o.ingest_pages = true;
+  o.ingest_file_pages = 8;  // several files per (layer, head)
+  o.write_batch_bytes = 64 << 10;
+  Open(o);
+  auto m = BuildContext(store_.get(), MakeSpec(2, 2, 64), Tokens(300));
+  ASSERT_TRUE(m.ok());
+  ExpectAllPagesMatch(IdOf(*m));
+  Close();
+  Open(o);
+  EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
 }
 
 TEST_F(StoreTest, BlobFilesModeWorksToo) {

@@ -76,8 +76,8 @@ inline std::vector<uint32_t> Tokens(size_t n, uint32_t seed = 1) {
 // the token id and position, so a child context's KV for shared tokens equals
 // its parent's.
 inline float KvValue(uint32_t layer, uint32_t head, uint64_t token, uint32_t dim, bool is_v) {
-  uint64_t x = (uint64_t{layer} * 1315423911u) ^ (uint64_t{head} * 2654435761u) ^
-               (token * 97531u) ^ (uint64_t{dim} * 7919u) ^ (is_v ? 0xABCDEFull : 0);
+  uint64_t x = (uint64_t{layer} * 1315423911u) ^ (uint64_t{head} * 2654435761u) ^ (token * 97531u) ^
+               (uint64_t{dim} * 7919u) ^ (is_v ? 0xABCDEFull : 0);
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
   x ^= x >> 33;
@@ -89,7 +89,8 @@ inline std::vector<uint8_t> KvRows(DType dtype, uint32_t layer, uint32_t head, u
                                    uint32_t n, uint32_t head_dim, bool is_v) {
   std::vector<float> f(size_t{n} * head_dim);
   for (uint32_t t = 0; t < n; ++t) {
-    for (uint32_t d = 0; d < head_dim; ++d) f[size_t{t} * head_dim + d] = KvValue(layer, head, t0 + t, d, is_v);
+    for (uint32_t d = 0; d < head_dim; ++d)
+      f[size_t{t} * head_dim + d] = KvValue(layer, head, t0 + t, d, is_v);
   }
   std::vector<uint8_t> out(f.size() * DTypeSize(dtype));
   ConvertFromFloat(dtype, f.data(), out.data(), f.size());

@@ -1,0 +1,255 @@
+// ctxcache-bench e2e: decode steps through a real ctxcached on loopback.
+//
+// Workloads (one run):
+//   1. start build/bin/ctxcached on a temp data dir with ephemeral ports;
+//   2. build a context of N tokens (32K; 4K with --quick) from the model
+//      (--model DIR, default models/ctxcache-ref, else the tiny test model);
+//   3. for method in {csa (rho 0.05), full}: S sessions (1 and 8) each run
+//      --steps decode steps; a step = one Step per layer with server-side
+//      selection and pages, then one Append (streaming update);
+//   4. report per-step latency p50/p99, bytes on the wire per step, the
+//      ratios csa vs full, and sessions/s at 8 sessions.
+// Queries/keys appended are seeded Gaussians (selection cost does not depend
+// on their values; page volume does, through the budget).
+// Usage: ctxcache-bench e2e [--quick] [--model DIR] [--tokens N] [--steps S]
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "bench/bench_registry.h"
+#include "ctxcache/client.h"
+
+namespace ctxcache::bench {
+namespace {
+
+struct ServerChild {
+  pid_t pid = -1;
+  std::string address;
+  ~ServerChild() {
+    if (pid > 0) {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+std::string SelfDir() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
+}
+
+bool StartServer(const std::string& dir, const std::string& model_dir, const std::string& model,
+                 ServerChild* out) {
+  std::string ports = dir + "/ports";
+  out->pid = fork();
+  if (out->pid == 0) {
+    std::string log = dir + "/ctxcached.log";
+    FILE* f = freopen(log.c_str(), "w", stderr);
+    (void)f;
+    std::string bin = SelfDir() + "/ctxcached";
+    execl(bin.c_str(), bin.c_str(), "--data-dir", (dir + "/data").c_str(), "--listen",
+          "127.0.0.1:0", "--metrics-listen", "", "--port-file", ports.c_str(), "--model-dir",
+          model_dir.c_str(), "--default-model", model.c_str(), "--max-message-bytes", "67108864",
+          "--log-level", "warn", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  for (int i = 0; i < 600; ++i) {
+    std::ifstream f(ports);
+    int port = 0;
+    if (f >> port && port > 0) {
+      out->address = "127.0.0.1:" + std::to_string(port);
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+struct RunResult {
+  std::vector<double> step_us;
+  double bytes_per_step = 0;
+  double wall_s = 0;
+  int sessions = 0;
+  std::string error;
+};
+
+RunResult RunSessions(const std::string& address, const v1::ContextInfo& info,
+                      const std::string& method, int n_sessions, int steps) {
+  RunResult r;
+  r.sessions = n_sessions;
+  const uint32_t L = info.model().n_layers(), nq = info.model().n_q_heads(),
+                 nkv = info.model().n_kv_heads(), d = info.model().head_dim();
+  std::vector<std::vector<double>> lat(n_sessions);
+  std::vector<uint64_t> bytes(n_sessions, 0);
+  std::vector<std::string> errors(n_sessions);
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int s = 0; s < n_sessions; ++s) {
+    threads.emplace_back([&, s] {
+      client::ClientOptions co;
+      co.server = address;
+      co.max_message_bytes = 64 << 20;
+      auto client = std::move(client::Client::Connect(co)).value();
+      client::SessionOptions so;
+      so.context_id = info.context_id();
+      so.method = method;
+      so.params["rho"] = "0.05";
+      auto session = client->OpenSession(so);
+      if (!session.ok()) {
+        errors[s] = session.status().ToString();
+        return;
+      }
+      std::mt19937 rng(1234 + s);
+      std::normal_distribution<float> g(0.f, 1.f);
+      std::vector<float> q(size_t(nq) * d), k(size_t(L) * nkv * d), v(k.size()),
+          qa(size_t(L) * nq * d);
+      client::SelectedKV sel;
+      for (int step = 0; step < steps; ++step) {
+        auto ts = std::chrono::steady_clock::now();
+        for (uint32_t layer = 0; layer < L; ++layer) {
+          for (auto& x : q) x = g(rng);
+          Status st = (*session)->Step(layer, q.data(), &sel);
+          if (!st.ok()) {
+            errors[s] = st.ToString();
+            return;
+          }
+          bytes[s] += sel.bytes_received;
+        }
+        for (auto& x : k) x = g(rng);
+        for (auto& x : v) x = g(rng);
+        for (auto& x : qa) x = g(rng);
+        Status st = (*session)->Append(k.data(), v.data(), qa.data());
+        if (!st.ok()) {
+          errors[s] = st.ToString();
+          return;
+        }
+        lat[s].push_back(
+            std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - ts)
+                .count());
+      }
+      (*session)->Close().IgnoreError();
+    });
+  }
+  for (auto& t : threads) t.join();
+  r.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  uint64_t total = 0;
+  for (int s = 0; s < n_sessions; ++s) {
+    if (!errors[s].empty()) r.error = errors[s];
+    r.step_us.insert(r.step_us.end(), lat[s].begin(), lat[s].end());
+    total += bytes[s];
+  }
+  r.bytes_per_step = r.step_us.empty() ? 0 : static_cast<double>(total) / r.step_us.size();
+  return r;
+}
+
+int RunE2e(int argc, char** argv) {
+  CLI::App app{"ctxcache-bench e2e"};
+  bool quick = false;
+  std::string model_dir;
+  int64_t n_tokens = 0;
+  int steps = 0;
+  app.add_flag("--quick", quick, "4K tokens, fewer steps (< 60 s)");
+  app.add_option("--model", model_dir, "HF model directory (default models/ctxcache-ref)");
+  app.add_option("--tokens", n_tokens, "Context tokens (default 32768, 4096 with --quick)");
+  app.add_option("--steps", steps, "Decode steps per session (default 32, 8 with --quick)");
+  CLI11_PARSE(app, argc, argv);
+  if (n_tokens == 0) n_tokens = quick ? 4096 : 32768;
+  if (steps == 0) steps = quick ? 8 : 32;
+  if (model_dir.empty()) {
+    model_dir = std::filesystem::exists("models/ctxcache-ref/config.json") ? "models/ctxcache-ref"
+                                                                          : "tests/data/golden/llama3";
+  }
+  std::filesystem::path mp = std::filesystem::absolute(model_dir);
+  if (!std::filesystem::exists(mp / "config.json")) {
+    std::cerr << "ctxcache-bench e2e: no config.json in " << mp << "; pass --model DIR\n";
+    return 2;
+  }
+  std::string tmpl = (std::filesystem::temp_directory_path() / "ctxcache-e2e-XXXXXX").string();
+  std::string dir = mkdtemp(tmpl.data());
+  ServerChild server;
+  if (!StartServer(dir, mp.parent_path().string(), mp.filename().string(), &server)) {
+    std::cerr << "ctxcache-bench e2e: ctxcached did not start; see " << dir << "/ctxcached.log\n";
+    return 1;
+  }
+  client::ClientOptions co;
+  co.server = server.address;
+  auto client = std::move(client::Client::Connect(co)).value();
+  v1::BuildContextRequest req;
+  std::mt19937 rng(7);
+  // Vocabulary from the model config.
+  std::ifstream cf(mp / "config.json");
+  nlohmann::json cfg = nlohmann::json::parse(cf);
+  const uint32_t vocab = cfg.value("vocab_size", 512);
+  for (int64_t i = 0; i < n_tokens; ++i) req.mutable_tokens()->add_ids(3 + rng() % (vocab - 3));
+  req.add_indexes()->set_method("csa");
+  auto tb = std::chrono::steady_clock::now();
+  auto built = client->Build(req, nullptr);
+  if (!built.ok()) {
+    std::cerr << "ctxcache-bench e2e: build failed: " << built.status().ToString() << "\n";
+    return 1;
+  }
+  double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - tb).count();
+  const v1::ContextInfo info = built->context();
+  nlohmann::json out;
+  out["bench"] = "e2e";
+  out["quick"] = quick;
+  out["model"] = mp.filename().string();
+  out["n_tokens"] = n_tokens;
+  out["steps_per_session"] = steps;
+  out["build_s"] = build_s;
+  out["layers"] = info.model().n_layers();
+  std::map<std::string, RunResult> one, eight;
+  for (const std::string method : {"csa", "full"}) {
+    one[method] = RunSessions(server.address, info, method, 1, steps);
+    eight[method] = RunSessions(server.address, info, method, 8, steps);
+    for (auto* r : {&one[method], &eight[method]}) {
+      if (!r->error.empty()) {
+        std::cerr << "ctxcache-bench e2e: " << method << ": " << r->error << "\n";
+        return 1;
+      }
+    }
+    nlohmann::json m;
+    m["step_p50_us_1"] = Percentile(one[method].step_us, 0.5);
+    m["step_p99_us_1"] = Percentile(one[method].step_us, 0.99);
+    m["step_p50_us_8"] = Percentile(eight[method].step_us, 0.5);
+    m["step_p99_us_8"] = Percentile(eight[method].step_us, 0.99);
+    m["bytes_per_step"] = one[method].bytes_per_step;
+    m["sessions_per_s_8"] = 8.0 / eight[method].wall_s;
+    m["steps_per_s_8"] = eight[method].step_us.size() / eight[method].wall_s;
+    out[method] = m;
+  }
+  out["step_p50_us"] = out["csa"]["step_p50_us_1"];
+  out["step_p99_us"] = out["csa"]["step_p99_us_1"];
+  out["bytes_per_step"] = out["csa"]["bytes_per_step"];
+  out["speedup_vs_full"] =
+      out["full"]["step_p50_us_1"].get<double>() / std::max(1.0, out["csa"]["step_p50_us_1"].get<double>());
+  out["bytes_ratio_vs_full"] = out["full"]["bytes_per_step"].get<double>() /
+                               std::max(1.0, out["csa"]["bytes_per_step"].get<double>());
+  out["p99_over_p50_at_8"] = out["csa"]["step_p99_us_8"].get<double>() /
+                             std::max(1.0, out["csa"]["step_p50_us_8"].get<double>());
+  out["sessions_per_s"] = out["csa"]["sessions_per_s_8"];
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+CTXCACHE_BENCH("e2e", "decode steps through ctxcached on loopback (csa vs full)", RunE2e);
+
+}  // namespace
+}  // namespace ctxcache::bench

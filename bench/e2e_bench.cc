@@ -4,7 +4,8 @@
 //   1. start build/bin/ctxcached on a temp data dir with ephemeral ports;
 //   2. build a context of N tokens (32K; 4K with --quick) from the model
 //      (--model DIR, default models/ctxcache-ref, else the tiny test model);
-//   3. for method in {csa (rho 0.05), full}: S sessions (1 and 8) each run
+//   3. for csa (rho 0.05), csa_paged (rho 0.05 capped at 5% of the pages) and
+//      full: S sessions (1 and 8) each run
 //      --steps decode steps; a step = one Step per layer with server-side
 //      selection and pages, then one Append (streaming update);
 //   4. report per-step latency p50/p99, bytes on the wire per step, the
@@ -22,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -89,7 +91,8 @@ struct RunResult {
 };
 
 RunResult RunSessions(const std::string& address, const v1::ContextInfo& info,
-                      const std::string& method, int n_sessions, int steps) {
+                      const std::string& method, const std::map<std::string, std::string>& params,
+                      int n_sessions, int steps) {
   RunResult r;
   r.sessions = n_sessions;
   const uint32_t L = info.model().n_layers(), nq = info.model().n_q_heads(),
@@ -108,7 +111,7 @@ RunResult RunSessions(const std::string& address, const v1::ContextInfo& info,
       client::SessionOptions so;
       so.context_id = info.context_id();
       so.method = method;
-      so.params["rho"] = "0.05";
+      so.params = params;
       auto session = client->OpenSession(so);
       if (!session.ok()) {
         errors[s] = session.status().ToString();
@@ -214,9 +217,14 @@ int RunE2e(int argc, char** argv) {
   out["build_s"] = build_s;
   out["layers"] = info.model().n_layers();
   std::map<std::string, RunResult> one, eight;
-  for (const std::string method : {"csa", "full"}) {
-    one[method] = RunSessions(server.address, info, method, 1, steps);
-    eight[method] = RunSessions(server.address, info, method, 8, steps);
+  // csa: 5% of the tokens per q head; csa_paged: the same, capped at 5% of the pages.
+  const std::map<std::string, std::pair<std::string, std::map<std::string, std::string>>> runs = {
+      {"csa", {"csa", {{"rho", "0.05"}}}},
+      {"csa_paged", {"csa", {{"rho", "0.05"}, {"page_fraction", "0.05"}}}},
+      {"full", {"full", {}}}};
+  for (const auto& [method, run] : runs) {
+    one[method] = RunSessions(server.address, info, run.first, run.second, 1, steps);
+    eight[method] = RunSessions(server.address, info, run.first, run.second, 8, steps);
     for (auto* r : {&one[method], &eight[method]}) {
       if (!r->error.empty()) {
         std::cerr << "ctxcache-bench e2e: " << method << ": " << r->error << "\n";
@@ -243,6 +251,10 @@ int RunE2e(int argc, char** argv) {
   out["p99_over_p50_at_8"] = out["csa"]["step_p99_us_8"].get<double>() /
                              std::max(1.0, out["csa"]["step_p50_us_8"].get<double>());
   out["sessions_per_s"] = out["csa"]["sessions_per_s_8"];
+  out["paged_speedup_vs_full"] = out["full"]["step_p50_us_1"].get<double>() /
+                                 std::max(1.0, out["csa_paged"]["step_p50_us_1"].get<double>());
+  out["paged_bytes_ratio_vs_full"] = out["full"]["bytes_per_step"].get<double>() /
+                                     std::max(1.0, out["csa_paged"]["bytes_per_step"].get<double>());
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::cout << out.dump() << std::endl;

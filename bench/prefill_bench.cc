@@ -6,7 +6,7 @@
 //      prefill_s, prefill_tokens_per_s, peak_rss_mb (VmHWM), kv_mb;
 //   2. prefill with a capture sink keeping every layer's post-RoPE K and Q,
 //      then BuildSelector("csa") and ("tactic") for every (layer, kv head),
-//      parallel over (layer, head) on the same thread pool:
+//      one head at a time:
 //      index_build_s per method and index_build_overhead_pct =
 //      (csa + tactic build wall time) / prefill_s * 100 (null if a method is
 //      not registered in index/).
@@ -266,16 +266,14 @@ int RunPrefill(int argc, char** argv) {
         const size_t jobs = static_cast<size_t>(s.n_layers) * s.n_kv_heads;
         std::vector<Status> errs(jobs);
         const double t0 = NowS();
-        pool->ParallelFor(jobs, [&](size_t j0, size_t j1) {
-          for (size_t j = j0; j < j1; ++j) {
-            auto sel = index::BuildSelector(
-                method,
-                cap.Head(static_cast<int>(j / s.n_kv_heads), static_cast<int>(j % s.n_kv_heads)),
-                {});
-            errs[j] = sel.status();
-            if (sel.ok()) errs[j] = Status::OK();
-          }
-        });
+        // One (layer, head) at a time: the builders parallelise internally
+        // where they can, and run on the same 2 cores as the prefill.
+        for (size_t j = 0; j < jobs; ++j) {
+          auto sel = index::BuildSelector(
+              method,
+              cap.Head(static_cast<int>(j / s.n_kv_heads), static_cast<int>(j % s.n_kv_heads)), {});
+          errs[j] = sel.ok() ? Status::OK() : sel.status();
+        }
         const double dt = NowS() - t0;
         for (const auto& e : errs) {
           if (!e.ok()) return fail(method + " build: " + e.ToString());

@@ -93,4 +93,38 @@ StatusOr<std::vector<PageTable>> BuildPageTables(
   return tables;
 }
 
+StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
+    const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
+    int64_t max_pages, int recent_blocks) {
+  if (max_pages < 1) return InvalidArgumentError("page cap: max_pages must be >= 1");
+  if (page_size < 1) return InvalidArgumentError("page cap: page_size must be >= 1");
+  const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
+  std::vector<int64_t> count(static_cast<size_t>(n_pages), 0);
+  for (const auto& sel : per_q_head) {
+    for (int32_t id : sel) {
+      if (id >= 0 && id < n_tokens) count[id / page_size]++;
+    }
+  }
+  std::vector<char> keep(static_cast<size_t>(n_pages), 0);
+  if (n_pages > 0) keep[0] = 1;
+  for (int64_t p = std::max<int64_t>(0, n_pages - 1 - recent_blocks); p < n_pages; ++p) keep[p] = 1;
+  std::vector<int64_t> order;
+  for (int64_t p = 0; p < n_pages; ++p) {
+    if (!keep[p] && count[p] > 0) order.push_back(p);
+  }
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return count[a] != count[b] ? count[a] > count[b] : a > b;
+  });
+  for (size_t i = 0; i < order.size() && static_cast<int64_t>(i) < max_pages; ++i) {
+    keep[order[i]] = 1;
+  }
+  std::vector<std::vector<int32_t>> out(per_q_head.size());
+  for (size_t h = 0; h < per_q_head.size(); ++h) {
+    for (int32_t id : per_q_head[h]) {
+      if (id >= 0 && id < n_tokens && keep[id / page_size]) out[h].push_back(id);
+    }
+  }
+  return out;
+}
+
 }  // namespace ctxcache::index

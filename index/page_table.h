@@ -70,4 +70,15 @@ int64_t PageTokens(int32_t page, int page_size, int64_t n_tokens);
 // Sum of selected over sum of fetched tokens across `tables`.
 double PageEfficiency(const std::vector<PageTable>& tables);
 
+// Page-budgeted selection: keeps at most `max_pages` pages for the whole
+// group (plus page 0, for the sinks, and the last recent_blocks + 1 pages),
+// ranked by how many selected tokens of all q heads fall in each page
+// (ties: the later page), and drops the selected tokens of every other page.
+// This bounds the bytes fetched per step at the cost of recall: token-level
+// selections at 5% spread over most pages of a 16-token layout.
+// InvalidArgument for max_pages < 1 or page_size < 1.
+StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
+    const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
+    int64_t max_pages, int recent_blocks);
+
 }  // namespace ctxcache::index

@@ -137,6 +137,11 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
     } else if (k == "budget") {
       if (x < 1) return InvalidArgumentError("session param budget must be >= 1 token");
       s->budget_ = static_cast<int64_t>(x);
+    } else if (k == "page_fraction") {
+      if (!(x > 0 && x <= 1)) {
+        return InvalidArgumentError("session param page_fraction must be in (0, 1]");
+      }
+      s->page_fraction_ = x;
     } else if (k == "subgroup") {
       if (x < 1) return InvalidArgumentError("session param subgroup must be >= 1");
       s->table_options_.subgroup_size = static_cast<int>(x);
@@ -145,7 +150,7 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
       s->table_options_.recent_blocks = static_cast<int>(x);
     } else {
       return InvalidArgumentError("unknown session param '" + k +
-                                  "'; expected rho, budget, subgroup or recent_blocks");
+                                  "'; expected rho, budget, page_fraction, subgroup or recent_blocks");
     }
   }
   const size_t n_heads = size_t{s->n_layers_} * s->n_kv_;
@@ -245,6 +250,14 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
     index::WorkStats ws;
     RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, &ws));
     total.Add(ws);
+    if (page_fraction_ > 0) {
+      const int64_t pages = (n + block_ - 1) / block_;
+      ASSIGN_OR_RETURN(sel.per_head,
+                       index::CapSelectedPages(
+                           sel.per_head, static_cast<int>(block_), n,
+                           std::max<int64_t>(1, static_cast<int64_t>(std::ceil(page_fraction_ * pages))),
+                           table_options_.recent_blocks));
+    }
     ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
     std::vector<uint32_t>& pages = pages_per_head[h];
     for (const auto& t : tables) {

@@ -38,7 +38,8 @@ class DecodeSession {
   // Opens `method` on the context held by `reader`. params: "rho" (token
   // budget as a fraction of the context, default 0.05) or "budget" (tokens
   // per q head), "subgroup" (q heads per page table, default 4),
-  // "recent_blocks" (default 1).
+  // "recent_blocks" (default 1), "page_fraction" (cap on the pages fetched
+  // per kv head, as a fraction of the pages; default: no cap).
   ~DecodeSession();
   static StatusOr<std::unique_ptr<DecodeSession>> Open(
       std::unique_ptr<storage::ContextReader> reader, const std::string& method,
@@ -73,6 +74,8 @@ class DecodeSession {
   int64_t n_stored_ = 0, n_appended_ = 0;
   double rho_ = 0.05;
   int64_t budget_ = 0;
+  // > 0: at most ceil(page_fraction * pages) pages per (layer, kv head).
+  double page_fraction_ = 0;
   index::PageTableOptions table_options_;
   // [layer * n_kv + head]
   std::vector<std::unique_ptr<index::Selector>> selectors_;

@@ -398,16 +398,34 @@ Status StoreCore::DeleteContextsDataNoLock(const std::vector<ContextId>& ids) {
     RETURN_IF_ERROR(FromRocks(batch.Delete(cf(kCfMeta), ManifestKey(id)), "delete manifest"));
   }
   RETURN_IF_ERROR(WriteNoLock(&batch, /*sync=*/true, /*disable_wal=*/false));
-  // Reclaim the space: compact exactly the deleted ranges so the tombstones
-  // drop the data (and, with blob files, rewrite/free the blobs).
+  // Reclaim the space. The data is already logically gone (the batch above
+  // is durable), so failures here only delay reclamation to a later
+  // compaction and are logged, not returned.
+  //  1. Drop SST files that lie entirely inside a deleted range: no rewrite,
+  //     no free space needed (a full disk cannot run a compaction).
+  //  2. Compact exactly the ranges so the tombstones drop the rest (and, with
+  //     blob files, rewrite/free the blobs).
+  std::vector<std::string> bounds;
+  for (const auto& id : ids) {
+    bounds.push_back(ContextRangeBegin(id));
+    bounds.push_back(ContextRangeEnd(id));
+  }
+  std::vector<rocksdb::Slice> slices(bounds.begin(), bounds.end());
+  std::vector<rocksdb::RangePtr> ranges;
+  for (size_t i = 0; i < ids.size(); ++i) ranges.emplace_back(&slices[2 * i], &slices[2 * i + 1]);
   rocksdb::CompactRangeOptions cro;
   cro.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForceOptimized;
   cro.allow_write_stall = true;
-  for (const auto& id : ids) {
-    std::string b = ContextRangeBegin(id), e = ContextRangeEnd(id);
-    rocksdb::Slice bs(b), es(e);
-    for (int c : {kCfTokens, kCfPages, kCfIndex}) {
-      RETURN_IF_ERROR(FromRocks(db_->CompactRange(cro, cf(c), &bs, &es), "compact range"));
+  for (int c : {kCfTokens, kCfPages, kCfIndex}) {
+    rocksdb::Status ds = rocksdb::DeleteFilesInRanges(db_.get(), cf(c), ranges.data(),
+                                                      ranges.size(), /*include_end=*/false);
+    if (!ds.ok()) spdlog::warn("storage: delete files in ranges: {}", ds.ToString());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      rocksdb::Status cs = db_->CompactRange(cro, cf(c), &slices[2 * i], &slices[2 * i + 1]);
+      if (!cs.ok()) {
+        spdlog::warn("storage: compacting the deleted range of {}: {} (space is reclaimed later)",
+                     Hex(ids[i]), cs.ToString());
+      }
     }
   }
   return Status::OK();

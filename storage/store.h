@@ -96,7 +96,7 @@ struct StoreOptions {
   int64_t concurrent_build_wait_ms = 600'000;
 
   // ---- Reader -------------------------------------------------------------
-  // How ReadPages fetches a page table. Default: MultiGet (2-3x the
+  // How ReadPages fetches a page table. Default: MultiGet (2-5x the
   // iterator's cold throughput in `ctxcache-bench storage`).
   PageReadMethod page_read_method = PageReadMethod::kMultiGet;
 

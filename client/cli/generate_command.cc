@@ -41,6 +41,8 @@ void GenerateCommand::Configure(CLI::App* sub) {
   sub->add_option("--max-tokens", max_tokens_, "Tokens to generate")->capture_default_str();
   sub->add_option("--rho", rho_, "Token budget as a fraction of the context")
       ->capture_default_str();
+  sub->add_option("--page-fraction", page_fraction_,
+                  "Cap the pages fetched per step at this fraction of the pages (0 = no cap)");
   sub->add_option("--mode", mode_, "server (server-side selection) or client")
       ->check(CLI::IsMember({"server", "client"}))
       ->capture_default_str();
@@ -108,6 +110,7 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
   go.session.context_id = context_;
   go.session.method = method_;
   go.session.params["rho"] = std::to_string(rho_);
+  if (page_fraction_ > 0) go.session.params["page_fraction"] = std::to_string(page_fraction_);
   go.session.mode = mode_ == "client" ? client::SelectMode::kClient : client::SelectMode::kServer;
   go.max_new_tokens = max_tokens_;
   auto t0 = std::chrono::steady_clock::now();

@@ -19,6 +19,7 @@ class GenerateCommand final : public Command {
                                  model_;
   int max_tokens_ = 64;
   double rho_ = 0.05;
+  double page_fraction_ = 0;
 };
 
 }  // namespace ctxcache::cli

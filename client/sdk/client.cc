@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <list>
 #include <thread>
 #include <unordered_map>
@@ -206,6 +207,7 @@ class SessionImpl final : public DecodeSession {
   std::vector<std::vector<float>> app_k_, app_v_;
   double rho_ = 0.05;
   int64_t budget_ = 0;
+  double page_fraction_ = 0;
   index::PageTableOptions table_options_;
 };
 
@@ -447,6 +449,7 @@ Status SessionImpl::Open() {
       if (k == "budget") budget_ = std::stoll(v);
       if (k == "subgroup") table_options_.subgroup_size = std::stoi(v);
       if (k == "recent_blocks") table_options_.recent_blocks = std::stoi(v);
+      if (k == "page_fraction") page_fraction_ = std::stod(v);
     }
     table_options_.page_size = static_cast<int>(block_);
     ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
@@ -612,6 +615,14 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
     in.keys = key_sources_[slot].get();
     index::Selection sel;
     RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, nullptr));
+    if (page_fraction_ > 0) {
+      const int64_t pages = (n + block_ - 1) / block_;
+      ASSIGN_OR_RETURN(sel.per_head,
+                       index::CapSelectedPages(
+                           sel.per_head, static_cast<int>(block_), n,
+                           std::max<int64_t>(1, static_cast<int64_t>(std::ceil(page_fraction_ * pages))),
+                           table_options_.recent_blocks));
+    }
     auto& head = out->heads[h];
     head.per_q_head = sel.per_head;
     // Page tables as the server would build them; fetch their stored pages.

@@ -184,3 +184,46 @@ TEST_F(TraceTest, SinkSubsetMatchesFullTrace) {
 
 }  // namespace
 }  // namespace ctxcache::model
+
+namespace ctxcache::model {
+namespace {
+
+// The committed reference trace reads back, belongs to the reference model
+// and its K/V prefix equals a fresh prefill of the same tokens (causality:
+// K/V at positions < 64 depend only on tokens 0..63).
+TEST(CommittedTraceTest, RefTraceMatchesFreshPrefill) {
+  const std::string path = testing::SourceDir() + "/tests/data/traces/ref-8k.ctxtrace";
+  if (!fs::exists(path) || !fs::exists(testing::RefModelDir() + "/config.json")) {
+    GTEST_SKIP() << "reference trace or model absent";
+  }
+  auto t = ReadTrace(path);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_GE(t->n_tokens(), 8192);
+  auto m = Model::Load(testing::RefModelDir());
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ(t->model_fingerprint, (*m)->spec().fingerprint);
+  const int64_t n = 64;
+  std::vector<int32_t> ids(t->tokens.begin(), t->tokens.begin() + n);
+  TraceSinkOptions so;
+  so.layers = t->layers;
+  so.kv_heads = t->kv_heads;
+  TraceSink sink(so);
+  KvCache cache((*m)->spec());
+  PrefillResult r;
+  ASSERT_TRUE(Prefill(**m, ids, &cache, {&sink}, PrefillOptions{}, &r).ok());
+  const int d = t->head_dim;
+  for (size_t s = 0; s < t->layers.size(); ++s) {
+    for (int h = 0; h < t->n_stored_kv_heads(); ++h) {
+      const float* fresh_k = sink.trace().k[s].data() + h * n * d;
+      const float* fresh_v = sink.trace().v[s].data() + h * n * d;
+      for (int64_t i = 0; i < n * d; ++i) {
+        ASSERT_NEAR(t->K(static_cast<int>(s), h)[i], fresh_k[i], 0.02 + std::fabs(fresh_k[i]) / 64)
+            << "layer slot " << s << " head " << h << " elem " << i;
+        ASSERT_NEAR(t->V(static_cast<int>(s), h)[i], fresh_v[i], 0.02 + std::fabs(fresh_v[i]) / 64);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ctxcache::model

@@ -29,6 +29,6 @@ struct BenchRegistrar {
 
 #define CTXCACHE_BENCH_CONCAT2_(a, b) a##b
 #define CTXCACHE_BENCH_CONCAT_(a, b) CTXCACHE_BENCH_CONCAT2_(a, b)
-#define CTXCACHE_BENCH(name, description, fn)                                       \
-  static ::ctxcache::bench::BenchRegistrar CTXCACHE_BENCH_CONCAT_(bench_registrar_, \
-                                                                  __LINE__)(name, description, fn)
+#define CTXCACHE_BENCH(name, description, fn)                                                  \
+  static ::ctxcache::bench::BenchRegistrar CTXCACHE_BENCH_CONCAT_(bench_registrar_, __LINE__)( \
+      name, description, fn)

@@ -174,8 +174,9 @@ int RunE2e(int argc, char** argv) {
   if (n_tokens == 0) n_tokens = quick ? 4096 : 32768;
   if (steps == 0) steps = quick ? 8 : 32;
   if (model_dir.empty()) {
-    model_dir = std::filesystem::exists("models/ctxcache-ref/config.json") ? "models/ctxcache-ref"
-                                                                          : "tests/data/golden/llama3";
+    model_dir = std::filesystem::exists("models/ctxcache-ref/config.json")
+                    ? "models/ctxcache-ref"
+                    : "tests/data/golden/llama3";
   }
   std::filesystem::path mp = std::filesystem::absolute(model_dir);
   if (!std::filesystem::exists(mp / "config.json")) {
@@ -244,8 +245,8 @@ int RunE2e(int argc, char** argv) {
   out["step_p50_us"] = out["csa"]["step_p50_us_1"];
   out["step_p99_us"] = out["csa"]["step_p99_us_1"];
   out["bytes_per_step"] = out["csa"]["bytes_per_step"];
-  out["speedup_vs_full"] =
-      out["full"]["step_p50_us_1"].get<double>() / std::max(1.0, out["csa"]["step_p50_us_1"].get<double>());
+  out["speedup_vs_full"] = out["full"]["step_p50_us_1"].get<double>() /
+                           std::max(1.0, out["csa"]["step_p50_us_1"].get<double>());
   out["bytes_ratio_vs_full"] = out["full"]["bytes_per_step"].get<double>() /
                                std::max(1.0, out["csa"]["bytes_per_step"].get<double>());
   out["p99_over_p50_at_8"] = out["csa"]["step_p99_us_8"].get<double>() /
@@ -253,8 +254,9 @@ int RunE2e(int argc, char** argv) {
   out["sessions_per_s"] = out["csa"]["sessions_per_s_8"];
   out["paged_speedup_vs_full"] = out["full"]["step_p50_us_1"].get<double>() /
                                  std::max(1.0, out["csa_paged"]["step_p50_us_1"].get<double>());
-  out["paged_bytes_ratio_vs_full"] = out["full"]["bytes_per_step"].get<double>() /
-                                     std::max(1.0, out["csa_paged"]["bytes_per_step"].get<double>());
+  out["paged_bytes_ratio_vs_full"] =
+      out["full"]["bytes_per_step"].get<double>() /
+      std::max(1.0, out["csa_paged"]["bytes_per_step"].get<double>());
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
   std::cout << out.dump() << std::endl;

@@ -15,5 +15,9 @@ uint32_t Extend(uint32_t init_crc, const void* data, size_t n);
 
 inline uint32_t Value(const void* data, size_t n) { return Extend(0, data, n); }
 inline uint32_t Value(std::string_view s) { return Extend(0, s.data(), s.size()); }
+// crc32c of a || b (e.g. a page's K then V).
+inline uint32_t Value(std::string_view a, std::string_view b) {
+  return Extend(Value(a), b.data(), b.size());
+}
 
 }  // namespace ctxcache::crc32c

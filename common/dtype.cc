@@ -9,18 +9,24 @@ namespace ctxcache {
 
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kF16: return 2;
-    case DType::kBF16: return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kF16:
+      return 2;
+    case DType::kBF16:
+      return 2;
   }
   return 0;
 }
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "unknown";
 }
@@ -117,17 +123,29 @@ void HalfToFloat(const uint16_t* src, float* dst, size_t n) {
 
 void ConvertToFloat(DType dtype, const void* src, float* dst, size_t n) {
   switch (dtype) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
-    case DType::kF16: HalfToFloat(static_cast<const uint16_t*>(src), dst, n); return;
-    case DType::kBF16: Bf16ToFloat(static_cast<const uint16_t*>(src), dst, n); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16:
+      HalfToFloat(static_cast<const uint16_t*>(src), dst, n);
+      return;
+    case DType::kBF16:
+      Bf16ToFloat(static_cast<const uint16_t*>(src), dst, n);
+      return;
   }
 }
 
 void ConvertFromFloat(DType dtype, const float* src, void* dst, size_t n) {
   switch (dtype) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
-    case DType::kF16: FloatToHalf(src, static_cast<uint16_t*>(dst), n); return;
-    case DType::kBF16: FloatToBf16(src, static_cast<uint16_t*>(dst), n); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16:
+      FloatToHalf(src, static_cast<uint16_t*>(dst), n);
+      return;
+    case DType::kBF16:
+      FloatToBf16(src, static_cast<uint16_t*>(dst), n);
+      return;
   }
 }
 

@@ -102,12 +102,11 @@ class [[nodiscard]] StatusOr {
       : status_(std::move(status)) {
     if (status_.ok()) status_ = Status(StatusCode::kInternal, "StatusOr built from OK status");
   }
-  StatusOr(const T& value) : value_(value) {}       // NOLINT
+  StatusOr(const T& value) : value_(value) {}        // NOLINT
   StatusOr(T&& value) : value_(std::move(value)) {}  // NOLINT
-  template <typename U,
-            typename = std::enable_if_t<std::is_convertible_v<U&&, T> &&
-                                        !std::is_same_v<std::decay_t<U>, Status> &&
-                                        !std::is_same_v<std::decay_t<U>, StatusOr<T>>>>
+  template <typename U, typename = std::enable_if_t<std::is_convertible_v<U&&, T> &&
+                                                    !std::is_same_v<std::decay_t<U>, Status> &&
+                                                    !std::is_same_v<std::decay_t<U>, StatusOr<T>>>>
   StatusOr(U&& value) : value_(T(std::forward<U>(value))) {}  // NOLINT
 
   bool ok() const { return value_.has_value(); }
@@ -133,10 +132,10 @@ class [[nodiscard]] StatusOr {
 #define CTXCACHE_CONCAT_(a, b) CTXCACHE_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` is a non-OK Status.
-#define RETURN_IF_ERROR(expr)                               \
-  do {                                                      \
-    ::ctxcache::Status _ctxcache_status = (expr);           \
-    if (!_ctxcache_status.ok()) return _ctxcache_status;    \
+#define RETURN_IF_ERROR(expr)                            \
+  do {                                                   \
+    ::ctxcache::Status _ctxcache_status = (expr);        \
+    if (!_ctxcache_status.ok()) return _ctxcache_status; \
   } while (0)
 
 // ASSIGN_OR_RETURN(lhs, expr): evaluates a StatusOr, returns its status on

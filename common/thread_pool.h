@@ -31,8 +31,7 @@ class ThreadPool {
   // Runs fn(begin, end) over [0, n) split into at most `size()` contiguous
   // ranges of at least `min_chunk` items, and waits for all of them. The
   // calling thread takes part.
-  void ParallelFor(size_t n, const std::function<void(size_t, size_t)>& fn,
-                   size_t min_chunk = 1);
+  void ParallelFor(size_t n, const std::function<void(size_t, size_t)>& fn, size_t min_chunk = 1);
 
   // A process-wide pool sized to the hardware, created on first use.
   static ThreadPool* Default();

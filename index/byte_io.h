@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "common/status.h"
 
@@ -28,7 +29,9 @@ class ByteWriter {
     std::memcpy(buf, &v, sizeof(T));  // x86-64: little-endian
     out_->append(buf, sizeof(T));
   }
-  void PutBytes(const void* p, size_t n) { out_->append(static_cast<const char*>(p), n); }
+  void PutBytes(const void* p, size_t n) {
+    if (n > 0) out_->append(static_cast<const char*>(p), n);
+  }
   template <typename T>
   void PutArray(const T* p, size_t n) {
     PutBytes(p, n * sizeof(T));
@@ -70,6 +73,7 @@ class ByteReader {
   }
   bool GetBytes(void* p, size_t n) {
     if (remaining() < n) return false;
+    if (n == 0) return true;  // p may be null (empty vector); memcpy(null, ., 0) is UB
     std::memcpy(p, in_.data() + pos_, n);
     pos_ += n;
     return true;
@@ -122,5 +126,15 @@ class ByteReader {
   std::string_view in_;
   size_t pos_ = 0;
 };
+
+// The elements of `v` (its size is known to the reader), as PutArray/GetArray.
+template <typename T>
+void PutVector(ByteWriter* w, const std::vector<T>& v) {
+  w->PutArray(v.data(), v.size());
+}
+template <typename T>
+bool GetVector(ByteReader* r, std::vector<T>* v) {
+  return r->GetArray(v->data(), v->size());
+}
 
 }  // namespace ctxcache::index

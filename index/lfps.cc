@@ -11,16 +11,6 @@
 namespace ctxcache::index {
 namespace {
 
-// Empty vectors have a null data(); skip the copy for them (UBSan: memcpy(nullptr, ..., 0)).
-template <typename T>
-void PutVector(ByteWriter* w, const std::vector<T>& v) {
-  if (!v.empty()) w->PutArray(v.data(), v.size());
-}
-template <typename T>
-bool GetVector(ByteReader* r, std::vector<T>* v) {
-  return v->empty() || r->GetArray(v->data(), v->size());
-}
-
 Status CheckOptions(const LfpsOptions& o) {
   if (o.history <= 0) return InvalidArgumentError("lfps: history (s) must be > 0");
   if (!(o.decay >= 0 && o.decay < 1))

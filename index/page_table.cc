@@ -1,6 +1,7 @@
 #include "index/page_table.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 namespace ctxcache::index {
@@ -91,6 +92,11 @@ StatusOr<std::vector<PageTable>> BuildPageTables(
     for (int32_t p : t.pages) t.fetched_tokens += PageTokens(p, page_size, n_tokens);
   }
   return tables;
+}
+
+int64_t PageBudget(double fraction, int64_t n_tokens, int page_size) {
+  const int64_t pages = (n_tokens + page_size - 1) / std::max(1, page_size);
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * pages)));
 }
 
 StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(

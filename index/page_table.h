@@ -77,6 +77,9 @@ double PageEfficiency(const std::vector<PageTable>& tables);
 // This bounds the bytes fetched per step at the cost of recall: token-level
 // selections at 5% spread over most pages of a 16-token layout.
 // InvalidArgument for max_pages < 1 or page_size < 1.
+// The page budget for a fraction of the pages: max(1, ceil(fraction * pages)).
+int64_t PageBudget(double fraction, int64_t n_tokens, int page_size);
+
 StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
     const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
     int64_t max_pages, int recent_blocks);

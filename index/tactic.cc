@@ -13,16 +13,6 @@
 namespace ctxcache::index {
 namespace {
 
-// Empty vectors have a null data(); skip the copy for them (UBSan: memcpy(nullptr, ..., 0)).
-template <typename T>
-void PutVector(ByteWriter* w, const std::vector<T>& v) {
-  if (!v.empty()) w->PutArray(v.data(), v.size());
-}
-template <typename T>
-bool GetVector(ByteReader* r, std::vector<T>* v) {
-  return v->empty() || r->GetArray(v->data(), v->size());
-}
-
 Status CheckOptions(const TacticOptions& o) {
   if (o.avg_cluster_size < 1) return InvalidArgumentError("tactic: avg_cluster_size must be >= 1");
   if (o.max_iters < 1) return InvalidArgumentError("tactic: max_iters must be >= 1");

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/safetensors.h"
-#include "model/sha256.h"
+#include "common/sha256.h"
 
 namespace ctxcache::model {
 
@@ -350,7 +350,7 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, const LoadO
       h.Update(&nb, 8);
       h.Update(t->data, t->nbytes);
     }
-    auto digest = h.Final();
+    auto digest = h.Finish();
     s.fingerprint = ToHex(digest.data(), digest.size());
   }
   return m;

@@ -32,7 +32,7 @@ void SetError(char* err, size_t err_len, const std::string& msg) {
 extern "C" {
 
 __attribute__((visibility("default"))) void* ctxcache_spm_load(const char* path, char* err,
-                                                                size_t err_len) {
+                                                               size_t err_len) {
   auto* sp = new sentencepiece::SentencePieceProcessor();
   const auto st = sp->Load(path);
   if (!st.ok()) {
@@ -51,9 +51,8 @@ __attribute__((visibility("default"))) void ctxcache_spm_free_buffer(void* buf) 
 
 // Returns 0 on success; *ids (malloc'd, *n entries) on success.
 __attribute__((visibility("default"))) int ctxcache_spm_encode(void* handle, const char* text,
-                                                                size_t len, int32_t** ids,
-                                                                size_t* n, char* err,
-                                                                size_t err_len) {
+                                                               size_t len, int32_t** ids, size_t* n,
+                                                               char* err, size_t err_len) {
   auto* sp = static_cast<sentencepiece::SentencePieceProcessor*>(handle);
   std::vector<int> out;
   const auto st = sp->Encode(std::string_view(text, len), &out);
@@ -68,9 +67,8 @@ __attribute__((visibility("default"))) int ctxcache_spm_encode(void* handle, con
 }
 
 __attribute__((visibility("default"))) int ctxcache_spm_decode(void* handle, const int32_t* ids,
-                                                                size_t n, char** text,
-                                                                size_t* len, char* err,
-                                                                size_t err_len) {
+                                                               size_t n, char** text, size_t* len,
+                                                               char* err, size_t err_len) {
   auto* sp = static_cast<sentencepiece::SentencePieceProcessor*>(handle);
   std::vector<int> in(ids, ids + n);
   std::string out;

@@ -104,7 +104,8 @@ Tokenizer::~Tokenizer() = default;
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return NotFoundError("tokenizer model not found: " + path);
+  if (!std::filesystem::exists(path, ec))
+    return NotFoundError("tokenizer model not found: " + path);
   ASSIGN_OR_RETURN(const PluginApi* api, GetPlugin());
   char err[512] = {0};
   void* handle = api->load(path.c_str(), err, sizeof(err));

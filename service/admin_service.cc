@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <chrono>
 
-#include "service/build_pipeline.h"
 #include "common/dtype.h"
+#include "service/build_pipeline.h"
 #include "service/decode_session.h"
-#include "storage/context_reader.h"
-#include "storage/context_writer.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
+#include "storage/context_reader.h"
+#include "storage/context_writer.h"
 
 #ifndef CTXCACHE_VERSION
 #define CTXCACHE_VERSION "0.0.0"
@@ -58,8 +58,8 @@ StatusOr<std::vector<IndexRequest>> IndexRequests(
     size_t pos = 0;
     while (pos < defaults.size()) {
       size_t comma = defaults.find(',', pos);
-      std::string m = defaults.substr(pos, comma == std::string::npos ? std::string::npos
-                                                                     : comma - pos);
+      std::string m =
+          defaults.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
       if (!m.empty()) out.push_back(IndexRequest{m, {}});
       if (comma == std::string::npos) break;
       pos = comma + 1;
@@ -181,17 +181,19 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
   job.model = *model;
   job.tokens.assign(parent_tokens->begin(), parent_tokens->end());
   std::vector<int32_t> extra;
-  Status s = Tokenize(**model, request->has_text(), request->text(), request->tokens(), false,
-                      &extra);
+  Status s =
+      Tokenize(**model, request->has_text(), request->text(), request->tokens(), false, &extra);
   if (!s.ok()) return rpc.Finish(ToGrpc(s));
   job.tokens.insert(job.tokens.end(), extra.begin(), extra.end());
   job.parent = *pid;
-  // Default: the parent's index methods and parameters.
+  // Default: the parent's index methods and parameters, minus those derived
+  // from the parent's size (CSA's C is re-derived for the child).
   if (request->indexes().empty()) {
     for (const auto& ip : parent.index_params()) {
       IndexRequest r;
       r.method = ip.method();
       for (const auto& [k, v] : ip.params()) r.params[k] = v;
+      if (r.method == "csa") r.params.erase("C");
       job.indexes.push_back(std::move(r));
     }
   } else {
@@ -222,14 +224,17 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   const v1::ModelSpec& spec = header.model();
   if (spec.n_layers() == 0 || spec.n_q_heads() == 0 || spec.n_kv_heads() == 0 ||
       spec.head_dim() == 0 || spec.n_q_heads() % spec.n_kv_heads() != 0) {
-    return rpc.Finish(Invalid("header.model: n_layers, n_q_heads, n_kv_heads and head_dim must "
-                              "be > 0 and n_q_heads a multiple of n_kv_heads"));
+    return rpc.Finish(
+        Invalid("header.model: n_layers, n_q_heads, n_kv_heads and head_dim must "
+                "be > 0 and n_q_heads a multiple of n_kv_heads"));
   }
   if (spec.fingerprint().empty()) {
-    return rpc.Finish(Invalid("header.model.fingerprint is required (it decides KV compatibility)"));
+    return rpc.Finish(
+        Invalid("header.model.fingerprint is required (it decides KV compatibility)"));
   }
   if (spec.kv_dtype() == v1::DTYPE_UNSPECIFIED) {
-    return rpc.Finish(Invalid("header.model.kv_dtype is required (DTYPE_BF16, DTYPE_F16 or DTYPE_F32)"));
+    return rpc.Finish(
+        Invalid("header.model.kv_dtype is required (DTYPE_BF16, DTYPE_F16 or DTYPE_F32)"));
   }
   if (header.tokens().ids_size() == 0) return rpc.Finish(Invalid("header.tokens is empty"));
   auto idx = IndexRequests(header.indexes(), ctx_->config.default_indexes);
@@ -286,8 +291,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     }
     const int layer = static_cast<int>(c.layer());
     const int64_t n = c.n_tokens();
-    if (static_cast<int64_t>(c.token_start()) != next[layer] || n <= 0 ||
-        next[layer] + n > N) {
+    if (static_cast<int64_t>(c.token_start()) != next[layer] || n <= 0 || next[layer] + n > N) {
       return fail(InvalidArgumentError(
           "chunk for layer " + std::to_string(layer) + ": token_start " +
           std::to_string(c.token_start()) + " n_tokens " + std::to_string(n) + ", expected start " +
@@ -337,8 +341,9 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   }
   if (!committed) {
     writer->Abort().IgnoreError();
-    return rpc.Finish(grpc::Status(grpc::StatusCode::ABORTED,
-                                   "the ingest stream ended before IngestCommit; nothing was stored"));
+    return rpc.Finish(
+        grpc::Status(grpc::StatusCode::ABORTED,
+                     "the ingest stream ended before IngestCommit; nothing was stored"));
   }
   for (int l = 0; l < L; ++l) {
     if (next[l] != N) {
@@ -458,9 +463,9 @@ grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext*,
   RpcScope rpc(ctx_, "ListContexts");
   uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
   if (page_size > 1000) {
-    return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                   "page_size must be <= 1000, got " +
-                                       std::to_string(request->page_size())));
+    return rpc.Finish(
+        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                     "page_size must be <= 1000, got " + std::to_string(request->page_size())));
   }
   // Contexts come ordered by id; the page token is the last id returned.
   std::string after = request->page_token();

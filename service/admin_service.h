@@ -21,8 +21,7 @@ class AdminServiceImpl final : public v1::ContextAdmin::Service {
 
   grpc::Status BuildContext(grpc::ServerContext* context, const v1::BuildContextRequest* request,
                             grpc::ServerWriter<v1::BuildProgress>* writer) override;
-  grpc::Status ExtendContext(grpc::ServerContext* context,
-                             const v1::ExtendContextRequest* request,
+  grpc::Status ExtendContext(grpc::ServerContext* context, const v1::ExtendContextRequest* request,
                              grpc::ServerWriter<v1::BuildProgress>* writer) override;
   grpc::Status IngestContext(grpc::ServerContext* context,
                              grpc::ServerReader<v1::IngestChunk>* reader,

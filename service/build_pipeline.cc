@@ -188,8 +188,8 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
         hp.query_positions = positions.empty() ? nullptr : positions.data();
         hp.queries = q.empty() ? nullptr : q.data();
         for (const IndexRequest& r : methods) {
-          auto sel = index::BuildSelector(
-              r.method, hp, EffectiveParams(r, n, hp.n_queries * hp.group_size));
+          auto sel = index::BuildSelector(r.method, hp,
+                                          EffectiveParams(r, n, hp.n_queries * hp.group_size));
           Status s = sel.status();
           std::string bytes;
           if (s.ok()) s = (*sel)->Serialize(&bytes);
@@ -199,8 +199,7 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
           }
           if (!s.ok()) {
             results[item] = s.WithContext("building the " + r.method + " index of layer " +
-                                          std::to_string(layer) + " kv head " +
-                                          std::to_string(h));
+                                          std::to_string(layer) + " kv head " + std::to_string(h));
             break;
           }
         }

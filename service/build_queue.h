@@ -32,11 +32,10 @@ class BuildQueue {
       return Status::OK();
     }
     if (waiting_ >= max_waiting_) {
-      return ResourceExhaustedError("build queue is full (" + std::to_string(running_) +
-                                    " running, " + std::to_string(waiting_) +
-                                    " waiting, limit --build-queue-size=" +
-                                    std::to_string(max_waiting_) +
-                                    "); retry in a few seconds with backoff");
+      return ResourceExhaustedError(
+          "build queue is full (" + std::to_string(running_) + " running, " +
+          std::to_string(waiting_) + " waiting, limit --build-queue-size=" +
+          std::to_string(max_waiting_) + "); retry in a few seconds with backoff");
     }
     const uint64_t ticket = next_ticket_++;
     waiting_++;
@@ -100,10 +99,10 @@ class BuildQueue {
   const uint32_t max_running_, max_waiting_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  uint32_t running_ = 0;         // guarded by mu_
-  uint32_t waiting_ = 0;         // guarded by mu_
-  uint64_t next_ticket_ = 0;     // guarded by mu_
-  uint64_t serving_ = 0;         // guarded by mu_
+  uint32_t running_ = 0;           // guarded by mu_
+  uint32_t waiting_ = 0;           // guarded by mu_
+  uint64_t next_ticket_ = 0;       // guarded by mu_
+  uint64_t serving_ = 0;           // guarded by mu_
   std::vector<uint64_t> skipped_;  // guarded by mu_
 };
 

@@ -103,8 +103,8 @@ grpc::Status DecodeServiceImpl::Decode(
       if (counted) ctx->open_sessions--;
     }
   } count{ctx_};
-  Histogram* step_hist = ctx_->metrics.GetHistogram(
-      "ctxcache_decode_step_duration_seconds", "Server time per decode layer-step");
+  Histogram* step_hist = ctx_->metrics.GetHistogram("ctxcache_decode_step_duration_seconds",
+                                                    "Server time per decode layer-step");
   Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                  "Stored page bytes read for decode sessions");
   Gauge* sessions_gauge = ctx_->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions");
@@ -116,8 +116,8 @@ grpc::Status DecodeServiceImpl::Decode(
     switch (req.msg_case()) {
       case v1::DecodeRequest::kOpen: {
         if (session) {
-          stream->Write(ErrorResponse(rid, FailedPreconditionError(
-                                               "session already open; Close it first")));
+          stream->Write(
+              ErrorResponse(rid, FailedPreconditionError("session already open; Close it first")));
           break;
         }
         if (ctx_->open_sessions.load() >= ctx_->config.max_sessions) {
@@ -318,12 +318,12 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
       return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
     }
     if (t.layer() >= m.model().n_layers() || t.kv_head() >= m.model().n_kv_heads()) {
-      return rpc.Finish(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          "tables: layer " + std::to_string(t.layer()) + " / kv_head " +
-              std::to_string(t.kv_head()) + " out of range (context has " +
-              std::to_string(m.model().n_layers()) + " layers, " +
-              std::to_string(m.model().n_kv_heads()) + " kv heads)"));
+      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "tables: layer " + std::to_string(t.layer()) + " / kv_head " +
+                                         std::to_string(t.kv_head()) +
+                                         " out of range (context has " +
+                                         std::to_string(m.model().n_layers()) + " layers, " +
+                                         std::to_string(m.model().n_kv_heads()) + " kv heads)"));
     }
     std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
     Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
@@ -347,7 +347,7 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
       p->set_dtype(storage::ToProtoDType(batch.dtype));
       p->set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
       p->set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);
-      p->set_crc32c(crc32c::Extend(crc32c::Value(p->k()), p->v().data(), bytes));
+      p->set_crc32c(crc32c::Value(p->k(), p->v()));
       if (ctx_->config.fault_corrupt_pages && bytes > 0) (*p->mutable_k())[0] ^= 0x01;
       out_bytes += 2 * bytes;
     }
@@ -380,8 +380,8 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
       v1::ContextEvent ev = std::move(sub->queue.front());
       sub->queue.pop_front();
       lock.unlock();
-      bool match = request->context_id().empty() ||
-                   ev.context().context_id() == request->context_id();
+      bool match =
+          request->context_id().empty() || ev.context().context_id() == request->context_id();
       for (const auto& [k, v] : request->label_filter()) {
         auto it = ev.context().labels().find(k);
         match = match && it != ev.context().labels().end() && it->second == v;

@@ -22,9 +22,9 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
   explicit DecodeServiceImpl(ServiceContext* ctx);
   ~DecodeServiceImpl() override;
 
-  grpc::Status Decode(grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream)
-      override;
+  grpc::Status Decode(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;
   grpc::Status FetchIndex(grpc::ServerContext* context, const v1::FetchIndexRequest* request,
                           grpc::ServerWriter<v1::IndexChunk>* writer) override;
   grpc::Status FetchPages(grpc::ServerContext* context, const v1::FetchPagesRequest* request,
@@ -45,7 +45,7 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
   ServiceContext* ctx_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;                                        // guarded by mu_
+  bool stop_ = false;                                                     // guarded by mu_
   std::unordered_map<LiveStream*, std::unique_ptr<LiveStream>> streams_;  // guarded by mu_
   std::thread reaper_;
 };

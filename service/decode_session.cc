@@ -29,9 +29,15 @@ Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, con
   }
   DType dt;
   switch (t.dtype()) {
-    case v1::DTYPE_F32: dt = DType::kF32; break;
-    case v1::DTYPE_F16: dt = DType::kF16; break;
-    case v1::DTYPE_BF16: dt = DType::kBF16; break;
+    case v1::DTYPE_F32:
+      dt = DType::kF32;
+      break;
+    case v1::DTYPE_F16:
+      dt = DType::kF16;
+      break;
+    case v1::DTYPE_BF16:
+      dt = DType::kBF16;
+      break;
     default:
       return InvalidArgumentError(std::string(what) +
                                   ": dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
@@ -149,8 +155,9 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
       if (x < 0) return InvalidArgumentError("session param recent_blocks must be >= 0");
       s->table_options_.recent_blocks = static_cast<int>(x);
     } else {
-      return InvalidArgumentError("unknown session param '" + k +
-                                  "'; expected rho, budget, page_fraction, subgroup or recent_blocks");
+      return InvalidArgumentError(
+          "unknown session param '" + k +
+          "'; expected rho, budget, page_fraction, subgroup or recent_blocks");
     }
   }
   const size_t n_heads = size_t{s->n_layers_} * s->n_kv_;
@@ -207,15 +214,17 @@ Status DecodeSession::ReadTokenKV(uint32_t layer, uint32_t kv_head, uint32_t blo
   const auto& ak = app_k_[size_t{layer} * n_kv_ + kv_head];
   const auto& av = app_v_[size_t{layer} * n_kv_ + kv_head];
   for (int64_t t = std::max(begin, n_stored_); t < end; ++t) {
-    FloatToBf16(ak.data() + (t - n_stored_) * d_, reinterpret_cast<uint16_t*>(k.data() + (t - begin) * row), d_);
-    FloatToBf16(av.data() + (t - n_stored_) * d_, reinterpret_cast<uint16_t*>(v.data() + (t - begin) * row), d_);
+    FloatToBf16(ak.data() + (t - n_stored_) * d_,
+                reinterpret_cast<uint16_t*>(k.data() + (t - begin) * row), d_);
+    FloatToBf16(av.data() + (t - n_stored_) * d_,
+                reinterpret_cast<uint16_t*>(v.data() + (t - begin) * row), d_);
   }
   page->set_layer(layer);
   page->set_kv_head(kv_head);
   page->set_block(block);
   page->set_n_tokens(static_cast<uint32_t>(end - begin));
   page->set_dtype(v1::DTYPE_BF16);
-  page->set_crc32c(crc32c::Extend(crc32c::Value(k), v.data(), v.size()));
+  page->set_crc32c(crc32c::Value(k, v));
   page->set_k(std::move(k));
   page->set_v(std::move(v));
   return Status::OK();
@@ -227,15 +236,15 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
     return InvalidArgumentError("step.layer " + std::to_string(step.layer()) +
                                 " out of range [0, " + std::to_string(n_layers_) + ")");
   }
-  RETURN_IF_ERROR(TensorToFloat(step.queries(), {int64_t{n_q_}, int64_t{d_}}, "step.queries",
-                                &qbuf_));
+  RETURN_IF_ERROR(
+      TensorToFloat(step.queries(), {int64_t{n_q_}, int64_t{d_}}, "step.queries", &qbuf_));
   auto t0 = std::chrono::steady_clock::now();
   const uint32_t layer = step.layer();
   const int g = static_cast<int>(n_q_ / n_kv_);
   const int64_t n = n_tokens();
-  const int64_t budget =
-      budget_ > 0 ? std::min(budget_, n)
-                  : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
+  const int64_t budget = budget_ > 0
+                             ? std::min(budget_, n)
+                             : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
   result->set_layer(layer);
   index::WorkStats total;
   std::vector<std::vector<uint32_t>> pages_per_head(n_kv_);
@@ -251,12 +260,11 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
     RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, &ws));
     total.Add(ws);
     if (page_fraction_ > 0) {
-      const int64_t pages = (n + block_ - 1) / block_;
-      ASSIGN_OR_RETURN(sel.per_head,
-                       index::CapSelectedPages(
-                           sel.per_head, static_cast<int>(block_), n,
-                           std::max<int64_t>(1, static_cast<int64_t>(std::ceil(page_fraction_ * pages))),
-                           table_options_.recent_blocks));
+      const int b = static_cast<int>(block_);
+      ASSIGN_OR_RETURN(
+          sel.per_head,
+          index::CapSelectedPages(sel.per_head, b, n, index::PageBudget(page_fraction_, n, b),
+                                  table_options_.recent_blocks));
     }
     ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
     std::vector<uint32_t>& pages = pages_per_head[h];
@@ -316,13 +324,13 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
         page.set_kv_head(h);
         page.set_block(batch.blocks[i]);
         page.set_n_tokens(batch.n_tokens[i]);
-        page.set_dtype(batch.dtype == DType::kBF16 ? v1::DTYPE_BF16
+        page.set_dtype(batch.dtype == DType::kBF16  ? v1::DTYPE_BF16
                        : batch.dtype == DType::kF16 ? v1::DTYPE_F16
                                                     : v1::DTYPE_F32);
         const size_t bytes = size_t{batch.n_tokens[i]} * d_ * elem;
         page.set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
         page.set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);
-        page.set_crc32c(crc32c::Extend(crc32c::Value(page.k()), page.v().data(), bytes));
+        page.set_crc32c(crc32c::Value(page.k(), page.v()));
         push(std::move(page));
       }
     }

@@ -85,7 +85,7 @@ void Histogram::Snapshot(std::vector<uint64_t>* buckets, double* sum, uint64_t* 
 
 std::vector<double> LatencyBuckets() {
   return {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
-          50e-3, 100e-3, 250e-3, 500e-3, 1.0,  2.5,    5.0,  10.0, 60.0};
+          50e-3, 100e-3, 250e-3, 500e-3, 1.0,  2.5,    5.0,  10.0,  60.0};
 }
 
 MetricsRegistry::Series* MetricsRegistry::GetSeries(
@@ -155,9 +155,9 @@ std::string MetricsRegistry::Render() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;
   for (const auto& [name, fam] : families_) {
-    const char* type = fam.type == MetricType::kCounter   ? "counter"
+    const char* type = fam.type == MetricType::kCounter ? "counter"
                        : fam.type == MetricType::kGauge ? "gauge"
-                                                          : "histogram";
+                                                        : "histogram";
     out += "# HELP " + name + " " + fam.help + "\n";
     out += "# TYPE " + name + " " + type + "\n";
     for (const auto& s : fam.series) {
@@ -172,8 +172,8 @@ std::string MetricsRegistry::Render() const {
         for (size_t i = 0; i < buckets.size(); ++i) {
           cum += buckets[i];
           std::string le = i < bounds.size() ? FormatDouble(bounds[i]) : "+Inf";
-          out += name + "_bucket" + LabelString(s->labels, "le", le) + " " +
-                 std::to_string(cum) + "\n";
+          out += name + "_bucket" + LabelString(s->labels, "le", le) + " " + std::to_string(cum) +
+                 "\n";
         }
         out += name + "_sum" + LabelString(s->labels) + " " + FormatDouble(sum) + "\n";
         out += name + "_count" + LabelString(s->labels) + " " + std::to_string(count) + "\n";

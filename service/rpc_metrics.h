@@ -21,8 +21,7 @@ class RpcScope {
       : ctx_(ctx), method_(method), start_(std::chrono::steady_clock::now()) {}
 
   grpc::Status Finish(const grpc::Status& status) {
-    double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     auto& m = ctx_->metrics;
     m.GetCounter("ctxcache_rpc_total", "RPCs handled, by method and status code",
                  {{"method", method_}, {"code", CodeName(status.error_code())}})

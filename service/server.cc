@@ -50,8 +50,10 @@ class ServerImpl {
           s.message().find("LOCK") != std::string_view::npos) {
         return Status(s.code(), "data dir '" + c.data_dir +
                                     "' is locked by another process (RocksDB LOCK file " +
-                                    c.data_dir + "/LOCK): stop the other ctxcached or pass a "
-                                    "different --data-dir. Detail: " + std::string(s.message()));
+                                    c.data_dir +
+                                    "/LOCK): stop the other ctxcached or pass a "
+                                    "different --data-dir. Detail: " +
+                                    std::string(s.message()));
       }
       return s.WithContext("opening data dir '" + c.data_dir + "'");
     }
@@ -69,7 +71,8 @@ class ServerImpl {
     builder.AddListeningPort(c.listen, grpc::InsecureServerCredentials(), &bound_port);
     builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(c.keepalive_time_s) * 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               static_cast<int>(c.keepalive_time_s) * 1000);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
@@ -104,9 +107,10 @@ class ServerImpl {
       }
       std::rename(tmp.c_str(), c.port_file.c_str());
     }
-    spdlog::info("serving gRPC on port {} (ContextAdmin, DecodeService, health, reflection); "
-                 "metrics on {}",
-                 port_, metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)");
+    spdlog::info(
+        "serving gRPC on port {} (ContextAdmin, DecodeService, health, reflection); "
+        "metrics on {}",
+        port_, metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)");
     return Status::OK();
   }
 
@@ -144,11 +148,11 @@ class ServerImpl {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_.start_time)
           .count();
     });
-    m.AddCallbackGauge("ctxcache_contexts", "READY contexts in the store",
-                       [this] { return static_cast<double>(ctx_.store->GetStats().ready_contexts); });
-    m.AddCallbackGauge("ctxcache_stored_bytes", "Bytes stored by READY contexts", [this] {
-      return static_cast<double>(ctx_.store->GetStats().stored_bytes);
+    m.AddCallbackGauge("ctxcache_contexts", "READY contexts in the store", [this] {
+      return static_cast<double>(ctx_.store->GetStats().ready_contexts);
     });
+    m.AddCallbackGauge("ctxcache_stored_bytes", "Bytes stored by READY contexts",
+                       [this] { return static_cast<double>(ctx_.store->GetStats().stored_bytes); });
     m.AddCallbackGauge("ctxcache_capacity_bytes", "Capacity budget in bytes (0 = unlimited)",
                        [this] { return static_cast<double>(ctx_.config.capacity_bytes); });
   }

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "storage/sha256.h"
+#include "common/sha256.h"
 
 namespace ctxcache::storage {
 namespace {

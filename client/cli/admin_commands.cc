@@ -30,13 +30,20 @@ bool ParseKeyValues(const std::vector<std::string>& items, const char* flag,
 
 const char* PhaseName(v1::BuildProgress::Phase p) {
   switch (p) {
-    case v1::BuildProgress::QUEUED: return "queued";
-    case v1::BuildProgress::TOKENIZING: return "tokenizing";
-    case v1::BuildProgress::PREFILL: return "prefill";
-    case v1::BuildProgress::INDEXING: return "indexing";
-    case v1::BuildProgress::COMMITTING: return "committing";
-    case v1::BuildProgress::DONE: return "done";
-    default: return "starting";
+    case v1::BuildProgress::QUEUED:
+      return "queued";
+    case v1::BuildProgress::TOKENIZING:
+      return "tokenizing";
+    case v1::BuildProgress::PREFILL:
+      return "prefill";
+    case v1::BuildProgress::INDEXING:
+      return "indexing";
+    case v1::BuildProgress::COMMITTING:
+      return "committing";
+    case v1::BuildProgress::DONE:
+      return "done";
+    default:
+      return "starting";
   }
 }
 
@@ -60,7 +67,8 @@ class ProgressPrinter {
       line << " position " << p.queue_position();
     } else {
       line << " " << p.tokens_prefilled() << "/" << p.tokens_total() << " tokens";
-      if (p.layers_total()) line << ", " << p.layers_indexed() << "/" << p.layers_total() << " layers indexed";
+      if (p.layers_total())
+        line << ", " << p.layers_indexed() << "/" << p.layers_total() << " layers indexed";
       line << ", " << HumanBytes(p.bytes_written()) << " written";
       if (p.tokens_per_s() > 0) line << ", " << static_cast<int64_t>(p.tokens_per_s()) << " tok/s";
       if (p.eta_s() > 0 && p.phase() == v1::BuildProgress::PREFILL) {
@@ -93,8 +101,8 @@ void PrintInfoTable(const v1::ContextInfo& info, std::ostream& out) {
       << "name           " << (info.name().empty() ? "-" : info.name()) << "\n"
       << "state          " << StateName(info.state()) << "\n"
       << "model          " << info.model_name() << " (" << info.model().n_layers() << " layers, "
-      << info.model().n_q_heads() << " q / " << info.model().n_kv_heads() << " kv heads, d="
-      << info.model().head_dim() << ")\n"
+      << info.model().n_q_heads() << " q / " << info.model().n_kv_heads()
+      << " kv heads, d=" << info.model().head_dim() << ")\n"
       << "tokens         " << info.n_tokens() << " (pages of " << info.block_tokens() << ")\n"
       << "stored         " << HumanBytes(info.stored_bytes()) << " (raw KV "
       << HumanBytes(info.raw_kv_bytes()) << ")\n";
@@ -256,13 +264,14 @@ int ListCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
   }
   out << std::left << std::setw(34) << "CONTEXT_ID" << std::setw(20) << "NAME" << std::setw(8)
       << "STATE" << std::right << std::setw(10) << "TOKENS" << std::setw(12) << "STORED"
-      << "  " << std::left << std::setw(16) << "INDEXES" << "PINNED\n";
+      << "  " << std::left << std::setw(16) << "INDEXES"
+      << "PINNED\n";
   for (const auto& c : all) {
     std::string idx;
     for (const auto& ip : c.indexes()) idx += (idx.empty() ? "" : ",") + ip.method();
     out << std::left << std::setw(34) << c.context_id() << std::setw(20)
-        << (c.name().empty() ? "-" : c.name().substr(0, 19)) << std::setw(8)
-        << StateName(c.state()) << std::right << std::setw(10) << c.n_tokens() << std::setw(12)
+        << (c.name().empty() ? "-" : c.name().substr(0, 19)) << std::setw(8) << StateName(c.state())
+        << std::right << std::setw(10) << c.n_tokens() << std::setw(12)
         << HumanBytes(c.stored_bytes()) << "  " << std::left << std::setw(16)
         << (idx.empty() ? "-" : idx) << (c.pinned() ? "yes" : "no") << "\n";
   }
@@ -311,9 +320,7 @@ int EvictCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
   return 0;
 }
 
-void PinCommand::Configure(CLI::App* sub) {
-  sub->add_option("ID", id_, "Context id")->required();
-}
+void PinCommand::Configure(CLI::App* sub) { sub->add_option("ID", id_, "Context id")->required(); }
 
 int PinCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
   auto client = ConnectOrExplain(global, err);

@@ -2,8 +2,8 @@
 #include <map>
 #include <memory>
 
-#include "client/cli/command.h"
 #include "client/cli/admin_commands.h"
+#include "client/cli/command.h"
 #include "client/cli/generate_command.h"
 #include "client/cli/health_command.h"
 

@@ -58,10 +58,14 @@ std::string HumanTime(int64_t ms) {
 
 std::string StateName(v1::ContextState s) {
   switch (s) {
-    case v1::CONTEXT_STATE_BUILDING: return "BUILDING";
-    case v1::CONTEXT_STATE_READY: return "READY";
-    case v1::CONTEXT_STATE_FAILED: return "FAILED";
-    default: return "UNSPECIFIED";
+    case v1::CONTEXT_STATE_BUILDING:
+      return "BUILDING";
+    case v1::CONTEXT_STATE_READY:
+      return "READY";
+    case v1::CONTEXT_STATE_FAILED:
+      return "FAILED";
+    default:
+      return "UNSPECIFIED";
   }
 }
 

@@ -74,8 +74,7 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
         << model.status().message() << "; pass --model-dir\n";
     return 1;
   }
-  if ((*model)->spec().fingerprint.empty() == false &&
-      info->model().fingerprint().size() == 32) {
+  if ((*model)->spec().fingerprint.empty() == false && info->model().fingerprint().size() == 32) {
     std::string hex;
     static const char* kHex = "0123456789abcdef";
     for (unsigned char c : info->model().fingerprint()) {
@@ -83,8 +82,8 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
       hex += kHex[c & 15];
     }
     if (hex != (*model)->spec().fingerprint) {
-      err << "ctxcache: the local model " << dir << " differs from the one context "
-          << context_ << " was built with (fingerprint mismatch)\n";
+      err << "ctxcache: the local model " << dir << " differs from the one context " << context_
+          << " was built with (fingerprint mismatch)\n";
       return 1;
     }
   }
@@ -138,8 +137,8 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
     dense_opts.keep_logits = true;
     uint64_t dense_bytes = 0;
     auto t1 = std::chrono::steady_clock::now();
-    auto dense = client::GenerateDense(**model, client.get(), context_, prompt, dense_opts,
-                                       &dense_bytes);
+    auto dense =
+        client::GenerateDense(**model, client.get(), context_, prompt, dense_opts, &dense_bytes);
     if (!dense.ok()) return Fail(dense.status(), global, err);
     double dense_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     // Teacher-forced sparse run on the dense tokens: per-position agreement and KL.

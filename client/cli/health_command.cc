@@ -26,8 +26,8 @@ int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostr
   if (!s.ok()) {
     if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
         s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
-      err << "ctxcache: cannot reach ctxcached at " << global.server << " ("
-          << s.error_message() << "); is it running? pass --server HOST:PORT\n";
+      err << "ctxcache: cannot reach ctxcached at " << global.server << " (" << s.error_message()
+          << "); is it running? pass --server HOST:PORT\n";
     } else {
       err << "ctxcache: health check failed: " << s.error_message() << "\n";
     }

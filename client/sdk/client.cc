@@ -32,19 +32,23 @@ std::chrono::system_clock::time_point Deadline(double seconds) {
 
 StatusOr<DType> PageDType(v1::DType d) {
   switch (d) {
-    case v1::DTYPE_F32: return DType::kF32;
-    case v1::DTYPE_F16: return DType::kF16;
-    case v1::DTYPE_BF16: return DType::kBF16;
-    default: return DataLossError("page with unknown dtype");
+    case v1::DTYPE_F32:
+      return DType::kF32;
+    case v1::DTYPE_F16:
+      return DType::kF16;
+    case v1::DTYPE_BF16:
+      return DType::kBF16;
+    default:
+      return DataLossError("page with unknown dtype");
   }
 }
 
 Status CheckPage(const v1::Page& p, uint32_t head_dim) {
-  uint32_t crc = crc32c::Extend(crc32c::Value(p.k()), p.v().data(), p.v().size());
+  uint32_t crc = crc32c::Value(p.k(), p.v());
   if (crc != p.crc32c()) {
-    return DataLossError("page crc32c mismatch (layer " + std::to_string(p.layer()) +
-                         ", kv head " + std::to_string(p.kv_head()) + ", block " +
-                         std::to_string(p.block()) + "): the page was corrupted in transit");
+    return DataLossError("page crc32c mismatch (layer " + std::to_string(p.layer()) + ", kv head " +
+                         std::to_string(p.kv_head()) + ", block " + std::to_string(p.block()) +
+                         "): the page was corrupted in transit");
   }
   ASSIGN_OR_RETURN(DType dt, PageDType(p.dtype()));
   size_t want = size_t{p.n_tokens()} * head_dim * DTypeSize(dt);
@@ -112,7 +116,8 @@ class PageCache {
  private:
   size_t budget_;
   std::list<uint64_t> lru_;
-  std::unordered_map<uint64_t, std::pair<std::shared_ptr<DecodedPage>, std::list<uint64_t>::iterator>>
+  std::unordered_map<uint64_t,
+                     std::pair<std::shared_ptr<DecodedPage>, std::list<uint64_t>::iterator>>
       map_;
   PageCacheStats stats_;
 };
@@ -167,7 +172,8 @@ class SessionImpl final : public DecodeSession {
       const uint32_t d = s_->d_, b = s_->block_;
       std::vector<uint32_t> blocks;
       for (int64_t i = 0; i < n; ++i) {
-        if (ids[i] < 0 || ids[i] >= s_->n_tokens_) return InvalidArgumentError("key id out of range");
+        if (ids[i] < 0 || ids[i] >= s_->n_tokens_)
+          return InvalidArgumentError("key id out of range");
         if (ids[i] < s_->n_stored_) blocks.push_back(static_cast<uint32_t>(ids[i]) / b);
       }
       std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
@@ -388,7 +394,7 @@ class ClientImpl final : public Client {
     });
     if (!s.ok()) return Convert(s, "FetchPages");
     for (const auto& p : *pages) {
-      if (crc32c::Extend(crc32c::Value(p.k()), p.v().data(), p.v().size()) != p.crc32c()) {
+      if (crc32c::Value(p.k(), p.v()) != p.crc32c()) {
         return DataLossError("page crc32c mismatch (layer " + std::to_string(p.layer()) +
                              ", kv head " + std::to_string(p.kv_head()) + ", block " +
                              std::to_string(p.block()) + "): the page was corrupted in transit");
@@ -596,9 +602,9 @@ Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) 
 Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedKV* out) {
   const uint32_t g = n_q_ / n_kv_;
   const int64_t n = n_tokens_;
-  const int64_t budget =
-      budget_ > 0 ? std::min(budget_, n)
-                  : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
+  const int64_t budget = budget_ > 0
+                             ? std::min(budget_, n)
+                             : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
   *out = SelectedKV();
   out->heads.resize(n_kv_);
   step_stats_ = out;
@@ -616,12 +622,11 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
     index::Selection sel;
     RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, nullptr));
     if (page_fraction_ > 0) {
-      const int64_t pages = (n + block_ - 1) / block_;
-      ASSIGN_OR_RETURN(sel.per_head,
-                       index::CapSelectedPages(
-                           sel.per_head, static_cast<int>(block_), n,
-                           std::max<int64_t>(1, static_cast<int64_t>(std::ceil(page_fraction_ * pages))),
-                           table_options_.recent_blocks));
+      const int b = static_cast<int>(block_);
+      ASSIGN_OR_RETURN(
+          sel.per_head,
+          index::CapSelectedPages(sel.per_head, b, n, index::PageBudget(page_fraction_, n, b),
+                                  table_options_.recent_blocks));
     }
     auto& head = out->heads[h];
     head.per_q_head = sel.per_head;

@@ -109,8 +109,8 @@ StatusOr<GenerateResult> DecodeLoop(const model::Model& model, int64_t n_context
     int32_t am = model::Argmax(logits.data(), vocab);
     res.argmax.push_back(am);
     if (options.keep_logits) res.logits.push_back(logits);
-    int32_t next = t < static_cast<int>(options.forced_tokens.size()) ? options.forced_tokens[t]
-                                                                      : am;
+    int32_t next =
+        t < static_cast<int>(options.forced_tokens.size()) ? options.forced_tokens[t] : am;
     res.tokens.push_back(next);
     if (t + 1 == options.max_new_tokens) break;
     auto t0 = std::chrono::steady_clock::now();
@@ -134,7 +134,8 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
       info.model().n_kv_heads() != static_cast<uint32_t>(spec.n_kv_heads) ||
       info.model().head_dim() != static_cast<uint32_t>(spec.head_dim)) {
     return FailedPreconditionError("context " + info.context_id() + " was built with model '" +
-                                   info.model_name() + "', whose shape differs from the local model");
+                                   info.model_name() +
+                                   "', whose shape differs from the local model");
   }
   const int64_t n_context = static_cast<int64_t>(info.n_tokens());
   RemoteAttention attn(spec, session.get(), n_context);
@@ -179,7 +180,7 @@ StatusOr<GenerateResult> GenerateDense(const model::Model& model, Client* client
     for (const auto& p : pages) {
       total += p.k().size() + p.v().size();  // crc-checked by Client::FetchPages
       std::vector<float> pk(size_t(p.n_tokens()) * d), pv(pk.size());
-      DType dt = p.dtype() == v1::DTYPE_F32 ? DType::kF32
+      DType dt = p.dtype() == v1::DTYPE_F32   ? DType::kF32
                  : p.dtype() == v1::DTYPE_F16 ? DType::kF16
                                               : DType::kBF16;
       ConvertToFloat(dt, p.k().data(), pk.data(), pk.size());

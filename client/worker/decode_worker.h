@@ -64,12 +64,12 @@ struct GenerateOptions {
 };
 
 struct GenerateResult {
-  std::vector<int32_t> tokens;              // generated (or forced) tokens
-  std::vector<int32_t> argmax;              // the model's argmax at each position
-  std::vector<std::vector<float>> logits;   // with keep_logits
-  std::vector<double> step_seconds;         // wall time per decoded token
-  uint64_t bytes_received = 0;              // page payload bytes over all steps
-  int64_t steps = 0;                        // token steps (prompt + generated)
+  std::vector<int32_t> tokens;             // generated (or forced) tokens
+  std::vector<int32_t> argmax;             // the model's argmax at each position
+  std::vector<std::vector<float>> logits;  // with keep_logits
+  std::vector<double> step_seconds;        // wall time per decoded token
+  uint64_t bytes_received = 0;             // page payload bytes over all steps
+  int64_t steps = 0;                       // token steps (prompt + generated)
 };
 
 // Sparse decode through a session: feeds `prompt` after the context, then

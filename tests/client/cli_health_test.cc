@@ -20,9 +20,9 @@ TEST(CliHealthTest, ServingServerExitsZero) {
   std::string out;
   EXPECT_EQ(ServerProcess::RunCapture({Cli(), "health", "--server", server.address()}, &out), 0);
   EXPECT_EQ(out, "SERVING\n");
-  EXPECT_EQ(ServerProcess::RunCapture({Cli(), "--json", "health", "--server", server.address()},
-                                      &out),
-            0);
+  EXPECT_EQ(
+      ServerProcess::RunCapture({Cli(), "--json", "health", "--server", server.address()}, &out),
+      0);
   EXPECT_NE(out.find("\"status\":\"SERVING\""), std::string::npos) << out;
 }
 

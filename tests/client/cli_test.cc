@@ -19,9 +19,9 @@ class CliTest : public ::testing::Test {
   static void SetUpTestSuite() {
     tmp_ = new TempDir();
     server_ = new ServerProcess();
-    ASSERT_TRUE(server_->Start(tmp_->path() + "/data",
-                               {"--model-dir", testing::SourceDir() + "/models",
-                                "--default-model", "ctxcache-ref"}))
+    ASSERT_TRUE(server_->Start(
+        tmp_->path() + "/data",
+        {"--model-dir", testing::SourceDir() + "/models", "--default-model", "ctxcache-ref"}))
         << server_->log();
   }
   static void TearDownTestSuite() {
@@ -149,8 +149,8 @@ TEST_F(CliTest, GenerateComparesWithDense) {
   EXPECT_LE(j["agreement"].get<double>(), 1.0);
   EXPECT_GE(j["mean_kl"].get<double>(), 0.0);
   EXPECT_GT(j["bytes_ratio_vs_dense"].get<double>(), 1.0);
-  ASSERT_EQ(Run({"generate", "--context", id, "--prompt", "hello", "--max-tokens", "4",
-                 "--method", "streaming", "--model-dir", testing::SourceDir() + "/models"},
+  ASSERT_EQ(Run({"generate", "--context", id, "--prompt", "hello", "--max-tokens", "4", "--method",
+                 "streaming", "--model-dir", testing::SourceDir() + "/models"},
                 &out),
             0)
       << out;

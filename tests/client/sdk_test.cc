@@ -55,7 +55,9 @@ TEST(SdkTest, PageCacheHitsOnRepeatedStepsAndKeepsItsBudget) {
   std::normal_distribution<float> g;
   for (auto& x : q) x = g(rng);
   {
-    client::SessionOptions so{.context_id = id, .method = "csa", .params = {{"budget", "64"}},
+    client::SessionOptions so{.context_id = id,
+                              .method = "csa",
+                              .params = {{"budget", "64"}},
                               .mode = client::SelectMode::kClient};
     auto session = client->OpenSession(so);
     ASSERT_TRUE(session.ok()) << session.status().ToString();
@@ -73,8 +75,11 @@ TEST(SdkTest, PageCacheHitsOnRepeatedStepsAndKeepsItsBudget) {
   {
     // A budget of ~3 decoded pages (16 tokens x 32 dims x 2 x 4 bytes each).
     const size_t budget = 3 * (16 * 32 * 2 * 4 + 64);
-    client::SessionOptions so{.context_id = id, .method = "csa", .params = {{"budget", "64"}},
-                              .mode = client::SelectMode::kClient, .page_cache_bytes = budget};
+    client::SessionOptions so{.context_id = id,
+                              .method = "csa",
+                              .params = {{"budget", "64"}},
+                              .mode = client::SelectMode::kClient,
+                              .page_cache_bytes = budget};
     auto session = client->OpenSession(so);
     ASSERT_TRUE(session.ok());
     client::SelectedKV out;

@@ -129,8 +129,8 @@ TEST_F(CtxcachedTest, SecondInstanceOnSameDirFailsFastNamingTheLock) {
 
 TEST(CtxcachedFlagsTest, BadFlagIsAClearError) {
   std::string out;
-  int code = ServerProcess::RunCapture(
-      {testing::BinDir() + "/ctxcached", "--high-watermark", "3"}, &out);
+  int code =
+      ServerProcess::RunCapture({testing::BinDir() + "/ctxcached", "--high-watermark", "3"}, &out);
   EXPECT_EQ(code, 2);
   EXPECT_NE(out.find("--high-watermark"), std::string::npos) << out;
 }

@@ -66,9 +66,9 @@ class ServerProcess {
     log_path_ = data_dir + ".log";
     port_file_ = data_dir + ".ports";
     std::filesystem::remove(port_file_);
-    std::vector<std::string> args = {BinDir() + "/ctxcached", "--data-dir", data_dir,
-                                     "--metrics-listen", "127.0.0.1:0", "--port-file",
-                                     port_file_};
+    std::vector<std::string> args = {
+        BinDir() + "/ctxcached", "--data-dir",  data_dir,  "--metrics-listen",
+        "127.0.0.1:0",           "--port-file", port_file_};
     if (std::find(extra.begin(), extra.end(), "--listen") == extra.end()) {
       args.insert(args.end(), {"--listen", "127.0.0.1:0"});
     }
@@ -92,7 +92,8 @@ class ServerProcess {
   // Sends `sig` and waits up to `timeout`; returns the exit code, or -1 on
   // timeout / abnormal exit.
   int Stop(int sig = SIGTERM, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
-    if (pid_ <= 0) return exit_status_ >= 0 && WIFEXITED(exit_status_) ? WEXITSTATUS(exit_status_) : -1;
+    if (pid_ <= 0)
+      return exit_status_ >= 0 && WIFEXITED(exit_status_) ? WEXITSTATUS(exit_status_) : -1;
     kill(pid_, sig);
     auto deadline = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < deadline) {
@@ -124,10 +125,10 @@ class ServerProcess {
   // Runs argv to completion with stdout+stderr captured; returns exit code.
   static int RunCapture(const std::vector<std::string>& args, std::string* output,
                         std::chrono::seconds timeout = std::chrono::seconds(60)) {
-    std::string path = (std::filesystem::temp_directory_path() /
-                        ("ctxcache-run-" + std::to_string(getpid()) + "-" +
-                         std::to_string(counter_++)))
-                           .string();
+    std::string path =
+        (std::filesystem::temp_directory_path() /
+         ("ctxcache-run-" + std::to_string(getpid()) + "-" + std::to_string(counter_++)))
+            .string();
     pid_t pid = Spawn(args, path);
     auto deadline = std::chrono::steady_clock::now() + timeout;
     int status = 0;

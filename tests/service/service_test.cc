@@ -32,7 +32,8 @@ std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab = 512) {
   std::mt19937 rng(seed);
   std::vector<int32_t> t(n);
   // Repetitive structure so attention has something to find.
-  for (int i = 0; i < n; ++i) t[i] = (i % 97 < 40) ? static_cast<int32_t>(rng() % vocab) : t[i % 40];
+  for (int i = 0; i < n; ++i)
+    t[i] = (i % 97 < 40) ? static_cast<int32_t>(rng() % vocab) : t[i % 40];
   return t;
 }
 
@@ -41,8 +42,8 @@ class ServiceTest : public ::testing::Test {
   void SetUp() override { StartServer(); }
 
   void StartServer(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--model-dir", ModelDir(), "--default-model", "llama3",
-                                     "--default-indexes", "csa,tactic,lfps,quest"};
+    std::vector<std::string> args = {"--model-dir", ModelDir(),          "--default-model",
+                                     "llama3",      "--default-indexes", "csa,tactic,lfps,quest"};
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_TRUE(server_.Start(tmp_.path() + "/data", args)) << server_.log();
     client::ClientOptions o;
@@ -145,7 +146,8 @@ TEST_F(ServiceTest, SessionMatchesLocalDecodeForEveryMethod) {
     std::vector<int32_t> local;
     std::vector<float> logits;
     int64_t pos = static_cast<int64_t>(tokens.size());
-    for (int32_t t : prompt) ASSERT_TRUE(model::DecodeStep(**model, t, pos++, providers, &logits).ok());
+    for (int32_t t : prompt)
+      ASSERT_TRUE(model::DecodeStep(**model, t, pos++, providers, &logits).ok());
     for (int i = 0; i < 12; ++i) {
       int32_t next = model::Argmax(logits.data(), spec.vocab);
       local.push_back(next);
@@ -217,7 +219,8 @@ TEST_F(ServiceTest, FetchPagesEqualsStoredKv) {
   auto* t = req.add_tables();
   t->set_layer(1);
   t->set_kv_head(1);
-  for (uint32_t b : {0u, 5u, 18u}) t->add_blocks(b);  // 18 = the partial last block (300 = 18*16+12)
+  for (uint32_t b : {0u, 5u, 18u})
+    t->add_blocks(b);  // 18 = the partial last block (300 = 18*16+12)
   std::vector<v1::Page> pages;
   ASSERT_TRUE(client_->FetchPages(req, &pages).ok());
   ASSERT_EQ(pages.size(), 3u);
@@ -226,8 +229,8 @@ TEST_F(ServiceTest, FetchPagesEqualsStoredKv) {
     std::vector<float> k(size_t(p.n_tokens()) * d), v(k.size()), want_k(k.size()), want_v(k.size());
     Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.k().data()), k.data(), k.size());
     Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.v().data()), v.data(), v.size());
-    cache.Read(1, 1, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(),
-               want_k.data(), want_v.data());
+    cache.Read(1, 1, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(), want_k.data(),
+               want_v.data());
     EXPECT_EQ(k, want_k) << "block " << p.block();
     EXPECT_EQ(v, want_v) << "block " << p.block();
   }
@@ -237,10 +240,15 @@ TEST_F(ServiceTest, FetchPagesEqualsStoredKv) {
 TEST_F(ServiceTest, WatchSeesEveryEvent) {
   std::vector<v1::ContextEvent> events;
   std::thread watcher([&] {
-    client_->Watch({}, [&](const v1::ContextEvent& ev) {
-      events.push_back(ev);
-      return events.size() < 3;
-    }, 30).IgnoreError();
+    client_
+        ->Watch(
+            {},
+            [&](const v1::ContextEvent& ev) {
+              events.push_back(ev);
+              return events.size() < 3;
+            },
+            30)
+        .IgnoreError();
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   auto done = Build(RandomTokens(200, 5));
@@ -333,8 +341,8 @@ TEST_F(ServiceTest, ExtendSharesTheParentsPages) {
   for (const auto& p : child_pages) {
     std::vector<float> k(size_t(p.n_tokens()) * 32), want(k.size());
     Bf16ToFloat(reinterpret_cast<const uint16_t*>(p.k().data()), k.data(), k.size());
-    cache.Read(1, 0, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(),
-               want.data(), nullptr);
+    cache.Read(1, 0, int64_t{p.block()} * 16, int64_t{p.block()} * 16 + p.n_tokens(), want.data(),
+               nullptr);
     for (size_t i = 0; i < k.size(); ++i) {
       ASSERT_NEAR(k[i], want[i], 0.02f * std::fabs(want[i]) + 1e-3f) << "block " << p.block();
     }
@@ -430,7 +438,7 @@ TEST_F(ServiceTest, BadInputTable) {
   EXPECT_EQ(code_of(send(step)), StatusCode::kOk);  // the session is still usable
   v1::DecodeRequest append;
   append.mutable_append()->mutable_k()->set_dtype(v1::DTYPE_F32);
-  EXPECT_EQ(code_of(send(append)), StatusCode::kInvalidArgument);  // missing shapes
+  EXPECT_EQ(code_of(send(append)), StatusCode::kInvalidArgument);   // missing shapes
   EXPECT_EQ(code_of(send(open)), StatusCode::kFailedPrecondition);  // second Open
   stream->WritesDone();
   stream->Finish();
@@ -462,7 +470,8 @@ TEST_F(ServiceTest, BadInputTable) {
 // Captures post-RoPE Q/K/V per layer: [heads][T][d] fp32.
 class CaptureSink final : public model::PrefillSink {
  public:
-  explicit CaptureSink(const model::ModelSpec& s) : spec_(s), q_(s.n_layers), k_(s.n_layers), v_(s.n_layers) {}
+  explicit CaptureSink(const model::ModelSpec& s)
+      : spec_(s), q_(s.n_layers), k_(s.n_layers), v_(s.n_layers) {}
   Status OnChunk(int layer, int64_t, int64_t n, const float* q, const float* k,
                  const float* v) override {
     auto add = [&](std::vector<std::vector<float>>* dst, const float* src, int heads) {

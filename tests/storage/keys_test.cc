@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "storage/sha256.h"
+#include "common/sha256.h"
 
 namespace ctxcache::storage {
 namespace {

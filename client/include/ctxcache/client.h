@@ -79,7 +79,7 @@ struct SelectedKV {
 struct PageCacheStats {
   uint64_t hits = 0;
   uint64_t misses = 0;
-  uint64_t bytes = 0;     // bytes held now
+  uint64_t bytes = 0;  // bytes held now
   uint64_t evictions = 0;
 };
 
@@ -125,8 +125,7 @@ class Client {
   virtual StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
       const std::string& context_id, const std::string& method) = 0;
   // Pages for the given tables, crc-checked.
-  virtual Status FetchPages(const v1::FetchPagesRequest& request,
-                            std::vector<v1::Page>* pages) = 0;
+  virtual Status FetchPages(const v1::FetchPagesRequest& request, std::vector<v1::Page>* pages) = 0;
 
   virtual StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) = 0;
 

@@ -1,4 +1,5 @@
-// SHA-256 (FIPS 180-4), used for ContextIds. Small, portable, no OpenSSL.
+// SHA-256 (FIPS 180-4), incremental. Used for ContextIds (storage/) and model
+// fingerprints (model/). Small, portable, no OpenSSL.
 //
 // Thread-safety: a Sha256 object is not thread-safe; Sha256Digest is pure.
 #pragma once
@@ -6,9 +7,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
-namespace ctxcache::storage {
+namespace ctxcache {
 
 class Sha256 {
  public:
@@ -33,4 +35,7 @@ class Sha256 {
 // One-shot digest of data[0, n).
 Sha256::Digest Sha256Digest(const void* data, size_t n);
 
-}  // namespace ctxcache::storage
+// Lower-case hex of `n` bytes.
+std::string ToHex(const uint8_t* data, size_t n);
+
+}  // namespace ctxcache

@@ -1,13 +1,14 @@
-#include "storage/sha256.h"
+#include "common/sha256.h"
 
 #include <gtest/gtest.h>
 
 #include <string>
 
-namespace ctxcache::storage {
+namespace ctxcache {
 namespace {
 
 std::string HexOf(const Sha256::Digest& d) {
+  EXPECT_EQ(ToHex(d.data(), d.size()).size(), 64u);
   static const char* k = "0123456789abcdef";
   std::string s;
   for (uint8_t b : d) {
@@ -43,4 +44,4 @@ TEST(Sha256Test, MillionAInPiecesMatchesOneShot) {
 }
 
 }  // namespace
-}  // namespace ctxcache::storage
+}  // namespace ctxcache

@@ -1,8 +1,8 @@
-#include "model/sha256.h"
+#include "common/sha256.h"
 
 #include <cstring>
 
-namespace ctxcache::model {
+namespace ctxcache {
 namespace {
 
 constexpr uint32_t kK[64] = {
@@ -23,11 +23,11 @@ Sha256::Sha256()
     : h_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
          0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
 
-void Sha256::Block(const uint8_t* p) {
+void Sha256::Compress(const uint8_t block[64]) {
   uint32_t w[64];
   for (int i = 0; i < 16; ++i) {
-    w[i] = (uint32_t{p[4 * i]} << 24) | (uint32_t{p[4 * i + 1]} << 16) |
-           (uint32_t{p[4 * i + 2]} << 8) | uint32_t{p[4 * i + 3]};
+    w[i] = (uint32_t{block[4 * i]} << 24) | (uint32_t{block[4 * i + 1]} << 16) |
+           (uint32_t{block[4 * i + 2]} << 8) | uint32_t{block[4 * i + 3]};
   }
   for (int i = 16; i < 64; ++i) {
     uint32_t s0 = Rotr(w[i - 15], 7) ^ Rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
@@ -62,8 +62,8 @@ void Sha256::Block(const uint8_t* p) {
 }
 
 void Sha256::Update(const void* data, size_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  total_ += n;
+  const auto* p = static_cast<const uint8_t*>(data);
+  total_bytes_ += n;
   if (buf_len_ > 0) {
     size_t take = std::min(n, 64 - buf_len_);
     std::memcpy(buf_ + buf_len_, p, take);
@@ -71,12 +71,12 @@ void Sha256::Update(const void* data, size_t n) {
     p += take;
     n -= take;
     if (buf_len_ == 64) {
-      Block(buf_);
+      Compress(buf_);
       buf_len_ = 0;
     }
   }
   while (n >= 64) {
-    Block(p);
+    Compress(p);
     p += 64;
     n -= 64;
   }
@@ -86,16 +86,15 @@ void Sha256::Update(const void* data, size_t n) {
   }
 }
 
-std::array<uint8_t, 32> Sha256::Final() {
-  uint64_t bits = total_ * 8;
-  uint8_t pad = 0x80;
-  Update(&pad, 1);
-  uint8_t zero = 0;
-  while (buf_len_ != 56) Update(&zero, 1);
-  uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(bits >> (56 - 8 * i));
-  Update(len, 8);
-  std::array<uint8_t, 32> out;
+Sha256::Digest Sha256::Finish() {
+  uint64_t bit_len = total_bytes_ * 8;
+  uint8_t pad[72] = {0x80};
+  size_t pad_len = (buf_len_ < 56) ? (56 - buf_len_) : (120 - buf_len_);
+  uint8_t len_be[8];
+  for (int i = 0; i < 8; ++i) len_be[i] = static_cast<uint8_t>(bit_len >> (56 - 8 * i));
+  Update(pad, pad_len);
+  Update(len_be, 8);
+  Digest out;
   for (int i = 0; i < 8; ++i) {
     out[4 * i] = static_cast<uint8_t>(h_[i] >> 24);
     out[4 * i + 1] = static_cast<uint8_t>(h_[i] >> 16);
@@ -105,21 +104,20 @@ std::array<uint8_t, 32> Sha256::Final() {
   return out;
 }
 
-std::string Sha256::HexOf(std::string_view data) {
+Sha256::Digest Sha256Digest(const void* data, size_t n) {
   Sha256 h;
-  h.Update(data);
-  auto d = h.Final();
-  return ToHex(d.data(), d.size());
+  h.Update(data, n);
+  return h.Finish();
 }
 
 std::string ToHex(const uint8_t* data, size_t n) {
-  static const char kDigits[] = "0123456789abcdef";
-  std::string s(2 * n, '0');
+  static const char* kHex = "0123456789abcdef";
+  std::string out(2 * n, '0');
   for (size_t i = 0; i < n; ++i) {
-    s[2 * i] = kDigits[data[i] >> 4];
-    s[2 * i + 1] = kDigits[data[i] & 15];
+    out[2 * i] = kHex[data[i] >> 4];
+    out[2 * i + 1] = kHex[data[i] & 15];
   }
-  return s;
+  return out;
 }
 
-}  // namespace ctxcache::model
+}  // namespace ctxcache

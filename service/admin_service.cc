@@ -537,6 +537,7 @@ grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStats
   response->set_open_sessions(ctx_->open_sessions.load());
   response->set_build_queue_depth(ctx_->build_queue.waiting());
   for (const auto& m : ctx_->models.Available()) response->add_models(m);
+  for (const auto& [cf, bytes] : st.bytes_by_cf) (*response->mutable_bytes_by_kind())[cf] = bytes;
   return rpc.Finish(grpc::Status::OK);
 }
 

@@ -145,8 +145,9 @@ Histogram* MetricsRegistry::GetHistogram(const std::string& name, const std::str
 }
 
 void MetricsRegistry::AddCallbackGauge(const std::string& name, const std::string& help,
-                                       std::function<double()> fn) {
-  Series* s = GetSeries(name, help, MetricType::kGauge, {});
+                                       std::function<double()> fn,
+                                       const std::map<std::string, std::string>& labels) {
+  Series* s = GetSeries(name, help, MetricType::kGauge, labels);
   std::lock_guard<std::mutex> lock(mu_);
   s->callback = std::move(fn);
 }

@@ -82,7 +82,8 @@ class MetricsRegistry {
 
   // A gauge computed at scrape time.
   void AddCallbackGauge(const std::string& name, const std::string& help,
-                        std::function<double()> fn);
+                        std::function<double()> fn,
+                        const std::map<std::string, std::string>& labels = {});
 
   // The whole registry in Prometheus text format.
   std::string Render() const;

@@ -153,6 +153,25 @@ class ServerImpl {
     });
     m.AddCallbackGauge("ctxcache_stored_bytes", "Bytes stored by READY contexts",
                        [this] { return static_cast<double>(ctx_.store->GetStats().stored_bytes); });
+    m.AddCallbackGauge("ctxcache_block_cache_hit_ratio",
+                       "RocksDB block cache hits / (hits + misses) since start", [this] {
+                         auto st = ctx_.store->GetStats();
+                         uint64_t total = st.block_cache_hits + st.block_cache_misses;
+                         return total ? static_cast<double>(st.block_cache_hits) / total : 0.0;
+                       });
+    m.AddCallbackGauge(
+        "ctxcache_block_cache_bytes", "Bytes held by the RocksDB block cache",
+        [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_usage_bytes); });
+    for (const char* kind : {"meta", "tokens", "pages", "index"}) {
+      m.AddCallbackGauge(
+          "ctxcache_storage_bytes", "Live SST/blob bytes by kind (RocksDB column family)",
+          [this, kind] {
+            auto st = ctx_.store->GetStats();
+            auto it = st.bytes_by_cf.find(kind);
+            return it == st.bytes_by_cf.end() ? 0.0 : static_cast<double>(it->second);
+          },
+          {{"kind", kind}});
+    }
     m.AddCallbackGauge("ctxcache_capacity_bytes", "Capacity budget in bytes (0 = unlimited)",
                        [this] { return static_cast<double>(ctx_.config.capacity_bytes); });
   }

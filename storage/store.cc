@@ -3,6 +3,7 @@
 #include <rocksdb/cache.h>
 #include <rocksdb/convenience.h>
 #include <rocksdb/filter_policy.h>
+#include <rocksdb/statistics.h>
 #include <rocksdb/table.h>
 #include <spdlog/spdlog.h>
 #include <sys/statvfs.h>
@@ -189,6 +190,8 @@ StoreCore::~StoreCore() {
 
 Status StoreCore::Open() {
   RETURN_IF_ERROR(ValidateOptions(options_));
+  statistics_ = rocksdb::CreateDBStatistics();
+  statistics_->set_stats_level(rocksdb::StatsLevel::kExceptHistogramOrTimers);
   if (options_.block_cache_bytes > 0) {
     block_cache_ = rocksdb::NewLRUCache(options_.block_cache_bytes);
   }
@@ -226,6 +229,7 @@ Status StoreCore::OpenDb(bool read_only) {
   dbo.keep_log_file_num = 3;
   dbo.info_log_level = rocksdb::WARN_LEVEL;
   dbo.max_open_files = -1;
+  dbo.statistics = statistics_;
   if (options_.env != nullptr) dbo.env = options_.env;
 
   // Open every existing column family (a newer format may have added some),
@@ -1112,11 +1116,17 @@ StoreStats StoreCore::GetStats() const {
   s.capacity_bytes = options_.eviction.capacity_bytes;
   auto l = LockDb();
   for (int c = 0; c < kNumCfs; ++c) {
-    uint64_t v = 0;
-    if (db_->GetIntProperty(cf(c), "rocksdb.live-sst-files-size", &v)) s.live_sst_bytes += v;
-    if (db_->GetIntProperty(cf(c), "rocksdb.live-blob-file-size", &v)) s.live_sst_bytes += v;
+    uint64_t v = 0, cf_bytes = 0;
+    if (db_->GetIntProperty(cf(c), "rocksdb.live-sst-files-size", &v)) cf_bytes += v;
+    if (db_->GetIntProperty(cf(c), "rocksdb.live-blob-file-size", &v)) cf_bytes += v;
+    s.live_sst_bytes += cf_bytes;
+    s.bytes_by_cf[kCfNames[c]] = cf_bytes;
   }
   if (block_cache_) s.block_cache_usage_bytes = block_cache_->GetUsage();
+  if (statistics_) {
+    s.block_cache_hits = statistics_->getTickerCount(rocksdb::BLOCK_CACHE_HIT);
+    s.block_cache_misses = statistics_->getTickerCount(rocksdb::BLOCK_CACHE_MISS);
+  }
   s.gc_contexts_at_open = gc_contexts_at_open_;
   s.orphan_prefixes_at_open = orphan_prefixes_at_open_;
   return s;

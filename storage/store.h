@@ -196,6 +196,10 @@ struct StoreStats {
   uint64_t capacity_bytes = 0;           // 0 = unlimited
   uint64_t live_sst_bytes = 0;           // RocksDB's view of live SST + blob files
   uint64_t block_cache_usage_bytes = 0;  // bytes held by the block cache
+  uint64_t block_cache_hits = 0;         // since open (RocksDB ticker BLOCK_CACHE_HIT)
+  uint64_t block_cache_misses = 0;       // since open (BLOCK_CACHE_MISS)
+  // Live SST + blob bytes per column family: "meta", "tokens", "pages", "index".
+  std::map<std::string, uint64_t> bytes_by_cf;
   uint64_t gc_contexts_at_open = 0;      // BUILDING contexts removed by Open
   uint64_t orphan_prefixes_at_open = 0;  // key ranges with no manifest at all, removed by Open
 };

@@ -143,6 +143,7 @@ class StoreCore {
   std::string path_;
   Clock* clock_;
   std::shared_ptr<rocksdb::Cache> block_cache_;
+  std::shared_ptr<rocksdb::Statistics> statistics_;  // block cache hit/miss tickers
   std::shared_ptr<rocksdb::Cache> blob_cache_;
   std::unique_ptr<rocksdb::DB> db_;
   rocksdb::Options page_sst_options_;

@@ -595,6 +595,40 @@ TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
   EXPECT_EQ(k, want);
 }
 
+TEST_F(ServiceTest, FullQueueIsResourceExhaustedAndCancelCleansUp) {
+  server_.Kill();
+  StartServer({"--max-concurrent-builds", "1", "--build-queue-size", "0"});
+  auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  auto admin = v1::ContextAdmin::NewStub(ch);
+  v1::BuildContextRequest big;
+  for (int32_t t : RandomTokens(30000, 13)) big.mutable_tokens()->add_ids(t);
+  grpc::ClientContext long_ctx;
+  auto long_build = admin->BuildContext(&long_ctx, big);
+  v1::BuildProgress p;
+  ASSERT_TRUE(long_build->Read(&p));  // the first build is running
+  // No queue: a second build is refused at once, with a retry hint.
+  auto second = Build(RandomTokens(50, 14));
+  EXPECT_EQ(second.status().code(), StatusCode::kResourceExhausted) << second.status().ToString();
+  EXPECT_NE(second.status().message().find("retry"), std::string_view::npos);
+  // Cancelling the running build aborts it and stores nothing.
+  long_ctx.TryCancel();
+  while (long_build->Read(&p)) {
+  }
+  EXPECT_EQ(long_build->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->n_contexts(), 0u);
+  // The slot is free again and nothing BUILDING lingers: a build succeeds.
+  StatusOr<v1::BuildProgress> third = UnavailableError("not run");
+  for (int i = 0; i < 50; ++i) {
+    third = Build(RandomTokens(50, 14));
+    if (third.status().code() != StatusCode::kResourceExhausted) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(third.ok()) << third.status().ToString();
+  EXPECT_EQ(client_->GetStats()->n_contexts(), 1u);
+}
+
 TEST_F(ServiceTest, CorruptPagesAreDetectedByTheClient) {
   server_.Kill();
   StartServer({"--fault-corrupt-pages-for-testing"});

@@ -7,7 +7,10 @@ set(CTXCACHE_WARNINGS -Wall -Wextra -Werror)
 function(ctxcache_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} STATIC ${ARG_SOURCES})
-  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR})
+  # Internal headers are included by repo path ("storage/page_codec.h");
+  # installed ones live under include/ctxcache/internal with the same paths.
+  target_include_directories(${name} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+                                            $<INSTALL_INTERFACE:include/ctxcache/internal>)
   target_compile_options(${name} PRIVATE ${CTXCACHE_WARNINGS})
   target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
 endfunction()

@@ -71,7 +71,12 @@ TEST_P(DecodeTest, FullDecodeMatchesPrefillAndHf) {
       Status st = DecodeStep(*model_, ids_[p], p, {&full}, &logits);
       ASSERT_TRUE(st.ok()) << st.ToString();
       const double vs_prefill = MaxAbsDiff(logits.data(), ref.logits.data() + p * s.vocab, s.vocab);
-      EXPECT_LE(vs_prefill, dt == DType::kF32 ? 1e-4 : 2e-3) << "pos " << p;
+      // fp32 cache: the same math, so tight. bf16 cache: decode reads the
+      // earlier tokens' K/V rounded to bf16 (relative error up to 2^-9) while
+      // the single-chunk prefill attends to them unrounded; the logit gap
+      // depends on the compiler's FMA/vectorisation choices (0.004 seen in the
+      // RelWithDebInfo+ASan build for smollm), so the bound is 1e-2.
+      EXPECT_LE(vs_prefill, dt == DType::kF32 ? 1e-4 : 1e-2) << "pos " << p;
       if (dt == DType::kF32) {
         EXPECT_LE(MaxAbsDiff(logits.data(), GoldenAt(p), s.vocab), 1e-3) << "pos " << p;
       }

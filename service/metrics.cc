@@ -152,6 +152,13 @@ void MetricsRegistry::AddCallbackGauge(const std::string& name, const std::strin
   s->callback = std::move(fn);
 }
 
+void MetricsRegistry::AddCallbackCounter(const std::string& name, const std::string& help,
+                                         std::function<double()> fn) {
+  Series* s = GetSeries(name, help, MetricType::kCounter, {});
+  std::lock_guard<std::mutex> lock(mu_);
+  s->callback = std::move(fn);
+}
+
 std::string MetricsRegistry::Render() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::string out;

@@ -84,6 +84,9 @@ class MetricsRegistry {
   void AddCallbackGauge(const std::string& name, const std::string& help,
                         std::function<double()> fn,
                         const std::map<std::string, std::string>& labels = {});
+  // A counter whose (monotonic) value is read at scrape time.
+  void AddCallbackCounter(const std::string& name, const std::string& help,
+                          std::function<double()> fn);
 
   // The whole registry in Prometheus text format.
   std::string Render() const;

@@ -153,6 +153,9 @@ class ServerImpl {
     });
     m.AddCallbackGauge("ctxcache_stored_bytes", "Bytes stored by READY contexts",
                        [this] { return static_cast<double>(ctx_.store->GetStats().stored_bytes); });
+    m.AddCallbackCounter(
+        "ctxcache_policy_evictions_total", "Contexts evicted by TTL or the capacity watermarks",
+        [this] { return static_cast<double>(ctx_.store->GetStats().policy_evictions); });
     m.AddCallbackGauge("ctxcache_block_cache_hit_ratio",
                        "RocksDB block cache hits / (hits + misses) since start", [this] {
                          auto st = ctx_.store->GetStats();

@@ -1071,6 +1071,7 @@ StatusOr<EvictionReport> StoreCore::RunEvictionPass() {
       }
     }
   }
+  policy_evictions_ += report.deleted.size() + report.deferred.size();
   if (!report.deleted.empty()) {
     for (const auto& id : report.deleted) {
       spdlog::info("storage: evicting context {}", Hex(id));
@@ -1123,6 +1124,7 @@ StoreStats StoreCore::GetStats() const {
     s.bytes_by_cf[kCfNames[c]] = cf_bytes;
   }
   if (block_cache_) s.block_cache_usage_bytes = block_cache_->GetUsage();
+  s.policy_evictions = policy_evictions_.load();
   if (statistics_) {
     s.block_cache_hits = statistics_->getTickerCount(rocksdb::BLOCK_CACHE_HIT);
     s.block_cache_misses = statistics_->getTickerCount(rocksdb::BLOCK_CACHE_MISS);

@@ -196,6 +196,7 @@ struct StoreStats {
   uint64_t capacity_bytes = 0;           // 0 = unlimited
   uint64_t live_sst_bytes = 0;           // RocksDB's view of live SST + blob files
   uint64_t block_cache_usage_bytes = 0;  // bytes held by the block cache
+  uint64_t policy_evictions = 0;         // contexts evicted by TTL/capacity since open
   uint64_t block_cache_hits = 0;         // since open (RocksDB ticker BLOCK_CACHE_HIT)
   uint64_t block_cache_misses = 0;       // since open (BLOCK_CACHE_MISS)
   // Live SST + blob bytes per column family: "meta", "tokens", "pages", "index".

@@ -144,6 +144,7 @@ class StoreCore {
   Clock* clock_;
   std::shared_ptr<rocksdb::Cache> block_cache_;
   std::shared_ptr<rocksdb::Statistics> statistics_;  // block cache hit/miss tickers
+  std::atomic<uint64_t> policy_evictions_{0};        // TTL/capacity victims since open
   std::shared_ptr<rocksdb::Cache> blob_cache_;
   std::unique_ptr<rocksdb::DB> db_;
   rocksdb::Options page_sst_options_;

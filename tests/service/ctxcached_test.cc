@@ -102,6 +102,7 @@ TEST_F(CtxcachedTest, MetricsEndpointServesBuildInfo) {
   EXPECT_NE(resp.find("ctxcache_uptime_seconds"), std::string::npos) << resp;
   EXPECT_NE(resp.find("ctxcache_storage_bytes{kind=\"pages\"}"), std::string::npos) << resp;
   EXPECT_NE(resp.find("ctxcache_block_cache_hit_ratio"), std::string::npos) << resp;
+  EXPECT_NE(resp.find("# TYPE ctxcache_policy_evictions_total counter"), std::string::npos) << resp;
   EXPECT_NE(HttpGet(server_.metrics_port(), "/nope").find("404"), std::string::npos);
 }
 

@@ -160,6 +160,14 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
           "'; expected rho, budget, page_fraction, subgroup or recent_blocks");
     }
   }
+  // Default page budget: the token budget's fraction of the pages (rho), so a
+  // 5% session fetches ~5% of the KV. Token-level selections unioned over a
+  // group touch most 16-token pages otherwise (docs/benchmarks.md). An
+  // explicit `budget` (tokens) or page_fraction=1 keeps token-level paging.
+  if (params.find("page_fraction") == params.end() && s->budget_ == 0) {
+    s->page_fraction_ = s->rho_;
+  }
+  if (s->page_fraction_ >= 1.0) s->page_fraction_ = 0;
   const size_t n_heads = size_t{s->n_layers_} * s->n_kv_;
   s->selectors_.resize(n_heads);
   s->app_k_.resize(n_heads);

@@ -39,7 +39,8 @@ class DecodeSession {
   // budget as a fraction of the context, default 0.05) or "budget" (tokens
   // per q head), "subgroup" (q heads per page table, default 4),
   // "recent_blocks" (default 1), "page_fraction" (cap on the pages fetched
-  // per kv head, as a fraction of the pages; default: no cap).
+  // per kv head, as a fraction of the pages; default: rho, or no cap when
+  // "budget" is given; 1 = no cap).
   ~DecodeSession();
   static StatusOr<std::unique_ptr<DecodeSession>> Open(
       std::unique_ptr<storage::ContextReader> reader, const std::string& method,

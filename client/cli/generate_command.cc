@@ -41,8 +41,9 @@ void GenerateCommand::Configure(CLI::App* sub) {
   sub->add_option("--max-tokens", max_tokens_, "Tokens to generate")->capture_default_str();
   sub->add_option("--rho", rho_, "Token budget as a fraction of the context")
       ->capture_default_str();
-  sub->add_option("--page-fraction", page_fraction_,
-                  "Cap the pages fetched per step at this fraction of the pages (0 = no cap)");
+  sub->add_option(
+      "--page-fraction", page_fraction_,
+      "Cap on the pages fetched per step, as a fraction of the pages (default: --rho; 1 = no cap)");
   sub->add_option("--mode", mode_, "server (server-side selection) or client")
       ->check(CLI::IsMember({"server", "client"}))
       ->capture_default_str();

@@ -457,6 +457,11 @@ Status SessionImpl::Open() {
       if (k == "recent_blocks") table_options_.recent_blocks = std::stoi(v);
       if (k == "page_fraction") page_fraction_ = std::stod(v);
     }
+    // Same default page budget as the server (service/decode_session.h).
+    if (options_.params.find("page_fraction") == options_.params.end() && budget_ == 0) {
+      page_fraction_ = rho_;
+    }
+    if (page_fraction_ >= 1.0) page_fraction_ = 0;
     table_options_.page_size = static_cast<int>(block_);
     ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
     selectors_.resize(size_t{n_layers_} * n_kv_);

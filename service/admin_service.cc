@@ -239,7 +239,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   if (header.tokens().ids_size() == 0) return rpc.Finish(Invalid("header.tokens is empty"));
   auto idx = IndexRequests(header.indexes(), ctx_->config.default_indexes);
   if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-  auto kv_dtype = storage::FromProtoDType(spec.kv_dtype());
+  auto kv_dtype = FromProtoDType(spec.kv_dtype());
   if (!kv_dtype.ok()) return rpc.Finish(ToGrpc(kv_dtype.status()));
 
   const int L = static_cast<int>(spec.n_layers()), NKV = static_cast<int>(spec.n_kv_heads()),

@@ -344,7 +344,7 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
       p->set_kv_head(t.kv_head());
       p->set_block(batch.blocks[i]);
       p->set_n_tokens(batch.n_tokens[i]);
-      p->set_dtype(storage::ToProtoDType(batch.dtype));
+      p->set_dtype(ToProtoDType(batch.dtype));
       p->set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
       p->set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);
       p->set_crc32c(crc32c::Value(p->k(), p->v()));

@@ -7,6 +7,7 @@
 
 #include "common/crc32c.h"
 #include "common/dtype.h"
+#include "proto/dtype_convert.h"
 #include "service/index_artifacts.h"
 
 namespace ctxcache::service {
@@ -27,21 +28,9 @@ Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, con
     for (int i = 0; i < t.shape_size(); ++i) got += (i ? ", " : "") + std::to_string(t.shape(i));
     return InvalidArgumentError(std::string(what) + ": shape " + got + ", expected " + want);
   }
-  DType dt;
-  switch (t.dtype()) {
-    case v1::DTYPE_F32:
-      dt = DType::kF32;
-      break;
-    case v1::DTYPE_F16:
-      dt = DType::kF16;
-      break;
-    case v1::DTYPE_BF16:
-      dt = DType::kBF16;
-      break;
-    default:
-      return InvalidArgumentError(std::string(what) +
-                                  ": dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16");
-  }
+  auto dtype = FromProtoDType(t.dtype());
+  if (!dtype.ok()) return dtype.status().WithContext(what);
+  const DType dt = *dtype;
   if (t.data().size() != static_cast<size_t>(n) * DTypeSize(dt)) {
     return InvalidArgumentError(std::string(what) + ": " + std::to_string(t.data().size()) +
                                 " data bytes, expected " + std::to_string(n * DTypeSize(dt)) +
@@ -332,9 +321,7 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
         page.set_kv_head(h);
         page.set_block(batch.blocks[i]);
         page.set_n_tokens(batch.n_tokens[i]);
-        page.set_dtype(batch.dtype == DType::kBF16  ? v1::DTYPE_BF16
-                       : batch.dtype == DType::kF16 ? v1::DTYPE_F16
-                                                    : v1::DTYPE_F32);
+        page.set_dtype(ToProtoDType(batch.dtype));
         const size_t bytes = size_t{batch.n_tokens[i]} * d_ * elem;
         page.set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
         page.set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);

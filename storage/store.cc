@@ -128,32 +128,6 @@ Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   return InternalError(msg);
 }
 
-StatusOr<DType> FromProtoDType(v1::DType dtype) {
-  switch (dtype) {
-    case v1::DTYPE_F32:
-      return DType::kF32;
-    case v1::DTYPE_F16:
-      return DType::kF16;
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    default:
-      return InvalidArgumentError("kv_dtype: expected DTYPE_F32|DTYPE_F16|DTYPE_BF16, got " +
-                                  std::to_string(static_cast<int>(dtype)));
-  }
-}
-
-v1::DType ToProtoDType(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return v1::DTYPE_F32;
-    case DType::kF16:
-      return v1::DTYPE_F16;
-    case DType::kBF16:
-      return v1::DTYPE_BF16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
 // ---- Lease ----------------------------------------------------------------
 
 Lease::~Lease() { Release(); }

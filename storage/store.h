@@ -38,6 +38,7 @@
 
 #include "common/status.h"
 #include "ctxcache/v1/storage.pb.h"
+#include "proto/dtype_convert.h"
 #include "storage/clock.h"
 #include "storage/eviction_policy.h"
 #include "storage/keys.h"
@@ -256,9 +257,5 @@ class Store {
   explicit Store(std::unique_ptr<StoreCore> core);
   std::unique_ptr<StoreCore> core_;
 };
-
-// DType <-> proto enum.
-StatusOr<DType> FromProtoDType(v1::DType dtype);
-v1::DType ToProtoDType(DType dtype);
 
 }  // namespace ctxcache::storage

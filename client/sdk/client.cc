@@ -15,6 +15,7 @@
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "index/page_table.h"
 #include "index/selector.h"
+#include "proto/dtype_convert.h"
 
 namespace ctxcache::client {
 
@@ -31,16 +32,9 @@ std::chrono::system_clock::time_point Deadline(double seconds) {
 }
 
 StatusOr<DType> PageDType(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_F32:
-      return DType::kF32;
-    case v1::DTYPE_F16:
-      return DType::kF16;
-    case v1::DTYPE_BF16:
-      return DType::kBF16;
-    default:
-      return DataLossError("page with unknown dtype");
-  }
+  auto dt = FromProtoDType(d);
+  if (!dt.ok()) return DataLossError("page " + std::string(dt.status().message()));
+  return *dt;
 }
 
 Status CheckPage(const v1::Page& p, uint32_t head_dim) {

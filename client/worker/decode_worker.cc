@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common/dtype.h"
+#include "proto/dtype_convert.h"
 
 namespace ctxcache::client {
 
@@ -180,9 +181,7 @@ StatusOr<GenerateResult> GenerateDense(const model::Model& model, Client* client
     for (const auto& p : pages) {
       total += p.k().size() + p.v().size();  // crc-checked by Client::FetchPages
       std::vector<float> pk(size_t(p.n_tokens()) * d), pv(pk.size());
-      DType dt = p.dtype() == v1::DTYPE_F32   ? DType::kF32
-                 : p.dtype() == v1::DTYPE_F16 ? DType::kF16
-                                              : DType::kBF16;
+      ASSIGN_OR_RETURN(DType dt, FromProtoDType(p.dtype()));
       ConvertToFloat(dt, p.k().data(), pk.data(), pk.size());
       ConvertToFloat(dt, p.v().data(), pv.data(), pv.size());
       for (uint32_t t = 0; t < p.n_tokens(); ++t) {

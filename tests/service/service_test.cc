@@ -629,6 +629,40 @@ TEST_F(ServiceTest, FullQueueIsResourceExhaustedAndCancelCleansUp) {
   EXPECT_EQ(client_->GetStats()->n_contexts(), 1u);
 }
 
+// By default a session fetches at most rho of the pages (plus page 0 and the
+// recent pages); page_fraction=1 restores token-level paging.
+TEST_F(ServiceTest, SessionsCapPagesAtRhoByDefault) {
+  auto done = Build(RandomTokens(1600, 15));  // 100 pages
+  ASSERT_TRUE(done.ok());
+  std::vector<float> q(4 * 32);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g;
+  for (auto& x : q) x = g(rng);
+  auto pages_of = [&](std::map<std::string, std::string> params, client::SelectMode mode) {
+    client::SessionOptions so;
+    so.context_id = done->context().context_id();
+    so.method = "oracle";
+    so.params = params;
+    so.mode = mode;
+    auto session = client_->OpenSession(so);
+    EXPECT_TRUE(session.ok()) << session.status().ToString();
+    client::SelectedKV sel;
+    EXPECT_TRUE((*session)->Step(0, q.data(), &sel).ok());
+    size_t max_pages = 0;
+    for (const auto& h : sel.heads) {
+      std::set<int32_t> pages;
+      for (int32_t id : h.ids) pages.insert(id / 16);
+      max_pages = std::max(max_pages, pages.size());
+    }
+    return max_pages;
+  };
+  for (auto mode : {client::SelectMode::kServer, client::SelectMode::kClient}) {
+    // rho 0.1 of 100 pages = 10, plus page 0 and the last 2 (recent).
+    EXPECT_LE(pages_of({{"rho", "0.1"}}, mode), 13u);
+    EXPECT_GT(pages_of({{"rho", "0.1"}, {"page_fraction", "1"}}, mode), 13u);
+  }
+}
+
 TEST_F(ServiceTest, CorruptPagesAreDetectedByTheClient) {
   server_.Kill();
   StartServer({"--fault-corrupt-pages-for-testing"});

@@ -296,16 +296,19 @@ Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
   return Status::OK();
 }
 
-void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected, WorkStats* stats) {
+void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
+                            std::vector<float>* logits, WorkStats* stats) {
   const int m = options_.m, C = options_.C, ds = sub_dim();
   const int64_t n = n_tokens_;
   if (static_cast<int64_t>(acc_.size()) != n) acc_.assign(n, 0.0f);
   centroid_sims_.resize(C);
   int64_t lists = 0;
+  float norm_sum = 0;
   for (int b = 0; b < m; ++b) {
     const float* qb = q + b * ds;
     Eigen::Map<const Eigen::VectorXf> qv(qb, ds);
     const float norm = qv.norm();
+    norm_sum += norm;
     if (!(norm > 0)) continue;  // a zero sub-query carries no signal
     // CSAttention §3.3 (1): nearest centroid by cosine (centroids are unit).
     Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
@@ -352,6 +355,14 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected, Work
   for (int64_t i = 0; i < n_sinks; ++i) forced.push_back(static_cast<int32_t>(i));
   for (int64_t i = recent_start; i < n; ++i) forced.push_back(static_cast<int32_t>(i));
   const int64_t k = BudgetFor(budget_, options_.rho, n);
+  // Logit estimates for the page cap: acc approximates q.k with norm/proj
+  // weights; with uniform weights it lacks the sub-query norms, so scale by
+  // their mean. Forced tokens keep their accumulated estimate.
+  const float to_logit = (options_.norm_weights || options_.proj_weights ? 1.0f : norm_sum / m) /
+                         std::sqrt(static_cast<float>(d_));
+  std::vector<float>& forced_acc = forced_acc_;
+  forced_acc.clear();
+  for (int32_t i : forced) forced_acc.push_back(acc_[i]);
   if (k > static_cast<int64_t>(forced.size())) {
     for (int32_t i : forced) acc_[i] = -std::numeric_limits<float>::infinity();
     SelectTopK(acc_.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
@@ -361,6 +372,16 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected, Work
     std::merge(forced.begin(), forced.end(), topk_ids_.begin(), topk_ids_.end(),
                std::back_inserter(merged));
     *selected = std::move(merged);
+  }
+  if (logits) {
+    logits->clear();
+    size_t f = 0;
+    const int64_t n_forced_head = n_sinks;
+    for (int32_t id : *selected) {
+      const bool is_forced = id < n_forced_head || id >= recent_start;
+      float a = is_forced ? forced_acc[f++] : acc_[id];
+      logits->push_back(a * to_logit);
+    }
   }
   std::fill(acc_.begin(), acc_.end(), 0.0f);
   if (stats) {
@@ -378,6 +399,7 @@ Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* sta
                      steps_since_search_ < options_.period &&
                      static_cast<int>(last_per_head_.size()) == in.n_queries;
   if (reuse) {
+    out->per_head_logits.clear();  // no estimates for a reused selection
     // Keep the last search's selection; add the tokens appended since.
     out->per_head = last_per_head_;
     for (auto& h : out->per_head) {
@@ -388,8 +410,10 @@ Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* sta
   } else {
     budget_ = in.budget;
     out->per_head.resize(in.n_queries);
+    out->per_head_logits.resize(in.n_queries);
     for (int h = 0; h < in.n_queries; ++h) {
-      SearchOne(in.queries + static_cast<int64_t>(h) * d_, &out->per_head[h], stats);
+      SearchOne(in.queries + static_cast<int64_t>(h) * d_, &out->per_head[h],
+                &out->per_head_logits[h], stats);
     }
     if (options_.period > 1) {
       last_per_head_ = out->per_head;

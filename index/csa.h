@@ -161,7 +161,8 @@ class CsaSelector final : public Selector {
   CsaSelector() = default;
   int64_t ListOffset(int b, int j) const { return (static_cast<int64_t>(b) * options_.C + j) * L_; }
   void BuildHeap(int64_t list);
-  void SearchOne(const float* q, std::vector<int32_t>* selected, WorkStats* stats);
+  void SearchOne(const float* q, std::vector<int32_t>* selected, std::vector<float>* logits,
+                 WorkStats* stats);
   Status ReadTables(std::string_view bytes);
 
   CsaOptions options_;
@@ -177,6 +178,7 @@ class CsaSelector final : public Selector {
 
   // Per-session state and scratch (not serialized).
   std::vector<float> acc_;            // dense accumulator, n_tokens_
+  std::vector<float> forced_acc_;     // scratch: acc of the forced tokens
   std::vector<float> centroid_sims_;  // C
   std::vector<int> order_scratch_;    // C (backoff ranking)
   std::vector<int32_t> topk_ids_;

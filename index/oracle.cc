@@ -95,10 +95,15 @@ class OracleSelector final : public Selector {
     const int64_t k = BudgetFor(in.budget, rho_, n_);
     scores_.resize(n_);
     out->per_head.resize(in.n_queries);
+    out->per_head_logits.resize(in.n_queries);
     for (int h = 0; h < in.n_queries; ++h) {
       RETURN_IF_ERROR(ScoreAllKeys(*in.keys, in.queries + static_cast<int64_t>(h) * d_, n_,
                                    scores_.data(), &gather_));
       SelectTopK(scores_.data(), n_, k, TopKOrder::kById, &out->per_head[h], &topk_);
+      const float inv = 1.0f / std::sqrt(static_cast<float>(d_));
+      auto& lg = out->per_head_logits[h];
+      lg.clear();
+      for (int32_t id : out->per_head[h]) lg.push_back(scores_[id] * inv);
     }
     MergeHeads(out);
     out->estimated_mass = -1.0;

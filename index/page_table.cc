@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace ctxcache::index {
@@ -101,7 +102,7 @@ int64_t PageBudget(double fraction, int64_t n_tokens, int page_size) {
 
 StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
     const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
-    int64_t max_pages, int recent_blocks) {
+    int64_t max_pages, int recent_blocks, const std::vector<std::vector<float>>* logits) {
   if (max_pages < 1) return InvalidArgumentError("page cap: max_pages must be >= 1");
   if (page_size < 1) return InvalidArgumentError("page cap: page_size must be >= 1");
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
@@ -111,6 +112,29 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
       if (id >= 0 && id < n_tokens) count[id / page_size]++;
     }
   }
+  // With logit estimates for every head: rank by the estimated softmax mass
+  // (over each head's selection) that falls in the page, summed over heads.
+  bool use_mass = logits != nullptr && logits->size() == per_q_head.size();
+  for (size_t h = 0; use_mass && h < per_q_head.size(); ++h) {
+    use_mass = (*logits)[h].size() == per_q_head[h].size();
+  }
+  std::vector<double> mass;
+  if (use_mass) {
+    mass.assign(static_cast<size_t>(n_pages), 0.0);
+    for (size_t h = 0; h < per_q_head.size(); ++h) {
+      const auto& lg = (*logits)[h];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (float x : lg) mx = std::max(mx, x);
+      double z = 0;
+      for (float x : lg) z += std::exp(static_cast<double>(x - mx));
+      if (!(z > 0)) continue;
+      for (size_t i = 0; i < lg.size(); ++i) {
+        const int32_t id = per_q_head[h][i];
+        if (id >= 0 && id < n_tokens)
+          mass[id / page_size] += std::exp(static_cast<double>(lg[i] - mx)) / z;
+      }
+    }
+  }
   std::vector<char> keep(static_cast<size_t>(n_pages), 0);
   if (n_pages > 0) keep[0] = 1;
   for (int64_t p = std::max<int64_t>(0, n_pages - 1 - recent_blocks); p < n_pages; ++p) keep[p] = 1;
@@ -118,9 +142,14 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
   for (int64_t p = 0; p < n_pages; ++p) {
     if (!keep[p] && count[p] > 0) order.push_back(p);
   }
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return count[a] != count[b] ? count[a] > count[b] : a > b;
-  });
+  if (use_mass) {
+    std::sort(order.begin(), order.end(),
+              [&](int64_t a, int64_t b) { return mass[a] != mass[b] ? mass[a] > mass[b] : a > b; });
+  } else {
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return count[a] != count[b] ? count[a] > count[b] : a > b;
+    });
+  }
   for (size_t i = 0; i < order.size() && static_cast<int64_t>(i) < max_pages; ++i) {
     keep[order[i]] = 1;
   }
@@ -128,6 +157,31 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
   for (size_t h = 0; h < per_q_head.size(); ++h) {
     for (int32_t id : per_q_head[h]) {
       if (id >= 0 && id < n_tokens && keep[id / page_size]) out[h].push_back(id);
+    }
+  }
+  return out;
+}
+
+StatusOr<std::vector<std::vector<int32_t>>> ExpandToTablePages(const std::vector<PageTable>& tables,
+                                                               int group_size, int page_size,
+                                                               int64_t n_tokens) {
+  if (page_size < 1) return InvalidArgumentError("page_table: page_size must be >= 1");
+  std::vector<std::vector<int32_t>> out(static_cast<size_t>(std::max(group_size, 0)));
+  std::vector<int32_t> tokens;
+  for (const PageTable& t : tables) {
+    tokens.clear();
+    for (int32_t p : t.pages) {
+      const int64_t end = std::min<int64_t>(n_tokens, (int64_t{p} + 1) * page_size);
+      for (int64_t id = int64_t{p} * page_size; id < end; ++id) {
+        tokens.push_back(static_cast<int32_t>(id));
+      }
+    }
+    for (int32_t h : t.q_heads) {
+      if (h < 0 || h >= group_size) {
+        return InvalidArgumentError("page_table: table names q head " + std::to_string(h) +
+                                    ", expected in [0, " + std::to_string(group_size) + ")");
+      }
+      out[static_cast<size_t>(h)] = tokens;
     }
   }
   return out;

@@ -26,15 +26,15 @@ namespace ctxcache::index {
 
 // Prefill data for one (layer, kv head). Row-major fp32, post-RoPE.
 struct HeadPrefill {
-  int64_t n_tokens = 0;            // N: number of keys
-  int head_dim = 0;                // d
-  int group_size = 0;              // G: q heads sharing this kv head
-  const float* keys = nullptr;     // N * d
-  const float* values = nullptr;   // N * d; may be null for methods that ignore V
-  int64_t n_queries = 0;           // query rows per q head (<= N; may be a subsample)
+  int64_t n_tokens = 0;                      // N: number of keys
+  int head_dim = 0;                          // d
+  int group_size = 0;                        // G: q heads sharing this kv head
+  const float* keys = nullptr;               // N * d
+  const float* values = nullptr;             // N * d; may be null for methods that ignore V
+  int64_t n_queries = 0;                     // query rows per q head (<= N; may be a subsample)
   const int64_t* query_positions = nullptr;  // n_queries token positions, ascending;
                                              // null means the last n_queries positions
-  const float* queries = nullptr;  // G * n_queries * d, laid out [q_head][row][d]
+  const float* queries = nullptr;            // G * n_queries * d, laid out [q_head][row][d]
 };
 
 // Access to the keys (and values) of the tokens a Selector covers, for
@@ -72,10 +72,10 @@ using MethodParams = std::map<std::string, std::string>;
 StatusOr<MethodParams> ParseParams(std::string_view text);
 
 struct SelectInput {
-  const float* queries = nullptr;  // n_queries * d: the q heads of this kv head's group
-  int n_queries = 0;               // normally G
-  int64_t budget = 0;              // tokens per q head; 0 = the method's default (rho * N)
-  const KeySource* keys = nullptr; // required by oracle/tactic/lfps; may be null otherwise
+  const float* queries = nullptr;   // n_queries * d: the q heads of this kv head's group
+  int n_queries = 0;                // normally G
+  int64_t budget = 0;               // tokens per q head; 0 = the method's default (rho * N)
+  const KeySource* keys = nullptr;  // required by oracle/tactic/lfps; may be null otherwise
 };
 
 struct Selection {
@@ -85,6 +85,10 @@ struct Selection {
   std::vector<int32_t> merged;
   // Tactic: the estimated attention mass reached (per head average); -1 if n/a.
   double estimated_mass = -1.0;
+  // Optional, parallel to per_head: the method's estimate of each selected
+  // token's attention logit (q.k / sqrt(d) scale); empty when the method has
+  // none. The page cap ranks pages by the softmax mass of these estimates.
+  std::vector<std::vector<float>> per_head_logits;
 };
 
 // Work done by one call, for benchmarks and metrics.

@@ -275,10 +275,27 @@ Status DecodeStep(const Model& model, int32_t token, int64_t pos,
     return ap->Attend(layer, p, q, k, v, out);
   };
   for (int l = 0; l < s.n_layers; ++l) {
+    AttentionProvider* ap = providers.size() == 1 ? providers[0] : providers[l];
+    if (ap != nullptr) RETURN_IF_ERROR(ap->OnLayerInput(l, pos, x.data()));
     RETURN_IF_ERROR(internal::LayerForward(model, l, pos, 1, x.data(), &ws, attention));
   }
   logits->resize(s.vocab);
   internal::Logits(model, x.data(), {0}, logits->data());
+  return Status::OK();
+}
+
+Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q) {
+  const ModelSpec& s = model.spec();
+  if (layer < 0 || layer >= s.n_layers) {
+    return InvalidArgumentError("LayerQueries: layer " + std::to_string(layer) + " out of range");
+  }
+  const LayerWeights& w = model.layer(layer);
+  const int64_t qd = int64_t{s.n_q_heads} * s.head_dim;
+  std::vector<float> norm(s.hidden);
+  internal::RmsNorm(hidden, 1, s.hidden, w.attn_norm.data(), s.rms_norm_eps, norm.data());
+  internal::Linear(model.pool(), norm.data(), 1, s.hidden, w.wq.data(), qd,
+                   w.bq.empty() ? nullptr : w.bq.data(), q);
+  internal::ApplyRope(model.inv_freq(), pos, 1, s.n_q_heads, s.head_dim, qd, q);
   return Status::OK();
 }
 

@@ -34,6 +34,17 @@ class AttentionProvider {
   // itself and to later steps. Writes out [n_q_heads][d].
   virtual Status Attend(int layer, int64_t pos, const float* q, const float* k, const float* v,
                         float* out) = 0;
+  // Called by DecodeStep before `layer` runs, with the layer's input hidden
+  // state (the residual stream, [hidden], before the attention norm) of the
+  // token at `pos`; e.g. to speculate on the next layer's queries and
+  // prefetch its KV while this layer computes. An error fails the step.
+  // Default: does nothing.
+  virtual Status OnLayerInput(int layer, int64_t pos, const float* hidden) {
+    (void)layer;
+    (void)pos;
+    (void)hidden;
+    return Status::OK();
+  }
 };
 
 // Dense attention over a local KvCache (not owned; typically the cache a
@@ -121,6 +132,14 @@ class SparseAttention final : public AttentionProvider {
 // logits (vocab floats).
 Status DecodeStep(const Model& model, int32_t token, int64_t pos,
                   const std::vector<AttentionProvider*>& providers, std::vector<float>* logits);
+
+// The post-RoPE queries [n_q_heads][d] that `layer` would compute at `pos`
+// from the input hidden state `hidden` [hidden]: attention RMSNorm with the
+// layer's weight, Wq (+ bias), RoPE (the same functions the forward pass
+// uses). With the previous layer's input this is the InfiniGen-style
+// speculative query used to prefetch the layer's KV. Writes q; InvalidArgument
+// for a layer out of range.
+Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q);
 
 struct SamplingOptions {
   // <= 0 means greedy (argmax, lowest id on ties). Default: 0.

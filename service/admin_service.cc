@@ -260,6 +260,9 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   if (!start->writer) {  // already stored: drain the stream, return it
     while (reader->Read(&msg)) {
     }
+    if (Status s = CheckReusable(start->existing, *idx, G); !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
     *response = ManifestToInfo(start->existing);
     return rpc.Finish(grpc::Status::OK);
   }

@@ -145,6 +145,11 @@ index::MethodParams EffectiveParams(const IndexRequest& req, int64_t n_keys, int
   // The compact encoding (delta/varint ids, 8-bit scores) keeps CSA's tables
   // about 1x the KV instead of 3-6x, within 0.5 points of recall (index/NOTES_csa.md).
   if (req.method == "csa" && p.find("format") == p.end()) p["format"] = "compact";
+  // Norm weights (w_b = ||q^b||) make CSA's accumulated score estimate q.k,
+  // which the session's page cap turns into page masses: mean KL to dense
+  // 0.019 vs 0.031 with the paper's uniform weights on the demo document
+  // (docs/benchmarks.md); recall on the reference trace is higher too.
+  if (req.method == "csa" && p.find("weights") == p.end()) p["weights"] = "norm";
   if (req.method == "csa" && p.find("C") == p.end()) {
     int64_t c = std::min<int64_t>({128, n_keys, n_rows});
     p["C"] = std::to_string(std::max<int64_t>(1, c));
@@ -225,6 +230,49 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   return Status::OK();
 }
 
+namespace {
+
+std::string Describe(const std::string& method, const index::MethodParams& params) {
+  std::string out = method + "{";
+  bool first = true;
+  for (const auto& [k, v] : params) {
+    out += (first ? "" : ",") + k + "=" + v;
+    first = false;
+  }
+  return out + "}";
+}
+
+}  // namespace
+
+Status CheckReusable(const v1::ContextManifest& existing,
+                     const std::vector<IndexRequest>& requested, int group_size) {
+  const int64_t n = static_cast<int64_t>(existing.n_tokens());
+  for (const IndexRequest& r : requested) {
+    const index::MethodParams want = EffectiveParams(r, n, n * std::max(1, group_size));
+    bool found = false;
+    for (const auto& ip : existing.index_params()) {
+      if (ip.method() != r.method) continue;
+      index::MethodParams have(ip.params().begin(), ip.params().end());
+      found = have == want;
+      if (found) break;
+    }
+    if (found) continue;
+    std::string stored;
+    for (const auto& ip : existing.index_params()) {
+      stored += (stored.empty() ? "" : ", ") +
+                Describe(ip.method(), index::MethodParams(ip.params().begin(), ip.params().end()));
+    }
+    auto cid = storage::ContextId::FromBytes(existing.context_id());
+    const std::string id = cid.ok() ? cid->ToHex() : std::string("<unknown>");
+    return AlreadyExistsError("context " + id + " already holds these tokens with indexes [" +
+                              (stored.empty() ? std::string("none") : stored) +
+                              "], but the request asks for " + Describe(r.method, want) +
+                              "; evict it first (ctxcache evict " + id +
+                              ") or request the stored indexes");
+  }
+  return Status::OK();
+}
+
 Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes) {
   std::vector<std::string> known = index::SelectorMethods();
   for (const auto& r : indexes) {
@@ -271,6 +319,7 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
   ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(req));
   BuildOutcome outcome;
   if (!start.writer) {
+    RETURN_IF_ERROR(CheckReusable(start.existing, job.indexes, spec.group_size()));
     outcome.manifest = start.existing;
     outcome.reused = true;
     return outcome;

@@ -85,6 +85,14 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
 // request fails before any work: INVALID_ARGUMENT naming the method/param.
 Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes);
 
+// A build whose tokens are already stored returns the stored context, but
+// only if it holds every requested index with the same effective params
+// (context-dependent defaults such as csa's C included). Otherwise
+// ALREADY_EXISTS, naming the stored and the requested indexes and the fix
+// (evict first, or request the stored indexes).
+Status CheckReusable(const v1::ContextManifest& existing,
+                     const std::vector<IndexRequest>& requested, int group_size);
+
 // Runs a build. `progress` (may be empty) is called from this thread;
 // `cancel` (may be null) aborts the build with CANCELLED and removes
 // everything written.

@@ -119,44 +119,8 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
   s->d_ = m.model().head_dim();
   s->block_ = m.block_tokens();
   s->n_stored_ = static_cast<int64_t>(m.n_tokens());
-  s->table_options_.page_size = static_cast<int>(s->block_);
-  for (const auto& [k, v] : params) {
-    char* end = nullptr;
-    double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0') {
-      return InvalidArgumentError("session param " + k + "='" + v + "' is not a number");
-    }
-    if (k == "rho") {
-      if (!(x > 0 && x <= 1)) return InvalidArgumentError("session param rho must be in (0, 1]");
-      s->rho_ = x;
-    } else if (k == "budget") {
-      if (x < 1) return InvalidArgumentError("session param budget must be >= 1 token");
-      s->budget_ = static_cast<int64_t>(x);
-    } else if (k == "page_fraction") {
-      if (!(x > 0 && x <= 1)) {
-        return InvalidArgumentError("session param page_fraction must be in (0, 1]");
-      }
-      s->page_fraction_ = x;
-    } else if (k == "subgroup") {
-      if (x < 1) return InvalidArgumentError("session param subgroup must be >= 1");
-      s->table_options_.subgroup_size = static_cast<int>(x);
-    } else if (k == "recent_blocks") {
-      if (x < 0) return InvalidArgumentError("session param recent_blocks must be >= 0");
-      s->table_options_.recent_blocks = static_cast<int>(x);
-    } else {
-      return InvalidArgumentError(
-          "unknown session param '" + k +
-          "'; expected rho, budget, page_fraction, subgroup or recent_blocks");
-    }
-  }
-  // Default page budget: the token budget's fraction of the pages (rho), so a
-  // 5% session fetches ~5% of the KV. Token-level selections unioned over a
-  // group touch most 16-token pages otherwise (docs/benchmarks.md). An
-  // explicit `budget` (tokens) or page_fraction=1 keeps token-level paging.
-  if (params.find("page_fraction") == params.end() && s->budget_ == 0) {
-    s->page_fraction_ = s->rho_;
-  }
-  if (s->page_fraction_ >= 1.0) s->page_fraction_ = 0;
+  ASSIGN_OR_RETURN(s->params_,
+                   index::SessionParams::Parse(method, params, static_cast<int>(s->block_)));
   const size_t n_heads = size_t{s->n_layers_} * s->n_kv_;
   s->selectors_.resize(n_heads);
   s->app_k_.resize(n_heads);
@@ -239,9 +203,7 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
   const uint32_t layer = step.layer();
   const int g = static_cast<int>(n_q_ / n_kv_);
   const int64_t n = n_tokens();
-  const int64_t budget = budget_ > 0
-                             ? std::min(budget_, n)
-                             : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
+  const int64_t budget = params_.TokenBudget(n);
   result->set_layer(layer);
   index::WorkStats total;
   std::vector<std::vector<uint32_t>> pages_per_head(n_kv_);
@@ -256,14 +218,8 @@ Status DecodeSession::Step(const v1::StepRequest& step, v1::StepResult* result,
     index::WorkStats ws;
     RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, &ws));
     total.Add(ws);
-    if (page_fraction_ > 0) {
-      const int b = static_cast<int>(block_);
-      ASSIGN_OR_RETURN(
-          sel.per_head,
-          index::CapSelectedPages(sel.per_head, b, n, index::PageBudget(page_fraction_, n, b),
-                                  table_options_.recent_blocks));
-    }
-    ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
+    std::vector<index::PageTable> tables;
+    RETURN_IF_ERROR(params_.PageStep(n, &sel.per_head, &tables, &sel.per_head_logits));
     std::vector<uint32_t>& pages = pages_per_head[h];
     for (const auto& t : tables) {
       v1::PageTable* pt = result->add_page_tables();

@@ -21,6 +21,7 @@
 #include "ctxcache/v1/ctxcache_service.pb.h"
 #include "index/page_table.h"
 #include "index/selector.h"
+#include "index/session_params.h"
 #include "storage/context_reader.h"
 #include "storage/store.h"
 
@@ -35,12 +36,9 @@ struct SessionOptions {
 
 class DecodeSession {
  public:
-  // Opens `method` on the context held by `reader`. params: "rho" (token
-  // budget as a fraction of the context, default 0.05) or "budget" (tokens
-  // per q head), "subgroup" (q heads per page table, default 4),
-  // "recent_blocks" (default 1), "page_fraction" (cap on the pages fetched
-  // per kv head, as a fraction of the pages; default: rho, or no cap when
-  // "budget" is given; 1 = no cap).
+  // Opens `method` on the context held by `reader`. params: see
+  // index/session_params.h (rho, budget, page_fraction, whole_pages,
+  // subgroup, recent_blocks).
   ~DecodeSession();
   static StatusOr<std::unique_ptr<DecodeSession>> Open(
       std::unique_ptr<storage::ContextReader> reader, const std::string& method,
@@ -73,11 +71,7 @@ class DecodeSession {
   SessionOptions options_;
   uint32_t n_layers_ = 0, n_q_ = 0, n_kv_ = 0, d_ = 0, block_ = 16;
   int64_t n_stored_ = 0, n_appended_ = 0;
-  double rho_ = 0.05;
-  int64_t budget_ = 0;
-  // > 0: at most ceil(page_fraction * pages) pages per (layer, kv head).
-  double page_fraction_ = 0;
-  index::PageTableOptions table_options_;
+  index::SessionParams params_;
   // [layer * n_kv + head]
   std::vector<std::unique_ptr<index::Selector>> selectors_;
   std::vector<std::unique_ptr<SessionKeySource>> key_sources_;

@@ -107,7 +107,7 @@ void PrintInfoTable(const v1::ContextInfo& info, std::ostream& out) {
       << "stored         " << HumanBytes(info.stored_bytes()) << " (raw KV "
       << HumanBytes(info.raw_kv_bytes()) << ")\n";
   for (const auto& [k, v] : info.bytes_by_kind()) {
-    out << "  " << std::left << std::setw(13) << k << HumanBytes(v) << "\n";
+    out << "  " << std::left << std::setw(17) << k << HumanBytes(v) << "\n";
   }
   out << "indexes        ";
   for (int i = 0; i < info.indexes_size(); ++i) {

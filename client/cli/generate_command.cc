@@ -4,6 +4,7 @@
 #include <chrono>
 #include <filesystem>
 #include <iomanip>
+#include <map>
 
 #include "client/cli/cli_util.h"
 #include "client/worker/decode_worker.h"
@@ -44,6 +45,8 @@ void GenerateCommand::Configure(CLI::App* sub) {
   sub->add_option(
       "--page-fraction", page_fraction_,
       "Cap on the pages fetched per step, as a fraction of the pages (default: --rho; 1 = no cap)");
+  sub->add_option("--param", session_params_,
+                  "KEY=VALUE session param (repeatable), e.g. whole_pages=0 (docs/api.md)");
   sub->add_option("--mode", mode_, "server (server-side selection) or client")
       ->check(CLI::IsMember({"server", "client"}))
       ->capture_default_str();
@@ -62,6 +65,15 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
   if (!(rho_ > 0 && rho_ <= 1)) {
     err << "ctxcache: --rho must be in (0, 1]\n";
     return 2;
+  }
+  std::map<std::string, std::string> extra;
+  for (const std::string& kv : session_params_) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      err << "ctxcache: --param expects KEY=VALUE, got '" << kv << "'\n";
+      return 2;
+    }
+    extra[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
   auto client = ConnectOrExplain(global, err);
   if (!client) return 2;
@@ -111,6 +123,7 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
   go.session.method = method_;
   go.session.params["rho"] = std::to_string(rho_);
   if (page_fraction_ > 0) go.session.params["page_fraction"] = std::to_string(page_fraction_);
+  for (const auto& [k, v] : extra) go.session.params[k] = v;
   go.session.mode = mode_ == "client" ? client::SelectMode::kClient : client::SelectMode::kServer;
   go.max_new_tokens = max_tokens_;
   auto t0 = std::chrono::steady_clock::now();
@@ -175,7 +188,8 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
     out << std::fixed << std::setprecision(3) << "--- comparison over " << max_tokens_
         << " tokens ---\n"
         << "greedy agreement     " << j["agreement"].get<double>() * 100 << " %\n"
-        << "mean KL(full||" << method_ << ") " << j["mean_kl"].get<double>() << "\n"
+        << std::left << std::setw(21) << ("mean KL(full||" + method_ + ")")
+        << j["mean_kl"].get<double>() << "\n"
         << "bytes fetched/step   " << HumanBytes(static_cast<uint64_t>(bytes_per_step))
         << " vs dense " << HumanBytes(j["dense_bytes_per_step"].get<uint64_t>()) << " ("
         << std::setprecision(1) << j["bytes_ratio_vs_dense"].get<double>() << "x less)\n";

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "client/cli/command.h"
 
@@ -20,6 +21,7 @@ class GenerateCommand final : public Command {
   int max_tokens_ = 64;
   double rho_ = 0.05;
   double page_fraction_ = 0;
+  std::vector<std::string> session_params_;  // KEY=VALUE
 };
 
 }  // namespace ctxcache::cli

@@ -6,7 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
 #include <list>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -15,6 +18,7 @@
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "index/page_table.h"
 #include "index/selector.h"
+#include "index/session_params.h"
 #include "proto/dtype_convert.h"
 
 namespace ctxcache::client {
@@ -72,49 +76,88 @@ StatusOr<std::shared_ptr<DecodedPage>> DecodePage(const v1::Page& p, uint32_t he
 }
 
 // LRU cache of decoded stored pages, keyed by (layer, kv head, block).
+// Thread-safe (one mutex): the session's prefetch thread fills it while Step
+// reads it. Pages a prefetch brought are marked until a Step first uses
+// them (PageCacheStats::prefetch_hits).
 class PageCache {
  public:
   explicit PageCache(size_t budget) : budget_(budget) {}
 
-  std::shared_ptr<DecodedPage> Get(uint64_t key) {
+  // A Step's look-up: counts a hit or a miss (and a prefetch hit on the
+  // first use of a prefetched page). `count` false (prefetch look-ups):
+  // counts nothing and keeps the prefetch mark. Both refresh the LRU.
+  std::shared_ptr<DecodedPage> Get(uint64_t key, bool count = true) {
+    std::lock_guard<std::mutex> lock(mu_);
     auto it = map_.find(key);
     if (it == map_.end()) {
-      stats_.misses++;
+      if (count) stats_.misses++;
       return nullptr;
     }
-    stats_.hits++;
-    lru_.splice(lru_.begin(), lru_, it->second.second);
-    return it->second.first;
+    Entry& e = it->second;
+    if (count) {
+      stats_.hits++;
+      if (e.prefetched) {
+        e.prefetched = false;
+        stats_.prefetch_hits++;
+        stats_.prefetch_hit_bytes += e.wire_bytes;
+      }
+    }
+    lru_.splice(lru_.begin(), lru_, e.lru);
+    return e.page;
   }
 
-  void Put(uint64_t key, std::shared_ptr<DecodedPage> page) {
+  // Inserts (no-op when present or larger than the budget), evicting from
+  // the LRU end to stay within the budget. `prefetched`: brought by a
+  // prefetch; `wire_bytes`: its payload bytes on the wire.
+  void Put(uint64_t key, std::shared_ptr<DecodedPage> page, bool prefetched = false,
+           uint64_t wire_bytes = 0) {
+    std::lock_guard<std::mutex> lock(mu_);
     if (page->bytes() > budget_ || map_.count(key)) return;
     while (stats_.bytes + page->bytes() > budget_ && !lru_.empty()) {
       uint64_t victim = lru_.back();
       lru_.pop_back();
-      stats_.bytes -= map_[victim].first->bytes();
+      stats_.bytes -= map_[victim].page->bytes();
       map_.erase(victim);
       stats_.evictions++;
     }
     lru_.push_front(key);
     stats_.bytes += page->bytes();
-    map_[key] = {std::move(page), lru_.begin()};
+    map_[key] = Entry{std::move(page), lru_.begin(), prefetched, wire_bytes};
   }
 
-  const PageCacheStats& stats() const { return stats_; }
+  PageCacheStats stats() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+  // Updates the counters under the cache's lock (prefetch bookkeeping).
+  template <typename Fn>
+  void UpdateStats(Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn(&stats_);
+  }
 
   static uint64_t Key(uint32_t layer, uint32_t head, uint32_t block) {
     return (uint64_t{layer} << 48) | (uint64_t{head} << 32) | block;
   }
 
  private:
-  size_t budget_;
+  struct Entry {
+    std::shared_ptr<DecodedPage> page;
+    std::list<uint64_t>::iterator lru;
+    bool prefetched = false;
+    uint64_t wire_bytes = 0;
+  };
+  const size_t budget_;
+  mutable std::mutex mu_;
   std::list<uint64_t> lru_;
-  std::unordered_map<uint64_t,
-                     std::pair<std::shared_ptr<DecodedPage>, std::list<uint64_t>::iterator>>
-      map_;
+  std::unordered_map<uint64_t, Entry> map_;
   PageCacheStats stats_;
 };
+
+// Selection does not depend on the queries: Step(l) can prefetch layer l+1.
+bool QueryIndependent(const std::string& method) {
+  return method == "streaming" || method == "full";
+}
 
 // Gathers the K/V of head.ids from pages (block -> decoded page).
 void FillHead(const std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>& pages,
@@ -136,12 +179,16 @@ class SessionImpl final : public DecodeSession {
  public:
   SessionImpl(ClientImpl* client, SessionOptions options)
       : client_(client), options_(std::move(options)), cache_(options_.page_cache_bytes) {}
-  ~SessionImpl() override { Close().IgnoreError(); }
+  ~SessionImpl() override {
+    StopPrefetcher();
+    Close().IgnoreError();
+  }
 
   Status Open();
   const v1::ContextInfo& context() const override { return info_; }
   int64_t n_tokens() const override { return n_tokens_; }
   Status Step(uint32_t layer, const float* queries, SelectedKV* out) override;
+  Status Prefetch(uint32_t layer, const float* predicted_queries) override;
   Status Append(const float* k, const float* v, const float* q) override;
   Status Close() override;
   PageCacheStats page_cache_stats() const override { return cache_.stats(); }
@@ -150,16 +197,45 @@ class SessionImpl final : public DecodeSession {
   StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest* req,
                                          std::vector<v1::PageBatch>* batches);
   Status ClientSelect(uint32_t layer, const float* queries, SelectedKV* out);
+  // The selection of kv head `head` of `layer` for the group's queries with
+  // `selector` (exactly as Step makes it: budget, page cap), and the stored
+  // blocks of its page tables.
+  Status SelectHead(uint32_t layer, uint32_t head, const float* queries, index::Selector* selector,
+                    const index::KeySource* keys, std::vector<std::vector<int32_t>>* per_q_head,
+                    std::vector<uint32_t>* stored_blocks);
   // Stored pages of (layer, head), from the page cache or one batched
-  // FetchPages for the missing ones.
+  // FetchPages for the missing ones. `prefetch`: on the prefetch thread
+  // (look-ups are not counted as hits/misses; fetched pages are marked).
   Status StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
                      std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
-                     SelectedKV* stats);
+                     SelectedKV* stats, bool prefetch = false);
+
+  // Prefetch machinery (client mode). Jobs run in FIFO order on one
+  // background thread, started lazily. Only the prefetch thread touches
+  // pred_selectors_; Step(l) waits for jobs of layer l and Append / Close
+  // wait for all, so the session state a job reads (selectors_ of its layer
+  // for cloning, n_tokens_, app_k_) never changes under it.
+  struct PrefetchJob {
+    uint32_t layer = 0;
+    std::vector<float> queries;  // empty for query-independent methods
+  };
+  bool PrefetchEnabled() const {
+    return options_.mode == SelectMode::kClient && options_.prefetch && !closed_ && !pf_stop_;
+  }
+  void EnqueuePrefetch(PrefetchJob job);
+  void PrefetchLoop();
+  Status RunPrefetch(uint32_t layer, const float* queries);
+  // Waits until no job of `layer` (all layers when layer < 0) is queued or
+  // running; the wait counts in prefetch_wait_seconds.
+  void WaitPrefetch(int64_t layer);
+  void StopPrefetcher();
 
   // Keys for exact-scoring selectors (oracle, tactic, lfps) in client mode.
   class PageKeySource final : public index::KeySource {
    public:
-    PageKeySource(SessionImpl* s, uint32_t layer, uint32_t head) : s_(s), l_(layer), h_(head) {}
+    // prefetch: the prediction selectors' source (prefetch thread).
+    PageKeySource(SessionImpl* s, uint32_t layer, uint32_t head, bool prefetch)
+        : s_(s), l_(layer), h_(head), prefetch_(prefetch) {}
     int64_t n_tokens() const override { return s_->n_tokens_; }
     int head_dim() const override { return static_cast<int>(s_->d_); }
     Status GatherKeys(const int32_t* ids, int64_t n, float* out) const override {
@@ -171,7 +247,8 @@ class SessionImpl final : public DecodeSession {
         if (ids[i] < s_->n_stored_) blocks.push_back(static_cast<uint32_t>(ids[i]) / b);
       }
       std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
-      RETURN_IF_ERROR(s_->StoredPages(l_, h_, std::move(blocks), &pages, s_->step_stats_));
+      RETURN_IF_ERROR(s_->StoredPages(l_, h_, std::move(blocks), &pages,
+                                      prefetch_ ? nullptr : s_->step_stats_, prefetch_));
       const auto& app = s_->app_k_[size_t{l_} * s_->n_kv_ + h_];
       for (int64_t i = 0; i < n; ++i) {
         if (ids[i] < s_->n_stored_) {
@@ -187,8 +264,9 @@ class SessionImpl final : public DecodeSession {
    private:
     SessionImpl* s_;
     uint32_t l_, h_;
+    bool prefetch_;
   };
-  std::vector<std::unique_ptr<PageKeySource>> key_sources_;
+  std::vector<std::unique_ptr<PageKeySource>> key_sources_, pred_key_sources_;
   SelectedKV* step_stats_ = nullptr;  // the Step in progress, for byte accounting
 
   ClientImpl* client_;
@@ -204,11 +282,20 @@ class SessionImpl final : public DecodeSession {
   // Client-select mode: local selectors [layer * n_kv + head] and the
   // appended KV (for pages that reach into the appended part).
   std::vector<std::unique_ptr<index::Selector>> selectors_;
+  // Prediction copies for Prefetch, [layer * n_kv + head], cloned lazily.
+  std::vector<std::unique_ptr<index::Selector>> pred_selectors_;
+  std::vector<uint64_t> pred_bytes_;  // MemoryBytes() of each copy when cloned
   std::vector<std::vector<float>> app_k_, app_v_;
-  double rho_ = 0.05;
-  int64_t budget_ = 0;
-  double page_fraction_ = 0;
-  index::PageTableOptions table_options_;
+  index::SessionParams params_;
+
+  std::mutex pf_mu_;
+  std::condition_variable pf_cv_;       // a job was queued, or stop
+  std::condition_variable pf_done_cv_;  // a job finished
+  std::deque<PrefetchJob> pf_queue_;
+  std::vector<int> pf_pending_;  // per layer: queued + running jobs
+  int pf_total_ = 0;
+  bool pf_stop_ = false;
+  std::thread pf_thread_;
 };
 
 class ClientImpl final : public Client {
@@ -444,19 +531,9 @@ Status SessionImpl::Open() {
   block_ = info_.block_tokens();
   n_stored_ = n_tokens_ = static_cast<int64_t>(info_.n_tokens());
   if (options_.mode == SelectMode::kClient) {
-    for (const auto& [k, v] : options_.params) {
-      if (k == "rho") rho_ = std::stod(v);
-      if (k == "budget") budget_ = std::stoll(v);
-      if (k == "subgroup") table_options_.subgroup_size = std::stoi(v);
-      if (k == "recent_blocks") table_options_.recent_blocks = std::stoi(v);
-      if (k == "page_fraction") page_fraction_ = std::stod(v);
-    }
-    // Same default page budget as the server (service/decode_session.h).
-    if (options_.params.find("page_fraction") == options_.params.end() && budget_ == 0) {
-      page_fraction_ = rho_;
-    }
-    if (page_fraction_ >= 1.0) page_fraction_ = 0;
-    table_options_.page_size = static_cast<int>(block_);
+    // The server's parser (index/session_params.h): same defaults, same errors.
+    ASSIGN_OR_RETURN(params_, index::SessionParams::Parse(options_.method, options_.params,
+                                                          static_cast<int>(block_)));
     ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
     selectors_.resize(size_t{n_layers_} * n_kv_);
     for (uint32_t l = 0; l < n_layers_; ++l) {
@@ -471,18 +548,22 @@ Status SessionImpl::Open() {
     }
     app_k_.resize(selectors_.size());
     app_v_.resize(selectors_.size());
+    pred_selectors_.resize(selectors_.size());
+    pred_bytes_.assign(selectors_.size(), 0);
     for (uint32_t l = 0; l < n_layers_; ++l) {
       for (uint32_t h = 0; h < n_kv_; ++h) {
-        key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h));
+        key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h, false));
+        pred_key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h, true));
       }
     }
+    pf_pending_.assign(n_layers_, 0);
   }
   return Status::OK();
 }
 
 Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
                                 std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
-                                SelectedKV* stats) {
+                                SelectedKV* stats, bool prefetch) {
   std::sort(blocks.begin(), blocks.end());
   blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
   v1::FetchPagesRequest fetch;
@@ -490,7 +571,7 @@ Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::vector<uint3
   v1::PageTable* pt = nullptr;
   for (uint32_t b : blocks) {
     if (out->count(b)) continue;
-    if (auto cached = cache_.Get(PageCache::Key(layer, head, b))) {
+    if (auto cached = cache_.Get(PageCache::Key(layer, head, b), !prefetch)) {
       (*out)[b] = cached;
       if (stats) stats->cache_hits++;
       continue;
@@ -505,14 +586,23 @@ Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::vector<uint3
   if (!pt) return Status::OK();
   std::vector<v1::Page> got;
   RETURN_IF_ERROR(client_->FetchPages(fetch, &got));
+  uint64_t wire_total = 0;
   for (const auto& p : got) {
+    const uint64_t wire = p.k().size() + p.v().size();
+    wire_total += wire;
     if (stats) {
-      stats->bytes_received += p.k().size() + p.v().size();
+      stats->bytes_received += wire;
       stats->pages++;
     }
-    ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));
-    cache_.Put(PageCache::Key(layer, head, p.block()), page);
+    ASSIGN_OR_RETURN(auto page, DecodePage(p, d_));  // crc32c and size checked
+    cache_.Put(PageCache::Key(layer, head, p.block()), page, prefetch, wire);
     (*out)[p.block()] = page;
+  }
+  if (prefetch) {
+    cache_.UpdateStats([&](PageCacheStats* st) {
+      st->prefetched_pages += got.size();
+      st->prefetched_bytes += wire_total;
+    });
   }
   return Status::OK();
 }
@@ -598,12 +688,46 @@ Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) 
   return Status::OK();
 }
 
-Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedKV* out) {
+Status SessionImpl::SelectHead(uint32_t layer, uint32_t head, const float* queries,
+                               index::Selector* selector, const index::KeySource* keys,
+                               std::vector<std::vector<int32_t>>* per_q_head,
+                               std::vector<uint32_t>* stored_blocks) {
   const uint32_t g = n_q_ / n_kv_;
   const int64_t n = n_tokens_;
-  const int64_t budget = budget_ > 0
-                             ? std::min(budget_, n)
-                             : std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho_ * n)));
+  const int64_t budget = params_.TokenBudget(n);
+  (void)layer;
+  index::SelectInput in;
+  in.queries = queries ? queries + size_t{head} * g * d_ : nullptr;
+  in.n_queries = static_cast<int>(g);
+  in.budget = budget;
+  in.keys = keys;
+  index::Selection sel;
+  RETURN_IF_ERROR(selector->Select(in, &sel, nullptr));
+  // Page cap, page tables and whole-page widening as the server does them.
+  std::vector<index::PageTable> tables;
+  RETURN_IF_ERROR(params_.PageStep(n, &sel.per_head, &tables, &sel.per_head_logits));
+  stored_blocks->clear();
+  for (const auto& t : tables) {
+    for (int32_t p : t.pages) {
+      if (int64_t{p} * block_ < n_stored_) stored_blocks->push_back(static_cast<uint32_t>(p));
+    }
+  }
+  *per_q_head = std::move(sel.per_head);
+  return Status::OK();
+}
+
+Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedKV* out) {
+  // Query-independent methods: layer + 1's pages are known now; fetch them
+  // while this layer is served and attended.
+  if (PrefetchEnabled() && QueryIndependent(options_.method) && layer + 1 < n_layers_) {
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(pf_mu_);
+      pending = pf_pending_[layer + 1] > 0;
+    }
+    if (!pending) EnqueuePrefetch(PrefetchJob{layer + 1, {}});
+  }
+  WaitPrefetch(layer);
   *out = SelectedKV();
   out->heads.resize(n_kv_);
   step_stats_ = out;
@@ -613,30 +737,10 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
   } reset{&step_stats_};
   for (uint32_t h = 0; h < n_kv_; ++h) {
     const size_t slot = size_t{layer} * n_kv_ + h;
-    index::SelectInput in;
-    in.queries = queries + size_t{h} * g * d_;
-    in.n_queries = static_cast<int>(g);
-    in.budget = budget;
-    in.keys = key_sources_[slot].get();
-    index::Selection sel;
-    RETURN_IF_ERROR(selectors_[slot]->Select(in, &sel, nullptr));
-    if (page_fraction_ > 0) {
-      const int b = static_cast<int>(block_);
-      ASSIGN_OR_RETURN(
-          sel.per_head,
-          index::CapSelectedPages(sel.per_head, b, n, index::PageBudget(page_fraction_, n, b),
-                                  table_options_.recent_blocks));
-    }
     auto& head = out->heads[h];
-    head.per_q_head = sel.per_head;
-    // Page tables as the server would build them; fetch their stored pages.
-    ASSIGN_OR_RETURN(auto tables, index::BuildPageTables(sel.per_head, n, table_options_));
     std::vector<uint32_t> need;
-    for (const auto& t : tables) {
-      for (int32_t p : t.pages) {
-        if (int64_t{p} * block_ < n_stored_) need.push_back(static_cast<uint32_t>(p));
-      }
-    }
+    RETURN_IF_ERROR(SelectHead(layer, h, queries, selectors_[slot].get(), key_sources_[slot].get(),
+                               &head.per_q_head, &need));
     std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
     RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, out));
     for (const auto& sq : head.per_q_head) head.ids.insert(head.ids.end(), sq.begin(), sq.end());
@@ -674,6 +778,108 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
   return Status::OK();
 }
 
+Status SessionImpl::Prefetch(uint32_t layer, const float* predicted_queries) {
+  if (layer >= n_layers_) {
+    return InvalidArgumentError("layer " + std::to_string(layer) + " out of range");
+  }
+  if (!PrefetchEnabled()) return Status::OK();  // server mode / disabled / closed
+  PrefetchJob job;
+  job.layer = layer;
+  if (!QueryIndependent(options_.method)) {
+    if (predicted_queries == nullptr) {
+      return InvalidArgumentError("Prefetch: predicted queries are null (method " +
+                                  options_.method + " selects by query)");
+    }
+    job.queries.assign(predicted_queries, predicted_queries + size_t{n_q_} * d_);
+  }
+  EnqueuePrefetch(std::move(job));
+  return Status::OK();
+}
+
+void SessionImpl::EnqueuePrefetch(PrefetchJob job) {
+  std::lock_guard<std::mutex> lock(pf_mu_);
+  if (pf_stop_) return;
+  pf_pending_[job.layer]++;
+  pf_total_++;
+  pf_queue_.push_back(std::move(job));
+  if (!pf_thread_.joinable()) pf_thread_ = std::thread([this] { PrefetchLoop(); });
+  pf_cv_.notify_one();
+}
+
+void SessionImpl::PrefetchLoop() {
+  std::unique_lock<std::mutex> lock(pf_mu_);
+  while (true) {
+    pf_cv_.wait(lock, [&] { return pf_stop_ || !pf_queue_.empty(); });
+    if (pf_queue_.empty()) return;  // stopping
+    PrefetchJob job = std::move(pf_queue_.front());
+    pf_queue_.pop_front();
+    lock.unlock();
+    Status s = RunPrefetch(job.layer, job.queries.empty() ? nullptr : job.queries.data());
+    cache_.UpdateStats([&](PageCacheStats* st) {
+      st->prefetch_requests++;
+      if (!s.ok()) st->prefetch_failures++;
+    });
+    lock.lock();
+    pf_pending_[job.layer]--;
+    pf_total_--;
+    pf_done_cv_.notify_all();
+  }
+}
+
+Status SessionImpl::RunPrefetch(uint32_t layer, const float* queries) {
+  std::vector<float> zeros;
+  if (queries == nullptr) {  // query-independent method: any finite queries
+    zeros.assign(size_t{n_q_} * d_, 0.f);
+    queries = zeros.data();
+  }
+  for (uint32_t h = 0; h < n_kv_; ++h) {
+    const size_t slot = size_t{layer} * n_kv_ + h;
+    if (!pred_selectors_[slot]) {
+      // No job of this layer runs concurrently with a Step or Append that
+      // mutates selectors_[slot] (see the class comment), so this read is safe.
+      pred_selectors_[slot] = selectors_[slot]->Clone();
+      pred_bytes_[slot] = pred_selectors_[slot]->MemoryBytes();
+      cache_.UpdateStats(
+          [&](PageCacheStats* st) { st->prefetch_selector_bytes += pred_bytes_[slot]; });
+    }
+    std::vector<std::vector<int32_t>> per_q_head;
+    std::vector<uint32_t> need;
+    RETURN_IF_ERROR(SelectHead(layer, h, queries, pred_selectors_[slot].get(),
+                               pred_key_sources_[slot].get(), &per_q_head, &need));
+    std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
+    RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, nullptr, /*prefetch=*/true));
+  }
+  return Status::OK();
+}
+
+void SessionImpl::WaitPrefetch(int64_t layer) {
+  std::unique_lock<std::mutex> lock(pf_mu_);
+  auto idle = [&] { return layer < 0 ? pf_total_ == 0 : pf_pending_[layer] == 0; };
+  if (pf_pending_.empty() || idle()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  pf_done_cv_.wait(lock, idle);
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  lock.unlock();
+  cache_.UpdateStats([&](PageCacheStats* st) { st->prefetch_wait_seconds += waited; });
+}
+
+void SessionImpl::StopPrefetcher() {
+  {
+    std::lock_guard<std::mutex> lock(pf_mu_);
+    pf_stop_ = true;
+    // Queued jobs are dropped; the running one finishes (its FetchPages has
+    // the client's deadline).
+    for (const auto& job : pf_queue_) {
+      pf_pending_[job.layer]--;
+      pf_total_--;
+    }
+    pf_queue_.clear();
+    pf_cv_.notify_all();
+  }
+  if (pf_thread_.joinable()) pf_thread_.join();
+}
+
 Status SessionImpl::Append(const float* k, const float* v, const float* q) {
   v1::DecodeRequest req;
   auto* a = req.mutable_append();
@@ -687,6 +893,8 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
   set(a->mutable_k(), k, n_kv_);
   set(a->mutable_v(), v, n_kv_);
   if (q) set(a->mutable_q(), q, n_q_);
+  // Appending changes the selectors and n_tokens_ that prefetch jobs read.
+  WaitPrefetch(-1);
   ASSIGN_OR_RETURN(v1::DecodeResponse resp, RoundTrip(&req, nullptr));
   (void)resp;
   if (options_.mode == SelectMode::kClient) {
@@ -698,6 +906,13 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
         const float* vp = v + slot * d_;
         const float* qp = q ? q + (size_t{l} * n_q_ + size_t{h} * g) * d_ : nullptr;
         RETURN_IF_ERROR(selectors_[slot]->Append(kp, vp, qp));
+        // The prediction copy follows the same tokens; one that fails is
+        // dropped (cloned again at the next Prefetch of the layer).
+        if (pred_selectors_[slot] && !pred_selectors_[slot]->Append(kp, vp, qp).ok()) {
+          cache_.UpdateStats(
+              [&](PageCacheStats* st) { st->prefetch_selector_bytes -= pred_bytes_[slot]; });
+          pred_selectors_[slot].reset();
+        }
         app_k_[slot].insert(app_k_[slot].end(), kp, kp + d_);
         app_v_[slot].insert(app_v_[slot].end(), vp, vp + d_);
       }
@@ -708,6 +923,7 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
 }
 
 Status SessionImpl::Close() {
+  StopPrefetcher();
   if (closed_) return Status::OK();
   v1::DecodeRequest req;
   req.mutable_close();

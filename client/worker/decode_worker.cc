@@ -10,8 +10,9 @@
 namespace ctxcache::client {
 
 RemoteAttention::RemoteAttention(const model::ModelSpec& spec, DecodeSession* session,
-                                 int64_t n_context)
-    : spec_(spec), session_(session), n_context_(n_context) {
+                                 int64_t n_context, const model::Model* speculate_with)
+    : spec_(spec), session_(session), n_context_(n_context), speculate_with_(speculate_with) {
+  spec_q_.assign(size_t(spec.n_q_heads) * spec.head_dim, 0.f);
   tail_k_.assign(spec.n_layers, std::vector<std::vector<float>>(spec.n_kv_heads));
   tail_v_ = tail_k_;
   pend_k_.assign(size_t(spec.n_layers) * spec.n_kv_heads * spec.head_dim, 0.f);
@@ -81,6 +82,12 @@ Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* 
   return Status::OK();
 }
 
+Status RemoteAttention::OnLayerInput(int layer, int64_t pos, const float* hidden) {
+  if (speculate_with_ == nullptr || layer + 1 >= spec_.n_layers) return Status::OK();
+  RETURN_IF_ERROR(model::LayerQueries(*speculate_with_, layer + 1, pos, hidden, spec_q_.data()));
+  return session_->Prefetch(static_cast<uint32_t>(layer + 1), spec_q_.data());
+}
+
 Status RemoteAttention::FlushAppend() {
   return session_->Append(pend_k_.data(), pend_v_.data(), pend_q_.data());
 }
@@ -139,7 +146,10 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
                                    "', whose shape differs from the local model");
   }
   const int64_t n_context = static_cast<int64_t>(info.n_tokens());
-  RemoteAttention attn(spec, session.get(), n_context);
+  const SessionOptions& so = options.session;
+  const bool speculate = so.mode == SelectMode::kClient && so.prefetch &&
+                         so.method != "streaming" && so.method != "full";
+  RemoteAttention attn(spec, session.get(), n_context, speculate ? &model : nullptr);
   std::vector<model::AttentionProvider*> providers = {&attn};
   auto res = DecodeLoop(model, n_context, prompt, options,
                         [&](int32_t tok, int64_t pos, std::vector<float>* logits) -> Status {
@@ -149,6 +159,7 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
   if (!res.ok()) return res.status();
   res->bytes_received = attn.bytes_received();
   RETURN_IF_ERROR(session->Close());
+  res->page_cache = session->page_cache_stats();
   return res;
 }
 

@@ -5,6 +5,18 @@
 // (streaming updates), and their K/V is also kept locally and always
 // attended (the "tail").
 //
+// Speculative prefetch (client mode, SessionOptions::prefetch, methods that
+// select by query): the attention input of layer l+1 is close to that of
+// layer l (the residual stream changes little per layer; InfiniGen, OSDI
+// '24). So before layer l runs, OnLayerInput computes a speculative query
+// for layer l+1 from layer l's input hidden state (model::LayerQueries:
+// layer l+1's attention RMSNorm, Wq, RoPE at the current position) and
+// calls DecodeSession::Prefetch(l+1, q_spec); the SDK selects and fetches
+// layer l+1's pages on its background thread while layer l computes. Layer
+// 0 is never prefetched. Streaming and full need no speculation (the SDK
+// prefetches layer l+1 from Step(l) itself). Results are identical with or
+// without prefetch; only where the pages come from changes.
+//
 // This is the template for integrating a real serving engine: replace
 // model::DecodeStep with the engine's layer loop and RemoteAttention with
 // its attention kernel fed from SelectedKV.
@@ -28,10 +40,15 @@ namespace ctxcache::client {
 class RemoteAttention final : public model::AttentionProvider {
  public:
   // n_context: tokens stored in the context (positions [0, n_context)).
-  RemoteAttention(const model::ModelSpec& spec, DecodeSession* session, int64_t n_context);
+  // speculate_with: the model whose weights give the speculative next-layer
+  // queries for DecodeSession::Prefetch (not owned); null = no speculation.
+  RemoteAttention(const model::ModelSpec& spec, DecodeSession* session, int64_t n_context,
+                  const model::Model* speculate_with = nullptr);
 
   Status Attend(int layer, int64_t pos, const float* q, const float* k, const float* v,
                 float* out) override;
+  // With speculate_with: Prefetch(layer + 1, speculative queries).
+  Status OnLayerInput(int layer, int64_t pos, const float* hidden) override;
 
   // Sends the last token's K/V/Q of every layer to the server (call after
   // each DecodeStep).
@@ -44,6 +61,8 @@ class RemoteAttention final : public model::AttentionProvider {
   const model::ModelSpec& spec_;
   DecodeSession* session_;
   int64_t n_context_;
+  const model::Model* speculate_with_;
+  std::vector<float> spec_q_;  // [n_q_heads][d]
   // Local tail K/V per [layer][kv head]: [n_tail][d].
   std::vector<std::vector<std::vector<float>>> tail_k_, tail_v_;
   // The pending token's K/V/Q, [layer][heads][d].
@@ -70,10 +89,12 @@ struct GenerateResult {
   std::vector<double> step_seconds;        // wall time per decoded token
   uint64_t bytes_received = 0;             // page payload bytes over all steps
   int64_t steps = 0;                       // token steps (prompt + generated)
+  PageCacheStats page_cache;               // GenerateRemote: the session's, at the end
 };
 
 // Sparse decode through a session: feeds `prompt` after the context, then
-// greedily generates max_new_tokens tokens.
+// greedily generates max_new_tokens tokens. In client mode with
+// options.session.prefetch, speculative prefetch runs as described above.
 StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* client,
                                         const std::vector<int32_t>& prompt,
                                         const GenerateOptions& options);

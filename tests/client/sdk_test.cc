@@ -1,5 +1,5 @@
 // SDK behaviour against a real ctxcached: the client-side page cache and its
-// byte budget, and retries across a server restart.
+// byte budget, next-layer prefetch, and retries across a server restart.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -8,7 +8,9 @@
 #include <random>
 #include <thread>
 
+#include "client/worker/decode_worker.h"
 #include "ctxcache/client.h"
+#include "model/model.h"
 #include "tests/service/server_process.h"
 
 namespace ctxcache {
@@ -89,6 +91,257 @@ TEST(SdkTest, PageCacheHitsOnRepeatedStepsAndKeepsItsBudget) {
     }
     EXPECT_GT((*session)->page_cache_stats().evictions, 0u);
   }
+}
+
+// One server with one random 800-token context (50 pages) of the golden
+// llama3 model (2 layers, 4 q / 2 kv heads, d = 32), shared by the prefetch
+// tests.
+class PrefetchTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tmp_ = new TempDir();
+    server_ = new ServerProcess();
+    ASSERT_TRUE(server_->Start(tmp_->path() + "/data", ModelArgs())) << server_->log();
+    client::ClientOptions co;
+    co.server = server_->address();
+    client_ = std::move(client::Client::Connect(co)).value().release();
+    auto built = BuildRandom(client_, 800, 11);
+    ASSERT_TRUE(built.ok()) << built.status().ToString();
+    id_ = new std::string(built->context().context_id());
+  }
+  static void TearDownTestSuite() {
+    delete client_;
+    delete server_;
+    delete tmp_;
+    delete id_;
+  }
+  void SetUp() override { ASSERT_NE(id_, nullptr) << "suite set-up failed"; }
+
+  static std::vector<float> RandomQueries(uint32_t seed) {
+    std::vector<float> q(4 * 32);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> g;
+    for (auto& x : q) x = g(rng);
+    return q;
+  }
+  static std::unique_ptr<client::DecodeSession> Open(const std::string& method, bool prefetch,
+                                                     client::SelectMode mode,
+                                                     size_t cache_bytes = 256u << 20) {
+    client::SessionOptions so{.context_id = *id_,
+                              .method = method,
+                              .params = {{"budget", "64"}},
+                              .mode = mode,
+                              .page_cache_bytes = cache_bytes,
+                              .prefetch = prefetch};
+    auto s = client_->OpenSession(so);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  static void ExpectSameSelection(const client::SelectedKV& a, const client::SelectedKV& b) {
+    ASSERT_EQ(a.heads.size(), b.heads.size());
+    for (size_t h = 0; h < a.heads.size(); ++h) {
+      EXPECT_EQ(a.heads[h].per_q_head, b.heads[h].per_q_head) << "kv head " << h;
+      EXPECT_EQ(a.heads[h].ids, b.heads[h].ids) << "kv head " << h;
+      EXPECT_EQ(a.heads[h].k, b.heads[h].k) << "kv head " << h;
+      EXPECT_EQ(a.heads[h].v, b.heads[h].v) << "kv head " << h;
+    }
+  }
+
+  static TempDir* tmp_;
+  static ServerProcess* server_;
+  static client::Client* client_;
+  static std::string* id_;
+};
+TempDir* PrefetchTest::tmp_ = nullptr;
+ServerProcess* PrefetchTest::server_ = nullptr;
+client::Client* PrefetchTest::client_ = nullptr;
+std::string* PrefetchTest::id_ = nullptr;
+
+// Prefetch(l, q) then Step(l, q): every page comes from the cache, and the
+// selections equal those of a session without prefetch, also after Appends
+// (the prediction selectors follow the appended tokens) and when the
+// predicted queries differ from the real ones.
+TEST_F(PrefetchTest, PrefetchThenStepIsServedFromTheCacheAndChangesNothing) {
+  for (const std::string method : {"csa", "oracle"}) {
+    SCOPED_TRACE(method);
+    auto with = Open(method, true, client::SelectMode::kClient);
+    auto without = Open(method, false, client::SelectMode::kClient);
+    ASSERT_TRUE(with && without);
+    EXPECT_EQ(with->Prefetch(0, nullptr).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(with->Prefetch(2, RandomQueries(1).data()).code(), StatusCode::kInvalidArgument);
+    uint64_t cold_pages = 0, cold_bytes = 0;
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      auto q = RandomQueries(10 + layer);
+      client::SelectedKV a, b;
+      ASSERT_TRUE(with->Prefetch(layer, q.data()).ok());
+      ASSERT_TRUE(without->Prefetch(layer, q.data()).ok());  // disabled: no-op
+      ASSERT_TRUE(with->Step(layer, q.data(), &a).ok());
+      ASSERT_TRUE(without->Step(layer, q.data(), &b).ok());
+      EXPECT_GT(b.pages, 0u);
+      EXPECT_EQ(a.bytes_received, 0u) << "layer " << layer << ": all pages were prefetched";
+      EXPECT_EQ(a.pages, 0u);
+      EXPECT_EQ(a.cache_hits, b.pages + b.cache_hits);
+      ExpectSameSelection(a, b);
+      cold_pages += b.pages;
+      cold_bytes += b.bytes_received;
+    }
+    client::PageCacheStats st = with->page_cache_stats();
+    EXPECT_EQ(st.prefetch_requests, 2u);
+    EXPECT_EQ(st.prefetch_failures, 0u);
+    EXPECT_EQ(st.prefetched_pages, cold_pages);
+    EXPECT_EQ(st.prefetch_hits, cold_pages);
+    EXPECT_EQ(st.prefetched_bytes, cold_bytes);
+    EXPECT_EQ(st.prefetch_hit_bytes, cold_bytes);
+    EXPECT_EQ(st.misses, 0u);
+    EXPECT_GT(st.prefetch_selector_bytes, 0u);
+    client::PageCacheStats off = without->page_cache_stats();
+    EXPECT_EQ(off.prefetch_requests, 0u);
+    EXPECT_EQ(off.prefetched_pages, 0u);
+    EXPECT_EQ(off.prefetch_selector_bytes, 0u);
+
+    // Decode a few tokens: Append to both, prefetch with a wrong guess (a
+    // different query) and with the right one; results stay identical.
+    std::mt19937 rng(5);
+    std::normal_distribution<float> g;
+    std::vector<float> k(2 * 2 * 32), v(k.size()), qa(2 * 4 * 32);
+    for (int t = 0; t < 4; ++t) {
+      for (auto* buf : {&k, &v, &qa})
+        for (auto& x : *buf) x = g(rng);
+      ASSERT_TRUE(with->Append(k.data(), v.data(), qa.data()).ok());
+      ASSERT_TRUE(without->Append(k.data(), v.data(), qa.data()).ok());
+      for (uint32_t layer = 0; layer < 2; ++layer) {
+        auto q = RandomQueries(100 + t * 2 + layer);
+        auto guess = t % 2 ? q : RandomQueries(1000 + t);
+        ASSERT_TRUE(with->Prefetch(layer, guess.data()).ok());
+        client::SelectedKV a, b;
+        ASSERT_TRUE(with->Step(layer, q.data(), &a).ok());
+        ASSERT_TRUE(without->Step(layer, q.data(), &b).ok());
+        ExpectSameSelection(a, b);
+        if (t % 2) {
+          EXPECT_EQ(a.bytes_received, 0u) << "t " << t << " layer " << layer;
+        }
+      }
+    }
+    EXPECT_EQ(with->page_cache_stats().prefetch_failures, 0u);
+    EXPECT_TRUE(with->Close().ok());
+    EXPECT_TRUE(without->Close().ok());
+  }
+}
+
+// Streaming selects without queries: Step(l) prefetches layer l+1 by itself.
+TEST_F(PrefetchTest, StreamingStepPrefetchesTheNextLayer) {
+  auto with = Open("streaming", true, client::SelectMode::kClient);
+  auto without = Open("streaming", false, client::SelectMode::kClient);
+  ASSERT_TRUE(with && without);
+  auto q = RandomQueries(3);
+  client::SelectedKV a0, a1, b0, b1;
+  ASSERT_TRUE(with->Step(0, q.data(), &a0).ok());
+  ASSERT_TRUE(without->Step(0, q.data(), &b0).ok());
+  EXPECT_GT(a0.bytes_received, 0u) << "nothing prefetches layer 0";
+  ASSERT_TRUE(with->Step(1, q.data(), &a1).ok());
+  ASSERT_TRUE(without->Step(1, q.data(), &b1).ok());
+  EXPECT_EQ(b1.cache_hits, 0u);
+  EXPECT_GT(b1.pages, 0u);
+  EXPECT_EQ(a1.cache_hits, b1.pages) << "layer 1's pages were prefetched by Step(0)";
+  EXPECT_EQ(a1.bytes_received, 0u);
+  ExpectSameSelection(a0, b0);
+  ExpectSameSelection(a1, b1);
+  client::PageCacheStats st = with->page_cache_stats();
+  EXPECT_EQ(st.prefetch_requests, 1u);
+  EXPECT_EQ(st.prefetch_hits, b1.pages);
+  EXPECT_EQ(st.prefetched_bytes, b1.bytes_received);
+  EXPECT_EQ(without->page_cache_stats().prefetch_requests, 0u);
+}
+
+// The reference worker with speculative prefetch gives exactly the tokens
+// (and logits) it gives without.
+TEST_F(PrefetchTest, GenerateRemoteIsIdenticalWithAndWithoutPrefetch) {
+  auto model = model::Model::Load(testing::SourceDir() + "/tests/data/golden/llama3");
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const std::vector<int32_t> prompt = {5, 17, 42, 99};
+  for (const std::string method : {"csa", "streaming"}) {
+    SCOPED_TRACE(method);
+    client::GenerateResult runs[2];
+    for (int on = 0; on < 2; ++on) {
+      client::GenerateOptions go;
+      go.session.context_id = *id_;
+      go.session.method = method;
+      go.session.mode = client::SelectMode::kClient;
+      go.session.prefetch = on == 1;
+      go.max_new_tokens = 8;
+      go.keep_logits = true;
+      auto r = client::GenerateRemote(**model, client_, prompt, go);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      runs[on] = std::move(r).value();
+    }
+    EXPECT_EQ(runs[1].tokens, runs[0].tokens);
+    EXPECT_EQ(runs[1].argmax, runs[0].argmax);
+    // The pages (hence K/V) are bit-identical; the logits are compared with a
+    // tolerance because two runs of the model itself differ in the last bits
+    // (Eigen's reduction order depends on buffer alignment), prefetch or not.
+    ASSERT_EQ(runs[1].logits.size(), runs[0].logits.size());
+    for (size_t i = 0; i < runs[0].logits.size(); ++i) {
+      ASSERT_EQ(runs[1].logits[i].size(), runs[0].logits[i].size());
+      for (size_t j = 0; j < runs[0].logits[i].size(); ++j) {
+        ASSERT_NEAR(runs[1].logits[i][j], runs[0].logits[i][j], 1e-4) << "position " << i;
+      }
+    }
+    EXPECT_EQ(runs[0].page_cache.prefetch_requests, 0u);
+    // One prefetch of layer 1 per token step (prompt + generated - 1).
+    EXPECT_EQ(runs[1].page_cache.prefetch_requests, static_cast<uint64_t>(runs[1].steps));
+    EXPECT_GT(runs[1].page_cache.prefetch_hits, 0u);
+    EXPECT_EQ(runs[1].page_cache.prefetch_failures, 0u);
+    EXPECT_LT(runs[1].bytes_received, runs[0].bytes_received)
+        << "prefetched pages are not received by Steps";
+  }
+}
+
+// With a budget of ~3 pages the prefetches evict and are evicted, the cache
+// never exceeds its budget, and the Steps still return the right KV.
+TEST_F(PrefetchTest, PageCacheKeepsItsBudgetWithPrefetch) {
+  const size_t budget = 3 * (16 * 32 * 2 * 4 + 64);
+  auto with = Open("csa", true, client::SelectMode::kClient, budget);
+  auto without = Open("csa", false, client::SelectMode::kClient);
+  ASSERT_TRUE(with && without);
+  for (int round = 0; round < 3; ++round) {
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      auto q = RandomQueries(200 + round * 2 + layer);
+      ASSERT_TRUE(with->Prefetch(layer, q.data()).ok());
+      ASSERT_TRUE(with->Prefetch(1 - layer, RandomQueries(300 + round).data()).ok());
+      client::SelectedKV a, b;
+      ASSERT_TRUE(with->Step(layer, q.data(), &a).ok());
+      ASSERT_TRUE(without->Step(layer, q.data(), &b).ok());
+      ExpectSameSelection(a, b);
+      EXPECT_LE(with->page_cache_stats().bytes, budget);
+    }
+  }
+  EXPECT_TRUE(with->Close().ok());  // waits for the prefetches still in flight
+  client::PageCacheStats st = with->page_cache_stats();
+  EXPECT_LE(st.bytes, budget);
+  EXPECT_GT(st.evictions, 0u);
+  EXPECT_GT(st.prefetched_pages, 0u);
+  EXPECT_EQ(st.prefetch_failures, 0u);
+}
+
+// Server mode: the server sends pages inline; Prefetch is a no-op.
+TEST_F(PrefetchTest, PrefetchInServerModeIsANoOp) {
+  auto with = Open("csa", true, client::SelectMode::kServer);
+  auto plain = Open("csa", true, client::SelectMode::kServer);
+  ASSERT_TRUE(with && plain);
+  auto q = RandomQueries(4);
+  EXPECT_TRUE(with->Prefetch(1, q.data()).ok());
+  EXPECT_TRUE(with->Prefetch(0, nullptr).ok());
+  EXPECT_EQ(with->Prefetch(2, q.data()).code(), StatusCode::kInvalidArgument);
+  client::SelectedKV a, b;
+  ASSERT_TRUE(with->Step(1, q.data(), &a).ok());
+  ASSERT_TRUE(plain->Step(1, q.data(), &b).ok());
+  ExpectSameSelection(a, b);
+  EXPECT_EQ(a.bytes_received, b.bytes_received);
+  EXPECT_GT(a.bytes_received, 0u);
+  client::PageCacheStats st = with->page_cache_stats();
+  EXPECT_EQ(st.prefetch_requests, 0u);
+  EXPECT_EQ(st.prefetched_pages, 0u);
+  EXPECT_EQ(st.hits + st.misses + st.bytes, 0u);
 }
 
 TEST(SdkTest, RetriesAcrossAServerRestart) {

@@ -187,6 +187,27 @@ void ExpectSelectionMatches(CsaSelector* s, const float* q, int64_t budget) {
     EXPECT_NEAR(acc[only_got[i]], acc[only_want[i]], 1e-3 * (1 + std::abs(acc[only_want[i]])));
   }
   EXPECT_LE(only_got.size(), 2u);
+  // Logit estimates for the page cap: the accumulated score of each selected
+  // token, times the mean sub-query norm for uniform weights, over sqrt(d).
+  ASSERT_EQ(out.per_head_logits.size(), 1u);
+  ASSERT_EQ(out.per_head_logits[0].size(), got.size());
+  const CsaOptions& o = s->options();
+  double scale = 1.0;
+  if (!o.norm_weights && !o.proj_weights) {
+    const int ds = kD / o.m;
+    double sum = 0;
+    for (int b = 0; b < o.m; ++b) {
+      double n2 = 0;
+      for (int t = 0; t < ds; ++t) n2 += double(q[b * ds + t]) * q[b * ds + t];
+      sum += std::sqrt(n2);
+    }
+    scale = sum / o.m;
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double want_logit = acc[got[i]] * scale / std::sqrt(double(kD));
+    EXPECT_NEAR(out.per_head_logits[0][i], want_logit, 1e-3 * (1 + std::abs(want_logit)))
+        << "token " << got[i];
+  }
 }
 
 TEST(CsaTest, CentroidsAreCosineKMeansOfPooledQueries) {

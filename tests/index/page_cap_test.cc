@@ -19,6 +19,25 @@ TEST(CapSelectedPagesTest, KeepsTheDensestPagesPlusSinkAndRecent) {
   EXPECT_EQ((*out)[1], (std::vector<int32_t>{20, 29}));
 }
 
+TEST(CapSelectedPagesTest, LogitsRankPagesByEstimatedMass) {
+  // 10 pages of 4 tokens. Page 5 holds 3 selected tokens with low logits,
+  // page 2 one token with a dominant logit: by mass page 2 wins the one slot,
+  // by count page 5 would.
+  std::vector<std::vector<int32_t>> sel = {{9, 20, 21, 22}};
+  std::vector<std::vector<float>> logits = {{8.0f, 0.0f, 0.1f, 0.2f}};
+  auto by_mass = CapSelectedPages(sel, 4, 40, 1, /*recent_blocks=*/0, &logits);
+  ASSERT_TRUE(by_mass.ok());
+  EXPECT_EQ((*by_mass)[0], (std::vector<int32_t>{9}));
+  auto by_count = CapSelectedPages(sel, 4, 40, 1, 0);
+  ASSERT_TRUE(by_count.ok());
+  EXPECT_EQ((*by_count)[0], (std::vector<int32_t>{20, 21, 22}));
+  // Logits that do not cover every head's selection fall back to counts.
+  std::vector<std::vector<float>> partial = {{8.0f}};
+  auto fallback = CapSelectedPages(sel, 4, 40, 1, 0, &partial);
+  ASSERT_TRUE(fallback.ok());
+  EXPECT_EQ((*fallback)[0], (std::vector<int32_t>{20, 21, 22}));
+}
+
 TEST(CapSelectedPagesTest, PropertyBoundedPagesAndSubsetOfInput) {
   std::mt19937 rng(5);
   for (int trial = 0; trial < 100; ++trial) {

@@ -102,6 +102,27 @@ TEST_F(ServiceTest, BuildStreamsMonotonicProgressAndIsIdempotent) {
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->n_tokens(), 700u);
   EXPECT_GT(got->bytes_by_kind().at("index/csa"), 0u);
+  // The same tokens with different index params: ALREADY_EXISTS naming the
+  // fix; nothing changes.
+  v1::BuildContextRequest other;
+  for (int32_t t : tokens) other.mutable_tokens()->add_ids(static_cast<uint32_t>(t));
+  auto* idx = other.add_indexes();
+  idx->set_method("csa");
+  (*idx->mutable_params())["alpha"] = "0.5";
+  auto conflict = client_->Build(other, nullptr);
+  EXPECT_EQ(conflict.status().code(), StatusCode::kAlreadyExists) << conflict.status().ToString();
+  EXPECT_NE(conflict.status().message().find("alpha=0.5"), std::string::npos)
+      << conflict.status().message();
+  EXPECT_NE(conflict.status().message().find("evict"), std::string::npos);
+  auto after = client_->GetContext(done->context().context_id());
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->stored_bytes(), got->stored_bytes());
+  // A request for a stored index with its params (explicit or default) reuses it.
+  other.clear_indexes();
+  other.add_indexes()->set_method("csa");
+  auto subset = client_->Build(other, nullptr);
+  ASSERT_TRUE(subset.ok()) << subset.status().ToString();
+  EXPECT_TRUE(subset->reused());
   auto list = client_->ListContexts({});
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->contexts_size(), 1);
@@ -557,9 +578,13 @@ TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
   grpc::Status ok = ingest(1 << 30, &info);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(info.n_tokens(), 400u);
-  // Same id as a build of the same tokens on the same model (which is then a no-op).
-  auto built = Build(tokens);
-  ASSERT_TRUE(built.ok());
+  // Same id as a build of the same tokens and indexes on the same model
+  // (which is then a no-op).
+  v1::BuildContextRequest same;
+  for (int32_t t : tokens) same.mutable_tokens()->add_ids(t);
+  same.add_indexes()->set_method("csa");
+  auto built = client_->Build(same, nullptr);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
   EXPECT_TRUE(built->reused());
   EXPECT_EQ(built->context().context_id(), info.context_id());
   // And its index equals a real build's, done on a second server.

@@ -11,7 +11,9 @@
 // page received is checked against its crc32c (DATA_LOSS on mismatch).
 //
 // Thread-safety: Client is safe for concurrent use (one channel, many
-// calls). A DecodeSession is NOT: use one per decode stream / thread.
+// calls). A DecodeSession is NOT: use one per decode stream / thread. (In
+// client mode a session runs its own background prefetch thread; that is
+// internal and does not change this rule.)
 #pragma once
 
 #include <cstdint>
@@ -57,6 +59,17 @@ struct SessionOptions {
   // Byte budget of the local page cache (immutable stored pages; LRU).
   // Default: 256 MiB.
   size_t page_cache_bytes = 256u << 20;
+  // Client mode only: prefetch pages into the page cache on a background
+  // thread. Enables DecodeSession::Prefetch (a no-op when false), the
+  // automatic next-layer prefetch of query-independent methods (streaming,
+  // full: Step(l) prefetches layer l+1) and the reference worker's
+  // speculative prefetch (client/worker/decode_worker.h). Prefetch never
+  // changes selections or results, only where pages come from. Default:
+  // false: with ctxcached on loopback sharing the worker's 2 cores it made
+  // steps slower (csa p50 28.1 vs 20.1 ms, streaming 9.3 vs 8.2 ms;
+  // docs/benchmarks.md), since fetching is CPU-bound there and csa selects
+  // twice per layer. Turn it on when the server is across a network.
+  bool prefetch = false;
 };
 
 // The selected context tokens of one layer-step and their K/V (fp32).
@@ -77,10 +90,22 @@ struct SelectedKV {
 };
 
 struct PageCacheStats {
+  // Look-ups by Step (including key gathers of exact-scoring methods).
   uint64_t hits = 0;
   uint64_t misses = 0;
-  uint64_t bytes = 0;  // bytes held now
+  uint64_t bytes = 0;  // bytes held now (decoded fp32), <= page_cache_bytes
   uint64_t evictions = 0;
+  // Prefetch (client mode, SessionOptions::prefetch).
+  uint64_t prefetch_requests = 0;        // prefetch jobs run (explicit and automatic)
+  uint64_t prefetched_pages = 0;         // pages a prefetch fetched into the cache
+  uint64_t prefetched_bytes = 0;         // their page payload bytes received (wire)
+  uint64_t prefetch_hits = 0;            // pages a Step found in the cache because a
+                                         // prefetch brought them (first use only)
+  uint64_t prefetch_hit_bytes = 0;       // payload bytes of those pages; the wasted
+                                         // prefetch bytes are prefetched_bytes - this
+  uint64_t prefetch_failures = 0;        // prefetch jobs that failed (Step fetched itself)
+  double prefetch_wait_seconds = 0;      // time Steps waited for an in-flight prefetch
+  uint64_t prefetch_selector_bytes = 0;  // prediction selector copies (MemoryBytes at clone)
 };
 
 class DecodeSession {
@@ -90,11 +115,36 @@ class DecodeSession {
   // Tokens in the session's sequence (context + appended).
   virtual int64_t n_tokens() const = 0;
   // queries: [n_q_heads][head_dim] fp32 (post-RoPE) of `layer`.
+  // In client mode Step first waits for an in-flight prefetch of `layer`
+  // (so no page is fetched twice), then fetches what the cache lacks; a
+  // failed prefetch never fails a Step. For streaming and full it also
+  // starts the prefetch of layer + 1 (SessionOptions::prefetch).
   virtual Status Step(uint32_t layer, const float* queries, SelectedKV* out) = 0;
+  // Speculative prefetch of `layer`'s pages for predicted queries
+  // ([n_q_heads][head_dim] fp32 post-RoPE, like Step; copied, so the
+  // buffer may be reused at once; may be null for streaming and full).
+  // Client mode: runs the layer's selection on the predicted queries, with
+  // the same budget, page cap and page tables as Step, and fetches the
+  // stored pages the page cache lacks on the session's background thread
+  // (crc-checked like every page); returns at once. The selection runs on
+  // prediction copies of the layer's selectors, so the session's selector
+  // state (e.g. the csa search schedule) and thus Step's results are
+  // unchanged. Cost: the first Prefetch of a layer deep-copies its
+  // selectors (Selector::Clone, about Selector::MemoryBytes() each: the
+  // layer's index tables in memory: for csa ~6x the layer's bf16 KV,
+  // measured 12.6 MB per (layer, kv head) at 8K tokens, d = 64; a few bytes
+  // for streaming); the copies then take every Append too. See
+  // PageCacheStats::prefetch_selector_bytes. Append waits for in-flight
+  // prefetches; Close drops queued ones and waits for the running one.
+  // Server mode, or SessionOptions::prefetch false: a no-op returning OK
+  // (the server sends pages inline). InvalidArgument for a layer out of
+  // range or null queries of a query-dependent method.
+  virtual Status Prefetch(uint32_t layer, const float* predicted_queries) = 0;
   // The new token's post-RoPE K, V ([n_layers][n_kv_heads][d]) and Q
   // ([n_layers][n_q_heads][d], may be null).
   virtual Status Append(const float* k, const float* v, const float* q) = 0;
   virtual Status Close() = 0;
+  // A snapshot (prefetches may still be in flight).
   virtual PageCacheStats page_cache_stats() const = 0;
 };
 

@@ -1,0 +1,82 @@
+#include "index/session_params.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+namespace ctxcache::index {
+
+StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
+                                             const std::map<std::string, std::string>& params,
+                                             int page_size) {
+  SessionParams s;
+  s.table_options.page_size = page_size;
+  bool has_whole_pages = false;
+  for (const auto& [k, v] : params) {
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0' || !std::isfinite(x)) {
+      return InvalidArgumentError("session param " + k + "='" + v + "' is not a number");
+    }
+    if (k == "rho") {
+      if (!(x > 0 && x <= 1)) return InvalidArgumentError("session param rho must be in (0, 1]");
+      s.rho = x;
+    } else if (k == "budget") {
+      if (x < 1) return InvalidArgumentError("session param budget must be >= 1 token");
+      s.budget = static_cast<int64_t>(x);
+    } else if (k == "page_fraction") {
+      if (!(x > 0 && x <= 1)) {
+        return InvalidArgumentError("session param page_fraction must be in (0, 1]");
+      }
+      s.page_fraction = x;
+    } else if (k == "whole_pages") {
+      if (x != 0 && x != 1) return InvalidArgumentError("session param whole_pages must be 0 or 1");
+      s.whole_pages = x == 1;
+      has_whole_pages = true;
+    } else if (k == "subgroup") {
+      if (x < 1) return InvalidArgumentError("session param subgroup must be >= 1");
+      s.table_options.subgroup_size = static_cast<int>(x);
+    } else if (k == "recent_blocks") {
+      if (x < 0) return InvalidArgumentError("session param recent_blocks must be >= 0");
+      s.table_options.recent_blocks = static_cast<int>(x);
+    } else {
+      return InvalidArgumentError(
+          "unknown session param '" + k +
+          "'; expected rho, budget, page_fraction, whole_pages, subgroup or recent_blocks");
+    }
+  }
+  // Default page budget: the token budget's fraction of the pages (rho), so a
+  // 5% session fetches ~5% of the KV. Token-level selections unioned over a
+  // group touch most 16-token pages otherwise (docs/benchmarks.md). `full`
+  // means dense, and an explicit `budget` (tokens) keeps token-level paging.
+  if (params.find("page_fraction") == params.end() && s.budget == 0 && method != "full") {
+    s.page_fraction = s.rho;
+  }
+  if (s.page_fraction >= 1.0) s.page_fraction = 0;
+  if (!has_whole_pages) s.whole_pages = s.page_fraction > 0;
+  return s;
+}
+
+int64_t SessionParams::TokenBudget(int64_t n) const {
+  if (budget > 0) return std::max<int64_t>(1, std::min(budget, n));
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho * static_cast<double>(n))));
+}
+
+Status SessionParams::PageStep(int64_t n_tokens, std::vector<std::vector<int32_t>>* per_q_head,
+                               std::vector<PageTable>* tables,
+                               const std::vector<std::vector<float>>* logits) const {
+  const int b = table_options.page_size;
+  if (page_fraction > 0) {
+    ASSIGN_OR_RETURN(*per_q_head, CapSelectedPages(*per_q_head, b, n_tokens,
+                                                   PageBudget(page_fraction, n_tokens, b),
+                                                   table_options.recent_blocks, logits));
+  }
+  ASSIGN_OR_RETURN(*tables, BuildPageTables(*per_q_head, n_tokens, table_options));
+  if (whole_pages) {
+    ASSIGN_OR_RETURN(*per_q_head, ExpandToTablePages(*tables, static_cast<int>(per_q_head->size()),
+                                                     b, n_tokens));
+  }
+  return Status::OK();
+}
+
+}  // namespace ctxcache::index

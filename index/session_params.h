@@ -1,0 +1,57 @@
+// Per-session selection parameters, parsed once for both sides of a decode
+// session: the server (service/decode_session) and the SDK's client-side
+// selection (client/sdk). Keeping one parser keeps the two modes identical.
+//
+// Params (string -> number, all optional; docs/api.md):
+//   rho            token budget per q head as a fraction of the session's
+//                  tokens, (0, 1]. Default: 0.05.
+//   budget         token budget per q head, >= 1 (overrides rho). Default: unset.
+//   page_fraction  cap on the pages fetched per (layer, kv head), as a fraction
+//                  of the pages, (0, 1]; 1 = no cap. Default: rho for sparse
+//                  methods; no cap for `full` or when `budget` is given.
+//   whole_pages    1: every q head attends every token of the pages fetched
+//                  for its subgroup; 0: only its own selected tokens.
+//                  Default: 1 when the page cap is on, else 0 (token-level
+//                  paging keeps each method's exact selections).
+//   subgroup       q heads per page table, >= 1. Default: 4.
+//   recent_blocks  pages before the current one always fetched, >= 0. Default: 1.
+//
+// Thread-safety: a value type; Parse is reentrant.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "index/page_table.h"
+
+namespace ctxcache::index {
+
+struct SessionParams {
+  double rho = 0.05;
+  int64_t budget = 0;        // 0 = use rho
+  double page_fraction = 0;  // 0 = no page cap
+  bool whole_pages = false;
+  PageTableOptions table_options;
+
+  // InvalidArgument naming the param and the expected values.
+  static StatusOr<SessionParams> Parse(const std::string& method,
+                                       const std::map<std::string, std::string>& params,
+                                       int page_size);
+
+  // Tokens per q head for a session of n tokens (>= 1, <= n when n >= 1).
+  int64_t TokenBudget(int64_t n) const;
+
+  // One (layer, kv head) step after the method's Select: applies the page
+  // cap, builds the page tables and, with whole_pages, widens each q head's
+  // selection to the tokens of its subgroup's pages. *per_q_head is updated
+  // in place to what each q head attends.
+  // per_q_head_logits (may be null): Selection::per_head_logits.
+  Status PageStep(int64_t n_tokens, std::vector<std::vector<int32_t>>* per_q_head,
+                  std::vector<PageTable>* tables,
+                  const std::vector<std::vector<float>>* per_q_head_logits = nullptr) const;
+};
+
+}  // namespace ctxcache::index

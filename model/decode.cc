@@ -284,16 +284,17 @@ Status DecodeStep(const Model& model, int32_t token, int64_t pos,
   return Status::OK();
 }
 
-Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q) {
+Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q,
+                    std::vector<float>* scratch) {
   const ModelSpec& s = model.spec();
   if (layer < 0 || layer >= s.n_layers) {
     return InvalidArgumentError("LayerQueries: layer " + std::to_string(layer) + " out of range");
   }
   const LayerWeights& w = model.layer(layer);
   const int64_t qd = int64_t{s.n_q_heads} * s.head_dim;
-  std::vector<float> norm(s.hidden);
-  internal::RmsNorm(hidden, 1, s.hidden, w.attn_norm.data(), s.rms_norm_eps, norm.data());
-  internal::Linear(model.pool(), norm.data(), 1, s.hidden, w.wq.data(), qd,
+  scratch->resize(static_cast<size_t>(s.hidden));
+  internal::RmsNorm(hidden, 1, s.hidden, w.attn_norm.data(), s.rms_norm_eps, scratch->data());
+  internal::Linear(model.pool(), scratch->data(), 1, s.hidden, w.wq.data(), qd,
                    w.bq.empty() ? nullptr : w.bq.data(), q);
   internal::ApplyRope(model.inv_freq(), pos, 1, s.n_q_heads, s.head_dim, qd, q);
   return Status::OK();

@@ -137,9 +137,11 @@ Status DecodeStep(const Model& model, int32_t token, int64_t pos,
 // from the input hidden state `hidden` [hidden]: attention RMSNorm with the
 // layer's weight, Wq (+ bias), RoPE (the same functions the forward pass
 // uses). With the previous layer's input this is the InfiniGen-style
-// speculative query used to prefetch the layer's KV. Writes q; InvalidArgument
-// for a layer out of range.
-Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q);
+// speculative query used to prefetch the layer's KV. Writes q; `scratch`
+// holds the normed input and is reused across calls (no allocation per step
+// once sized). InvalidArgument for a layer out of range.
+Status LayerQueries(const Model& model, int layer, int64_t pos, const float* hidden, float* q,
+                    std::vector<float>* scratch);
 
 struct SamplingOptions {
   // <= 0 means greedy (argmax, lowest id on ties). Default: 0.

@@ -197,10 +197,10 @@ class SessionImpl final : public DecodeSession {
   StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest* req,
                                          std::vector<v1::PageBatch>* batches);
   Status ClientSelect(uint32_t layer, const float* queries, SelectedKV* out);
-  // The selection of kv head `head` of `layer` for the group's queries with
-  // `selector` (exactly as Step makes it: budget, page cap), and the stored
-  // blocks of its page tables.
-  Status SelectHead(uint32_t layer, uint32_t head, const float* queries, index::Selector* selector,
+  // The selection of kv head `head` (of the layer `selector` and `keys`
+  // belong to) for the group's queries, exactly as Step makes it (budget,
+  // page cap, whole pages), and the stored blocks of its page tables.
+  Status SelectHead(uint32_t head, const float* queries, index::Selector* selector,
                     const index::KeySource* keys, std::vector<std::vector<int32_t>>* per_q_head,
                     std::vector<uint32_t>* stored_blocks);
   // Stored pages of (layer, head), from the page cache or one batched
@@ -688,14 +688,13 @@ Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) 
   return Status::OK();
 }
 
-Status SessionImpl::SelectHead(uint32_t layer, uint32_t head, const float* queries,
-                               index::Selector* selector, const index::KeySource* keys,
+Status SessionImpl::SelectHead(uint32_t head, const float* queries, index::Selector* selector,
+                               const index::KeySource* keys,
                                std::vector<std::vector<int32_t>>* per_q_head,
                                std::vector<uint32_t>* stored_blocks) {
   const uint32_t g = n_q_ / n_kv_;
   const int64_t n = n_tokens_;
   const int64_t budget = params_.TokenBudget(n);
-  (void)layer;
   index::SelectInput in;
   in.queries = queries ? queries + size_t{head} * g * d_ : nullptr;
   in.n_queries = static_cast<int>(g);
@@ -739,7 +738,7 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
     const size_t slot = size_t{layer} * n_kv_ + h;
     auto& head = out->heads[h];
     std::vector<uint32_t> need;
-    RETURN_IF_ERROR(SelectHead(layer, h, queries, selectors_[slot].get(), key_sources_[slot].get(),
+    RETURN_IF_ERROR(SelectHead(h, queries, selectors_[slot].get(), key_sources_[slot].get(),
                                &head.per_q_head, &need));
     std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
     RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, out));
@@ -844,7 +843,7 @@ Status SessionImpl::RunPrefetch(uint32_t layer, const float* queries) {
     }
     std::vector<std::vector<int32_t>> per_q_head;
     std::vector<uint32_t> need;
-    RETURN_IF_ERROR(SelectHead(layer, h, queries, pred_selectors_[slot].get(),
+    RETURN_IF_ERROR(SelectHead(h, queries, pred_selectors_[slot].get(),
                                pred_key_sources_[slot].get(), &per_q_head, &need));
     std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
     RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, nullptr, /*prefetch=*/true));

@@ -84,7 +84,8 @@ Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* 
 
 Status RemoteAttention::OnLayerInput(int layer, int64_t pos, const float* hidden) {
   if (speculate_with_ == nullptr || layer + 1 >= spec_.n_layers) return Status::OK();
-  RETURN_IF_ERROR(model::LayerQueries(*speculate_with_, layer + 1, pos, hidden, spec_q_.data()));
+  RETURN_IF_ERROR(
+      model::LayerQueries(*speculate_with_, layer + 1, pos, hidden, spec_q_.data(), &spec_norm_));
   return session_->Prefetch(static_cast<uint32_t>(layer + 1), spec_q_.data());
 }
 

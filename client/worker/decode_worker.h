@@ -62,7 +62,8 @@ class RemoteAttention final : public model::AttentionProvider {
   DecodeSession* session_;
   int64_t n_context_;
   const model::Model* speculate_with_;
-  std::vector<float> spec_q_;  // [n_q_heads][d]
+  std::vector<float> spec_q_;     // [n_q_heads][d]
+  std::vector<float> spec_norm_;  // LayerQueries scratch [hidden]
   // Local tail K/V per [layer][kv head]: [n_tail][d].
   std::vector<std::vector<std::vector<float>>> tail_k_, tail_v_;
   // The pending token's K/V/Q, [layer][heads][d].

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <random>
 
@@ -65,6 +66,14 @@ TEST(OracleTest, MatchesBruteForceTopK) {
       for (int i = 0; i < 300; ++i) want.push_back(s[i].second);  // ceil(0.03 * 10000)
       std::sort(want.begin(), want.end());
       EXPECT_EQ(out.per_head[h], want);
+      // Logit estimates for the page cap: exact q.k / sqrt(d), per selected token.
+      ASSERT_EQ(out.per_head_logits.size(), static_cast<size_t>(G));
+      ASSERT_EQ(out.per_head_logits[h].size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        double dot = 0;
+        for (int j = 0; j < d; ++j) dot += q[h * d + j] * keys[want[i] * d + j];
+        EXPECT_NEAR(out.per_head_logits[h][i], dot / std::sqrt(double(d)), 1e-4);
+      }
       merged.insert(merged.end(), want.begin(), want.end());
     }
     std::sort(merged.begin(), merged.end());

@@ -539,13 +539,16 @@ TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
   ASSERT_TRUE(model::Prefill(**model, tokens, &cache, {&sink}, {}, &pr).ok());
   auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
   auto admin = v1::ContextAdmin::NewStub(ch);
-  auto ingest = [&](int64_t cut_after_tokens, v1::ContextInfo* info) {
+  auto ingest = [&](int64_t cut_after_tokens, v1::ContextInfo* info,
+                    const std::map<std::string, std::string>& csa_params = {}) {
     grpc::ClientContext ctx;
     auto writer = admin->IngestContext(&ctx, info);
     v1::IngestChunk h;
     *h.mutable_header()->mutable_model() = spec_proto;
     for (int32_t t : tokens) h.mutable_header()->mutable_tokens()->add_ids(t);
-    h.mutable_header()->add_indexes()->set_method("csa");
+    auto* idx = h.mutable_header()->add_indexes();
+    idx->set_method("csa");
+    idx->mutable_params()->insert(csa_params.begin(), csa_params.end());
     EXPECT_TRUE(writer->Write(h));
     for (int64_t t0 = 0; t0 < static_cast<int64_t>(tokens.size()); t0 += 100) {
       if (t0 >= cut_after_tokens) break;
@@ -578,6 +581,12 @@ TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
   grpc::Status ok = ingest(1 << 30, &info);
   ASSERT_TRUE(ok.ok()) << ok.error_message();
   EXPECT_EQ(info.n_tokens(), 400u);
+  // The same tokens again with other csa params: ALREADY_EXISTS, nothing changes.
+  v1::ContextInfo again;
+  grpc::Status conflict = ingest(1 << 30, &again, {{"alpha", "0.5"}});
+  EXPECT_EQ(conflict.error_code(), grpc::StatusCode::ALREADY_EXISTS) << conflict.error_message();
+  EXPECT_NE(conflict.error_message().find("alpha=0.5"), std::string::npos);
+  EXPECT_EQ(client_->GetContext(info.context_id())->stored_bytes(), info.stored_bytes());
   // Same id as a build of the same tokens and indexes on the same model
   // (which is then a no-op).
   v1::BuildContextRequest same;
@@ -685,6 +694,35 @@ TEST_F(ServiceTest, SessionsCapPagesAtRhoByDefault) {
     // rho 0.1 of 100 pages = 10, plus page 0 and the last 2 (recent).
     EXPECT_LE(pages_of({{"rho", "0.1"}}, mode), 13u);
     EXPECT_GT(pages_of({{"rho", "0.1"}, {"page_fraction", "1"}}, mode), 13u);
+  }
+  // With the cap every q head attends whole pages (whole_pages defaults to
+  // 1), the same in both selection modes; whole_pages=0 keeps each head's own
+  // 10% of the tokens.
+  auto select = [&](std::map<std::string, std::string> params, client::SelectMode mode) {
+    client::SessionOptions so;
+    so.context_id = done->context().context_id();
+    so.method = "csa";
+    so.params = params;
+    so.mode = mode;
+    auto session = client_->OpenSession(so);
+    EXPECT_TRUE(session.ok()) << session.status().ToString();
+    client::SelectedKV sel;
+    EXPECT_TRUE((*session)->Step(0, q.data(), &sel).ok());
+    return sel;
+  };
+  const auto server = select({{"rho", "0.1"}}, client::SelectMode::kServer);
+  const auto local = select({{"rho", "0.1"}}, client::SelectMode::kClient);
+  ASSERT_EQ(server.heads.size(), local.heads.size());
+  for (size_t h = 0; h < server.heads.size(); ++h) {
+    EXPECT_EQ(server.heads[h].per_q_head, local.heads[h].per_q_head);
+    std::set<int32_t> pages;
+    for (int32_t id : server.heads[h].ids) pages.insert(id / 16);
+    EXPECT_EQ(server.heads[h].ids.size(), pages.size() * 16) << "1600 tokens: all pages full";
+    for (const auto& own : server.heads[h].per_q_head) EXPECT_EQ(own, server.heads[h].ids);
+  }
+  const auto own = select({{"rho", "0.1"}, {"whole_pages", "0"}}, client::SelectMode::kServer);
+  for (const auto& head : own.heads) {
+    for (const auto& sel : head.per_q_head) EXPECT_LE(sel.size(), 160u);  // 10% of 1600
   }
 }
 

@@ -12,7 +12,7 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
   libfaiss-dev libopenblas-dev
-  fio curl procps
+  fio curl procps xz-utils
 )
 
 missing=()

@@ -159,7 +159,10 @@ TEST_F(LoaderTest, ShardedEqualsSingleFile) {
   auto sharded = Model::Load(dir_);
   ASSERT_TRUE(sharded.ok()) << sharded.status().ToString();
   EXPECT_EQ((*sharded)->spec().fingerprint, (*single)->spec().fingerprint);
-  EXPECT_EQ(MaxAbsDiff(Logits(**sharded), Logits(**single)), 0.0);
+  // Same weights (the fingerprint covers them); logits may differ in the last
+  // bit because Eigen's vectorized reductions depend on the heap alignment of
+  // the weight buffers (seen: 1.2e-7 under load).
+  EXPECT_LE(MaxAbsDiff(Logits(**sharded), Logits(**single)), 1e-5);
 
   // A shard named in the index but missing on disk.
   fs::remove(dir_ + "/model-00002-of-00002.safetensors");

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -131,12 +132,15 @@ StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   ASSIGN_OR_RETURN(int64_t sinks, pr.Int("sinks", o.sinks, 0, INT32_MAX));
   ASSIGN_OR_RETURN(int64_t tau, pr.Int("tau", o.tau, 1, 1 << 20));
   ASSIGN_OR_RETURN(o.backoff_cos, pr.Double("backoff_cos", o.backoff_cos, -1.0, 1.0));
-  ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights", "uniform", {"uniform", "norm", "proj"}));
+  ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights", o.proj_weights  ? "proj"
+                                                                 : o.norm_weights ? "norm"
+                                                                                  : "uniform",
+                                                     {"uniform", "norm", "proj"}));
   ASSIGN_OR_RETURN(std::string missing, pr.Enum("missing", "zero", {"zero", "min", "mean"}));
   o.impute_min = missing == "min";
   o.impute_tail_mean = missing == "mean";
   ASSIGN_OR_RETURN(int64_t period, pr.Int("period", o.period, 1, 1 << 20));
-  ASSIGN_OR_RETURN(std::string format, pr.Enum("format", "plain", {"plain", "compact"}));
+  ASSIGN_OR_RETURN(std::string format, pr.Enum("format", o.compact ? "compact" : "plain", {"plain", "compact"}));
   if (pr.Has("schedule")) {
     ASSIGN_OR_RETURN(std::string schedule,
                      pr.Enum("schedule", "", {"0.05/1", "0.15/4", "0.20/8", "0.2/8"}));
@@ -646,6 +650,33 @@ uint64_t CsaSelector::MemoryBytes() const {
 double CsaSelector::PlainBytesPerToken() const {
   return static_cast<double>(ids_.size() * kEntryBytes + centroids_.size() * sizeof(float)) /
          static_cast<double>(n_tokens_);
+}
+
+MethodParams CsaOptionsToParams(const CsaOptions& o) {
+  auto num = [](double v) {
+    char buf[32];
+    auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    return std::string(buf, r.ptr);
+  };
+  MethodParams p;
+  p["m"] = std::to_string(o.m);
+  p["C"] = std::to_string(o.C);
+  p["alpha"] = num(o.alpha);
+  p["L"] = std::to_string(o.fixed_L);
+  p["query_cap"] = std::to_string(o.query_cap);
+  p["iters"] = std::to_string(o.kmeans_iters);
+  p["seed"] = std::to_string(o.seed);
+  p["center"] = o.center_keys ? "true" : "false";
+  p["rho"] = num(o.rho);
+  p["R"] = std::to_string(o.recent);
+  p["sinks"] = std::to_string(o.sinks);
+  p["tau"] = std::to_string(o.tau);
+  p["backoff_cos"] = num(o.backoff_cos);
+  p["weights"] = o.proj_weights ? "proj" : o.norm_weights ? "norm" : "uniform";
+  p["missing"] = o.impute_tail_mean ? "mean" : o.impute_min ? "min" : "zero";
+  p["period"] = std::to_string(o.period);
+  p["format"] = o.compact ? "compact" : "plain";
+  return p;
 }
 
 double CsaSelector::CompactBytesPerToken() const {

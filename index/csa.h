@@ -89,8 +89,10 @@ struct CsaOptions {
   int tau = 2;
   // Back off to tau centroids when the best cosine is below this. Default: 0.3.
   double backoff_cos = 0.3;
-  // w_b = ||q^b|| instead of 1. Default: false (uniform, as the paper).
-  bool norm_weights = false;
+  // w_b = ||q^b|| instead of the paper's 1: the accumulated score then
+  // estimates q.k, which the session's mass-ranked page cap needs
+  // (docs/algorithms.md). Default: true.
+  bool norm_weights = true;
   // w_b = q^b . c_b (the projection of q^b on its centroid: the least-squares
   // estimate of q^b.k^b from c_b.k^b); overrides norm_weights. Default: false.
   bool proj_weights = false;
@@ -106,12 +108,16 @@ struct CsaOptions {
   bool impute_tail_mean = false;
   // Search period P: a selection is reused for P Select() calls. Default: 1.
   int period = 1;
-  // Serialize() writes the compact form. Default: false (plain).
-  bool compact = false;
+  // Serialize() writes the compact form (delta/varint ids, 8-bit scores:
+  // about 1x the KV instead of 3-6x). Default: true.
+  bool compact = true;
 };
 
 // Parses "csa" MethodParams into options (InvalidArgument on bad values).
+// Absent keys keep CsaOptions' defaults.
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params);
+// Every option as params: ParseCsaOptions(CsaOptionsToParams(o)) == o.
+MethodParams CsaOptionsToParams(const CsaOptions& o);
 
 class CsaSelector final : public Selector {
  public:

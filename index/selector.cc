@@ -1,11 +1,14 @@
-// Selector registry and the shared pieces of selector.h.
+// The method registry (index/methods.h) and the shared pieces of selector.h.
 #include "index/selector.h"
+
+#include <algorithm>
 
 #include <cstring>
 #include <string>
 
 #include "index/csa.h"
 #include "index/lfps.h"
+#include "index/methods.h"
 #include "index/oracle.h"
 #include "index/quest.h"
 #include "index/streaming.h"
@@ -14,41 +17,72 @@
 namespace ctxcache::index {
 namespace {
 
-using BuildFn = StatusOr<std::unique_ptr<Selector>> (*)(const HeadPrefill&, const MethodParams&);
-using LoadFn = StatusOr<std::unique_ptr<Selector>> (*)(std::string_view);
+StatusOr<MethodParams> ResolveAsRequested(const MethodParams& requested, int64_t, int64_t) {
+  return requested;
+}
 
-struct MethodEntry {
-  const char* name;
-  BuildFn build;
-  LoadFn load;
+// CSA: every option spelled out (so the manifest records what was built),
+// with C clamped to the keys and query rows when not requested.
+StatusOr<MethodParams> ResolveCsa(const MethodParams& requested, int64_t n_keys,
+                                  int64_t n_query_rows) {
+  ASSIGN_OR_RETURN(CsaOptions o, ParseCsaOptions(requested));
+  if (requested.find("C") == requested.end()) {
+    o.C = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>({o.C, n_keys, n_query_rows})));
+  }
+  return CsaOptionsToParams(o);
+}
+
+constexpr std::string_view kCsaContextDependent[] = {"C"};
+
+// One entry per method (DESIGN §5). Kind bytes are on disk: never reuse or
+// renumber one (docs/storage-format.md).
+const MethodInfo kMethods[] = {
+    {"csa", 1, false, false, &BuildCsaSelector, &LoadCsaSelector, &ResolveCsa,
+     kCsaContextDependent},
+    {"tactic", 2, false, false, &BuildTacticSelector, &LoadTacticSelector, &ResolveAsRequested,
+     {}},
+    {"lfps", 3, false, false, &BuildLfpsSelector, &LoadLfpsSelector, &ResolveAsRequested, {}},
+    {"quest", 4, false, false, &BuildQuestSelector, &LoadQuestSelector, &ResolveAsRequested, {}},
+    {"full", 5, true, true, &BuildFullSelector, &LoadFullSelector, &ResolveAsRequested, {}},
+    {"oracle", 6, true, false, &BuildOracleSelector, &LoadOracleSelector, &ResolveAsRequested,
+     {}},
+    {"streaming", 7, true, true, &BuildStreamingSelector, &LoadStreamingSelector,
+     &ResolveAsRequested, {}},
 };
 
-// One line per method (DESIGN §5). Keep in sync with selector.h's list.
-constexpr MethodEntry kMethods[] = {
-    {"full", &BuildFullSelector, &LoadFullSelector},
-    {"oracle", &BuildOracleSelector, &LoadOracleSelector},
-    {"csa", &BuildCsaSelector, &LoadCsaSelector},
-    {"tactic", &BuildTacticSelector, &LoadTacticSelector},
-    {"lfps", &BuildLfpsSelector, &LoadLfpsSelector},
-    {"quest", &BuildQuestSelector, &LoadQuestSelector},
-    {"streaming", &BuildStreamingSelector, &LoadStreamingSelector},
-};
+}  // namespace
 
-const MethodEntry* FindMethod(std::string_view name) {
-  for (const MethodEntry& e : kMethods) {
+std::span<const MethodInfo> Methods() { return kMethods; }
+
+std::string MethodNamesForMessages() {
+  std::string known;
+  for (const MethodInfo& e : kMethods) {
+    known += (known.empty() ? "" : ", ") + std::string(e.name);
+  }
+  return known;
+}
+
+StatusOr<const MethodInfo*> FindMethodInfo(std::string_view name) {
+  for (const MethodInfo& e : kMethods) {
     if (name == e.name) return &e;
+  }
+  return InvalidArgumentError("unknown method '" + std::string(name) +
+                              "', expected one of: " + MethodNamesForMessages());
+}
+
+const MethodInfo* FindMethodByKind(uint8_t kind) {
+  for (const MethodInfo& e : kMethods) {
+    if (e.artifact_kind == kind) return &e;
   }
   return nullptr;
 }
 
-Status UnknownMethod(std::string_view name) {
-  std::string known;
-  for (const MethodEntry& e : kMethods) known += (known.empty() ? "" : ", ") + std::string(e.name);
-  return InvalidArgumentError("unknown selector method '" + std::string(name) +
-                              "', expected one of: " + known);
+MethodParams ParamsForExtend(const MethodInfo& method, const MethodParams& parent_resolved) {
+  MethodParams p = parent_resolved;
+  for (std::string_view key : method.context_dependent_params) p.erase(std::string(key));
+  return p;
 }
-
-}  // namespace
 
 Status ArrayKeySource::GatherKeys(const int32_t* ids, int64_t n, float* out) const {
   if (n < 0 || (n > 0 && (ids == nullptr || out == nullptr))) {
@@ -93,20 +127,18 @@ StatusOr<MethodParams> ParseParams(std::string_view text) {
 StatusOr<std::unique_ptr<Selector>> BuildSelector(std::string_view method,
                                                   const HeadPrefill& prefill,
                                                   const MethodParams& params) {
-  const MethodEntry* e = FindMethod(method);
-  if (e == nullptr) return UnknownMethod(method);
+  ASSIGN_OR_RETURN(const MethodInfo* e, FindMethodInfo(method));
   return e->build(prefill, params);
 }
 
 StatusOr<std::unique_ptr<Selector>> LoadSelector(std::string_view method, std::string_view bytes) {
-  const MethodEntry* e = FindMethod(method);
-  if (e == nullptr) return UnknownMethod(method);
+  ASSIGN_OR_RETURN(const MethodInfo* e, FindMethodInfo(method));
   return e->load(bytes);
 }
 
 std::vector<std::string> SelectorMethods() {
   std::vector<std::string> names;
-  for (const MethodEntry& e : kMethods) names.emplace_back(e.name);
+  for (const MethodInfo& e : kMethods) names.emplace_back(e.name);
   return names;
 }
 

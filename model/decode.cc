@@ -8,6 +8,7 @@
 
 #include "model/forward.h"
 #include "model/prefill.h"
+#include "session/attention.h"
 
 namespace ctxcache::model {
 
@@ -72,184 +73,121 @@ Status FullAttention::Attend(int layer, int64_t pos, const float* q, const float
 
 // --------------------------------------------------------- page source ----
 
-Status KvCachePageSource::GetKV(int layer, int kv_head, const int32_t* ids, int64_t n, float* k_out,
-                                float* v_out) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (ids[i] < 0 || ids[i] >= n_) {
-      return InvalidArgumentError("page source: token id " + std::to_string(ids[i]) +
-                                  " outside [0, " + std::to_string(n_) + ")");
+Status KvCachePageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
+                                 session::PageMap* out) {
+  const int d = cache_->head_dim();
+  for (uint32_t block : blocks) {
+    if (out->count(block)) continue;
+    const int64_t begin = int64_t{block} * page_size_;
+    const int64_t end = std::min<int64_t>(begin + page_size_, n_);
+    if (begin >= n_) {
+      return InvalidArgumentError("kv cache fetcher: block " + std::to_string(block) +
+                                  " starts at token " + std::to_string(begin) + ", past the " +
+                                  std::to_string(n_) + " stored tokens");
     }
+    auto page = std::make_shared<session::DecodedPage>();
+    page->n_tokens = static_cast<uint32_t>(end - begin);
+    page->k.resize(static_cast<size_t>(end - begin) * d);
+    page->v.resize(page->k.size());
+    cache_->Read(layer, kv_head, begin, end, page->k.data(), page->v.data());
+    (*out)[block] = std::move(page);
   }
-  cache_->Gather(layer, kv_head, ids, n, k_out, v_out);
   return Status::OK();
 }
 
 // -------------------------------------------------------------- sparse ----
 
-// Keys of context tokens (from the PageSource) and of decoded tokens (from
-// the local tail), as one id space, for selectors that score exactly.
-class SparseAttention::TailKeySource final : public index::KeySource {
- public:
-  TailKeySource(PageSource* pages, int layer, int kv_head, int64_t n_context,
-                const std::vector<float>* tail_k, int64_t n_tail, int d)
-      : pages_(pages),
-        layer_(layer),
-        kv_head_(kv_head),
-        n_context_(n_context),
-        tail_k_(tail_k),
-        n_tail_(n_tail),
-        d_(d) {}
-  int64_t n_tokens() const override { return n_context_ + n_tail_; }
-  int head_dim() const override { return d_; }
-  Status GatherKeys(const int32_t* ids, int64_t n, float* out) const override {
-    std::vector<std::pair<int32_t, int64_t>> ctx;  // (id, output row)
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t id = ids[i];
-      if (id < 0 || id >= n_tokens()) {
-        return InvalidArgumentError("key source: token id " + std::to_string(id) + " outside [0, " +
-                                    std::to_string(n_tokens()) + ")");
-      }
-      if (id < n_context_) {
-        ctx.emplace_back(id, i);
-      } else {
-        std::copy_n(tail_k_->data() + (id - n_context_) * d_, d_, out + i * d_);
-      }
-    }
-    if (ctx.empty()) return Status::OK();
-    std::sort(ctx.begin(), ctx.end());
-    std::vector<int32_t> sorted(ctx.size());
-    for (size_t i = 0; i < ctx.size(); ++i) sorted[i] = ctx[i].first;
-    std::vector<float> buf(ctx.size() * d_);
-    RETURN_IF_ERROR(pages_->GetKV(layer_, kv_head_, sorted.data(),
-                                  static_cast<int64_t>(sorted.size()), buf.data(), nullptr));
-    for (size_t i = 0; i < ctx.size(); ++i) {
-      std::copy_n(buf.data() + i * d_, d_, out + ctx[i].second * d_);
-    }
-    return Status::OK();
-  }
-
- private:
-  PageSource* pages_;
-  int layer_, kv_head_;
-  int64_t n_context_;
-  const std::vector<float>* tail_k_;
-  int64_t n_tail_;
-  int d_;
-};
-
 SparseAttention::SparseAttention(const ModelSpec& spec,
-                                 std::vector<std::vector<index::Selector*>> selectors,
-                                 PageSource* pages, const SparseAttentionOptions& options)
+                                 std::unique_ptr<session::SparseSession> session)
     : spec_(spec),
-      selectors_(std::move(selectors)),
-      pages_(pages),
-      options_(options),
-      n_context_(pages->n_tokens()),
-      tail_k_(spec.n_layers, std::vector<std::vector<float>>(spec.n_kv_heads)),
-      tail_v_(spec.n_layers, std::vector<std::vector<float>>(spec.n_kv_heads)) {}
+      session_(std::move(session)),
+      last_(spec.n_layers, std::vector<session::HeadStep>(spec.n_kv_heads)),
+      pages_(spec.n_kv_heads) {}
 
 StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
-    const ModelSpec& spec, std::vector<std::vector<index::Selector*>> selectors, PageSource* pages,
-    const SparseAttentionOptions& options) {
-  if (pages == nullptr) return InvalidArgumentError("sparse attention: page source is null");
+    const ModelSpec& spec, std::vector<std::vector<index::Selector*>> selectors,
+    session::PageFetcher* pages, int64_t n_context, const SparseAttentionOptions& options) {
+  if (pages == nullptr) return InvalidArgumentError("sparse attention: page fetcher is null");
   if (static_cast<int>(selectors.size()) != spec.n_layers) {
     return InvalidArgumentError("sparse attention: selectors has " +
                                 std::to_string(selectors.size()) + " layers, expected " +
                                 std::to_string(spec.n_layers));
   }
+  std::vector<index::Selector*> flat;
   for (int l = 0; l < spec.n_layers; ++l) {
     if (static_cast<int>(selectors[l].size()) != spec.n_kv_heads) {
       return InvalidArgumentError("sparse attention: selectors[" + std::to_string(l) + "] has " +
                                   std::to_string(selectors[l].size()) + " kv heads, expected " +
                                   std::to_string(spec.n_kv_heads));
     }
-    for (int g = 0; g < spec.n_kv_heads; ++g) {
-      const index::Selector* s = selectors[l][g];
-      if (s == nullptr) return InvalidArgumentError("sparse attention: null selector");
-      if (s->n_tokens() != pages->n_tokens() || s->head_dim() != spec.head_dim) {
-        return InvalidArgumentError(
-            "sparse attention: selector (layer " + std::to_string(l) + ", kv head " +
-            std::to_string(g) + ") covers " + std::to_string(s->n_tokens()) + " tokens of dim " +
-            std::to_string(s->head_dim()) + "; expected " + std::to_string(pages->n_tokens()) +
-            " of dim " + std::to_string(spec.head_dim));
-      }
-    }
+    flat.insert(flat.end(), selectors[l].begin(), selectors[l].end());
   }
-  return std::unique_ptr<SparseAttention>(
-      new SparseAttention(spec, std::move(selectors), pages, options));
+  if (flat.empty() || flat[0] == nullptr) {
+    return InvalidArgumentError("sparse attention: null selector");
+  }
+  session::SessionShape shape;
+  shape.n_layers = spec.n_layers;
+  shape.n_q_heads = spec.n_q_heads;
+  shape.n_kv_heads = spec.n_kv_heads;
+  shape.head_dim = spec.head_dim;
+  shape.page_size = options.page_size;
+  shape.n_stored = n_context;
+  ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(std::string(flat[0]->method()),
+                                                            options.params, options.page_size));
+  ASSIGN_OR_RETURN(auto core, session::SparseSession::CreateBorrowed(shape, params,
+                                                                     std::move(flat), pages));
+  return std::unique_ptr<SparseAttention>(new SparseAttention(spec, std::move(core)));
 }
 
 Status SparseAttention::Attend(int layer, int64_t pos, const float* q, const float* k,
                                const float* v, float* out) {
   const int d = spec_.head_dim, G = spec_.group_size();
-  const int64_t n_tail_before =
-      static_cast<int64_t>(tail_k_[layer][0].size()) / d;  // decoded tokens so far
-  if (pos != n_context_ + n_tail_before) {
-    return FailedPreconditionError(
-        "sparse attention: layer " + std::to_string(layer) + " expects position " +
-        std::to_string(n_context_ + n_tail_before) + ", got " + std::to_string(pos));
+  session::SparseSession& core = *session_;
+  if (layer < 0 || layer >= spec_.n_layers) {
+    return InvalidArgumentError("sparse attention: layer " + std::to_string(layer) +
+                                " out of range");
   }
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  if (pos != core.n_tokens(layer)) {
+    return FailedPreconditionError("sparse attention: layer " + std::to_string(layer) +
+                                   " expects position " + std::to_string(core.n_tokens(layer)) +
+                                   ", got " + std::to_string(pos));
+  }
   ++stats_.steps;
+  const int64_t n_context = core.shape().n_stored, b = core.shape().page_size;
+  // Plan and fetch every kv head before the token joins the sequence.
   for (int g = 0; g < spec_.n_kv_heads; ++g) {
-    std::vector<float>& tk = tail_k_[layer][g];
-    std::vector<float>& tv = tail_v_[layer][g];
-    index::Selector* sel = selectors_[layer][g];
-    const float* gq = q + int64_t{g} * G * d;
-    TailKeySource keys(pages_, layer, g, n_context_, &tk, n_tail_before, d);
-    index::SelectInput in;
-    in.queries = gq;
-    in.n_queries = G;
-    in.budget = options_.budget;
-    in.keys = &keys;
-    index::Selection selection;
-    index::WorkStats work;
-    RETURN_IF_ERROR(sel->Select(in, &selection, &work));
-    stats_.work.Add(work);
-    // Context tokens to fetch: the merged selection below n_context.
-    std::vector<int32_t> ctx;
-    for (int32_t id : selection.merged) {
-      if (id >= 0 && id < n_context_) ctx.push_back(id);
+    session::HeadStep& step = last_[layer][g];
+    RETURN_IF_ERROR(core.PlanHead(layer, g, q + int64_t{g} * G * d, &step, &stats_.work));
+    pages_[g].clear();
+    RETURN_IF_ERROR(core.LoadPages(layer, g, step, &pages_[g]));
+    for (uint32_t p : step.pages_with_stored()) {
+      stats_.fetched_tokens +=
+          static_cast<uint64_t>(std::min<int64_t>(b, n_context - int64_t{p} * b));
     }
-    const int64_t m = static_cast<int64_t>(ctx.size());
-    std::vector<float> ck(m * d), cv(m * d);
-    if (m > 0) RETURN_IF_ERROR(pages_->GetKV(layer, g, ctx.data(), m, ck.data(), cv.data()));
-    stats_.fetched_tokens += static_cast<uint64_t>(m);
-    // The new token joins the tail before attending (it sees itself).
-    tk.insert(tk.end(), k + int64_t{g} * d, k + int64_t{g + 1} * d);
-    tv.insert(tv.end(), v + int64_t{g} * d, v + int64_t{g + 1} * d);
-    const int64_t n_tail = n_tail_before + 1;
-    ConstRowMap CK(ck.data(), m, d), CV(cv.data(), m, d);
-    ConstRowMap TK(tk.data(), n_tail, d), TV(tv.data(), n_tail, d);
+    stats_.fetched_pages += step.n_with_stored;
+  }
+  // The new token joins the tail (it attends to itself) and the selectors.
+  RETURN_IF_ERROR(core.AppendLayer(layer, k, v, q));
+  const int64_t n_tail = core.n_appended(layer);
+  for (int g = 0; g < spec_.n_kv_heads; ++g) {
+    const session::HeadStep& step = last_[layer][g];
+    const std::vector<float>& tk = core.appended_k(layer, g);
+    const std::vector<float>& tv = core.appended_v(layer, g);
     for (int i = 0; i < G; ++i) {
-      // Rows of `ctx` this head attends to.
-      std::vector<int64_t> rows;
-      const bool have_head = static_cast<int>(selection.per_head.size()) > i;
-      if (have_head) {
-        for (int32_t id : selection.per_head[i]) {
-          if (id < 0 || id >= n_context_) continue;
-          auto it = std::lower_bound(ctx.begin(), ctx.end(), id);
-          if (it != ctx.end() && *it == id) rows.push_back(it - ctx.begin());
+      krow_.clear();
+      vrow_.clear();
+      if (i < static_cast<int>(step.per_q_head.size())) {
+        for (int32_t id : step.per_q_head[i]) {
+          if (id >= n_context) break;  // sorted; appended tokens are the tail
+          const session::PageRef& page = pages_[g].at(static_cast<uint32_t>(id / b));
+          krow_.push_back(page->k.data() + (id % b) * d);
+          vrow_.push_back(page->v.data() + (id % b) * d);
         }
-      } else {
-        rows.resize(m);
-        std::iota(rows.begin(), rows.end(), 0);
       }
-      const int64_t r = static_cast<int64_t>(rows.size());
-      stats_.context_tokens += static_cast<uint64_t>(r);
-      Eigen::Map<const Eigen::VectorXf> qv(gq + int64_t{i} * d, d);
-      Eigen::VectorXf all_ctx = CK * qv;  // scores against every fetched key
-      std::vector<float> scores(r + n_tail);
-      for (int64_t j = 0; j < r; ++j) scores[j] = all_ctx[rows[j]];
-      Eigen::Map<Eigen::VectorXf>(scores.data() + r, n_tail).noalias() = TK * qv;
-      ScaledSoftmax(scores.data(), r + n_tail, scale);
-      Eigen::Map<Eigen::VectorXf> ov(out + int64_t{g * G + i} * d, d);
-      ov.setZero();
-      for (int64_t j = 0; j < r; ++j) ov += scores[j] * CV.row(rows[j]).transpose();
-      ov.noalias() += TV.transpose() * Eigen::Map<const Eigen::VectorXf>(scores.data() + r, n_tail);
-    }
-    if (options_.append_to_selectors) {
-      RETURN_IF_ERROR(sel->Append(k + int64_t{g} * d, v + int64_t{g} * d, gq));
+      stats_.context_tokens += krow_.size();
+      const int h = g * G + i;
+      session::AttendRows(q + int64_t{h} * d, d, krow_, vrow_, tk.data(), tv.data(), n_tail,
+                          out + int64_t{h} * d, &scratch_);
     }
   }
   return Status::OK();

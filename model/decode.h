@@ -3,26 +3,32 @@
 //
 //   FullAttention   — appends the token's K/V to a local KvCache and attends
 //                     over all of it (the dense reference).
-//   SparseAttention — per (layer, kv head) an index::Selector picks context
-//                     tokens, a PageSource supplies their K/V, and attention
-//                     runs over those plus every token appended during decode
-//                     (kept locally, always attended, as Tactic does for
-//                     fresh tokens). New keys are streamed into the selectors
-//                     (Selector::Append).
+//   SparseAttention — the sparse decode-session core (session/): per
+//                     (layer, kv head) a Selector picks tokens, the page cap
+//                     and block-union page tables pick the pages, a
+//                     PageFetcher supplies them, and attention runs over the
+//                     selected tokens plus every token appended during decode
+//                     (always attended, as Tactic does for fresh tokens). New
+//                     keys are streamed into the selectors.
 //
 // Thread-safety: providers hold per-session state and are not safe for
 // concurrent use; use one per session. DecodeStep is reentrant.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "index/selector.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "session/page_fetcher.h"
+#include "session/sparse_session.h"
 
 namespace ctxcache::model {
 
@@ -61,69 +67,68 @@ class FullAttention final : public AttentionProvider {
   std::vector<float> kbuf_, vbuf_, scores_;
 };
 
-// Supplies K/V of context tokens, e.g. from stored KV pages.
-class PageSource {
+// A session::PageFetcher over a KvCache (not owned), e.g. the prefill's: the
+// embedded implementation of the pages a decode session fetches. The stored
+// context is the cache's first n_tokens() tokens, frozen at construction.
+class KvCachePageFetcher final : public session::PageFetcher {
  public:
-  virtual ~PageSource() = default;
-  // Tokens available: ids must lie in [0, n_tokens()).
-  virtual int64_t n_tokens() const = 0;
-  // Writes K and V (n * d floats each; either may be null) of tokens
-  // ids[0..n) of (layer, kv_head). ids are sorted ascending.
-  virtual Status GetKV(int layer, int kv_head, const int32_t* ids, int64_t n, float* k_out,
-                       float* v_out) = 0;
-};
-
-// A PageSource over a KvCache (not owned), e.g. the prefill's.
-class KvCachePageSource final : public PageSource {
- public:
-  explicit KvCachePageSource(const KvCache* cache) : cache_(cache), n_(cache->n_tokens()) {}
-  int64_t n_tokens() const override { return n_; }
-  Status GetKV(int layer, int kv_head, const int32_t* ids, int64_t n, float* k_out,
-               float* v_out) override;
+  KvCachePageFetcher(const KvCache* cache, int page_size)
+      : cache_(cache), page_size_(page_size), n_(cache->n_tokens()) {}
+  int64_t n_tokens() const { return n_; }
+  Status Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
+               session::PageMap* out) override;
 
  private:
   const KvCache* cache_;
-  int64_t n_;  // frozen at construction
+  int page_size_;
+  int64_t n_;
 };
 
 struct SparseAttentionOptions {
-  // Tokens per q head passed to Select (0 = the method's default budget).
-  // Default: 0.
-  int64_t budget = 0;
-  // Stream each new key into the selectors (Selector::Append). Default: true.
-  bool append_to_selectors = true;
+  // Session params as a decode session takes them (index/session_params.h:
+  // rho, budget, page_fraction, whole_pages, subgroup, recent_blocks).
+  // Default: empty (each param's own default).
+  std::map<std::string, std::string> params;
+  // Tokens per page (B); must match the fetcher's. Default: 16.
+  int page_size = 16;
 };
 
 // Counters accumulated over all Attend calls.
 struct SparseAttentionStats {
   uint64_t steps = 0;           // Attend calls (layer-steps)
   uint64_t context_tokens = 0;  // context tokens attended, summed over q heads
-  uint64_t fetched_tokens = 0;  // tokens fetched from the PageSource (merged per kv head)
+  uint64_t fetched_tokens = 0;  // stored tokens of the pages fetched, summed over kv heads
+  uint64_t fetched_pages = 0;   // pages with stored tokens fetched, summed over kv heads
   index::WorkStats work;        // from the selectors
 };
 
+// Embedded sparse decode: the session core (session/sparse_session.h) over a
+// PageFetcher, attending each q head's pages plus every decoded token
+// (session/attention.h), exactly as a ctxcached session and the reference
+// worker do.
 class SparseAttention final : public AttentionProvider {
  public:
-  // selectors[layer][kv_head], not owned; each must cover exactly
-  // pages->n_tokens() tokens at construction. pages not owned.
+  // selectors[layer][kv_head], not owned, one method; each must cover
+  // exactly n_context tokens at construction. pages: not owned.
   static StatusOr<std::unique_ptr<SparseAttention>> Create(
       const ModelSpec& spec, std::vector<std::vector<index::Selector*>> selectors,
-      PageSource* pages, const SparseAttentionOptions& options);
+      session::PageFetcher* pages, int64_t n_context, const SparseAttentionOptions& options);
   Status Attend(int layer, int64_t pos, const float* q, const float* k, const float* v,
                 float* out) override;
   const SparseAttentionStats& stats() const { return stats_; }
+  // The session core; e.g. to compare its steps with a server's.
+  session::SparseSession& session() { return *session_; }
+  // The HeadStep of each kv head of the last Attend of `layer`.
+  const std::vector<session::HeadStep>& last_steps(int layer) const { return last_[layer]; }
 
  private:
-  class TailKeySource;
-  SparseAttention(const ModelSpec& spec, std::vector<std::vector<index::Selector*>> selectors,
-                  PageSource* pages, const SparseAttentionOptions& options);
+  SparseAttention(const ModelSpec& spec, std::unique_ptr<session::SparseSession> session);
   const ModelSpec& spec_;
-  std::vector<std::vector<index::Selector*>> selectors_;
-  PageSource* pages_;
-  SparseAttentionOptions options_;
-  int64_t n_context_;
-  // Keys/values appended during decode: [layer][kv_head] -> [n_tail][d].
-  std::vector<std::vector<std::vector<float>>> tail_k_, tail_v_;
+  std::unique_ptr<session::SparseSession> session_;
+  std::vector<std::vector<session::HeadStep>> last_;  // [layer][kv_head]
+  std::vector<session::PageMap> pages_;               // [kv_head], reused per step
+  std::vector<const float*> krow_, vrow_;
+  std::vector<float> scratch_;
   SparseAttentionStats stats_;
 };
 

@@ -4,10 +4,11 @@
 #include <chrono>
 
 #include "common/dtype.h"
+#include "index/methods.h"
 #include "service/build_pipeline.h"
-#include "service/decode_session.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
+#include "service/wire.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
 
@@ -18,17 +19,6 @@
 namespace ctxcache::service {
 
 namespace {
-
-StatusOr<storage::ContextId> ParseId(const std::string& hex) {
-  if (hex.empty()) {
-    return InvalidArgumentError("context_id is required (32 hex characters)");
-  }
-  auto id = storage::ContextId::FromHex(hex);
-  if (!id.ok()) {
-    return InvalidArgumentError("context_id '" + hex + "' is not 32 hex characters");
-  }
-  return *id;
-}
 
 bool LabelsMatch(const v1::ContextManifest& m,
                  const google::protobuf::Map<std::string, std::string>& filter) {
@@ -91,43 +81,6 @@ Status Tokenize(const LoadedModel& model, bool has_text, const std::string& text
 
 }  // namespace
 
-v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m) {
-  v1::ContextInfo info;
-  auto id = storage::ContextId::FromBytes(m.context_id());
-  if (id.ok()) info.set_context_id(id->ToHex());
-  info.set_name(m.name());
-  info.set_state(m.state());
-  info.set_model_name(m.model().name());
-  *info.mutable_model() = m.model();
-  info.set_n_tokens(m.n_tokens());
-  info.set_block_tokens(m.block_tokens());
-  *info.mutable_indexes() = m.index_params();
-  uint64_t index_bytes = 0;
-  for (const auto& a : m.artifacts()) {
-    std::string kind = a.name();
-    auto slash = kind.find('/');
-    if (slash != std::string::npos) kind = kind.substr(0, slash);
-    (*info.mutable_bytes_by_kind())["index/" + kind] += a.size_bytes();
-    index_bytes += a.size_bytes();
-  }
-  uint64_t page_bytes = m.stored_bytes() > index_bytes ? m.stored_bytes() - index_bytes : 0;
-  (*info.mutable_bytes_by_kind())["pages"] = page_bytes;
-  info.set_stored_bytes(m.stored_bytes());
-  info.set_raw_kv_bytes(m.raw_kv_bytes());
-  info.set_created_at_ms(m.created_at_ms());
-  info.set_last_access_ms(m.last_access_ms());
-  info.set_expires_at_ms(m.expires_at_ms());
-  info.set_pinned(m.pinned());
-  info.set_tenant(m.tenant());
-  *info.mutable_labels() = m.labels();
-  if (!m.parent_id().empty()) {
-    auto pid = storage::ContextId::FromBytes(m.parent_id());
-    if (pid.ok()) info.set_parent_id(pid->ToHex());
-  }
-  info.set_prefix_tokens(m.prefix_tokens());
-  return info;
-}
-
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
                                             const v1::BuildContextRequest* request,
                                             grpc::ServerWriter<v1::BuildProgress>* writer) {
@@ -160,7 +113,7 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                                              grpc::ServerWriter<v1::BuildProgress>* writer) {
   RpcScope rpc(ctx_, "ExtendContext");
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
-  auto pid = ParseId(request->parent_id());
+  auto pid = ParseContextId(request->parent_id());
   if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
   if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
     return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
@@ -192,8 +145,10 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
     for (const auto& ip : parent.index_params()) {
       IndexRequest r;
       r.method = ip.method();
-      for (const auto& [k, v] : ip.params()) r.params[k] = v;
-      if (r.method == "csa") r.params.erase("C");
+      index::MethodParams parent_params(ip.params().begin(), ip.params().end());
+      auto info = index::FindMethodInfo(r.method);
+      if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("parent index")));
+      r.params = index::ParamsForExtend(**info, parent_params);
       job.indexes.push_back(std::move(r));
     }
   } else {
@@ -452,7 +407,7 @@ grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext*,
                                           const v1::GetContextRequest* request,
                                           v1::ContextInfo* response) {
   RpcScope rpc(ctx_, "GetContext");
-  auto id = ParseId(request->context_id());
+  auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
@@ -497,7 +452,7 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext*,
                                             const v1::EvictContextRequest* request,
                                             v1::EvictContextResponse* response) {
   RpcScope rpc(ctx_, "EvictContext");
-  auto id = ParseId(request->context_id());
+  auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
@@ -516,7 +471,7 @@ grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext*,
                                           const v1::PinContextRequest* request,
                                           v1::ContextInfo* response) {
   RpcScope rpc(ctx_, "PinContext");
-  auto id = ParseId(request->context_id());
+  auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   if (Status s = ctx_->store->SetPinned(*id, request->pinned()); !s.ok()) {
     return rpc.Finish(ToGrpc(s));

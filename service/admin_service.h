@@ -10,9 +10,6 @@
 
 namespace ctxcache::service {
 
-// Converts a stored manifest to its API form.
-v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m);
-
 struct BuildJob;
 
 class AdminServiceImpl final : public v1::ContextAdmin::Service {

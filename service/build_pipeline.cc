@@ -9,7 +9,7 @@
 #include "common/thread_pool.h"
 #include "model/kv_cache.h"
 #include "model/prefill.h"
-#include "service/index_artifacts.h"
+#include "index/methods.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
 
@@ -138,23 +138,25 @@ Status LoadParentKv(storage::Store* store, const storage::ContextId& parent,
   return Status::OK();
 }
 
-// Defaults that depend on the context: CSA's C cannot exceed the number of
-// keys or of query rows.
-index::MethodParams EffectiveParams(const IndexRequest& req, int64_t n_keys, int64_t n_rows) {
-  index::MethodParams p = req.params;
-  // The compact encoding (delta/varint ids, 8-bit scores) keeps CSA's tables
-  // about 1x the KV instead of 3-6x, within 0.5 points of recall (index/NOTES_csa.md).
-  if (req.method == "csa" && p.find("format") == p.end()) p["format"] = "compact";
-  // Norm weights (w_b = ||q^b||) make CSA's accumulated score estimate q.k,
-  // which the session's page cap turns into page masses: mean KL to dense
-  // 0.019 vs 0.031 with the paper's uniform weights on the demo document
-  // (docs/benchmarks.md); recall on the reference trace is higher too.
-  if (req.method == "csa" && p.find("weights") == p.end()) p["weights"] = "norm";
-  if (req.method == "csa" && p.find("C") == p.end()) {
-    int64_t c = std::min<int64_t>({128, n_keys, n_rows});
-    p["C"] = std::to_string(std::max<int64_t>(1, c));
-  }
-  return p;
+// The params a build of `req` uses on n_keys keys and n_rows query rows
+// (the method's own defaults, filled in by the registry).
+StatusOr<index::MethodParams> ResolvedParams(const IndexRequest& req, int64_t n_keys,
+                                             int64_t n_rows) {
+  ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(req.method));
+  return info->resolve(req.params, n_keys, n_rows);
+}
+
+// Builds, serializes and writes the `req` artifact of (layer, kv head).
+Status BuildArtifact(storage::ContextWriter* writer, int layer, int kv_head,
+                     const IndexRequest& req, const index::HeadPrefill& hp) {
+  ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(req.method));
+  ASSIGN_OR_RETURN(index::MethodParams params,
+                   info->resolve(req.params, hp.n_tokens, hp.n_queries * hp.group_size));
+  ASSIGN_OR_RETURN(std::unique_ptr<index::Selector> sel, info->build(hp, params));
+  std::string bytes;
+  RETURN_IF_ERROR(sel->Serialize(&bytes));
+  return writer->PutArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
+                             info->artifact_kind, req.method, bytes);
 }
 
 }  // namespace
@@ -165,10 +167,11 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
                            const std::function<void(int)>& layer_done,
                            const std::atomic<bool>* cancel) {
   std::vector<IndexRequest> methods = requested;
-  for (std::string_view m : kAlwaysBuiltMethods) {
+  for (const index::MethodInfo& m : index::Methods()) {
+    if (!m.always_built) continue;
     bool present = false;
-    for (const auto& r : methods) present = present || r.method == m;
-    if (!present) methods.push_back(IndexRequest{std::string(m), {}});
+    for (const auto& r : methods) present = present || r.method == m.name;
+    if (!present) methods.push_back(IndexRequest{std::string(m.name), {}});
   }
   const int64_t n = shape.n_tokens;
   const int d = shape.head_dim;
@@ -193,15 +196,7 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
         hp.query_positions = positions.empty() ? nullptr : positions.data();
         hp.queries = q.empty() ? nullptr : q.data();
         for (const IndexRequest& r : methods) {
-          auto sel = index::BuildSelector(r.method, hp,
-                                          EffectiveParams(r, n, hp.n_queries * hp.group_size));
-          Status s = sel.status();
-          std::string bytes;
-          if (s.ok()) s = (*sel)->Serialize(&bytes);
-          if (s.ok()) {
-            s = writer->PutArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
-                                    *ArtifactKind(r.method), r.method, bytes);
-          }
+          Status s = BuildArtifact(writer, layer, h, r, hp);
           if (!s.ok()) {
             results[item] = s.WithContext("building the " + r.method + " index of layer " +
                                           std::to_string(layer) + " kv head " + std::to_string(h));
@@ -221,8 +216,9 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   for (const auto& r : requested) {
     v1::IndexParams ip;
     ip.set_method(r.method);
-    for (const auto& [key, val] :
-         EffectiveParams(r, n, static_cast<int64_t>(pos0.size()) * shape.group_size)) {
+    ASSIGN_OR_RETURN(index::MethodParams resolved,
+                     ResolvedParams(r, n, static_cast<int64_t>(pos0.size()) * shape.group_size));
+    for (const auto& [key, val] : resolved) {
       (*ip.mutable_params())[key] = val;
     }
     writer->AddIndexParams(ip);
@@ -248,7 +244,8 @@ Status CheckReusable(const v1::ContextManifest& existing,
                      const std::vector<IndexRequest>& requested, int group_size) {
   const int64_t n = static_cast<int64_t>(existing.n_tokens());
   for (const IndexRequest& r : requested) {
-    const index::MethodParams want = EffectiveParams(r, n, n * std::max(1, group_size));
+    ASSIGN_OR_RETURN(const index::MethodParams want,
+                     ResolvedParams(r, n, n * std::max(1, group_size)));
     bool found = false;
     for (const auto& ip : existing.index_params()) {
       if (ip.method() != r.method) continue;
@@ -274,17 +271,9 @@ Status CheckReusable(const v1::ContextManifest& existing,
 }
 
 Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes) {
-  std::vector<std::string> known = index::SelectorMethods();
   for (const auto& r : indexes) {
-    if (std::find(known.begin(), known.end(), r.method) == known.end()) {
-      std::string list;
-      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
-      return InvalidArgumentError("unknown index method '" + r.method + "'; expected one of " +
-                                  list);
-    }
-    if (!ArtifactKind(r.method)) {
-      return InvalidArgumentError("index method '" + r.method + "' cannot be persisted");
-    }
+    auto info = index::FindMethodInfo(r.method);
+    if (!info.ok()) return info.status().WithContext("indexes");
   }
   return Status::OK();
 }

@@ -5,11 +5,11 @@
 #include <chrono>
 
 #include "common/crc32c.h"
-#include "service/admin_service.h"
 #include "service/decode_session.h"
 #include "service/grpc_status.h"
-#include "service/index_artifacts.h"
+#include "index/methods.h"
 #include "service/rpc_metrics.h"
+#include "service/wire.h"
 
 namespace ctxcache::service {
 
@@ -21,19 +21,82 @@ int64_t NowMs() {
       .count();
 }
 
-StatusOr<storage::ContextId> ParseContextId(const std::string& hex) {
-  if (hex.empty()) return InvalidArgumentError("context_id is required (32 hex characters)");
-  auto id = storage::ContextId::FromHex(hex);
-  if (!id.ok()) return InvalidArgumentError("context_id '" + hex + "' is not 32 hex characters");
-  return *id;
-}
-
 v1::DecodeResponse ErrorResponse(uint64_t request_id, const Status& s) {
   v1::DecodeResponse r;
   r.set_request_id(request_id);
   r.mutable_error()->set_code(static_cast<int32_t>(s.code()));
   r.mutable_error()->set_message(std::string(s.message()));
   return r;
+}
+
+// Step: validate and convert the queries, run the session, convert the
+// result and its pages (service/wire.h).
+Status RunStep(DecodeSession* session, const v1::StepRequest& req, bool corrupt_pages,
+               SessionStep* step, std::vector<float>* queries, v1::StepResult* result,
+               std::vector<v1::PageBatch>* batches) {
+  const session::SessionShape& sh = session->shape();
+  if (req.layer() >= static_cast<uint32_t>(sh.n_layers)) {
+    return InvalidArgumentError("step.layer " + std::to_string(req.layer()) +
+                                " out of range [0, " + std::to_string(sh.n_layers) + ")");
+  }
+  RETURN_IF_ERROR(TensorToFloat(req.queries(), {sh.n_q_heads, sh.head_dim}, "step.queries",
+                                queries));
+  RETURN_IF_ERROR(session->Step(req.layer(), queries->data(), step));
+  const int g = sh.group_size();
+  result->set_layer(step->layer);
+  for (int h = 0; h < sh.n_kv_heads; ++h) {
+    const session::HeadStep& hs = step->heads[h];
+    for (const auto& t : hs.tables) {
+      v1::PageTable* pt = result->add_page_tables();
+      pt->set_layer(step->layer);
+      pt->set_kv_head(static_cast<uint32_t>(h));
+      pt->set_subgroup(static_cast<uint32_t>(t.subgroup));
+      for (int32_t p : t.pages) pt->add_blocks(static_cast<uint32_t>(p));
+    }
+    for (int j = 0; j < g; ++j) {
+      v1::HeadSelection* sel = result->add_selections();
+      sel->set_q_head(static_cast<uint32_t>(h * g + j));
+      for (int32_t id : hs.per_q_head[j]) sel->add_token_ids(static_cast<uint32_t>(id));
+    }
+  }
+  auto* st = result->mutable_stats();
+  st->set_entries_touched(step->work.entries_touched);
+  st->set_bytes_touched(step->work.bytes_touched);
+  st->set_keys_scored(step->work.keys_scored);
+  st->set_select_us(step->select_us);
+  if (step->stored.empty()) return Status::OK();  // selection only (client mode)
+  PageBatcher batcher(
+      kMaxPageBatchBytes,
+      [&](v1::PageBatch&& b) {
+        batches->push_back(std::move(b));
+        return true;
+      },
+      corrupt_pages);
+  for (int h = 0; h < sh.n_kv_heads; ++h) {
+    const storage::PageBatch& stored = step->stored[h];
+    for (size_t i = 0; i < stored.size(); ++i) {
+      batcher.Add(StoredPageToProto(stored, i, step->layer, static_cast<uint32_t>(h)));
+    }
+    for (const auto& [block, page] : step->assembled[h]) {
+      batcher.Add(DecodedPageToProto(*page, static_cast<uint32_t>(sh.head_dim), step->layer,
+                                     static_cast<uint32_t>(h), block));
+    }
+  }
+  batcher.Finish();
+  result->set_n_page_batches(static_cast<uint32_t>(batches->size()));
+  return Status::OK();
+}
+
+// Append: validate and convert K, V (and Q), then stream them into the session.
+Status RunAppend(DecodeSession* session, const v1::AppendRequest& append) {
+  const session::SessionShape& sh = session->shape();
+  std::vector<float> k, v, q;
+  const int64_t L = sh.n_layers, KV = sh.n_kv_heads, D = sh.head_dim;
+  RETURN_IF_ERROR(TensorToFloat(append.k(), {L, KV, D}, "append.k", &k));
+  RETURN_IF_ERROR(TensorToFloat(append.v(), {L, KV, D}, "append.v", &v));
+  const bool has_q = append.has_q() && !append.q().data().empty();
+  if (has_q) RETURN_IF_ERROR(TensorToFloat(append.q(), {L, int64_t{sh.n_q_heads}, D}, "append.q", &q));
+  return session->Append(k.data(), v.data(), has_q ? q.data() : nullptr);
 }
 
 }  // namespace
@@ -109,6 +172,8 @@ grpc::Status DecodeServiceImpl::Decode(
                                                  "Stored page bytes read for decode sessions");
   Gauge* sessions_gauge = ctx_->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions");
 
+  SessionStep step_buf;
+  std::vector<float> query_buf;
   v1::DecodeRequest req;
   while (stream->Read(&req)) {
     key->last_activity_ms = NowMs();
@@ -137,12 +202,10 @@ grpc::Status DecodeServiceImpl::Decode(
           stream->Write(ErrorResponse(rid, reader.status()));
           break;
         }
-        SessionOptions session_options;
-        session_options.corrupt_pages = ctx_->config.fault_corrupt_pages;
         std::map<std::string, std::string> params(req.open().params().begin(),
                                                   req.open().params().end());
         auto s = DecodeSession::Open(std::move(reader).value(), req.open().method(), params,
-                                     req.open().want_pages(), session_options);
+                                     req.open().want_pages());
         if (!s.ok()) {
           stream->Write(ErrorResponse(rid, s.status()));
           break;
@@ -169,7 +232,8 @@ grpc::Status DecodeServiceImpl::Decode(
         v1::DecodeResponse resp;
         resp.set_request_id(rid);
         std::vector<v1::PageBatch> batches;
-        Status s = session->Step(req.step(), resp.mutable_step(), &batches);
+        Status s = RunStep(session.get(), req.step(), ctx_->config.fault_corrupt_pages, &step_buf,
+                           &query_buf, resp.mutable_step(), &batches);
         if (!s.ok()) {
           stream->Write(ErrorResponse(rid, s));
           break;
@@ -191,7 +255,7 @@ grpc::Status DecodeServiceImpl::Decode(
           stream->Write(ErrorResponse(rid, FailedPreconditionError("Append before Open")));
           break;
         }
-        Status s = session->Append(req.append());
+        Status s = RunAppend(session.get(), req.append());
         if (!s.ok()) {
           stream->Write(ErrorResponse(rid, s));
           break;
@@ -256,17 +320,15 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
   }
   constexpr size_t kChunk = 1u << 20;
   for (const auto& method : methods) {
-    auto kind = ArtifactKind(method);
-    if (!kind) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "methods: unknown method '" + method + "'"));
-    }
+    auto info = index::FindMethodInfo(method);
+    if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("methods")));
+    const uint8_t kind = (*info)->artifact_kind;
     for (uint32_t l : layers) {
       for (uint32_t h : heads) {
         if (context->IsCancelled()) {
           return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
         }
-        auto bytes = (*reader)->ReadArtifact(l, h, *kind);
+        auto bytes = (*reader)->ReadArtifact(l, h, kind);
         if (!bytes.ok()) {
           Status s = bytes.status();
           if (s.code() == StatusCode::kNotFound) {
@@ -307,9 +369,9 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
   auto reader = ctx_->store->OpenReader(*id);
   if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
   const v1::ContextManifest& m = (*reader)->manifest();
-  constexpr size_t kMaxBatch = 4u << 20;
-  v1::PageBatch out;
-  size_t out_bytes = 0;
+  PageBatcher batcher(
+      kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
+      ctx_->config.fault_corrupt_pages);
   storage::PageBatch batch;
   Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                  "Stored page bytes read for decode sessions");
@@ -329,31 +391,13 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
     Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
     if (!s.ok()) return rpc.Finish(ToGrpc(s));
     bytes_read->Inc(static_cast<double>(batch.stored_bytes));
-    const size_t elem = DTypeSize(batch.dtype);
     for (size_t i = 0; i < batch.size(); ++i) {
-      const size_t bytes = size_t{batch.n_tokens[i]} * batch.head_dim * elem;
-      if (out.pages_size() > 0 && out_bytes + 2 * bytes > kMaxBatch) {
-        if (!writer->Write(out)) {
-          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
-        }
-        out.Clear();
-        out_bytes = 0;
+      if (!batcher.Add(StoredPageToProto(batch, i, t.layer(), t.kv_head()))) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
       }
-      v1::Page* p = out.add_pages();
-      p->set_layer(t.layer());
-      p->set_kv_head(t.kv_head());
-      p->set_block(batch.blocks[i]);
-      p->set_n_tokens(batch.n_tokens[i]);
-      p->set_dtype(ToProtoDType(batch.dtype));
-      p->set_k(reinterpret_cast<const char*>(batch.K(i)), bytes);
-      p->set_v(reinterpret_cast<const char*>(batch.V(i)), bytes);
-      p->set_crc32c(crc32c::Value(p->k(), p->v()));
-      if (ctx_->config.fault_corrupt_pages && bytes > 0) (*p->mutable_k())[0] ^= 0x01;
-      out_bytes += 2 * bytes;
     }
   }
-  out.set_last(true);
-  writer->Write(out);
+  batcher.Finish();
   return rpc.Finish(grpc::Status::OK);
 }
 

@@ -1,12 +1,9 @@
-// DecodeSession: the server side of one Decode stream. It holds a lease on
-// the context (via a ContextReader), one Selector per (layer, kv head)
-// loaded from the context's artifacts, the KV the worker appended, and the
-// session's parameters.
-//
-// The session's logical sequence is the stored context (n_stored tokens)
-// followed by the appended tokens. Page b covers tokens [b*B, (b+1)*B) of
-// that sequence: pages wholly inside the stored part come from the store,
-// the others are assembled from stored and appended KV.
+// DecodeSession: the server side of one Decode stream, on the sparse
+// decode-session core (session/sparse_session.h). It holds a lease on the
+// context (via a ContextReader), loads one Selector per (layer, kv head) from
+// the context's artifacts, and runs each layer-step through the core with a
+// PageFetcher over the ContextReader. Takes and returns domain types; the
+// wire conversion is in service/wire.h.
 //
 // Thread-safety: one Decode stream drives a session from one thread; not
 // safe for concurrent use.
@@ -15,76 +12,81 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
-#include "ctxcache/v1/ctxcache_service.pb.h"
-#include "index/page_table.h"
 #include "index/selector.h"
-#include "index/session_params.h"
+#include "session/sparse_session.h"
 #include "storage/context_reader.h"
-#include "storage/store.h"
 
 namespace ctxcache::service {
 
-struct SessionOptions {
-  // Max bytes of pages per PageBatch message. Default: 4 MiB.
-  size_t max_batch_bytes = 4u << 20;
-  // Testing only: flip a bit of each page after its crc is computed.
-  bool corrupt_pages = false;
+// session::PageFetcher over a ContextReader (not owned): stored pages
+// decoded to fp32. Counts the stored (encoded) bytes it reads.
+class ReaderPageFetcher final : public session::PageFetcher {
+ public:
+  explicit ReaderPageFetcher(storage::ContextReader* reader) : reader_(reader) {}
+  Status Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
+               session::PageMap* out) override;
+  uint64_t bytes_read() const { return bytes_read_; }
+
+ private:
+  storage::ContextReader* reader_;
+  std::vector<uint32_t> missing_;
+  storage::PageBatch batch_;
+  uint64_t bytes_read_ = 0;
+};
+
+// One layer-step of a session.
+struct SessionStep {
+  uint32_t layer = 0;
+  std::vector<session::HeadStep> heads;  // [kv_head]
+  index::WorkStats work;
+  double select_us = 0;
+  // With want_pages, per kv head: the pages wholly inside the stored context
+  // as stored (not decoded), and the pages reaching into the appended tokens
+  // assembled in fp32, in page order.
+  std::vector<storage::PageBatch> stored;                                     // [kv_head]
+  std::vector<std::vector<std::pair<uint32_t, session::PageRef>>> assembled;  // [kv_head]
 };
 
 class DecodeSession {
  public:
   // Opens `method` on the context held by `reader`. params: see
   // index/session_params.h (rho, budget, page_fraction, whole_pages,
-  // subgroup, recent_blocks).
-  ~DecodeSession();
+  // subgroup, recent_blocks). InvalidArgument for an unknown method or bad
+  // params; FailedPrecondition when the context lacks the method's index.
   static StatusOr<std::unique_ptr<DecodeSession>> Open(
       std::unique_ptr<storage::ContextReader> reader, const std::string& method,
-      const std::map<std::string, std::string>& params, bool want_pages,
-      const SessionOptions& options);
+      const std::map<std::string, std::string>& params, bool want_pages);
+  ~DecodeSession();
 
   const v1::ContextManifest& manifest() const { return reader_->manifest(); }
   const std::string& method() const { return method_; }
-  int64_t n_tokens() const { return n_stored_ + n_appended_; }
+  int64_t n_tokens() const { return core_->n_tokens(); }
+  const session::SessionShape& shape() const { return core_->shape(); }
 
-  // One layer-step: selection, page tables and (with want_pages) pages.
-  // Page batches are appended to *batches (each <= max_batch_bytes).
-  Status Step(const v1::StepRequest& step, v1::StepResult* result,
-              std::vector<v1::PageBatch>* batches);
+  // One layer-step: queries [n_q_heads][head_dim] fp32 (finite; the caller
+  // validated them). InvalidArgument for a layer out of range.
+  Status Step(uint32_t layer, const float* queries, SessionStep* out);
 
-  // Streaming update with the new token's K, V (and Q) for every layer.
-  Status Append(const v1::AppendRequest& append);
+  // Streaming update with the new token's K, V [n_layers][n_kv][d] and Q
+  // [n_layers][n_q][d] (may be null).
+  Status Append(const float* k, const float* v, const float* q);
 
-  // Stored bytes of pages served so far.
-  uint64_t bytes_served() const { return bytes_served_; }
+  // Stored (encoded) bytes of pages read so far.
+  uint64_t bytes_served() const { return bytes_served_ + fetcher_->bytes_read(); }
 
  private:
-  class SessionKeySource;
   DecodeSession() = default;
-  Status ReadTokenKV(uint32_t layer, uint32_t kv_head, uint32_t block, v1::Page* page);
 
   std::unique_ptr<storage::ContextReader> reader_;
+  std::unique_ptr<ReaderPageFetcher> fetcher_;
+  std::unique_ptr<session::SparseSession> core_;
   std::string method_;
   bool want_pages_ = false;
-  SessionOptions options_;
-  uint32_t n_layers_ = 0, n_q_ = 0, n_kv_ = 0, d_ = 0, block_ = 16;
-  int64_t n_stored_ = 0, n_appended_ = 0;
-  index::SessionParams params_;
-  // [layer * n_kv + head]
-  std::vector<std::unique_ptr<index::Selector>> selectors_;
-  std::vector<std::unique_ptr<SessionKeySource>> key_sources_;
-  // Appended KV, fp32 as received (exact scoring sees what the worker
-  // attends to), [layer * n_kv + head] -> [n_appended][d].
-  std::vector<std::vector<float>> app_k_, app_v_;
   uint64_t bytes_served_ = 0;
-  std::vector<float> qbuf_;
 };
-
-// Tensor helpers shared by the service: decode a Tensor to fp32, checking
-// dtype, shape and finiteness. `what` names the field in errors.
-Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
-                     std::vector<float>* out);
 
 }  // namespace ctxcache::service

@@ -10,6 +10,7 @@
 #include <deque>
 #include <list>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 
@@ -18,7 +19,10 @@
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "index/page_table.h"
 #include "index/selector.h"
+#include "index/methods.h"
 #include "index/session_params.h"
+#include "session/page_fetcher.h"
+#include "session/sparse_session.h"
 #include "proto/dtype_convert.h"
 
 namespace ctxcache::client {
@@ -56,14 +60,11 @@ Status CheckPage(const v1::Page& p, uint32_t head_dim) {
   return Status::OK();
 }
 
-// Decoded (fp32) K/V of one page.
-struct DecodedPage {
-  uint32_t n_tokens = 0;
-  std::vector<float> k, v;
-  size_t bytes() const { return (k.size() + v.size()) * sizeof(float) + 64; }
-};
+using session::DecodedPage;
+using session::PageMap;
+using session::PageRef;
 
-StatusOr<std::shared_ptr<DecodedPage>> DecodePage(const v1::Page& p, uint32_t head_dim) {
+StatusOr<PageRef> DecodePage(const v1::Page& p, uint32_t head_dim) {
   RETURN_IF_ERROR(CheckPage(p, head_dim));
   ASSIGN_OR_RETURN(DType dt, PageDType(p.dtype()));
   auto out = std::make_shared<DecodedPage>();
@@ -86,7 +87,7 @@ class PageCache {
   // A Step's look-up: counts a hit or a miss (and a prefetch hit on the
   // first use of a prefetched page). `count` false (prefetch look-ups):
   // counts nothing and keeps the prefetch mark. Both refresh the LRU.
-  std::shared_ptr<DecodedPage> Get(uint64_t key, bool count = true) {
+  PageRef Get(uint64_t key, bool count = true) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = map_.find(key);
     if (it == map_.end()) {
@@ -109,7 +110,7 @@ class PageCache {
   // Inserts (no-op when present or larger than the budget), evicting from
   // the LRU end to stay within the budget. `prefetched`: brought by a
   // prefetch; `wire_bytes`: its payload bytes on the wire.
-  void Put(uint64_t key, std::shared_ptr<DecodedPage> page, bool prefetched = false,
+  void Put(uint64_t key, PageRef page, bool prefetched = false,
            uint64_t wire_bytes = 0) {
     std::lock_guard<std::mutex> lock(mu_);
     if (page->bytes() > budget_ || map_.count(key)) return;
@@ -142,7 +143,7 @@ class PageCache {
 
  private:
   struct Entry {
-    std::shared_ptr<DecodedPage> page;
+    PageRef page;
     std::list<uint64_t>::iterator lru;
     bool prefetched = false;
     uint64_t wire_bytes = 0;
@@ -156,12 +157,12 @@ class PageCache {
 
 // Selection does not depend on the queries: Step(l) can prefetch layer l+1.
 bool QueryIndependent(const std::string& method) {
-  return method == "streaming" || method == "full";
+  auto info = index::FindMethodInfo(method);
+  return info.ok() && (*info)->query_independent;
 }
 
 // Gathers the K/V of head.ids from pages (block -> decoded page).
-void FillHead(const std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>& pages,
-              uint32_t block_tokens, uint32_t d, SelectedKV::Head* head) {
+void FillHead(const PageMap& pages, uint32_t block_tokens, uint32_t d, SelectedKV::Head* head) {
   head->k.resize(head->ids.size() * d);
   head->v.resize(head->ids.size() * d);
   for (size_t i = 0; i < head->ids.size(); ++i) {
@@ -197,18 +198,11 @@ class SessionImpl final : public DecodeSession {
   StatusOr<v1::DecodeResponse> RoundTrip(v1::DecodeRequest* req,
                                          std::vector<v1::PageBatch>* batches);
   Status ClientSelect(uint32_t layer, const float* queries, SelectedKV* out);
-  // The selection of kv head `head` (of the layer `selector` and `keys`
-  // belong to) for the group's queries, exactly as Step makes it (budget,
-  // page cap, whole pages), and the stored blocks of its page tables.
-  Status SelectHead(uint32_t head, const float* queries, index::Selector* selector,
-                    const index::KeySource* keys, std::vector<std::vector<int32_t>>* per_q_head,
-                    std::vector<uint32_t>* stored_blocks);
   // Stored pages of (layer, head), from the page cache or one batched
   // FetchPages for the missing ones. `prefetch`: on the prefetch thread
   // (look-ups are not counted as hits/misses; fetched pages are marked).
-  Status StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
-                     std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
-                     SelectedKV* stats, bool prefetch = false);
+  Status StoredPages(uint32_t layer, uint32_t head, std::span<const uint32_t> blocks,
+                     PageMap* out, SelectedKV* stats, bool prefetch = false);
 
   // Prefetch machinery (client mode). Jobs run in FIFO order on one
   // background thread, started lazily. Only the prefetch thread touches
@@ -230,43 +224,26 @@ class SessionImpl final : public DecodeSession {
   void WaitPrefetch(int64_t layer);
   void StopPrefetcher();
 
-  // Keys for exact-scoring selectors (oracle, tactic, lfps) in client mode.
-  class PageKeySource final : public index::KeySource {
+  // The session core's page source in client mode: the page cache, then
+  // FetchPages. `prefetch`: the prefetch thread's (see StoredPages).
+  class RemotePageFetcher final : public session::PageFetcher {
    public:
-    // prefetch: the prediction selectors' source (prefetch thread).
-    PageKeySource(SessionImpl* s, uint32_t layer, uint32_t head, bool prefetch)
-        : s_(s), l_(layer), h_(head), prefetch_(prefetch) {}
-    int64_t n_tokens() const override { return s_->n_tokens_; }
-    int head_dim() const override { return static_cast<int>(s_->d_); }
-    Status GatherKeys(const int32_t* ids, int64_t n, float* out) const override {
-      const uint32_t d = s_->d_, b = s_->block_;
-      std::vector<uint32_t> blocks;
-      for (int64_t i = 0; i < n; ++i) {
-        if (ids[i] < 0 || ids[i] >= s_->n_tokens_)
-          return InvalidArgumentError("key id out of range");
-        if (ids[i] < s_->n_stored_) blocks.push_back(static_cast<uint32_t>(ids[i]) / b);
-      }
-      std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
-      RETURN_IF_ERROR(s_->StoredPages(l_, h_, std::move(blocks), &pages,
-                                      prefetch_ ? nullptr : s_->step_stats_, prefetch_));
-      const auto& app = s_->app_k_[size_t{l_} * s_->n_kv_ + h_];
-      for (int64_t i = 0; i < n; ++i) {
-        if (ids[i] < s_->n_stored_) {
-          const auto& p = pages.at(static_cast<uint32_t>(ids[i]) / b);
-          std::copy_n(p->k.data() + size_t(ids[i] % b) * d, d, out + i * d);
-        } else {
-          std::copy_n(app.data() + size_t(ids[i] - s_->n_stored_) * d, d, out + i * d);
-        }
-      }
-      return Status::OK();
+    RemotePageFetcher(SessionImpl* s, bool prefetch) : s_(s), prefetch_(prefetch) {}
+    Status Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
+                 PageMap* out) override {
+      return s_->StoredPages(static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
+                             blocks, out, prefetch_ ? nullptr : s_->step_stats_, prefetch_);
     }
 
    private:
     SessionImpl* s_;
-    uint32_t l_, h_;
     bool prefetch_;
   };
-  std::vector<std::unique_ptr<PageKeySource>> key_sources_, pred_key_sources_;
+  RemotePageFetcher fetcher_{this, false}, pred_fetcher_{this, true};
+  // Client-select mode: the session core (selectors, appended KV, pipeline).
+  std::unique_ptr<session::SparseSession> core_;
+  // Key sources of the prediction selectors, [layer * n_kv + head].
+  std::vector<std::unique_ptr<index::KeySource>> pred_key_sources_;
   SelectedKV* step_stats_ = nullptr;  // the Step in progress, for byte accounting
 
   ClientImpl* client_;
@@ -279,14 +256,9 @@ class SessionImpl final : public DecodeSession {
   uint64_t next_id_ = 1;
   PageCache cache_;
   bool closed_ = true;
-  // Client-select mode: local selectors [layer * n_kv + head] and the
-  // appended KV (for pages that reach into the appended part).
-  std::vector<std::unique_ptr<index::Selector>> selectors_;
   // Prediction copies for Prefetch, [layer * n_kv + head], cloned lazily.
   std::vector<std::unique_ptr<index::Selector>> pred_selectors_;
   std::vector<uint64_t> pred_bytes_;  // MemoryBytes() of each copy when cloned
-  std::vector<std::vector<float>> app_k_, app_v_;
-  index::SessionParams params_;
 
   std::mutex pf_mu_;
   std::condition_variable pf_cv_;       // a job was queued, or stop
@@ -532,28 +504,35 @@ Status SessionImpl::Open() {
   n_stored_ = n_tokens_ = static_cast<int64_t>(info_.n_tokens());
   if (options_.mode == SelectMode::kClient) {
     // The server's parser (index/session_params.h): same defaults, same errors.
-    ASSIGN_OR_RETURN(params_, index::SessionParams::Parse(options_.method, options_.params,
-                                                          static_cast<int>(block_)));
+    ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(options_.method, options_.params,
+                                                              static_cast<int>(block_)));
     ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
-    selectors_.resize(size_t{n_layers_} * n_kv_);
+    std::vector<std::unique_ptr<index::Selector>> selectors;
     for (uint32_t l = 0; l < n_layers_; ++l) {
       for (uint32_t h = 0; h < n_kv_; ++h) {
         auto it = artifacts.find({l, h});
         if (it == artifacts.end()) {
           return DataLossError("FetchIndex returned no artifact for layer " + std::to_string(l));
         }
-        ASSIGN_OR_RETURN(selectors_[size_t{l} * n_kv_ + h],
-                         index::LoadSelector(options_.method, it->second));
+        ASSIGN_OR_RETURN(auto sel, index::LoadSelector(options_.method, it->second));
+        selectors.push_back(std::move(sel));
       }
     }
-    app_k_.resize(selectors_.size());
-    app_v_.resize(selectors_.size());
-    pred_selectors_.resize(selectors_.size());
-    pred_bytes_.assign(selectors_.size(), 0);
+    session::SessionShape shape;
+    shape.n_layers = static_cast<int>(n_layers_);
+    shape.n_q_heads = static_cast<int>(n_q_);
+    shape.n_kv_heads = static_cast<int>(n_kv_);
+    shape.head_dim = static_cast<int>(d_);
+    shape.page_size = static_cast<int>(block_);
+    shape.n_stored = n_stored_;
+    ASSIGN_OR_RETURN(core_, session::SparseSession::Create(shape, params, std::move(selectors),
+                                                           &fetcher_));
+    pred_selectors_.resize(size_t{n_layers_} * n_kv_);
+    pred_bytes_.assign(pred_selectors_.size(), 0);
     for (uint32_t l = 0; l < n_layers_; ++l) {
       for (uint32_t h = 0; h < n_kv_; ++h) {
-        key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h, false));
-        pred_key_sources_.push_back(std::make_unique<PageKeySource>(this, l, h, true));
+        pred_key_sources_.push_back(
+            core_->MakeKeySource(static_cast<int>(l), static_cast<int>(h), &pred_fetcher_));
       }
     }
     pf_pending_.assign(n_layers_, 0);
@@ -561,9 +540,9 @@ Status SessionImpl::Open() {
   return Status::OK();
 }
 
-Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::vector<uint32_t> blocks,
-                                std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>* out,
-                                SelectedKV* stats, bool prefetch) {
+Status SessionImpl::StoredPages(uint32_t layer, uint32_t head, std::span<const uint32_t> wanted,
+                                PageMap* out, SelectedKV* stats, bool prefetch) {
+  std::vector<uint32_t> blocks(wanted.begin(), wanted.end());
   std::sort(blocks.begin(), blocks.end());
   blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
   v1::FetchPagesRequest fetch;
@@ -663,7 +642,16 @@ Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) 
     auto& head = out->heads[s.q_head() / g];
     head.per_q_head[s.q_head() % g].assign(s.token_ids().begin(), s.token_ids().end());
   }
-  std::vector<std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>>> pages(n_kv_);
+  for (const auto& t : step.page_tables()) {
+    if (t.kv_head() >= n_kv_) return DataLossError("page table of kv head out of range");
+    auto& pages = out->heads[t.kv_head()].pages;
+    pages.insert(pages.end(), t.blocks().begin(), t.blocks().end());
+  }
+  for (auto& head : out->heads) {
+    std::sort(head.pages.begin(), head.pages.end());
+    head.pages.erase(std::unique(head.pages.begin(), head.pages.end()), head.pages.end());
+  }
+  std::vector<PageMap> pages(n_kv_);
   for (const auto& b : batches) {
     for (const auto& p : b.pages()) {
       out->bytes_received += p.k().size() + p.v().size();
@@ -688,33 +676,6 @@ Status SessionImpl::Step(uint32_t layer, const float* queries, SelectedKV* out) 
   return Status::OK();
 }
 
-Status SessionImpl::SelectHead(uint32_t head, const float* queries, index::Selector* selector,
-                               const index::KeySource* keys,
-                               std::vector<std::vector<int32_t>>* per_q_head,
-                               std::vector<uint32_t>* stored_blocks) {
-  const uint32_t g = n_q_ / n_kv_;
-  const int64_t n = n_tokens_;
-  const int64_t budget = params_.TokenBudget(n);
-  index::SelectInput in;
-  in.queries = queries ? queries + size_t{head} * g * d_ : nullptr;
-  in.n_queries = static_cast<int>(g);
-  in.budget = budget;
-  in.keys = keys;
-  index::Selection sel;
-  RETURN_IF_ERROR(selector->Select(in, &sel, nullptr));
-  // Page cap, page tables and whole-page widening as the server does them.
-  std::vector<index::PageTable> tables;
-  RETURN_IF_ERROR(params_.PageStep(n, &sel.per_head, &tables, &sel.per_head_logits));
-  stored_blocks->clear();
-  for (const auto& t : tables) {
-    for (int32_t p : t.pages) {
-      if (int64_t{p} * block_ < n_stored_) stored_blocks->push_back(static_cast<uint32_t>(p));
-    }
-  }
-  *per_q_head = std::move(sel.per_head);
-  return Status::OK();
-}
-
 Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedKV* out) {
   // Query-independent methods: layer + 1's pages are known now; fetch them
   // while this layer is served and attended.
@@ -734,44 +695,19 @@ Status SessionImpl::ClientSelect(uint32_t layer, const float* queries, SelectedK
     SelectedKV** p;
     ~ResetStats() { *p = nullptr; }
   } reset{&step_stats_};
+  const size_t group_floats = size_t{n_q_ / n_kv_} * d_;
+  session::HeadStep step;
   for (uint32_t h = 0; h < n_kv_; ++h) {
-    const size_t slot = size_t{layer} * n_kv_ + h;
     auto& head = out->heads[h];
-    std::vector<uint32_t> need;
-    RETURN_IF_ERROR(SelectHead(h, queries, selectors_[slot].get(), key_sources_[slot].get(),
-                               &head.per_q_head, &need));
-    std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
-    RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, out));
+    RETURN_IF_ERROR(core_->PlanHead(static_cast<int>(layer), static_cast<int>(h),
+                                    queries + h * group_floats, &step, nullptr));
+    PageMap pages;
+    RETURN_IF_ERROR(core_->LoadPages(static_cast<int>(layer), static_cast<int>(h), step, &pages));
+    head.per_q_head = std::move(step.per_q_head);
+    head.pages = std::move(step.pages);
     for (const auto& sq : head.per_q_head) head.ids.insert(head.ids.end(), sq.begin(), sq.end());
     std::sort(head.ids.begin(), head.ids.end());
     head.ids.erase(std::unique(head.ids.begin(), head.ids.end()), head.ids.end());
-    // Blocks reaching into the appended part: stored rows plus the appended
-    // KV kept locally.
-    const auto& ak = app_k_[slot];
-    const auto& av = app_v_[slot];
-    for (int32_t id : head.ids) {
-      const uint32_t b = static_cast<uint32_t>(id) / block_;
-      const int64_t begin = int64_t{b} * block_;
-      const int64_t end = std::min<int64_t>(begin + block_, n_tokens_);
-      if (end <= n_stored_) continue;  // wholly stored: fetched above
-      auto it = pages.find(b);
-      if (it != pages.end() && it->second->n_tokens == static_cast<uint32_t>(end - begin)) {
-        continue;  // already assembled
-      }
-      auto page = std::make_shared<DecodedPage>();
-      page->n_tokens = static_cast<uint32_t>(end - begin);
-      page->k.resize(size_t(end - begin) * d_);
-      page->v.resize(page->k.size());
-      if (it != pages.end()) {  // the stored part of the block
-        std::copy(it->second->k.begin(), it->second->k.end(), page->k.begin());
-        std::copy(it->second->v.begin(), it->second->v.end(), page->v.begin());
-      }
-      for (int64_t t = std::max(begin, n_stored_); t < end; ++t) {
-        std::copy_n(ak.data() + (t - n_stored_) * d_, d_, page->k.data() + (t - begin) * d_);
-        std::copy_n(av.data() + (t - n_stored_) * d_, d_, page->v.data() + (t - begin) * d_);
-      }
-      pages[b] = page;
-    }
     FillHead(pages, block_, d_, &head);
   }
   return Status::OK();
@@ -836,17 +772,19 @@ Status SessionImpl::RunPrefetch(uint32_t layer, const float* queries) {
     if (!pred_selectors_[slot]) {
       // No job of this layer runs concurrently with a Step or Append that
       // mutates selectors_[slot] (see the class comment), so this read is safe.
-      pred_selectors_[slot] = selectors_[slot]->Clone();
+      pred_selectors_[slot] = core_->selector(static_cast<int>(layer), static_cast<int>(h))->Clone();
       pred_bytes_[slot] = pred_selectors_[slot]->MemoryBytes();
       cache_.UpdateStats(
           [&](PageCacheStats* st) { st->prefetch_selector_bytes += pred_bytes_[slot]; });
     }
-    std::vector<std::vector<int32_t>> per_q_head;
-    std::vector<uint32_t> need;
-    RETURN_IF_ERROR(SelectHead(h, queries, pred_selectors_[slot].get(),
-                               pred_key_sources_[slot].get(), &per_q_head, &need));
-    std::unordered_map<uint32_t, std::shared_ptr<DecodedPage>> pages;
-    RETURN_IF_ERROR(StoredPages(layer, h, std::move(need), &pages, nullptr, /*prefetch=*/true));
+    session::HeadStep step;
+    RETURN_IF_ERROR(core_->PlanHeadWith(static_cast<int>(layer), pred_selectors_[slot].get(),
+                                        pred_key_sources_[slot].get(),
+                                        queries + size_t{h} * (n_q_ / n_kv_) * d_, &step,
+                                        nullptr));
+    PageMap pages;
+    RETURN_IF_ERROR(pred_fetcher_.Fetch(static_cast<int>(layer), static_cast<int>(h),
+                                        step.pages_with_stored(), &pages));
   }
   return Status::OK();
 }
@@ -897,6 +835,7 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
   ASSIGN_OR_RETURN(v1::DecodeResponse resp, RoundTrip(&req, nullptr));
   (void)resp;
   if (options_.mode == SelectMode::kClient) {
+    RETURN_IF_ERROR(core_->Append(k, v, q));
     const uint32_t g = n_q_ / n_kv_;
     for (uint32_t l = 0; l < n_layers_; ++l) {
       for (uint32_t h = 0; h < n_kv_; ++h) {
@@ -904,7 +843,6 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
         const float* kp = k + slot * d_;
         const float* vp = v + slot * d_;
         const float* qp = q ? q + (size_t{l} * n_q_ + size_t{h} * g) * d_ : nullptr;
-        RETURN_IF_ERROR(selectors_[slot]->Append(kp, vp, qp));
         // The prediction copy follows the same tokens; one that fails is
         // dropped (cloned again at the next Prefetch of the layer).
         if (pred_selectors_[slot] && !pred_selectors_[slot]->Append(kp, vp, qp).ok()) {
@@ -912,8 +850,6 @@ Status SessionImpl::Append(const float* k, const float* v, const float* q) {
               [&](PageCacheStats* st) { st->prefetch_selector_bytes -= pred_bytes_[slot]; });
           pred_selectors_[slot].reset();
         }
-        app_k_[slot].insert(app_k_[slot].end(), kp, kp + d_);
-        app_v_[slot].insert(app_v_[slot].end(), vp, vp + d_);
       }
     }
   }

@@ -6,6 +6,7 @@
 
 #include "common/dtype.h"
 #include "proto/dtype_convert.h"
+#include "session/attention.h"
 
 namespace ctxcache::client {
 
@@ -18,6 +19,7 @@ RemoteAttention::RemoteAttention(const model::ModelSpec& spec, DecodeSession* se
   pend_k_.assign(size_t(spec.n_layers) * spec.n_kv_heads * spec.head_dim, 0.f);
   pend_v_ = pend_k_;
   pend_q_.assign(size_t(spec.n_layers) * spec.n_q_heads * spec.head_dim, 0.f);
+  last_.resize(spec.n_layers);
 }
 
 Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* k, const float* v,
@@ -36,49 +38,27 @@ Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* 
   std::copy_n(k, size_t(nkv) * d, pend_k_.data() + size_t(layer) * nkv * d);
   std::copy_n(v, size_t(nkv) * d, pend_v_.data() + size_t(layer) * nkv * d);
   std::copy_n(q, size_t(nq) * d, pend_q_.data() + size_t(layer) * nq * d);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int qh = 0; qh < nq; ++qh) {
     const int h = qh / g;
     const SelectedKV::Head& head = sel.heads[h];
     const auto& mine = head.per_q_head[qh % g];
-    const float* qv = q + size_t(qh) * d;
     const auto& tk = tail_k_[layer][h];
     const auto& tv = tail_v_[layer][h];
-    const size_t n_tail = tk.size() / d;
     // Rows: the q head's own selected context tokens, then the whole tail.
-    std::vector<const float*> krow, vrow;
+    krow_.clear();
+    vrow_.clear();
     for (int32_t id : mine) {
-      if (id >= n_context_) continue;  // appended tokens are in the tail
+      if (id >= n_context_) break;  // sorted; appended tokens are in the tail
       auto it = std::lower_bound(head.ids.begin(), head.ids.end(), id);
-      size_t r = static_cast<size_t>(it - head.ids.begin());
-      krow.push_back(head.k.data() + r * d);
-      vrow.push_back(head.v.data() + r * d);
+      const size_t r = static_cast<size_t>(it - head.ids.begin());
+      krow_.push_back(head.k.data() + r * d);
+      vrow_.push_back(head.v.data() + r * d);
     }
-    context_tokens_ += krow.size();
-    for (size_t t = 0; t < n_tail; ++t) {
-      krow.push_back(tk.data() + t * d);
-      vrow.push_back(tv.data() + t * d);
-    }
-    scores_.resize(krow.size());
-    float mx = -INFINITY;
-    for (size_t i = 0; i < krow.size(); ++i) {
-      float s = 0;
-      for (int j = 0; j < d; ++j) s += qv[j] * krow[i][j];
-      scores_[i] = s * scale;
-      mx = std::max(mx, scores_[i]);
-    }
-    double sum = 0;
-    for (auto& s : scores_) {
-      s = std::exp(s - mx);
-      sum += s;
-    }
-    float* o = out + size_t(qh) * d;
-    std::fill(o, o + d, 0.f);
-    for (size_t i = 0; i < krow.size(); ++i) {
-      const float p = static_cast<float>(scores_[i] / sum);
-      for (int j = 0; j < d; ++j) o[j] += p * vrow[i][j];
-    }
+    context_tokens_ += krow_.size();
+    session::AttendRows(q + size_t(qh) * d, d, krow_, vrow_, tk.data(), tv.data(),
+                        static_cast<int64_t>(tk.size() / d), out + size_t(qh) * d, &scores_);
   }
+  last_[layer] = std::move(sel);
   return Status::OK();
 }
 
@@ -91,6 +71,48 @@ Status RemoteAttention::OnLayerInput(int layer, int64_t pos, const float* hidden
 
 Status RemoteAttention::FlushAppend() {
   return session_->Append(pend_k_.data(), pend_v_.data(), pend_q_.data());
+}
+
+Status FetchContextKv(Client* client, const v1::ContextInfo& info, model::KvCache* cache,
+                      uint64_t* bytes) {
+  const int64_t n = static_cast<int64_t>(info.n_tokens());
+  const uint32_t b = info.block_tokens();
+  const uint32_t n_blocks = static_cast<uint32_t>((n + b - 1) / b);
+  const int d = cache->head_dim(), nkv = cache->n_kv_heads();
+  for (int layer = 0; layer < cache->n_layers(); ++layer) {
+    if (cache->n_tokens(layer) != 0) {
+      return FailedPreconditionError("FetchContextKv: the cache is not empty");
+    }
+  }
+  std::vector<float> k(size_t(n) * nkv * d), v(k.size());
+  uint64_t total = 0;
+  for (int layer = 0; layer < cache->n_layers(); ++layer) {
+    v1::FetchPagesRequest req;
+    req.set_context_id(info.context_id());
+    for (int h = 0; h < nkv; ++h) {
+      auto* t = req.add_tables();
+      t->set_layer(layer);
+      t->set_kv_head(h);
+      for (uint32_t blk = 0; blk < n_blocks; ++blk) t->add_blocks(blk);
+    }
+    std::vector<v1::Page> pages;
+    RETURN_IF_ERROR(client->FetchPages(req, &pages));
+    for (const auto& p : pages) {
+      total += p.k().size() + p.v().size();  // crc-checked by Client::FetchPages
+      std::vector<float> pk(size_t(p.n_tokens()) * d), pv(pk.size());
+      ASSIGN_OR_RETURN(DType dt, FromProtoDType(p.dtype()));
+      ConvertToFloat(dt, p.k().data(), pk.data(), pk.size());
+      ConvertToFloat(dt, p.v().data(), pv.data(), pv.size());
+      for (uint32_t t = 0; t < p.n_tokens(); ++t) {
+        size_t row = (size_t(p.block()) * b + t) * nkv + p.kv_head();
+        std::copy_n(pk.data() + size_t(t) * d, d, k.data() + row * d);
+        std::copy_n(pv.data() + size_t(t) * d, d, v.data() + row * d);
+      }
+    }
+    cache->Append(layer, static_cast<int>(n), k.data(), v.data(), int64_t{nkv} * d);
+  }
+  if (bytes != nullptr) *bytes = total;
+  return Status::OK();
 }
 
 namespace {
@@ -171,43 +193,14 @@ StatusOr<GenerateResult> GenerateDense(const model::Model& model, Client* client
                                        uint64_t* dense_bytes_per_step) {
   ASSIGN_OR_RETURN(v1::ContextInfo info, client->GetContext(context_id));
   const model::ModelSpec& spec = model.spec();
-  const int64_t n = static_cast<int64_t>(info.n_tokens());
-  const uint32_t b = info.block_tokens();
-  const uint32_t n_blocks = static_cast<uint32_t>((n + b - 1) / b);
-  const int d = spec.head_dim, nkv = spec.n_kv_heads;
   model::KvCache cache(spec, DType::kBF16);
-  cache.Reserve(n + static_cast<int64_t>(prompt.size()) + options.max_new_tokens);
-  std::vector<float> k(size_t(n) * nkv * d), v(k.size());
+  cache.Reserve(static_cast<int64_t>(info.n_tokens() + prompt.size()) + options.max_new_tokens);
   uint64_t total = 0;
-  for (int layer = 0; layer < spec.n_layers; ++layer) {
-    v1::FetchPagesRequest req;
-    req.set_context_id(context_id);
-    for (int h = 0; h < nkv; ++h) {
-      auto* t = req.add_tables();
-      t->set_layer(layer);
-      t->set_kv_head(h);
-      for (uint32_t blk = 0; blk < n_blocks; ++blk) t->add_blocks(blk);
-    }
-    std::vector<v1::Page> pages;
-    RETURN_IF_ERROR(client->FetchPages(req, &pages));
-    for (const auto& p : pages) {
-      total += p.k().size() + p.v().size();  // crc-checked by Client::FetchPages
-      std::vector<float> pk(size_t(p.n_tokens()) * d), pv(pk.size());
-      ASSIGN_OR_RETURN(DType dt, FromProtoDType(p.dtype()));
-      ConvertToFloat(dt, p.k().data(), pk.data(), pk.size());
-      ConvertToFloat(dt, p.v().data(), pv.data(), pv.size());
-      for (uint32_t t = 0; t < p.n_tokens(); ++t) {
-        size_t row = (size_t(p.block()) * b + t) * nkv + p.kv_head();
-        std::copy_n(pk.data() + size_t(t) * d, d, k.data() + row * d);
-        std::copy_n(pv.data() + size_t(t) * d, d, v.data() + row * d);
-      }
-    }
-    cache.Append(layer, static_cast<int>(n), k.data(), v.data(), int64_t{nkv} * d);
-  }
+  RETURN_IF_ERROR(FetchContextKv(client, info, &cache, &total));
   *dense_bytes_per_step = total;
   model::FullAttention full(spec, &cache);
   std::vector<model::AttentionProvider*> providers = {&full};
-  auto res = DecodeLoop(model, n, prompt, options,
+  auto res = DecodeLoop(model, static_cast<int64_t>(info.n_tokens()), prompt, options,
                         [&](int32_t tok, int64_t pos, std::vector<float>* logits) -> Status {
                           return model::DecodeStep(model, tok, pos, providers, logits);
                         });

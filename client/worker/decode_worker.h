@@ -56,6 +56,8 @@ class RemoteAttention final : public model::AttentionProvider {
 
   uint64_t bytes_received() const { return bytes_received_; }
   uint64_t context_tokens_attended() const { return context_tokens_; }
+  // What the session returned for the last Attend of `layer`.
+  const SelectedKV& last_selected(int layer) const { return last_[layer]; }
 
  private:
   const model::ModelSpec& spec_;
@@ -68,7 +70,9 @@ class RemoteAttention final : public model::AttentionProvider {
   std::vector<std::vector<std::vector<float>>> tail_k_, tail_v_;
   // The pending token's K/V/Q, [layer][heads][d].
   std::vector<float> pend_k_, pend_v_, pend_q_;
-  std::vector<float> scores_;
+  std::vector<SelectedKV> last_;            // [layer]
+  std::vector<const float*> krow_, vrow_;  // the rows a q head attends
+  std::vector<float> scores_;               // AttendRows scratch
   uint64_t bytes_received_ = 0;
   uint64_t context_tokens_ = 0;
 };
@@ -108,6 +112,12 @@ StatusOr<GenerateResult> GenerateDense(const model::Model& model, Client* client
                                        const std::vector<int32_t>& prompt,
                                        const GenerateOptions& options,
                                        uint64_t* dense_bytes_per_step);
+
+// Fetches every stored page of the context `info` (FetchPages) into `cache`
+// (empty, shaped like the context's model), as stored: what a dense worker
+// holds. *bytes (may be null): page payload bytes received.
+Status FetchContextKv(Client* client, const v1::ContextInfo& info, model::KvCache* cache,
+                      uint64_t* bytes);
 
 // Mean KL(p || q) over positions of the softmax of two logit sequences.
 double MeanKl(const std::vector<std::vector<float>>& p, const std::vector<std::vector<float>>& q);

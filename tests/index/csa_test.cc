@@ -350,6 +350,7 @@ TEST(CsaTest, PlainSerializationIsBitExact) {
   Data data = MakeData(512, 6);
   CsaOptions o = SmallOptions();
   o.norm_weights = true;
+  o.compact = false;
   auto s = CsaSelector::Build(data.prefill(), o);
   ASSERT_TRUE(s.ok());
   ASSERT_TRUE((*s)->Append(data.keys.data(), nullptr, nullptr).ok());

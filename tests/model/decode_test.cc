@@ -131,10 +131,10 @@ TEST_P(DecodeTest, SparseOracleFullBudgetEqualsFull) {
     Selectors sel = BuildSelectors(s, sink.trace(), method);
     ASSERT_EQ(sel.owned.size(), static_cast<size_t>(s.n_layers * s.n_kv_heads));
     KvCache full_cache = cache;  // dense reference continues from a copy
-    KvCachePageSource pages(&cache);
+    KvCachePageFetcher pages(&cache, 16);
     SparseAttentionOptions so;
-    so.budget = T;  // 100%: at least every context token
-    auto sparse = SparseAttention::Create(s, sel.table, &pages, so);
+    so.params["budget"] = std::to_string(T);  // 100%: every context token
+    auto sparse = SparseAttention::Create(s, sel.table, &pages, pages.n_tokens(), so);
     ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
     FullAttention full(s, &full_cache);
     std::vector<float> ls, lf;
@@ -161,10 +161,10 @@ TEST_P(DecodeTest, SparseSmallBudgetRestrictsAttention) {
   ASSERT_TRUE(Prefill(*model_, prompt, &cache, {&sink}, PrefillOptions{}, &pr).ok());
   sink.SetTokens(prompt);
   Selectors sel = BuildSelectors(s, sink.trace(), "oracle");
-  KvCachePageSource pages(&cache);
+  KvCachePageFetcher pages(&cache, 16);
   SparseAttentionOptions so;
-  so.budget = 4;
-  auto sparse = SparseAttention::Create(s, sel.table, &pages, so);
+  so.params["budget"] = "4";
+  auto sparse = SparseAttention::Create(s, sel.table, &pages, pages.n_tokens(), so);
   ASSERT_TRUE(sparse.ok());
   std::vector<float> logits;
   double max_diff = 0;
@@ -177,7 +177,12 @@ TEST_P(DecodeTest, SparseSmallBudgetRestrictsAttention) {
   // decoded tokens, which the local tail serves).
   EXPECT_LE(st.context_tokens, static_cast<uint64_t>((T - T0) * s.n_layers * s.n_q_heads * 4));
   EXPECT_GT(st.context_tokens, 0u);
-  EXPECT_LE(st.fetched_tokens, static_cast<uint64_t>((T - T0) * s.n_layers * s.n_q_heads * 4));
+  // Pages go through the block-union tables: per kv head at most one page
+  // per selected token of its G q heads plus the current and recent pages.
+  const uint64_t pages_bound = static_cast<uint64_t>(
+      (T - T0) * s.n_layers * s.n_kv_heads * (s.group_size() * 4 + 2));
+  EXPECT_LE(st.fetched_pages, pages_bound);
+  EXPECT_LE(st.fetched_tokens, pages_bound * 16);
   EXPECT_GT(max_diff, 1e-3);  // 4 of 48 tokens is not full attention
 }
 
@@ -198,8 +203,8 @@ TEST(DecodeErrorsTest, ProviderCountAndPosition) {
   EXPECT_EQ(DecodeStep(**m, -1, 0, {&full}, &logits).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(DecodeStep(**m, 1, 0, {&full}, &logits).ok());
   EXPECT_EQ(logits.size(), static_cast<size_t>(s.vocab));
-  KvCachePageSource pages(&cache);
-  EXPECT_EQ(SparseAttention::Create(s, {}, &pages, {}).status().code(),
+  KvCachePageFetcher pages(&cache, 16);
+  EXPECT_EQ(SparseAttention::Create(s, {}, &pages, pages.n_tokens(), {}).status().code(),
             StatusCode::kInvalidArgument);
 }
 

@@ -14,6 +14,8 @@
 #include "ctxcache/client.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "index/csa.h"
+#include "index/page_table.h"
 #include "index/selector.h"
 #include "model/decode.h"
 #include "model/kv_cache.h"
@@ -158,10 +160,10 @@ TEST_F(ServiceTest, SessionMatchesLocalDecodeForEveryMethod) {
         owned.push_back(std::move(s).value());
       }
     }
-    model::KvCachePageSource pages(&cache);
+    model::KvCachePageFetcher pages(&cache, 16);
     model::SparseAttentionOptions so;
-    so.budget = budget;
-    auto sparse = model::SparseAttention::Create(spec, sels, &pages, so);
+    so.params["budget"] = std::to_string(budget);
+    auto sparse = model::SparseAttention::Create(spec, sels, &pages, pages.n_tokens(), so);
     ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
     std::vector<model::AttentionProvider*> providers = {sparse->get()};
     std::vector<int32_t> local;
@@ -186,6 +188,137 @@ TEST_F(ServiceTest, SessionMatchesLocalDecodeForEveryMethod) {
       ASSERT_TRUE(remote.ok()) << remote.status().ToString();
       EXPECT_EQ(remote->tokens, local) << "mode " << static_cast<int>(mode);
       EXPECT_GT(remote->bytes_received, 0u);
+    }
+  }
+}
+
+// The three decode modes run one session core (session/sparse_session.h):
+// server-side selection, the SDK's client mode and the embedded decode over
+// the same stored pages agree exactly on every page table, every q head's
+// selection and the logits, with the default session params (mass-ranked
+// page cap, block-union tables, whole pages). The decode crosses from the
+// stored context into appended tokens through a page that straddles both.
+// A path that skipped the page cap or the page tables would differ in pages.
+TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
+  const auto tokens = RandomTokens(600, 4);  // 600 = 37.5 pages of 16
+  auto done = Build(tokens);
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  const v1::ContextInfo& info = done->context();
+  const std::string id = info.context_id();
+  const int64_t n = static_cast<int64_t>(info.n_tokens());
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const model::ModelSpec& spec = (*model)->spec();
+  model::KvCache stored(spec, DType::kBF16);
+  ASSERT_TRUE(client::FetchContextKv(client_.get(), info, &stored, nullptr).ok());
+  const std::vector<int32_t> seq = {5, 17, 300, 42, 7, 99, 123, 250, 31, 64, 8, 200};
+
+  struct Trace {
+    std::vector<std::vector<float>> logits;                // [step]
+    std::vector<std::vector<std::vector<int32_t>>> heads;  // [step, layer, kv][q head of group]
+    std::vector<std::vector<uint32_t>> pages;              // [step, layer, kv]
+  };
+  const int64_t page_budget = index::PageBudget(0.05, n + static_cast<int64_t>(seq.size()), 16);
+  for (const char* method : {"csa", "oracle", "tactic", "quest"}) {
+    SCOPED_TRACE(method);
+    auto artifacts = client_->FetchIndex(id, method);
+    ASSERT_TRUE(artifacts.ok()) << artifacts.status().ToString();
+    std::vector<std::unique_ptr<index::Selector>> owned;
+    std::vector<std::vector<index::Selector*>> sels(spec.n_layers);
+    for (int l = 0; l < spec.n_layers; ++l) {
+      for (int h = 0; h < spec.n_kv_heads; ++h) {
+        auto sel = index::LoadSelector(method, artifacts->at({l, h}));
+        ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+        sels[l].push_back(sel->get());
+        owned.push_back(std::move(sel).value());
+      }
+    }
+    // Embedded: the model's KvCache is the page source.
+    model::KvCachePageFetcher fetcher(&stored, static_cast<int>(info.block_tokens()));
+    auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, {});
+    ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+    Trace embedded;
+    std::vector<float> logits;
+    for (size_t i = 0; i < seq.size(); ++i) {
+      ASSERT_TRUE(model::DecodeStep(**model, seq[i], n + static_cast<int64_t>(i),
+                                    {sparse->get()}, &logits)
+                      .ok());
+      embedded.logits.push_back(logits);
+      for (int l = 0; l < spec.n_layers; ++l) {
+        for (const session::HeadStep& step : (*sparse)->last_steps(l)) {
+          embedded.heads.push_back(step.per_q_head);
+          embedded.pages.push_back(step.pages);
+          if (std::string(method) == "csa") {
+            // The page cap holds: budget + the sink page + current and recent.
+            EXPECT_LE(static_cast<int64_t>(step.pages.size()), page_budget + 3);
+          }
+        }
+      }
+    }
+    // Through ctxcached, both selection modes.
+    for (auto mode : {client::SelectMode::kServer, client::SelectMode::kClient}) {
+      SCOPED_TRACE(mode == client::SelectMode::kServer ? "server mode" : "client mode");
+      client::SessionOptions so;
+      so.context_id = id;
+      so.method = method;
+      so.mode = mode;
+      auto session = client_->OpenSession(so);
+      ASSERT_TRUE(session.ok()) << session.status().ToString();
+      client::RemoteAttention remote(spec, session->get(), n);
+      Trace got;
+      for (size_t i = 0; i < seq.size(); ++i) {
+        ASSERT_TRUE(model::DecodeStep(**model, seq[i], n + static_cast<int64_t>(i), {&remote},
+                                      &logits)
+                        .ok());
+        ASSERT_TRUE(remote.FlushAppend().ok());
+        got.logits.push_back(logits);
+        for (int l = 0; l < spec.n_layers; ++l) {
+          for (const auto& head : remote.last_selected(l).heads) {
+            got.heads.push_back(head.per_q_head);
+            got.pages.push_back(head.pages);
+          }
+        }
+      }
+      EXPECT_EQ(got.pages, embedded.pages);
+      EXPECT_EQ(got.heads, embedded.heads);
+      double max_diff = 0;
+      for (size_t i = 0; i < got.logits.size(); ++i) {
+        for (size_t j = 0; j < got.logits[i].size(); ++j) {
+          max_diff = std::max(max_diff, std::fabs(double(got.logits[i][j]) - embedded.logits[i][j]));
+        }
+      }
+      // One attention routine on identical inputs; the model's Eigen GEMVs
+      // may still differ in the last bit with the heap alignment of their
+      // buffers (seen: 7e-7), so logits are compared to 1e-5.
+      EXPECT_LE(max_diff, 1e-5);
+      EXPECT_TRUE((*session)->Close().ok());
+    }
+  }
+}
+
+// index/ owns method defaults: a context built with no index params stores
+// exactly CsaOptions' documented defaults (C is clamped only below 128 keys).
+TEST_F(ServiceTest, DefaultCsaParamsAreCsaOptionsDefaults) {
+  auto done = Build(RandomTokens(700, 9));
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  const v1::IndexParams* csa = nullptr;
+  for (const auto& ip : done->context().indexes()) {
+    if (ip.method() == "csa") csa = &ip;
+  }
+  ASSERT_NE(csa, nullptr);
+  const index::MethodParams stored(csa->params().begin(), csa->params().end());
+  EXPECT_EQ(stored, index::CsaOptionsToParams(index::CsaOptions{}));
+  auto parsed = index::ParseCsaOptions(stored);
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_TRUE(parsed->norm_weights);
+  EXPECT_TRUE(parsed->compact);
+  EXPECT_EQ(parsed->C, 128);
+  // A context with fewer keys than C clamps it, and records the clamp.
+  auto small = Build(RandomTokens(90, 10));
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  for (const auto& ip : small->context().indexes()) {
+    if (ip.method() == "csa") {
+      EXPECT_EQ(ip.params().at("C"), "90");
     }
   }
 }

@@ -80,6 +80,9 @@ struct SelectedKV {
     std::vector<float> k, v;
     // Per q head of this kv head's group: its own selection (subset of ids).
     std::vector<std::vector<int32_t>> per_q_head;
+    // The pages fetched for this kv head: the union of its block-union page
+    // tables (all subgroups), sorted.
+    std::vector<uint32_t> pages;
   };
   std::vector<Head> heads;  // one per kv head
   // Bytes of page payload received from the server for this step.

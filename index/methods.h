@@ -1,0 +1,67 @@
+// The method registry: every fact about an index method lives here, and
+// nowhere else (DESIGN §5). One entry per method holds its name, the kind
+// byte that names its artifact in the store's key schema
+// (docs/storage-format.md), whether every context builds it, whether its
+// selections depend on the queries, and its build / load / param-resolution
+// functions. The service, the SDK and the benches ask this registry instead
+// of listing methods themselves.
+//
+// Thread-safety: immutable after static initialization; safe for concurrent
+// use.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "index/selector.h"
+
+namespace ctxcache::index {
+
+struct MethodInfo {
+  using BuildFn = StatusOr<std::unique_ptr<Selector>> (*)(const HeadPrefill&, const MethodParams&);
+  using LoadFn = StatusOr<std::unique_ptr<Selector>> (*)(std::string_view);
+  // The parameters a build over n_keys keys with n_query_rows pooled query
+  // rows (all q heads of the group) actually uses, from the requested ones:
+  // defaults that depend on the context filled in. InvalidArgument for bad
+  // requested params.
+  using ResolveFn = StatusOr<MethodParams> (*)(const MethodParams& requested, int64_t n_keys,
+                                              int64_t n_query_rows);
+
+  std::string_view name;
+  // Kind byte of the method's artifact in the `index` column family key.
+  uint8_t artifact_kind = 0;
+  // Built for every context (reference methods with a tiny artifact), so a
+  // session can open it on any context.
+  bool always_built = false;
+  // Selections do not depend on the queries: a client can fetch layer l+1's
+  // pages while layer l runs.
+  bool query_independent = false;
+  BuildFn build = nullptr;
+  LoadFn load = nullptr;
+  ResolveFn resolve = nullptr;
+  // Resolved params derived from the context's size; dropped when an
+  // extended context re-resolves its parent's params.
+  std::span<const std::string_view> context_dependent_params;
+};
+
+// Every registered method, in a fixed order.
+std::span<const MethodInfo> Methods();
+
+// The entry of `name`; InvalidArgument naming the known methods otherwise.
+StatusOr<const MethodInfo*> FindMethodInfo(std::string_view name);
+
+// The entry whose artifact_kind is `kind`, or null.
+const MethodInfo* FindMethodByKind(uint8_t kind);
+
+// "full, oracle, csa, ..." for messages.
+std::string MethodNamesForMessages();
+
+// Requested params of an extended context from its parent's resolved ones:
+// drops the method's context_dependent_params.
+MethodParams ParamsForExtend(const MethodInfo& method, const MethodParams& parent_resolved);
+
+}  // namespace ctxcache::index

@@ -1,0 +1,70 @@
+// The one place that converts between the wire API (ctxcache/v1 protos) and
+// the service's domain types: context ids, manifests -> ContextInfo, tensors
+// -> fp32, stored and assembled pages -> v1::Page, and page batching under
+// the message-size limit. Handlers validate, convert here, call the domain
+// code and map Status to gRPC (service/grpc_status.h).
+//
+// Thread-safety: free functions are reentrant; a PageBatcher is used by one
+// thread.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "ctxcache/v1/ctxcache_service.pb.h"
+#include "session/page_fetcher.h"
+#include "storage/context_reader.h"
+#include "storage/keys.h"
+
+namespace ctxcache::service {
+
+// Max page payload bytes per PageBatch message (below gRPC's message limit).
+inline constexpr size_t kMaxPageBatchBytes = 4u << 20;
+
+// A 32-hex-character context id; InvalidArgument naming `field` otherwise.
+StatusOr<storage::ContextId> ParseContextId(const std::string& hex,
+                                            const char* field = "context_id");
+
+// A stored manifest in its API form.
+v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m);
+
+// Decodes a Tensor to fp32, checking dtype, shape and finiteness. `what`
+// names the field in errors (InvalidArgument).
+Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
+                     std::vector<float>* out);
+
+// Page i of a stored batch of (layer, kv_head), bytes as stored, with its
+// crc32c.
+v1::Page StoredPageToProto(const storage::PageBatch& batch, size_t i, uint32_t layer,
+                           uint32_t kv_head);
+
+// A decoded (fp32) page as a bf16 wire page with its crc32c.
+v1::Page DecodedPageToProto(const session::DecodedPage& page, uint32_t head_dim, uint32_t layer,
+                            uint32_t kv_head, uint32_t block);
+
+// Packs pages into PageBatch messages of at most max_bytes of payload (a
+// page larger than that goes alone). Each full batch goes to `sink`; a sink
+// returning false (the client went away) makes Add/Finish return false.
+class PageBatcher {
+ public:
+  using Sink = std::function<bool(v1::PageBatch&&)>;
+  PageBatcher(size_t max_bytes, Sink sink, bool corrupt_for_testing = false)
+      : max_bytes_(max_bytes), sink_(std::move(sink)), corrupt_(corrupt_for_testing) {}
+  bool Add(v1::Page&& page);
+  // Sends the last batch (marked `last`, possibly empty).
+  bool Finish();
+  size_t batches_sent() const { return sent_; }
+
+ private:
+  size_t max_bytes_;
+  Sink sink_;
+  bool corrupt_;
+  v1::PageBatch current_;
+  size_t current_bytes_ = 0;
+  size_t sent_ = 0;
+};
+
+}  // namespace ctxcache::service

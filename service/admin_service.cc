@@ -175,165 +175,59 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   if (!reader->Read(&msg) || !msg.has_header()) {
     return rpc.Finish(Invalid("the first IngestChunk must carry the header"));
   }
-  const v1::IngestHeader header = msg.header();
-  const v1::ModelSpec& spec = header.model();
-  if (spec.n_layers() == 0 || spec.n_q_heads() == 0 || spec.n_kv_heads() == 0 ||
-      spec.head_dim() == 0 || spec.n_q_heads() % spec.n_kv_heads() != 0) {
-    return rpc.Finish(
-        Invalid("header.model: n_layers, n_q_heads, n_kv_heads and head_dim must "
-                "be > 0 and n_q_heads a multiple of n_kv_heads"));
-  }
-  if (spec.fingerprint().empty()) {
-    return rpc.Finish(
-        Invalid("header.model.fingerprint is required (it decides KV compatibility)"));
-  }
-  if (spec.kv_dtype() == v1::DTYPE_UNSPECIFIED) {
-    return rpc.Finish(
-        Invalid("header.model.kv_dtype is required (DTYPE_BF16, DTYPE_F16 or DTYPE_F32)"));
-  }
-  if (header.tokens().ids_size() == 0) return rpc.Finish(Invalid("header.tokens is empty"));
-  auto idx = IndexRequests(header.indexes(), ctx_->config.default_indexes);
+  const v1::IngestHeader& h = msg.header();
+  IngestBuilder::Header header;
+  header.model = h.model();
+  header.tokens.assign(h.tokens().ids().begin(), h.tokens().ids().end());
+  auto idx = IndexRequests(h.indexes(), ctx_->config.default_indexes);
   if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-  auto kv_dtype = FromProtoDType(spec.kv_dtype());
-  if (!kv_dtype.ok()) return rpc.Finish(ToGrpc(kv_dtype.status()));
-
-  const int L = static_cast<int>(spec.n_layers()), NKV = static_cast<int>(spec.n_kv_heads()),
-            NQ = static_cast<int>(spec.n_q_heads()), D = static_cast<int>(spec.head_dim());
-  const int G = NQ / NKV;
-  const int64_t N = header.tokens().ids_size();
-  std::vector<uint32_t> tokens(header.tokens().ids().begin(), header.tokens().ids().end());
-  storage::BuildRequest br;
-  br.model = spec;
-  br.tokens = tokens;
-  br.name = header.name();
-  br.tenant = header.tenant();
-  br.labels.insert(header.labels().begin(), header.labels().end());
-  br.ttl_ms = header.ttl_seconds() * 1000;
-  br.pinned = header.pin();
-  auto start = ctx_->store->BeginBuild(br);
-  if (!start.ok()) return rpc.Finish(ToGrpc(start.status()));
-  if (!start->writer) {  // already stored: drain the stream, return it
+  header.indexes = std::move(idx).value();
+  header.name = h.name();
+  header.tenant = h.tenant();
+  header.labels.insert(h.labels().begin(), h.labels().end());
+  header.ttl_ms = h.ttl_seconds() * 1000;
+  header.pinned = h.pin();
+  auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
+  if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
+  IngestBuilder& b = **builder;
+  if (b.reused()) {  // already stored with these indexes: drain the stream, return it
     while (reader->Read(&msg)) {
     }
-    if (Status s = CheckReusable(start->existing, *idx, G); !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
-    *response = ManifestToInfo(start->existing);
+    *response = ManifestToInfo(b.existing());
     return rpc.Finish(grpc::Status::OK);
   }
-  storage::ContextWriter* writer = start->writer.get();
-  auto fail = [&](const Status& s) {
-    writer->Abort().IgnoreError();
-    return rpc.Finish(ToGrpc(s));
-  };
-  // Keys/values (fp32) and a query sample per layer for the index builds.
-  std::vector<std::vector<float>> keys(static_cast<size_t>(L) * NKV), vals(keys.size());
-  std::vector<std::vector<float>> qs(keys.size());
-  std::vector<std::vector<int64_t>> qpos(static_cast<size_t>(L));
-  std::vector<int64_t> next(L, 0);
-  const int64_t q_stride = std::max<int64_t>(1, (N * G + 65535) / 65536);
+  const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
   std::vector<float> k, v, q;
-  std::vector<uint8_t> kc, vc;
   bool committed = false;
   while (reader->Read(&msg)) {
-    if (context->IsCancelled()) return fail(CancelledError("ingest cancelled"));
+    if (context->IsCancelled()) return rpc.Finish(ToGrpc(CancelledError("ingest cancelled")));
     if (msg.has_commit()) {
       committed = true;
       break;
     }
-    if (!msg.has_chunk()) return fail(InvalidArgumentError("expected a chunk or the commit"));
+    if (!msg.has_chunk()) {
+      return rpc.Finish(ToGrpc(InvalidArgumentError("expected a chunk or the commit")));
+    }
     const v1::IngestLayerChunk& c = msg.chunk();
-    if (c.layer() >= static_cast<uint32_t>(L)) {
-      return fail(InvalidArgumentError("chunk.layer " + std::to_string(c.layer()) +
-                                       " out of range [0, " + std::to_string(L) + ")"));
-    }
-    const int layer = static_cast<int>(c.layer());
     const int64_t n = c.n_tokens();
-    if (static_cast<int64_t>(c.token_start()) != next[layer] || n <= 0 || next[layer] + n > N) {
-      return fail(InvalidArgumentError(
-          "chunk for layer " + std::to_string(layer) + ": token_start " +
-          std::to_string(c.token_start()) + " n_tokens " + std::to_string(n) + ", expected start " +
-          std::to_string(next[layer]) + " and an end <= " + std::to_string(N)));
-    }
-    Status s = TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k);
-    if (s.ok()) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
+    Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
+    if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
     const bool has_q = c.has_q() && !c.q().data().empty();
-    if (s.ok() && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
-    if (!s.ok()) return fail(s);
-    const size_t per_head = static_cast<size_t>(n) * D;
-    kc.resize(per_head * DTypeSize(*kv_dtype));
-    vc.resize(kc.size());
-    for (int h = 0; h < NKV; ++h) {
-      ConvertFromFloat(*kv_dtype, k.data() + h * per_head, kc.data(), per_head);
-      ConvertFromFloat(*kv_dtype, v.data() + h * per_head, vc.data(), per_head);
-      s = writer->AppendKV(c.layer(), static_cast<uint32_t>(h), c.token_start(),
-                           static_cast<uint32_t>(n), *kv_dtype, kc.data(), vc.data());
-      if (!s.ok()) return fail(s);
-      // Indexes are built over the KV as stored (rounded to kv_dtype), as
-      // in BuildContext, so both paths produce the same artifacts.
-      auto& kk = keys[static_cast<size_t>(layer) * NKV + h];
-      auto& vv = vals[static_cast<size_t>(layer) * NKV + h];
-      size_t off = kk.size();
-      kk.resize(off + per_head);
-      vv.resize(off + per_head);
-      ConvertToFloat(*kv_dtype, kc.data(), kk.data() + off, per_head);
-      ConvertToFloat(*kv_dtype, vc.data(), vv.data() + off, per_head);
+    if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
+    if (s.ok()) {
+      s = b.AddChunk(static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX)),
+                     static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
+                     has_q ? q.data() : nullptr);
     }
-    if (has_q) {
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t p = next[layer] + i;
-        if (p % q_stride != 0 && p < N - 32) continue;
-        qpos[layer].push_back(p);
-        for (int qh = 0; qh < NQ; ++qh) {
-          auto& dst = qs[static_cast<size_t>(layer) * NKV + qh / G];
-          const float* src = q.data() + (static_cast<size_t>(qh) * n + i) * D;
-          // [row][head-in-group][d], regrouped below; bf16-rounded like the
-          // build path's query sample.
-          size_t off = dst.size();
-          dst.resize(off + D);
-          for (int j = 0; j < D; ++j) dst[off + j] = Bf16ToFloat(FloatToBf16(src[j]));
-        }
-      }
-    }
-    next[layer] += n;
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
   }
   if (!committed) {
-    writer->Abort().IgnoreError();
     return rpc.Finish(
         grpc::Status(grpc::StatusCode::ABORTED,
                      "the ingest stream ended before IngestCommit; nothing was stored"));
   }
-  for (int l = 0; l < L; ++l) {
-    if (next[l] != N) {
-      return fail(FailedPreconditionError("IngestCommit before layer " + std::to_string(l) +
-                                          " was complete (" + std::to_string(next[l]) + " of " +
-                                          std::to_string(N) + " tokens)"));
-    }
-  }
-  Status indexed = BuildIndexArtifacts(
-      writer, IndexShape{L, NKV, D, G, N}, *idx,
-      [&](int layer, int h, float* kout, float* vout) {
-        const auto& kk = keys[static_cast<size_t>(layer) * NKV + h];
-        const auto& vv = vals[static_cast<size_t>(layer) * NKV + h];
-        std::copy(kk.begin(), kk.end(), kout);
-        std::copy(vv.begin(), vv.end(), vout);
-      },
-      [&](int layer, int h, std::vector<float>* qout, std::vector<int64_t>* pos) {
-        // Stored [row][g][d]; the builders want [g][row][d].
-        const auto& src = qs[static_cast<size_t>(layer) * NKV + h];
-        const size_t rows = qpos[layer].size();
-        qout->resize(src.size());
-        for (size_t r = 0; r < rows; ++r) {
-          for (int g = 0; g < G; ++g) {
-            std::copy_n(src.data() + (r * G + g) * D, D, qout->data() + (g * rows + r) * D);
-          }
-        }
-        *pos = qpos[layer];
-      },
-      nullptr, nullptr);
-  if (!indexed.ok()) return fail(indexed);
-  auto manifest = writer->Commit();
-  if (!manifest.ok()) return fail(manifest.status());
+  auto manifest = b.Commit();
+  if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
   *response = ManifestToInfo(*manifest);
   ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
   ctx_->events.Publish(v1::ContextEvent::READY, *response);

@@ -84,9 +84,15 @@ class QuerySink final : public model::PrefillSink {
     return Status::OK();
   }
 
-  // Queries of the q heads of kv head `kv` at `layer`: [G][rows][d] fp32.
+  // Queries of the q heads of kv head `kv` at `layer`: [G][rows][d] fp32
+  // (empty when the layer got no queries).
   void Gather(int layer, int kv, std::vector<float>* out, std::vector<int64_t>* positions) const {
     const LayerQueries& lq = layers_[layer];
+    if (lq.rows.empty()) {
+      out->clear();
+      positions->clear();
+      return;
+    }
     const int g = spec_.group_size();
     const size_t rows = lq.positions.size();
     const int d = spec_.head_dim;
@@ -401,6 +407,140 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
                writer->id().ToHex(), n_total, n_new, outcome.prefill_s, outcome.index_s,
                outcome.manifest.stored_bytes());
   return outcome;
+}
+
+}  // namespace ctxcache::service
+
+namespace ctxcache::service {
+
+class IngestBuilder::Queries {
+ public:
+  Queries(const model::ModelSpec& spec, int64_t cap) : sink(spec, cap) {}
+  QuerySink sink;
+};
+
+StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* store, Header header,
+                                                              const BuildOptions& options) {
+  const v1::ModelSpec& spec = header.model;
+  if (spec.n_layers() == 0 || spec.n_q_heads() == 0 || spec.n_kv_heads() == 0 ||
+      spec.head_dim() == 0 || spec.n_q_heads() % spec.n_kv_heads() != 0) {
+    return InvalidArgumentError(
+        "header.model: n_layers, n_q_heads, n_kv_heads and head_dim must be > 0 and n_q_heads "
+        "a multiple of n_kv_heads");
+  }
+  if (spec.fingerprint().empty()) {
+    return InvalidArgumentError(
+        "header.model.fingerprint is required (it decides KV compatibility)");
+  }
+  if (spec.kv_dtype() == v1::DTYPE_UNSPECIFIED) {
+    return InvalidArgumentError(
+        "header.model.kv_dtype is required (DTYPE_BF16, DTYPE_F16 or DTYPE_F32)");
+  }
+  if (header.tokens.empty()) return InvalidArgumentError("header.tokens is empty");
+  RETURN_IF_ERROR(ValidateIndexRequests(header.indexes));
+  std::unique_ptr<IngestBuilder> b(new IngestBuilder());
+  ASSIGN_OR_RETURN(b->kv_dtype_, FromProtoDType(spec.kv_dtype()));
+  b->spec_.n_layers = static_cast<int>(spec.n_layers());
+  b->spec_.n_q_heads = static_cast<int>(spec.n_q_heads());
+  b->spec_.n_kv_heads = static_cast<int>(spec.n_kv_heads());
+  b->spec_.head_dim = static_cast<int>(spec.head_dim());
+  b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
+  b->indexes_ = std::move(header.indexes);
+  storage::BuildRequest br;
+  br.model = spec;
+  br.tokens = header.tokens;
+  br.name = header.name;
+  br.tenant = header.tenant;
+  br.labels = header.labels;
+  br.ttl_ms = header.ttl_ms;
+  br.pinned = header.pinned;
+  ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(br));
+  if (!start.writer) {
+    RETURN_IF_ERROR(CheckReusable(start.existing, b->indexes_, b->spec_.group_size()));
+    b->existing_ = std::move(start.existing);
+    return b;
+  }
+  b->writer_ = std::move(start.writer);
+  const size_t heads = static_cast<size_t>(b->spec_.n_layers) * b->spec_.n_kv_heads;
+  b->keys_.resize(heads);
+  b->vals_.resize(heads);
+  b->next_.assign(static_cast<size_t>(b->spec_.n_layers), 0);
+  b->queries_ = std::make_unique<Queries>(b->spec_, options.query_cap);
+  RETURN_IF_ERROR(b->queries_->sink.OnBegin(b->spec_, 0, b->n_tokens_));
+  return b;
+}
+
+IngestBuilder::~IngestBuilder() { Abort(); }
+
+void IngestBuilder::Abort() {
+  if (writer_) writer_->Abort().IgnoreError();
+  writer_.reset();
+}
+
+Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const float* k,
+                               const float* v, const float* q) {
+  if (!writer_) return FailedPreconditionError("ingest: the build is not open");
+  const int L = spec_.n_layers, NKV = spec_.n_kv_heads, D = spec_.head_dim;
+  if (layer < 0 || layer >= L) {
+    return InvalidArgumentError("chunk.layer " + std::to_string(layer) + " out of range [0, " +
+                                std::to_string(L) + ")");
+  }
+  int64_t& next = next_[static_cast<size_t>(layer)];
+  if (token_start != next || n <= 0 || next + n > n_tokens_) {
+    return InvalidArgumentError("chunk for layer " + std::to_string(layer) + ": token_start " +
+                                std::to_string(token_start) + " n_tokens " + std::to_string(n) +
+                                ", expected start " + std::to_string(next) +
+                                " and an end <= " + std::to_string(n_tokens_));
+  }
+  const size_t per_head = static_cast<size_t>(n) * D;
+  kc_.resize(per_head * DTypeSize(kv_dtype_));
+  vc_.resize(kc_.size());
+  for (int h = 0; h < NKV; ++h) {
+    ConvertFromFloat(kv_dtype_, k + h * per_head, kc_.data(), per_head);
+    ConvertFromFloat(kv_dtype_, v + h * per_head, vc_.data(), per_head);
+    RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                                      static_cast<uint64_t>(token_start),
+                                      static_cast<uint32_t>(n), kv_dtype_, kc_.data(),
+                                      vc_.data()));
+    // Indexes are built over the KV as stored, as in BuildContext.
+    auto& kk = keys_[static_cast<size_t>(layer) * NKV + h];
+    auto& vv = vals_[static_cast<size_t>(layer) * NKV + h];
+    const size_t off = kk.size();
+    kk.resize(off + per_head);
+    vv.resize(off + per_head);
+    ConvertToFloat(kv_dtype_, kc_.data(), kk.data() + off, per_head);
+    ConvertToFloat(kv_dtype_, vc_.data(), vv.data() + off, per_head);
+  }
+  if (q != nullptr) RETURN_IF_ERROR(queries_->sink.OnChunk(layer, token_start, n, q, k, v));
+  next += n;
+  return Status::OK();
+}
+
+StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
+  if (!writer_) return FailedPreconditionError("ingest: the build is not open");
+  for (int l = 0; l < spec_.n_layers; ++l) {
+    if (next_[l] != n_tokens_) {
+      return FailedPreconditionError("IngestCommit before layer " + std::to_string(l) +
+                                     " was complete (" + std::to_string(next_[l]) + " of " +
+                                     std::to_string(n_tokens_) + " tokens)");
+    }
+  }
+  const int NKV = spec_.n_kv_heads;
+  RETURN_IF_ERROR(BuildIndexArtifacts(
+      writer_.get(),
+      IndexShape{spec_.n_layers, NKV, spec_.head_dim, spec_.group_size(), n_tokens_}, indexes_,
+      [&](int layer, int h, float* kout, float* vout) {
+        const size_t slot = static_cast<size_t>(layer) * NKV + h;
+        std::copy(keys_[slot].begin(), keys_[slot].end(), kout);
+        std::copy(vals_[slot].begin(), vals_[slot].end(), vout);
+      },
+      [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
+        queries_->sink.Gather(layer, h, q, pos);
+      },
+      nullptr, nullptr));
+  ASSIGN_OR_RETURN(v1::ContextManifest manifest, writer_->Commit());
+  writer_.reset();
+  return manifest;
 }
 
 }  // namespace ctxcache::service

@@ -17,10 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/status.h"
 #include "ctxcache/v1/ctxcache_service.pb.h"
 #include "index/selector.h"
+#include "model/model.h"
 #include "service/model_registry.h"
+#include "storage/context_writer.h"
 #include "storage/store.h"
 
 namespace ctxcache::service {
@@ -92,6 +95,65 @@ Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes);
 // (evict first, or request the stored indexes).
 Status CheckReusable(const v1::ContextManifest& existing,
                      const std::vector<IndexRequest>& requested, int group_size);
+
+// An external engine's prefill (IngestContext): per-layer K/V (and
+// optionally Q) chunks in token order, then Commit. Pages are written as the
+// chunks arrive; the index builds run at Commit over the KV as stored
+// (rounded to kv_dtype), with the same query sampling as a BuildContext, so
+// both paths produce the same artifacts for the same KV.
+// Thread-safety: one caller at a time.
+class IngestBuilder {
+ public:
+  struct Header {
+    v1::ModelSpec model;  // shape, fingerprint and kv_dtype are required
+    std::vector<uint32_t> tokens;
+    std::vector<IndexRequest> indexes;
+    std::string name;
+    std::string tenant;
+    std::map<std::string, std::string> labels;
+    int64_t ttl_ms = 0;
+    bool pinned = false;
+  };
+
+  // Validates the header (InvalidArgument naming the field) and begins the
+  // build. When the context is already stored, reused() is true and
+  // existing() holds it (after CheckReusable against the requested indexes).
+  static StatusOr<std::unique_ptr<IngestBuilder>> Begin(storage::Store* store, Header header,
+                                                        const BuildOptions& options);
+  ~IngestBuilder();  // aborts an uncommitted build: nothing stays stored
+
+  bool reused() const { return !writer_; }
+  const v1::ContextManifest& existing() const { return existing_; }
+  int n_layers() const { return spec_.n_layers; }
+  int n_q_heads() const { return spec_.n_q_heads; }
+  int n_kv_heads() const { return spec_.n_kv_heads; }
+  int head_dim() const { return spec_.head_dim; }
+
+  // Tokens [token_start, token_start + n) of `layer`: k and v
+  // [n_kv_heads][n][head_dim], q [n_q_heads][n][head_dim] or null, fp32.
+  // Chunks of a layer must be contiguous and in order (InvalidArgument).
+  Status AddChunk(int layer, int64_t token_start, int64_t n, const float* k, const float* v,
+                  const float* q);
+  // Builds the indexes and flips the context to READY. FailedPrecondition
+  // when a layer is incomplete.
+  StatusOr<v1::ContextManifest> Commit();
+  // Removes everything written.
+  void Abort();
+
+ private:
+  IngestBuilder() = default;
+  class Queries;
+  model::ModelSpec spec_;
+  DType kv_dtype_ = DType::kBF16;
+  int64_t n_tokens_ = 0;
+  std::vector<IndexRequest> indexes_;
+  std::unique_ptr<storage::ContextWriter> writer_;
+  v1::ContextManifest existing_;
+  std::vector<int64_t> next_;                     // per layer: the next token expected
+  std::vector<std::vector<float>> keys_, vals_;   // [layer * n_kv + head]: as stored, fp32
+  std::unique_ptr<Queries> queries_;
+  std::vector<uint8_t> kc_, vc_;
+};
 
 // Runs a build. `progress` (may be empty) is called from this thread;
 // `cancel` (may be null) aborts the build with CANCELLED and removes

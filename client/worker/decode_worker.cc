@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common/dtype.h"
+#include "index/methods.h"
 #include "proto/dtype_convert.h"
 #include "session/attention.h"
 
@@ -170,8 +171,12 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
   }
   const int64_t n_context = static_cast<int64_t>(info.n_tokens());
   const SessionOptions& so = options.session;
-  const bool speculate = so.mode == SelectMode::kClient && so.prefetch &&
-                         so.method != "streaming" && so.method != "full";
+  auto method = index::FindMethodInfo(so.method);
+  if (!method.ok()) return method.status().WithContext("session method");
+  // Query-independent methods need no speculative queries: the SDK prefetches
+  // layer l+1 from Step(l) itself.
+  const bool speculate =
+      so.mode == SelectMode::kClient && so.prefetch && !(*method)->query_independent;
   RemoteAttention attn(spec, session.get(), n_context, speculate ? &model : nullptr);
   std::vector<model::AttentionProvider*> providers = {&attn};
   auto res = DecodeLoop(model, n_context, prompt, options,

@@ -1,0 +1,323 @@
+// Unit tests of service/ that start no server: the build queue, the event
+// hub, config parsing, CheckReusable, IngestBuilder and DecodeSession over a
+// real RocksDB store in a temp dir.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "common/dtype.h"
+#include "index/csa.h"
+#include "index/methods.h"
+#include "service/build_pipeline.h"
+#include "service/build_queue.h"
+#include "service/config.h"
+#include "service/decode_session.h"
+#include "service/events.h"
+#include "storage/store.h"
+#include "tests/storage/test_util.h"
+
+namespace ctxcache::service {
+namespace {
+
+using storage::testing::TempDir;
+
+// ------------------------------------------------------------ BuildQueue --
+
+TEST(BuildQueueTest, AdmitsQueuesRejectsAndCancelsInOrder) {
+  BuildQueue q(/*max_running=*/1, /*max_waiting=*/1);
+  ASSERT_TRUE(q.Acquire(nullptr, nullptr).ok());
+  EXPECT_EQ(q.running(), 1u);
+  std::atomic<uint32_t> seen_position{0};
+  std::atomic<bool> second_done{false};
+  std::thread second([&] {
+    Status s = q.Acquire([&](uint32_t pos) { seen_position = pos; }, nullptr);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    second_done = true;
+  });
+  for (int i = 0; i < 200 && q.waiting() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(q.waiting(), 1u);
+  // The queue is full: a third build is refused with a retry hint.
+  Status third = q.Acquire(nullptr, nullptr);
+  EXPECT_EQ(third.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(third.message().find("retry"), std::string::npos);
+  EXPECT_FALSE(second_done.load());
+  q.Release();
+  second.join();
+  EXPECT_TRUE(second_done.load());
+  EXPECT_EQ(seen_position.load(), 1u);
+  // A queued build that is cancelled leaves the queue.
+  std::atomic<bool> cancel{false};
+  std::thread fourth([&] {
+    EXPECT_EQ(q.Acquire(nullptr, [&] { return cancel.load(); }).code(), StatusCode::kCancelled);
+  });
+  for (int i = 0; i < 200 && q.waiting() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  cancel = true;
+  fourth.join();
+  EXPECT_EQ(q.waiting(), 0u);
+  q.Release();
+  EXPECT_TRUE(q.Acquire(nullptr, nullptr).ok());
+  q.Release();
+}
+
+// -------------------------------------------------------------- EventHub --
+
+TEST(EventHubTest, DeliversToSubscribersAndDropsOldestWhenFull) {
+  EventHub hub;
+  auto a = hub.Subscribe();
+  v1::ContextInfo info;
+  info.set_context_id("00112233445566778899aabbccddeeff");
+  hub.Publish(v1::ContextEvent::CREATED, info);
+  hub.Publish(v1::ContextEvent::READY, info);
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    ASSERT_EQ(a->queue.size(), 2u);
+    EXPECT_EQ(a->queue[0].type(), v1::ContextEvent::CREATED);
+    EXPECT_EQ(a->queue[1].type(), v1::ContextEvent::READY);
+    EXPECT_EQ(a->queue[1].context().context_id(), info.context_id());
+    EXPECT_GT(a->queue[0].at_ms(), 0);
+    a->queue.clear();
+  }
+  for (int i = 0; i < 4097; ++i) hub.Publish(v1::ContextEvent::EVICTED, info);
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    EXPECT_EQ(a->queue.size(), 4096u);
+    EXPECT_EQ(a->dropped, 1u);
+  }
+  hub.Unsubscribe(a);
+  hub.Publish(v1::ContextEvent::FAILED, info);
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    EXPECT_EQ(a->queue.back().type(), v1::ContextEvent::EVICTED);
+  }
+  auto b = hub.Subscribe();
+  hub.CloseAll();
+  std::lock_guard<std::mutex> lock(b->mu);
+  EXPECT_TRUE(b->closed);
+}
+
+// ---------------------------------------------------------------- config --
+
+StatusOr<ServerConfig> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "ctxcached");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  return ParseServerConfig(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(ConfigTest, FlagsFileAndOverrides) {
+  auto def = Parse({});
+  ASSERT_TRUE(def.ok()) << def.status().ToString();
+  EXPECT_EQ(def->default_indexes, "csa");
+  auto flags = Parse({"--max-sessions", "7", "--data-dir", "/tmp/x"});
+  ASSERT_TRUE(flags.ok()) << flags.status().ToString();
+  EXPECT_EQ(flags->max_sessions, 7u);
+  EXPECT_EQ(flags->data_dir, "/tmp/x");
+  TempDir dir;
+  const std::string file = dir.Sub("c.toml");
+  std::ofstream(file) << "max-sessions = 9\ndata-dir = \"/tmp/from-file\"\n";
+  auto from_file = Parse({"--config", file});
+  ASSERT_TRUE(from_file.ok()) << from_file.status().ToString();
+  EXPECT_EQ(from_file->max_sessions, 9u);
+  EXPECT_EQ(from_file->data_dir, "/tmp/from-file");
+  auto overridden = Parse({"--config", file, "--max-sessions", "3"});
+  ASSERT_TRUE(overridden.ok());
+  EXPECT_EQ(overridden->max_sessions, 3u);
+  EXPECT_EQ(overridden->data_dir, "/tmp/from-file");
+  EXPECT_NE(overridden->ToToml().find("max-sessions = 3"), std::string::npos)
+      << overridden->ToToml();
+  EXPECT_FALSE(Parse({"--no-such-flag"}).ok());
+  EXPECT_FALSE(Parse({"--max-sessions", "lots"}).ok());
+}
+
+// --------------------------------------------------------- CheckReusable --
+
+TEST(CheckReusableTest, SameResolvedParamsReuseOthersNameTheFix) {
+  v1::ContextManifest m;
+  m.set_context_id(std::string(16, '\x01'));
+  m.set_n_tokens(1000);
+  v1::IndexParams* ip = m.add_index_params();
+  ip->set_method("csa");
+  for (const auto& [k, v] : index::CsaOptionsToParams(index::CsaOptions{})) {
+    (*ip->mutable_params())[k] = v;
+  }
+  EXPECT_TRUE(CheckReusable(m, {IndexRequest{"csa", {}}}, 4).ok());
+  EXPECT_TRUE(CheckReusable(m, {IndexRequest{"csa", {{"alpha", "0.25"}}}}, 4).ok());
+  Status other = CheckReusable(m, {IndexRequest{"csa", {{"alpha", "0.3"}}}}, 4);
+  EXPECT_EQ(other.code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(other.message().find("evict"), std::string::npos) << other.ToString();
+  EXPECT_EQ(CheckReusable(m, {IndexRequest{"tactic", {}}}, 4).code(),
+            StatusCode::kAlreadyExists);
+  EXPECT_EQ(CheckReusable(m, {IndexRequest{"csa", {{"bogus", "1"}}}}, 4).code(),
+            StatusCode::kInvalidArgument);
+}
+
+// ------------------------------------------- IngestBuilder, DecodeSession --
+
+class SessionStoreTest : public ::testing::Test {
+ protected:
+  static constexpr int kL = 2, kKV = 2, kQ = 4, kD = 16, kN = 100;
+
+  void SetUp() override {
+    auto store = storage::Store::Open(storage::StoreOptions{}, dir_.Sub("db"));
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    store_ = std::move(store).value();
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd;
+    k_.resize(size_t{kL} * kKV * kN * kD);
+    v_.resize(k_.size());
+    q_.resize(size_t{kL} * kQ * kN * kD);
+    for (auto& x : k_) x = nd(rng);
+    for (auto& x : v_) x = nd(rng);
+    for (auto& x : q_) x = nd(rng);
+  }
+
+  IngestBuilder::Header Header() const {
+    IngestBuilder::Header h;
+    h.model = storage::testing::MakeSpec(kL, kKV, kD);
+    h.tokens = storage::testing::Tokens(kN);
+    h.indexes = {IndexRequest{"csa", {}}};
+    return h;
+  }
+
+  // Chunk [start, start + n) of `layer` in the ingest layout.
+  void Chunk(int layer, int start, int n, std::vector<float>* k, std::vector<float>* v,
+             std::vector<float>* q) const {
+    k->resize(size_t{kKV} * n * kD);
+    v->resize(k->size());
+    q->resize(size_t{kQ} * n * kD);
+    for (int h = 0; h < kKV; ++h) {
+      for (int i = 0; i < n; ++i) {
+        const size_t src = ((static_cast<size_t>(layer) * kKV + h) * kN + start + i) * kD;
+        std::copy_n(k_.data() + src, kD, k->data() + (static_cast<size_t>(h) * n + i) * kD);
+        std::copy_n(v_.data() + src, kD, v->data() + (static_cast<size_t>(h) * n + i) * kD);
+      }
+    }
+    for (int h = 0; h < kQ; ++h) {
+      for (int i = 0; i < n; ++i) {
+        const size_t src = ((static_cast<size_t>(layer) * kQ + h) * kN + start + i) * kD;
+        std::copy_n(q_.data() + src, kD, q->data() + (static_cast<size_t>(h) * n + i) * kD);
+      }
+    }
+  }
+
+  StatusOr<v1::ContextManifest> Ingest() {
+    ASSIGN_OR_RETURN(auto b, IngestBuilder::Begin(store_.get(), Header(), BuildOptions{}));
+    std::vector<float> k, v, q;
+    for (int layer = 0; layer < kL; ++layer) {
+      for (int start = 0; start < kN; start += 40) {
+        const int n = std::min(40, kN - start);
+        Chunk(layer, start, n, &k, &v, &q);
+        RETURN_IF_ERROR(b->AddChunk(layer, start, n, k.data(), v.data(), q.data()));
+      }
+    }
+    return b->Commit();
+  }
+
+  TempDir dir_;
+  std::unique_ptr<storage::Store> store_;
+  std::vector<float> k_, v_, q_;  // [layer][head][token][d]
+};
+
+TEST_F(SessionStoreTest, IngestRejectsBadChunksAndAbortsWithoutCommit) {
+  {
+    auto b = IngestBuilder::Begin(store_.get(), Header(), BuildOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    std::vector<float> k, v, q;
+    Chunk(0, 0, 10, &k, &v, &q);
+    EXPECT_EQ((*b)->AddChunk(0, 5, 10, k.data(), v.data(), q.data()).code(),
+              StatusCode::kInvalidArgument);  // not contiguous
+    EXPECT_EQ((*b)->AddChunk(kL, 0, 10, k.data(), v.data(), q.data()).code(),
+              StatusCode::kInvalidArgument);  // layer out of range
+    ASSERT_TRUE((*b)->AddChunk(0, 0, 10, k.data(), v.data(), q.data()).ok());
+    EXPECT_EQ((*b)->Commit().status().code(), StatusCode::kFailedPrecondition);
+  }  // destroyed uncommitted: nothing stays
+  EXPECT_TRUE(store_->ListContexts().empty());
+  IngestBuilder::Header bad = Header();
+  bad.model.set_fingerprint("");
+  EXPECT_EQ(IngestBuilder::Begin(store_.get(), bad, BuildOptions{}).status().code(),
+            StatusCode::kInvalidArgument);
+  bad = Header();
+  bad.indexes = {IndexRequest{"nope", {}}};
+  EXPECT_EQ(IngestBuilder::Begin(store_.get(), bad, BuildOptions{}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionStoreTest, SessionServesSelectedPagesAndAssemblesAppendedOnes) {
+  auto manifest = Ingest();
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  EXPECT_EQ(manifest->n_tokens(), static_cast<uint64_t>(kN));
+  // Ingesting the same tokens again reuses the context.
+  auto again = IngestBuilder::Begin(store_.get(), Header(), BuildOptions{});
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE((*again)->reused());
+  auto id = storage::ContextId::FromBytes(manifest->context_id());
+  ASSERT_TRUE(id.ok());
+
+  auto open = [&](const std::string& method, std::map<std::string, std::string> params) {
+    auto reader = store_->OpenReader(*id);
+    EXPECT_TRUE(reader.ok());
+    return DecodeSession::Open(std::move(reader).value(), method, params, /*want_pages=*/true);
+  };
+  EXPECT_EQ(open("nope", {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(open("tactic", {}).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(open("csa", {{"rho", "2"}}).status().code(), StatusCode::kInvalidArgument);
+
+  auto session = open("oracle", {{"budget", "8"}});
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  DecodeSession& s = **session;
+  std::vector<float> queries(size_t{kQ} * kD, 0.5f);
+  SessionStep step;
+  EXPECT_EQ(s.Step(kL, queries.data(), &step).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(s.Step(1, queries.data(), &step).ok());
+  ASSERT_EQ(step.heads.size(), static_cast<size_t>(kKV));
+  for (int h = 0; h < kKV; ++h) {
+    const session::HeadStep& hs = step.heads[h];
+    ASSERT_FALSE(hs.pages.empty());
+    // Whole stored pages go out as stored, in page order; 100 tokens = 6
+    // whole pages plus page 6 with 4 tokens, which is stored too.
+    ASSERT_EQ(step.stored[h].size(), hs.n_whole_stored);
+    for (size_t i = 0; i < step.stored[h].size(); ++i) {
+      EXPECT_EQ(step.stored[h].blocks[i], hs.pages[i]);
+    }
+    // Every selected token lies in a fetched page.
+    for (const auto& sel : hs.per_q_head) {
+      EXPECT_LE(sel.size(), 8u);
+      for (int32_t t : sel) {
+        EXPECT_TRUE(std::binary_search(hs.pages.begin(), hs.pages.end(), uint32_t(t / 16)));
+      }
+    }
+  }
+  // One appended token: page 6 now holds 4 stored rows and the new one.
+  std::vector<float> k(size_t{kL} * kKV * kD, 0.25f), v(k.size(), -0.5f);
+  ASSERT_TRUE(s.Append(k.data(), v.data(), nullptr).ok());
+  EXPECT_EQ(s.n_tokens(), kN + 1);
+  ASSERT_TRUE(s.Step(1, queries.data(), &step).ok());
+  for (int h = 0; h < kKV; ++h) {
+    ASSERT_FALSE(step.assembled[h].empty()) << "the current page is always fetched";
+    const auto& [block, page] = step.assembled[h].back();
+    EXPECT_EQ(block, 6u);
+    ASSERT_EQ(page->n_tokens, 5u);
+    for (int t = 0; t < 4; ++t) {
+      for (int j = 0; j < kD; ++j) {
+        const float want = Bf16ToFloat(FloatToBf16(
+            k_[((size_t{1} * kKV + h) * kN + 96 + t) * kD + j]));  // stored as bf16
+        EXPECT_EQ(page->k[size_t(t) * kD + j], want);
+      }
+    }
+    EXPECT_EQ(page->k[size_t(4) * kD], 0.25f);
+    EXPECT_EQ(page->v[size_t(4) * kD], -0.5f);
+  }
+  EXPECT_GT(s.bytes_served(), 0u);
+}
+
+}  // namespace
+}  // namespace ctxcache::service

@@ -1,0 +1,43 @@
+// The SDK's one retry loop: a call that fails with UNAVAILABLE (server down,
+// restarting or draining) is retried with exponential backoff.
+//
+// Thread-safety: stateless; reentrant.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "common/status.h"
+#include "ctxcache/client.h"
+
+namespace ctxcache::client::internal {
+
+inline bool IsUnavailable(const grpc::Status& s) {
+  return s.error_code() == grpc::StatusCode::UNAVAILABLE;
+}
+inline bool IsUnavailable(const Status& s) { return s.code() == StatusCode::kUnavailable; }
+template <typename T>
+bool IsUnavailable(const StatusOr<T>& s) {
+  return !s.ok() && s.status().code() == StatusCode::kUnavailable;
+}
+
+// Runs attempt() until it returns something other than UNAVAILABLE, at most
+// options.max_attempts times (at least once), sleeping
+// options.initial_backoff_s between tries, doubled each time up to 5 s.
+// Returns the last result.
+template <typename Fn>
+auto RetryUnavailable(const ClientOptions& options, Fn attempt) -> decltype(attempt()) {
+  double backoff = options.initial_backoff_s;
+  const int attempts = std::max(1, options.max_attempts);
+  for (int i = 1;; ++i) {
+    auto result = attempt();
+    if (!IsUnavailable(result) || i >= attempts) return result;
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(backoff * 1e6)));
+    backoff = std::min(5.0, backoff * 2);
+  }
+}
+
+}  // namespace ctxcache::client::internal

@@ -99,6 +99,142 @@ Status RunAppend(DecodeSession* session, const v1::AppendRequest& append) {
   return session->Append(k.data(), v.data(), has_q ? q.data() : nullptr);
 }
 
+// A slot under --max-sessions, reserved atomically (no check-then-increment
+// race between concurrent Opens) and released on destruction.
+class SessionSlot {
+ public:
+  explicit SessionSlot(ServiceContext* ctx) : ctx_(ctx) {}
+  ~SessionSlot() {
+    if (held_) ctx_->open_sessions--;
+  }
+  bool Reserve() {
+    if (ctx_->open_sessions.fetch_add(1) >= ctx_->config.max_sessions) {
+      ctx_->open_sessions--;
+      return false;
+    }
+    held_ = true;
+    return true;
+  }
+  void Release() {
+    if (held_) ctx_->open_sessions--;
+    held_ = false;
+  }
+
+ private:
+  ServiceContext* ctx_;
+  bool held_ = false;
+};
+
+// One Decode stream: its session, the slot it holds and the metrics of its
+// steps. Handle() validates each request, runs it and writes the responses.
+class DecodeStreamHandler {
+ public:
+  using WriteFn = std::function<bool(const v1::DecodeResponse&)>;
+  DecodeStreamHandler(ServiceContext* ctx, std::string stream_name)
+      : ctx_(ctx),
+        stream_name_(std::move(stream_name)),
+        slot_(ctx),
+        step_hist_(ctx->metrics.GetHistogram("ctxcache_decode_step_duration_seconds",
+                                             "Server time per decode layer-step")),
+        bytes_read_(ctx->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                            "Stored page bytes read for decode sessions")),
+        sessions_gauge_(ctx->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions")) {}
+  ~DecodeStreamHandler() {
+    if (session_) sessions_gauge_->Set(ctx_->open_sessions.load() - 1);
+  }
+
+  // False once the stream is closed.
+  bool Handle(const v1::DecodeRequest& req, const WriteFn& write) {
+    const uint64_t rid = req.request_id();
+    v1::DecodeResponse resp;
+    resp.set_request_id(rid);
+    Status s;
+    switch (req.msg_case()) {
+      case v1::DecodeRequest::kOpen:
+        s = Open(req.open(), resp.mutable_opened());
+        break;
+      case v1::DecodeRequest::kStep:
+        return Step(req.step(), rid, write);
+      case v1::DecodeRequest::kAppend:
+        s = session_ ? RunAppend(session_.get(), req.append())
+                     : FailedPreconditionError("Append before Open");
+        if (s.ok()) resp.mutable_appended()->set_n_tokens(uint64_t(session_->n_tokens()));
+        break;
+      case v1::DecodeRequest::kClose:
+        resp.mutable_closed();
+        write(resp);
+        return false;
+      default:
+        s = InvalidArgumentError("DecodeRequest has none of open, step, append, close");
+    }
+    write(s.ok() ? resp : ErrorResponse(rid, s));
+    return true;
+  }
+
+ private:
+  Status Open(const v1::OpenSession& open, v1::SessionOpened* out) {
+    if (session_) return FailedPreconditionError("session already open; Close it first");
+    if (!slot_.Reserve()) {
+      return ResourceExhaustedError("too many open sessions (limit --max-sessions=" +
+                                    std::to_string(ctx_->config.max_sessions) + "); retry later");
+    }
+    Status s = OpenReserved(open, out);
+    if (!s.ok()) slot_.Release();
+    return s;
+  }
+
+  Status OpenReserved(const v1::OpenSession& open, v1::SessionOpened* out) {
+    ASSIGN_OR_RETURN(storage::ContextId id, ParseContextId(open.context_id()));
+    ASSIGN_OR_RETURN(auto reader, ctx_->store->OpenReader(id));
+    std::map<std::string, std::string> params(open.params().begin(), open.params().end());
+    ASSIGN_OR_RETURN(session_, DecodeSession::Open(std::move(reader), open.method(), params,
+                                                   open.want_pages()));
+    sessions_gauge_->Set(ctx_->open_sessions.load());
+    out->set_session_id(open.context_id() + "/" + stream_name_);
+    *out->mutable_context() = ManifestToInfo(session_->manifest());
+    return Status::OK();
+  }
+
+  bool Step(const v1::StepRequest& step, uint64_t rid, const WriteFn& write) {
+    if (!session_) {
+      write(ErrorResponse(rid, FailedPreconditionError("Step before Open")));
+      return true;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t before = session_->bytes_served();
+    v1::DecodeResponse resp;
+    resp.set_request_id(rid);
+    std::vector<v1::PageBatch> batches;
+    Status s = RunStep(session_.get(), step, ctx_->config.fault_corrupt_pages, &step_buf_,
+                       &query_buf_, resp.mutable_step(), &batches);
+    if (!s.ok()) {
+      write(ErrorResponse(rid, s));
+      return true;
+    }
+    write(resp);
+    for (auto& b : batches) {
+      v1::DecodeResponse pr;
+      pr.set_request_id(rid);
+      *pr.mutable_pages() = std::move(b);
+      write(pr);
+    }
+    step_hist_->Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    bytes_read_->Inc(static_cast<double>(session_->bytes_served() - before));
+    return true;
+  }
+
+  ServiceContext* ctx_;
+  const std::string stream_name_;
+  SessionSlot slot_;
+  std::unique_ptr<DecodeSession> session_;
+  Histogram* step_hist_;
+  Counter* bytes_read_;
+  Gauge* sessions_gauge_;
+  SessionStep step_buf_;
+  std::vector<float> query_buf_;
+};
+
 }  // namespace
 
 DecodeServiceImpl::DecodeServiceImpl(ServiceContext* ctx) : ctx_(ctx) {
@@ -158,124 +294,12 @@ grpc::Status DecodeServiceImpl::Decode(
     }
   } unregister{this, key};
 
-  std::unique_ptr<DecodeSession> session;
-  struct SessionCount {
-    ServiceContext* ctx;
-    bool counted = false;
-    ~SessionCount() {
-      if (counted) ctx->open_sessions--;
-    }
-  } count{ctx_};
-  Histogram* step_hist = ctx_->metrics.GetHistogram("ctxcache_decode_step_duration_seconds",
-                                                    "Server time per decode layer-step");
-  Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
-                                                 "Stored page bytes read for decode sessions");
-  Gauge* sessions_gauge = ctx_->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions");
-
-  SessionStep step_buf;
-  std::vector<float> query_buf;
+  DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)));
   v1::DecodeRequest req;
   while (stream->Read(&req)) {
     key->last_activity_ms = NowMs();
-    const uint64_t rid = req.request_id();
-    switch (req.msg_case()) {
-      case v1::DecodeRequest::kOpen: {
-        if (session) {
-          stream->Write(
-              ErrorResponse(rid, FailedPreconditionError("session already open; Close it first")));
-          break;
-        }
-        if (ctx_->open_sessions.load() >= ctx_->config.max_sessions) {
-          stream->Write(ErrorResponse(
-              rid, ResourceExhaustedError("too many open sessions (limit --max-sessions=" +
-                                          std::to_string(ctx_->config.max_sessions) +
-                                          "); retry later")));
-          break;
-        }
-        auto id = ParseContextId(req.open().context_id());
-        if (!id.ok()) {
-          stream->Write(ErrorResponse(rid, id.status()));
-          break;
-        }
-        auto reader = ctx_->store->OpenReader(*id);
-        if (!reader.ok()) {
-          stream->Write(ErrorResponse(rid, reader.status()));
-          break;
-        }
-        std::map<std::string, std::string> params(req.open().params().begin(),
-                                                  req.open().params().end());
-        auto s = DecodeSession::Open(std::move(reader).value(), req.open().method(), params,
-                                     req.open().want_pages());
-        if (!s.ok()) {
-          stream->Write(ErrorResponse(rid, s.status()));
-          break;
-        }
-        session = std::move(s).value();
-        ctx_->open_sessions++;
-        count.counted = true;
-        sessions_gauge->Set(ctx_->open_sessions.load());
-        v1::DecodeResponse resp;
-        resp.set_request_id(rid);
-        resp.mutable_opened()->set_session_id(req.open().context_id() + "/" +
-                                              std::to_string(reinterpret_cast<uintptr_t>(key)));
-        *resp.mutable_opened()->mutable_context() = ManifestToInfo(session->manifest());
-        stream->Write(resp);
-        break;
-      }
-      case v1::DecodeRequest::kStep: {
-        if (!session) {
-          stream->Write(ErrorResponse(rid, FailedPreconditionError("Step before Open")));
-          break;
-        }
-        auto t0 = std::chrono::steady_clock::now();
-        uint64_t before = session->bytes_served();
-        v1::DecodeResponse resp;
-        resp.set_request_id(rid);
-        std::vector<v1::PageBatch> batches;
-        Status s = RunStep(session.get(), req.step(), ctx_->config.fault_corrupt_pages, &step_buf,
-                           &query_buf, resp.mutable_step(), &batches);
-        if (!s.ok()) {
-          stream->Write(ErrorResponse(rid, s));
-          break;
-        }
-        stream->Write(resp);
-        for (auto& b : batches) {
-          v1::DecodeResponse pr;
-          pr.set_request_id(rid);
-          *pr.mutable_pages() = std::move(b);
-          stream->Write(pr);
-        }
-        step_hist->Observe(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        bytes_read->Inc(static_cast<double>(session->bytes_served() - before));
-        break;
-      }
-      case v1::DecodeRequest::kAppend: {
-        if (!session) {
-          stream->Write(ErrorResponse(rid, FailedPreconditionError("Append before Open")));
-          break;
-        }
-        Status s = RunAppend(session.get(), req.append());
-        if (!s.ok()) {
-          stream->Write(ErrorResponse(rid, s));
-          break;
-        }
-        v1::DecodeResponse resp;
-        resp.set_request_id(rid);
-        resp.mutable_appended()->set_n_tokens(static_cast<uint64_t>(session->n_tokens()));
-        stream->Write(resp);
-        break;
-      }
-      case v1::DecodeRequest::kClose: {
-        v1::DecodeResponse resp;
-        resp.set_request_id(rid);
-        resp.mutable_closed();
-        stream->Write(resp);
-        return rpc.Finish(grpc::Status::OK);
-      }
-      default:
-        stream->Write(ErrorResponse(
-            rid, InvalidArgumentError("DecodeRequest has none of open, step, append, close")));
+    if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
+      return rpc.Finish(grpc::Status::OK);  // closed
     }
   }
   if (context->IsCancelled()) {

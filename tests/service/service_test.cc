@@ -323,6 +323,51 @@ TEST_F(ServiceTest, DefaultCsaParamsAreCsaOptionsDefaults) {
   }
 }
 
+// --max-sessions is a hard limit under concurrent Opens (the slot is
+// reserved atomically, not checked then incremented), and failed Opens give
+// their slot back.
+TEST_F(ServiceTest, MaxSessionsHoldsUnderConcurrentOpens) {
+  server_.Stop();
+  StartServer({"--max-sessions", "4"});
+  auto done = Build(RandomTokens(300, 11));
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  client::SessionOptions bad;
+  bad.context_id = std::string(32, '0');  // unknown: NOT_FOUND, no slot kept
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(client_->OpenSession(bad).status().code(), StatusCode::kNotFound);
+  }
+  client::SessionOptions so;
+  so.context_id = done->context().context_id();
+  so.method = "streaming";
+  constexpr int kThreads = 24;
+  std::vector<std::unique_ptr<client::DecodeSession>> opened(kThreads);
+  std::vector<Status> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      auto s = client_->OpenSession(so);
+      if (s.ok()) {
+        opened[i] = std::move(s).value();
+      } else {
+        errors[i] = s.status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  int ok = 0;
+  for (int i = 0; i < kThreads; ++i) {
+    if (opened[i]) {
+      ++ok;
+    } else {
+      EXPECT_EQ(errors[i].code(), StatusCode::kResourceExhausted) << errors[i].ToString();
+    }
+  }
+  EXPECT_EQ(ok, 4);
+  auto stats = client_->GetStats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->open_sessions(), 4u);
+}
+
 TEST_F(ServiceTest, AppendChangesLaterSelections) {
   auto done = Build(RandomTokens(500, 3));
   ASSERT_TRUE(done.ok());

@@ -82,6 +82,145 @@ DType ToDType(TensorDType t) {
 
 }  // namespace
 
+namespace {
+
+// Layer counts, head counts and sizes, with their invariants.
+Status ParseShape(const json& j, ModelSpec* s) {
+  int64_t v = 0;
+  RETURN_IF_ERROR(GetInt(j, "num_hidden_layers", &v));
+  s->n_layers = static_cast<int>(v);
+  RETURN_IF_ERROR(GetInt(j, "num_attention_heads", &v));
+  s->n_q_heads = static_cast<int>(v);
+  RETURN_IF_ERROR(GetOptInt(j, "num_key_value_heads", s->n_q_heads, &v));
+  s->n_kv_heads = static_cast<int>(v);
+  RETURN_IF_ERROR(GetInt(j, "hidden_size", &v));
+  s->hidden = static_cast<int>(v);
+  RETURN_IF_ERROR(GetInt(j, "intermediate_size", &v));
+  s->intermediate = static_cast<int>(v);
+  RETURN_IF_ERROR(GetInt(j, "vocab_size", &v));
+  s->vocab = static_cast<int>(v);
+  if (s->n_layers <= 0) return InvalidArgumentError("config.json: 'num_hidden_layers' must be > 0");
+  if (s->n_q_heads <= 0) {
+    return InvalidArgumentError("config.json: 'num_attention_heads' must be > 0");
+  }
+  if (s->n_kv_heads <= 0 || s->n_q_heads % s->n_kv_heads != 0) {
+    return InvalidArgumentError(
+        "config.json: 'num_key_value_heads' (" + std::to_string(s->n_kv_heads) +
+        ") must be > 0 and divide num_attention_heads (" + std::to_string(s->n_q_heads) + ")");
+  }
+  if (s->hidden <= 0 || s->intermediate <= 0 || s->vocab <= 0) {
+    return InvalidArgumentError(
+        "config.json: hidden_size, intermediate_size and vocab_size must be > 0");
+  }
+  const int64_t default_head_dim = s->hidden / s->n_q_heads;
+  RETURN_IF_ERROR(GetOptInt(j, "head_dim", default_head_dim, &v));
+  s->head_dim = static_cast<int>(v);
+  if (s->head_dim <= 0 || s->head_dim % 2 != 0) {
+    return InvalidArgumentError("config.json: 'head_dim' must be a positive even number, got " +
+                                std::to_string(s->head_dim));
+  }
+  return Status::OK();
+}
+
+// What differs between LlamaForCausalLM, MistralForCausalLM and
+// Qwen2ForCausalLM: biases and sliding windows.
+Status ParseArchitectureFields(const json& j, ModelSpec* s) {
+  if (s->architecture == "Qwen2ForCausalLM") {
+    s->qkv_bias = true;
+    bool use_sw = false;
+    RETURN_IF_ERROR(GetOptBool(j, "use_sliding_window", false, &use_sw));
+    if (use_sw) {
+      return InvalidArgumentError(
+          "config.json: 'use_sliding_window': true is not supported for Qwen2");
+    }
+  } else if (s->architecture == "LlamaForCausalLM") {
+    bool bias = false;
+    RETURN_IF_ERROR(GetOptBool(j, "attention_bias", false, &bias));
+    s->qkv_bias = s->o_bias = bias;
+    if (j.contains("mlp_bias") && j["mlp_bias"].is_boolean() && j["mlp_bias"].get<bool>()) {
+      return InvalidArgumentError("config.json: 'mlp_bias': true is not supported");
+    }
+  } else if (s->architecture == "MistralForCausalLM") {
+    RETURN_IF_ERROR(GetOptInt(j, "sliding_window", 0, &s->sliding_window));
+    if (s->sliding_window < 0) {
+      return InvalidArgumentError("config.json: 'sliding_window' must be >= 0");
+    }
+  }
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    for (const auto& t : j["layer_types"]) {
+      if (!(t.is_string() && t == "full_attention")) {
+        if (s->sliding_window > 0 && t.is_string() && t == "sliding_attention") continue;
+        return InvalidArgumentError("config.json: unsupported entry " + t.dump() +
+                                    " in 'layer_types' (only full_attention, or "
+                                    "sliding_attention with a uniform sliding_window)");
+      }
+    }
+  }
+  return Status::OK();
+}
+
+// RoPE: transformers >= 5 writes "rope_parameters" {rope_theta, rope_type,
+// llama3 fields}; older checkpoints use top-level rope_theta + rope_scaling.
+Status ParseRope(const json& j, RopeParams* rope) {
+  RETURN_IF_ERROR(GetOptDouble(j, "rope_theta", 10000.0, &rope->theta));
+  const json* rope_obj = nullptr;
+  const char* rope_field = nullptr;
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    rope_obj = &j["rope_parameters"];
+    rope_field = "rope_parameters";
+    if (!rope_obj->is_object()) {
+      return InvalidArgumentError("config.json: 'rope_parameters' must be an object or null");
+    }
+    RETURN_IF_ERROR(GetOptDouble(*rope_obj, "rope_theta", rope->theta, &rope->theta)
+                        .WithContext("rope_parameters"));
+  } else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    rope_obj = &j["rope_scaling"];
+    rope_field = "rope_scaling";
+    if (!rope_obj->is_object()) {
+      return InvalidArgumentError("config.json: 'rope_scaling' must be an object or null");
+    }
+  }
+  if (rope->theta <= 0) return InvalidArgumentError("config.json: 'rope_theta' must be > 0");
+  if (rope_obj == nullptr) return Status::OK();
+  const json& rs = *rope_obj;
+  const std::string where = std::string("config.json: ") + rope_field;
+  std::string type = "default";
+  if (rs.contains("rope_type") && rs["rope_type"].is_string()) {
+    type = rs["rope_type"].get<std::string>();
+  } else if (rs.contains("type") && rs["type"].is_string()) {
+    type = rs["type"].get<std::string>();
+  }
+  if (type == "default") {
+    rope->type = "default";
+    return Status::OK();
+  }
+  if (type != "llama3") {
+    return InvalidArgumentError(where + ": unsupported rope_type '" + type +
+                                "' (expected default or llama3)");
+  }
+  rope->type = "llama3";
+  auto need = [&](const char* f, double* out) -> Status {
+    if (!rs.contains(f) || !rs[f].is_number()) {
+      return InvalidArgumentError(where + " field '" + f +
+                                  "' must be a number for rope_type llama3");
+    }
+    *out = rs[f].get<double>();
+    return Status::OK();
+  };
+  RETURN_IF_ERROR(need("factor", &rope->factor));
+  RETURN_IF_ERROR(need("low_freq_factor", &rope->low_freq_factor));
+  RETURN_IF_ERROR(need("high_freq_factor", &rope->high_freq_factor));
+  double omp = 0;
+  RETURN_IF_ERROR(need("original_max_position_embeddings", &omp));
+  rope->original_max_position_embeddings = static_cast<int64_t>(omp);
+  if (rope->high_freq_factor == rope->low_freq_factor) {
+    return InvalidArgumentError(where + ": high_freq_factor must differ from low_freq_factor");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 StatusOr<ModelSpec> ParseModelConfig(const std::string& json_text) {
   json j = json::parse(json_text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return InvalidArgumentError("config.json: not valid JSON");
@@ -93,48 +232,14 @@ StatusOr<ModelSpec> ParseModelConfig(const std::string& json_text) {
         "config.json: field 'architectures' must be a non-empty array of strings");
   }
   s.architecture = j["architectures"][0].get<std::string>();
-  const bool is_llama = s.architecture == "LlamaForCausalLM";
-  const bool is_mistral = s.architecture == "MistralForCausalLM";
-  const bool is_qwen2 = s.architecture == "Qwen2ForCausalLM";
-  if (!is_llama && !is_mistral && !is_qwen2) {
+  if (s.architecture != "LlamaForCausalLM" && s.architecture != "MistralForCausalLM" &&
+      s.architecture != "Qwen2ForCausalLM") {
     return InvalidArgumentError("config.json: unsupported architecture '" + s.architecture +
                                 "' in field 'architectures' (expected LlamaForCausalLM, "
                                 "MistralForCausalLM or Qwen2ForCausalLM)");
   }
-  int64_t v = 0;
-  RETURN_IF_ERROR(GetInt(j, "num_hidden_layers", &v));
-  s.n_layers = static_cast<int>(v);
-  RETURN_IF_ERROR(GetInt(j, "num_attention_heads", &v));
-  s.n_q_heads = static_cast<int>(v);
-  RETURN_IF_ERROR(GetOptInt(j, "num_key_value_heads", s.n_q_heads, &v));
-  s.n_kv_heads = static_cast<int>(v);
-  RETURN_IF_ERROR(GetInt(j, "hidden_size", &v));
-  s.hidden = static_cast<int>(v);
-  RETURN_IF_ERROR(GetInt(j, "intermediate_size", &v));
-  s.intermediate = static_cast<int>(v);
-  RETURN_IF_ERROR(GetInt(j, "vocab_size", &v));
-  s.vocab = static_cast<int>(v);
-  if (s.n_layers <= 0) return InvalidArgumentError("config.json: 'num_hidden_layers' must be > 0");
-  if (s.n_q_heads <= 0)
-    return InvalidArgumentError("config.json: 'num_attention_heads' must be > 0");
-  if (s.n_kv_heads <= 0 || s.n_q_heads % s.n_kv_heads != 0) {
-    return InvalidArgumentError(
-        "config.json: 'num_key_value_heads' (" + std::to_string(s.n_kv_heads) +
-        ") must be > 0 and divide num_attention_heads (" + std::to_string(s.n_q_heads) + ")");
-  }
-  if (s.hidden <= 0 || s.intermediate <= 0 || s.vocab <= 0) {
-    return InvalidArgumentError(
-        "config.json: hidden_size, intermediate_size and vocab_size must be > 0");
-  }
-  const int64_t default_head_dim = s.hidden / s.n_q_heads;
-  RETURN_IF_ERROR(GetOptInt(j, "head_dim", default_head_dim, &v));
-  s.head_dim = static_cast<int>(v);
-  if (s.head_dim <= 0 || s.head_dim % 2 != 0) {
-    return InvalidArgumentError("config.json: 'head_dim' must be a positive even number, got " +
-                                std::to_string(s.head_dim));
-  }
+  RETURN_IF_ERROR(ParseShape(j, &s));
   RETURN_IF_ERROR(GetOptDouble(j, "rms_norm_eps", 1e-6, &s.rms_norm_eps));
-  RETURN_IF_ERROR(GetOptDouble(j, "rope_theta", 10000.0, &s.rope.theta));
   RETURN_IF_ERROR(GetOptBool(j, "tie_word_embeddings", false, &s.tie_word_embeddings));
   RETURN_IF_ERROR(GetOptInt(j, "max_position_embeddings", 0, &s.max_position_embeddings));
   if (j.contains("hidden_act") && !(j["hidden_act"].is_string() && j["hidden_act"] == "silu")) {
@@ -145,91 +250,8 @@ StatusOr<ModelSpec> ParseModelConfig(const std::string& json_text) {
       j["partial_rotary_factor"].get<double>() != 1.0) {
     return InvalidArgumentError("config.json: 'partial_rotary_factor' != 1 is not supported");
   }
-  if (is_qwen2) {
-    s.qkv_bias = true;
-    bool use_sw = false;
-    RETURN_IF_ERROR(GetOptBool(j, "use_sliding_window", false, &use_sw));
-    if (use_sw) {
-      return InvalidArgumentError(
-          "config.json: 'use_sliding_window': true is not supported for Qwen2");
-    }
-  } else if (is_llama) {
-    bool bias = false;
-    RETURN_IF_ERROR(GetOptBool(j, "attention_bias", false, &bias));
-    s.qkv_bias = s.o_bias = bias;
-    if (j.contains("mlp_bias") && j["mlp_bias"].is_boolean() && j["mlp_bias"].get<bool>()) {
-      return InvalidArgumentError("config.json: 'mlp_bias': true is not supported");
-    }
-  } else if (is_mistral) {
-    RETURN_IF_ERROR(GetOptInt(j, "sliding_window", 0, &s.sliding_window));
-    if (s.sliding_window < 0)
-      return InvalidArgumentError("config.json: 'sliding_window' must be >= 0");
-  }
-  // RoPE: transformers >= 5 writes "rope_parameters" {rope_theta, rope_type,
-  // llama3 fields}; older checkpoints use top-level rope_theta + rope_scaling.
-  const json* rope_obj = nullptr;
-  const char* rope_field = nullptr;
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-    rope_obj = &j["rope_parameters"];
-    rope_field = "rope_parameters";
-    if (!rope_obj->is_object()) {
-      return InvalidArgumentError("config.json: 'rope_parameters' must be an object or null");
-    }
-    RETURN_IF_ERROR(GetOptDouble(*rope_obj, "rope_theta", s.rope.theta, &s.rope.theta)
-                        .WithContext("rope_parameters"));
-  } else if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    rope_obj = &j["rope_scaling"];
-    rope_field = "rope_scaling";
-    if (!rope_obj->is_object()) {
-      return InvalidArgumentError("config.json: 'rope_scaling' must be an object or null");
-    }
-  }
-  if (s.rope.theta <= 0) return InvalidArgumentError("config.json: 'rope_theta' must be > 0");
-  if (rope_obj != nullptr) {
-    const json& rs = *rope_obj;
-    const std::string where = std::string("config.json: ") + rope_field;
-    std::string type = "default";
-    if (rs.contains("rope_type") && rs["rope_type"].is_string()) {
-      type = rs["rope_type"].get<std::string>();
-    } else if (rs.contains("type") && rs["type"].is_string()) {
-      type = rs["type"].get<std::string>();
-    }
-    if (type == "default") {
-      s.rope.type = "default";
-    } else if (type == "llama3") {
-      s.rope.type = "llama3";
-      auto need = [&](const char* f, double* out) -> Status {
-        if (!rs.contains(f) || !rs[f].is_number()) {
-          return InvalidArgumentError(where + " field '" + f +
-                                      "' must be a number for rope_type llama3");
-        }
-        *out = rs[f].get<double>();
-        return Status::OK();
-      };
-      RETURN_IF_ERROR(need("factor", &s.rope.factor));
-      RETURN_IF_ERROR(need("low_freq_factor", &s.rope.low_freq_factor));
-      RETURN_IF_ERROR(need("high_freq_factor", &s.rope.high_freq_factor));
-      double omp = 0;
-      RETURN_IF_ERROR(need("original_max_position_embeddings", &omp));
-      s.rope.original_max_position_embeddings = static_cast<int64_t>(omp);
-      if (s.rope.high_freq_factor == s.rope.low_freq_factor) {
-        return InvalidArgumentError(where + ": high_freq_factor must differ from low_freq_factor");
-      }
-    } else {
-      return InvalidArgumentError(where + ": unsupported rope_type '" + type +
-                                  "' (expected default or llama3)");
-    }
-  }
-  if (j.contains("layer_types") && j["layer_types"].is_array()) {
-    for (const auto& t : j["layer_types"]) {
-      if (!(t.is_string() && t == "full_attention")) {
-        if (s.sliding_window > 0 && t.is_string() && t == "sliding_attention") continue;
-        return InvalidArgumentError("config.json: unsupported entry " + t.dump() +
-                                    " in 'layer_types' (only full_attention, or "
-                                    "sliding_attention with a uniform sliding_window)");
-      }
-    }
-  }
+  RETURN_IF_ERROR(ParseArchitectureFields(j, &s));
+  RETURN_IF_ERROR(ParseRope(j, &s.rope));
   return s;
 }
 

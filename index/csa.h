@@ -30,13 +30,17 @@
 // Method parameters ("csa"):
 //   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=65536
 //   iters=15 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
-//   weights=uniform|norm|proj
-//   missing=zero|min|mean period=1 schedule=<rho>/<period> (preset; overrides
-//   rho and period) format=plain|compact (what Serialize() writes)
+//   weights=norm|uniform|proj missing=zero|min|mean period=1
+//   schedule=<rho>/<period> (preset; overrides rho and period)
+//   format=compact|plain (what Serialize() writes). The defaults are
+//   CsaOptions' (below); a served context records them all
+//   (CsaOptionsToParams).
 //
-// Serialized forms (LoadCsaSelector reads both, by magic):
-//   plain   "CSAP": options, centroids fp32, each list as int32 ids + fp16
-//           scores in heap order: bit-exact round trip.
+// Serialized forms (LoadCsaSelector reads both, by magic; byte layouts in
+// docs/storage-format.md):
+//   plain   "CSAP": options, centroids fp32, the key and tail means, then all
+//           lists' int32 ids, then all their fp16 scores, in heap order:
+//           bit-exact round trip.
 //   compact "CSAC": lists sorted by id, ids delta+varint coded, scores
 //           quantized to 8 bits between the list's min and max; after loading
 //           the scores equal the dequantized values.
@@ -108,8 +112,8 @@ struct CsaOptions {
   bool impute_tail_mean = false;
   // Search period P: a selection is reused for P Select() calls. Default: 1.
   int period = 1;
-  // Serialize() writes the compact form (delta/varint ids, 8-bit scores:
-  // about 1x the KV instead of 3-6x). Default: true.
+  // Serialize() writes the compact form (delta/varint ids, 8-bit scores;
+  // docs/storage-format.md). Default: true.
   bool compact = true;
 };
 

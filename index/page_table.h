@@ -78,8 +78,7 @@ double PageEfficiency(const std::vector<PageTable>& tables);
 // selection, summed over heads), else by how many selected tokens of all q
 // heads fall in each page (ties: the later page), and drops the selected
 // tokens of every other page. Mass ranking keeps one page holding a dominant
-// key over a page of many marginal ones: on the reference model it cut the
-// oracle's mean KL to dense from 0.046 to 0.011 (docs/benchmarks.md).
+// key over a page of many marginal ones (docs/benchmarks.md).
 // This bounds the bytes fetched per step at the cost of recall: token-level
 // selections at 5% spread over most pages of a 16-token layout.
 // InvalidArgument for max_pages < 1 or page_size < 1.

@@ -66,7 +66,7 @@ struct TacticOptions {
   // Appended tokens are clustered every this many. Default: 2048.
   int recluster_every = 2048;
   // Leading tokens kept out of the clusters and always selected. Default: 0
-  // (as the seed; see NOTES_methods.md for when 4 helps and when it costs).
+  // (as the seed; see docs/algorithms.md for when 4 helps and when it costs).
   int n_sink = 0;
   // Last prefill tokens that start as the (always selected) tail. Default: 0.
   int n_recent = 0;

@@ -83,7 +83,7 @@ struct LayerWeights {
 };
 
 struct LoadOptions {
-  // Compute ModelSpec::fingerprint (hashes all weight bytes, ~0.3 s per 100 MB).
+  // Compute ModelSpec::fingerprint (SHA-256 over all weight bytes).
   // Default: true.
   bool compute_fingerprint = true;
   // Threads for the forward pass; nullptr = ThreadPool::Default(). Not owned;

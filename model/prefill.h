@@ -7,8 +7,7 @@
 // exactly 1x the context's bf16 KV size) plus per-chunk activations plus, per
 // worker thread, one chunk x 1024 score tile and one 1024-token fp32 K/V tile
 // (flash-style attention, see internal::ChunkAttention). Nothing but the
-// cache grows with the context: for the reference model at 16K tokens that
-// is 64 MiB of KV plus ~5 MiB of scratch per thread.
+// cache grows with the context.
 //
 // Extend: if the cache already holds P tokens (a parent context), the new
 // tokens are placed at positions P.. and attend to the parent's KV.

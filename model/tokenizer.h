@@ -1,5 +1,5 @@
 // Tokenizer: a sentencepiece model (`tokenizer.model`) behind a small
-// interface. sentencepiece_processor.h is included only by tokenizer_sp.cc,
+// interface. sentencepiece_processor.h is included only by spm_plugin.cc,
 // which includes no gRPC/absl header (DESIGN §10: the Debian 0.1.97 header
 // clashes with abseil).
 //

@@ -79,8 +79,8 @@ bool ParseContextPrefix(std::string_view key, ContextId* out);
 bool ParseManifestKey(std::string_view key, ContextId* out);
 
 // [begin, end) covering every key of `id` in the pages, index and tokens
-// column families: begin = id, end = id + 1 as a 16-byte big-endian integer
-// (for id = ff..ff, end is 17 bytes 0xff.. so it still sorts after every key).
+// column families: begin = id, end = the shortest successor of every key with
+// that prefix (for id = ff..ff, 32 bytes 0xff, which sorts after every key).
 std::string ContextRangeBegin(const ContextId& id);
 std::string ContextRangeEnd(const ContextId& id);
 

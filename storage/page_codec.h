@@ -56,10 +56,9 @@ struct PageShape {
 };
 
 struct PageCodecOptions {
-  // Default: none. Measured by `ctxcache-bench storage` (storage/NOTES.md):
-  // on bf16 KV zstd saves ~17-20% of the bytes (ratio 1.19-1.24) at 4-10x
-  // the CPU of none on write and on every read; reads are IOPS-bound either
-  // way. Use zstd_shuffle where disk capacity matters more than CPU.
+  // Default: none. zstd_shuffle trades CPU on every write and read for disk
+  // bytes (ratios and costs: docs/benchmarks.md); use it where capacity
+  // matters more than CPU.
   PageCodec codec = PageCodec::kNone;
   // zstd compression level (1..19; negative = fast modes). Default: 1.
   int zstd_level = 1;

@@ -82,9 +82,8 @@ struct StoreOptions {
   // Write pages into per-(layer, kv_head) SST files and ingest them at
   // Commit (no memtable, no WAL, no compaction rewrite of page data) instead
   // of through WAL-less memtable writes. Ignored when enable_blob_files.
-  // Default: false. Measured (storage/NOTES.md): ingestion writes ~1.9x
-  // faster and leaves no space amplification, but warm page-table reads were
-  // ~10x slower in the same run (not yet explained), so it stays opt-in.
+  // Default: false (opt-in: warm page-table reads after ingestion are slower;
+  // numbers in docs/benchmarks.md).
   bool ingest_pages = false;
   // An ingest file is closed after this many pages (bounds the writer's
   // in-memory SST index, whatever the context size). Default: 4096.
@@ -97,8 +96,8 @@ struct StoreOptions {
   int64_t concurrent_build_wait_ms = 600'000;
 
   // ---- Reader -------------------------------------------------------------
-  // How ReadPages fetches a page table. Default: MultiGet (2-5x the
-  // iterator's cold throughput in `ctxcache-bench storage`).
+  // How ReadPages fetches a page table. Default: MultiGet (faster than the
+  // iterator cold; docs/benchmarks.md).
   PageReadMethod page_read_method = PageReadMethod::kMultiGet;
 
   // ---- Eviction -----------------------------------------------------------

@@ -5,7 +5,7 @@
 // Regime: the "clustered" synthetic setting (16 topics, little free latent
 // noise, weak content locality, no RoPE), where prefill queries form tight
 // clusters. On the default synthetic setting (RoPE, more latent noise) CSA's
-// recall@5% is lower; index/NOTES_csa.md records both with the bench.
+// recall@5% is lower; docs/algorithms.md records both with the bench.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -65,10 +65,8 @@ struct SessionOptions {
   // full: Step(l) prefetches layer l+1) and the reference worker's
   // speculative prefetch (client/worker/decode_worker.h). Prefetch never
   // changes selections or results, only where pages come from. Default:
-  // false: with ctxcached on loopback sharing the worker's 2 cores it made
-  // steps slower (csa p50 28.1 vs 20.1 ms, streaming 9.3 vs 8.2 ms;
-  // docs/benchmarks.md), since fetching is CPU-bound there and csa selects
-  // twice per layer. Turn it on when the server is across a network.
+  // false: it pays when fetches wait on a network, not when the server
+  // shares the worker's CPUs (docs/benchmarks.md).
   bool prefetch = false;
 };
 
@@ -134,9 +132,8 @@ class DecodeSession {
   // state (e.g. the csa search schedule) and thus Step's results are
   // unchanged. Cost: the first Prefetch of a layer deep-copies its
   // selectors (Selector::Clone, about Selector::MemoryBytes() each: the
-  // layer's index tables in memory: for csa ~6x the layer's bf16 KV,
-  // measured 12.6 MB per (layer, kv head) at 8K tokens, d = 64; a few bytes
-  // for streaming); the copies then take every Append too. See
+  // layer's index tables in memory; a few bytes for streaming); the copies
+  // then take every Append too. See
   // PageCacheStats::prefetch_selector_bytes. Append waits for in-flight
   // prefetches; Close drops queued ones and waits for the running one.
   // Server mode, or SessionOptions::prefetch false: a no-op returning OK

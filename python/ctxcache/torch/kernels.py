@@ -1,0 +1,237 @@
+"""Triton kernels of the GPU sparse decode path.
+
+select_top_pages  exact per-row top-k of page scores (ties: lower page first),
+                  one program per row: bisection on the order-preserving
+                  integer image of the float scores, then a prefix-sum
+                  compaction. Replaces torch.topk, whose single-block radix
+                  select dominated the selection at 8-64 rows of 8K pages.
+paged_decode_attention
+                  flash-decoding over the selected pages read in place from
+                  the page pool (no gather copy): each program attends the G
+                  q heads of one kv head over a split of its pages with an
+                  online softmax; a second kernel combines the splits.
+
+Shapes (R = batch * n_kv_heads rows, P pages per row, B = 16 tokens/page):
+  scores  [R, P] float32
+  pages   [R, kp] int64 global page ids (row * P + page), any order
+  q       [R, G, D] (the batch's queries viewed by kv head), bf16/fp16
+  k, v    [R * P * B, D] page pool, page-major, same dtype as q
+Import needs triton and a CUDA device; the pure-torch reference path in
+ctxcache.torch works everywhere.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _csa_score_pages_kernel(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, L, per_split,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                            C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr):
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, GP)
+    offs_s = tl.arange(0, DS)
+    qs = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + b * DS + offs_s[None, :],
+                 mask=offs_g[:, None] < G, other=0.0).to(tl.float32)
+    qv = tl.sum(qs, axis=0) / G  # the group's pooled sub-query
+    w = tl.sqrt(tl.sum(qv * qv, axis=0))  # norm weight w_b = ||q^b||
+    offs_c = tl.arange(0, C)
+    cent = tl.load(cent_ptr + ((r * M + b) * C + offs_c[:, None]) * DS + offs_s[None, :])
+    j = tl.argmax(tl.sum(cent.to(tl.float32) * qv[None, :], axis=1), axis=0)  # best cosine
+    base = ((r * M + b) * C + j).to(tl.int64) * L
+    l_end = tl.minimum(split * per_split + per_split, L)
+    for l0 in range(split * per_split, l_end, BL):
+        offs = l0 + tl.arange(0, BL)
+        ok = offs < l_end
+        ids = tl.load(ids_ptr + base + offs, mask=ok, other=0)
+        sc = tl.load(sc_ptr + base + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.atomic_add(bins_ptr + ids, sc * w, mask=ok)
+
+
+def csa_score_pages(q: torch.Tensor, centroids: torch.Tensor, list_bins: torch.Tensor,
+                    list_scores: torch.Tensor, bins: torch.Tensor) -> None:
+    """Adds every row's CSA page scores into `bins` (zero on entry).
+
+    q [R, G, D]; centroids [R, M, C, DS] unit rows; list_bins [R*M*C, L] int32
+    global bin ids; list_scores [R*M*C, L] fp16; bins [R * P] float32. One
+    program per (row, subspace): nearest centroid of the pooled group query,
+    then w_b * score of each list entry atomically added to its page bin.
+    """
+    rows, g, d = q.shape
+    _, m, c, ds = centroids.shape
+    n_list = list_bins.shape[1]
+    per_split = 512  # list entries per program: long lists spread over more SMs
+    splits = (n_list + per_split - 1) // per_split
+    _csa_score_pages_kernel[(rows, m, splits)](q, centroids, list_bins, list_scores, bins,
+                                               n_list, per_split, G=g,
+                                               GP=max(2, triton.next_power_of_2(g)), D=d, M=m,
+                                               C=c, DS=ds, BL=1024, num_warps=4)
+
+
+@triton.jit
+def _select_top_pages_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr,
+                             KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < P
+    x = tl.load(x_ptr + row * P + offs, mask=valid, other=float("-inf"))
+    # The sink page and the N_RECENT last pages are always taken.
+    x = tl.where(valid & ((offs == 0) | (offs >= P - N_RECENT)), float("inf"), x)
+    if RESET:  # leave the bins zeroed for the next step
+        tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
+    bits = x.to(tl.int32, bitcast=True)
+    # Order-preserving int image of IEEE floats (negatives: flip all but sign).
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    # KEY_BITS 16: rank by the top 16 bits (bf16 precision), ties by page
+    # order; half the bisection steps of the exact 32-bit ranking.
+    key = key >> (32 - KEY_BITS)
+    lo = tl.min(tl.where(valid, key, 2**31), axis=0)
+    hi = tl.max(tl.where(valid, key, -2**31), axis=0)
+    # 4-ary search for the K-th largest key: three thresholds counted in one
+    # reduction per step. Invariant: count(key >= lo) >= K > count(key > hi).
+    quarter = tl.arange(0, 4)
+    for _ in tl.static_range(KEY_BITS // 2 + 1):
+        span = hi - lo + 1
+        t1 = lo + span // 4
+        t2 = lo + span // 2
+        t3 = lo + (span * 3) // 4
+        ts = tl.where(quarter == 0, t1, tl.where(quarter == 1, t2, t3))
+        cnt = tl.sum(((key[None, :] >= ts[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        c1 = tl.sum(tl.where(quarter == 0, cnt, 0), axis=0)
+        c2 = tl.sum(tl.where(quarter == 1, cnt, 0), axis=0)
+        c3 = tl.sum(tl.where(quarter == 2, cnt, 0), axis=0)
+        new_lo = tl.where(c3 >= K, t3, tl.where(c2 >= K, t2, tl.where(c1 >= K, t1, lo)))
+        hi = tl.where(c3 >= K, hi, tl.where(c2 >= K, t3 - 1, tl.where(c1 >= K, t2 - 1, t1 - 1)))
+        lo = new_lo
+    gt = (key > lo) & valid
+    eq = (key == lo) & valid
+    # One scan for both prefix counts: > in the low 16 bits, == in the high.
+    both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    total_gt = tl.sum(gt.to(tl.int32), axis=0)
+    gt_rank = both & 0xFFFF
+    eq_rank = both >> 16
+    take_eq = eq & (eq_rank <= K - total_gt)
+    take = gt | take_eq
+    # Output slot: the strictly greater ones first, then the ties taken.
+    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
+    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+
+
+def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: bool = False,
+                     out: torch.Tensor = None, exact: bool = True) -> torch.Tensor:
+    """Global ids (row * P + page) of the k best pages of each row: [R, k].
+
+    Page 0 and the n_recent last pages of each row count as +inf (always
+    taken). reset: zero `scores` after reading it (the next step's bins).
+    exact False: rank by bf16-rounded scores (ties by page order), faster.
+    """
+    assert scores.dim() == 2 and scores.is_contiguous() and scores.dtype == torch.float32
+    rows, p = scores.shape
+    assert 1 <= k <= p < 65536
+    if out is None:
+        out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    block = triton.next_power_of_2(p)
+    _select_top_pages_kernel[(rows,)](scores, out, p, k, n_recent, RESET=reset,
+                                      KEY_BITS=32 if exact else 16, BLOCK=block,
+                                      num_warps=8 if block >= 4096 else 4)
+    return out
+
+
+@triton.jit
+def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, acc_ptr, m_ptr, l_ptr, KP, per_split,
+                       scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                       PAGE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    BN: tl.constexpr = PAGE * PAGES_PER_BLOCK
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BN)
+    q = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + offs_d[None, :],
+                mask=offs_g[:, None] < G, other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    p_begin = s * per_split
+    p_end = tl.minimum(p_begin + per_split, KP)
+    for p0 in range(p_begin, p_end, PAGES_PER_BLOCK):
+        slot = p0 + offs_n // PAGE
+        ok = slot < p_end
+        page = tl.load(sel_ptr + r * KP + slot, mask=ok, other=0)
+        tok = page * PAGE + offs_n % PAGE
+        k = tl.load(k_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    base = (r * n_split + s) * G
+    gmask = offs_g < G
+    tl.store(acc_ptr + (base + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(m_ptr + base + offs_g, m_i, mask=gmask)
+    tl.store(l_ptr + base + offs_g, l_i, mask=gmask)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, S, G: tl.constexpr, D: tl.constexpr,
+                    SP: tl.constexpr):
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    ok = offs_s < S
+    ms = tl.load(m_ptr + (r * S + offs_s) * G + g, mask=ok, other=float("-inf"))
+    ls = tl.load(l_ptr + (r * S + offs_s) * G + g, mask=ok, other=0.0)
+    mx = tl.max(ms, axis=0)
+    w = tl.where(ok & (ms > float("-inf")), tl.exp2(ms - mx), 0.0)
+    acc = tl.load(acc_ptr + ((r * S + offs_s[:, None]) * G + g) * D + offs_d[None, :],
+                  mask=ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(ls * w, axis=0)
+    tl.store(out_ptr + (r * G + g) * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+class PagedDecodeAttention:
+    """Attention of the G q heads of each row over its selected pages, in place.
+
+    Buffers for the split partials are allocated once per shape, so a call
+    allocates nothing and can be captured in a CUDA graph.
+    """
+
+    def __init__(self, rows: int, group: int, head_dim: int, kp: int, device, dtype,
+                 page: int = 16, sm_count: int = 0):
+        self.rows, self.g, self.d, self.kp, self.page = rows, group, head_dim, kp, page
+        sm = sm_count or torch.cuda.get_device_properties(device).multi_processor_count
+        self.ppb = 4 if kp >= 4 else 1  # pages per inner block (64 tokens)
+        want = max(1, (2 * sm + rows - 1) // rows)
+        self.splits = max(1, min(want, (kp + self.ppb - 1) // self.ppb))
+        self.per_split = (kp + self.splits - 1) // self.splits
+        self.per_split = ((self.per_split + self.ppb - 1) // self.ppb) * self.ppb
+        self.splits = (kp + self.per_split - 1) // self.per_split
+        self.acc = torch.empty(rows, self.splits, group, head_dim, device=device,
+                               dtype=torch.float32)
+        self.m = torch.empty(rows, self.splits, group, device=device, dtype=torch.float32)
+        self.l = torch.empty_like(self.m)
+        self.out = torch.empty(rows, group, head_dim, device=device, dtype=dtype)
+        self.scale_log2 = (1.0 / math.sqrt(head_dim)) * math.log2(math.e)
+
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 pages: torch.Tensor) -> torch.Tensor:
+        """q [rows, G, D]; k_pool/v_pool [n_pages * page, D]; pages [rows, kp] global ids."""
+        gp = max(16, triton.next_power_of_2(self.g))
+        _paged_attn_kernel[(self.rows, self.splits)](
+            q, k_pool, v_pool, pages, self.acc, self.m, self.l, self.kp, self.per_split,
+            self.scale_log2, G=self.g, GP=gp, D=self.d, PAGE=self.page,
+            PAGES_PER_BLOCK=self.ppb, num_warps=4)
+        _combine_kernel[(self.rows, self.g)](
+            self.acc, self.m, self.l, self.out, self.splits, G=self.g, D=self.d,
+            SP=max(2, triton.next_power_of_2(self.splits)), num_warps=4)
+        return self.out

@@ -10,9 +10,10 @@ PACKAGES=(
   libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev sentencepiece
-  nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
+  nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libfaiss-dev libopenblas-dev
   fio curl procps xz-utils
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv python3-setuptools python3-wheel
 )
 
 missing=()

@@ -243,11 +243,11 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
   depth->Set(ctx_->build_queue.waiting() + 1);
   Status admitted = ctx_->build_queue.Acquire(
       [&](uint32_t pos) {
-        v1::BuildProgress p;
-        p.set_phase(v1::BuildProgress::QUEUED);
-        p.set_queue_position(pos);
-        p.set_tokens_total(job->tokens.size());
-        writer->Write(p);
+        BuildProgress p;
+        p.phase = BuildProgress::Phase::kQueued;
+        p.queue_position = pos;
+        p.tokens_total = job->tokens.size();
+        writer->Write(ProgressToProto(p));
       },
       client_gone);
   depth->Set(ctx_->build_queue.waiting());
@@ -259,8 +259,8 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
 
   BuildOptions opts;
   opts.prefill_chunk = static_cast<int>(ctx_->config.prefill_chunk);
-  auto progress = [&](const v1::BuildProgress& p) {
-    if (context->IsCancelled() || !writer->Write(p)) cancel = true;
+  auto progress = [&](const BuildProgress& p) {
+    if (context->IsCancelled() || !writer->Write(ProgressToProto(p))) cancel = true;
   };
   auto start = std::chrono::steady_clock::now();
   auto outcome = RunBuild(ctx_->store.get(), *job, opts, progress, &cancel);
@@ -275,14 +275,13 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
     return ToGrpc(outcome.status());
   }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  v1::BuildProgress done;
-  done.set_phase(v1::BuildProgress::DONE);
-  done.set_tokens_total(outcome->manifest.n_tokens());
-  done.set_tokens_prefilled(outcome->manifest.n_tokens());
-  done.set_layers_total(outcome->manifest.model().n_layers());
-  done.set_layers_indexed(outcome->manifest.model().n_layers());
-  done.set_bytes_written(outcome->manifest.stored_bytes());
-  done.set_tokens_per_s(secs > 0 ? outcome->manifest.n_tokens() / secs : 0);
+  BuildProgress final_progress;
+  final_progress.phase = BuildProgress::Phase::kDone;
+  final_progress.tokens_total = final_progress.tokens_prefilled = outcome->manifest.n_tokens();
+  final_progress.layers_total = final_progress.layers_indexed = outcome->manifest.model().n_layers();
+  final_progress.bytes_written = outcome->manifest.stored_bytes();
+  final_progress.tokens_per_s = secs > 0 ? outcome->manifest.n_tokens() / secs : 0;
+  v1::BuildProgress done = ProgressToProto(final_progress);
   done.set_reused(outcome->reused);
   *done.mutable_context() = ManifestToInfo(outcome->manifest);
   if (!outcome->reused) {

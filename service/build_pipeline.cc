@@ -286,7 +286,7 @@ Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes) {
 
 StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
                                 const BuildOptions& options,
-                                const std::function<void(const v1::BuildProgress&)>& progress,
+                                const std::function<void(const BuildProgress&)>& progress,
                                 const std::atomic<bool>* cancel) {
   RETURN_IF_ERROR(ValidateIndexRequests(job.indexes));
   if (job.tokens.empty()) {
@@ -329,9 +329,9 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
   const int64_t first = static_cast<int64_t>(writer->first_token());
   const int64_t n_new = n_total - first;
   auto t0 = Clock::now();
-  v1::BuildProgress p;
-  p.set_tokens_total(static_cast<uint64_t>(n_total));
-  p.set_layers_total(static_cast<uint32_t>(spec.n_layers));
+  BuildProgress p;
+  p.tokens_total = static_cast<uint64_t>(n_total);
+  p.layers_total = static_cast<uint32_t>(spec.n_layers);
 
   model::KvCache cache(spec, DType::kBF16);
   cache.Reserve(n_total);
@@ -359,11 +359,11 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
                    static_cast<double>(pp.layer + 1) / pp.n_layers *
                        std::min<int64_t>(options.prefill_chunk, pp.tokens_total - pp.tokens_done)) /
                   std::max<int64_t>(1, pp.tokens_total);
-    p.set_phase(v1::BuildProgress::PREFILL);
-    p.set_tokens_prefilled(static_cast<uint64_t>(first + pp.tokens_done));
-    p.set_bytes_written(writer->bytes_written());
-    p.set_tokens_per_s(el > 0 ? frac * n_new / el : 0);
-    p.set_eta_s(frac > 0 ? el * (1 - frac) / frac : 0);
+    p.phase = BuildProgress::Phase::kPrefill;
+    p.tokens_prefilled = static_cast<uint64_t>(first + pp.tokens_done);
+    p.bytes_written = writer->bytes_written();
+    p.tokens_per_s = el > 0 ? frac * n_new / el : 0;
+    p.eta_s = frac > 0 ? el * (1 - frac) / frac : 0;
     progress(p);
   };
   std::vector<int32_t> new_tokens(job.tokens.begin() + first, job.tokens.end());
@@ -375,8 +375,8 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
 
   // Index builds, layer by layer, kv heads (x methods) in parallel.
   auto t1 = Clock::now();
-  p.set_phase(v1::BuildProgress::INDEXING);
-  p.set_tokens_prefilled(static_cast<uint64_t>(n_total));
+  p.phase = BuildProgress::Phase::kIndexing;
+  p.tokens_prefilled = static_cast<uint64_t>(n_total);
   const int d = spec.head_dim;
   Status indexed = BuildIndexArtifacts(
       writer, IndexShape{spec.n_layers, spec.n_kv_heads, d, spec.group_size(), n_total},
@@ -387,8 +387,8 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
       },
       [&](int layers_done) {
         if (!progress) return;
-        p.set_layers_indexed(static_cast<uint32_t>(layers_done));
-        p.set_bytes_written(writer->bytes_written());
+        p.layers_indexed = static_cast<uint32_t>(layers_done);
+        p.bytes_written = writer->bytes_written();
         progress(p);
       },
       cancel);
@@ -396,8 +396,8 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
   outcome.index_s = Since(t1);
   if (cancel && cancel->load()) return fail(CancelledError("build cancelled"));
   if (progress) {
-    p.set_phase(v1::BuildProgress::COMMITTING);
-    p.set_layers_indexed(static_cast<uint32_t>(spec.n_layers));
+    p.phase = BuildProgress::Phase::kCommitting;
+    p.layers_indexed = static_cast<uint32_t>(spec.n_layers);
     progress(p);
   }
   auto committed = writer->Commit();

@@ -54,6 +54,21 @@ struct BuildOptions {
   int64_t query_cap = 65536;
 };
 
+// Where a build stands; the handler sends it as v1::BuildProgress
+// (service/wire.h).
+struct BuildProgress {
+  enum class Phase { kQueued, kPrefill, kIndexing, kCommitting, kDone };
+  Phase phase = Phase::kPrefill;
+  uint64_t tokens_total = 0;
+  uint64_t tokens_prefilled = 0;
+  uint32_t layers_total = 0;
+  uint32_t layers_indexed = 0;
+  uint64_t bytes_written = 0;
+  double tokens_per_s = 0;
+  double eta_s = 0;
+  uint32_t queue_position = 0;  // kQueued: 1 = next
+};
+
 struct BuildOutcome {
   v1::ContextManifest manifest;
   bool reused = false;  // the context already existed; nothing was done
@@ -160,7 +175,7 @@ class IngestBuilder {
 // everything written.
 StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
                                 const BuildOptions& options,
-                                const std::function<void(const v1::BuildProgress&)>& progress,
+                                const std::function<void(const BuildProgress&)>& progress,
                                 const std::atomic<bool>* cancel);
 
 }  // namespace ctxcache::service

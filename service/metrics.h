@@ -1,61 +1,87 @@
-// A small Prometheus metrics registry and its text exposition (format 0.0.4),
-// plus a minimal HTTP/1.1 server that serves it on GET /metrics.
+// ctxcached's Prometheus metrics, on prometheus-cpp (Debian 12:
+// prometheus-cpp-dev): a registry of counters, gauges and histograms (plus
+// gauges/counters computed at scrape time) and the HTTP endpoint that serves
+// them (prometheus::Exposer, civetweb) on GET /metrics.
 //
-// Naming: every metric starts with "ctxcache_", uses base units (seconds,
-// bytes) and carries no per-context labels (bounded cardinality).
+// Naming: every ctxcache metric starts with "ctxcache_", uses base units
+// (seconds, bytes) and carries no per-context labels (bounded cardinality).
+// The endpoint also serves prometheus-cpp's own exposer_* scrape metrics.
 //
-// Thread-safety: all metric updates are lock-free atomics or take a short
-// per-family mutex; Render() and the HTTP server are safe to use concurrently
-// with updates.
+// Thread-safety: metric updates are prometheus-cpp's (atomics; a histogram
+// takes a short per-series mutex); Get*() take a registry mutex; Render() and
+// the HTTP endpoint are safe to use concurrently with updates.
 #pragma once
 
-#include <atomic>
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
 
+namespace prometheus {
+class Exposer;
+}  // namespace prometheus
+
 namespace ctxcache::service {
 
+// A metric handle. Handles returned by MetricsRegistry are registered (they
+// appear in Render() and on /metrics); a default-constructed one is a
+// standalone metric that nothing exports.
 class Counter {
  public:
-  void Inc(double v = 1.0);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  Counter();
+  // Negative increments are ignored (counters are monotonic).
+  void Inc(double v = 1.0) { metric_->Increment(v); }
+  double value() const { return metric_->Value(); }
 
  private:
-  std::atomic<double> value_{0.0};
+  friend class MetricsRegistry;
+  explicit Counter(prometheus::Counter* registered) : metric_(registered) {}
+  std::unique_ptr<prometheus::Counter> owned_;
+  prometheus::Counter* metric_;
 };
 
 class Gauge {
  public:
-  void Set(double v) { value_.store(v, std::memory_order_relaxed); }
-  void Add(double v);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  Gauge();
+  void Set(double v) { metric_->Set(v); }
+  void Add(double v) { metric_->Increment(v); }
+  double value() const { return metric_->Value(); }
 
  private:
-  std::atomic<double> value_{0.0};
+  friend class MetricsRegistry;
+  explicit Gauge(prometheus::Gauge* registered) : metric_(registered) {}
+  std::unique_ptr<prometheus::Gauge> owned_;
+  prometheus::Gauge* metric_;
 };
 
-// Cumulative histogram with fixed upper bounds (seconds or bytes).
+// Cumulative histogram with fixed upper bounds (seconds or bytes); a value v
+// falls in the first bucket with v <= bound. Bounds are sorted and
+// de-duplicated (prometheus-cpp requires strictly increasing bounds).
 class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds);
-  void Observe(double v);
+  void Observe(double v) { metric_->Observe(v); }
   const std::vector<double>& bounds() const { return bounds_; }
   // Snapshot: per-bucket (non-cumulative) counts incl. +Inf, sum, count.
   void Snapshot(std::vector<uint64_t>* buckets, double* sum, uint64_t* count) const;
 
  private:
+  friend class MetricsRegistry;
+  Histogram(std::vector<double> bounds, prometheus::Histogram* registered)
+      : bounds_(std::move(bounds)), metric_(registered) {}
   std::vector<double> bounds_;
-  std::unique_ptr<std::atomic<uint64_t>[]> counts_;  // bounds_.size() + 1
-  std::atomic<double> sum_{0.0};
-  std::atomic<uint64_t> count_{0};
+  std::unique_ptr<prometheus::Histogram> owned_;
+  prometheus::Histogram* metric_;
 };
 
 // Default latency buckets, 50 us .. 60 s.
@@ -65,7 +91,18 @@ enum class MetricType { kCounter, kGauge, kHistogram };
 
 class MetricsRegistry {
  public:
-  // Unlabelled metrics. Returned pointers live as long as the registry.
+  MetricsRegistry();
+  ~MetricsRegistry();
+  MetricsRegistry(const MetricsRegistry&) = delete;
+  MetricsRegistry& operator=(const MetricsRegistry&) = delete;
+
+  // Get* return the same handle for the same name and label set; handles live
+  // as long as the registry. The first registration of a name fixes its type
+  // and help text (and, for histograms, each series' bounds). Asking for a
+  // name under another type, or an invalid metric/label name, logs a warning
+  // and returns a standalone handle that is not exported.
+
+  // Unlabelled metrics.
   Counter* GetCounter(const std::string& name, const std::string& help);
   Gauge* GetGauge(const std::string& name, const std::string& help);
   Gauge* GetGauge(const std::string& name, const std::string& help,
@@ -80,7 +117,9 @@ class MetricsRegistry {
                           const std::map<std::string, std::string>& labels,
                           std::vector<double> bounds = LatencyBuckets());
 
-  // A gauge computed at scrape time.
+  // A gauge computed at scrape time (by every Render() and every scrape of
+  // the endpoint, outside the registry mutex). Registering the same name and
+  // labels again replaces the function.
   void AddCallbackGauge(const std::string& name, const std::string& help,
                         std::function<double()> fn,
                         const std::map<std::string, std::string>& labels = {});
@@ -88,51 +127,40 @@ class MetricsRegistry {
   void AddCallbackCounter(const std::string& name, const std::string& help,
                           std::function<double()> fn);
 
-  // The whole registry in Prometheus text format.
+  // The whole registry in Prometheus text format (0.0.4), families by name.
   std::string Render() const;
 
- private:
-  struct Series {
-    std::map<std::string, std::string> labels;
-    std::unique_ptr<Counter> counter;
-    std::unique_ptr<Gauge> gauge;
-    std::unique_ptr<Histogram> histogram;
-    std::function<double()> callback;
-  };
-  struct Family {
-    std::string help;
-    MetricType type;
-    std::vector<std::unique_ptr<Series>> series;
-  };
-  Series* GetSeries(const std::string& name, const std::string& help, MetricType type,
-                    const std::map<std::string, std::string>& labels);
+  // What prometheus::Exposer scrapes: every metric above, callbacks included.
+  std::shared_ptr<prometheus::Collectable> collectable() const;
 
-  mutable std::mutex mu_;
-  std::map<std::string, Family> families_;  // guarded by mu_
+ private:
+  class Collector;
+  std::shared_ptr<Collector> collector_;
 };
 
-// Serves GET /metrics (and GET / with a pointer to it) over plain HTTP.
+// Serves GET /metrics (and GET / with a pointer to it) over plain HTTP, with
+// prometheus::Exposer (civetweb, 2 worker threads).
 class MetricsHttpServer {
  public:
-  explicit MetricsHttpServer(const MetricsRegistry* registry) : registry_(registry) {}
+  explicit MetricsHttpServer(const MetricsRegistry* registry);
   ~MetricsHttpServer();
 
-  // Binds host:port ("127.0.0.1:7701"; port 0 picks a free port) and starts
-  // serving on a background thread.
+  // Binds host:port ("127.0.0.1:7701", "0.0.0.0:7701", "localhost:7701"; port
+  // 0 picks a free port) and starts serving on background threads. IPv6
+  // ("[::1]:7701") only where civetweb is built with IPv6 (Debian 12's is not:
+  // host names then resolve to IPv4 and IPv6 literals are InvalidArgument).
   Status Start(const std::string& listen);
   // The bound port (after Start).
   int port() const { return port_; }
+  // Stops serving (waits for in-flight scrapes). Idempotent.
   void Stop();
 
  private:
-  void ServeLoop();
-  void HandleConnection(int fd);
-
   const MetricsRegistry* registry_;
-  int listen_fd_ = -1;
+  std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
+  std::string wake_host_;  // numeric loopback-reachable address of the listener
+  bool wake_v6_ = false;
 };
 
 }  // namespace ctxcache::service

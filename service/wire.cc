@@ -54,6 +54,36 @@ v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m) {
   return info;
 }
 
+v1::BuildProgress ProgressToProto(const BuildProgress& p) {
+  v1::BuildProgress out;
+  switch (p.phase) {
+    case BuildProgress::Phase::kQueued:
+      out.set_phase(v1::BuildProgress::QUEUED);
+      break;
+    case BuildProgress::Phase::kPrefill:
+      out.set_phase(v1::BuildProgress::PREFILL);
+      break;
+    case BuildProgress::Phase::kIndexing:
+      out.set_phase(v1::BuildProgress::INDEXING);
+      break;
+    case BuildProgress::Phase::kCommitting:
+      out.set_phase(v1::BuildProgress::COMMITTING);
+      break;
+    case BuildProgress::Phase::kDone:
+      out.set_phase(v1::BuildProgress::DONE);
+      break;
+  }
+  out.set_tokens_total(p.tokens_total);
+  out.set_tokens_prefilled(p.tokens_prefilled);
+  out.set_layers_total(p.layers_total);
+  out.set_layers_indexed(p.layers_indexed);
+  out.set_bytes_written(p.bytes_written);
+  out.set_tokens_per_s(p.tokens_per_s);
+  out.set_eta_s(p.eta_s);
+  out.set_queue_position(p.queue_position);
+  return out;
+}
+
 Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
                      std::vector<float>* out) {
   std::string want = "[";

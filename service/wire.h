@@ -15,6 +15,7 @@
 
 #include "common/status.h"
 #include "ctxcache/v1/ctxcache_service.pb.h"
+#include "service/build_pipeline.h"
 #include "session/page_fetcher.h"
 #include "storage/context_reader.h"
 #include "storage/keys.h"
@@ -30,6 +31,9 @@ StatusOr<storage::ContextId> ParseContextId(const std::string& hex,
 
 // A stored manifest in its API form.
 v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m);
+
+// A build's progress in its API form.
+v1::BuildProgress ProgressToProto(const BuildProgress& p);
 
 // Decodes a Tensor to fp32, checking dtype, shape and finiteness. `what`
 // names the field in errors (InvalidArgument).

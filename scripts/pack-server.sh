@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Packs ctxcached and the ctxcache CLI with their shared-library closure into
+# .pack/ctxcache-server.tar.xz (gitignored), to carry to a machine without
+# this build, e.g. the GPU machine (Ubuntu 24.04). glibc (libc, libm,
+# libpthread, libdl, librt, ld-linux, ...), libstdc++ and libgcc_s are left
+# out: they must come from the host, whose newer versions are backward
+# compatible. The sentencepiece plugin goes to lib/, where the binaries look
+# for it (model/tokenizer.cc). Run it there with
+#   tar xJf ctxcache-server.tar.xz && ctxcache/bin/ctxcached.sh --help
+# Usage: scripts/pack-server.sh [BUILD_DIR] [OUT_DIR]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${1:-$root/build}"
+out="${2:-$root/.pack}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+pkg="$tmp/ctxcache"
+mkdir -p "$pkg/bin" "$pkg/lib" "$out"
+cp "$build/bin/ctxcached" "$build/bin/ctxcache" "$pkg/bin/"
+cp "$build/lib/libctxcache_spm.so" "$pkg/lib/"
+host_provided='^(libc|libm|libmvec|libpthread|libdl|librt|libresolv|libutil|libanl|libnsl|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
+for f in "$pkg/bin/ctxcached" "$pkg/bin/ctxcache" "$pkg/lib/libctxcache_spm.so"; do
+  ldd "$f" | awk '/=> \// {print $3}'
+done | sort -u | while read -r lib; do
+  name="$(basename "$lib")"
+  if [[ "$name" =~ $host_provided ]]; then continue; fi
+  cp -L "$lib" "$pkg/lib/$name"
+done
+for b in ctxcached ctxcache; do
+  cat >"$pkg/bin/$b.sh" <<WRAP
+#!/usr/bin/env bash
+here="\$(cd "\$(dirname "\$0")" && pwd)"
+export LD_LIBRARY_PATH="\$here/../lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "\$here/$b" "\$@"
+WRAP
+  chmod +x "$pkg/bin/$b.sh"
+done
+strip --strip-unneeded "$pkg/bin/ctxcached" "$pkg/bin/ctxcache" "$pkg"/lib/*.so* 2>/dev/null || true
+tar -C "$tmp" -cf - ctxcache | xz -9e -T0 >"$out/ctxcache-server.tar.xz.tmp"
+mv -f "$out/ctxcache-server.tar.xz.tmp" "$out/ctxcache-server.tar.xz"
+echo "pack-server: $(du -h "$out/ctxcache-server.tar.xz" | cut -f1) $out/ctxcache-server.tar.xz ($(ls "$pkg/lib" | wc -l) libraries)"

@@ -1,0 +1,760 @@
+"""The ctxcache client: every ContextAdmin and DecodeService RPC of ctxcached.
+
+Semantics follow the C++ SDK (client/include/ctxcache/client.h):
+
+* every unary call and every stream has a deadline (``timeout`` seconds per
+  attempt; builds, extends and ingests get ``max(timeout, 3600)``);
+* calls failing with UNAVAILABLE (server down, restarting or draining) are
+  retried ``max_attempts`` times in all, sleeping ``initial_backoff`` seconds
+  before the first retry, doubled each time up to 5 s (client/sdk/retry.h);
+  ``ingest`` (its request stream cannot be replayed) and ``watch`` are not
+  retried;
+* every page and index artifact received is checked against its crc32c
+  (:class:`ctxcache.DataLoss` on mismatch);
+* errors raise one exception class per status code (:mod:`ctxcache.errors`).
+
+Thread-safety: a Client may be shared by threads (one channel, many calls); a
+:class:`~ctxcache.session.Session` may not (one per decode stream / thread).
+"""
+from __future__ import annotations
+
+import sys
+import time
+import types
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple, TypeVar, Union)
+
+import grpc
+import numpy as np
+
+from ctxcache import errors
+from ctxcache import tensors as _t
+from ctxcache.crc32c import crc32c
+from ctxcache.session import Session
+from ctxcache.types import Page
+from ctxcache.v1 import ctxcache_service_pb2 as pb
+from ctxcache.v1 import storage_pb2 as st
+
+__all__ = ["Client", "Watcher", "IndexArg", "ProgressCallback"]
+
+T = TypeVar("T")
+ProgressCallback = Callable[["pb.BuildProgress"], None]
+# An index to build: "csa", ("csa", {"alpha": 0.25}), {"method": "csa", "params": {...}}
+# or an IndexSpec; a mapping {"csa": {...}, "tactic": {}} lists several.
+IndexArg = Union[str, "pb.IndexSpec", Tuple[str, Mapping[str, Any]], Mapping[str, Any]]
+TokensArg = Union[Sequence[int], np.ndarray, Any]
+
+_BUILD_TIMEOUT_S = 3600.0
+_MAX_BACKOFF_S = 5.0
+_INGEST_MESSAGE_BYTES = 4 << 20
+_PHASE_NAMES = {v: k.lower() for k, v in pb.BuildProgress.Phase.items()}
+_DTYPE_SHORT = {st.DTYPE_F32: "f32", st.DTYPE_F16: "f16", st.DTYPE_BF16: "bf16"}
+
+
+def _index_specs(indexes: Optional[Union[IndexArg, Iterable[IndexArg]]]) -> List["pb.IndexSpec"]:
+    if indexes is None:
+        return []
+    if isinstance(indexes, (str, pb.IndexSpec)):
+        indexes = [indexes]
+    elif isinstance(indexes, Mapping) and "method" not in indexes:
+        indexes = [(m, p or {}) for m, p in indexes.items()]
+    out = []
+    for ix in indexes:
+        if isinstance(ix, pb.IndexSpec):
+            out.append(ix)
+            continue
+        if isinstance(ix, str):
+            method, params = ix, {}
+        elif isinstance(ix, Mapping):
+            method, params = ix["method"], ix.get("params") or {}
+        else:
+            method, params = ix
+        out.append(pb.IndexSpec(method=str(method),
+                                params={str(k): str(v) for k, v in dict(params).items()}))
+    return out
+
+
+def _token_ids(tokens: TokensArg) -> List[int]:
+    if isinstance(tokens, (list, tuple)):
+        ids = [int(t) for t in tokens]
+    else:
+        if _t._is_torch(tokens):
+            tokens = tokens.detach().cpu().numpy()
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"tokens: expected a 1-D sequence, got shape {list(arr.shape)}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"tokens: expected integers, got {arr.dtype}")
+        ids = arr.astype(np.int64).tolist()
+    for t in ids:
+        if not 0 <= t < (1 << 32):
+            raise ValueError(f"tokens: id {t} is not a uint32")
+    return ids
+
+
+def _labels(labels: Optional[Mapping[str, Any]]) -> Dict[str, str]:
+    return {str(k): str(v) for k, v in (labels or {}).items()}
+
+
+def _state(state: Any) -> int:
+    if state is None:
+        return st.CONTEXT_STATE_UNSPECIFIED
+    if isinstance(state, str):
+        name = state.upper()
+        if not name.startswith("CONTEXT_STATE_"):
+            name = "CONTEXT_STATE_" + name
+        return st.ContextState.Value(name)
+    return int(state)
+
+
+def _model_spec(model: Union["st.ModelSpec", Mapping[str, Any]]) -> "st.ModelSpec":
+    if isinstance(model, st.ModelSpec):
+        spec = st.ModelSpec()
+        spec.CopyFrom(model)
+    else:
+        m = dict(model)
+        rope = m.pop("rope", None)
+        kv_dtype = m.pop("kv_dtype", None)
+        fp = m.pop("fingerprint", b"")
+        spec = st.ModelSpec(**m)
+        if rope is not None:
+            if isinstance(rope, st.RopeParams):
+                spec.rope.CopyFrom(rope)
+            else:
+                spec.rope.CopyFrom(st.RopeParams(**dict(rope)))
+        if kv_dtype is not None:
+            spec.kv_dtype = _t.parse_dtype(kv_dtype)
+        spec.fingerprint = bytes.fromhex(fp) if isinstance(fp, str) else bytes(fp)
+    if spec.kv_dtype == st.DTYPE_UNSPECIFIED:
+        spec.kv_dtype = st.DTYPE_BF16
+    return spec
+
+
+class _TqdmBar:
+    """A tqdm progress bar for build/extend (tokens prefilled, then layers indexed)."""
+
+    def __init__(self, tqdm_cls: Any, desc: str) -> None:
+        self._tqdm = tqdm_cls
+        self._desc = desc
+        self._bar: Any = None
+        self._phase = -1
+
+    def __call__(self, p: "pb.BuildProgress") -> None:
+        if p.phase != self._phase and p.phase in (pb.BuildProgress.PREFILL,
+                                                  pb.BuildProgress.INDEXING):
+            self.close()
+            total = p.tokens_total if p.phase == pb.BuildProgress.PREFILL else p.layers_total
+            unit = "tok" if p.phase == pb.BuildProgress.PREFILL else "layer"
+            self._bar = self._tqdm(total=int(total) or None, unit=unit,
+                                   desc=f"{self._desc} {_PHASE_NAMES[p.phase]}")
+        self._phase = p.phase
+        if self._bar is not None:
+            n = p.tokens_prefilled if p.phase == pb.BuildProgress.PREFILL else p.layers_indexed
+            self._bar.update(max(0, int(n) - int(self._bar.n)))
+        if p.phase == pb.BuildProgress.DONE:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _progress_callback(on_progress: Optional[ProgressCallback], progress: Optional[bool],
+                       desc: str) -> Tuple[Optional[ProgressCallback], Optional[_TqdmBar]]:
+    if on_progress is not None or progress is False:
+        return on_progress, None
+    if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return None, None
+    try:
+        from tqdm.auto import tqdm  # optional dependency
+    except ImportError:
+        return None, None
+    bar = _TqdmBar(tqdm, desc)
+    return bar, bar
+
+
+class Watcher(Iterator["pb.ContextEvent"]):
+    """An iterator over context events (``ContextEvent``: CREATED, READY, EXTENDED,
+    EVICTED, FAILED). Returned by :meth:`Client.watch` once the subscription is
+    live, so every event after that call is seen. Iteration ends (without
+    error) when the deadline passes, ``max_events`` were yielded, :meth:`close`
+    is called, or the server ends the stream; other failures raise
+    :class:`ctxcache.Error`. Usable as a context manager."""
+
+    def __init__(self, call: Any, max_events: Optional[int], address: str) -> None:
+        self._call = call
+        self._left = max_events
+        self._address = address
+        self._done = False
+        self._pending: List["pb.ContextEvent"] = []
+        first = self._read()  # the subscription marker (TYPE_UNSPECIFIED)
+        if first is not None and first.type != pb.ContextEvent.TYPE_UNSPECIFIED:
+            self._pending.append(first)
+
+    def _read(self) -> Optional["pb.ContextEvent"]:
+        if self._done:
+            return None
+        try:
+            return next(self._call)
+        except StopIteration:
+            self._done = True
+            return None
+        except grpc.RpcError as e:
+            self._done = True
+            if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                raise errors.Unavailable(
+                    f"cannot reach ctxcached at {self._address} ({e.details()})",
+                    rpc="WatchContexts") from None
+            raise errors.from_rpc_error(e, "WatchContexts") from None
+
+    def __iter__(self) -> "Watcher":
+        return self
+
+    def __next__(self) -> "pb.ContextEvent":
+        if self._left is not None and self._left <= 0:
+            self.close()
+            raise StopIteration
+        while True:
+            ev = self._pending.pop(0) if self._pending else self._read()
+            if ev is None:
+                raise StopIteration
+            if ev.type == pb.ContextEvent.TYPE_UNSPECIFIED:
+                continue
+            if self._left is not None:
+                self._left -= 1
+            return ev
+
+    def close(self) -> None:
+        """Ends the subscription (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._call.cancel()
+
+    def __enter__(self) -> "Watcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Client:
+    """A connection to ctxcached.
+
+    Args:
+        address: ``HOST:PORT`` of ctxcached (default ``127.0.0.1:7700``).
+        timeout: deadline of each call attempt and of each session message, seconds.
+        max_attempts: attempts for calls failing with UNAVAILABLE (1 = no retry).
+        initial_backoff: first retry delay, seconds; doubled each attempt (cap 5 s).
+        max_message_bytes: largest gRPC message sent or received (default 16 MiB;
+            the server's own limit is 8 MiB).
+        options: extra gRPC channel options ``[(name, value), ...]``.
+
+    Usable as a context manager (closes the channel).
+    """
+
+    def __init__(self, address: str = "127.0.0.1:7700", timeout: float = 30.0,
+                 max_attempts: int = 5, initial_backoff: float = 0.1,
+                 max_message_bytes: int = 16 << 20,
+                 options: Optional[Sequence[Tuple[str, Any]]] = None) -> None:
+        if not address:
+            raise ValueError("address is empty")
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        self.address = address
+        self.timeout = float(timeout)
+        self.max_attempts = max(1, int(max_attempts))
+        self.initial_backoff = float(initial_backoff)
+        opts = [("grpc.max_receive_message_length", int(max_message_bytes)),
+                ("grpc.max_send_message_length", int(max_message_bytes))]
+        opts.extend(options or [])
+        self._channel = grpc.insecure_channel(address, options=opts)
+        self._admin = _make_stub(self._channel, "ContextAdmin")
+        self._decode = _make_stub(self._channel, "DecodeService")
+        self._health_check = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=_health().HealthCheckRequest.SerializeToString,
+            response_deserializer=_health().HealthCheckResponse.FromString)
+
+    # ------------------------------------------------------------ plumbing --
+
+    def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ctxcache.Client({self.address!r})"
+
+    def _convert(self, e: grpc.RpcError, rpc: str) -> errors.Error:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            return errors.Unavailable(f"cannot reach ctxcached at {self.address} ({e.details()})",
+                                      rpc=rpc)
+        return errors.from_rpc_error(e, rpc)
+
+    def _retry(self, rpc: str, attempt: Callable[[], T]) -> T:
+        """Runs attempt() until it fails with something other than UNAVAILABLE,
+        at most max_attempts times, with exponential backoff (client/sdk/retry.h)."""
+        backoff = self.initial_backoff
+        for i in range(1, self.max_attempts + 1):
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE and i < self.max_attempts:
+                    time.sleep(backoff)
+                    backoff = min(_MAX_BACKOFF_S, backoff * 2)
+                    continue
+                raise self._convert(e, rpc) from None
+        raise AssertionError("unreachable")
+
+    def _unary(self, rpc: str, method: Callable[..., T], request: Any) -> T:
+        return self._retry(rpc, lambda: method(request, timeout=self.timeout))
+
+    def _stream(self, rpc: str, method: Callable[..., Any], request: Any,
+                consume: Callable[[Iterator[Any]], T], timeout: Optional[float] = None) -> T:
+        """A server-streaming call retried as a whole: consume(responses) per attempt."""
+
+        def attempt() -> T:
+            call = method(request, timeout=timeout or self.timeout)
+            try:
+                return consume(call)
+            finally:
+                call.cancel()  # no-op once the stream is finished
+
+        return self._retry(rpc, attempt)
+
+    # --------------------------------------------------------------- health --
+
+    def health(self, service: str = "") -> str:
+        """The server's health status for ``service`` ("" = overall;
+        "ctxcache.v1.ContextAdmin", "ctxcache.v1.DecodeService"): "SERVING",
+        "NOT_SERVING" (draining), ... Raises :class:`ctxcache.Error` on failure."""
+        h = _health()
+        resp = self._unary("Health/Check", self._health_check, h.HealthCheckRequest(service=service))
+        return h.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 30.0, service: str = "") -> None:
+        """Waits until the server reports SERVING; raises :class:`ctxcache.Unavailable`
+        (or the last error) when ``timeout`` seconds pass first."""
+        h = _health()
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                resp = self._health_check(h.HealthCheckRequest(service=service),
+                                          timeout=min(1.0, left), wait_for_ready=True)
+                if resp.status == h.HealthCheckResponse.SERVING:
+                    return
+                last = h.HealthCheckResponse.ServingStatus.Name(resp.status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        raise errors.Unavailable(f"ctxcached at {self.address} not SERVING after {timeout:g} s "
+                                 f"(last: {last})", rpc="Health/Check")
+
+    # ---------------------------------------------------------------- admin --
+
+    def _run_build(self, rpc: str, method: Callable[..., Any], request: Any,
+                   on_progress: Optional[ProgressCallback], progress: Optional[bool]
+                   ) -> "pb.BuildProgress":
+        callback, bar = _progress_callback(on_progress, progress, rpc)
+
+        def consume(stream: Iterator["pb.BuildProgress"]) -> "pb.BuildProgress":
+            last = None
+            for p in stream:
+                if callback is not None:
+                    callback(p)
+                if p.phase == pb.BuildProgress.DONE:
+                    last = p
+            if last is None:
+                raise errors.Internal("build stream ended without a final message", rpc=rpc)
+            return last
+
+        try:
+            return self._stream(rpc, method, request, consume,
+                                timeout=max(self.timeout, _BUILD_TIMEOUT_S))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def build(self, text: Optional[str] = None, tokens: Optional[TokensArg] = None, *,
+              model: str = "", indexes: Optional[Union[IndexArg, Iterable[IndexArg]]] = None,
+              name: str = "", labels: Optional[Mapping[str, Any]] = None,
+              ttl_seconds: int = 0, pin: bool = False, tenant: str = "", add_bos: bool = False,
+              on_progress: Optional[ProgressCallback] = None,
+              progress: Optional[bool] = None) -> "pb.BuildProgress":
+        """Builds (prefills, indexes and stores) a context from text or token ids.
+
+        Args:
+            text: text, tokenized by the model's tokenizer (``add_bos`` prepends BOS).
+            tokens: token ids (list, 1-D numpy array or torch tensor) instead of text.
+            model: a model under the server's ``--model-dir`` ("" = its default).
+            indexes: index methods to build, e.g. ``["csa", ("tactic", {...})]``
+                (None = the server's ``--default-indexes``).
+            name, labels, ttl_seconds, pin, tenant: stored with the context.
+            on_progress: called with every ``BuildProgress`` message.
+            progress: show a tqdm bar (None = when tqdm is importable, stderr is a
+                terminal and no ``on_progress`` is given).
+
+        Returns:
+            The final ``BuildProgress`` (phase DONE): ``.context`` is the
+            ``ContextInfo``, ``.reused`` is True when the context was already stored.
+
+        Builds are idempotent (the id is a hash of model and tokens), so an
+        UNAVAILABLE build is retried like any call.
+        """
+        if (text is None) == (tokens is None):
+            raise ValueError("give exactly one of text= and tokens=")
+        req = pb.BuildContextRequest(model=model, indexes=_index_specs(indexes), name=name,
+                                     labels=_labels(labels), ttl_seconds=int(ttl_seconds),
+                                     pin=pin, tenant=tenant, add_bos=add_bos)
+        if text is not None:
+            req.text = text
+        else:
+            req.tokens.ids.extend(_token_ids(tokens))
+        return self._run_build("BuildContext", self._admin.BuildContext, req, on_progress,
+                               progress)
+
+    def extend(self, parent_id: str, text: Optional[str] = None,
+               tokens: Optional[TokensArg] = None, *,
+               indexes: Optional[Union[IndexArg, Iterable[IndexArg]]] = None, name: str = "",
+               labels: Optional[Mapping[str, Any]] = None, ttl_seconds: int = 0,
+               pin: bool = False, on_progress: Optional[ProgressCallback] = None,
+               progress: Optional[bool] = None) -> "pb.BuildProgress":
+        """Stores a new context = ``parent_id``'s tokens followed by text or tokens,
+        prefilled on top of the parent's stored KV (its full pages are shared).
+        Indexes default to the parent's. Returns the final ``BuildProgress``."""
+        if (text is None) == (tokens is None):
+            raise ValueError("give exactly one of text= and tokens=")
+        req = pb.ExtendContextRequest(parent_id=parent_id, indexes=_index_specs(indexes),
+                                      name=name, labels=_labels(labels),
+                                      ttl_seconds=int(ttl_seconds), pin=pin)
+        if text is not None:
+            req.text = text
+        else:
+            req.tokens.ids.extend(_token_ids(tokens))
+        return self._run_build("ExtendContext", self._admin.ExtendContext, req, on_progress,
+                               progress)
+
+    def ingest_chunks(self, chunks: Iterable["pb.IngestChunk"]) -> "pb.ContextInfo":
+        """Streams raw ``IngestChunk`` messages (header first, then layer chunks,
+        then the commit) and returns the stored ``ContextInfo``. Not retried.
+        An exception raised by the iterator cancels the upload (nothing is
+        stored) and is re-raised here."""
+        failure: List[BaseException] = []
+
+        def guarded() -> Iterator["pb.IngestChunk"]:
+            try:
+                yield from chunks
+            except BaseException as e:  # re-raised below, after gRPC cancels
+                failure.append(e)
+                raise
+
+        try:
+            return self._admin.IngestContext(guarded(),
+                                             timeout=max(self.timeout, _BUILD_TIMEOUT_S))
+        except grpc.RpcError as e:
+            if failure:
+                raise failure[0] from None
+            raise self._convert(e, "IngestContext") from None
+
+    def ingest(self, model: Union["st.ModelSpec", Mapping[str, Any]], tokens: TokensArg,
+               layers: Iterable[Sequence[Any]], *,
+               indexes: Optional[Union[IndexArg, Iterable[IndexArg]]] = None, name: str = "",
+               labels: Optional[Mapping[str, Any]] = None, ttl_seconds: int = 0,
+               pin: bool = False, tenant: str = "", dtype: Any = None,
+               max_message_bytes: int = _INGEST_MESSAGE_BYTES) -> "pb.ContextInfo":
+        """Stores a context from KV computed elsewhere (e.g. a GPU engine's prefill).
+
+        Args:
+            model: the ``ModelSpec`` (or a dict of its fields: name, n_layers,
+                n_q_heads, n_kv_heads, head_dim, rope, kv_dtype ("bf16" when
+                unset), fingerprint (bytes or hex; required: it decides KV
+                compatibility and is part of the context id)).
+            tokens: all token ids of the context.
+            layers: one item per layer, in order: ``(k, v)`` or ``(k, v, q)`` with
+                post-RoPE K, V ``[n_kv_heads, n_tokens, head_dim]`` and Q
+                ``[n_q_heads, n_tokens, head_dim]`` (needed by query-centric
+                indexes such as csa; may be None), numpy arrays or torch tensors
+                (any device). A generator is consumed lazily, so layers can be
+                produced one at a time.
+            indexes, name, labels, ttl_seconds, pin, tenant: as for :meth:`build`.
+            dtype: wire dtype of the chunks ("bf16", "f16", "f32"; None = the
+                arrays' own: f32/f16/bf16 kept, others sent as f32). The server
+                converts to the model's kv_dtype.
+            max_message_bytes: each IngestChunk message stays under this (4 MiB).
+
+        Returns:
+            The stored ``ContextInfo``. Validation failures raise
+            :class:`ctxcache.InvalidArgument` and store nothing.
+        """
+        spec = _model_spec(model)
+        ids = _token_ids(tokens)
+        n_tokens = len(ids)
+        header = pb.IngestHeader(indexes=_index_specs(indexes), name=name,
+                                 labels=_labels(labels), ttl_seconds=int(ttl_seconds),
+                                 pin=pin, tenant=tenant)
+        header.model.CopyFrom(spec)
+        header.tokens.ids.extend(ids)
+        nkv, nq, d = spec.n_kv_heads, spec.n_q_heads, spec.head_dim
+
+        def messages() -> Iterator["pb.IngestChunk"]:
+            yield pb.IngestChunk(header=header)
+            n_layers = 0
+            for layer, item in enumerate(layers):
+                if len(item) not in (2, 3):
+                    raise ValueError(f"layer {layer}: expected (k, v) or (k, v, q)")
+                k, v = item[0], item[1]
+                q = item[2] if len(item) == 3 else None
+                for nm, a, heads in (("k", k, nkv), ("v", v, nkv), ("q", q, nq)):
+                    if a is not None and tuple(a.shape) != (heads, n_tokens, d):
+                        raise ValueError(f"layer {layer}: {nm} has shape {list(a.shape)}, "
+                                         f"expected {[heads, n_tokens, d]}")
+                itemsize = 4 if dtype is None else _t._ITEMSIZE[_t.parse_dtype(dtype)]
+                per_token = (2 * nkv + (nq if q is not None else 0)) * d * itemsize
+                step = max(1, (int(max_message_bytes) - 4096) // max(1, per_token))
+                for t0 in range(0, n_tokens, step):
+                    t1 = min(n_tokens, t0 + step)
+                    c = pb.IngestLayerChunk(layer=layer, token_start=t0, n_tokens=t1 - t0)
+                    c.k.CopyFrom(_t.encode_tensor(k[:, t0:t1], name="k", dtype=dtype))
+                    c.v.CopyFrom(_t.encode_tensor(v[:, t0:t1], name="v", dtype=dtype))
+                    if q is not None:
+                        c.q.CopyFrom(_t.encode_tensor(q[:, t0:t1], name="q", dtype=dtype))
+                    yield pb.IngestChunk(chunk=c)
+                n_layers += 1
+            if n_layers != spec.n_layers:
+                raise ValueError(f"got {n_layers} layers of KV, the model has {spec.n_layers}")
+            yield pb.IngestChunk(commit=pb.IngestCommit())
+
+        return self.ingest_chunks(messages())
+
+    def get(self, context_id: str) -> "pb.ContextInfo":
+        """The ``ContextInfo`` of a context (:class:`ctxcache.NotFound` if unknown,
+        :class:`ctxcache.InvalidArgument` for a malformed id)."""
+        return self._unary("GetContext", self._admin.GetContext,
+                           pb.GetContextRequest(context_id=context_id))
+
+    def list_page(self, page_size: int = 100, page_token: str = "",
+                  label_filter: Optional[Mapping[str, Any]] = None,
+                  state: Any = None) -> "pb.ListContextsResponse":
+        """One page of ``ListContexts`` (``.contexts``, ``.next_page_token``)."""
+        req = pb.ListContextsRequest(page_size=int(page_size), page_token=page_token,
+                                     label_filter=_labels(label_filter),
+                                     state_filter=_state(state))
+        return self._unary("ListContexts", self._admin.ListContexts, req)
+
+    def list(self, label_filter: Optional[Mapping[str, Any]] = None, state: Any = None,
+             page_size: int = 100, limit: Optional[int] = None) -> Iterator["pb.ContextInfo"]:
+        """Iterates over stored contexts, fetching pages of ``page_size`` (≤ 1000) as
+        needed. ``label_filter``: all given labels must match; ``state``: e.g.
+        "READY" (None = any); ``limit``: stop after this many."""
+        token = ""
+        seen_tokens = set()
+        n = 0
+        while True:
+            resp = self.list_page(page_size, token, label_filter, state)
+            for c in resp.contexts:
+                if limit is not None and n >= limit:
+                    return
+                n += 1
+                yield c
+            token = resp.next_page_token
+            if not token:
+                return
+            if token in seen_tokens:
+                raise errors.Internal(f"ListContexts returned page token {token!r} twice",
+                                      rpc="ListContexts")
+            seen_tokens.add(token)
+
+    def evict(self, context_id: str) -> "pb.EvictContextResponse":
+        """Deletes a context now, or when its last session closes (``deferred``).
+        Pinned contexts and parents: :class:`ctxcache.FailedPrecondition`."""
+        return self._unary("EvictContext", self._admin.EvictContext,
+                           pb.EvictContextRequest(context_id=context_id))
+
+    def pin(self, context_id: str, pinned: bool = True) -> "pb.ContextInfo":
+        """Pins (never evicted) or, with ``pinned=False``, unpins a context."""
+        return self._unary("PinContext", self._admin.PinContext,
+                           pb.PinContextRequest(context_id=context_id, pinned=pinned))
+
+    def unpin(self, context_id: str) -> "pb.ContextInfo":
+        """``pin(context_id, False)``."""
+        return self.pin(context_id, False)
+
+    def stats(self) -> "pb.ServerStats":
+        """Server-wide ``ServerStats``: version, uptime, contexts, bytes, models, ..."""
+        return self._unary("GetStats", self._admin.GetStats, pb.GetStatsRequest())
+
+    # --------------------------------------------------------------- decode --
+
+    def watch(self, context_id: str = "", label_filter: Optional[Mapping[str, Any]] = None,
+              timeout: Optional[float] = None, max_events: Optional[int] = None) -> Watcher:
+        """Subscribes to context events (all contexts, or one id, or those whose
+        labels match). Returns a :class:`Watcher` once the subscription is live;
+        it yields events until ``timeout`` seconds pass (None = no limit),
+        ``max_events`` were yielded, or it is closed. Not retried."""
+        req = pb.WatchRequest(context_id=context_id, label_filter=_labels(label_filter))
+        call = self._decode.WatchContexts(req, timeout=timeout)
+        return Watcher(call, max_events, self.address)
+
+    def fetch_index(self, context_id: str, method: str,
+                    layers: Optional[Iterable[int]] = None,
+                    kv_heads: Optional[Iterable[int]] = None) -> Dict[Tuple[int, int], bytes]:
+        """The serialized index artifacts of ``method`` for client-side selection:
+        ``{(layer, kv_head): bytes}``, each checked against its total size and
+        crc32c (:class:`ctxcache.DataLoss`). ``layers``/``kv_heads``: None = all.
+        A method not built for the context: :class:`ctxcache.FailedPrecondition`
+        or :class:`ctxcache.InvalidArgument` (unknown method)."""
+        req = pb.FetchIndexRequest(context_id=context_id, methods=[method],
+                                   layers=list(layers or []), kv_heads=list(kv_heads or []))
+
+        def consume(stream: Iterator["pb.IndexChunk"]) -> Dict[Tuple[int, int], bytes]:
+            parts: Dict[Tuple[int, int], List[bytes]] = {}
+            out: Dict[Tuple[int, int], bytes] = {}
+            for c in stream:
+                key = (c.layer, c.kv_head)
+                parts.setdefault(key, []).append(c.data)
+                if c.chunk_index + 1 == c.n_chunks:
+                    data = b"".join(parts.pop(key))
+                    if len(data) != c.total_bytes or crc32c(data) != c.crc32c:
+                        raise errors.DataLoss(
+                            f"index artifact crc32c mismatch (layer {c.layer}, kv head "
+                            f"{c.kv_head}, method {c.method}: {len(data)} of {c.total_bytes} "
+                            f"bytes)", rpc="FetchIndex")
+                    out[key] = data
+            if parts:
+                raise errors.DataLoss(f"index stream ended inside artifacts {sorted(parts)}",
+                                      rpc="FetchIndex")
+            return out
+
+        return self._stream("FetchIndex", self._decode.FetchIndex, req, consume)
+
+    def fetch_pages(self, context_id: str, tables: Iterable[Any], dtype: str = "float32",
+                    as_torch: bool = False) -> List[Page]:
+        """Fetches KV pages, crc32c-checked.
+
+        Args:
+            context_id: the context.
+            tables: ``PageTable`` messages, ``(layer, kv_head, blocks)`` tuples or
+                dicts with those keys; blocks are page indices (tokens
+                ``[16 b, 16 b + 16)``).
+            dtype: "float32" (decoded; bf16 is exact in float32) or "raw" (as
+                stored: uint16 bf16 bits, float16 or float32).
+            as_torch: return ``k``/``v`` as torch tensors (raw bf16 as
+                ``torch.bfloat16``); ImportError without torch.
+
+        Returns:
+            :class:`ctxcache.Page` objects with ``k``, ``v`` of ``[n_tokens, head_dim]``,
+            in the order the server sent them (by table, then block).
+        """
+        if as_torch and not _t.torch_available():
+            raise ImportError("as_torch=True needs torch")
+        req = pb.FetchPagesRequest(context_id=context_id, tables=[_page_table(t) for t in tables])
+
+        def consume(stream: Iterator["pb.PageBatch"]) -> List["pb.Page"]:
+            return [p for batch in stream for p in batch.pages]
+
+        raw = self._stream("FetchPages", self._decode.FetchPages, req, consume)
+        return [decode_page(p, dtype, as_torch, rpc="FetchPages") for p in raw]
+
+    def open_session(self, context_id: str, method: str = "csa",
+                     params: Optional[Mapping[str, Any]] = None, *, as_torch: bool = False,
+                     dtype: str = "float32", timeout: Optional[float] = None) -> "Session":
+        """Opens a decode session with server-side selection (see
+        :class:`ctxcache.Session`): the server selects each step's tokens and
+        sends their pages. ``params``: e.g. ``{"rho": 0.05}``, ``{"budget": 64}``,
+        ``page_fraction``, ``whole_pages``, ``subgroup``, ``recent_blocks``
+        (docs/api.md). ``as_torch``/``dtype``: the form of the returned K/V.
+        ``timeout``: how long each session message waits for its reply (default:
+        the client's timeout; ``Session.timeout`` may be changed later)."""
+        return Session._open(self, context_id, method, params or {}, as_torch, dtype,
+                             timeout or self.timeout)
+
+
+# (client streaming, server streaming) of each RPC, for protobuf runtimes whose
+# MethodDescriptor lacks those attributes.
+_STREAMING = {
+    "BuildContext": (False, True), "IngestContext": (True, False),
+    "ExtendContext": (False, True), "Decode": (True, True), "FetchIndex": (False, True),
+    "FetchPages": (False, True), "WatchContexts": (False, True),
+}
+
+
+def _make_stub(channel: grpc.Channel, service: str) -> Any:
+    """A stub of a ctxcache.v1 service built from its descriptor: one gRPC
+    multicallable per RPC, named like the RPC (``stub.GetContext``).
+
+    Equivalent to the generated ``*_pb2_grpc`` stub classes, which the client
+    does not need: only ``protoc --python_out`` is required to build the
+    package (grpc_python_plugin / grpcio-tools are optional)."""
+    svc = pb.DESCRIPTOR.services_by_name[service]
+    kinds = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
+             (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    methods = {}
+    for m in svc.methods:
+        streaming = (getattr(m, "client_streaming", None), getattr(m, "server_streaming", None))
+        if None in streaming:
+            streaming = _STREAMING.get(m.name, (False, False))
+        methods[m.name] = kinds[streaming](
+            f"/{svc.full_name}/{m.name}",
+            request_serializer=getattr(pb, m.input_type.name).SerializeToString,
+            response_deserializer=getattr(pb, m.output_type.name).FromString)
+    return types.SimpleNamespace(**methods)
+
+
+def _page_table(t: Any) -> "pb.PageTable":
+    if isinstance(t, pb.PageTable):
+        return t
+    if isinstance(t, Mapping):
+        return pb.PageTable(layer=int(t["layer"]), kv_head=int(t["kv_head"]),
+                            subgroup=int(t.get("subgroup", 0)),
+                            blocks=[int(b) for b in t["blocks"]])
+    layer, kv_head, blocks = t
+    return pb.PageTable(layer=int(layer), kv_head=int(kv_head), blocks=[int(b) for b in blocks])
+
+
+def decode_page(p: "pb.Page", dtype: str = "float32", as_torch: bool = False,
+                rpc: str = "") -> Page:
+    """A :class:`ctxcache.Page` of a wire ``Page``, after checking its crc32c
+    and size (:class:`ctxcache.DataLoss`)."""
+    if crc32c(p.v, crc32c(p.k)) != p.crc32c:
+        raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
+                              f"block {p.block}): the page was corrupted in transit", rpc=rpc)
+    size = _t._ITEMSIZE.get(p.dtype)
+    if size is None:
+        raise errors.DataLoss(f"page of block {p.block} has unknown dtype {p.dtype}", rpc=rpc)
+    if p.n_tokens == 0 or len(p.k) != len(p.v) or len(p.k) % (p.n_tokens * size):
+        raise errors.DataLoss(f"page of block {p.block} has the wrong size", rpc=rpc)
+    d = len(p.k) // (p.n_tokens * size)
+    k = _t.decode_array(p.k, p.dtype, (p.n_tokens, d), dtype)
+    v = _t.decode_array(p.v, p.dtype, (p.n_tokens, d), dtype)
+    if as_torch:
+        k, v = _t.to_torch(k, p.dtype), _t.to_torch(v, p.dtype)
+    return Page(layer=p.layer, kv_head=p.kv_head, block=p.block, n_tokens=p.n_tokens,
+                dtype=_DTYPE_SHORT[p.dtype], k=k, v=v, crc32c=p.crc32c)
+
+
+_health_mod: Any = None
+
+
+def _health() -> Any:
+    """grpc.health.v1 messages: grpcio-health-checking's when installed (so the
+    two never register the same proto file twice), else the generated copy."""
+    global _health_mod
+    if _health_mod is None:
+        try:
+            from grpc_health.v1 import health_pb2 as mod  # type: ignore
+        except ImportError:
+            from ctxcache import _health_pb2 as mod  # type: ignore
+        _health_mod = mod
+    return _health_mod

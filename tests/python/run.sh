@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The Python package's tests (python/tests) against the real ctxcached, as a
+# ctest: creates a venv with --system-site-packages (Debian's python3-grpcio,
+# python3-protobuf, python3-numpy, python3-pytest; scripts/install-deps.sh),
+# installs ./python into it without any index (pip --no-index
+# --no-build-isolation: the build generates the protobuf stubs from proto/),
+# then runs pytest. ctxcached must already be built in <build dir>/bin (the
+# README's test command builds everything before ctest).
+#   usage: tests/python/run.sh [SOURCE_DIR] [BUILD_DIR]
+#   PYTHON=...  interpreter for the venv (default: Debian's /usr/bin/python3,
+#               whose dist-packages hold the python3-* packages)
+set -euo pipefail
+src="$(cd "${1:-$(dirname "$0")/../..}" && pwd)"
+build="$(mkdir -p "${2:-$src/build}" && cd "${2:-$src/build}" && pwd)"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x /usr/bin/python3 ]; then PYTHON=/usr/bin/python3; else PYTHON=python3; fi
+fi
+venv="$build/python-venv"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PYTHONDONTWRITEBYTECODE=1
+export CTXCACHE_BIN_DIR="${CTXCACHE_BIN_DIR:-$build/bin}"
+export CTXCACHE_MODEL_DIR="${CTXCACHE_MODEL_DIR:-$src/tests/data/golden}"
+
+echo "== venv $venv ($("$PYTHON" --version 2>&1), system site packages)"
+"$PYTHON" -m venv --clear --system-site-packages "$venv"
+echo "== pip install --no-index --no-build-isolation $src/python"
+# setuptools keeps stale modules in build/lib and stale file lists in *.egg-info
+rm -rf "$src/python/build" "$src/python/ctxcache.egg-info"
+"$venv/bin/python" -m pip install --quiet --no-index --no-build-isolation --no-cache-dir \
+  "$src/python"
+"$venv/bin/python" -c 'import ctxcache, google.protobuf, grpc, sys
+print("ctxcache from", ctxcache.__file__)
+print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "python", sys.version.split()[0])'
+echo "== pytest python/tests (CTXCACHE_BIN_DIR=$CTXCACHE_BIN_DIR)"
+cd "$src"
+exec "$venv/bin/python" -m pytest python/tests -q -p no:cacheprovider \
+  --model-dir "$CTXCACHE_MODEL_DIR"

@@ -21,8 +21,7 @@
 // Usage: ctxcache-bench e2e [--quick] [--model DIR] [--tokens N] [--steps S]
 //                           [--only all|sessions|prefetch]
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <stdlib.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -37,59 +36,33 @@
 
 #include "bench/bench_registry.h"
 #include "client/worker/decode_worker.h"
+#include "common/percentile.h"
 #include "ctxcache/client.h"
 #include "model/model.h"
+#include "tests/service/server_process.h"
 
 namespace ctxcache::bench {
 namespace {
-
-struct ServerChild {
-  pid_t pid = -1;
-  std::string address;
-  ~ServerChild() {
-    if (pid > 0) {
-      kill(pid, SIGTERM);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-};
 
 std::string SelfDir() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
 }
 
+// ctxcached from the bench's own bin directory, data under dir/data, metrics
+// off; the process spawn and port-file wait are tests/service/server_process.h.
 bool StartServer(const std::string& dir, const std::string& model_dir, const std::string& model,
-                 ServerChild* out) {
-  std::string ports = dir + "/ports";
-  out->pid = fork();
-  if (out->pid == 0) {
-    std::string log = dir + "/ctxcached.log";
-    FILE* f = freopen(log.c_str(), "w", stderr);
-    (void)f;
-    std::string bin = SelfDir() + "/ctxcached";
-    execl(bin.c_str(), bin.c_str(), "--data-dir", (dir + "/data").c_str(), "--listen",
-          "127.0.0.1:0", "--metrics-listen", "", "--port-file", ports.c_str(), "--model-dir",
-          model_dir.c_str(), "--default-model", model.c_str(), "--max-message-bytes", "67108864",
-          "--log-level", "warn", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  for (int i = 0; i < 600; ++i) {
-    std::ifstream f(ports);
-    int port = 0;
-    if (f >> port && port > 0) {
-      out->address = "127.0.0.1:" + std::to_string(port);
-      return true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return false;
+                 testing::ServerProcess* server) {
+  return server->Start(dir + "/data",
+                       {"--metrics-listen", "", "--model-dir", model_dir, "--default-model", model,
+                        "--max-message-bytes", "67108864", "--log-level", "warn"});
 }
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
+// Stops the server with SIGTERM when the bench returns (drains; SIGKILL after
+// ServerProcess::Stop's timeout).
+struct StopOnExit {
+  testing::ServerProcess* server;
+  ~StopOnExit() { server->Stop(SIGTERM); }
+};
 
 struct RunResult {
   std::vector<double> step_us;
@@ -292,13 +265,14 @@ int RunE2e(int argc, char** argv) {
   }
   std::string tmpl = (std::filesystem::temp_directory_path() / "ctxcache-e2e-XXXXXX").string();
   std::string dir = mkdtemp(tmpl.data());
-  ServerChild server;
+  testing::ServerProcess server(SelfDir());
+  StopOnExit stop_on_exit{&server};
   if (!StartServer(dir, mp.parent_path().string(), mp.filename().string(), &server)) {
-    std::cerr << "ctxcache-bench e2e: ctxcached did not start; see " << dir << "/ctxcached.log\n";
+    std::cerr << "ctxcache-bench e2e: ctxcached did not start; see " << server.log_path() << "\n";
     return 1;
   }
   client::ClientOptions co;
-  co.server = server.address;
+  co.server = server.address();
   auto client = std::move(client::Client::Connect(co)).value();
   v1::BuildContextRequest req;
   std::mt19937 rng(7);
@@ -328,7 +302,7 @@ int RunE2e(int argc, char** argv) {
     nlohmann::json pf;
     std::string error;
     auto t0 = std::chrono::steady_clock::now();
-    if (!RunPrefetch(server.address, mp, info, vocab, steps, &pf, &error)) {
+    if (!RunPrefetch(server.address(), mp, info, vocab, steps, &pf, &error)) {
       std::cerr << "ctxcache-bench e2e: prefetch: " << error << "\n";
       return 1;
     }
@@ -349,8 +323,8 @@ int RunE2e(int argc, char** argv) {
       {"csa_tokens", {"csa", {{"rho", "0.05"}, {"page_fraction", "1"}}}},
       {"full", {"full", {}}}};
   for (const auto& [method, run] : runs) {
-    one[method] = RunSessions(server.address, info, run.first, run.second, 1, steps);
-    eight[method] = RunSessions(server.address, info, run.first, run.second, 8, steps);
+    one[method] = RunSessions(server.address(), info, run.first, run.second, 1, steps);
+    eight[method] = RunSessions(server.address(), info, run.first, run.second, 8, steps);
     for (auto* r : {&one[method], &eight[method]}) {
       if (!r->error.empty()) {
         std::cerr << "ctxcache-bench e2e: " << method << ": " << r->error << "\n";

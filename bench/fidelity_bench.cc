@@ -37,73 +37,24 @@
 #include <vector>
 
 #include "bench/bench_registry.h"
+#include "bench/workload.h"
 #include "index/lfps.h"
 #include "index/metrics.h"
 #include "index/page_table.h"
 #include "index/selector.h"
 #include "index/synthetic.h"
 #include "index/tactic.h"
-#include "model/trace.h"
 
 namespace ctxcache::bench {
 namespace {
 
 using index::ArrayKeySource;
 using index::ExactAttention;
-using index::HeadPrefill;
 using index::SelectInput;
 using index::Selection;
 using index::Selector;
 using index::WorkStats;
 using Json = nlohmann::json;
-
-// Keys/values of all tokens; the context is the first n; the evaluation
-// queries sit at eval_pos (>= n) and see the context plus the tokens between.
-struct Workload {
-  std::string source;
-  int64_t n = 0;      // context tokens (what the selectors are built on)
-  int64_t n_all = 0;  // tokens with keys available (context + later tokens)
-  int d = 0;
-  int G = 0;
-  std::vector<float> keys, values;   // n_all x d
-  std::vector<int64_t> prefill_pos;  // ascending, < n
-  std::vector<float> prefill_q;      // [G][rows][d]
-  std::vector<int64_t> eval_pos;     // ascending, >= n
-  std::vector<float> eval_q;         // [row][G][d]
-
-  HeadPrefill Prefill() const {
-    HeadPrefill p;
-    p.n_tokens = n;
-    p.head_dim = d;
-    p.group_size = G;
-    p.keys = keys.data();
-    p.values = values.data();
-    p.n_queries = static_cast<int64_t>(prefill_pos.size());
-    p.query_positions = prefill_pos.data();
-    p.queries = prefill_q.data();
-    return p;
-  }
-  int n_eval() const { return static_cast<int>(eval_pos.size()); }
-  const float* EvalQ(int t) const { return eval_q.data() + static_cast<size_t>(t) * G * d; }
-};
-
-Workload FromSynthetic(const index::SyntheticHead& h) {
-  Workload w;
-  w.source = "synthetic";
-  w.n = h.n_tokens;
-  w.d = h.head_dim;
-  w.G = h.group_size;
-  w.keys = h.keys;
-  w.keys.insert(w.keys.end(), h.decode_keys.begin(), h.decode_keys.end());
-  w.values = h.values;
-  w.values.insert(w.values.end(), h.decode_values.begin(), h.decode_values.end());
-  w.n_all = w.n + h.n_decode;
-  w.prefill_pos = h.prefill_positions;
-  w.prefill_q = h.prefill_queries;
-  for (int t = 0; t < h.n_decode; ++t) w.eval_pos.push_back(w.n + t);
-  w.eval_q = h.decode_queries;
-  return w;
-}
 
 // Reshapes the decode queries of h into a correlated stream (per q head;
 // e_t = q_t - mean_t q_t).  target: q_t = m + sqrt(rho) e_0 + sqrt(1-rho) e_t.
@@ -158,49 +109,6 @@ Workload LfpsWorkload(const index::SyntheticHead& h, int history) {
   return w;
 }
 
-StatusOr<Workload> FromTrace(const std::string& path, int layer_slot, int kv_slot, int steps) {
-  ASSIGN_OR_RETURN(model::Trace tr, model::ReadTrace(path));
-  RETURN_IF_ERROR(tr.Validate());
-  if (layer_slot < 0 || layer_slot >= static_cast<int>(tr.layers.size())) {
-    return InvalidArgumentError("--layer-slot out of range: trace stores " +
-                                std::to_string(tr.layers.size()) + " layers");
-  }
-  if (kv_slot < 0 || kv_slot >= tr.n_stored_kv_heads()) {
-    return InvalidArgumentError("--kv-slot out of range: trace stores " +
-                                std::to_string(tr.n_stored_kv_heads()) + " kv heads");
-  }
-  const int64_t rows = tr.n_q_rows();
-  if (rows < steps + 1) {
-    return InvalidArgumentError("trace has " + std::to_string(rows) +
-                                " query rows; needs more than --steps=" + std::to_string(steps));
-  }
-  Workload w;
-  w.source = path;
-  w.d = tr.head_dim;
-  w.G = tr.group_size();
-  w.n_all = tr.n_tokens();
-  const float* k = tr.K(layer_slot, kv_slot);
-  const float* v = tr.V(layer_slot, kv_slot);
-  w.keys.assign(k, k + w.n_all * w.d);
-  w.values.assign(v, v + w.n_all * w.d);
-  const int64_t first_eval = rows - steps;
-  w.n = tr.q_positions[first_eval];
-  if (w.n < 64) return InvalidArgumentError("trace: too few context tokens before the eval rows");
-  for (int64_t r = 0; r < first_eval; ++r) w.prefill_pos.push_back(tr.q_positions[r]);
-  for (int g = 0; g < w.G; ++g) {
-    const float* q = tr.Q(layer_slot, kv_slot * w.G + g);
-    w.prefill_q.insert(w.prefill_q.end(), q, q + first_eval * w.d);
-  }
-  for (int64_t r = first_eval; r < rows; ++r) {
-    w.eval_pos.push_back(tr.q_positions[r]);
-    for (int g = 0; g < w.G; ++g) {
-      const float* q = tr.Q(layer_slot, kv_slot * w.G + g) + r * w.d;
-      w.eval_q.insert(w.eval_q.end(), q, q + w.d);
-    }
-  }
-  return w;
-}
-
 // Smallest count of entries (taken in `order`) whose probabilities reach p.
 int64_t TokensToReach(const std::vector<double>& probs, const std::vector<int32_t>& order,
                       double p) {
@@ -227,7 +135,7 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
   int count = 0;
   std::vector<int32_t> by_prob(w.n), order;
   std::vector<int64_t> cend;
-  for (int t = 0; t < w.n_eval(); ++t) {
+  for (int t = 0; t < w.n_eval_rows(); ++t) {
     std::vector<ExactAttention> exact;
     for (int g = 0; g < w.G; ++g) {
       auto e = ExactAttention::Compute(w.EvalQ(t) + g * d, w.keys.data(), nullptr, w.n, d);
@@ -299,7 +207,7 @@ Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& op
   double eta = 0, mass = 0, prev_overlap = 0, select_ms = 0;
   int count = 0, prev_count = 0;
   std::vector<std::vector<int32_t>> prev(w.G);
-  for (int t = 0; t < w.n_eval(); ++t) {
+  for (int t = 0; t < w.n_eval_rows(); ++t) {
     while (sel.n_tokens() < std::min<int64_t>(w.eval_pos[t], w.n_all)) {
       if (Status s = sel.Append(w.keys.data() + sel.n_tokens() * d, nullptr, nullptr); !s.ok()) {
         return Json{{"error", s.ToString()}};
@@ -331,14 +239,14 @@ Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& op
     }
   }
   const auto& c = sel.counters();
-  return Json{{"steps", w.n_eval()},
+  return Json{{"steps", w.n_eval_rows()},
               {"budget_frac", budget_frac},
               {"eta", eta / count},
               {"keys_scored_frac", static_cast<double>(c.keys_scored) / c.keys_total},
               {"bypass_rate", static_cast<double>(c.bypassed) / c.head_steps},
               {"mass", mass / count},
               {"exact_topk_step_overlap", prev_count ? prev_overlap / prev_count : 0.0},
-              {"select_us_per_group", 1000.0 * select_ms / w.n_eval()}};
+              {"select_us_per_group", 1000.0 * select_ms / w.n_eval_rows()}};
 }
 
 Json EqualBudget(const Workload& w, const std::vector<std::pair<std::string, Selector*>>& methods,
@@ -352,7 +260,7 @@ Json EqualBudget(const Workload& w, const std::vector<std::pair<std::string, Sel
     int64_t page_selected = 0, page_fetched = 0;
     uint64_t bytes = 0, scored = 0;
     int count = 0;
-    for (int t = 0; t < w.n_eval(); ++t) {
+    for (int t = 0; t < w.n_eval_rows(); ++t) {
       SelectInput in;
       in.queries = w.EvalQ(t);
       in.n_queries = w.G;
@@ -444,7 +352,7 @@ int RunFidelity(int argc, char** argv) {
 
   Workload w;
   if (!trace.empty()) {
-    auto tw = FromTrace(trace, layer_slot, kv_slot, steps);
+    auto tw = FromTrace(trace, layer_slot, kv_slot, steps, 1, "--steps");
     if (!tw.ok()) {
       std::fprintf(stderr, "fidelity: %s\n", tw.status().ToString().c_str());
       std::printf("%s\n",
@@ -461,7 +369,7 @@ int RunFidelity(int argc, char** argv) {
     w = FromSynthetic(*h);
   }
   std::printf("fidelity: source=%s N=%lld d=%d G=%d eval_queries=%d\n", w.source.c_str(),
-              static_cast<long long>(w.n), w.d, w.G, w.n_eval());
+              static_cast<long long>(w.n), w.d, w.G, w.n_eval_rows());
 
   // Build every method once.
   const std::vector<std::string> names = {"oracle", "csa", "tactic", "quest", "streaming", "lfps"};
@@ -586,7 +494,7 @@ int RunFidelity(int argc, char** argv) {
               {"n_tokens", w.n},
               {"head_dim", w.d},
               {"group_size", w.G},
-              {"eval_queries", w.n_eval()},
+              {"eval_queries", w.n_eval_rows()},
               {"build_ms", build_ms},
               {"index_memory_bytes", index_bytes},
               {"tactic_table", table},

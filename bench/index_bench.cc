@@ -42,13 +42,13 @@
 #include <vector>
 
 #include "bench/bench_registry.h"
+#include "bench/workload.h"
 #include "index/csa.h"
 #include "index/metrics.h"
 #include "index/oracle.h"
 #include "index/selector.h"
 #include "index/synthetic.h"
 #include "index/topk.h"
-#include "model/trace.h"
 
 namespace ctxcache::bench {
 namespace {
@@ -60,35 +60,6 @@ using Clock = std::chrono::steady_clock;
 double Us(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
 }
-
-// One (layer, kv head): the context keys/values, prefill queries for
-// building, and unseen evaluation queries ([row][G][d]) over the context.
-struct Workload {
-  std::string source;
-  int64_t n = 0;
-  int d = 0;
-  int G = 0;
-  std::vector<float> keys, values;
-  std::vector<int64_t> prefill_pos;
-  std::vector<float> prefill_q;  // [G][rows][d]
-  std::vector<float> eval_q;     // [row][G][d]
-  HeadPrefill Prefill() const {
-    HeadPrefill p;
-    p.n_tokens = n;
-    p.head_dim = d;
-    p.group_size = G;
-    p.keys = keys.data();
-    p.values = values.data();
-    p.n_queries = static_cast<int64_t>(prefill_pos.size());
-    p.query_positions = prefill_pos.data();
-    p.queries = prefill_q.data();
-    return p;
-  }
-  int n_eval_rows() const { return static_cast<int>(eval_q.size() / (static_cast<size_t>(G) * d)); }
-  // Query vector i (row-major over rows and heads).
-  const float* Q(int i) const { return eval_q.data() + static_cast<size_t>(i) * d; }
-  int n_eval() const { return n_eval_rows() * G; }
-};
 
 // "default": SyntheticOptions defaults (RoPE, latent noise 0.5, 128 topics).
 // "clustered": tight query clusters (16 topics, noise 0.1, weak locality, no
@@ -108,57 +79,7 @@ StatusOr<Workload> Synthetic(int64_t n, int steps, uint64_t seed, const std::str
   o.seed = seed;
   o.n_prefill_queries = std::min<int64_t>(n, 16384);
   ASSIGN_OR_RETURN(SyntheticHead h, GenerateSyntheticHead(o));
-  Workload w;
-  w.source = "synthetic";
-  w.n = n;
-  w.d = h.head_dim;
-  w.G = h.group_size;
-  w.keys = std::move(h.keys);
-  w.values = std::move(h.values);
-  w.prefill_pos = std::move(h.prefill_positions);
-  w.prefill_q = std::move(h.prefill_queries);
-  w.eval_q = std::move(h.decode_queries);
-  return w;
-}
-
-StatusOr<Workload> FromTrace(const std::string& path, int layer_slot, int kv_slot, int rows_eval) {
-  ASSIGN_OR_RETURN(model::Trace tr, model::ReadTrace(path));
-  RETURN_IF_ERROR(tr.Validate());
-  if (layer_slot < 0 || layer_slot >= static_cast<int>(tr.layers.size())) {
-    return InvalidArgumentError("--layer-slot out of range (trace stores " +
-                                std::to_string(tr.layers.size()) + " layers)");
-  }
-  if (kv_slot < 0 || kv_slot >= tr.n_stored_kv_heads()) {
-    return InvalidArgumentError("--kv-slot out of range (trace stores " +
-                                std::to_string(tr.n_stored_kv_heads()) + " kv heads)");
-  }
-  const int64_t rows = tr.n_q_rows();
-  if (rows < rows_eval + 256) {
-    return InvalidArgumentError("trace has " + std::to_string(rows) +
-                                " query rows; needs >= --queries + 256");
-  }
-  Workload w;
-  w.source = path;
-  w.d = tr.head_dim;
-  w.G = tr.group_size();
-  const int64_t first_eval = rows - rows_eval;
-  w.n = tr.q_positions[first_eval];
-  const float* k = tr.K(layer_slot, kv_slot);
-  const float* v = tr.V(layer_slot, kv_slot);
-  w.keys.assign(k, k + w.n * w.d);
-  w.values.assign(v, v + w.n * w.d);
-  for (int64_t r = 0; r < first_eval; ++r) w.prefill_pos.push_back(tr.q_positions[r]);
-  for (int g = 0; g < w.G; ++g) {
-    const float* q = tr.Q(layer_slot, kv_slot * w.G + g);
-    w.prefill_q.insert(w.prefill_q.end(), q, q + first_eval * w.d);
-  }
-  for (int64_t r = first_eval; r < rows; ++r) {
-    for (int g = 0; g < w.G; ++g) {
-      const float* q = tr.Q(layer_slot, kv_slot * w.G + g) + r * w.d;
-      w.eval_q.insert(w.eval_q.end(), q, q + w.d);
-    }
-  }
-  return w;
+  return FromSynthetic(std::move(h));
 }
 
 struct Reference {
@@ -183,7 +104,7 @@ StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Referenc
   ArrayKeySource keys(w.keys.data(), w.n, w.d);
   Selection out;
   WorkStats stats;
-  for (int i = 0; i < w.n_eval(); ++i) {
+  for (int i = 0; i < w.n_eval_queries(); ++i) {
     SelectInput in;
     in.queries = w.Q(i);
     in.n_queries = 1;
@@ -198,9 +119,9 @@ StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Referenc
     r.fid.Add(RecallAtK(s, ref.topk[i]), ref.exact[i].Mass(s), ref.exact[i].OutputError(s));
   }
   r.fid.Finish();
-  r.select_us /= w.n_eval();
-  r.bytes_touched /= w.n_eval();
-  r.entries_touched /= w.n_eval();
+  r.select_us /= w.n_eval_queries();
+  r.bytes_touched /= w.n_eval_queries();
+  r.entries_touched /= w.n_eval_queries();
   return r;
 }
 
@@ -229,7 +150,7 @@ Json RunFaiss(const Workload& w, const Reference& ref, int64_t k, double target_
     ivf.nprobe = nprobe;
     FidelitySummary fid;
     double us = 0;
-    for (int i = 0; i < w.n_eval(); ++i) {
+    for (int i = 0; i < w.n_eval_queries(); ++i) {
       const auto a = Clock::now();
       ivf.search(1, w.Q(i), k, dist.data(), labels.data());
       us += Us(a, Clock::now());
@@ -243,7 +164,7 @@ Json RunFaiss(const Workload& w, const Reference& ref, int64_t k, double target_
     fid.Finish();
     Json row = Fidelity(fid);
     row["nprobe"] = nprobe;
-    row["select_us"] = us / w.n_eval();
+    row["select_us"] = us / w.n_eval_queries();
     // Vectors scanned per query (inverted lists probed) + centroids, fp32.
     const double scanned = static_cast<double>(w.n) * nprobe / nlist;
     row["bytes_touched"] = (scanned + nlist) * w.d * sizeof(float);
@@ -266,12 +187,12 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
   r["n"] = w.n;
   r["head_dim"] = w.d;
   r["group_size"] = w.G;
-  r["eval_queries"] = w.n_eval();
+  r["eval_queries"] = w.n_eval_queries();
   const int64_t k = BudgetFor(0, 0.05, w.n);
   r["k"] = k;
   // Exact references.
   Reference ref;
-  for (int i = 0; i < w.n_eval(); ++i) {
+  for (int i = 0; i < w.n_eval_queries(); ++i) {
     ASSIGN_OR_RETURN(ExactAttention e,
                      ExactAttention::Compute(w.Q(i), w.keys.data(), w.values.data(), w.n, w.d));
     ref.topk.push_back(e.TopK(k));
@@ -284,7 +205,7 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
     TopKScratch scratch;
     double us = 0;
     FidelitySummary fid;
-    for (int i = 0; i < w.n_eval(); ++i) {
+    for (int i = 0; i < w.n_eval_queries(); ++i) {
       const auto t0 = Clock::now();
       ScoreKeys(w.Q(i), w.keys.data(), w.n, w.d, scores.data());
       SelectTopK(scores.data(), w.n, k, TopKOrder::kById, &ids, &scratch);
@@ -292,7 +213,7 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
       fid.Add(RecallAtK(ids, ref.topk[i]), ref.exact[i].Mass(ids), ref.exact[i].OutputError(ids));
     }
     fid.Finish();
-    r["exact_select_us"] = us / w.n_eval();
+    r["exact_select_us"] = us / w.n_eval_queries();
     r["exact_bytes_touched"] = static_cast<double>(w.n) * w.d * sizeof(float);
     r["exact_bytes_touched_bf16"] = static_cast<double>(w.n) * w.d * 2;
     r["oracle"] = Fidelity(fid);
@@ -451,7 +372,7 @@ int RunIndexBench(int argc, char** argv) {
   Json runs = Json::array();
   const auto start = Clock::now();
   if (!trace.empty()) {
-    auto w = FromTrace(trace, layer_slot, kv_slot, queries);
+    auto w = FromTrace(trace, layer_slot, kv_slot, queries, 256, "--queries");
     if (!w.ok()) return fail(w.status());
     auto r = RunOne(*w, method, *params, !no_faiss);
     if (!r.ok()) return fail(r.status());

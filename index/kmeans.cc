@@ -15,10 +15,12 @@ namespace {
 using StridedMap = Eigen::Map<const RowMatrixXf, 0, Eigen::OuterStride<>>;
 constexpr int64_t kBlockRows = 2048;
 
-// For each row of X (n x d), the best centroid and its "distance" (L2: squared
-// distance; cosine: 1 - x.c, X rows assumed unit or zero).
-void AssignBlockwise(const StridedMap& X, const Eigen::VectorXf& x_norm2, const RowMatrixXf& C,
-                     KMeansMetric metric, int32_t* assign, float* dist) {
+// The one nearest-centroid search (KMeans and AssignNearest): for each row of
+// X (n x d) the best centroid and, if score is non-null, its raw score
+// (L2: |c|^2 - 2 x.c, the squared distance minus |x|^2; cosine: x.c).
+// Rows go through one GEMM per block of kBlockRows; ties take the lowest id.
+void AssignBlockwise(const StridedMap& X, const RowMatrixXf& C, KMeansMetric metric,
+                     int32_t* assign, float* score) {
   const int64_t n = X.rows();
   const int k = static_cast<int>(C.rows());
   Eigen::VectorXf c_norm2 = C.rowwise().squaredNorm();
@@ -39,8 +41,6 @@ void AssignBlockwise(const StridedMap& X, const Eigen::VectorXf& x_norm2, const 
             best = j;
           }
         }
-        assign[r0 + r] = best;
-        if (dist) dist[r0 + r] = std::max(0.0f, best_val + x_norm2[r0 + r]);
       } else {
         best_val = g[0];
         for (int j = 1; j < k; ++j) {
@@ -49,10 +49,20 @@ void AssignBlockwise(const StridedMap& X, const Eigen::VectorXf& x_norm2, const 
             best = j;
           }
         }
-        assign[r0 + r] = best;
-        if (dist) dist[r0 + r] = std::max(0.0f, 1.0f - best_val);
       }
+      assign[r0 + r] = best;
+      if (score) score[r0 + r] = best_val;
     }
+  }
+}
+
+// KMeans' distances from AssignBlockwise's scores, in place (L2: squared
+// distance; cosine: 1 - x.c, X rows unit or zero).
+void ScoresToDistances(const Eigen::VectorXf& x_norm2, KMeansMetric metric, float* dist) {
+  const int64_t n = x_norm2.size();
+  for (int64_t i = 0; i < n; ++i) {
+    dist[i] = metric == KMeansMetric::kL2 ? std::max(0.0f, dist[i] + x_norm2[i])
+                                          : std::max(0.0f, 1.0f - dist[i]);
   }
 }
 
@@ -154,30 +164,12 @@ std::vector<int64_t> SeedRandom(int64_t n, int k, std::mt19937_64* rng) {
 void AssignNearest(const float* x, int64_t n, int d, int64_t ld, const RowMatrixXf& centroids,
                    KMeansMetric metric, int32_t* assign, float* best) {
   StridedMap X(x, n, d, Eigen::OuterStride<>(ld));
-  const int k = static_cast<int>(centroids.rows());
-  Eigen::VectorXf c_norm2 = centroids.rowwise().squaredNorm();
-  RowMatrixXf G;
-  for (int64_t r0 = 0; r0 < n; r0 += kBlockRows) {
-    const int64_t rows = std::min(kBlockRows, n - r0);
-    G.noalias() = X.middleRows(r0, rows) * centroids.transpose();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* g = G.row(r).data();
-      int arg = 0;
-      float val = metric == KMeansMetric::kL2 ? c_norm2[0] - 2 * g[0] : g[0];
-      for (int j = 1; j < k; ++j) {
-        const float v = metric == KMeansMetric::kL2 ? c_norm2[j] - 2 * g[j] : g[j];
-        if (metric == KMeansMetric::kL2 ? v < val : v > val) {
-          val = v;
-          arg = j;
-        }
-      }
-      assign[r0 + r] = arg;
-      if (best) {
-        const float xn2 = X.row(r0 + r).squaredNorm();
-        best[r0 + r] = metric == KMeansMetric::kL2 ? std::max(0.0f, val + xn2)
-                                                   : (xn2 > 0 ? val / std::sqrt(xn2) : 0.0f);
-      }
-    }
+  AssignBlockwise(X, centroids, metric, assign, best);
+  if (!best) return;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xn2 = X.row(i).squaredNorm();
+    best[i] = metric == KMeansMetric::kL2 ? std::max(0.0f, best[i] + xn2)
+                                          : (xn2 > 0 ? best[i] / std::sqrt(xn2) : 0.0f);
   }
 }
 
@@ -241,7 +233,8 @@ StatusOr<KMeansResult> KMeans(const float* x, int64_t n, int d, int64_t ld,
     double prev = std::numeric_limits<double>::infinity();
     std::vector<int64_t> counts(o.k);
     for (int it = 0; it < o.max_iters; ++it) {
-      AssignBlockwise(Xm, x_norm2, C, metric, res.assign.data(), dist.data());
+      AssignBlockwise(Xm, C, metric, res.assign.data(), dist.data());
+      ScoresToDistances(x_norm2, metric, dist.data());
       const double obj = std::accumulate(dist.begin(), dist.end(), 0.0) / n;
       ++res.iterations;
       // Update step.
@@ -274,7 +267,6 @@ StatusOr<KMeansResult> KMeans(const float* x, int64_t n, int d, int64_t ld,
     std::vector<int64_t> seen(o.k, 0);
     const int64_t b = std::min(o.batch_size, n);
     RowMatrixXf batch(b, d);
-    Eigen::VectorXf batch_norm2(b);
     std::vector<int32_t> batch_assign(b);
     std::uniform_int_distribution<int64_t> pick(0, n - 1);
     std::vector<int64_t> idx(b);
@@ -282,10 +274,9 @@ StatusOr<KMeansResult> KMeans(const float* x, int64_t n, int d, int64_t ld,
       for (int64_t i = 0; i < b; ++i) {
         idx[i] = pick(rng);
         batch.row(i) = X.row(idx[i]);
-        batch_norm2[i] = x_norm2[idx[i]];
       }
       StridedMap Bm(batch.data(), b, d, Eigen::OuterStride<>(d));
-      AssignBlockwise(Bm, batch_norm2, C, metric, batch_assign.data(), nullptr);
+      AssignBlockwise(Bm, C, metric, batch_assign.data(), nullptr);
       for (int64_t i = 0; i < b; ++i) {
         const int j = batch_assign[i];
         const float lr = 1.0f / static_cast<float>(++seen[j]);
@@ -296,7 +287,8 @@ StatusOr<KMeansResult> KMeans(const float* x, int64_t n, int d, int64_t ld,
     }
   }
   // Final assignment against the final centroids.
-  AssignBlockwise(Xm, x_norm2, C, metric, res.assign.data(), dist.data());
+  AssignBlockwise(Xm, C, metric, res.assign.data(), dist.data());
+  ScoresToDistances(x_norm2, metric, dist.data());
   res.objective = std::accumulate(dist.begin(), dist.end(), 0.0) / n;
   return res;
 }

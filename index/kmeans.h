@@ -63,7 +63,9 @@ StatusOr<KMeansResult> KMeans(const float* x, int64_t n, int d, int64_t ld,
 // Nearest centroid of each of n points (row stride ld) under `metric`; for
 // kCosine the points need not be normalized (argmax x.c is scale-free).
 // Writes n ids to assign and, if non-null, the best similarity (cosine:
-// x.c / |x|; L2: squared distance) to best.
+// x.c / |x|; L2: squared distance) to best. The same blocked search as
+// KMeans' assignment step, so against KMeansResult::centroids it returns
+// KMeansResult::assign.
 void AssignNearest(const float* x, int64_t n, int d, int64_t ld, const RowMatrixXf& centroids,
                    KMeansMetric metric, int32_t* assign, float* best);
 

@@ -68,15 +68,7 @@ StatusOr<ContextId> ContextId::FromBytes(std::string_view raw) {
   return id;
 }
 
-std::string ContextId::ToHex() const {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out(32, '0');
-  for (size_t i = 0; i < 16; ++i) {
-    out[2 * i] = kDigits[bytes[i] >> 4];
-    out[2 * i + 1] = kDigits[bytes[i] & 15];
-  }
-  return out;
-}
+std::string ContextId::ToHex() const { return ctxcache::ToHex(bytes.data(), bytes.size()); }
 
 void PutBE16(std::string* dst, uint16_t v) {
   dst->push_back(static_cast<char>(v >> 8));

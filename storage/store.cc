@@ -940,14 +940,17 @@ Status StoreCore::Verify(const ContextId& id) {
 
 // ---- Admin, eviction ----------------------------------------------------------
 
-Status StoreCore::SetPinned(const ContextId& id, bool pinned) {
+// The one admin manifest update: edits a copy of a READY manifest, stamps the
+// current access time and persists it synchronously before publishing it.
+Status StoreCore::UpdateManifest(const ContextId& id,
+                                 const std::function<void(v1::ContextManifest*)>& edit) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = contexts_.find(id);
   if (it == contexts_.end() || it->second->doomed) {
     return NotFoundError("context " + Hex(id) + " not found");
   }
   v1::ContextManifest m = it->second->manifest;
-  m.set_pinned(pinned);
+  edit(&m);
   m.set_last_access_ms(it->second->last_access_ms.load());
   RETURN_IF_ERROR(PutManifestLocked(m, /*sync=*/true));
   it->second->manifest = std::move(m);
@@ -955,19 +958,13 @@ Status StoreCore::SetPinned(const ContextId& id, bool pinned) {
   return Status::OK();
 }
 
+Status StoreCore::SetPinned(const ContextId& id, bool pinned) {
+  return UpdateManifest(id, [pinned](v1::ContextManifest* m) { m->set_pinned(pinned); });
+}
+
 Status StoreCore::SetExpiry(const ContextId& id, int64_t expires_at_ms) {
-  std::lock_guard<std::mutex> l(mu_);
-  auto it = contexts_.find(id);
-  if (it == contexts_.end() || it->second->doomed) {
-    return NotFoundError("context " + Hex(id) + " not found");
-  }
-  v1::ContextManifest m = it->second->manifest;
-  m.set_expires_at_ms(expires_at_ms);
-  m.set_last_access_ms(it->second->last_access_ms.load());
-  RETURN_IF_ERROR(PutManifestLocked(m, /*sync=*/true));
-  it->second->manifest = std::move(m);
-  it->second->persisted_access_ms = it->second->manifest.last_access_ms();
-  return Status::OK();
+  return UpdateManifest(
+      id, [expires_at_ms](v1::ContextManifest* m) { m->set_expires_at_ms(expires_at_ms); });
 }
 
 void StoreCore::DetachLocked(const ContextId& id) {

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -133,6 +134,10 @@ class StoreCore {
   void DetachLocked(const ContextId& id);
   Status MaybeResume();
   Status PutManifestLocked(const v1::ContextManifest& m, bool sync);
+  // SetPinned/SetExpiry: NotFound unless id is READY; else applies `edit` to
+  // a copy of its manifest, stamps last_access_ms, persists it (sync) and
+  // publishes it.
+  Status UpdateManifest(const ContextId& id, const std::function<void(v1::ContextManifest*)>& edit);
   StatusOr<std::vector<ContextReader::Owner>> OwnersLocked(const ContextId& id) const;
   Status CheckParentLocked(const BuildRequest& req, const ContextId& parent,
                            v1::ContextManifest* parent_manifest) const;

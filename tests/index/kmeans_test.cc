@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -146,6 +147,90 @@ TEST(KMeansTest, AssignNearestMatchesBruteForce) {
     EXPECT_EQ(a[i], arg);
     EXPECT_NEAR(best[i], bd, 1e-3 * (1 + bd));
   }
+}
+
+TEST(KMeansTest, AssignNearestCosineMatchesBruteForce) {
+  std::mt19937_64 rng(8);
+  std::normal_distribution<float> g(0, 1);
+  const int n = 300, d = 12, k = 7;
+  RowMatrixXf C(k, d);
+  for (int j = 0; j < k; ++j) {
+    for (int t = 0; t < d; ++t) C(j, t) = g(rng);
+    C.row(j).normalize();
+  }
+  // Unnormalized points, strided (ld = d + 3), one zero point.
+  const int ld = d + 3;
+  std::vector<float> x(n * ld, 5.0f);
+  for (int i = 0; i < n; ++i) {
+    for (int t = 0; t < d; ++t) x[i * ld + t] = i == 17 ? 0.0f : 3.0f * g(rng);
+  }
+  std::vector<int32_t> a(n);
+  std::vector<float> best(n);
+  AssignNearest(x.data(), n, d, ld, C, KMeansMetric::kCosine, a.data(), best.data());
+  for (int i = 0; i < n; ++i) {
+    double norm = 0;
+    for (int t = 0; t < d; ++t) norm += double{x[i * ld + t]} * x[i * ld + t];
+    norm = std::sqrt(norm);
+    int arg = 0;
+    double bc = -std::numeric_limits<double>::infinity();
+    for (int j = 0; j < k; ++j) {
+      double dot = 0;
+      for (int t = 0; t < d; ++t) dot += double{x[i * ld + t]} * C(j, t);
+      if (dot > bc) {
+        bc = dot;
+        arg = j;
+      }
+    }
+    EXPECT_EQ(a[i], arg) << "point " << i;
+    EXPECT_NEAR(best[i], norm > 0 ? bc / norm : 0.0, 1e-4) << "point " << i;
+  }
+}
+
+// KMeans' own assignment and objective and AssignNearest run the same search:
+// against KMeans' final centroids they agree exactly (L2 and, on the unit
+// points KMeans clusters, cosine), strided or not.
+TEST(KMeansTest, AssignNearestReproducesKMeansAssignment) {
+  std::vector<int> labels;
+  std::vector<float> centers;
+  const int d = 8, n = 250;
+  auto x = Blobs(5, 50, d, 3.0, 4, &labels, &centers);  // overlapping clusters
+  std::vector<float> wide(x.size() * 2, 7.0f);
+  for (int i = 0; i < n; ++i) std::copy_n(x.data() + i * d, d, wide.data() + i * 2 * d);
+  for (int64_t batch : {int64_t{0}, int64_t{64}}) {
+    KMeansOptions o;
+    o.k = 5;
+    o.batch_size = batch;
+    auto r = KMeans(x.data(), n, d, d, o);
+    ASSERT_TRUE(r.ok());
+    std::vector<int32_t> a(n), aw(n);
+    std::vector<float> best(n);
+    AssignNearest(x.data(), n, d, d, r->centroids, KMeansMetric::kL2, a.data(), best.data());
+    AssignNearest(wide.data(), n, d, 2 * d, r->centroids, KMeansMetric::kL2, aw.data(), nullptr);
+    EXPECT_EQ(a, r->assign);
+    EXPECT_EQ(aw, r->assign);
+    double obj = 0;
+    for (float b : best) obj += b;
+    EXPECT_NEAR(obj / n, r->objective, 1e-6 * (1 + r->objective));
+  }
+  // Cosine: KMeans normalizes the points; give AssignNearest the same unit rows.
+  std::vector<float> unit = x;
+  for (int i = 0; i < n; ++i) {
+    Eigen::Map<Eigen::RowVectorXf> row(unit.data() + i * d, d);
+    const float norm = row.norm();
+    if (norm > 0) row /= norm;
+  }
+  KMeansOptions o;
+  o.k = 5;
+  o.metric = KMeansMetric::kCosine;
+  auto r = KMeans(unit.data(), n, d, d, o);
+  ASSERT_TRUE(r.ok());
+  std::vector<int32_t> a(n);
+  std::vector<float> best(n);
+  AssignNearest(unit.data(), n, d, d, r->centroids, KMeansMetric::kCosine, a.data(), best.data());
+  EXPECT_EQ(a, r->assign);
+  double obj = 0;
+  for (float b : best) obj += 1.0 - b;
+  EXPECT_NEAR(obj / n, r->objective, 1e-5);
 }
 
 TEST(KMeansTest, BadParameters) {

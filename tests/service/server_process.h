@@ -1,5 +1,8 @@
-// ServerProcess: starts the real build/bin/ctxcached as a child process on
-// loopback with ephemeral ports, for integration tests (no mocks).
+// ServerProcess: starts the real ctxcached (build/bin, or the directory
+// given) as a child process on loopback with ephemeral ports, for the
+// integration tests (no mocks) and the e2e bench (bench/e2e_bench.cc): the one
+// place that spawns a server and waits for its port file.
+// Header-only and std/POSIX-only, so tests/ and bench/ include it alike.
 #pragma once
 
 #include <fcntl.h>
@@ -16,6 +19,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ctxcache::testing {
@@ -56,21 +60,26 @@ inline std::string ReadFile(const std::string& path) {
 
 class ServerProcess {
  public:
-  ServerProcess() = default;
+  // bin_dir: the directory holding ctxcached (default BinDir()).
+  explicit ServerProcess(std::string bin_dir = BinDir()) : bin_dir_(std::move(bin_dir)) {}
   ~ServerProcess() { Kill(); }
 
   // Starts ctxcached with --data-dir data_dir, ephemeral ports, and `extra`
-  // flags. Returns false if it exits or does not report its ports in time.
+  // flags; --listen and --metrics-listen default to 127.0.0.1:0 unless
+  // `extra` sets them ("--metrics-listen", "" turns metrics off). Its
+  // stdout+stderr go to log_path() (data_dir + ".log"). Returns false if it
+  // exits or does not report its ports in time.
   bool Start(const std::string& data_dir, const std::vector<std::string>& extra = {},
              std::chrono::seconds timeout = std::chrono::seconds(30)) {
     log_path_ = data_dir + ".log";
     port_file_ = data_dir + ".ports";
     std::filesystem::remove(port_file_);
-    std::vector<std::string> args = {
-        BinDir() + "/ctxcached", "--data-dir",  data_dir,  "--metrics-listen",
-        "127.0.0.1:0",           "--port-file", port_file_};
-    if (std::find(extra.begin(), extra.end(), "--listen") == extra.end()) {
-      args.insert(args.end(), {"--listen", "127.0.0.1:0"});
+    std::vector<std::string> args = {bin_dir_ + "/ctxcached", "--data-dir", data_dir, "--port-file",
+                                     port_file_};
+    for (const char* flag : {"--metrics-listen", "--listen"}) {
+      if (std::find(extra.begin(), extra.end(), flag) == extra.end()) {
+        args.insert(args.end(), {flag, "127.0.0.1:0"});
+      }
     }
     args.insert(args.end(), extra.begin(), extra.end());
     pid_ = Spawn(args, log_path_);
@@ -120,6 +129,7 @@ class ServerProcess {
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   pid_t pid() const { return pid_; }
+  const std::string& log_path() const { return log_path_; }
   std::string log() const { return ReadFile(log_path_); }
 
   // Runs argv to completion with stdout+stderr captured; returns exit code.
@@ -165,6 +175,7 @@ class ServerProcess {
   }
 
   static inline int counter_ = 0;
+  std::string bin_dir_;
   pid_t pid_ = -1;
   int exit_status_ = -1;
   int port_ = 0;

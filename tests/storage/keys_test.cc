@@ -30,6 +30,16 @@ TEST(ContextIdTest, IsSha256PrefixOfFingerprintAndLittleEndianTokens) {
   EXPECT_NE(ContextId::Compute("fp", tokens), id);
 }
 
+TEST(ContextIdTest, ToHexIsLowercaseHexOfTheBytes) {
+  ContextId id;
+  for (size_t i = 0; i < id.bytes.size(); ++i) id.bytes[i] = static_cast<uint8_t>(i * 17 + 10);
+  EXPECT_EQ(id.ToHex(), "0a1b2c3d4e5f708192a3b4c5d6e7f809");
+  EXPECT_EQ(id.ToHex(), ToHex(id.bytes.data(), id.bytes.size()));  // the one converter
+  auto back = ContextId::FromHex("0A1B2C3D4E5F708192A3B4C5D6E7F809");
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, id);
+}
+
 TEST(ContextIdTest, RejectsBadHex) {
   EXPECT_EQ(ContextId::FromHex("abc").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(ContextId::FromHex(std::string(32, 'g')).status().code(), StatusCode::kInvalidArgument);

@@ -667,6 +667,37 @@ TEST_F(StoreTest, TtlExpiryUsesTheClock) {
   EXPECT_EQ(rep->deleted, std::vector<ContextId>{IdOf(*b)});
 }
 
+// SetPinned and SetExpiry share one manifest update: each changes only its
+// field, stamps the access time and persists synchronously (survives reopen
+// without FlushAccessTimes); unknown ids are NotFound.
+TEST_F(StoreTest, SetPinnedAndSetExpiryPersistTheirFieldAndTheAccessTime) {
+  Open();
+  auto m = BuildContext(store_.get(), MakeSpec(1, 1, 16), Tokens(16), std::nullopt, 60'000);
+  ASSERT_TRUE(m.ok());
+  const ContextId id = IdOf(*m);
+  clock_.Advance(5000);
+  {
+    auto r = store_->OpenReader(id);  // touches the context
+    ASSERT_TRUE(r.ok());
+  }
+  const int64_t touched = clock_.NowMillis();
+  const int64_t expires = touched + 1'000'000;
+  ASSERT_TRUE(store_->SetPinned(id, true).ok());
+  EXPECT_EQ(store_->GetManifest(id)->expires_at_ms(), m->expires_at_ms());
+  ASSERT_TRUE(store_->SetExpiry(id, expires).ok());
+  EXPECT_TRUE(store_->GetManifest(id)->pinned());
+  Close();
+  Open();
+  auto after = store_->GetManifest(id);
+  ASSERT_TRUE(after.ok());
+  EXPECT_TRUE(after->pinned());
+  EXPECT_EQ(after->expires_at_ms(), expires);
+  EXPECT_EQ(after->last_access_ms(), touched);
+  const ContextId unknown = ContextId::Compute("fp-A", Tokens(3));
+  EXPECT_EQ(store_->SetPinned(unknown, true).code(), StatusCode::kNotFound);
+  EXPECT_EQ(store_->SetExpiry(unknown, expires).code(), StatusCode::kNotFound);
+}
+
 TEST_F(StoreTest, LeasedContextIsDeletedWhenTheLastLeaseDrops) {
   Open();
   auto spec = MakeSpec(1, 2, 16);

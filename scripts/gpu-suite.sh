@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU machine's suite, in one command (device tool; see docs/benchmarks.md):
+#   1. the server bundle (.pack/ctxcache-server.tar.xz from scripts/pack-server.sh,
+#      carried) starts on that host and answers health;
+#   2. the Python package installs and its tests pass against the bundled
+#      ctxcached with that host's grpcio / protobuf;
+#   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash).
+# Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
+# time limit; a failed stage is recorded and the next one still runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+stage() {  # stage NAME SECONDS CMD...
+  local name="$1" secs="$2"
+  shift 2
+  echo "== $name"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc" | tee -a "$OUT/stages.txt"
+  tail -5 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+WORK="$(mktemp -d /tmp/ctxcache-gpu-XXXXXX)"
+tar -xJf .pack/ctxcache-server.tar.xz -C "$WORK"
+mkdir -p "$WORK/bin"
+for b in ctxcached ctxcache; do  # wrappers named like the binaries, for the tests
+  printf '#!/usr/bin/env bash\nexec %s/ctxcache/bin/%s.sh "$@"\n' "$WORK" "$b" >"$WORK/bin/$b"
+  chmod +x "$WORK/bin/$b"
+done
+./scripts/unpack-models.sh >/dev/null
+
+stage bundle 120 bash -c "
+  '$WORK/bin/ctxcached' --data-dir '$WORK/data' --listen 127.0.0.1:0 --port-file '$WORK/ports' \
+    --metrics-listen '' --model-dir models --default-model ctxcache-ref >'$WORK/server.log' 2>&1 &
+  pid=\$!
+  for i in \$(seq 1 100); do [ -s '$WORK/ports' ] && break; sleep 0.2; done
+  port=\$(head -1 '$WORK/ports' | tr -dc 0-9)
+  '$WORK/bin/ctxcache' health --server 127.0.0.1:\$port && kill -TERM \$pid && wait \$pid"
+stage python_tests 400 bash -c "
+  python3 -m pip install -q --no-index --no-build-isolation --no-deps --target '$WORK/site' ./python &&
+  PYTHONPATH='$WORK/site' python3 -c 'import ctxcache, grpc, google.protobuf as p; print(ctxcache.__file__, grpc.__version__, p.__version__)' &&
+  cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' python3 -m pytest tests -q -p no:cacheprovider \
+    --model-dir ../tests/data/golden"
+stage gpu_decode_attention 400 python3 python/bench/gpu_decode_attention.py \
+  --out "$OUT/gpu_decode_attention.json"
+exit $status

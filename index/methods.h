@@ -48,6 +48,9 @@ struct MethodInfo {
   std::span<const std::string_view> context_dependent_params;
 };
 
+// The method a context is built with and a session opens when none is named.
+inline constexpr std::string_view kDefaultMethod = "csa";
+
 // Every registered method, in a fixed order.
 std::span<const MethodInfo> Methods();
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "index/methods.h"
 
 namespace ctxcache::service {
 
@@ -45,7 +46,7 @@ struct ServerConfig {
   // Builds waiting in the queue; beyond this BuildContext is RESOURCE_EXHAUSTED.
   uint32_t build_queue_size = 8;
   // Index methods built by default (comma-separated).
-  std::string default_indexes = "csa";
+  std::string default_indexes = std::string(index::kDefaultMethod);
   // Prefill chunk size, tokens.
   uint32_t prefill_chunk = 512;
 

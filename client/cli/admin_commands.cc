@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "client/cli/cli_util.h"
+#include "index/methods.h"
 
 namespace ctxcache::cli {
 
@@ -152,7 +153,7 @@ void BuildCommand::Configure(CLI::App* sub) {
   sub->add_flag("--pin", pin_, "Pin the context against eviction");
   sub->add_flag("--bos", bos_, "Prepend the tokenizer's BOS token");
   sub->add_option("--index", indexes_,
-                  "Index method to build (repeatable): csa, tactic, lfps, quest");
+                  "Index method to build (repeatable): " + index::MethodNamesForMessages());
   sub->add_option("--index-param", index_params_,
                   "METHOD.KEY=VALUE index parameter (repeatable), e.g. csa.alpha=0.3");
 }

@@ -10,6 +10,7 @@
 #include "client/worker/decode_worker.h"
 #include "common/percentile.h"
 #include "common/sha256.h"
+#include "index/methods.h"
 #include "model/tokenizer.h"
 
 namespace ctxcache::cli {
@@ -32,7 +33,7 @@ std::string Decode(const model::Tokenizer* tok, const std::vector<int32_t>& ids)
 void GenerateCommand::Configure(CLI::App* sub) {
   sub->add_option("--context", context_, "Context id")->required();
   sub->add_option("--prompt", prompt_, "Question or continuation prompt")->required();
-  sub->add_option("--method", method_, "csa|tactic|lfps|quest|streaming|oracle|full")
+  sub->add_option("--method", method_, "Index method: " + index::MethodNamesForMessages())
       ->capture_default_str();
   sub->add_option("--max-tokens", max_tokens_, "Tokens to generate")->capture_default_str();
   sub->add_option("--rho", rho_, "Token budget as a fraction of the context")
@@ -92,8 +93,7 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
   return 0;
 }
 
-int GenerateCommand::SessionOptionsFromFlags(client::GenerateOptions* go,
-                                             std::ostream& err) const {
+int GenerateCommand::SessionOptionsFromFlags(client::GenerateOptions* go, std::ostream& err) const {
   if (max_tokens_ < 1) {
     err << "ctxcache: --max-tokens must be >= 1\n";
     return 2;
@@ -119,8 +119,8 @@ int GenerateCommand::SessionOptionsFromFlags(client::GenerateOptions* go,
   return 0;
 }
 
-int GenerateCommand::LoadWorker(const v1::ContextInfo& info, const GlobalOptions& global,
-                                Worker* w, std::ostream& err) const {
+int GenerateCommand::LoadWorker(const v1::ContextInfo& info, const GlobalOptions& global, Worker* w,
+                                std::ostream& err) const {
   const std::string name = model_.empty() ? info.model_name() : model_;
   const std::filesystem::path dir = std::filesystem::path(model_dir_) / name;
   auto model = model::Model::Load(dir.string());
@@ -163,8 +163,8 @@ int GenerateCommand::CompareWithDense(client::Client* client, const Worker& w,
   dense_opts.keep_logits = true;
   uint64_t dense_bytes = 0;
   auto t1 = std::chrono::steady_clock::now();
-  auto dense = client::GenerateDense(*w.model, client, context_, w.prompt, dense_opts,
-                                     &dense_bytes);
+  auto dense =
+      client::GenerateDense(*w.model, client, context_, w.prompt, dense_opts, &dense_bytes);
   if (!dense.ok()) return Fail(dense.status(), global, err);
   const double dense_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();

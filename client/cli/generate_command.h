@@ -10,6 +10,7 @@
 
 #include "client/cli/command.h"
 #include "client/worker/decode_worker.h"
+#include "index/methods.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
 
@@ -35,8 +36,8 @@ class GenerateCommand final : public Command {
                        nlohmann::json* j, const GlobalOptions& global, std::ostream& err) const;
   void PrintText(const nlohmann::json& j, std::ostream& out) const;
 
-  std::string context_, prompt_, method_ = "csa", mode_ = "server", compare_, model_dir_ = "models",
-                                 model_;
+  std::string context_, prompt_, method_ = std::string(index::kDefaultMethod), mode_ = "server",
+                                 compare_, model_dir_ = "models", model_;
   int max_tokens_ = 64;
   double rho_ = 0.05;
   double page_fraction_ = 0;

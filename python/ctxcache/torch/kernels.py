@@ -16,8 +16,8 @@ Shapes (R = batch * n_kv_heads rows, P pages per row, B = 16 tokens/page):
   pages   [R, kp] int64 global page ids (row * P + page), any order
   q       [R, G, D] (the batch's queries viewed by kv head), bf16/fp16
   k, v    [R * P * B, D] page pool, page-major, same dtype as q
-Import needs triton and a CUDA device; the pure-torch reference path in
-ctxcache.torch works everywhere.
+Import needs triton and a CUDA device. The exact session pipeline (csa
+selection, page cap, page tables) is ctxcache.torch.selection, in numpy.
 """
 import math
 

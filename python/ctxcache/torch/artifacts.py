@@ -1,0 +1,321 @@
+"""Parsers for the csa index artifacts ``CSAP`` (plain) and ``CSAC`` (compact).
+
+The bytes are those :meth:`ctxcache.Client.fetch_index` returns for method
+``"csa"``: one artifact per (layer, kv head), the serialized
+``index::CsaSelector`` (``index/csa.cc``). Byte layouts: docs/storage-format.md,
+"Index artifacts". Everything is little-endian and packed (no alignment).
+
+>>> arts = client.fetch_index(context_id, "csa")
+>>> a = parse_csa_artifact(arts[(0, 1)])      # layer 0, kv head 1
+>>> a.centroids.shape, a.ids.shape            # [m, C, d/m], [m, C, L]
+
+After parsing, ``scores`` are exactly the fp16 scores the C++ loader holds:
+the stored ones for ``CSAP``; for ``CSAC`` the dequantized
+``fp16(fma(q, step, lo))`` (the compiled loader fuses ``lo + q * step`` into
+one fused multiply-add, so that is what is reproduced here; with
+``step = (hi - lo) / 255`` in fp32).
+
+List order: ``CSAP`` lists are in the stored binary min-heap order; ``CSAC``
+lists are in ascending id order (the C++ loader rebuilds a heap from them; the
+order of entries within a list does not change any selection, as every id
+occurs at most once per list).
+
+Errors: ``ValueError`` with a message that names the problem (bad magic,
+unsupported version, truncated or corrupt field), mirroring the checks of
+``CsaSelector::ReadTables``.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
+           "CSA_FORMAT_VERSION", "CSA_HEADER_BYTES"]
+
+CSA_FORMAT_VERSION = 1  # the newest version this parser (and the C++ build) reads
+CSA_HEADER_BYTES = 118  # magic, version, options and shape fields; the arrays follow
+
+# Options and shape fields, offsets 8..117 (docs/storage-format.md table):
+# m, C, alpha, L, query_cap, iters, center, seed, rho, R, sinks, tau,
+# backoff_cos, norm, proj, impute_min, impute_tail_mean, period, compact,
+# d, n_tokens, n_built, L (entries per list).
+_FIELDS = struct.Struct("<iidqqiBQdiiidBBBBiBiqqq")
+assert 8 + _FIELDS.size == CSA_HEADER_BYTES
+
+
+@dataclass
+class CsaOptions:
+    """``index::CsaOptions`` as serialized (build settings and the default
+    retrieval settings, which a server-side session uses as they are)."""
+
+    m: int = 8                    # subspaces
+    C: int = 128                  # centroids per subspace
+    alpha: float = 0.25           # L = ceil(alpha * N) unless fixed_L > 0
+    fixed_L: int = 0              # the `L` param
+    query_cap: int = 65536
+    iters: int = 15               # k-means iterations
+    center: bool = True           # keys centred (key_mean subtracted) before scoring
+    seed: int = 42
+    rho: float = 0.05
+    recent: int = 32              # `R`: recent window always selected
+    sinks: int = 4                # leading tokens always selected
+    tau: int = 2                  # centroids per subspace on backoff
+    backoff_cos: float = 0.3
+    norm_weights: bool = True     # weights=norm
+    proj_weights: bool = False    # weights=proj (overrides norm)
+    impute_min: bool = False      # missing=min
+    impute_tail_mean: bool = False  # missing=mean (overrides min)
+    period: int = 1               # search period
+    compact: bool = True          # format=compact
+
+    @property
+    def weights(self) -> str:
+        return "proj" if self.proj_weights else "norm" if self.norm_weights else "uniform"
+
+    @property
+    def missing(self) -> str:
+        return "mean" if self.impute_tail_mean else "min" if self.impute_min else "zero"
+
+    def check(self) -> Optional[str]:
+        """The C++ option check (``CheckOptions``): None, or what is wrong."""
+        if self.m < 1:
+            return f"m={self.m}, expected >= 1"
+        if self.C < 1:
+            return f"C={self.C}, expected >= 1"
+        if not (0 < self.alpha <= 1):
+            return f"alpha={self.alpha}, expected in (0, 1]"
+        if self.fixed_L < 0:
+            return f"L={self.fixed_L}, expected >= 0"
+        if self.iters < 1:
+            return f"iters={self.iters}, expected >= 1"
+        if not (0 < self.rho <= 1):
+            return f"rho={self.rho}, expected in (0, 1]"
+        if self.recent < 0:
+            return f"R={self.recent}, expected >= 0"
+        if self.sinks < 0:
+            return f"sinks={self.sinks}, expected >= 0"
+        if self.tau < 1 or self.tau > self.C:
+            return f"tau={self.tau}, expected in [1, C={self.C}]"
+        if not (-1 <= self.backoff_cos <= 1):
+            return f"backoff_cos={self.backoff_cos}, expected in [-1, 1]"
+        if self.period < 1:
+            return f"period={self.period}, expected >= 1"
+        return None
+
+
+@dataclass
+class CsaArtifact:
+    """One parsed csa artifact (one layer and kv head).
+
+    Attributes:
+        magic: ``"CSAP"`` or ``"CSAC"``.
+        version: the format version (1).
+        options: the serialized :class:`CsaOptions`.
+        head_dim: d. ``sub_dim`` = d / m.
+        n_tokens: tokens covered (appended ones included).
+        n_built: tokens at build time.
+        L: entries per list.
+        centroids: float32 ``[m, C, d/m]``, unit rows.
+        key_mean: float32 ``[d]`` (zeros when ``options.center`` is false).
+        tail_mean: float32 ``[m, C]``: mean build score of the keys outside each list.
+        ids: int32 ``[m, C, L]`` token ids of list (b, j).
+        scores: float16 ``[m, C, L]``, parallel to ``ids``, as the C++ loader holds them.
+        lo, hi: ``CSAC`` only: float32 ``[m, C]`` score range of each list.
+        q: ``CSAC`` only: uint8 ``[m, C, L]`` quantized scores (ascending-id order).
+    """
+
+    magic: str
+    version: int
+    options: CsaOptions
+    head_dim: int
+    n_tokens: int
+    n_built: int
+    L: int
+    centroids: np.ndarray
+    key_mean: np.ndarray
+    tail_mean: np.ndarray
+    ids: np.ndarray
+    scores: np.ndarray
+    lo: Optional[np.ndarray] = field(default=None, repr=False)
+    hi: Optional[np.ndarray] = field(default=None, repr=False)
+    q: Optional[np.ndarray] = field(default=None, repr=False)
+
+    @property
+    def compact(self) -> bool:
+        return self.magic == "CSAC"
+
+    @property
+    def m(self) -> int:
+        return self.options.m
+
+    @property
+    def C(self) -> int:
+        return self.options.C
+
+    @property
+    def sub_dim(self) -> int:
+        return self.head_dim // self.options.m
+
+
+def _fail(what: str) -> ValueError:
+    return ValueError(f"csa artifact: {what}")
+
+
+def fma_f32(a, b, c) -> np.ndarray:
+    """``fmaf(a, b, c)`` elementwise (broadcasting): a*b + c rounded once to
+    float32, what the x86 ``vfmadd`` instructions of the compiled C++ core
+    compute.
+
+    a*b of two float32 values is exact in float64; the float64 sum is rounded
+    to odd (its last bit set when inexact), which makes the final rounding to
+    float32 (round to nearest even) the correctly rounded result.
+    """
+    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  np.asarray(c, np.float32))
+    p = a.astype(np.float64) * b
+    cd = c.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = np.atleast_1d(p + cd)
+        # TwoSum: s + err == p + c exactly (for finite s).
+        bb = s - p
+        err = (p - (s - bb)) + (cd - bb)
+        fix = (err != 0) & np.isfinite(s) & ((s.view(np.uint64) & np.uint64(1)) == 0)
+        if fix.any():
+            s[fix] = np.nextafter(s[fix], np.where(err[fix] > 0, np.inf, -np.inf))
+        return s.astype(np.float32).reshape(p.shape)
+
+
+def _list_ids(buf: bytes, pos: int, L: int, n_tokens: int):
+    """Decodes one CSAC list's L delta varints (LEB128, at most 10 bytes each)
+    at `pos` into ascending ids. Returns (int32 ids [L], new position)."""
+    window = np.frombuffer(buf, dtype=np.uint8, count=min(10 * L, len(buf) - pos), offset=pos)
+    ends = np.flatnonzero(window < 0x80)[:L]
+    if ends.size < L:
+        if window.size < 10 * L:
+            raise _fail("bad list ids (truncated varint)")
+        raise _fail("bad list ids (varint longer than 10 bytes)")
+    starts = np.empty(L, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    if int((ends - starts).max()) >= 10:
+        raise _fail("bad list ids (varint longer than 10 bytes)")
+    used = window[:ends[-1] + 1]
+    shift = 7 * (np.arange(used.size, dtype=np.int64) - np.repeat(starts, ends - starts + 1))
+    groups = (used & 0x7F).astype(np.uint64) << shift.astype(np.uint64)
+    deltas = np.bitwise_or.reduceat(groups, starts)
+    if (deltas == 0).any():
+        raise _fail("bad list ids (zero delta)")
+    if (deltas > np.uint64(n_tokens)).any():
+        raise _fail(f"bad list ids (id >= n_tokens={n_tokens})")
+    ids = np.cumsum(deltas.astype(np.int64)) - 1
+    if ids[-1] >= n_tokens:
+        raise _fail(f"bad list ids (id >= n_tokens={n_tokens})")
+    return ids.astype(np.int32), pos + int(used.size)
+
+
+def parse_csa_artifact(data: bytes) -> CsaArtifact:
+    """Parses one ``CSAP`` or ``CSAC`` artifact (bytes, bytearray or memoryview).
+
+    Raises ValueError on a bad magic, an unsupported version, truncation,
+    corrupt fields or trailing bytes (the cases ``CsaSelector::ReadTables``
+    rejects; docs/storage-format.md lists them).
+    """
+    buf = bytes(data)
+    if len(buf) < 8:
+        raise ValueError(f"csa: bad magic, expected \"CSAP\" or \"CSAC\" "
+                         f"(artifact of {len(buf)} bytes)")
+    magic = buf[:4]
+    if magic not in (b"CSAP", b"CSAC"):
+        raise ValueError(f"csa: bad magic {magic!r}, expected \"CSAP\" or \"CSAC\"")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version == 0 or version > CSA_FORMAT_VERSION:
+        raise ValueError(f"csa: unsupported format version {version}, this parser reads "
+                         f"<= {CSA_FORMAT_VERSION}")
+    compact = magic == b"CSAC"
+    if len(buf) < CSA_HEADER_BYTES:
+        raise _fail(f"truncated options/header ({len(buf)} bytes, the header has "
+                    f"{CSA_HEADER_BYTES})")
+    f = _FIELDS.unpack_from(buf, 8)
+    o = CsaOptions(m=f[0], C=f[1], alpha=f[2], fixed_L=f[3], query_cap=f[4], iters=f[5],
+                   center=f[6] != 0, seed=f[7], rho=f[8], recent=f[9], sinks=f[10],
+                   tau=f[11], backoff_cos=f[12], norm_weights=f[13] != 0,
+                   proj_weights=f[14] != 0, impute_min=f[15] != 0,
+                   impute_tail_mean=f[16] != 0, period=f[17], compact=f[18] != 0)
+    d, n_tokens, n_built, L = f[19], f[20], f[21], f[22]
+    problem = o.check()
+    if problem is not None:
+        raise _fail(f"corrupt options ({problem})")
+    if not (1 <= d <= 4096 and d % o.m == 0 and 1 <= n_tokens <= 2**31 - 1
+            and 1 <= n_built <= n_tokens and 1 <= L <= n_built and o.C <= n_built):
+        raise _fail(f"corrupt shape fields (d={d}, m={o.m}, C={o.C}, n_tokens={n_tokens}, "
+                    f"n_built={n_built}, L={L})")
+    m, C, ds = o.m, o.C, d // o.m
+    pos = CSA_HEADER_BYTES
+
+    def take(dtype: str, count: int, what: str) -> np.ndarray:
+        nonlocal pos
+        size = np.dtype(dtype).itemsize * count
+        if pos + size > len(buf):
+            raise _fail(f"truncated {what} (needs {size} bytes at offset {pos}, "
+                        f"{len(buf) - pos} left)")
+        a = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
+        pos += size
+        return a
+
+    centroids = take("<f4", C * d, "centroids").astype(np.float32).reshape(m, C, ds)
+    key_mean = take("<f4", d, "key mean").astype(np.float32)
+    if not (np.isfinite(centroids).all() and np.isfinite(key_mean).all()):
+        raise _fail("bad centroids or key mean (not finite)")
+    tail_mean = take("<f4", m * C, "list tail means").astype(np.float32).reshape(m, C)
+    if not np.isfinite(tail_mean).all():
+        raise _fail("bad list tail means (not finite)")
+    n_lists = m * C
+    if n_lists * L > len(buf) - pos:  # every entry takes >= 1 byte
+        raise _fail("truncated lists")
+    lo = hi = q = None
+    if not compact:
+        ids = take("<i4", n_lists * L, "lists (ids)").astype(np.int32)
+        scores = take("<f2", n_lists * L, "lists (scores)").astype(np.float16)
+        if ids.size and (ids.min() < 0 or ids.max() >= n_tokens):
+            raise _fail(f"list id out of range [0, {n_tokens})")
+        ids = ids.reshape(m, C, L)
+        scores = scores.reshape(m, C, L)
+    else:
+        ids = np.empty((n_lists, L), dtype=np.int32)
+        q = np.empty((n_lists, L), dtype=np.uint8)
+        lo = np.empty(n_lists, dtype=np.float32)
+        hi = np.empty(n_lists, dtype=np.float32)
+        for li in range(n_lists):
+            if pos + 8 > len(buf):
+                raise _fail("bad list range (truncated)")
+            rng = np.frombuffer(buf, dtype="<f4", count=2, offset=pos)
+            pos += 8
+            if not (np.isfinite(rng).all() and rng[1] >= rng[0]):
+                raise _fail(f"bad list range (lo={rng[0]}, hi={rng[1]})")
+            lo[li], hi[li] = rng
+            ids[li], pos = _list_ids(buf, pos, L, n_tokens)
+            if pos + L > len(buf):
+                raise _fail("truncated scores")
+            q[li] = np.frombuffer(buf, dtype=np.uint8, count=L, offset=pos)
+            pos += L
+        # Dequantization as the compiled loader does it: step in fp32, then one
+        # fused multiply-add, then fp16 (round to nearest even).
+        with np.errstate(over="ignore", invalid="ignore"):
+            step = np.where(hi > lo, (hi - lo) / np.float32(255.0), np.float32(0.0))
+        step = step.astype(np.float32)
+        s = fma_f32(q.astype(np.float32), step[:, None], lo[:, None])
+        with np.errstate(over="ignore"):
+            scores = s.astype(np.float16).reshape(m, C, L)
+        ids = ids.reshape(m, C, L)
+        q = q.reshape(m, C, L)
+        lo = lo.reshape(m, C)
+        hi = hi.reshape(m, C)
+    if pos != len(buf):
+        raise _fail(f"trailing bytes ({len(buf) - pos} after the last list)")
+    return CsaArtifact(magic=magic.decode(), version=version, options=o, head_dim=d,
+                       n_tokens=n_tokens, n_built=n_built, L=L, centroids=centroids,
+                       key_mean=key_mean, tail_mean=tail_mean, ids=ids, scores=scores,
+                       lo=lo, hi=hi, q=q)

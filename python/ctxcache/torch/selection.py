@@ -1,0 +1,701 @@
+"""Client-side csa page selection: a Python copy of the C++ sparse-session core.
+
+A GPU worker can select its pages itself from the csa index artifacts
+(:meth:`ctxcache.Client.fetch_index`), with the same result as a server-side
+session (:meth:`ctxcache.Client.open_session`), token for token and page for
+page. One layer-step of one kv head (``session::SparseSession::PlanHeadWith``,
+docs/architecture.md, "Decode path: one session core"):
+
+1. select: :meth:`CsaIndex.select` = ``index::CsaSelector::Select``: per q
+   head and subspace the nearest centroid (cosine), or the top ``tau`` ones
+   when the best cosine is below ``backoff_cos``; the lists of those centroids
+   add ``w * score`` to each listed token (``w = ||q^b||`` with
+   ``weights=norm``, the default; a token missing from a list adds 0 with
+   ``missing=zero``, the default); the sinks and the recent window are always
+   selected, the rest of the token budget is the top of the accumulated scores
+   (ties to the lower id); the accumulated score over sqrt(d) is each selected
+   token's logit estimate.
+2. page cap: keep ``PageBudget(page_fraction)`` pages ranked by estimated
+   softmax mass (summed over the q heads), plus page 0 and the last
+   ``recent_blocks + 1`` pages (``index::CapSelectedPages``).
+3. block-union page tables: one sorted page list per subgroup of
+   ``subgroup`` q heads (``index::BuildPageTables``).
+4. whole-page widening: each q head attends every token of its subgroup's
+   pages (``index::ExpandToTablePages``).
+
+:func:`session_step` runs the four stages (``SessionParams::PageStep`` after
+the selection) for one kv head; :class:`CsaSession` holds every (layer, kv
+head) of a context and plans a whole layer like ``Session.step`` does.
+
+Limitation: the session must have appended no tokens. The C++ selectors
+insert every appended key into their lists (``CsaSelector::Append``) and the
+session pages then reach into the appended K/V; this module covers the stored
+context only (``n_tokens`` = the artifact's), i.e. the steps a session runs
+before its first ``append``.
+
+Exactness. The selections depend on float32 rounding (the accumulated scores
+rank the tokens, and ties are common because list scores are fp16), so the
+arithmetic here follows the compiled C++ (GCC 12, ``-O3
+-march=x86-64-v3``, Eigen 3.4, the project's Release build) operation for
+operation:
+
+* ``||q^b||`` and the centroid similarities ``C q^b`` are Eigen reductions;
+  their summation order (8-lane packets, the packet reduction tree, and which
+  products GCC fused into FMAs) is reproduced by :func:`eigen_squared_norm`
+  and :func:`eigen_gemv`.
+* list entries add ``fma(score, w, bias)`` in float32 (``AccumulateList``),
+  one list after the other, subspace by subspace, exactly like the dense
+  float32 accumulator of ``CsaSelector::SearchOne``.
+* the page masses are float64 like ``CapSelectedPages``: the exponentials
+  use the C library's ``exp`` (:func:`math.exp`; numpy's vectorized ``exp``
+  differs in the last bit on AVX-512 machines), the normaliser is summed in
+  order, and each page's mass is summed head by head in selection order.
+* csa's compact artifacts are dequantized with the loader's fused
+  multiply-add (:mod:`ctxcache.torch.artifacts`).
+
+Checked by python/tests/test_selection.py: identical selections and page
+tables against a real ctxcached, and bit-identical logit estimates, selections
+and page tables against the build's compiled core (a small harness linked to
+its ``libctxcache_index.a``). Not covered by that check: a context with C = 1
+centroid and ``weights=proj`` (Eigen inlines that 1-row product as a dot
+product; emulated like the norm's reduction), and a build with other flags
+(``CTXCACHE_NATIVE`` selects other packet sizes; another compiler or Eigen
+may fuse or order differently). The page masses assume the same C library
+``exp`` as the server's (glibc on x86-64 here).
+
+Inputs may be numpy arrays or torch tensors (any device; they are copied to
+the CPU, the work is numpy). :func:`session_step` returns torch tensors on
+the queries' device when given torch queries.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ctxcache.torch.artifacts import CsaArtifact, CsaOptions, fma_f32, parse_csa_artifact
+
+__all__ = [
+    "CsaIndex", "CsaSelection", "CsaSession", "HeadStep", "PageTable", "SessionParams",
+    "build_page_tables", "cap_selected_pages", "eigen_gemv", "eigen_squared_norm",
+    "expand_to_table_pages", "page_budget", "session_step", "token_budget",
+]
+
+_F32 = np.float32
+
+
+# --------------------------------------------------------------------------
+# Float32 reductions in the order of the compiled Eigen code.
+
+
+def _predux8(c: np.ndarray) -> np.ndarray:
+    """Eigen's ``predux<Packet8f>`` over the last axis (8 lanes): the two
+    128-bit halves added, then ``movehl`` and one shuffle:
+    ((c0+c4) + (c2+c6)) + ((c1+c5) + (c3+c7))."""
+    b = c[..., 0:4] + c[..., 4:8]
+    return (b[..., 0] + b[..., 2]) + (b[..., 1] + b[..., 3])
+
+
+def _predux4(c: np.ndarray) -> np.ndarray:
+    """``predux<Packet4f>``: (c0+c2) + (c1+c3)."""
+    return (c[..., 0] + c[..., 2]) + (c[..., 1] + c[..., 3])
+
+
+def _scalar_tail(acc: np.ndarray, a: np.ndarray, b: np.ndarray, start: int) -> np.ndarray:
+    """``for (j = start; j < n; ++j) acc += a[j] * b[j];`` as GCC compiled it:
+    it vectorizes the first 4 products when at least 4 are left (rounded
+    products, added in order), and contracts the remaining ones into FMAs."""
+    n = a.shape[-1]
+    j = start
+    if n - j >= 4:
+        p = a[..., j:j + 4] * b[..., j:j + 4]
+        for t in range(4):
+            acc = acc + p[..., t]
+        j += 4
+    for t in range(j, n):
+        acc = fma_f32(a[..., t], b[..., t], acc)
+    return acc
+
+
+def _eigen_redux_dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """sum(x * y) over the last axis in the order of Eigen's linear vectorized
+    redux as GCC compiled it: with n >= 8, two 8-lane accumulators over
+    16-element steps (the first products rounded, later ones fused),
+    combined, one more packet if left, the packet reduction, then the tail;
+    with n < 8: x0*y0, then the scalar tail."""
+    n = x.shape[-1]
+    if n < 8:
+        return _scalar_tail(x[..., 0] * y[..., 0], x, y, 1)
+    a8, a16 = n & ~7, n & ~15
+    p0 = x[..., 0:8] * y[..., 0:8]
+    if a8 > 8:
+        p1 = x[..., 8:16] * y[..., 8:16]
+        for j in range(16, a16, 16):
+            p0 = fma_f32(x[..., j:j + 8], y[..., j:j + 8], p0)
+            p1 = fma_f32(x[..., j + 8:j + 16], y[..., j + 8:j + 16], p1)
+        p0 = p0 + p1
+        if a8 > a16:
+            p0 = fma_f32(x[..., a16:a8], y[..., a16:a8], p0)
+    return _scalar_tail(_predux8(p0), x, y, a8)
+
+
+def eigen_squared_norm(x: np.ndarray) -> np.ndarray:
+    """``Map<const VectorXf>(x, n).squaredNorm()`` over the last axis, as
+    compiled into ``CsaSelector::SearchOne`` (the norm is its square root):
+    ``cwiseAbs2().sum()``, see :func:`_eigen_redux_dot`."""
+    x = np.asarray(x, dtype=_F32)
+    return _eigen_redux_dot(x, x)
+
+
+def eigen_gemv(a: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``a * x`` for a row-major ``a`` [..., R, n] and ``x`` [..., n] (leading
+    axes broadcast) -> [..., R], as Eigen 3.4's ``general_matrix_vector_product``
+    (row-major kernel) computes it with AVX2+FMA.
+
+    Rows are processed in blocks of 8, 4 and 2, each row with an 8-lane FMA
+    accumulator over whole packets, the packet reduction and the scalar tail;
+    a last odd row also uses a 4-lane half packet.
+    """
+    a = np.asarray(a, dtype=_F32)
+    x = np.asarray(x, dtype=_F32)[..., None, :]
+    rows, n = a.shape[-2], a.shape[-1]
+    a, x = np.broadcast_arrays(a, x)
+    a8 = n & ~7
+    c = np.zeros(a.shape[:-1] + (8,), dtype=_F32)
+    for j in range(0, a8, 8):
+        c = fma_f32(a[..., j:j + 8], x[..., j:j + 8], c)
+    cc = _predux8(c)
+    out = np.empty(a.shape[:-1], dtype=_F32)
+    blocked = rows - (rows & 1)  # rows of the 8/4/2-row blocks
+    out[..., :blocked] = _scalar_tail(cc[..., :blocked], a[..., :blocked, :],
+                                      x[..., :blocked, :], a8)
+    if rows & 1:
+        last = cc[..., -1]
+        h = np.zeros(last.shape + (4,), dtype=_F32)
+        j = a8
+        if n - j >= 4:
+            h = fma_f32(a[..., -1, j:j + 4], x[..., -1, j:j + 4], h)
+            j += 4
+        last = last + _predux4(h)
+        for t in range(j, n):
+            last = fma_f32(a[..., -1, t], x[..., -1, t], last)
+        out[..., -1] = last
+    if rows == 1:  # Eigen turns a 1-row product into a dot product (a redux)
+        out = _eigen_redux_dot(a[..., 0, :], x[..., 0, :])[..., None]
+    return out
+
+
+# --------------------------------------------------------------------------
+# Stage 1: the csa selector.
+
+
+def _to_numpy(x: Any, dtype=_F32) -> np.ndarray:
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().to("cpu")
+        if str(x.dtype) in ("torch.bfloat16", "torch.float16"):
+            x = x.float()
+        x = x.numpy()
+    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _budget_for(budget: int, rho: float, n: int) -> int:
+    """``index::BudgetFor``."""
+    k = budget if budget > 0 else int(math.ceil(rho * float(n)))
+    return max(1, min(k, max(1, n)))
+
+
+def _top_k_by_id(scores: np.ndarray, k: int) -> np.ndarray:
+    """``SelectTopK(.., TopKOrder::kById)``: the ids of the k largest scores,
+    ties to the lower id, in ascending id order."""
+    n = scores.size
+    k = max(0, min(k, n))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    kth = np.partition(scores, n - k)[n - k]  # the k-th largest value
+    above = np.flatnonzero(scores > kth)
+    ties = np.flatnonzero(scores == kth)[:k - above.size]
+    return np.sort(np.concatenate([above, ties]))
+
+
+@dataclass
+class CsaSelection:
+    """``index::Selection`` of one kv head's group.
+
+    per_head: int32 token ids per q head, ascending.
+    per_head_logits: float32 logit estimates parallel to ``per_head`` (empty
+        when a search period > 1 reused the last selection).
+    merged: the union of ``per_head``.
+    """
+
+    per_head: List[np.ndarray]
+    per_head_logits: List[np.ndarray]
+    merged: np.ndarray
+
+
+class CsaIndex:
+    """The csa selector of one (layer, kv head), read from its artifact.
+
+    ``CsaIndex(bytes_or_parsed_artifact)``; :meth:`select` is
+    ``CsaSelector::Select`` for a session that has appended no tokens (the
+    module docstring says why). Like the C++ selector it keeps the search
+    schedule of one session (``period`` > 1 reuses a selection); use one
+    instance per session, or :meth:`reset`.
+    """
+
+    def __init__(self, artifact: Union[CsaArtifact, bytes, bytearray, memoryview]) -> None:
+        if not isinstance(artifact, CsaArtifact):
+            artifact = parse_csa_artifact(artifact)
+        self.artifact = artifact
+        self.options: CsaOptions = artifact.options
+        self.n_tokens = int(artifact.n_tokens)
+        self.head_dim = int(artifact.head_dim)
+        o = self.options
+        self.m, self.C, self.ds = o.m, o.C, self.head_dim // o.m
+        self.L = int(artifact.L)
+        self._centroids = artifact.centroids  # [m, C, ds]
+        self._ids = artifact.ids.astype(np.int64)  # [m, C, L]
+        self._scores = artifact.scores.astype(_F32)  # fp16 widened exactly
+        # missing=min imputes the heap root: a CSAP list's entry 0 as stored, a
+        # CSAC list's lowest score (the loader rebuilds the heap).
+        self._list_min = (self._scores.min(axis=2) if artifact.compact
+                          else self._scores[:, :, 0].copy())
+        self._tail_mean = artifact.tail_mean
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the search schedule (``period`` > 1)."""
+        self._steps_since_search = 0
+        self._last_per_head: List[np.ndarray] = []
+
+    def _missing(self, b: int, j: int) -> np.float32:
+        o = self.options
+        if o.impute_tail_mean:
+            return self._tail_mean[b, j]
+        if o.impute_min:
+            return self._list_min[b, j]  # the heap root: the list's lowest score
+        return _F32(0.0)
+
+    def _search_one(self, q: np.ndarray, norms: np.ndarray, sims: np.ndarray,
+                    k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``CsaSelector::SearchOne`` for one q head: (ids, logits)."""
+        o = self.options
+        n, m, C = self.n_tokens, self.m, self.C
+        acc = np.zeros(n, dtype=_F32)
+        norm_sum = _F32(0.0)
+        for b in range(m):
+            norm = norms[b]
+            norm_sum = _F32(norm_sum + norm)
+            if not norm > 0:
+                continue  # a zero sub-query carries no signal
+            s = sims[b]
+            best = int(np.argmax(s))  # first of equal maxima, as the C++ loop
+            w = norm if o.norm_weights else _F32(1.0)
+
+            def weight(j: int) -> np.float32:
+                return s[j] if o.proj_weights else w
+
+            if o.tau > 1 and float(_F32(s[best] / norm)) < o.backoff_cos:
+                tau = min(o.tau, C)
+                order = np.lexsort((np.arange(C), -s))[:tau]  # sims desc, index asc
+                chosen = [(int(j), _F32(weight(int(j)) / _F32(tau))) for j in order]
+            else:
+                chosen = [(best, weight(best))]
+            for j, wj in chosen:
+                # AccumulateList: acc[id] += fma(score, w, bias), in float32;
+                # ids are unique within a list, so one vectorized add per list.
+                bias = _F32(-wj * self._missing(b, j))
+                if bias == 0:  # fma(s, w, +-0) is the rounded product
+                    vals = self._scores[b, j] * wj
+                else:
+                    vals = fma_f32(self._scores[b, j], wj, bias)
+                acc[self._ids[b, j]] += vals
+        n_sinks = min(o.sinks, n)
+        recent_start = max(n_sinks, n - o.recent)
+        forced = np.concatenate([np.arange(n_sinks), np.arange(recent_start, n)]).astype(np.int64)
+        if o.norm_weights or o.proj_weights:
+            to_logit = _F32(_F32(1.0) / np.sqrt(_F32(self.head_dim)))
+        else:
+            to_logit = _F32(_F32(norm_sum / _F32(m)) / np.sqrt(_F32(self.head_dim)))
+        selected = forced
+        if k > forced.size:
+            ranked = acc.copy()
+            ranked[forced] = -np.inf
+            top = _top_k_by_id(ranked, k - forced.size)
+            selected = np.sort(np.concatenate([forced, top]))
+        logits = (acc[selected] * to_logit).astype(_F32)
+        return selected.astype(np.int32), logits
+
+    def select(self, queries: Any, budget: int = 0) -> CsaSelection:
+        """``CsaSelector::Select``: queries [G, d] (the q heads of this kv
+        head's group, post-RoPE, float32); ``budget`` tokens per q head (0 =
+        ``ceil(rho * n)`` with the artifact's rho; a session passes
+        :meth:`SessionParams.token_budget`)."""
+        q = _to_numpy(queries)
+        if q.ndim != 2 or q.shape[1] != self.head_dim:
+            raise ValueError(f"csa: queries have shape {list(q.shape)}, expected "
+                             f"[G, {self.head_dim}]")
+        if not (1 <= q.shape[0] <= 1024):
+            raise ValueError(f"csa: {q.shape[0]} query rows, expected 1..1024")
+        if not np.isfinite(q).all():
+            raise ValueError("csa: queries have NaN/Inf")
+        if budget < 0:
+            raise ValueError(f"csa: budget={budget}, expected >= 0 (0 = rho * n)")
+        g = q.shape[0]
+        o = self.options
+        if (o.period > 1 and 0 < self._steps_since_search < o.period
+                and len(self._last_per_head) == g):
+            # Reuse (no appends: nothing to add to the last search's selection).
+            per_head = [h.copy() for h in self._last_per_head]
+            logits: List[np.ndarray] = []
+            self._steps_since_search += 1
+        else:
+            k = _budget_for(budget, o.rho, self.n_tokens)
+            qs = q.reshape(g, self.m, self.ds)
+            norms = np.sqrt(eigen_squared_norm(qs))  # [G, m]
+            sims = eigen_gemv(self._centroids, qs)   # [G, m, C]
+            per_head, logits = [], []
+            for h in range(g):
+                ids, lg = self._search_one(q[h], norms[h], sims[h], k)
+                per_head.append(ids)
+                logits.append(lg)
+            if o.period > 1:
+                self._last_per_head = [h.copy() for h in per_head]
+                self._steps_since_search = 1
+        merged = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, np.int32)
+        return CsaSelection(per_head=per_head, per_head_logits=logits,
+                            merged=merged.astype(np.int32))
+
+
+# --------------------------------------------------------------------------
+# Session params and stages 2-4.
+
+
+@dataclass
+class SessionParams:
+    """``index::SessionParams``: a decode session's selection params.
+
+    Build it with :meth:`parse` from the same params dict a server-side
+    session gets (``rho``, ``budget``, ``page_fraction``, ``whole_pages``,
+    ``subgroup``, ``recent_blocks``; docs/api.md), which applies the same
+    defaults: ``page_fraction`` = rho unless ``budget`` is given (or the
+    method is ``full``), ``whole_pages`` on when the page cap is.
+    """
+
+    rho: float = 0.05
+    budget: int = 0             # 0 = use rho
+    page_fraction: float = 0.0  # 0 = no page cap
+    whole_pages: bool = False
+    subgroup: int = 4
+    recent_blocks: int = 1
+    page_size: int = 16
+
+    @classmethod
+    def parse(cls, params: Optional[Mapping[str, Any]] = None, method: str = "csa",
+              page_size: int = 16) -> "SessionParams":
+        """``SessionParams::Parse``; ValueError naming the bad param."""
+        s = cls(page_size=page_size)
+        params = {str(k): str(v) for k, v in (params or {}).items()}
+        has_whole_pages = False
+        for k, v in params.items():
+            try:  # strtod: leading blanks allowed, nothing after the number
+                x = float(v) if v == v.rstrip() and "_" not in v else math.nan
+            except ValueError:
+                x = math.nan
+            if v == "" or not math.isfinite(x):
+                raise ValueError(f"session param {k}='{v}' is not a number")
+            if k == "rho":
+                if not (0 < x <= 1):
+                    raise ValueError("session param rho must be in (0, 1]")
+                s.rho = x
+            elif k == "budget":
+                if x < 1:
+                    raise ValueError("session param budget must be >= 1 token")
+                s.budget = int(x)
+            elif k == "page_fraction":
+                if not (0 < x <= 1):
+                    raise ValueError("session param page_fraction must be in (0, 1]")
+                s.page_fraction = x
+            elif k == "whole_pages":
+                if x not in (0, 1):
+                    raise ValueError("session param whole_pages must be 0 or 1")
+                s.whole_pages = x == 1
+                has_whole_pages = True
+            elif k == "subgroup":
+                if x < 1:
+                    raise ValueError("session param subgroup must be >= 1")
+                s.subgroup = int(x)
+            elif k == "recent_blocks":
+                if x < 0:
+                    raise ValueError("session param recent_blocks must be >= 0")
+                s.recent_blocks = int(x)
+            else:
+                raise ValueError(f"unknown session param '{k}'; expected rho, budget, "
+                                 "page_fraction, whole_pages, subgroup or recent_blocks")
+        if "page_fraction" not in params and s.budget == 0 and method != "full":
+            s.page_fraction = s.rho
+        if s.page_fraction >= 1.0:
+            s.page_fraction = 0.0
+        if not has_whole_pages:
+            s.whole_pages = s.page_fraction > 0
+        return s
+
+    def token_budget(self, n: int) -> int:
+        """``SessionParams::TokenBudget``: tokens per q head for n tokens."""
+        return token_budget(n, self.rho, self.budget)
+
+
+def token_budget(n: int, rho: float = 0.05, budget: int = 0) -> int:
+    """Tokens per q head: ``budget`` clamped to [1, n], else max(1, ceil(rho * n))."""
+    if budget > 0:
+        return max(1, min(budget, n))
+    return max(1, int(math.ceil(rho * float(n))))
+
+
+def page_budget(fraction: float, n_tokens: int, page_size: int = 16) -> int:
+    """``index::PageBudget``: max(1, ceil(fraction * pages))."""
+    pages = (n_tokens + page_size - 1) // max(1, page_size)
+    return max(1, int(math.ceil(fraction * pages)))
+
+
+@dataclass
+class PageTable:
+    """``index::PageTable``: the pages of one subgroup of q heads."""
+
+    subgroup: int
+    q_heads: List[int]
+    pages: np.ndarray  # int32, ascending, unique
+    selected_tokens: int = 0
+    fetched_tokens: int = 0
+
+    @property
+    def efficiency(self) -> float:
+        return self.selected_tokens / self.fetched_tokens if self.fetched_tokens else 1.0
+
+
+def _page_mass(per_q_head: Sequence[np.ndarray], logits: Sequence[np.ndarray], n_pages: int,
+               page_size: int, n_tokens: int) -> np.ndarray:
+    """Estimated softmax mass per page, float64, in the C++ summation order."""
+    mass = np.zeros(n_pages, dtype=np.float64)
+    for ids, lg in zip(per_q_head, logits):
+        lg = np.asarray(lg, dtype=_F32)
+        if lg.size == 0:
+            continue
+        mx = lg.max()
+        # exp(double(x - mx)) with the C library's exp, as std::exp.
+        e = np.array(list(map(math.exp, (lg - mx).astype(np.float64).tolist())),
+                     dtype=np.float64)
+        z = float(np.cumsum(e)[-1])  # summed in order
+        if not z > 0:
+            continue
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = (ids >= 0) & (ids < n_tokens)
+        np.add.at(mass, ids[ok] // page_size, e[ok] / z)  # in order, like the C++ loop
+    return mass
+
+
+def cap_selected_pages(per_q_head: Sequence[np.ndarray], page_size: int, n_tokens: int,
+                       max_pages: int, recent_blocks: int,
+                       logits: Optional[Sequence[np.ndarray]] = None) -> List[np.ndarray]:
+    """``index::CapSelectedPages``: keeps the selected tokens of at most
+    ``max_pages`` pages ranked by estimated mass (with logits for every
+    selected token of every head; else by selected-token count; ties: the
+    later page), plus page 0 and the last ``recent_blocks + 1`` pages."""
+    if max_pages < 1:
+        raise ValueError("page cap: max_pages must be >= 1")
+    if page_size < 1:
+        raise ValueError("page cap: page_size must be >= 1")
+    n_pages = (n_tokens + page_size - 1) // page_size
+    heads = [np.asarray(h, dtype=np.int64) for h in per_q_head]
+    count = np.zeros(n_pages, dtype=np.int64)
+    for ids in heads:
+        ok = ids[(ids >= 0) & (ids < n_tokens)]
+        np.add.at(count, ok // page_size, 1)
+    use_mass = (logits is not None and len(logits) == len(heads)
+                and all(len(lg) == h.size for lg, h in zip(logits, heads)))
+    keep = np.zeros(n_pages, dtype=bool)
+    if n_pages > 0:
+        keep[0] = True
+    keep[max(0, n_pages - 1 - recent_blocks):] = True
+    order = np.flatnonzero(~keep & (count > 0))
+    if use_mass:
+        mass = _page_mass(heads, logits, n_pages, page_size, n_tokens)
+        order = order[np.lexsort((-order, -mass[order]))]  # mass desc, later page first
+    else:
+        order = order[np.lexsort((-order, -count[order]))]
+    keep[order[:max_pages]] = True
+    out = []
+    for ids in heads:
+        ok = (ids >= 0) & (ids < n_tokens)
+        ok[ok] = keep[ids[ok] // page_size]
+        out.append(ids[ok].astype(np.int32))
+    return out
+
+
+def build_page_tables(per_q_head: Sequence[np.ndarray], n_tokens: int, subgroup: int = 4,
+                      page_size: int = 16, recent_blocks: int = 1) -> List[PageTable]:
+    """``index::BuildPageTables``: per subgroup of ``subgroup`` consecutive q
+    heads, the sorted union of their tokens' pages plus the current page and
+    the ``recent_blocks`` pages before it."""
+    g = len(per_q_head)
+    if g <= 0 or subgroup <= 0 or page_size <= 0 or recent_blocks < 0 or n_tokens < 0:
+        raise ValueError(f"page_table: bad sizes (group {g}, subgroup {subgroup}, page "
+                         f"{page_size}, recent_blocks {recent_blocks}, n_tokens {n_tokens})")
+    n_pages = (n_tokens + page_size - 1) // page_size
+    sg = min(subgroup, g)
+    tables = []
+    for s in range((g + sg - 1) // sg):
+        heads = list(range(s * sg, min(g, (s + 1) * sg)))
+        toks = np.concatenate([np.asarray(per_q_head[h], dtype=np.int64) for h in heads])
+        if toks.size and (toks.min() < 0 or toks.max() >= n_tokens):
+            raise ValueError(f"page_table: token id outside [0, {n_tokens})")
+        toks = np.unique(toks)
+        pages = toks // page_size
+        if n_pages > 0:
+            pages = np.concatenate([pages, np.arange(max(0, n_pages - 1 - recent_blocks),
+                                                     n_pages)])
+        pages = np.unique(pages).astype(np.int32)
+        last = n_tokens - pages.astype(np.int64) * page_size
+        fetched = int(np.minimum(page_size, last).clip(min=0).sum())
+        tables.append(PageTable(subgroup=s, q_heads=heads, pages=pages,
+                                selected_tokens=int(toks.size), fetched_tokens=fetched))
+    return tables
+
+
+def expand_to_table_pages(tables: Sequence[PageTable], group_size: int, page_size: int,
+                          n_tokens: int) -> List[np.ndarray]:
+    """``index::ExpandToTablePages``: per q head, every token (< n_tokens) of
+    its subgroup's pages, ascending."""
+    out = [np.zeros(0, dtype=np.int32) for _ in range(max(group_size, 0))]
+    for t in tables:
+        p = np.asarray(t.pages, dtype=np.int64)
+        toks = (p[:, None] * page_size + np.arange(page_size)).reshape(-1)
+        toks = toks[toks < n_tokens].astype(np.int32)
+        for h in t.q_heads:
+            if not 0 <= h < group_size:
+                raise ValueError(f"page_table: table names q head {h}, expected in "
+                                 f"[0, {group_size})")
+            out[h] = toks
+    return out
+
+
+@dataclass
+class HeadStep:
+    """``session::HeadStep`` of one (layer, kv head) step.
+
+    per_q_head: per q head of the group, the token ids it attends (ascending),
+        after the page cap and (with whole_pages) the widening.
+    tables: one :class:`PageTable` per subgroup.
+    pages: the union of the tables' pages, ascending (all stored pages: no
+        appended tokens).
+    selection: the selector's raw :class:`CsaSelection` (before stage 2).
+    """
+
+    per_q_head: List[Any]
+    tables: List[PageTable]
+    pages: Any
+    selection: Optional[CsaSelection] = field(default=None, repr=False)
+
+
+def _torch_like(queries: Any) -> Any:
+    return queries if type(queries).__module__.startswith("torch") else None
+
+
+def session_step(index: CsaIndex, queries: Any,
+                 params: Union[SessionParams, Mapping[str, Any], None] = None,
+                 as_torch: Optional[bool] = None) -> HeadStep:
+    """One layer-step of one kv head: ``SparseSession::PlanHeadWith`` with the
+    csa selector, for a session with no appended tokens.
+
+    Args:
+        index: the kv head's :class:`CsaIndex` (its schedule state advances).
+        queries: [G, d] post-RoPE queries of the kv head's q heads.
+        params: a :class:`SessionParams`, or the session params dict (as given
+            to ``Client.open_session``).
+        as_torch: return torch int64 tensors (on the queries' device) for
+            ``per_q_head`` and ``pages``; None = when the queries are torch.
+    """
+    if not isinstance(params, SessionParams):
+        params = SessionParams.parse(params)
+    n = index.n_tokens
+    b = params.page_size
+    sel = index.select(queries, params.token_budget(n))
+    per_q_head = list(sel.per_head)
+    if params.page_fraction > 0:
+        per_q_head = cap_selected_pages(per_q_head, b, n,
+                                        page_budget(params.page_fraction, n, b),
+                                        params.recent_blocks, sel.per_head_logits)
+    tables = build_page_tables(per_q_head, n, params.subgroup, b, params.recent_blocks)
+    if params.whole_pages:
+        per_q_head = expand_to_table_pages(tables, len(per_q_head), b, n)
+    pages = np.unique(np.concatenate([t.pages for t in tables])).astype(np.int32)
+    ref = _torch_like(queries)
+    if as_torch is None:
+        as_torch = ref is not None
+    if as_torch:
+        import torch
+
+        device = ref.device if ref is not None else "cpu"
+        per_q_head = [torch.as_tensor(h.astype(np.int64), device=device) for h in per_q_head]
+        pages = torch.as_tensor(pages.astype(np.int64), device=device)
+    return HeadStep(per_q_head=per_q_head, tables=tables, pages=pages, selection=sel)
+
+
+class CsaSession:
+    """Client-side selection over a whole context: one :class:`CsaIndex` per
+    (layer, kv head) and the session params, planning a layer like a
+    server-side ``Session.step`` (same selections, same page tables), before
+    any append.
+
+    >>> arts = client.fetch_index(ctx.context_id, "csa")
+    >>> sel = CsaSession(arts, n_q_heads=ctx.model.n_q_heads, params={"rho": 0.05})
+    >>> steps = sel.step(layer, queries)       # [n_q_heads, d] -> one HeadStep per kv head
+    >>> client.fetch_pages(ctx.context_id, sel.page_tables(layer, steps))
+    """
+
+    def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                 params: Union[SessionParams, Mapping[str, Any], None] = None) -> None:
+        if not artifacts:
+            raise ValueError("CsaSession: no artifacts")
+        self.params = params if isinstance(params, SessionParams) else SessionParams.parse(params)
+        self.indexes: Dict[Tuple[int, int], CsaIndex] = {
+            (int(l), int(h)): a if isinstance(a, CsaIndex) else CsaIndex(a)
+            for (l, h), a in artifacts.items()}
+        self.n_layers = 1 + max(l for l, _ in self.indexes)
+        self.n_kv_heads = 1 + max(h for _, h in self.indexes)
+        missing = [(l, h) for l in range(self.n_layers) for h in range(self.n_kv_heads)
+                   if (l, h) not in self.indexes]
+        if missing:
+            raise ValueError(f"CsaSession: no artifact for (layer, kv head) {missing[0]}")
+        if n_q_heads % self.n_kv_heads:
+            raise ValueError(f"CsaSession: n_q_heads {n_q_heads} is not a multiple of "
+                             f"n_kv_heads {self.n_kv_heads}")
+        self.n_q_heads = n_q_heads
+        self.group_size = n_q_heads // self.n_kv_heads
+        first = self.indexes[(0, 0)]
+        self.n_tokens, self.head_dim = first.n_tokens, first.head_dim
+
+    def step(self, layer: int, queries: Any, as_torch: Optional[bool] = None) -> List[HeadStep]:
+        """Plans ``layer`` for queries [n_q_heads, d]: one :class:`HeadStep`
+        per kv head (q heads ``h * G .. h * G + G - 1`` for kv head h)."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"step.layer {layer} out of range [0, {self.n_layers})")
+        g = self.group_size
+        shape = tuple(queries.shape)
+        if shape != (self.n_q_heads, self.head_dim):
+            raise ValueError(f"queries have shape {list(shape)}, expected "
+                             f"[{self.n_q_heads}, {self.head_dim}]")
+        return [session_step(self.indexes[(layer, h)], queries[h * g:(h + 1) * g],
+                             self.params, as_torch) for h in range(self.n_kv_heads)]
+
+    @staticmethod
+    def page_tables(layer: int, steps: Sequence[HeadStep]) -> List[Tuple[int, int, List[int]]]:
+        """``(layer, kv_head, blocks)`` per kv head, for ``Client.fetch_pages``."""
+        out = []
+        for h, s in enumerate(steps):
+            pages = s.pages.tolist() if hasattr(s.pages, "tolist") else list(s.pages)
+            out.append((layer, h, [int(p) for p in pages]))
+        return out

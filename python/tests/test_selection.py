@@ -1,0 +1,486 @@
+"""Client-side csa selection (ctxcache.torch) against the C++ session core in
+a real ctxcached: the artifact parsers (CSAP, CSAC), and session steps whose
+per-q-head selections and page tables must equal the server's exactly.
+
+The server sends selections and page tables but not the selector's logit
+estimates (they rank pages by mass), so the tests also run the build's
+compiled core directly (csa_core_harness.cc, linked against the build's
+libctxcache_index.a) and compare those bit for bit.
+
+Contexts: the tiny llama3 (2 layers, 4 q / 2 kv heads, head_dim 32: G = 2,
+one subgroup) built from tokens, and an ingested synthetic model (2 layers,
+16 q / 2 kv heads, head_dim 128: G = 8, two subgroups of 4) stored twice
+from the same K/V/Q under two fingerprints, once per artifact format.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import os
+import shutil
+import struct
+import subprocess
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+import ctxcache
+from ctxcache.torch.artifacts import CSA_HEADER_BYTES, fma_f32, parse_csa_artifact
+from ctxcache.torch.selection import (CsaIndex, CsaSession, SessionParams, eigen_gemv,
+                                      eigen_squared_norm, session_step)
+from conftest import REPO, random_tokens
+
+B = 16
+SYN_LAYERS, SYN_NQ, SYN_NKV, SYN_D, SYN_T = 2, 16, 2, 128, 1100
+
+
+# ------------------------------------------------------------------ contexts --
+
+
+@pytest.fixture(scope="module")
+def llama_plain(client: ctxcache.Client) -> ctxcache.pb.ContextInfo:
+    """600 tokens (37.5 pages), csa with default options, plain format."""
+    return client.build(tokens=random_tokens(600, 901), name="sel-plain",
+                        indexes=[("csa", {"format": "plain"})]).context
+
+
+@pytest.fixture(scope="module")
+def llama_compact(client: ctxcache.Client) -> ctxcache.pb.ContextInfo:
+    """777 tokens, compact format, non-default retrieval options (backoff to 3
+    centroids below cosine 0.5, missing=min, a search period of 2)."""
+    return client.build(tokens=random_tokens(777, 902), name="sel-compact",
+                        indexes=[("csa", {"format": "compact", "tau": "3",
+                                          "backoff_cos": "0.5", "missing": "min",
+                                          "period": "2", "R": "20", "sinks": "2"})]).context
+
+
+def _synthetic_layers(seed: int):
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(SYN_LAYERS):
+        offset = rng.standard_normal((1, 1, SYN_D)).astype(np.float32)  # keys share an offset
+        k = (rng.standard_normal((SYN_NKV, SYN_T, SYN_D)) + 2 * offset).astype(np.float32)
+        v = rng.standard_normal((SYN_NKV, SYN_T, SYN_D)).astype(np.float32)
+        q = rng.standard_normal((SYN_NQ, SYN_T, SYN_D)).astype(np.float32)
+        layers.append((k, v, q))
+    return layers
+
+
+@pytest.fixture(scope="module")
+def synthetic(client: ctxcache.Client) -> Dict[str, ctxcache.pb.ContextInfo]:
+    """The same K/V/Q ingested twice (two fingerprints, so two contexts): the
+    csa build is deterministic, so both hold the same tables, one per format."""
+    layers = _synthetic_layers(7)
+    out = {}
+    for fmt in ("plain", "compact"):
+        spec = {"name": "sel-synthetic", "n_layers": SYN_LAYERS, "n_q_heads": SYN_NQ,
+                "n_kv_heads": SYN_NKV, "head_dim": SYN_D, "rope": {"theta": 10000.0},
+                "kv_dtype": "bf16", "fingerprint": f"ctxcache-pytest-selection-{fmt}".encode()}
+        out[fmt] = client.ingest(spec, list(range(5, 5 + SYN_T)), layers,
+                                 indexes=[("csa", {"format": fmt, "weights": "norm"})],
+                                 name=f"sel-synthetic-{fmt}")
+    return out
+
+
+# ------------------------------------------------------------------- parsers --
+
+
+def _check_common(a, ctx: ctxcache.pb.ContextInfo) -> None:
+    o = a.options
+    m, C, d = o.m, o.C, ctx.model.head_dim
+    assert a.version == 1 and a.head_dim == d
+    assert a.n_tokens == a.n_built == ctx.n_tokens
+    assert a.L == math.ceil(o.alpha * ctx.n_tokens)
+    assert a.centroids.shape == (m, C, d // m) and a.centroids.dtype == np.float32
+    assert a.key_mean.shape == (d,) and a.tail_mean.shape == (m, C)
+    assert a.ids.shape == a.scores.shape == (m, C, a.L)
+    assert a.ids.dtype == np.int32 and a.scores.dtype == np.float16
+    np.testing.assert_allclose(np.linalg.norm(a.centroids, axis=2), 1.0, atol=1e-4)
+    assert a.ids.min() >= 0 and a.ids.max() < a.n_tokens
+    s = np.sort(a.ids, axis=2)
+    assert (np.diff(s, axis=2) > 0).all()  # unique ids per list
+    assert np.isfinite(a.scores).all()
+    if o.center:
+        assert np.abs(a.key_mean).sum() > 0
+
+
+def test_parse_plain_artifact(client: ctxcache.Client, llama_plain) -> None:
+    arts = client.fetch_index(llama_plain.context_id, "csa")
+    assert sorted(arts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for raw in arts.values():
+        a = parse_csa_artifact(raw)
+        o = a.options
+        assert a.magic == "CSAP" and not a.compact and not o.compact
+        # The defaults of a served context (index/csa.h CsaOptions).
+        assert (o.m, o.C, o.alpha, o.fixed_L, o.iters, o.seed, o.rho, o.recent, o.sinks,
+                o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center) == \
+            (8, 128, 0.25, 0, 15, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
+        _check_common(a, llama_plain)
+        m, C, d, L = o.m, o.C, a.head_dim, a.L
+        assert len(raw) == CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L
+        # Lists are binary min-heaps under "worse": no child beats its parent.
+        sc = a.scores.astype(np.float32).reshape(m * C, L)
+        ids = a.ids.reshape(m * C, L)
+        child = np.arange(1, L)
+        parent = (child - 1) // 2
+        beats = (sc[:, parent] > sc[:, child]) | (
+            (sc[:, parent] == sc[:, child]) & (ids[:, parent] < ids[:, child]))
+        assert not beats.any()
+
+
+def test_parse_compact_artifact(client: ctxcache.Client, llama_compact) -> None:
+    arts = client.fetch_index(llama_compact.context_id, "csa")
+    for raw in arts.values():
+        a = parse_csa_artifact(raw)
+        o = a.options
+        assert a.magic == "CSAC" and a.compact and o.compact
+        assert (o.tau, o.backoff_cos, o.missing, o.period, o.recent, o.sinks) == \
+            (3, 0.5, "min", 2, 20, 2)
+        _check_common(a, llama_compact)
+        assert (np.diff(a.ids, axis=2) > 0).all()  # ascending ids
+        assert a.q.shape == a.ids.shape and a.lo.shape == a.hi.shape == (o.m, o.C)
+        assert (a.hi >= a.lo).all()
+        # lo and hi are the fp16 extremes; q = 0 / 255 reproduce them.
+        assert np.array_equal(a.lo.astype(np.float16).astype(np.float32), a.lo)
+        s = a.scores.astype(np.float32)
+        assert np.array_equal(s.min(axis=2), a.lo) and np.array_equal(s.max(axis=2), a.hi)
+
+
+def test_plain_and_compact_hold_the_same_tables(client: ctxcache.Client, synthetic) -> None:
+    plain = client.fetch_index(synthetic["plain"].context_id, "csa")
+    compact = client.fetch_index(synthetic["compact"].context_id, "csa")
+    assert sorted(plain) == sorted(compact) == [(l, h) for l in range(SYN_LAYERS)
+                                                for h in range(SYN_NKV)]
+    for key in plain:
+        p, c = parse_csa_artifact(plain[key]), parse_csa_artifact(compact[key])
+        assert (p.magic, c.magic) == ("CSAP", "CSAC")
+        _check_common(p, synthetic["plain"])
+        _check_common(c, synthetic["compact"])
+        assert len(compact[key]) < len(plain[key]) / 2
+        assert np.array_equal(p.centroids, c.centroids)
+        assert np.array_equal(p.key_mean, c.key_mean)
+        assert np.array_equal(p.tail_mean, c.tail_mean)
+        # Same lists: sort the plain (heap-ordered) entries by id.
+        order = np.argsort(p.ids, axis=2)
+        p_ids = np.take_along_axis(p.ids, order, axis=2)
+        p_sc = np.take_along_axis(p.scores, order, axis=2).astype(np.float32)
+        assert np.array_equal(p_ids, c.ids)
+        assert np.array_equal(c.lo, p_sc.min(axis=2)) and np.array_equal(c.hi, p_sc.max(axis=2))
+        # 8-bit quantization (SerializeCompact, in fp32): q = lround((s - lo) / step).
+        step = np.where(c.hi > c.lo, (c.hi - c.lo) / np.float32(255.0), np.float32(0.0))
+        x = (p_sc - c.lo[..., None]) / np.where(step > 0, step, np.float32(1.0))[..., None]
+        want_q = np.where(step[..., None] > 0, np.floor(x.astype(np.float64) + 0.5), 0)
+        assert np.array_equal(c.q, want_q)
+        # Dequantized scores: error <= step/2 plus the fp16 rounding.
+        err = np.abs(c.scores.astype(np.float32) - p_sc)
+        assert (err <= step[..., None] / 2 + np.abs(p_sc) * 2.0 ** -10 + 1e-6).all()
+
+
+def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama_compact) -> None:
+    plain = client.fetch_index(llama_plain.context_id, "csa", layers=[0], kv_heads=[0])[(0, 0)]
+    compact = client.fetch_index(llama_compact.context_id, "csa", layers=[0],
+                                 kv_heads=[0])[(0, 0)]
+    with pytest.raises(ValueError, match="bad magic"):
+        parse_csa_artifact(b"TAC1" + plain[4:])
+    with pytest.raises(ValueError, match="bad magic"):
+        parse_csa_artifact(plain[:6])
+    for v in (0, 2):
+        with pytest.raises(ValueError, match=f"unsupported format version {v}"):
+            parse_csa_artifact(plain[:4] + struct.pack("<I", v) + plain[8:])
+    for raw in (plain, compact):
+        for cut in (60, CSA_HEADER_BYTES + 100, len(raw) - 1):
+            with pytest.raises(ValueError, match="truncated|bad list"):
+                parse_csa_artifact(raw[:cut])
+        with pytest.raises(ValueError, match="trailing bytes"):
+            parse_csa_artifact(raw + b"\0")
+    with pytest.raises(ValueError, match="corrupt options"):
+        parse_csa_artifact(plain[:8] + struct.pack("<i", 0) + plain[12:])  # m = 0
+    with pytest.raises(ValueError, match="corrupt shape"):
+        parse_csa_artifact(plain[:90] + struct.pack("<i", 31) + plain[94:])  # d % m != 0
+    a = parse_csa_artifact(plain)
+    ids_at = len(plain) - 6 * a.m * a.C * a.L
+    bad_id = plain[:ids_at] + struct.pack("<i", a.n_tokens) + plain[ids_at + 4:]
+    with pytest.raises(ValueError, match="out of range"):
+        parse_csa_artifact(bad_id)
+    lists_at = CSA_HEADER_BYTES + 4 * a.C * a.head_dim + 4 * a.head_dim + 4 * a.m * a.C
+    zero_delta = compact[:lists_at + 8] + b"\0" + compact[lists_at + 9:]  # list 0's first delta
+    with pytest.raises(ValueError, match="bad list ids"):
+        parse_csa_artifact(zero_delta)
+
+
+# ------------------------------------------------- float32 emulation helpers --
+
+
+def test_fma_f32_is_correctly_rounded() -> None:
+    name = ctypes.util.find_library("m")
+    if name is None:
+        pytest.skip("no libm to compare with")
+    fmaf = ctypes.CDLL(name).fmaf
+    fmaf.restype = ctypes.c_float
+    fmaf.argtypes = [ctypes.c_float] * 3
+    rng = np.random.default_rng(3)
+    n = 20000
+    a = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 4, n)).astype(np.float32)
+    b = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 4, n)).astype(np.float32)
+    c = (rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n)).astype(np.float32)
+    c[::2] = (-(a[::2].astype(np.float64) * b[::2])).astype(np.float32)  # cancellation
+    want = np.array([fmaf(float(x), float(y), float(z)) for x, y, z in zip(a, b, c)],
+                    dtype=np.float32)
+    assert np.array_equal(fma_f32(a, b, c).view(np.uint32), want.view(np.uint32))
+
+
+def test_eigen_reductions_are_close_to_exact() -> None:
+    # Sanity only: bit-exactness is checked against the compiled core below.
+    rng = np.random.default_rng(4)
+    for n in (1, 3, 4, 5, 7, 8, 12, 16, 20, 32, 40, 64):
+        x = rng.standard_normal((5, n)).astype(np.float32)
+        np.testing.assert_allclose(eigen_squared_norm(x), (x.astype(np.float64) ** 2).sum(1),
+                                   rtol=1e-5)
+        for rows in (1, 2, 3, 7, 8, 9, 17):
+            a = rng.standard_normal((rows, n)).astype(np.float32)
+            np.testing.assert_allclose(eigen_gemv(a, x[0]), a.astype(np.float64) @ x[0],
+                                       rtol=1e-4, atol=1e-5)
+
+
+def test_session_params_parse_like_the_server() -> None:
+    p = SessionParams.parse({})
+    assert (p.rho, p.budget, p.page_fraction, p.whole_pages, p.subgroup, p.recent_blocks) == \
+        (0.05, 0, 0.05, True, 4, 1)
+    p = SessionParams.parse({"budget": 24})
+    assert (p.budget, p.page_fraction, p.whole_pages) == (24, 0.0, False)
+    p = SessionParams.parse({"rho": "0.2", "page_fraction": "1"})
+    assert (p.page_fraction, p.whole_pages) == (0.0, False)
+    assert p.token_budget(1000) == 200 and SessionParams.parse({"budget": 5000}).token_budget(
+        300) == 300
+    for bad in ({"rho": "0"}, {"budget": "0.5"}, {"whole_pages": "2"}, {"nope": "1"},
+                {"rho": "x"}, {"subgroup": "0"}, {"recent_blocks": "-1"}):
+        with pytest.raises(ValueError, match="session param"):
+            SessionParams.parse(bad)
+
+
+# ------------------------------------------------ sessions against the server --
+
+
+PARAMS = [
+    {},  # rho 0.05, page cap 5% ranked by mass, whole pages
+    {"rho": 0.12},
+    {"budget": 24},  # token-level: no page cap, no widening
+    {"rho": 0.03, "subgroup": 1, "recent_blocks": 2},
+    {"rho": 0.08, "page_fraction": 0.25, "whole_pages": 0, "subgroup": 3},
+]
+
+
+def _queries(rng: np.random.Generator, n_q: int, d: int, i: int) -> np.ndarray:
+    q = rng.standard_normal((n_q, d)) * 10.0 ** rng.uniform(-1.5, 1.5)
+    if i % 3 == 1:
+        q[:, : d // 2] = 0  # zero sub-queries are skipped
+    if i % 3 == 2:
+        q = q.astype(np.float16)  # coarse values: many exactly tied list sums
+    return q.astype(np.float32)
+
+
+def _compare_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo, params: dict,
+                     n_steps: int, seed: int) -> int:
+    """Runs n_steps steps of every layer through a server session and through
+    CsaSession on the same queries; asserts identical selections, page tables
+    and fetched pages. Returns the number of layer-steps compared."""
+    m = ctx.model
+    g = m.n_q_heads // m.n_kv_heads
+    arts = client.fetch_index(ctx.context_id, "csa")
+    mine = CsaSession(arts, n_q_heads=m.n_q_heads, params=params)
+    assert (mine.n_layers, mine.n_kv_heads, mine.n_tokens) == \
+        (m.n_layers, m.n_kv_heads, ctx.n_tokens)
+    rng = np.random.default_rng(seed)
+    compared = 0
+    with client.open_session(ctx.context_id, "csa", params) as s:
+        for i in range(n_steps):
+            for layer in range(m.n_layers):
+                q = _queries(rng, m.n_q_heads, m.head_dim, i)
+                r = s.step(layer, q)
+                steps = mine.step(layer, q)
+                where = f"{params} step {i} layer {layer}"
+                for qh in range(m.n_q_heads):
+                    got = steps[qh // g].per_q_head[qh % g]
+                    assert got.tolist() == r.selections[qh].tolist(), f"{where} q head {qh}"
+                want_tables = sorted(r.page_tables)
+                got_tables = sorted((h, t.subgroup, t.pages.tolist())
+                                    for h, st in enumerate(steps) for t in st.tables)
+                assert got_tables == want_tables, where
+                for h, head in enumerate(r.heads):
+                    assert steps[h].pages.tolist() == head.blocks, f"{where} kv head {h}"
+                compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(f"{k}={v}" for k, v in
+                                                                  p.items()) or "defaults")
+def test_session_steps_match_server_llama(client: ctxcache.Client, llama_plain, llama_compact,
+                                          params: dict) -> None:
+    assert _compare_session(client, llama_plain, params, n_steps=4, seed=11) == 8
+    assert _compare_session(client, llama_compact, params, n_steps=4, seed=12) == 8
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(f"{k}={v}" for k, v in
+                                                                  p.items()) or "defaults")
+def test_session_steps_match_server_synthetic(client: ctxcache.Client, synthetic,
+                                              params: dict) -> None:
+    for fmt, seed in (("plain", 21), ("compact", 22)):
+        assert _compare_session(client, synthetic[fmt], params, n_steps=3, seed=seed) == 6
+
+
+def test_selection_details_and_torch_inputs(client: ctxcache.Client, synthetic) -> None:
+    ctx = synthetic["plain"]
+    raw = client.fetch_index(ctx.context_id, "csa", layers=[1], kv_heads=[0])[(1, 0)]
+    index = CsaIndex(raw)
+    o = index.options
+    q = np.random.default_rng(5).standard_normal((SYN_NQ // SYN_NKV, SYN_D)).astype(np.float32)
+    sel = index.select(q, budget=100)
+    for ids, lg in zip(sel.per_head, sel.per_head_logits):
+        assert ids.size == 100 and lg.shape == ids.shape and lg.dtype == np.float32
+        assert (np.diff(ids) > 0).all()
+        # Sinks and the recent window are always selected.
+        assert set(range(o.sinks)) <= set(ids.tolist())
+        assert set(range(SYN_T - o.recent, SYN_T)) <= set(ids.tolist())
+    assert np.array_equal(sel.merged, np.unique(np.concatenate(sel.per_head)))
+    step = session_step(CsaIndex(raw), q, {"rho": 0.05})
+    for h, ids in enumerate(step.per_q_head):  # whole pages of the subgroup's table
+        pages = step.tables[h // 4].pages
+        assert ids.tolist() == [p * B + t for p in pages.tolist() for t in range(B)
+                                if p * B + t < SYN_T]
+    assert len(step.tables) == 2 and step.tables[0].q_heads == [0, 1, 2, 3]
+    torch = pytest.importorskip("torch")
+    tstep = session_step(CsaIndex(raw), torch.from_numpy(q), {"rho": 0.05})
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in tstep.per_q_head)
+    assert [t.tolist() for t in tstep.per_q_head] == [a.tolist() for a in step.per_q_head]
+    assert tstep.pages.tolist() == step.pages.tolist()
+    # bf16 queries are widened to float32 like the wire does.
+    qb = torch.from_numpy(q).to(torch.bfloat16)
+    a = session_step(CsaIndex(raw), qb, {"rho": 0.05}, as_torch=False)
+    b = session_step(CsaIndex(raw), qb.float().numpy(), {"rho": 0.05})
+    assert [x.tolist() for x in a.per_q_head] == [x.tolist() for x in b.per_q_head]
+
+
+# ------------------------------------ bit-exact against the compiled core --
+
+
+def _cmake_cache(build: str) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            for line in f:
+                if ":" in line and "=" in line and not line.startswith(("//", "#")):
+                    key, _, value = line.rstrip("\n").partition("=")
+                    out[key.split(":")[0]] = value
+    except OSError:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def core_harness(ctxcached_bin: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """csa_core_harness.cc built against the static libraries of the build
+    that made ctxcached (<build>/bin/ctxcached -> <build>/lib)."""
+    build = os.path.dirname(os.path.dirname(os.path.abspath(ctxcached_bin)))
+    libs = [os.path.join(build, "lib", f"libctxcache_{m}.a") for m in ("index", "common")]
+    if not all(os.path.exists(p) for p in libs):
+        pytest.skip(f"no static libraries under {build}/lib to build the core harness")
+    cache = _cmake_cache(build)
+    if cache.get("CTXCACHE_NATIVE", "OFF").upper() in ("ON", "TRUE", "1"):
+        pytest.skip("the Python copy follows the default -march=x86-64-v3 build; this build "
+                    "uses -march=native (other Eigen packet sizes)")
+    cxx = cache.get("CMAKE_CXX_COMPILER") or shutil.which("c++") or shutil.which("g++")
+    if not cxx or not os.path.exists(cxx):
+        pytest.skip("no C++ compiler")
+    eigen_dir = cache.get("Eigen3_DIR", "")  # <prefix>/share/eigen3/cmake
+    candidates = [os.path.join(eigen_dir, "..", "..", "..", "include", "eigen3"),
+                  "/usr/include/eigen3", "/usr/local/include/eigen3"]
+    eigen = next((c for c in candidates if os.path.exists(os.path.join(c, "Eigen", "Dense"))),
+                 None)
+    if eigen is None:
+        pytest.skip("Eigen headers not found")
+    exe = str(tmp_path_factory.mktemp("harness") / "csa_core_harness")
+    # The project's default Release flags (CMakeLists.txt), so that any inline
+    # code the harness shares with the library is compiled alike.
+    cmd = [cxx, "-O3", "-DNDEBUG", "-fPIC", "-march=x86-64-v3", "-std=c++20", f"-I{REPO}",
+           "-isystem", eigen,
+           os.path.join(os.path.dirname(__file__), "csa_core_harness.cc"), "-o", exe, *libs,
+           "-lpthread"]
+    if cache.get("CTXCACHE_SANITIZE"):
+        cmd.insert(1, f"-fsanitize={cache['CTXCACHE_SANITIZE']}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"building the core harness failed:\n{' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return exe
+
+
+def test_eigen_gemv_matches_the_compiled_kernel(core_harness: str, tmp_path) -> None:
+    # C x d/m centroid similarities: the library's GEMV kernel. (One row, C = 1,
+    # is a dot product that Eigen inlines into the caller: not testable here.)
+    rng = np.random.default_rng(8)
+    cases = []
+    for rows in list(range(2, 20)) + [31, 32, 33, 128]:
+        for cols in list(range(1, 41)) + [64, 128]:
+            a = rng.standard_normal((rows, cols)).astype(np.float32)
+            x = (rng.standard_normal(cols) * 10.0 ** rng.integers(-3, 3, cols)).astype(np.float32)
+            cases.append((a, x))
+    with open(tmp_path / "in", "wb") as f:
+        f.write(struct.pack("<i", len(cases)))
+        for a, x in cases:
+            f.write(struct.pack("<ii", *a.shape) + a.tobytes() + x.tobytes())
+    subprocess.run([core_harness, "gemv", str(tmp_path / "in"), str(tmp_path / "out")],
+                   check=True)
+    out = np.fromfile(tmp_path / "out", dtype=np.float32)
+    pos = 0
+    for a, x in cases:
+        want = out[pos:pos + a.shape[0]]
+        pos += a.shape[0]
+        assert np.array_equal(eigen_gemv(a, x).view(np.uint32), want.view(np.uint32)), a.shape
+    assert pos == out.size
+
+
+def _run_core(harness: str, artifact: bytes, queries: List[np.ndarray], params: dict,
+              tmp_path) -> List[Dict[str, Dict[int, List[str]]]]:
+    (tmp_path / "art").write_bytes(artifact)
+    np.concatenate(queries).astype(np.float32).tofile(tmp_path / "q")
+    out = subprocess.run([harness, "step", str(tmp_path / "art"), str(tmp_path / "q"),
+                          str(queries[0].shape[0])] + [f"{k}={v}" for k, v in params.items()],
+                         check=True, capture_output=True, text=True).stdout
+    cases = []
+    for block in out.split("case ")[1:]:
+        parsed: Dict[str, Dict[int, List[str]]] = {}
+        for line in block.strip().split("\n")[1:]:
+            f = line.split()
+            parsed.setdefault(f[0], {})[int(f[1])] = f[2:]
+        cases.append(parsed)
+    return cases
+
+
+def test_select_and_page_step_bit_exact_against_the_core(core_harness: str, client, llama_plain,
+                                                         llama_compact, synthetic,
+                                                         tmp_path) -> None:
+    rng = np.random.default_rng(9)
+    compared = 0
+    for ctx in (llama_plain, llama_compact, synthetic["plain"], synthetic["compact"]):
+        g = ctx.model.n_q_heads // ctx.model.n_kv_heads
+        for (layer, kv), raw in sorted(client.fetch_index(ctx.context_id, "csa").items()):
+            for params in PARAMS:
+                queries = [_queries(rng, g, ctx.model.head_dim, i) for i in range(8)]
+                want = _run_core(core_harness, raw, queries, params, tmp_path)
+                index = CsaIndex(raw)  # one selector per run, like the harness
+                assert len(want) == len(queries)
+                for q, ref in zip(queries, want):
+                    st = session_step(index, q, params)
+                    where = f"{ctx.name} layer {layer} kv {kv} {params}"
+                    for h in range(g):
+                        sel = st.selection
+                        assert [int(x) for x in ref["sel"][h]] == sel.per_head[h].tolist(), where
+                        bits = (sel.per_head_logits[h].view(np.uint32).tolist()
+                                if sel.per_head_logits else [])
+                        assert ref["log"][h] == ["%08x" % u for u in bits], where
+                        assert [int(x) for x in ref["att"][h]] == st.per_q_head[h].tolist(), where
+                    assert {s: [int(x) for x in p] for s, p in ref["tab"].items()} == \
+                        {t.subgroup: t.pages.tolist() for t in st.tables}, where
+                    compared += 1
+    assert compared == 4 * 4 * len(PARAMS) * 8

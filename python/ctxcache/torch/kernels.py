@@ -20,10 +20,15 @@ Import needs triton and a CUDA device. The exact session pipeline (csa
 selection, page cap, page tables) is ctxcache.torch.selection, in numpy.
 """
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+
+# Warps of the top-k kernel; 0 = by row length (override: CTXCACHE_SELECT_WARPS).
+SELECT_WARPS = int(os.environ.get("CTXCACHE_SELECT_WARPS", "0"))
 
 
 @triton.jit
@@ -137,7 +142,7 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
     block = triton.next_power_of_2(p)
     _select_top_pages_kernel[(rows,)](scores, out, p, k, n_recent, RESET=reset,
                                       KEY_BITS=32 if exact else 16, BLOCK=block,
-                                      num_warps=8 if block >= 4096 else 4)
+                                      num_warps=SELECT_WARPS or (16 if block >= 4096 else 4))
     return out
 
 

@@ -12,7 +12,13 @@ Status ReaderPageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t
                                 session::PageMap* out) {
   missing_.clear();
   for (uint32_t b : blocks) {
-    if (!out->count(b)) missing_.push_back(b);
+    if (out->count(b)) continue;
+    auto hit = cache_.find(Key(layer, kv_head, b));
+    if (hit != cache_.end()) {
+      (*out)[b] = hit->second;
+    } else {
+      missing_.push_back(b);
+    }
   }
   if (missing_.empty()) return Status::OK();
   std::sort(missing_.begin(), missing_.end());
@@ -28,6 +34,14 @@ Status ReaderPageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t
     page->v.resize(page->k.size());
     ConvertToFloat(batch_.dtype, batch_.K(i), page->k.data(), page->k.size());
     ConvertToFloat(batch_.dtype, batch_.V(i), page->v.data(), page->v.size());
+    if (cache_bytes_ + page->bytes() > cache_budget_) {
+      cache_.clear();
+      cache_bytes_ = 0;
+    }
+    if (page->bytes() <= cache_budget_) {
+      cache_bytes_ += page->bytes();
+      cache_[Key(layer, kv_head, batch_.blocks[i])] = page;
+    }
     (*out)[batch_.blocks[i]] = std::move(page);
   }
   return Status::OK();

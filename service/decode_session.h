@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -23,16 +24,27 @@
 namespace ctxcache::service {
 
 // session::PageFetcher over a ContextReader (not owned): stored pages
-// decoded to fp32. Counts the stored (encoded) bytes it reads.
+// decoded to fp32. Keeps the decoded pages it read, up to cache_bytes (they
+// are immutable): exact-scoring methods (oracle, tactic, lfps) gather keys of
+// the same pages at every step. When full, the cache is dropped whole.
+// Counts the stored (encoded) bytes it reads.
 class ReaderPageFetcher final : public session::PageFetcher {
  public:
-  explicit ReaderPageFetcher(storage::ContextReader* reader) : reader_(reader) {}
+  // Default cache: 64 MiB per session.
+  explicit ReaderPageFetcher(storage::ContextReader* reader, size_t cache_bytes = 64u << 20)
+      : reader_(reader), cache_budget_(cache_bytes) {}
   Status Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
                session::PageMap* out) override;
   uint64_t bytes_read() const { return bytes_read_; }
 
  private:
+  static uint64_t Key(int layer, int kv_head, uint32_t block) {
+    return (uint64_t(uint32_t(layer)) << 48) | (uint64_t(uint32_t(kv_head)) << 32) | block;
+  }
   storage::ContextReader* reader_;
+  const size_t cache_budget_;
+  std::unordered_map<uint64_t, session::PageRef> cache_;
+  size_t cache_bytes_ = 0;
   std::vector<uint32_t> missing_;
   storage::PageBatch batch_;
   uint64_t bytes_read_ = 0;

@@ -319,5 +319,37 @@ TEST_F(SessionStoreTest, SessionServesSelectedPagesAndAssemblesAppendedOnes) {
   EXPECT_GT(s.bytes_served(), 0u);
 }
 
+// Exact-scoring methods gather the same stored keys at every step: the
+// server's fetcher reads a page from the store once per session (within its
+// cache budget), and again when the budget does not hold it.
+TEST_F(SessionStoreTest, ReaderPageFetcherReadsEachPageOnceWithinItsBudget) {
+  auto manifest = Ingest();
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  auto id = storage::ContextId::FromBytes(manifest->context_id());
+  ASSERT_TRUE(id.ok());
+  auto reader = store_->OpenReader(*id);
+  ASSERT_TRUE(reader.ok());
+  const std::vector<uint32_t> blocks = {0, 2, 5};
+  ReaderPageFetcher cached(reader->get());
+  session::PageMap first, second;
+  ASSERT_TRUE(cached.Fetch(1, 1, blocks, &first).ok());
+  const uint64_t once = cached.bytes_read();
+  EXPECT_GT(once, 0u);
+  ASSERT_TRUE(cached.Fetch(1, 1, blocks, &second).ok());
+  EXPECT_EQ(cached.bytes_read(), once);  // served from the cache
+  for (uint32_t b : blocks) EXPECT_EQ(first.at(b)->k, second.at(b)->k);
+  session::PageMap other_head;
+  ASSERT_TRUE(cached.Fetch(1, 0, blocks, &other_head).ok());
+  EXPECT_EQ(cached.bytes_read(), 2 * once);  // keyed by (layer, kv head, block)
+  EXPECT_NE(other_head.at(0)->k, first.at(0)->k);
+
+  ReaderPageFetcher uncached(reader->get(), /*cache_bytes=*/0);
+  session::PageMap a, b;
+  ASSERT_TRUE(uncached.Fetch(1, 1, blocks, &a).ok());
+  ASSERT_TRUE(uncached.Fetch(1, 1, blocks, &b).ok());
+  EXPECT_EQ(uncached.bytes_read(), 2 * once);
+  for (uint32_t blk : blocks) EXPECT_EQ(a.at(blk)->k, first.at(blk)->k);
+}
+
 }  // namespace
 }  // namespace ctxcache::service

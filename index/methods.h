@@ -57,9 +57,6 @@ std::span<const MethodInfo> Methods();
 // The entry of `name`; InvalidArgument naming the known methods otherwise.
 StatusOr<const MethodInfo*> FindMethodInfo(std::string_view name);
 
-// The entry whose artifact_kind is `kind`, or null.
-const MethodInfo* FindMethodByKind(uint8_t kind);
-
 // "full, oracle, csa, ..." for messages.
 std::string MethodNamesForMessages();
 

@@ -71,13 +71,6 @@ StatusOr<const MethodInfo*> FindMethodInfo(std::string_view name) {
                               "', expected one of: " + MethodNamesForMessages());
 }
 
-const MethodInfo* FindMethodByKind(uint8_t kind) {
-  for (const MethodInfo& e : kMethods) {
-    if (e.artifact_kind == kind) return &e;
-  }
-  return nullptr;
-}
-
 MethodParams ParamsForExtend(const MethodInfo& method, const MethodParams& parent_resolved) {
   MethodParams p = parent_resolved;
   for (std::string_view key : method.context_dependent_params) p.erase(std::string(key));

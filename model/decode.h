@@ -116,8 +116,6 @@ class SparseAttention final : public AttentionProvider {
   Status Attend(int layer, int64_t pos, const float* q, const float* k, const float* v,
                 float* out) override;
   const SparseAttentionStats& stats() const { return stats_; }
-  // The session core; e.g. to compare its steps with a server's.
-  session::SparseSession& session() { return *session_; }
   // The HeadStep of each kv head of the last Attend of `layer`.
   const std::vector<session::HeadStep>& last_steps(int layer) const { return last_[layer]; }
 

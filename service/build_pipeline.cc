@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <span>
 
 #include "common/dtype.h"
 #include "common/thread_pool.h"
@@ -21,6 +22,22 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// The store's request for a build of `tokens` with the metadata of `job`
+// (a BuildJob or an IngestBuilder::Header: the same field names).
+template <typename Job>
+storage::BuildRequest StoreRequest(const v1::ModelSpec& model, std::span<const uint32_t> tokens,
+                                   const Job& job) {
+  storage::BuildRequest req;
+  req.model = model;
+  req.tokens = tokens;
+  req.name = job.name;
+  req.tenant = job.tenant;
+  req.labels = job.labels;
+  req.ttl_ms = job.ttl_ms;
+  req.pinned = job.pinned;
+  return req;
 }
 
 // Writes each chunk's K/V to the context writer as bf16 pages.
@@ -302,15 +319,8 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
     }
   }
   std::vector<uint32_t> tokens_u32(job.tokens.begin(), job.tokens.end());
-  storage::BuildRequest req;
-  req.model = job.model->spec;
-  req.tokens = tokens_u32;
+  storage::BuildRequest req = StoreRequest(job.model->spec, tokens_u32, job);
   req.parent = job.parent;
-  req.name = job.name;
-  req.tenant = job.tenant;
-  req.labels = job.labels;
-  req.ttl_ms = job.ttl_ms;
-  req.pinned = job.pinned;
   ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(req));
   BuildOutcome outcome;
   if (!start.writer) {
@@ -446,15 +456,8 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->spec_.head_dim = static_cast<int>(spec.head_dim());
   b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
   b->indexes_ = std::move(header.indexes);
-  storage::BuildRequest br;
-  br.model = spec;
-  br.tokens = header.tokens;
-  br.name = header.name;
-  br.tenant = header.tenant;
-  br.labels = header.labels;
-  br.ttl_ms = header.ttl_ms;
-  br.pinned = header.pinned;
-  ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(br));
+  ASSIGN_OR_RETURN(storage::BuildStart start,
+                   store->BeginBuild(StoreRequest(spec, header.tokens, header)));
   if (!start.writer) {
     RETURN_IF_ERROR(CheckReusable(start.existing, b->indexes_, b->spec_.group_size()));
     b->existing_ = std::move(start.existing);

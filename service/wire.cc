@@ -153,7 +153,6 @@ bool PageBatcher::Add(v1::Page&& page) {
   if (corrupt_ && !page.k().empty()) (*page.mutable_k())[0] ^= 0x01;
   const size_t sz = page.k().size() + page.v().size();
   if (current_.pages_size() > 0 && current_bytes_ + sz > max_bytes_) {
-    ++sent_;
     if (!sink_(std::move(current_))) return false;
     current_ = v1::PageBatch();
     current_bytes_ = 0;
@@ -165,7 +164,6 @@ bool PageBatcher::Add(v1::Page&& page) {
 
 bool PageBatcher::Finish() {
   current_.set_last(true);
-  ++sent_;
   return sink_(std::move(current_));
 }
 

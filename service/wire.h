@@ -60,7 +60,6 @@ class PageBatcher {
   bool Add(v1::Page&& page);
   // Sends the last batch (marked `last`, possibly empty).
   bool Finish();
-  size_t batches_sent() const { return sent_; }
 
  private:
   size_t max_bytes_;
@@ -68,7 +67,6 @@ class PageBatcher {
   bool corrupt_;
   v1::PageBatch current_;
   size_t current_bytes_ = 0;
-  size_t sent_ = 0;
 };
 
 }  // namespace ctxcache::service

@@ -296,12 +296,4 @@ Status SparseSession::Append(const float* k, const float* v, const float* q) {
   return Status::OK();
 }
 
-uint64_t SparseSession::AppendedBytes() const {
-  uint64_t total = 0;
-  for (size_t i = 0; i < app_k_.size(); ++i) {
-    total += (app_k_[i].capacity() + app_v_[i].capacity()) * sizeof(float);
-  }
-  return total;
-}
-
 }  // namespace ctxcache::session

@@ -153,9 +153,6 @@ class SparseSession {
   index::Selector* selector(int layer, int kv_head) const {
     return selectors_[Slot(layer, kv_head)];
   }
-  // Bytes held by the session's own state (appended K/V), excluding the
-  // selectors.
-  uint64_t AppendedBytes() const;
 
  private:
   class KeySourceImpl;

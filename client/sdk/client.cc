@@ -18,10 +18,7 @@ namespace ctxcache::client {
 
 namespace {
 
-Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  if (s.ok()) return Status::OK();
-  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
-}
+using internal::FromGrpc;
 
 std::chrono::system_clock::time_point Deadline(double seconds) {
   return std::chrono::system_clock::now() +

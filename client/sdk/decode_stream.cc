@@ -4,15 +4,6 @@
 
 namespace ctxcache::client::internal {
 
-namespace {
-
-Status FromGrpc(const grpc::Status& s, const std::string& what) {
-  if (s.ok()) return Status::OK();
-  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
-}
-
-}  // namespace
-
 StatusOr<v1::ContextInfo> DecodeStream::Open(const SessionOptions& session, bool want_pages) {
   v1::DecodeRequest req;
   req.mutable_open()->set_context_id(session.context_id);

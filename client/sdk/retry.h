@@ -1,5 +1,6 @@
-// The SDK's one retry loop: a call that fails with UNAVAILABLE (server down,
-// restarting or draining) is retried with exponential backoff.
+// The SDK's gRPC status handling: the one conversion of a grpc::Status to a
+// Status, and the one retry loop (a call that fails with UNAVAILABLE: server
+// down, restarting or draining, is retried with exponential backoff).
 //
 // Thread-safety: stateless; reentrant.
 #pragma once
@@ -8,12 +9,19 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "common/status.h"
 #include "ctxcache/client.h"
 
 namespace ctxcache::client::internal {
+
+// `what`: the RPC, prefixed to the server's message.
+inline Status FromGrpc(const grpc::Status& s, const std::string& what) {
+  if (s.ok()) return Status::OK();
+  return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
+}
 
 inline bool IsUnavailable(const grpc::Status& s) {
   return s.error_code() == grpc::StatusCode::UNAVAILABLE;

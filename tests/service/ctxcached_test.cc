@@ -1,11 +1,7 @@
 // Integration test of the real ctxcached binary on loopback: health,
 // reflection, metrics endpoint, SIGTERM drain and the data-dir lock.
-#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <set>
@@ -13,36 +9,16 @@
 
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/service/http_get.h"
 #include "tests/service/server_process.h"
 
 namespace ctxcache {
 namespace {
 
+using testing::HttpGet;
 using testing::ServerProcess;
 using testing::TempDir;
 
-std::string HttpGet(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return "";
-  }
-  std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
-  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
-    close(fd);
-    return "";
-  }
-  std::string resp;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) resp.append(buf, static_cast<size_t>(n));
-  close(fd);
-  return resp;
-}
 
 class CtxcachedTest : public ::testing::Test {
  protected:

@@ -65,6 +65,25 @@ class ServiceTest : public ::testing::Test {
     });
   }
 
+  // The context's `method` selectors, as a decode worker loads them from
+  // FetchIndex: owned, and as [layer][kv head] pointers.
+  void LoadSelectors(const std::string& id, const std::string& method,
+                     const model::ModelSpec& spec,
+                     std::vector<std::unique_ptr<index::Selector>>* owned,
+                     std::vector<std::vector<index::Selector*>>* sels) {
+    auto artifacts = client_->FetchIndex(id, method);
+    ASSERT_TRUE(artifacts.ok()) << artifacts.status().ToString();
+    sels->assign(spec.n_layers, {});
+    for (int l = 0; l < spec.n_layers; ++l) {
+      for (int h = 0; h < spec.n_kv_heads; ++h) {
+        auto sel = index::LoadSelector(method, artifacts->at({l, h}));
+        ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+        (*sels)[l].push_back(sel->get());
+        owned->push_back(std::move(sel).value());
+      }
+    }
+  }
+
   bool Healthy() {
     auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
     auto stub = grpc::health::v1::Health::NewStub(ch);
@@ -148,18 +167,9 @@ TEST_F(ServiceTest, SessionMatchesLocalDecodeForEveryMethod) {
   for (const char* method : {"csa", "tactic", "lfps", "quest", "streaming", "oracle", "full"}) {
     SCOPED_TRACE(method);
     // Local reference.
-    auto artifacts = client_->FetchIndex(id, method);
-    ASSERT_TRUE(artifacts.ok()) << artifacts.status().ToString();
     std::vector<std::unique_ptr<index::Selector>> owned;
-    std::vector<std::vector<index::Selector*>> sels(spec.n_layers);
-    for (int l = 0; l < spec.n_layers; ++l) {
-      for (int h = 0; h < spec.n_kv_heads; ++h) {
-        auto s = index::LoadSelector(method, artifacts->at({l, h}));
-        ASSERT_TRUE(s.ok()) << s.status().ToString();
-        sels[l].push_back(s->get());
-        owned.push_back(std::move(s).value());
-      }
-    }
+    std::vector<std::vector<index::Selector*>> sels;
+    ASSERT_NO_FATAL_FAILURE(LoadSelectors(id, method, spec, &owned, &sels));
     model::KvCachePageFetcher pages(&cache, 16);
     model::SparseAttentionOptions so;
     so.params["budget"] = std::to_string(budget);
@@ -221,18 +231,9 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
   const int64_t page_budget = index::PageBudget(0.05, n + static_cast<int64_t>(seq.size()), 16);
   for (const char* method : {"csa", "oracle", "tactic", "quest"}) {
     SCOPED_TRACE(method);
-    auto artifacts = client_->FetchIndex(id, method);
-    ASSERT_TRUE(artifacts.ok()) << artifacts.status().ToString();
     std::vector<std::unique_ptr<index::Selector>> owned;
-    std::vector<std::vector<index::Selector*>> sels(spec.n_layers);
-    for (int l = 0; l < spec.n_layers; ++l) {
-      for (int h = 0; h < spec.n_kv_heads; ++h) {
-        auto sel = index::LoadSelector(method, artifacts->at({l, h}));
-        ASSERT_TRUE(sel.ok()) << sel.status().ToString();
-        sels[l].push_back(sel->get());
-        owned.push_back(std::move(sel).value());
-      }
-    }
+    std::vector<std::vector<index::Selector*>> sels;
+    ASSERT_NO_FATAL_FAILURE(LoadSelectors(id, method, spec, &owned, &sels));
     // Embedded: the model's KvCache is the page source.
     model::KvCachePageFetcher fetcher(&stored, static_cast<int>(info.block_tokens()));
     auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, {});

@@ -87,5 +87,8 @@ Status UnimplementedError(std::string_view m) { return Status(StatusCode::kUnimp
 Status InternalError(std::string_view m) { return Status(StatusCode::kInternal, m); }
 Status UnavailableError(std::string_view m) { return Status(StatusCode::kUnavailable, m); }
 Status DataLossError(std::string_view m) { return Status(StatusCode::kDataLoss, m); }
+Status UnauthenticatedError(std::string_view m) {
+  return Status(StatusCode::kUnauthenticated, m);
+}
 
 }  // namespace ctxcache

@@ -91,6 +91,7 @@ Status UnimplementedError(std::string_view msg);
 Status InternalError(std::string_view msg);
 Status UnavailableError(std::string_view msg);
 Status DataLossError(std::string_view msg);
+Status UnauthenticatedError(std::string_view msg);
 
 // StatusOr<T>: either a value or a non-OK Status.
 template <typename T>

@@ -5,6 +5,7 @@
 
 #include "common/dtype.h"
 #include "index/methods.h"
+#include "auth/principal.h"
 #include "service/build_pipeline.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
@@ -79,12 +80,39 @@ Status Tokenize(const LoadedModel& model, bool has_text, const std::string& text
   return Status::OK();
 }
 
+// An ingest under the name of a model this server hosts must carry that
+// model's spec exactly: otherwise a client could store KV of another shape
+// (or fake KV) under the hosted model's name and fingerprint.
+Status CheckIngestSpec(const v1::ModelSpec& hosted, const v1::ModelSpec& got) {
+  auto field = [&](const char* name, uint64_t want, uint64_t have) -> Status {
+    if (want == have) return Status::OK();
+    return InvalidArgumentError("header.model." + std::string(name) + ": model '" +
+                                hosted.name() + "' is hosted here with " + name + " " +
+                                std::to_string(want) + ", the ingest says " +
+                                std::to_string(have) +
+                                "; an ingest under a hosted model's name must match its spec "
+                                "exactly");
+  };
+  RETURN_IF_ERROR(field("n_layers", hosted.n_layers(), got.n_layers()));
+  RETURN_IF_ERROR(field("n_q_heads", hosted.n_q_heads(), got.n_q_heads()));
+  RETURN_IF_ERROR(field("n_kv_heads", hosted.n_kv_heads(), got.n_kv_heads()));
+  RETURN_IF_ERROR(field("head_dim", hosted.head_dim(), got.head_dim()));
+  RETURN_IF_ERROR(field("kv_dtype", hosted.kv_dtype(), got.kv_dtype()));
+  if (hosted.fingerprint() != got.fingerprint()) {
+    return InvalidArgumentError("header.model.fingerprint: model '" + hosted.name() +
+                                "' is hosted here with another fingerprint; an ingest under a "
+                                "hosted model's name must carry its fingerprint");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
                                             const v1::BuildContextRequest* request,
                                             grpc::ServerWriter<v1::BuildProgress>* writer) {
-  RpcScope rpc(ctx_, "BuildContext");
+  RpcScope rpc(ctx_, context, "BuildContext", auth::Action::kBuild);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   if (request->input_case() == v1::BuildContextRequest::INPUT_NOT_SET) {
     return rpc.Finish(Invalid("one of text or tokens is required"));
@@ -101,26 +129,38 @@ grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
   if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
   job.indexes = std::move(idx).value();
   job.name = request->name();
-  job.tenant = request->tenant();
+  auto tenant = ctx_->access->TenantFor(rpc.principal(), request->tenant());
+  if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+  job.tenant = *tenant;
+  job.id_namespace = ctx_->access->IdNamespace(job.tenant, /*ingested=*/false);
+  job.provenance = v1::PROVENANCE_BUILT;
   job.labels.insert(request->labels().begin(), request->labels().end());
   job.ttl_ms = request->ttl_seconds() * 1000;
   job.pinned = request->pin();
-  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/false));
+  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/false, &rpc, job.tokens.size()));
 }
 
 grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                                              const v1::ExtendContextRequest* request,
                                              grpc::ServerWriter<v1::BuildProgress>* writer) {
-  RpcScope rpc(ctx_, "ExtendContext");
+  RpcScope rpc(ctx_, context, "ExtendContext", auth::Action::kBuild);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   auto pid = ParseContextId(request->parent_id());
   if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
+  rpc.set_context_id(pid->ToHex());
   if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
     return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
   }
   auto reader = ctx_->store->OpenReader(*pid);
   if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
   const v1::ContextManifest& parent = (*reader)->manifest();
+  // A shared parent may be extended by any builder: the child belongs to
+  // the caller's tenant.
+  if (Status s = AccessControl::CheckContext(rpc.principal(), *pid, parent, auth::Action::kRead);
+      !s.ok()) {
+    return rpc.Finish(ToGrpc(s));
+  }
   auto model = ctx_->models.Get(parent.model().name());
   if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
   if ((*model)->spec.fingerprint() != parent.model().fingerprint()) {
@@ -157,19 +197,26 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
     job.indexes = std::move(idx).value();
   }
   job.name = request->name().empty() ? parent.name() : request->name();
-  job.tenant = parent.tenant();
+  // The child belongs to the caller's tenant (an admin's: the parent's), and
+  // inherits the parent's provenance: a child of ingested KV is ingested.
+  job.tenant = rpc.principal().role == auth::Role::kAdmin ? parent.tenant()
+                                                          : rpc.principal().tenant;
+  job.provenance = parent.provenance();
+  job.id_namespace = ctx_->access->IdNamespace(job.tenant,
+                                               job.provenance == v1::PROVENANCE_INGESTED);
   job.labels.insert(parent.labels().begin(), parent.labels().end());
   for (const auto& [k, v] : request->labels()) job.labels[k] = v;
   job.ttl_ms = request->ttl_seconds() * 1000;
   job.pinned = request->pin();
   reader->reset();  // drop the lease; BeginBuild takes its own reference
-  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/true));
+  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/true, &rpc, extra.size()));
 }
 
 grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
                                              grpc::ServerReader<v1::IngestChunk>* reader,
                                              v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, "IngestContext");
+  RpcScope rpc(ctx_, context, "IngestContext", auth::Action::kBuild);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   v1::IngestChunk msg;
   if (!reader->Read(&msg) || !msg.has_header()) {
@@ -183,10 +230,30 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
   header.indexes = std::move(idx).value();
   header.name = h.name();
-  header.tenant = h.tenant();
+  if (h.ttl_seconds() < 0) return rpc.Finish(Invalid("header.ttl_seconds must be >= 0"));
+  if (ctx_->models.IsHosted(h.model().name())) {
+    auto hosted = ctx_->models.Get(h.model().name());
+    if (!hosted.ok()) return rpc.Finish(ToGrpc(hosted.status()));
+    if (Status s = CheckIngestSpec((*hosted)->spec, h.model()); !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+  }
+  auto tenant = ctx_->access->TenantFor(rpc.principal(), h.tenant());
+  if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+  rpc.set_tenant(*tenant);
+  header.tenant = *tenant;
+  // Ingested KV is asserted by the client: its ids live apart from built
+  // ones, so a later BuildContext of the same tokens never reuses it.
+  header.id_namespace = ctx_->access->IdNamespace(*tenant, /*ingested=*/true);
+  header.provenance = v1::PROVENANCE_INGESTED;
   header.labels.insert(h.labels().begin(), h.labels().end());
   header.ttl_ms = h.ttl_seconds() * 1000;
   header.pinned = h.pin();
+  auto quota = ctx_->quotas->AdmitBuild(*tenant, header.tokens.size());
+  if (!quota.ok()) return rpc.Finish(ToGrpc(quota.status()));
+  header.before_commit = [this, t = *tenant, g = &*quota](uint64_t bytes) {
+    return ctx_->quotas->AdmitCommit(t, bytes, g);
+  };
   auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
   if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
   IngestBuilder& b = **builder;
@@ -194,6 +261,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     while (reader->Read(&msg)) {
     }
     *response = ManifestToInfo(b.existing());
+    rpc.set_context_id(response->context_id());
     return rpc.Finish(grpc::Status::OK);
   }
   const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
@@ -229,6 +297,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
   auto manifest = b.Commit();
   if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
   *response = ManifestToInfo(*manifest);
+  rpc.set_context_id(response->context_id());
   ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
   ctx_->events.Publish(v1::ContextEvent::READY, *response);
   return rpc.Finish(grpc::Status::OK);
@@ -236,7 +305,13 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
 
 grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJob* job,
                                            grpc::ServerWriter<v1::BuildProgress>* writer,
-                                           bool extend) {
+                                           bool extend, RpcScope* rpc, uint64_t new_tokens) {
+  rpc->set_tenant(job->tenant);
+  auto quota = ctx_->quotas->AdmitBuild(job->tenant, new_tokens);
+  if (!quota.ok()) return ToGrpc(quota.status());
+  job->before_commit = [this, t = job->tenant, g = &*quota](uint64_t bytes) {
+    return ctx_->quotas->AdmitCommit(t, bytes, g);
+  };
   std::atomic<bool> cancel{false};
   auto client_gone = [&] { return context->IsCancelled(); };
   Gauge* depth = ctx_->metrics.GetGauge("ctxcache_build_queue_depth", "Builds waiting to run");
@@ -270,6 +345,7 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
     }
     v1::ContextInfo info;
     info.set_name(job->name);
+    info.set_tenant(job->tenant);  // watchers see their own tenant's events only
     info.set_state(v1::CONTEXT_STATE_FAILED);
     ctx_->events.Publish(v1::ContextEvent::FAILED, info);
     return ToGrpc(outcome.status());
@@ -284,6 +360,7 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
   v1::BuildProgress done = ProgressToProto(final_progress);
   done.set_reused(outcome->reused);
   *done.mutable_context() = ManifestToInfo(outcome->manifest);
+  if (!extend) rpc->set_context_id(done.context().context_id());
   if (!outcome->reused) {
     ctx_->metrics.GetCounter("ctxcache_builds_total", "Contexts built")->Inc();
     ctx_->metrics.GetCounter("ctxcache_written_bytes_total", "Bytes written by builds")
@@ -296,22 +373,34 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext* context,
                                           const v1::GetContextRequest* request,
                                           v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, "GetContext");
+  RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kRead);
+      !s.ok()) {
+    return rpc.Finish(ToGrpc(s));
+  }
   *response = ManifestToInfo(*m);
   return rpc.Finish(grpc::Status::OK);
 }
 
-grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext* context,
                                             const v1::ListContextsRequest* request,
                                             v1::ListContextsResponse* response) {
-  RpcScope rpc(ctx_, "ListContexts");
+  RpcScope rpc(ctx_, context, "ListContexts", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const auth::Principal& who = rpc.principal();
+  if (!request->tenant().empty() && who.role != auth::Role::kAdmin) {
+    return rpc.Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                   "tenant: only an admin may list another tenant's contexts; "
+                                   "leave it empty to list your own"));
+  }
   uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
   if (page_size > 1000) {
     return rpc.Finish(
@@ -325,6 +414,8 @@ grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext*,
                                    "page_token is not a token returned by ListContexts"));
   }
   for (const auto& m : ctx_->store->ListContexts()) {
+    if (!AccessControl::CanAccess(who, m.tenant(), m.shared(), auth::Action::kRead)) continue;
+    if (!request->tenant().empty() && m.tenant() != request->tenant()) continue;
     v1::ContextInfo info = ManifestToInfo(m);
     if (!after.empty() && info.context_id() <= after) continue;
     if (request->state_filter() != v1::CONTEXT_STATE_UNSPECIFIED &&
@@ -341,14 +432,20 @@ grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext*,
   return rpc.Finish(grpc::Status::OK);
 }
 
-grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
                                             const v1::EvictContextRequest* request,
                                             v1::EvictContextResponse* response) {
-  RpcScope rpc(ctx_, "EvictContext");
+  RpcScope rpc(ctx_, context, "EvictContext", auth::Action::kBuild);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+  rpc.set_context_id(id->ToHex());
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kBuild);
+      !s.ok()) {
+    return rpc.Finish(ToGrpc(s));
+  }
   auto deferred = ctx_->store->Delete(*id);
   if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
   response->set_deferred(*deferred);
@@ -360,24 +457,62 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext*,
   return rpc.Finish(grpc::Status::OK);
 }
 
-grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext*,
+grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext* context,
                                           const v1::PinContextRequest* request,
                                           v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, "PinContext");
-  auto id = ParseContextId(request->context_id());
-  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-  if (Status s = ctx_->store->SetPinned(*id, request->pinned()); !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  auto m = ctx_->store->GetManifest(*id);
-  if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
-  *response = ManifestToInfo(*m);
-  return rpc.Finish(grpc::Status::OK);
+  RpcScope rpc(ctx_, context, "PinContext", auth::Action::kBuild);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  return rpc.Finish(UpdateFlag(&rpc, request->context_id(), auth::Action::kBuild,
+                               [&](const storage::ContextId& id) {
+                                 return ctx_->store->SetPinned(id, request->pinned());
+                               },
+                               response));
 }
 
-grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
+                                            const v1::ShareContextRequest* request,
+                                            v1::ContextInfo* response) {
+  RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kAdmin);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  return rpc.Finish(UpdateFlag(&rpc, request->context_id(), auth::Action::kAdmin,
+                               [&](const storage::ContextId& id) {
+                                 return ctx_->store->SetShared(id, request->shared());
+                               },
+                               response));
+}
+
+grpc::Status AdminServiceImpl::UpdateFlag(
+    RpcScope* rpc, const std::string& context_id, auth::Action action,
+    const std::function<Status(const storage::ContextId&)>& update, v1::ContextInfo* response) {
+  auto id = ParseContextId(context_id);
+  if (!id.ok()) return ToGrpc(id.status());
+  rpc->set_context_id(id->ToHex());
+  auto before = ctx_->store->GetManifest(*id);
+  if (!before.ok()) return ToGrpc(before.status());
+  if (Status s = AccessControl::CheckContext(rpc->principal(), *id, *before, action); !s.ok()) {
+    return ToGrpc(s);
+  }
+  if (Status s = update(*id); !s.ok()) return ToGrpc(s);
+  auto m = ctx_->store->GetManifest(*id);
+  if (!m.ok()) return ToGrpc(m.status());
+  *response = ManifestToInfo(*m);
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                                         v1::ServerStats* response) {
-  RpcScope rpc(ctx_, "GetStats");
+  RpcScope rpc(ctx_, context, "GetStats", auth::Action::kStats);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (rpc.principal().role != auth::Role::kAdmin) {
+    // Non-admins see their own tenant only: nothing about other tenants'
+    // contexts (counts and bytes would leak their activity).
+    TenantUsage u = ctx_->quotas->Usage(rpc.principal().tenant);
+    response->set_version(CTXCACHE_VERSION);
+    response->set_n_contexts(u.contexts);
+    response->set_stored_bytes(u.stored_bytes);
+    for (const auto& m : ctx_->models.Available()) response->add_models(m);
+    return rpc.Finish(grpc::Status::OK);
+  }
   storage::StoreStats st = ctx_->store->GetStats();
   response->set_version(CTXCACHE_VERSION);
   response->set_uptime_s(

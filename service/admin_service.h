@@ -5,12 +5,17 @@
 // in ServiceContext, whose members are thread-safe.
 #pragma once
 
+#include <functional>
+
+#include "auth/principal.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "service/service_context.h"
+#include "storage/keys.h"
 
 namespace ctxcache::service {
 
 struct BuildJob;
+class RpcScope;
 
 class AdminServiceImpl final : public v1::ContextAdmin::Service {
  public:
@@ -33,11 +38,20 @@ class AdminServiceImpl final : public v1::ContextAdmin::Service {
                           v1::ContextInfo* response) override;
   grpc::Status GetStats(grpc::ServerContext* context, const v1::GetStatsRequest* request,
                         v1::ServerStats* response) override;
+  grpc::Status ShareContext(grpc::ServerContext* context, const v1::ShareContextRequest* request,
+                            v1::ContextInfo* response) override;
 
  private:
   // Shared by Build and Extend: queue, run, stream progress, publish events.
+  // Quotas (service/quotas.h) are admitted here; `new_tokens` counts
+  // against build_tokens_per_minute.
   grpc::Status RunBuildRpc(grpc::ServerContext* context, BuildJob* job,
-                           grpc::ServerWriter<v1::BuildProgress>* writer, bool extend);
+                           grpc::ServerWriter<v1::BuildProgress>* writer, bool extend,
+                           RpcScope* rpc, uint64_t new_tokens);
+  // Shared by Pin and Share: check access, apply `update`, return the info.
+  grpc::Status UpdateFlag(RpcScope* rpc, const std::string& context_id, auth::Action action,
+                          const std::function<Status(const storage::ContextId&)>& update,
+                          v1::ContextInfo* response);
 
   ServiceContext* ctx_;
 };

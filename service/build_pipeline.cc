@@ -34,6 +34,8 @@ storage::BuildRequest StoreRequest(const v1::ModelSpec& model, std::span<const u
   req.tokens = tokens;
   req.name = job.name;
   req.tenant = job.tenant;
+  req.id_namespace = job.id_namespace;
+  req.provenance = job.provenance;
   req.labels = job.labels;
   req.ttl_ms = job.ttl_ms;
   req.pinned = job.pinned;
@@ -410,6 +412,9 @@ StatusOr<BuildOutcome> RunBuild(storage::Store* store, const BuildJob& job,
     p.layers_indexed = static_cast<uint32_t>(spec.n_layers);
     progress(p);
   }
+  if (job.before_commit) {
+    if (Status s = job.before_commit(writer->bytes_written()); !s.ok()) return fail(s);
+  }
   auto committed = writer->Commit();
   if (!committed.ok()) return fail(committed.status());
   outcome.manifest = std::move(committed).value();
@@ -456,6 +461,7 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->spec_.head_dim = static_cast<int>(spec.head_dim());
   b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
   b->indexes_ = std::move(header.indexes);
+  b->before_commit_ = std::move(header.before_commit);
   ASSIGN_OR_RETURN(storage::BuildStart start,
                    store->BeginBuild(StoreRequest(spec, header.tokens, header)));
   if (!start.writer) {
@@ -541,6 +547,7 @@ StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
         queries_->sink.Gather(layer, h, q, pos);
       },
       nullptr, nullptr));
+  if (before_commit_) RETURN_IF_ERROR(before_commit_(writer_->bytes_written()));
   ASSIGN_OR_RETURN(v1::ContextManifest manifest, writer_->Commit());
   writer_.reset();
   return manifest;

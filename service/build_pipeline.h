@@ -42,9 +42,15 @@ struct BuildJob {
   std::vector<IndexRequest> indexes;
   std::string name;
   std::string tenant;
+  // storage::BuildRequest::id_namespace and provenance (service/access.h).
+  std::string id_namespace;
+  v1::Provenance provenance = v1::PROVENANCE_BUILT;
   std::map<std::string, std::string> labels;
   int64_t ttl_ms = 0;
   bool pinned = false;
+  // Called right before the commit with the bytes the new context stores;
+  // an error aborts the build (nothing stays stored). Quotas use it.
+  std::function<Status(uint64_t bytes)> before_commit;
 };
 
 struct BuildOptions {
@@ -125,9 +131,13 @@ class IngestBuilder {
     std::vector<IndexRequest> indexes;
     std::string name;
     std::string tenant;
+    std::string id_namespace;
+    v1::Provenance provenance = v1::PROVENANCE_INGESTED;
     std::map<std::string, std::string> labels;
     int64_t ttl_ms = 0;
     bool pinned = false;
+    // As BuildJob::before_commit.
+    std::function<Status(uint64_t bytes)> before_commit;
   };
 
   // Validates the header (InvalidArgument naming the field) and begins the
@@ -162,6 +172,7 @@ class IngestBuilder {
   DType kv_dtype_ = DType::kBF16;
   int64_t n_tokens_ = 0;
   std::vector<IndexRequest> indexes_;
+  std::function<Status(uint64_t)> before_commit_;
   std::unique_ptr<storage::ContextWriter> writer_;
   v1::ContextManifest existing_;
   std::vector<int64_t> next_;                     // per layer: the next token expected

@@ -27,6 +27,18 @@ std::string ServerConfig::ToToml() const {
      << "max-message-bytes = " << max_message_bytes << "\n"
      << "keepalive-time-s = " << keepalive_time_s << "\n"
      << "drain-timeout-s = " << drain_timeout_s << "\n"
+     << "tls-cert = " << q(tls_cert) << "\n"
+     << "tls-key = " << q(tls_key) << "\n"
+     << "tls-client-ca = " << q(tls_client_ca) << "\n"
+     << "tls-refresh-s = " << tls_refresh_s << "\n"
+     << "keys-file = " << q(keys_file) << "\n"
+     << "tenants-file = " << q(tenants_file) << "\n"
+     << "id-secret-file = " << q(id_secret_file) << "\n"
+     << "insecure = " << (insecure ? "true" : "false") << "\n"
+     << "reflection = " << (reflection ? "true" : "false") << "\n"
+     << "audit-log = " << q(audit_log) << "\n"
+     << "metrics-token-file = " << q(metrics_token_file) << "\n"
+     << "max-streams-per-connection = " << max_streams_per_connection << "\n"
      << "log-level = " << q(log_level) << "\n";
   return os.str();
 }
@@ -77,6 +89,27 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--drain-timeout-s", c.drain_timeout_s, "Drain time on SIGTERM (s)")
       ->capture_default_str();
+  app.add_option("--tls-cert", c.tls_cert, "TLS certificate chain (PEM)");
+  app.add_option("--tls-key", c.tls_key, "TLS private key (PEM)");
+  app.add_option("--tls-client-ca", c.tls_client_ca, "Require client certificates from this CA (mTLS)");
+  app.add_option("--tls-refresh-s", c.tls_refresh_s, "Re-read changed TLS files every N s")
+      ->check(CLI::Range(1u, 3600u))
+      ->capture_default_str();
+  app.add_option("--keys-file", c.keys_file, "API keys file (enables authentication)");
+  app.add_option("--tenants-file", c.tenants_file, "Per-tenant quotas file");
+  app.add_option("--id-secret-file", c.id_secret_file,
+                 "Secret salting tenant context ids (default <data-dir>/ID_SECRET)");
+  app.add_flag("--insecure", c.insecure,
+               "Allow a non-loopback --listen without TLS and API keys (not recommended)");
+  app.add_option("--reflection", c.reflection, "Serve gRPC server reflection (true|false)")
+      ->capture_default_str();
+  app.add_option("--audit-log", c.audit_log, "Audit log file ('' = the server log)");
+  app.add_option("--metrics-token-file", c.metrics_token_file,
+                 "Bearer token the metrics endpoint requires");
+  app.add_option("--max-streams-per-connection", c.max_streams_per_connection,
+                 "Concurrent calls per client connection")
+      ->check(CLI::Range(1u, 100000u))
+      ->capture_default_str();
   app.add_option("--log-level", c.log_level, "trace|debug|info|warn|error|off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -89,6 +122,12 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
     return CancelledError(app.help());
   } catch (const CLI::ParseError& e) {
     return InvalidArgumentError(std::string(e.what()) + "; run ctxcached --help for the options");
+  }
+  if (c.tls_cert.empty() != c.tls_key.empty()) {
+    return InvalidArgumentError("--tls-cert and --tls-key go together: give both or neither");
+  }
+  if (!c.tls_client_ca.empty() && c.tls_cert.empty()) {
+    return InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS)");
   }
   if (c.low_watermark > c.high_watermark) {
     return InvalidArgumentError("--low-watermark must be <= --high-watermark");

@@ -63,6 +63,43 @@ struct ServerConfig {
   // Seconds to wait for in-flight RPCs on SIGTERM before cancelling them.
   uint32_t drain_timeout_s = 5;
 
+  // --- Security (docs/security.md) ---
+  // TLS server certificate chain and private key (PEM). Both or neither.
+  // Re-read when the files change (every tls_refresh_s) without dropping
+  // connections or sessions. Default: "" (plaintext).
+  std::string tls_cert;
+  std::string tls_key;
+  // CA bundle (PEM) that client certificates must chain to; set = mTLS
+  // required. Default: "" (no client certificates).
+  std::string tls_client_ca;
+  // How often gRPC's certificate watcher re-reads the TLS files, seconds.
+  // Default: 5.
+  uint32_t tls_refresh_s = 5;
+  // API keys and mTLS subject mappings (auth/keys_file.h); set = every
+  // ContextAdmin and DecodeService call must authenticate. Re-read when it
+  // changes and on SIGHUP. Default: "" (no authentication: loopback only).
+  std::string keys_file;
+  // Per-tenant quotas (auth/tenants.h). Re-read on SIGHUP. Default: "" (none).
+  std::string tenants_file;
+  // 32-byte secret that salts tenant context ids; created on first start.
+  // Every node of a cluster must share it. Default: "" = <data_dir>/ID_SECRET.
+  std::string id_secret_file;
+  // Allow a non-loopback --listen without TLS and keys (logs a warning).
+  // Default: false.
+  bool insecure = false;
+  // Serve gRPC server reflection. Default: true.
+  bool reflection = true;
+  // One JSON line per ContextAdmin call that changes state (who, tenant,
+  // what, context, result): "" = the server log (logger "audit"), else a
+  // file appended to. Default: "".
+  std::string audit_log;
+  // File holding a bearer token the metrics endpoint requires
+  // ("Authorization: Bearer <token>"). Default: "" (open).
+  std::string metrics_token_file;
+  // Concurrent streams (calls) per client connection (HTTP/2
+  // MAX_CONCURRENT_STREAMS). Default: 128.
+  uint32_t max_streams_per_connection = 128;
+
   // --- Testing ---
   // Flips one bit of every page payload sent (after its crc32c is computed),
   // so tests can prove clients detect corruption. Never set in production.

@@ -4,7 +4,9 @@
 
 #include <chrono>
 
+#include "auth/principal.h"
 #include "common/crc32c.h"
+#include "service/access.h"
 #include "service/decode_session.h"
 #include "service/grpc_status.h"
 #include "index/methods.h"
@@ -130,9 +132,10 @@ class SessionSlot {
 class DecodeStreamHandler {
  public:
   using WriteFn = std::function<bool(const v1::DecodeResponse&)>;
-  DecodeStreamHandler(ServiceContext* ctx, std::string stream_name)
+  DecodeStreamHandler(ServiceContext* ctx, std::string stream_name, auth::Principal principal)
       : ctx_(ctx),
         stream_name_(std::move(stream_name)),
+        principal_(std::move(principal)),
         slot_(ctx),
         step_hist_(ctx->metrics.GetHistogram("ctxcache_decode_step_duration_seconds",
                                              "Server time per decode layer-step")),
@@ -186,9 +189,13 @@ class DecodeStreamHandler {
   Status OpenReserved(const v1::OpenSession& open, v1::SessionOpened* out) {
     ASSIGN_OR_RETURN(storage::ContextId id, ParseContextId(open.context_id()));
     ASSIGN_OR_RETURN(auto reader, ctx_->store->OpenReader(id));
+    RETURN_IF_ERROR(
+        AccessControl::CheckContext(principal_, id, reader->manifest(), auth::Action::kRead));
+    ASSIGN_OR_RETURN(QuotaGuard quota, ctx_->quotas->AdmitSession(principal_.tenant));
     std::map<std::string, std::string> params(open.params().begin(), open.params().end());
     ASSIGN_OR_RETURN(session_, DecodeSession::Open(std::move(reader), open.method(), params,
                                                    open.want_pages()));
+    session_quota_ = std::move(quota);
     sessions_gauge_->Set(ctx_->open_sessions.load());
     out->set_session_id(open.context_id() + "/" + stream_name_);
     *out->mutable_context() = ManifestToInfo(session_->manifest());
@@ -226,7 +233,9 @@ class DecodeStreamHandler {
 
   ServiceContext* ctx_;
   const std::string stream_name_;
+  const auth::Principal principal_;
   SessionSlot slot_;
+  QuotaGuard session_quota_;  // the tenant's max_sessions share
   std::unique_ptr<DecodeSession> session_;
   Histogram* step_hist_;
   Counter* bytes_read_;
@@ -275,7 +284,8 @@ void DecodeServiceImpl::CancelAll() {
 grpc::Status DecodeServiceImpl::Decode(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
-  RpcScope rpc(ctx_, "Decode");
+  RpcScope rpc(ctx_, context, "Decode", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   auto live = std::make_unique<LiveStream>();
   live->context = context;
@@ -294,7 +304,8 @@ grpc::Status DecodeServiceImpl::Decode(
     }
   } unregister{this, key};
 
-  DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)));
+  DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)),
+                              rpc.principal());
   v1::DecodeRequest req;
   while (stream->Read(&req)) {
     key->last_activity_ms = NowMs();
@@ -311,11 +322,17 @@ grpc::Status DecodeServiceImpl::Decode(
 grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
                                            const v1::FetchIndexRequest* request,
                                            grpc::ServerWriter<v1::IndexChunk>* writer) {
-  RpcScope rpc(ctx_, "FetchIndex");
+  RpcScope rpc(ctx_, context, "FetchIndex", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto reader = ctx_->store->OpenReader(*id);
   if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
+                                             auth::Action::kRead);
+      !s.ok()) {
+    return rpc.Finish(ToGrpc(s));
+  }
   const v1::ContextManifest& m = (*reader)->manifest();
   std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
   std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
@@ -387,11 +404,17 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
 grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                            const v1::FetchPagesRequest* request,
                                            grpc::ServerWriter<v1::PageBatch>* writer) {
-  RpcScope rpc(ctx_, "FetchPages");
+  RpcScope rpc(ctx_, context, "FetchPages", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto reader = ctx_->store->OpenReader(*id);
   if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
+                                             auth::Action::kRead);
+      !s.ok()) {
+    return rpc.Finish(ToGrpc(s));
+  }
   const v1::ContextManifest& m = (*reader)->manifest();
   PageBatcher batcher(
       kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
@@ -428,8 +451,16 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
 grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
                                               const v1::WatchRequest* request,
                                               grpc::ServerWriter<v1::ContextEvent>* writer) {
-  RpcScope rpc(ctx_, "WatchContexts");
-  auto sub = ctx_->events.Subscribe();
+  RpcScope rpc(ctx_, context, "WatchContexts", auth::Action::kRead);
+  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (!request->context_id().empty()) {
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status().WithContext("context_id filter")));
+  }
+  // Only events of contexts the caller may read are ever queued for it.
+  auto sub = ctx_->events.Subscribe([who = rpc.principal()](const v1::ContextInfo& c) {
+    return AccessControl::CanAccess(who, c.tenant(), c.shared(), auth::Action::kRead);
+  });
   struct Unsub {
     EventHub* hub;
     std::shared_ptr<EventHub::Subscriber> s;

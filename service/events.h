@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -18,7 +19,11 @@ namespace ctxcache::service {
 
 class EventHub {
  public:
+  // Which events a subscriber receives (e.g. its tenant's); null = all.
+  using Filter = std::function<bool(const v1::ContextInfo&)>;
+
   struct Subscriber {
+    Filter filter;  // immutable after Subscribe
     std::mutex mu;
     std::condition_variable cv;
     std::deque<v1::ContextEvent> queue;  // guarded by mu
@@ -26,8 +31,9 @@ class EventHub {
     bool closed = false;                 // guarded by mu
   };
 
-  std::shared_ptr<Subscriber> Subscribe() {
+  std::shared_ptr<Subscriber> Subscribe(Filter filter = nullptr) {
     auto s = std::make_shared<Subscriber>();
+    s->filter = std::move(filter);
     std::lock_guard<std::mutex> lock(mu_);
     subs_.push_back(s);
     return s;
@@ -47,6 +53,7 @@ class EventHub {
                      .count());
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& s : subs_) {
+      if (s->filter && !s->filter(info)) continue;
       std::lock_guard<std::mutex> sl(s->mu);
       if (s->queue.size() >= kMaxQueue) {
         s->queue.pop_front();

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -357,12 +358,43 @@ void Reply(mg_connection* conn, int code, const char* reason, const std::string&
   mg_write(conn, body.data(), body.size());
 }
 
+// Bearer tokens of the running endpoints, by listening port (civetweb's
+// begin_request callback has no pointer back to our server object).
+std::mutex tokens_mu;
+std::map<int, std::string>& TokensByPort() {
+  static auto* m = new std::map<int, std::string>();
+  return *m;
+}
+
+bool TokenMatches(const mg_connection* conn, int port) {
+  std::string want;
+  {
+    std::lock_guard<std::mutex> l(tokens_mu);
+    auto it = TokensByPort().find(port);
+    if (it == TokensByPort().end()) return true;  // no token configured
+    want = "Bearer " + it->second;
+  }
+  const char* got = mg_get_header(conn, "Authorization");
+  std::string_view g = got ? got : "";
+  // Constant time in the token's length.
+  volatile uint8_t diff = g.size() != want.size();
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff = diff | static_cast<uint8_t>(want[i] ^ (i < g.size() ? g[i] : 0));
+  }
+  return diff == 0;
+}
+
 // Runs before civetweb's URI handlers: everything but /metrics (which the
-// exposer serves) is answered here, as the hand-rolled server did.
+// exposer serves) is answered here, as the hand-rolled server did, and a
+// scrape without the configured bearer token gets 401.
 int BeginRequest(mg_connection* conn) {
   const mg_request_info* req = mg_get_request_info(conn);
   std::string uri = req->local_uri ? req->local_uri : "";
-  if (uri == "/metrics" || uri.rfind("/metrics/", 0) == 0) return 0;
+  if (uri == "/metrics" || uri.rfind("/metrics/", 0) == 0) {
+    if (TokenMatches(conn, req->server_port)) return 0;
+    Reply(conn, 401, "Unauthorized", "send the header 'Authorization: Bearer <token>'\n");
+    return 401;
+  }
   if (uri == "/" && std::strcmp(req->request_method, "GET") == 0) {
     Reply(conn, 200, "OK", "ctxcached: metrics at /metrics\n");
     return 200;
@@ -387,7 +419,7 @@ MetricsHttpServer::MetricsHttpServer(const MetricsRegistry* registry) : registry
 
 MetricsHttpServer::~MetricsHttpServer() { Stop(); }
 
-Status MetricsHttpServer::Start(const std::string& listen) {
+Status MetricsHttpServer::Start(const std::string& listen, const std::string& bearer_token) {
   auto colon = listen.rfind(':');
   if (colon == std::string::npos) {
     return InvalidArgumentError("--metrics-listen '" + listen + "': expected HOST:PORT");
@@ -448,6 +480,10 @@ Status MetricsHttpServer::Start(const std::string& listen) {
   exposer_->RegisterCollectable(registry_->collectable());
   std::vector<int> ports = exposer_->GetListeningPorts();
   port_ = ports.empty() ? 0 : ports.front();
+  if (!bearer_token.empty()) {
+    std::lock_guard<std::mutex> l(tokens_mu);
+    TokensByPort()[port_] = bearer_token;
+  }
   return Status::OK();
 }
 
@@ -486,6 +522,8 @@ void MetricsHttpServer::Stop() {
   exposer_.reset();
   stopped = true;
   waker.join();
+  std::lock_guard<std::mutex> l(tokens_mu);
+  TokensByPort().erase(port_);
 }
 
 }  // namespace ctxcache::service

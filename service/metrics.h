@@ -149,7 +149,9 @@ class MetricsHttpServer {
   // 0 picks a free port) and starts serving on background threads. IPv6
   // ("[::1]:7701") only where civetweb is built with IPv6 (Debian 12's is not:
   // host names then resolve to IPv4 and IPv6 literals are InvalidArgument).
-  Status Start(const std::string& listen);
+  // A non-empty `bearer_token` is required on /metrics ("Authorization:
+  // Bearer <token>"; 401 otherwise).
+  Status Start(const std::string& listen, const std::string& bearer_token = "");
   // The bound port (after Start).
   int port() const { return port_; }
   // Stops serving (waits for in-flight scrapes). Idempotent.

@@ -85,4 +85,12 @@ StatusOr<std::shared_ptr<const LoadedModel>> ModelRegistry::Get(const std::strin
   return std::shared_ptr<const LoadedModel>(loaded);
 }
 
+bool ModelRegistry::IsHosted(const std::string& name) const {
+  if (name.empty()) return false;
+  for (const auto& n : Available()) {
+    if (n == name) return true;
+  }
+  return false;
+}
+
 }  // namespace ctxcache::service

@@ -41,6 +41,8 @@ class ModelRegistry {
 
   // Names of the model directories under model_dir (those with config.json).
   std::vector<std::string> Available() const;
+  // Whether `name` (non-empty) is one of Available().
+  bool IsHosted(const std::string& name) const;
   const std::string& default_model() const { return default_model_; }
 
  private:

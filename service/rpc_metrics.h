@@ -1,15 +1,26 @@
-// Per-RPC accounting: count, latency and errors per method, plus one debug
-// log line per RPC. Use as a scope guard at the top of every handler:
-//   RpcScope rpc(ctx_, "GetContext");
-//   ...
+// The scope of every RPC handler: authentication and authorization
+// (service/access.h), per-RPC accounting (count, latency and errors per
+// method, one debug log line per RPC) and the audit log. Use it first thing
+// in every ContextAdmin and DecodeService handler:
+//   RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
+//   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+//   ... rpc.principal() ..., rpc.set_context_id(hex) ...
 //   return rpc.Finish(status);
+// The audit log gets one JSON line per call that changes state (actions
+// build and admin) and per call refused for its credentials or role: who
+// (key id / cert subject, never the key), tenant, role, rpc, context id,
+// peer and result. Never a key, never a prompt.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <string>
 
+#include "auth/principal.h"
+#include "service/access.h"
+#include "service/grpc_status.h"
 #include "service/metrics.h"
 #include "service/service_context.h"
 
@@ -17,8 +28,29 @@ namespace ctxcache::service {
 
 class RpcScope {
  public:
-  RpcScope(ServiceContext* ctx, const char* method)
-      : ctx_(ctx), method_(method), start_(std::chrono::steady_clock::now()) {}
+  RpcScope(ServiceContext* ctx, const grpc::ServerContext* context, const char* method,
+           auth::Action action)
+      : ctx_(ctx),
+        context_(context),
+        method_(method),
+        action_(action),
+        start_(std::chrono::steady_clock::now()) {
+    auto p = ctx_->access->Authenticate(context);
+    if (p.ok()) {
+      principal_ = std::move(p).value();
+      authenticated_ = true;
+      auth_status_ = ToGrpc(AccessControl::CheckRole(principal_, action, method));
+    } else {
+      auth_status_ = ToGrpc(p.status());
+    }
+  }
+
+  bool authorized() const { return auth_status_.ok(); }
+  const grpc::Status& auth_status() const { return auth_status_; }
+  const auth::Principal& principal() const { return principal_; }
+  // For the audit line: the context the call acted on, and its tenant.
+  void set_context_id(std::string id) { context_id_ = std::move(id); }
+  void set_tenant(std::string tenant) { tenant_ = std::move(tenant); }
 
   grpc::Status Finish(const grpc::Status& status) {
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
@@ -36,6 +68,12 @@ class RpcScope {
     }
     spdlog::debug("rpc method={} code={} duration_us={:.0f} msg=\"{}\"", method_,
                   CodeName(status.error_code()), secs * 1e6, status.error_message());
+    const bool refused = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+                         status.error_code() == grpc::StatusCode::PERMISSION_DENIED;
+    if (ctx_->audit && (action_ == auth::Action::kBuild || action_ == auth::Action::kAdmin ||
+                        refused)) {
+      Audit(status);
+    }
     return status;
   }
 
@@ -43,9 +81,44 @@ class RpcScope {
   static std::string CodeName(grpc::StatusCode code) {
     return std::string(StatusCodeName(static_cast<StatusCode>(code)));
   }
+  // JSON string escaping for the few fields we log (ids, names, peer).
+  static std::string Json(const std::string& s) {
+    std::string out = "\"";
+    for (char c : s.substr(0, 256)) {
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        out += ' ';
+      } else {
+        out += c;
+      }
+    }
+    return out + "\"";
+  }
+  void Audit(const grpc::Status& status) {
+    const bool authenticated = authenticated_;
+    ctx_->audit->info(
+        "{{\"rpc\":{},\"who\":{},\"role\":{},\"tenant\":{},\"context\":{},\"peer\":{},"
+        "\"code\":{},\"duration_ms\":{:.1f}}}",
+        Json(method_), Json(authenticated ? principal_.id : "unauthenticated"),
+        Json(authenticated ? std::string(auth::RoleName(principal_.role)) : ""),
+        Json(tenant_.empty() && authenticated ? principal_.tenant : tenant_), Json(context_id_),
+        Json(context_->peer()), Json(CodeName(status.error_code())),
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_)
+            .count());
+  }
+
   ServiceContext* ctx_;
+  const grpc::ServerContext* context_;
   const char* method_;
+  auth::Action action_;
   std::chrono::steady_clock::time_point start_;
+  auth::Principal principal_;
+  bool authenticated_ = false;
+  grpc::Status auth_status_;
+  std::string context_id_;
+  std::string tenant_;
 };
 
 }  // namespace ctxcache::service

@@ -3,15 +3,22 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
 #include <signal.h>
+#include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
+#include <cctype>
 
 #include "common/logging.h"
+#include "service/access.h"
 #include "service/admin_service.h"
 #include "service/decode_service.h"
 #include "service/metrics.h"
@@ -26,6 +33,45 @@
 #endif
 
 namespace ctxcache::service {
+
+namespace {
+
+std::string ReadSmallFile(const std::string& path, Status* error, const char* flag) {
+  std::ifstream f(path);
+  if (!f) {
+    *error = InvalidArgumentError(std::string(flag) + ": cannot read '" + path + "'");
+    return "";
+  }
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// The PEM files must exist and look like PEM before gRPC's watcher takes
+// over (it only logs what it cannot read).
+Status CheckPem(const std::string& path, const char* flag, const char* what) {
+  if (path.empty()) return Status::OK();
+  Status err;
+  std::string text = ReadSmallFile(path, &err, flag);
+  if (!err.ok()) return err;
+  if (text.find("-----BEGIN ") == std::string::npos || text.find(what) == std::string::npos) {
+    return InvalidArgumentError(std::string(flag) + ": '" + path + "' holds no PEM " + what);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+bool IsLoopbackListen(const std::string& listen) {
+  if (listen.rfind("unix:", 0) == 0) return true;
+  std::string host = listen;
+  auto colon = listen.rfind(':');
+  if (colon != std::string::npos) host = listen.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
 
 class ServerImpl {
  public:
@@ -59,16 +105,57 @@ class ServerImpl {
     }
     ctx_.store = std::move(store).value();
 
+    // Safe defaults: without TLS and keys, loopback only (unless --insecure).
+    const bool secured = !c.tls_cert.empty() && !c.keys_file.empty();
+    if (!secured && !IsLoopbackListen(c.listen)) {
+      if (!c.insecure) {
+        return FailedPreconditionError(
+            "--listen " + c.listen +
+            " is not a loopback address, and the server has no TLS (--tls-cert/--tls-key) and "
+            "no API keys (--keys-file): anyone who reaches the port could read every context. "
+            "Configure both (docs/security.md), listen on 127.0.0.1, or pass --insecure");
+      }
+      spdlog::warn("--insecure: serving {} without {}; any client that reaches it can read, "
+                   "build and evict every context",
+                   c.listen,
+                   c.tls_cert.empty() && c.keys_file.empty() ? "TLS or API keys"
+                   : c.tls_cert.empty()                       ? "TLS"
+                                                              : "API keys");
+    }
+    RETURN_IF_ERROR(CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"));
+    RETURN_IF_ERROR(CheckPem(c.tls_key, "--tls-key", "PRIVATE KEY"));
+    RETURN_IF_ERROR(CheckPem(c.tls_client_ca, "--tls-client-ca", "CERTIFICATE"));
+    auto access = AccessControl::Create(c);
+    if (!access.ok()) return access.status();
+    ctx_.access = std::move(access).value();
+    ctx_.quotas =
+        std::make_unique<TenantQuotas>(ctx_.access.get(), ctx_.store.get(), &ctx_.metrics);
+    if (Status s = OpenAuditLog(); !s.ok()) return s;
+    std::string metrics_token;
+    if (!c.metrics_token_file.empty()) {
+      Status err;
+      metrics_token = ReadSmallFile(c.metrics_token_file, &err, "--metrics-token-file");
+      if (!err.ok()) return err;
+      while (!metrics_token.empty() && std::isspace(static_cast<unsigned char>(metrics_token.back()))) {
+        metrics_token.pop_back();
+      }
+      if (metrics_token.size() < 16) {
+        return InvalidArgumentError("--metrics-token-file: the token must have >= 16 characters");
+      }
+    }
+
     RegisterProcessMetrics();
 
     admin_ = std::make_unique<AdminServiceImpl>(&ctx_);
     decode_ = std::make_unique<DecodeServiceImpl>(&ctx_);
 
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
     int bound_port = 0;
-    builder.AddListeningPort(c.listen, grpc::InsecureServerCredentials(), &bound_port);
+    builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                               static_cast<int>(c.max_streams_per_connection));
     builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
@@ -91,7 +178,7 @@ class ServerImpl {
 
     if (!c.metrics_listen.empty()) {
       metrics_http_ = std::make_unique<MetricsHttpServer>(&ctx_.metrics);
-      Status s = metrics_http_->Start(c.metrics_listen);
+      Status s = metrics_http_->Start(c.metrics_listen, metrics_token);
       if (!s.ok()) {
         Shutdown();
         return s;
@@ -108,10 +195,32 @@ class ServerImpl {
       std::rename(tmp.c_str(), c.port_file.c_str());
     }
     spdlog::info(
-        "serving gRPC on port {} (ContextAdmin, DecodeService, health, reflection); "
-        "metrics on {}",
-        port_, metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)");
+        "serving gRPC on port {} (ContextAdmin, DecodeService, health{}) over {}{}; "
+        "authentication {}; metrics on {}{}",
+        port_, c.reflection ? ", reflection" : "", c.tls_cert.empty() ? "plaintext" : "TLS",
+        c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
+        ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
+        metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",
+        metrics_token.empty() ? "" : " (bearer token required)");
     return Status::OK();
+  }
+
+  // SIGHUP: re-read the keys and tenants files now, and check the TLS files
+  // (gRPC's watcher swaps them in within --tls-refresh-s).
+  void Reload() {
+    if (!ctx_.access) return;
+    Status s = ctx_.access->Reload();
+    if (!s.ok()) spdlog::error("reload: {}; the previous configuration stays in force", s.ToString());
+    const ServerConfig& c = ctx_.config;
+    for (Status t : {CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"),
+                     CheckPem(c.tls_key, "--tls-key", "PRIVATE KEY"),
+                     CheckPem(c.tls_client_ca, "--tls-client-ca", "CERTIFICATE")}) {
+      if (!t.ok()) spdlog::error("reload: {}", t.ToString());
+    }
+    if (!c.tls_cert.empty()) {
+      spdlog::info("reload: TLS files are picked up within {} s (--tls-refresh-s)",
+                   c.tls_refresh_s);
+    }
   }
 
   void Shutdown() {
@@ -179,7 +288,48 @@ class ServerImpl {
                        [this] { return static_cast<double>(ctx_.config.capacity_bytes); });
   }
 
+  std::shared_ptr<grpc::ServerCredentials> ServerCredentials() {
+    const ServerConfig& c = ctx_.config;
+    if (c.tls_cert.empty()) return grpc::InsecureServerCredentials();
+    // The watcher re-reads the files every tls_refresh_s: a renewed
+    // certificate takes effect for new handshakes, existing connections
+    // (and their sessions) stay up.
+    cert_provider_ = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        c.tls_key, c.tls_cert, c.tls_client_ca, c.tls_refresh_s);
+    grpc::experimental::TlsServerCredentialsOptions opts(cert_provider_);
+    opts.watch_identity_key_cert_pairs();
+    if (!c.tls_client_ca.empty()) {
+      opts.watch_root_certs();
+      opts.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    } else {
+      opts.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    }
+    return grpc::experimental::TlsServerCredentials(opts);
+  }
+
+  Status OpenAuditLog() {
+    const std::string& path = ctx_.config.audit_log;
+    const std::string name = "audit-" + std::to_string(reinterpret_cast<uintptr_t>(this));
+    try {
+      if (path.empty()) {
+        auto def = spdlog::default_logger();
+        ctx_.audit = std::make_shared<spdlog::logger>("audit", def->sinks().begin(),
+                                                      def->sinks().end());
+      } else {
+        auto sink = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path);
+        ctx_.audit = std::make_shared<spdlog::logger>(name, sink);
+        ctx_.audit->set_pattern("%v");
+        ctx_.audit->flush_on(spdlog::level::info);
+      }
+      ctx_.audit->set_level(spdlog::level::info);
+    } catch (const std::exception& e) {
+      return InvalidArgumentError("--audit-log '" + path + "': " + e.what());
+    }
+    return Status::OK();
+  }
+
   ServiceContext ctx_;
+  std::shared_ptr<grpc::experimental::CertificateProviderInterface> cert_provider_;
   std::unique_ptr<AdminServiceImpl> admin_;
   std::unique_ptr<DecodeServiceImpl> decode_;
   std::unique_ptr<grpc::Server> server_;
@@ -194,6 +344,7 @@ Status Server::Start() { return impl_->Start(); }
 int Server::port() const { return impl_->port(); }
 int Server::metrics_port() const { return impl_->metrics_port(); }
 void Server::Shutdown() { impl_->Shutdown(); }
+void Server::Reload() { impl_->Reload(); }
 
 int RunCtxcached(int argc, char** argv) {
   auto config = ParseServerConfig(argc, argv);
@@ -215,6 +366,7 @@ int RunCtxcached(int argc, char** argv) {
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
   std::fprintf(stderr, "ctxcached %s (%s) effective config:\n%s", CTXCACHE_VERSION,
@@ -226,7 +378,12 @@ int RunCtxcached(int argc, char** argv) {
     return 1;
   }
   int sig = 0;
-  sigwait(&sigs, &sig);
+  for (;;) {
+    sigwait(&sigs, &sig);
+    if (sig != SIGHUP) break;
+    spdlog::info("received SIGHUP: reloading keys, tenants and TLS files");
+    server.Reload();
+  }
   spdlog::info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   server.Shutdown();
   spdlog::info("bye");

@@ -21,6 +21,10 @@ namespace ctxcache::service {
 
 class ServerImpl;
 
+// Whether a --listen address only accepts local connections (127.0.0.0/8,
+// ::1, localhost, unix:).
+bool IsLoopbackListen(const std::string& listen);
+
 class Server {
  public:
   explicit Server(ServerConfig config);
@@ -31,13 +35,16 @@ class Server {
   int port() const;
   int metrics_port() const;
   void Shutdown();
+  // Re-reads the keys and tenants files (what SIGHUP does).
+  void Reload();
 
  private:
   std::unique_ptr<ServerImpl> impl_;
 };
 
 // The whole ctxcached process: parse flags, log the effective config, start,
-// wait for SIGTERM/SIGINT, drain. Returns the process exit code.
+// wait for SIGTERM/SIGINT (draining) or SIGHUP (Reload). Returns the
+// process exit code.
 int RunCtxcached(int argc, char** argv);
 
 }  // namespace ctxcache::service

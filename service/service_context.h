@@ -6,11 +6,15 @@
 #include <chrono>
 #include <memory>
 
+#include <spdlog/logger.h>
+
+#include "service/access.h"
 #include "service/build_queue.h"
 #include "service/config.h"
 #include "service/events.h"
 #include "service/metrics.h"
 #include "service/model_registry.h"
+#include "service/quotas.h"
 #include "storage/store.h"
 
 namespace ctxcache::service {
@@ -23,6 +27,11 @@ struct ServiceContext {
 
   ServerConfig config;
   std::unique_ptr<storage::Store> store;
+  // Authentication, authorization, tenancy (set by Start before serving).
+  std::unique_ptr<AccessControl> access;
+  std::unique_ptr<TenantQuotas> quotas;
+  // The audit log (rpc_metrics.h RpcScope).
+  std::shared_ptr<spdlog::logger> audit;
   ModelRegistry models;
   BuildQueue build_queue;
   EventHub events;

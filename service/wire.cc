@@ -45,6 +45,8 @@ v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m) {
   info.set_expires_at_ms(m.expires_at_ms());
   info.set_pinned(m.pinned());
   info.set_tenant(m.tenant());
+  info.set_provenance(m.provenance());
+  info.set_shared(m.shared());
   *info.mutable_labels() = m.labels();
   if (!m.parent_id().empty()) {
     auto pid = storage::ContextId::FromBytes(m.parent_id());

@@ -20,7 +20,21 @@ int HexValue(char c) {
 }  // namespace
 
 ContextId ContextId::Compute(std::string_view model_fingerprint, std::span<const uint32_t> tokens) {
+  return Compute({}, model_fingerprint, tokens);
+}
+
+ContextId ContextId::Compute(std::string_view id_namespace, std::string_view model_fingerprint,
+                             std::span<const uint32_t> tokens) {
   Sha256 h;
+  if (!id_namespace.empty()) {
+    static constexpr char kTag[] = "ctxcache-ns";  // hashed with its NUL
+    h.Update(reinterpret_cast<const uint8_t*>(kTag), sizeof(kTag));
+    const uint32_t n = static_cast<uint32_t>(id_namespace.size());
+    const uint8_t len[4] = {static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
+                            static_cast<uint8_t>(n >> 16), static_cast<uint8_t>(n >> 24)};
+    h.Update(len, 4);
+    h.Update(id_namespace);
+  }
   h.Update(model_fingerprint);
   // Token ids as u32 little-endian, in chunks to keep the stack small.
   uint8_t buf[4096];

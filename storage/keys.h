@@ -29,6 +29,13 @@ struct ContextId {
 
   // First 16 bytes of SHA-256(fingerprint || token ids as u32 little-endian).
   static ContextId Compute(std::string_view model_fingerprint, std::span<const uint32_t> tokens);
+  // With a namespace (ContextManifest.id_namespace): empty gives the id
+  // above; otherwise the first 16 bytes of SHA-256("ctxcache-ns" 0x00 ||
+  // u32 LE len(id_namespace) || id_namespace || fingerprint || token ids),
+  // so ids in different namespaces never collide with each other or with
+  // namespace-less ids.
+  static ContextId Compute(std::string_view id_namespace, std::string_view model_fingerprint,
+                           std::span<const uint32_t> tokens);
   // Parses 32 lowercase or uppercase hex characters.
   static StatusOr<ContextId> FromHex(std::string_view hex);
   // Takes exactly 16 raw bytes (e.g. ContextManifest.context_id).

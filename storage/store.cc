@@ -613,7 +613,7 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
         " plus two write batches)");
   }
 
-  const ContextId id = ContextId::Compute(m.fingerprint(), req.tokens);
+  const ContextId id = ContextId::Compute(req.id_namespace, m.fingerprint(), req.tokens);
   std::shared_ptr<BuildSlot> slot;
   v1::ContextManifest parent_manifest;
   {
@@ -690,6 +690,8 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
   slot->ttl_ms = ttl > 0 ? ttl : 0;
   man.set_pinned(req.pinned);
   man.set_tenant(req.tenant);
+  man.set_id_namespace(req.id_namespace);
+  man.set_provenance(req.provenance);
   man.set_name(req.name);
   for (const auto& [k, v] : req.labels) (*man.mutable_labels())[k] = v;
   if (req.parent) {
@@ -932,7 +934,7 @@ Status StoreCore::Verify(const ContextId& id) {
         reader->ReadArtifact(a.layer(), a.kv_head(), static_cast<uint8_t>(a.kind())).status());
   }
   ASSIGN_OR_RETURN(std::vector<uint32_t> tokens, reader->ReadTokens());
-  if (ContextId::Compute(m.model().fingerprint(), tokens) != id) {
+  if (ContextId::Compute(m.id_namespace(), m.model().fingerprint(), tokens) != id) {
     return DataLossError("context " + Hex(id) + ": stored token ids do not hash to its id");
   }
   return Status::OK();
@@ -960,6 +962,10 @@ Status StoreCore::UpdateManifest(const ContextId& id,
 
 Status StoreCore::SetPinned(const ContextId& id, bool pinned) {
   return UpdateManifest(id, [pinned](v1::ContextManifest* m) { m->set_pinned(pinned); });
+}
+
+Status StoreCore::SetShared(const ContextId& id, bool shared) {
+  return UpdateManifest(id, [shared](v1::ContextManifest* m) { m->set_shared(shared); });
 }
 
 Status StoreCore::SetExpiry(const ContextId& id, int64_t expires_at_ms) {
@@ -1128,6 +1134,7 @@ StatusOr<std::unique_ptr<ContextReader>> Store::OpenReader(const ContextId& id) 
 StatusOr<Lease> Store::AcquireLease(const ContextId& id) { return core_->AcquireLease(id); }
 Status Store::Verify(const ContextId& id) { return core_->Verify(id); }
 Status Store::SetPinned(const ContextId& id, bool pinned) { return core_->SetPinned(id, pinned); }
+Status Store::SetShared(const ContextId& id, bool shared) { return core_->SetShared(id, shared); }
 Status Store::SetExpiry(const ContextId& id, int64_t t) { return core_->SetExpiry(id, t); }
 StatusOr<bool> Store::Delete(const ContextId& id) { return core_->Delete(id); }
 StatusOr<EvictionReport> Store::RunEvictionPass() { return core_->RunEvictionPass(); }

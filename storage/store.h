@@ -139,9 +139,15 @@ struct StoreOptions {
   rocksdb::Env* env = nullptr;
 };
 
-// What to build. The ContextId is derived from model.fingerprint and tokens.
+// What to build. The ContextId is derived from id_namespace,
+// model.fingerprint and tokens (ContextId::Compute).
 struct BuildRequest {
   v1::ModelSpec model;
+  // Separates ids of different tenants and provenances (see
+  // ContextManifest.id_namespace). Default: "" (ids as in format 1).
+  std::string id_namespace;
+  // Recorded in the manifest. Default: built by the server.
+  v1::Provenance provenance = v1::PROVENANCE_BUILT;
   // All token ids of the context (for a child: parent's tokens + new ones).
   std::span<const uint32_t> tokens;
   // Prefix sharing: reuse this READY context's pages for its tokens. Its
@@ -237,6 +243,8 @@ class Store {
   Status Verify(const ContextId& id);
 
   Status SetPinned(const ContextId& id, bool pinned);
+  // Marks a READY context readable by every tenant (ContextManifest.shared).
+  Status SetShared(const ContextId& id, bool shared);
   // Sets the absolute expiry (ms since epoch, 0 = never).
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
   // Deletes a context now, or when its last lease drops (deferred = true).

@@ -75,6 +75,7 @@ class StoreCore {
   StatusOr<Lease> AcquireLease(const ContextId& id);
   Status Verify(const ContextId& id);
   Status SetPinned(const ContextId& id, bool pinned);
+  Status SetShared(const ContextId& id, bool shared);
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
   StatusOr<bool> Delete(const ContextId& id);
   StatusOr<EvictionReport> RunEvictionPass();

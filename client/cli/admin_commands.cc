@@ -239,6 +239,7 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
 void ListCommand::Configure(CLI::App* sub) {
   sub->add_option("--label", labels_, "Only contexts with KEY=VALUE (repeatable)");
   sub->add_option("--limit", limit_, "At most this many contexts")->capture_default_str();
+  sub->add_option("--tenant", tenant_, "Admin: only this tenant's contexts");
 }
 
 int ListCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
@@ -246,6 +247,7 @@ int ListCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
   std::map<std::string, std::string> labels;
   if (!ParseKeyValues(labels_, "--label", &labels, err)) return 2;
   req.mutable_label_filter()->insert(labels.begin(), labels.end());
+  req.set_tenant(tenant_);
   auto client = ConnectOrExplain(global, err);
   if (!client) return 2;
   std::vector<v1::ContextInfo> all;
@@ -332,6 +334,23 @@ int PinCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream
     out << InfoToJson(*r).dump() << "\n";
   } else {
     out << (pin_ ? "pinned " : "unpinned ") << id_ << "\n";
+  }
+  return 0;
+}
+
+void ShareCommand::Configure(CLI::App* sub) {
+  sub->add_option("context_id", id_, "Context id")->required();
+}
+
+int ShareCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
+  auto client = ConnectOrExplain(global, err);
+  if (!client) return 2;
+  auto r = client->Share(id_, share_);
+  if (!r.ok()) return Fail(r.status(), global, err);
+  if (global.json) {
+    out << InfoToJson(*r).dump() << "\n";
+  } else {
+    out << (share_ ? "shared " : "unshared ") << id_ << "\n";
   }
   return 0;
 }

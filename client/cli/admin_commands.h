@@ -30,6 +30,7 @@ class ListCommand final : public Command {
 
  private:
   std::vector<std::string> labels_;
+  std::string tenant_;
   uint32_t limit_ = 1000;
 };
 
@@ -48,6 +49,17 @@ class EvictCommand final : public Command {
   int Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) override;
 
  private:
+  std::string id_;
+};
+
+class ShareCommand final : public Command {
+ public:
+  explicit ShareCommand(bool share) : share_(share) {}
+  void Configure(CLI::App* sub) override;
+  int Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) override;
+
+ private:
+  bool share_;
   std::string id_;
 };
 

@@ -1,15 +1,41 @@
 #include "client/cli/cli_util.h"
 
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <ctime>
 
 namespace ctxcache::cli {
+
+Status ApplyCredentials(const GlobalOptions& global, client::ClientOptions* o) {
+  o->tls_ca = global.tls_ca;
+  o->tls_cert = global.tls_cert;
+  o->tls_key = global.tls_key;
+  o->tls_server_name = global.tls_server_name;
+  if (!global.api_key_file.empty()) {
+    std::ifstream f(global.api_key_file);
+    if (!(f >> o->api_key)) {
+      return InvalidArgumentError("--api-key-file: cannot read a key from '" +
+                                  global.api_key_file + "'");
+    }
+  } else if (const char* env = std::getenv("CTXCACHE_API_KEY"); env && *env) {
+    o->api_key = env;
+  } else {
+    o->api_key = global.api_key;
+  }
+  return Status::OK();
+}
 
 std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err) {
   client::ClientOptions o;
   o.server = global.server;
   o.timeout_s = global.timeout_s;
   o.max_attempts = 2;
+  auto creds = ApplyCredentials(global, &o);
+  if (!creds.ok()) {
+    err << "ctxcache: " << creds.message() << "\n";
+    return nullptr;
+  }
   auto c = client::Client::Connect(o);
   if (!c.ok()) {
     err << "ctxcache: " << c.status().message() << "\n";
@@ -91,6 +117,8 @@ nlohmann::json InfoToJson(const v1::ContextInfo& info) {
   j["last_access_ms"] = info.last_access_ms();
   j["expires_at_ms"] = info.expires_at_ms();
   j["pinned"] = info.pinned();
+  j["shared"] = info.shared();
+  j["provenance"] = info.provenance() == v1::PROVENANCE_INGESTED ? "ingested" : "built";
   j["labels"] = nlohmann::json::object();
   for (const auto& [k, v] : info.labels()) j["labels"][k] = v;
   if (!info.parent_id().empty()) {

@@ -13,6 +13,10 @@
 
 namespace ctxcache::cli {
 
+// Copies the TLS options and the API key (from --api-key-file,
+// $CTXCACHE_API_KEY or --api-key) into `o`.
+Status ApplyCredentials(const GlobalOptions& global, client::ClientOptions* o);
+
 // Connects with the global options; prints the error and returns null on failure.
 std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err);
 

@@ -19,6 +19,10 @@ struct GlobalOptions {
   bool json = false;
   // Deadline for each RPC, seconds.
   double timeout_s = 10.0;
+  // TLS and credentials (client::ClientOptions; docs/security.md).
+  std::string tls_ca, tls_cert, tls_key, tls_server_name;
+  // The API key: --api-key-file, else $CTXCACHE_API_KEY, else --api-key.
+  std::string api_key, api_key_file;
 };
 
 class Command {

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "client/cli/cli_util.h"
+#include "client/sdk/channel.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace ctxcache::cli {
@@ -14,8 +16,18 @@ void HealthCommand::Configure(CLI::App* sub) {
 }
 
 int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto channel = grpc::CreateChannel(global.server, grpc::InsecureChannelCredentials());
-  auto stub = grpc::health::v1::Health::NewStub(channel);
+  client::ClientOptions o;
+  o.server = global.server;
+  if (Status s = ApplyCredentials(global, &o); !s.ok()) {
+    err << "ctxcache: " << s.message() << "\n";
+    return 2;
+  }
+  auto channel = client::internal::MakeChannel(o);
+  if (!channel.ok()) {
+    err << "ctxcache: " << channel.status().message() << "\n";
+    return 2;
+  }
+  auto stub = grpc::health::v1::Health::NewStub(*channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(global.timeout_s * 1000)));

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "client/sdk/channel.h"
 #include "client/sdk/retry.h"
 #include "client/sdk/sessions.h"
 #include "common/crc32c.h"
@@ -27,11 +28,8 @@ std::chrono::system_clock::time_point Deadline(double seconds) {
 
 class ClientImpl final : public Client {
  public:
-  explicit ClientImpl(const ClientOptions& options) : options_(options) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(options.max_message_bytes);
-    args.SetMaxSendMessageSize(options.max_message_bytes);
-    channel_ = grpc::CreateCustomChannel(options.server, grpc::InsecureChannelCredentials(), args);
+  ClientImpl(const ClientOptions& options, std::shared_ptr<grpc::Channel> channel)
+      : options_(options), channel_(std::move(channel)) {
     admin_ = v1::ContextAdmin::NewStub(channel_);
     decode_ = v1::DecodeService::NewStub(channel_);
   }
@@ -43,6 +41,7 @@ class ClientImpl final : public Client {
     return internal::RetryUnavailable(options_, [&] {
       grpc::ClientContext ctx;
       ctx.set_deadline(Deadline(options_.timeout_s));
+      internal::AddCallCredentials(options_, &ctx);
       return fn(&ctx);
     });
   }
@@ -126,6 +125,17 @@ class ClientImpl final : public Client {
     if (!s.ok()) return Convert(s, "PinContext");
     return resp;
   }
+  StatusOr<v1::ContextInfo> Share(const std::string& id, bool shared) override {
+    v1::ShareContextRequest req;
+    req.set_context_id(id);
+    req.set_shared(shared);
+    v1::ContextInfo resp;
+    auto s =
+        WithRetry([&](grpc::ClientContext* c) { return admin_->ShareContext(c, req, &resp); });
+    if (!s.ok()) return Convert(s, "ShareContext");
+    return resp;
+  }
+
   StatusOr<v1::ServerStats> GetStats() override {
     v1::GetStatsRequest req;
     v1::ServerStats resp;
@@ -138,6 +148,7 @@ class ClientImpl final : public Client {
                const std::function<bool(const v1::ContextEvent&)>& on_event,
                double max_seconds) override {
     grpc::ClientContext ctx;
+    internal::AddCallCredentials(options_, &ctx);
     if (max_seconds > 0) ctx.set_deadline(Deadline(max_seconds));
     auto reader = decode_->WatchContexts(&ctx, request);
     v1::ContextEvent ev;
@@ -225,7 +236,8 @@ class ClientImpl final : public Client {
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.server.empty()) return InvalidArgumentError("server address is empty");
   if (options.timeout_s <= 0) return InvalidArgumentError("timeout_s must be > 0");
-  return std::unique_ptr<Client>(new ClientImpl(options));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, internal::MakeChannel(options));
+  return std::unique_ptr<Client>(new ClientImpl(options, std::move(channel)));
 }
 
 }  // namespace ctxcache::client

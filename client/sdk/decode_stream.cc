@@ -1,5 +1,6 @@
 #include "client/sdk/decode_stream.h"
 
+#include "client/sdk/channel.h"
 #include "client/sdk/retry.h"
 
 namespace ctxcache::client::internal {
@@ -13,6 +14,7 @@ StatusOr<v1::ContextInfo> DecodeStream::Open(const SessionOptions& session, bool
   // Opening the stream is retried on UNAVAILABLE (e.g. a server restart).
   StatusOr<v1::DecodeResponse> resp = RetryUnavailable(options_, [&] {
     ctx_ = std::make_unique<grpc::ClientContext>();
+    AddCallCredentials(options_, ctx_.get());
     stream_ = stub_->Decode(ctx_.get());
     closed_ = false;
     auto r = RoundTrip(&req, nullptr);

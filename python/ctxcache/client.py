@@ -19,6 +19,7 @@ Thread-safety: a Client may be shared by threads (one channel, many calls); a
 from __future__ import annotations
 
 import sys
+import os
 import time
 import types
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
@@ -240,6 +241,42 @@ class Watcher(Iterator["pb.ContextEvent"]):
         self.close()
 
 
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <key>`` to every call (plaintext or TLS:
+    gRPC's own call credentials refuse plaintext channels, which loopback
+    deployments use)."""
+
+    def __init__(self, key: str) -> None:
+        self._md = ("authorization", "Bearer " + key)
+
+    def _details(self, d: Any) -> Any:
+        md = list(d.metadata or []) + [self._md]
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _CallDetails(d, md)
+
+    def intercept_unary_unary(self, cont, details, request):  # type: ignore[no-untyped-def]
+        return cont(self._details(details), request)
+
+    def intercept_unary_stream(self, cont, details, request):  # type: ignore[no-untyped-def]
+        return cont(self._details(details), request)
+
+    def intercept_stream_unary(self, cont, details, it):  # type: ignore[no-untyped-def]
+        return cont(self._details(details), it)
+
+    def intercept_stream_stream(self, cont, details, it):  # type: ignore[no-untyped-def]
+        return cont(self._details(details), it)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, d: Any, metadata: Any) -> None:
+        self.method = d.method
+        self.timeout = d.timeout
+        self.metadata = metadata
+        self.credentials = d.credentials
+        self.wait_for_ready = getattr(d, "wait_for_ready", None)
+        self.compression = getattr(d, "compression", None)
+
+
 class Client:
     """A connection to ctxcached.
 
@@ -251,6 +288,13 @@ class Client:
         max_message_bytes: largest gRPC message sent or received (default 16 MiB;
             the server's own limit is 8 MiB).
         options: extra gRPC channel options ``[(name, value), ...]``.
+        tls_ca: path of the CA bundle (PEM) the server's certificate must chain
+            to; set = TLS (docs/security.md). Default: plaintext.
+        tls_cert, tls_key: paths of the client certificate and key (PEM) for mTLS.
+        tls_server_name: verify the server certificate against this name
+            instead of the host in ``address``.
+        api_key: sent as ``authorization: Bearer <key>`` on every call
+            (default: ``$CTXCACHE_API_KEY`` if set).
 
     Usable as a context manager (closes the channel).
     """
@@ -258,7 +302,10 @@ class Client:
     def __init__(self, address: str = "127.0.0.1:7700", timeout: float = 30.0,
                  max_attempts: int = 5, initial_backoff: float = 0.1,
                  max_message_bytes: int = 16 << 20,
-                 options: Optional[Sequence[Tuple[str, Any]]] = None) -> None:
+                 options: Optional[Sequence[Tuple[str, Any]]] = None,
+                 tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 api_key: Optional[str] = None) -> None:
         if not address:
             raise ValueError("address is empty")
         if timeout <= 0:
@@ -270,7 +317,28 @@ class Client:
         opts = [("grpc.max_receive_message_length", int(max_message_bytes)),
                 ("grpc.max_send_message_length", int(max_message_bytes))]
         opts.extend(options or [])
-        self._channel = grpc.insecure_channel(address, options=opts)
+        if tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", tls_server_name))
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if tls_ca:
+            def read(path: str) -> bytes:
+                with open(path, "rb") as f:
+                    return f.read()
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=read(tls_ca),
+                private_key=read(tls_key) if tls_key else None,
+                certificate_chain=read(tls_cert) if tls_cert else None)
+            channel = grpc.secure_channel(address, creds, options=opts)
+        elif tls_cert:
+            raise ValueError("tls_cert/tls_key (mTLS) need tls_ca (the server's CA)")
+        else:
+            channel = grpc.insecure_channel(address, options=opts)
+        self._raw_channel = channel
+        key = api_key if api_key is not None else os.environ.get("CTXCACHE_API_KEY", "")
+        if key:
+            channel = grpc.intercept_channel(channel, _BearerKey(key))
+        self._channel = channel
         self._admin = _make_stub(self._channel, "ContextAdmin")
         self._decode = _make_stub(self._channel, "DecodeService")
         self._health_check = self._channel.unary_unary(
@@ -546,15 +614,17 @@ class Client:
 
     def list_page(self, page_size: int = 100, page_token: str = "",
                   label_filter: Optional[Mapping[str, Any]] = None,
-                  state: Any = None) -> "pb.ListContextsResponse":
-        """One page of ``ListContexts`` (``.contexts``, ``.next_page_token``)."""
+                  state: Any = None, tenant: str = "") -> "pb.ListContextsResponse":
+        """One page of ``ListContexts`` (``.contexts``, ``.next_page_token``).
+        ``tenant``: admin only, list that tenant's contexts."""
         req = pb.ListContextsRequest(page_size=int(page_size), page_token=page_token,
                                      label_filter=_labels(label_filter),
-                                     state_filter=_state(state))
+                                     state_filter=_state(state), tenant=tenant)
         return self._unary("ListContexts", self._admin.ListContexts, req)
 
     def list(self, label_filter: Optional[Mapping[str, Any]] = None, state: Any = None,
-             page_size: int = 100, limit: Optional[int] = None) -> Iterator["pb.ContextInfo"]:
+             page_size: int = 100, limit: Optional[int] = None,
+             tenant: str = "") -> Iterator["pb.ContextInfo"]:
         """Iterates over stored contexts, fetching pages of ``page_size`` (≤ 1000) as
         needed. ``label_filter``: all given labels must match; ``state``: e.g.
         "READY" (None = any); ``limit``: stop after this many."""
@@ -562,7 +632,7 @@ class Client:
         seen_tokens = set()
         n = 0
         while True:
-            resp = self.list_page(page_size, token, label_filter, state)
+            resp = self.list_page(page_size, token, label_filter, state, tenant)
             for c in resp.contexts:
                 if limit is not None and n >= limit:
                     return
@@ -590,6 +660,12 @@ class Client:
     def unpin(self, context_id: str) -> "pb.ContextInfo":
         """``pin(context_id, False)``."""
         return self.pin(context_id, False)
+
+    def share(self, context_id: str, shared: bool = True) -> "pb.ContextInfo":
+        """Admin only: makes a context readable by every tenant (``shared=False``
+        undoes it)."""
+        return self._unary("ShareContext", self._admin.ShareContext,
+                           pb.ShareContextRequest(context_id=context_id, shared=shared))
 
     def stats(self) -> "pb.ServerStats":
         """Server-wide ``ServerStats``: version, uptime, contexts, bytes, models, ..."""

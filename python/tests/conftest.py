@@ -65,6 +65,8 @@ class Server:
                      "--default-model", "llama3", *(extra or [])]
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
+        # Client options for the readiness check (e.g. tls_ca for a TLS server).
+        self.client_kwargs: dict = {}
 
     def start(self, timeout: float = 30.0) -> "Server":
         if os.path.exists(self.port_file):
@@ -88,7 +90,7 @@ class Server:
         else:
             self.stop()
             raise RuntimeError(f"ctxcached wrote no port file in {timeout} s:\n{self.log()}")
-        with ctxcache.Client(self.address, timeout=5) as c:
+        with ctxcache.Client(self.address, timeout=5, **self.client_kwargs) as c:
             c.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
         return self
 

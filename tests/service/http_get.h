@@ -14,7 +14,8 @@ namespace ctxcache::testing {
 
 // One HTTP/1.1 GET over a plain socket; the whole response (head and body),
 // or "" when the connection fails. The server closes after each response.
-inline std::string HttpGet(int port, const std::string& path) {
+// `header`: one extra request header line without CRLF ("" = none).
+inline std::string HttpGet(int port, const std::string& path, const std::string& header = "") {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return "";
   sockaddr_in addr{};
@@ -25,7 +26,8 @@ inline std::string HttpGet(int port, const std::string& path) {
     close(fd);
     return "";
   }
-  std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n" +
+                    (header.empty() ? "" : header + "\r\n") + "\r\n";
   if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
     close(fd);
     return "";

@@ -39,6 +39,19 @@ struct ClientOptions {
   double initial_backoff_s = 0.1;
   // Max gRPC message size received, bytes. Default: 16 MiB.
   int max_message_bytes = 16 << 20;
+  // TLS (docs/security.md): the CA bundle (PEM file) the server's
+  // certificate must chain to; set = TLS. Default: "" (plaintext).
+  std::string tls_ca;
+  // Client certificate chain and private key (PEM files) for mTLS.
+  // Default: "" (none).
+  std::string tls_cert;
+  std::string tls_key;
+  // Name to verify the server's certificate against instead of the host in
+  // `server`. Default: "".
+  std::string tls_server_name;
+  // API key, sent as "authorization: Bearer <key>" on every call.
+  // Default: "" (none).
+  std::string api_key;
 };
 
 enum class SelectMode {
@@ -165,6 +178,8 @@ class Client {
       const v1::ListContextsRequest& request) = 0;
   virtual StatusOr<v1::EvictContextResponse> Evict(const std::string& context_id) = 0;
   virtual StatusOr<v1::ContextInfo> Pin(const std::string& context_id, bool pinned) = 0;
+  // Admin only: make a context readable by every tenant (or undo it).
+  virtual StatusOr<v1::ContextInfo> Share(const std::string& context_id, bool shared) = 0;
   virtual StatusOr<v1::ServerStats> GetStats() = 0;
   // Calls on_event for each event until it returns false, the server ends
   // the stream, or max_seconds pass (0 = no limit).

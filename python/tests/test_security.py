@@ -1,0 +1,102 @@
+"""TLS, mTLS, API keys and tenants from Python against the real ctxcached
+(certificates made by tests/security/make-certs.sh with openssl, keys by
+``ctxcache keys create``)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+import ctxcache
+from ctxcache import errors
+
+from conftest import REPO, Server, random_tokens
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_root: str) -> str:
+    d = tempfile.mkdtemp(prefix="pki-", dir=tmp_root)
+    subprocess.run(["bash", os.path.join(REPO, "tests", "security", "make-certs.sh"), d],
+                   check=True, capture_output=True)
+    return d
+
+
+def create_key(cli: str, keys_file: str, role: str, tenant: str = "") -> str:
+    args = [cli, "keys", "create", "--keys-file", keys_file, "--role", role, "--json"]
+    if tenant:
+        args += ["--tenant", tenant]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["key"]
+
+
+@pytest.fixture(scope="module")
+def secured(pki: str, ctxcached_bin: str, model_dir: str, tmp_root: str):
+    cli = os.path.join(os.path.dirname(ctxcached_bin), "ctxcache")
+    workdir = tempfile.mkdtemp(prefix="secured-", dir=tmp_root)
+    keys_file = os.path.join(workdir, "keys")
+    keys = {
+        "a-builder": create_key(cli, keys_file, "builder", "a"),
+        "a-reader": create_key(cli, keys_file, "reader", "a"),
+        "b-builder": create_key(cli, keys_file, "builder", "b"),
+    }
+    subprocess.run([cli, "keys", "map-cert", "--keys-file", keys_file, "--cn", "worker-a",
+                    "--tenant", "a", "--role", "reader"], check=True, capture_output=True)
+    s = Server(ctxcached_bin, model_dir, workdir,
+               ["--default-indexes", "streaming",
+                "--tls-cert", os.path.join(pki, "server.pem"),
+                "--tls-key", os.path.join(pki, "server.key"),
+                "--tls-client-ca", os.path.join(pki, "ca.pem"),
+                "--keys-file", keys_file])
+    s.client_kwargs = {"tls_ca": os.path.join(pki, "ca.pem"),
+                       "tls_cert": os.path.join(pki, "client-a.pem"),
+                       "tls_key": os.path.join(pki, "client-a.key")}
+    s.start()
+    yield s, keys, pki
+    s.stop()
+
+
+def test_keys_roles_and_tenants_over_mtls(secured) -> None:
+    s, keys, pki = secured
+    ca = os.path.join(pki, "ca.pem")
+    cert = {"tls_cert": os.path.join(pki, "client-a.pem"),
+            "tls_key": os.path.join(pki, "client-a.key")}
+    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["a-builder"], **cert) as ab:
+        info = ab.build(tokens=random_tokens(48, 1)).context
+        assert info.tenant == "a"
+        assert info.provenance == ctxcache.storage_pb.PROVENANCE_BUILT
+    # The certificate alone maps to tenant a's reader.
+    with ctxcache.Client(s.address, tls_ca=ca, **cert) as ar:
+        assert ar.get(info.context_id).context_id == info.context_id
+        with pytest.raises(errors.PermissionDenied):
+            ar.build(tokens=random_tokens(8, 2))
+    # Tenant b cannot see a's context: NotFound, as for an unknown id.
+    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["b-builder"], **cert) as bb:
+        with pytest.raises(errors.PermissionDenied):
+            bb.get(info.context_id)  # builders do not read
+        with pytest.raises(errors.NotFound):
+            bb.evict(info.context_id)
+        child = bb.build(tokens=random_tokens(48, 1)).context
+        assert child.context_id != info.context_id
+    # A wrong key is UNAUTHENTICATED even with a valid certificate.
+    with ctxcache.Client(s.address, tls_ca=ca, api_key="ck_000000000000_" + "0" * 64,
+                         **cert) as bad:
+        with pytest.raises(errors.Unauthenticated):
+            bad.stats()
+
+
+def test_api_key_from_environment_and_plaintext_refused(secured, monkeypatch) -> None:
+    s, keys, pki = secured
+    ca = os.path.join(pki, "ca.pem")
+    cert = {"tls_cert": os.path.join(pki, "client-a.pem"),
+            "tls_key": os.path.join(pki, "client-a.key")}
+    monkeypatch.setenv("CTXCACHE_API_KEY", keys["a-reader"])
+    with ctxcache.Client(s.address, tls_ca=ca, **cert) as c:
+        assert c.stats().n_contexts >= 0
+    with ctxcache.Client(s.address, max_attempts=1, timeout=3) as plain:
+        with pytest.raises(errors.Unavailable):
+            plain.stats()
+    with pytest.raises(ValueError):
+        ctxcache.Client(s.address, tls_cert=cert["tls_cert"], tls_key=cert["tls_key"])

@@ -1,0 +1,82 @@
+// Authentication, authorization and tenancy for the gRPC handlers
+// (docs/security.md).
+//
+// Every ContextAdmin and DecodeService handler calls Authorize() (through
+// RpcScope) first. With a keys file, a call authenticates with an API key
+// ("authorization: Bearer <key>") or, over mTLS, with a client certificate
+// whose subject CN the keys file maps; without one, every caller is the
+// anonymous admin (and ctxcached only listens on loopback unless
+// --insecure). A context that the caller's tenant may not see is reported
+// exactly like a context that does not exist (NOT_FOUND with the same
+// message), so no error reveals whether another tenant stores a prompt.
+//
+// Thread-safety: safe for concurrent use; Reload() may run at any time.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "auth/keys_file.h"
+#include "auth/principal.h"
+#include "auth/tenants.h"
+#include "common/status.h"
+#include "ctxcache/v1/ctxcache_service.pb.h"
+#include "service/config.h"
+#include "storage/keys.h"
+
+namespace ctxcache::service {
+
+class AccessControl {
+ public:
+  // Loads the keys file, the tenants file and the id secret named by the
+  // config (each optional but the secret, which is created if missing).
+  static StatusOr<std::unique_ptr<AccessControl>> Create(const ServerConfig& config);
+
+  // True when callers must authenticate (a keys file is configured).
+  bool enabled() const { return keys_ != nullptr; }
+
+  // The caller, if its credentials are valid (UNAUTHENTICATED otherwise).
+  StatusOr<auth::Principal> Authenticate(const grpc::ServerContext* context);
+  // PERMISSION_DENIED (naming `rpc` and the permission) unless p's role may
+  // perform `action`.
+  static Status CheckRole(const auth::Principal& p, auth::Action action, const char* rpc);
+
+  // The tenant a new context of this caller belongs to: an admin may name
+  // any tenant (default: its own); others may name only their own
+  // (PERMISSION_DENIED otherwise).
+  StatusOr<std::string> TenantFor(const auth::Principal& p, const std::string& requested) const;
+
+  // Whether `p` may perform `action` on a context of `tenant` (shared:
+  // readable by every tenant).
+  static bool CanAccess(const auth::Principal& p, const std::string& tenant, bool shared,
+                        auth::Action action);
+  // NOT_FOUND "context <id> not found" unless CanAccess: the same message
+  // the store gives for a context that does not exist.
+  static Status CheckContext(const auth::Principal& p, const storage::ContextId& id,
+                             const v1::ContextManifest& m, auth::Action action);
+
+  // ContextManifest.id_namespace for contexts of `tenant`.
+  std::string IdNamespace(const std::string& tenant, bool ingested) const {
+    return auth::IdNamespace(id_secret_, tenant, ingested);
+  }
+
+  std::shared_ptr<const auth::TenantsConfig> tenants() const;
+
+  // Re-reads the keys and tenants files (SIGHUP). On error the previous
+  // ones stay in force.
+  Status Reload();
+
+ private:
+  AccessControl() = default;
+
+  ServerConfig config_;
+  std::unique_ptr<auth::KeyStore> keys_;
+  std::string id_secret_;
+  mutable std::mutex mu_;
+  std::shared_ptr<const auth::TenantsConfig> tenants_;  // guarded by mu_
+};
+
+}  // namespace ctxcache::service

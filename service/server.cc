@@ -130,6 +130,7 @@ class ServerImpl {
     ctx_.access = std::move(access).value();
     ctx_.quotas =
         std::make_unique<TenantQuotas>(ctx_.access.get(), ctx_.store.get(), &ctx_.metrics);
+    ApplyTenantShares();
     if (Status s = OpenAuditLog(); !s.ok()) return s;
     std::string metrics_token;
     if (!c.metrics_token_file.empty()) {
@@ -211,6 +212,7 @@ class ServerImpl {
     if (!ctx_.access) return;
     Status s = ctx_.access->Reload();
     if (!s.ok()) spdlog::error("reload: {}; the previous configuration stays in force", s.ToString());
+    ApplyTenantShares();
     const ServerConfig& c = ctx_.config;
     for (Status t : {CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"),
                      CheckPem(c.tls_key, "--tls-key", "PRIVATE KEY"),
@@ -305,6 +307,16 @@ class ServerImpl {
       opts.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
     }
     return grpc::experimental::TlsServerCredentials(opts);
+  }
+
+  // Fair capacity eviction: each tenant's byte quota is its share.
+  void ApplyTenantShares() {
+    auto t = ctx_.access->tenants();
+    std::map<std::string, uint64_t> shares;
+    for (const auto& [name, q] : t->tenants) {
+      if (q.max_stored_bytes) shares[name] = q.max_stored_bytes;
+    }
+    ctx_.store->SetTenantShares(std::move(shares), t->defaults.max_stored_bytes);
   }
 
   Status OpenAuditLog() {

@@ -21,10 +21,13 @@ std::vector<EvictionDecision> SelectEvictionVictims(const EvictionPolicyOptions&
     used += candidates[i].bytes;
   }
   std::vector<bool> taken(candidates.size(), false);
+  std::map<std::string, uint64_t> tenant_used;
+  for (const auto& c : candidates) tenant_used[c.tenant] += c.bytes;
 
   auto take = [&](size_t i, EvictionReason reason) {
     taken[i] = true;
     used -= candidates[i].bytes;
+    tenant_used[candidates[i].tenant] -= candidates[i].bytes;
     out.push_back({candidates[i].id, reason, candidates[i].leased});
     if (candidates[i].parent) {
       auto it = pos.find(*candidates[i].parent);
@@ -54,16 +57,25 @@ std::vector<EvictionDecision> SelectEvictionVictims(const EvictionPolicyOptions&
     const double cap = static_cast<double>(options.capacity_bytes);
     if (static_cast<double>(used) > options.high_watermark * cap) {
       const double target = options.low_watermark * cap;
+      const uint64_t equal_share =
+          options.default_tenant_share_bytes
+              ? options.default_tenant_share_bytes
+              : options.capacity_bytes / std::max<size_t>(1, tenant_used.size());
+      auto over_share = [&](const std::string& tenant) {
+        auto it = options.tenant_share_bytes.find(tenant);
+        const uint64_t share = it == options.tenant_share_bytes.end() ? equal_share : it->second;
+        return tenant_used[tenant] > share;
+      };
       while (static_cast<double>(used) > target) {
-        bool picked = false;
-        for (size_t i = 0; i < candidates.size(); ++i) {
-          if (eligible(i)) {
-            take(i, EvictionReason::kCapacity);
-            picked = true;
-            break;
-          }
+        std::optional<size_t> pick;
+        for (size_t i = 0; i < candidates.size() && !pick; ++i) {
+          if (eligible(i) && over_share(candidates[i].tenant)) pick = i;
         }
-        if (!picked) break;  // everything left is pinned or referenced
+        for (size_t i = 0; i < candidates.size() && !pick; ++i) {
+          if (eligible(i)) pick = i;
+        }
+        if (!pick) break;  // everything left is pinned or referenced
+        take(*pick, EvictionReason::kCapacity);
       }
     }
   }

@@ -964,6 +964,12 @@ Status StoreCore::SetPinned(const ContextId& id, bool pinned) {
   return UpdateManifest(id, [pinned](v1::ContextManifest* m) { m->set_pinned(pinned); });
 }
 
+void StoreCore::SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share) {
+  std::lock_guard<std::mutex> l(mu_);
+  options_.eviction.tenant_share_bytes = std::move(shares);
+  options_.eviction.default_tenant_share_bytes = default_share;
+}
+
 Status StoreCore::SetShared(const ContextId& id, bool shared) {
   return UpdateManifest(id, [shared](v1::ContextManifest* m) { m->set_shared(shared); });
 }
@@ -1028,6 +1034,7 @@ StatusOr<EvictionReport> StoreCore::RunEvictionPass() {
         auto pid = ContextId::FromBytes(e->manifest.parent_id());
         if (pid.ok()) c.parent = *pid;
       }
+      c.tenant = e->manifest.tenant();
       c.bytes = e->manifest.stored_bytes();
       c.last_access_ms = e->last_access_ms.load();
       c.expires_at_ms = e->manifest.expires_at_ms();
@@ -1135,6 +1142,9 @@ StatusOr<Lease> Store::AcquireLease(const ContextId& id) { return core_->Acquire
 Status Store::Verify(const ContextId& id) { return core_->Verify(id); }
 Status Store::SetPinned(const ContextId& id, bool pinned) { return core_->SetPinned(id, pinned); }
 Status Store::SetShared(const ContextId& id, bool shared) { return core_->SetShared(id, shared); }
+void Store::SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share) {
+  core_->SetTenantShares(std::move(shares), default_share);
+}
 Status Store::SetExpiry(const ContextId& id, int64_t t) { return core_->SetExpiry(id, t); }
 StatusOr<bool> Store::Delete(const ContextId& id) { return core_->Delete(id); }
 StatusOr<EvictionReport> Store::RunEvictionPass() { return core_->RunEvictionPass(); }

@@ -245,6 +245,10 @@ class Store {
   Status SetPinned(const ContextId& id, bool pinned);
   // Marks a READY context readable by every tenant (ContextManifest.shared).
   Status SetShared(const ContextId& id, bool shared);
+  // Replaces EvictionPolicyOptions::tenant_share_bytes and
+  // default_tenant_share_bytes (fair capacity eviction across tenants);
+  // takes effect at the next eviction pass.
+  void SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share);
   // Sets the absolute expiry (ms since epoch, 0 = never).
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
   // Deletes a context now, or when its last lease drops (deferred = true).

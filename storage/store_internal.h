@@ -76,6 +76,7 @@ class StoreCore {
   Status Verify(const ContextId& id);
   Status SetPinned(const ContextId& id, bool pinned);
   Status SetShared(const ContextId& id, bool shared);
+  void SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share);
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
   StatusOr<bool> Delete(const ContextId& id);
   StatusOr<EvictionReport> RunEvictionPass();

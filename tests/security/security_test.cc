@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -868,6 +869,70 @@ TEST_F(SecurityTest, AuditLogNamesWhoAndWhatButNeverAKeyOrPrompt) {
                              "Authorization: Bearer metrics-token-0123456789")
                 .find("ctxcache_build_info"),
             std::string::npos);
+}
+
+// ---- hostile clients -------------------------------------------------------------
+
+long RssKiB(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+  }
+  return -1;
+}
+
+// Clients that open streams asking for ~GBs of pages and never read must
+// not pin server memory without bound: flow control stalls the server's
+// writes, so each stream holds at most about one page batch (4 MiB) plus
+// its HTTP/2 window.
+TEST_F(SecurityTest, StreamsThatNeverReadDoNotPinServerMemory) {
+  Start({});
+  Caller c(server_.address(), Creds{});
+  v1::BuildProgress done;
+  ASSERT_TRUE(c.Build(Tokens(2048, 5), &done).ok());
+  const std::string id = done.context().context_id();
+  const uint32_t blocks = static_cast<uint32_t>((2048 + 15) / 16);
+  v1::FetchPagesRequest req;
+  req.set_context_id(id);
+  for (int rep = 0; rep < 64; ++rep) {
+    for (uint32_t l = 0; l < done.context().model().n_layers(); ++l) {
+      for (uint32_t h = 0; h < done.context().model().n_kv_heads(); ++h) {
+        auto* t = req.add_tables();
+        t->set_layer(l);
+        t->set_kv_head(h);
+        for (uint32_t b = 0; b < blocks; ++b) t->add_blocks(b);
+      }
+    }
+  }
+  // What one stream would be sent in full.
+  const double per_stream_mib = 64.0 * done.context().raw_kv_bytes() / (1 << 20);
+  const long before = RssKiB(server_.pid());
+  constexpr int kStreams = 16;
+  auto stub = v1::DecodeService::NewStub(
+      grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials()));
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::PageBatch>>> readers;
+  for (int i = 0; i < kStreams; ++i) {
+    ctxs.push_back(std::make_unique<grpc::ClientContext>());
+    readers.push_back(stub->FetchPages(ctxs.back().get(), req));  // never Read
+  }
+  long peak = before;
+  for (int i = 0; i < 30; ++i) {  // 3 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    peak = std::max(peak, RssKiB(server_.pid()));
+  }
+  const double grown_mib = (peak - before) / 1024.0;
+  // Bound: 16 streams x (one 4 MiB batch being written + one being built +
+  // window) with slack; far below the 16 x per_stream_mib they asked for.
+  std::printf("server RSS grew %.1f MiB; the streams asked for %.0f MiB\n", grown_mib,
+              kStreams * per_stream_mib);
+  EXPECT_LT(grown_mib, 16 * 12.0) << "asked for " << kStreams * per_stream_mib << " MiB";
+  EXPECT_GT(kStreams * per_stream_mib, 4 * 16 * 12.0);  // the request is really hostile
+  for (auto& ctx : ctxs) ctx->TryCancel();
+  for (auto& r : readers) r->Finish();
+  // The server still serves.
+  EXPECT_TRUE(c.Stats().ok());
 }
 
 }  // namespace

@@ -94,10 +94,15 @@ StatusOr<TenantsConfig> TenantsConfig::Parse(std::string_view text) {
       section->max_builds = *v;
     } else if (key == "build_tokens_per_minute") {
       section->build_tokens_per_minute = *v;
+    } else if (key == "max_streams") {
+      section->max_streams = *v;
+    } else if (key == "max_messages_per_second") {
+      section->max_messages_per_second = *v;
     } else {
       return InvalidArgumentError(where + ": unknown key '" + key.substr(0, 64) +
                                   "' (expected max_stored_bytes, max_contexts, max_sessions, "
-                                  "max_builds or build_tokens_per_minute)");
+                                  "max_builds, build_tokens_per_minute, max_streams or "
+                                  "max_messages_per_second)");
     }
   }
   // Tenants inherit unset values from [default] only by being absent; a

@@ -10,6 +10,8 @@
 //   max_sessions = 64
 //   max_builds = 2
 //   build_tokens_per_minute = 2000000
+//   max_streams = 256
+//   max_messages_per_second = 5000
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -35,6 +37,12 @@ struct TenantQuota {
   // Tokens submitted to builds, extends and ingests per sliding minute.
   // Default: 0 (unlimited).
   uint64_t build_tokens_per_minute = 0;
+  // Concurrently open streaming calls (Decode, Watch, FetchIndex,
+  // FetchPages, Build, Extend, Ingest). Default: 0 (unlimited).
+  uint64_t max_streams = 0;
+  // Calls plus Decode-stream messages per second (token bucket, burst of
+  // one second's worth). Default: 0 (unlimited).
+  uint64_t max_messages_per_second = 0;
 };
 
 struct TenantsConfig {

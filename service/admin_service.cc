@@ -113,6 +113,7 @@ grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
                                             grpc::ServerWriter<v1::BuildProgress>* writer) {
   RpcScope rpc(ctx_, context, "BuildContext", auth::Action::kBuild);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   if (request->input_case() == v1::BuildContextRequest::INPUT_NOT_SET) {
     return rpc.Finish(Invalid("one of text or tokens is required"));
@@ -145,6 +146,7 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                                              grpc::ServerWriter<v1::BuildProgress>* writer) {
   RpcScope rpc(ctx_, context, "ExtendContext", auth::Action::kBuild);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   auto pid = ParseContextId(request->parent_id());
   if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
@@ -217,6 +219,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
                                              v1::ContextInfo* response) {
   RpcScope rpc(ctx_, context, "IngestContext", auth::Action::kBuild);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   v1::IngestChunk msg;
   if (!reader->Read(&msg) || !msg.has_header()) {

@@ -286,6 +286,7 @@ grpc::Status DecodeServiceImpl::Decode(
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
   RpcScope rpc(ctx_, context, "Decode", auth::Action::kRead);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
   auto live = std::make_unique<LiveStream>();
   live->context = context;
@@ -309,6 +310,10 @@ grpc::Status DecodeServiceImpl::Decode(
   v1::DecodeRequest req;
   while (stream->Read(&req)) {
     key->last_activity_ms = NowMs();
+    if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
+      stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
+      continue;
+    }
     if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
       return rpc.Finish(grpc::Status::OK);  // closed
     }
@@ -324,6 +329,7 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
                                            grpc::ServerWriter<v1::IndexChunk>* writer) {
   RpcScope rpc(ctx_, context, "FetchIndex", auth::Action::kRead);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto reader = ctx_->store->OpenReader(*id);
@@ -406,6 +412,7 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                            grpc::ServerWriter<v1::PageBatch>* writer) {
   RpcScope rpc(ctx_, context, "FetchPages", auth::Action::kRead);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   auto id = ParseContextId(request->context_id());
   if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
   auto reader = ctx_->store->OpenReader(*id);
@@ -453,6 +460,7 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
                                               grpc::ServerWriter<v1::ContextEvent>* writer) {
   RpcScope rpc(ctx_, context, "WatchContexts", auth::Action::kRead);
   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
   if (!request->context_id().empty()) {
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status().WithContext("context_id filter")));

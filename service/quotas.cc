@@ -1,5 +1,6 @@
 #include "service/quotas.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "service/access.h"
@@ -46,6 +47,8 @@ void QuotaGuard::Release() {
     if (reserved_context_) --st.pending_contexts;
   } else if (kind_ == Kind::kSession) {
     --st.sessions;
+  } else if (kind_ == Kind::kStream) {
+    --st.streams;
   }
   owner_ = nullptr;
   kind_ = Kind::kNone;
@@ -169,6 +172,49 @@ Status TenantQuotas::AdmitCommit(const std::string& tenant, uint64_t bytes, Quot
   st.pending_bytes += bytes;
   build->reserved_bytes_ += bytes;
   build->reserved_context_ = true;
+  return Status::OK();
+}
+
+StatusOr<QuotaGuard> TenantQuotas::AdmitStream(const std::string& tenant) {
+  const auth::TenantQuota q = access_->tenants()->QuotaFor(tenant);
+  std::unique_lock<std::mutex> l(mu_);
+  State& st = state_[tenant];
+  if (q.max_streams && st.streams >= q.max_streams) {
+    l.unlock();
+    return Reject(tenant, "max_streams",
+                  "quota max_streams=" + std::to_string(q.max_streams) +
+                      " open streaming calls reached; close one first");
+  }
+  ++st.streams;
+  QuotaGuard g;
+  g.owner_ = this;
+  g.kind_ = QuotaGuard::Kind::kStream;
+  g.tenant_ = tenant;
+  return g;
+}
+
+Status TenantQuotas::AdmitMessage(const std::string& tenant) {
+  const auth::TenantQuota q = access_->tenants()->QuotaFor(tenant);
+  if (!q.max_messages_per_second) return Status::OK();
+  const int64_t now_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  const double rate = static_cast<double>(q.max_messages_per_second);
+  std::unique_lock<std::mutex> l(mu_);
+  State& st = state_[tenant];
+  if (st.tokens < 0) {
+    st.tokens = rate;
+  } else {
+    st.tokens = std::min(rate, st.tokens + rate * (now_us - st.refilled_us) / 1e6);
+  }
+  st.refilled_us = now_us;
+  if (st.tokens < 1) {
+    l.unlock();
+    return Reject(tenant, "max_messages_per_second",
+                  "quota max_messages_per_second=" + std::to_string(q.max_messages_per_second) +
+                      " exceeded; slow down and retry");
+  }
+  st.tokens -= 1;
   return Status::OK();
 }
 

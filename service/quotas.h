@@ -10,7 +10,9 @@
 //                  context stores: contexts and stored bytes, counting
 //                  commits in flight, so two concurrent builds cannot both
 //                  pass. A refusal aborts the build: nothing stays stored;
-//   AdmitSession - before a decode session opens.
+//   AdmitSession - before a decode session opens;
+//   AdmitStream  - at the start of every streaming call;
+//   AdmitMessage - for every call and every Decode-stream message.
 // Refusals are RESOURCE_EXHAUSTED naming the quota and its value, and are
 // counted in ctxcache_tenant_rejected_total{tenant,reason}.
 //
@@ -47,7 +49,7 @@ class QuotaGuard {
 
  private:
   friend class TenantQuotas;
-  enum class Kind { kNone, kBuild, kSession };
+  enum class Kind { kNone, kBuild, kSession, kStream };
   void Release();
   TenantQuotas* owner_ = nullptr;
   Kind kind_ = Kind::kNone;
@@ -69,6 +71,10 @@ class TenantQuotas {
   StatusOr<QuotaGuard> AdmitBuild(const std::string& tenant, uint64_t tokens);
   Status AdmitCommit(const std::string& tenant, uint64_t bytes, QuotaGuard* build);
   StatusOr<QuotaGuard> AdmitSession(const std::string& tenant);
+  // A streaming call (max_streams).
+  StatusOr<QuotaGuard> AdmitStream(const std::string& tenant);
+  // One call or Decode-stream message (max_messages_per_second).
+  Status AdmitMessage(const std::string& tenant);
 
   // READY contexts and their bytes, from the store.
   TenantUsage Usage(const std::string& tenant) const;
@@ -89,6 +95,9 @@ class TenantQuotas {
     uint64_t sessions = 0;
     uint64_t pending_bytes = 0;     // admitted commits not yet visible in the store
     uint64_t pending_contexts = 0;
+    uint64_t streams = 0;
+    double tokens = -1;         // message bucket; -1 = full
+    int64_t refilled_us = 0;
     std::deque<std::pair<int64_t, uint64_t>> recent_tokens;  // (ms, tokens)
   };
   std::map<std::string, State> state_;  // guarded by mu_

@@ -40,12 +40,22 @@ class RpcScope {
       principal_ = std::move(p).value();
       authenticated_ = true;
       auth_status_ = ToGrpc(AccessControl::CheckRole(principal_, action, method));
+      if (auth_status_.ok()) auth_status_ = ToGrpc(ctx_->quotas->AdmitMessage(principal_.tenant));
     } else {
       auth_status_ = ToGrpc(p.status());
     }
   }
 
+  // False when the call may not run: bad credentials, a role without the
+  // permission, or the tenant's message rate exceeded; auth_status() says.
   bool authorized() const { return auth_status_.ok(); }
+  // Streaming calls: holds one of the tenant's max_streams until Finish.
+  grpc::Status AdmitStream() {
+    auto g = ctx_->quotas->AdmitStream(principal_.tenant);
+    if (!g.ok()) return ToGrpc(g.status());
+    stream_ = std::move(g).value();
+    return grpc::Status::OK;
+  }
   const grpc::Status& auth_status() const { return auth_status_; }
   const auth::Principal& principal() const { return principal_; }
   // For the audit line: the context the call acted on, and its tenant.
@@ -115,6 +125,7 @@ class RpcScope {
   auth::Action action_;
   std::chrono::steady_clock::time_point start_;
   auth::Principal principal_;
+  QuotaGuard stream_;
   bool authenticated_ = false;
   grpc::Status auth_status_;
   std::string context_id_;

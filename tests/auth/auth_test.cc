@@ -140,12 +140,15 @@ TEST(KeysFile, MalformedLinesNameTheLine) {
 TEST(Tenants, ParsesQuotasWithSuffixesAndRejectsUnknownKeys) {
   auto t = TenantsConfig::Parse(
       "[default]\nmax_stored_bytes = 10G\n# comment\n[tenant.acme]\nmax_contexts = 5\n"
-      "max_sessions=2\nmax_builds = 1\nbuild_tokens_per_minute = 4K\n");
+      "max_sessions=2\nmax_builds = 1\nbuild_tokens_per_minute = 4K\nmax_streams = 8\n"
+      "max_messages_per_second = 100\n");
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_EQ(t->QuotaFor("other").max_stored_bytes, 10ull << 30);
   EXPECT_EQ(t->QuotaFor("acme").max_contexts, 5u);
   EXPECT_EQ(t->QuotaFor("acme").max_sessions, 2u);
   EXPECT_EQ(t->QuotaFor("acme").build_tokens_per_minute, 4096u);
+  EXPECT_EQ(t->QuotaFor("acme").max_streams, 8u);
+  EXPECT_EQ(t->QuotaFor("acme").max_messages_per_second, 100u);
   EXPECT_EQ(t->QuotaFor("acme").max_stored_bytes, 0u);  // a section is the whole quota
   for (const char* bad : {"max_contexts = 1\n", "[tenant.a]\nmax_cakes = 1\n",
                           "[tenant.a]\nmax_contexts = -1\n", "[tenant.a]\nmax_contexts = 1X\n",

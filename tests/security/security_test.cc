@@ -732,6 +732,7 @@ TEST_F(SecurityTest, EachQuotaRefusesWithItsNameAndLeavesNothingHalfWritten) {
   const std::string qr = CreateKey(keys_file_, "q", "reader");
   const std::string admin = CreateKey(keys_file_, "", "admin");
   const std::string r = CreateKey(keys_file_, "r", "builder");
+  const std::string rr = CreateKey(keys_file_, "r", "reader");
   StartTlsWithKeys({"--tenants-file", tenants});
   Caller qb(server_.address(), Tls(q)), qread(server_.address(), Tls(qr));
   Caller ad(server_.address(), Tls(admin));
@@ -823,6 +824,36 @@ TEST_F(SecurityTest, EachQuotaRefusesWithItsNameAndLeavesNothingHalfWritten) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
     EXPECT_NE(s.error_message().find("max_builds=1"), std::string::npos) << s.error_message();
   }
+  // Streams and message rate.
+  {
+    std::ofstream f(tenants);
+    f << "[tenant.r]\nmax_streams = 1\n";
+  }
+  kill(server_.pid(), SIGHUP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  Caller rread(server_.address(), Tls(rr));
+  std::vector<v1::ContextEvent> ev;
+  std::mutex ev_mu;
+  ASSERT_TRUE(rread.StartWatch(&ev, &ev_mu).ok());  // holds r's one stream
+  s = Caller(server_.address(), Tls(rr)).FetchIndex(id);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(s.error_message().find("max_streams=1"), std::string::npos) << s.error_message();
+  rread.StopWatch();
+  {
+    std::ofstream f(tenants);
+    f << "[tenant.r]\nmax_messages_per_second = 5\n";
+  }
+  kill(server_.pid(), SIGHUP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  int limited = 0;
+  for (int i = 0; i < 20; ++i) {
+    grpc::Status st = rread.Stats();
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++limited;
+      EXPECT_NE(st.error_message().find("max_messages_per_second=5"), std::string::npos);
+    }
+  }
+  EXPECT_GE(limited, 10);
   // Per-tenant metrics.
   std::string metrics = testing::HttpGet(server_.metrics_port(), "/metrics");
   EXPECT_NE(metrics.find("ctxcache_tenant_rejected_total{reason=\"max_contexts\",tenant=\"q\"}"),

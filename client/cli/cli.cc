@@ -4,6 +4,7 @@
 
 #include "client/cli/admin_commands.h"
 #include "client/cli/command.h"
+#include "client/cli/fsck_command.h"
 #include "client/cli/generate_command.h"
 #include "client/cli/health_command.h"
 
@@ -43,6 +44,8 @@ int RunCli(int argc, char** argv) {
   add("generate", "Decode against a context with sparse attention (reference worker)",
       std::make_unique<GenerateCommand>());
   add("health", "Check the server's health (exit 0 if SERVING)", std::make_unique<HealthCommand>());
+  add("fsck", "Check a data dir offline (server stopped): verify every context's checksums",
+      std::make_unique<FsckCommand>());
 
   try {
     app.parse(argc, argv);

@@ -92,8 +92,7 @@ class ServerImpl {
     auto store = storage::Store::Open(so, c.data_dir);
     if (!store.ok()) {
       const Status& s = store.status();
-      if (s.message().find("lock") != std::string_view::npos ||
-          s.message().find("LOCK") != std::string_view::npos) {
+      if (storage::IsDataDirLockedError(s.message())) {
         return Status(s.code(), "data dir '" + c.data_dir +
                                     "' is locked by another process (RocksDB LOCK file " +
                                     c.data_dir +

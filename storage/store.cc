@@ -14,6 +14,7 @@
 #include <set>
 
 #include "common/logging.h"
+#include "storage/manifest_codec.h"
 #include "storage/store_internal.h"
 
 namespace ctxcache::storage {
@@ -115,6 +116,15 @@ rocksdb::ColumnFamilyOptions CfOptions(int cf, const StoreOptions& o,
 
 // ---------------------------------------------------------------------------
 
+bool IsDataDirLockedError(std::string_view message) {
+  // RocksDB's PosixFileSystem::LockFile: "IO error: While lock file: <dir>/LOCK:
+  // Resource temporarily unavailable" (another process holds it) or "IO
+  // error: lock hold by current process, acquire time ... lock file:
+  // <dir>/LOCK: No locks available" (this process). Both name the LOCK file.
+  auto has = [&](std::string_view s) { return message.find(s) != std::string_view::npos; };
+  return has("/LOCK") && (has("While lock file") || has("lock hold by current process"));
+}
+
 Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   if (s.ok()) return Status::OK();
   std::string msg = std::string(what) + ": " + s.ToString();
@@ -204,6 +214,10 @@ Status StoreCore::OpenDb(bool read_only) {
   dbo.info_log_level = rocksdb::WARN_LEVEL;
   dbo.max_open_files = -1;
   dbo.statistics = statistics_;
+  // After a crash, replay the WAL up to the first damaged record and drop
+  // the rest (a torn tail write): every acknowledged meta write was synced,
+  // so nothing acknowledged is lost; see docs/reliability.md.
+  dbo.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
   if (options_.env != nullptr) dbo.env = options_.env;
 
   // Open every existing column family (a newer format may have added some),
@@ -257,6 +271,16 @@ Status StoreCore::CheckFormatVersion() {
     wo.sync = true;
     return FromRocks(db_->Put(wo, cf(kCfMeta), FormatVersionKey(), v), "write format_version");
   }
+  if (s.IsCorruption()) {
+    // Its meta block fails its checksum (the contexts in that block are
+    // quarantined by the scan); the 4-byte record is read without it and
+    // range-checked below.
+    rocksdb::ReadOptions unverified;
+    unverified.verify_checksums = false;
+    spdlog::error("storage: reading format_version: {}; retrying without block checksums",
+                  s.ToString());
+    s = db_->Get(unverified, cf(kCfMeta), FormatVersionKey(), &value);
+  }
   RETURN_IF_ERROR(FromRocks(s, "read format_version"));
   if (value.size() != 4) {
     return DataLossError("format_version record in " + path_ + " is " +
@@ -270,50 +294,206 @@ Status StoreCore::CheckFormatVersion() {
         "); refusing to open. Run a newer ctxcache or use another data dir");
   }
   if (version == 0) return DataLossError("format_version 0 in " + path_ + " is invalid");
+  if (version < kFormatVersion) {
+    // Version 1 dirs hold unframed manifests, which this build still reads.
+    // Re-stamp before any framed manifest is written, so that an older
+    // build refuses the dir instead of taking framed manifests for garbage.
+    spdlog::info("storage: upgrading {} from format_version {} to {}", path_, version,
+                 kFormatVersion);
+    std::string v;
+    PutLE32(&v, kFormatVersion);
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return FromRocks(db_->Put(wo, cf(kCfMeta), FormatVersionKey(), v), "write format_version");
+  }
   return Status::OK();
 }
 
-Status StoreCore::CollectGarbage(bool reload) {
-  // 1. Manifests: keep READY ones, collect BUILDING/FAILED/unparseable.
-  std::vector<ContextId> garbage;
-  std::set<ContextId> ready;
+Status StoreCore::ScanManifests(std::vector<ScannedManifest>* out, bool* complete) const {
+  *complete = true;
+  std::string last_key;
   {
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf(kCfMeta)));
     for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
-      ContextId id;
-      if (!ParseManifestKey(it->key().ToStringView(), &id)) continue;
-      v1::ContextManifest m;
-      if (!m.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
-        spdlog::warn("storage: unparseable manifest for {}; deleting the context", Hex(id));
-        garbage.push_back(id);
-        continue;
-      }
-      if (m.state() != v1::CONTEXT_STATE_READY) {
-        garbage.push_back(id);
-        continue;
-      }
-      ready.insert(id);
-      if (reload) continue;
-      auto e = std::make_shared<ContextEntry>();
-      e->last_access_ms.store(m.last_access_ms());
-      e->persisted_access_ms = m.last_access_ms();
-      e->manifest = std::move(m);
-      contexts_[id] = std::move(e);
+      last_key = it->key().ToString();
+      ScannedManifest r;
+      if (!ParseManifestKey(it->key().ToStringView(), &r.id)) continue;
+      r.status = DecodeManifest(it->value().ToStringView(), &r.manifest);
+      out->push_back(std::move(r));
     }
-    RETURN_IF_ERROR(FromRocks(it->status(), "scan manifests"));
+    if (it->status().ok()) return Status::OK();
+    if (!it->status().IsCorruption()) return FromRocks(it->status(), "scan manifests");
+    spdlog::error("storage: meta column family: {}; reading the remaining manifests one by one",
+                  it->status().ToString());
+  }
+  // A meta block failed its checksum. Walk the rest without block checksums
+  // to learn the keys; read each with checksums; where that fails, the
+  // manifest's own crc32c decides whether its bytes are intact.
+  rocksdb::ReadOptions unverified;
+  unverified.verify_checksums = false;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(unverified, cf(kCfMeta)));
+  it->Seek(last_key.empty() ? std::string("M") : last_key);
+  if (!last_key.empty() && it->Valid() && it->key() == last_key) it->Next();
+  for (; it->Valid() && it->key().starts_with("M"); it->Next()) {
+    ScannedManifest r;
+    if (!ParseManifestKey(it->key().ToStringView(), &r.id)) continue;
+    std::string v;
+    rocksdb::Status gs = db_->Get(rocksdb::ReadOptions(), cf(kCfMeta), it->key(), &v);
+    if (gs.ok()) {
+      r.status = DecodeManifest(v, &r.manifest);
+    } else {
+      std::string_view raw = it->value().ToStringView();
+      Status d = IsFramedManifest(raw) ? DecodeManifest(raw, &r.manifest)
+                                       : DataLossError("unframed manifest (no crc32c of its own)");
+      if (d.ok()) {
+        spdlog::warn(
+            "storage: manifest of {} lies in a meta block that fails its checksum ({}); "
+            "its own crc32c verifies, keeping it",
+            Hex(r.id), gs.ToString());
+        r.status = Status::OK();
+      } else {
+        r.status = DataLossError("meta block: " + gs.ToString() + "; " + std::string(d.message()));
+      }
+    }
+    out->push_back(std::move(r));
+  }
+  if (!it->status().ok()) {
+    *complete = false;
+    spdlog::error("storage: meta column family unreadable past {}: {}",
+                  last_key.empty() ? std::string("the start") : last_key, it->status().ToString());
+  }
+  return Status::OK();
+}
+
+Status StoreCore::ScanDataRanges(int c,
+                                 const std::vector<std::pair<ContextId, std::string>>& probes,
+                                 const std::function<void(const ContextId&)>& on_range,
+                                 const std::function<void(const ContextId&, Status)>& on_error,
+                                 bool* complete) const {
+  *complete = true;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf(c)));
+  std::string cursor;  // ranges before it are done
+  for (it->SeekToFirst(); it->Valid();) {
+    ContextId id;
+    if (!ParseContextPrefix(it->key().ToStringView(), &id)) {
+      it->Next();
+      continue;
+    }
+    on_range(id);
+    cursor = ContextRangeEnd(id);
+    it->Seek(cursor);
+  }
+  if (it->status().ok()) return Status::OK();
+  if (!it->status().IsCorruption()) {
+    return FromRocks(it->status(), std::string("scan ") + kCfNames[c]);
+  }
+  // A block fails its checksum. The iterator merges every L0 file, so where
+  // it failed does not say whose block it is; point reads do (they only
+  // touch files whose key range holds the key). Probe one key of every
+  // context not scanned yet; the scan of this column family stops here.
+  *complete = false;
+  spdlog::error("storage: {} column family: {}; probing the contexts after {}", kCfNames[c],
+                it->status().ToString(),
+                cursor.empty() ? std::string("the start") : rocksdb::Slice(cursor).ToString(true));
+  for (const auto& [id, key] : probes) {
+    if (ContextRangeBegin(id) < cursor) continue;
+    std::string v;
+    rocksdb::Status ps = db_->Get(rocksdb::ReadOptions(), cf(c), key, &v);
+    if (ps.IsCorruption()) {
+      on_error(id, DataLossError(std::string(kCfNames[c]) + " column family: " + ps.ToString()));
+    }
+  }
+  return Status::OK();
+}
+
+void StoreCore::QuarantineAtOpen(const ContextId& id, const v1::ContextManifest* m,
+                                 std::string reason) {
+  spdlog::error("storage: quarantining context {}: {}", Hex(id), reason);
+  v1::ContextManifest q;
+  if (m != nullptr) q = *m;
+  q.set_context_id(std::string(id.AsBytes()));
+  q.set_state(v1::CONTEXT_STATE_FAILED);
+  q.set_error(std::move(reason));
+  quarantined_[id] = std::move(q);
+}
+
+Status StoreCore::CollectGarbage(bool reload) {
+  // 1. Manifests: READY ones are served; BUILDING and EVICTING ones are
+  //    finished (deleted); FAILED or unreadable ones are quarantined.
+  //    On a reload (reopen after a disk error) only BUILDING manifests are
+  //    collected: in-memory state (leases of EVICTING contexts, quarantine)
+  //    stays as it is.
+  std::vector<ContextId> garbage;
+  std::set<ContextId> keep;  // key ranges not to collect
+  std::vector<ScannedManifest> scanned;
+  bool meta_complete = true;
+  RETURN_IF_ERROR(ScanManifests(&scanned, &meta_complete));
+  for (auto& r : scanned) {
+    const ContextId id = r.id;
+    if (reload) {
+      if (r.status.ok() && r.manifest.state() == v1::CONTEXT_STATE_BUILDING) {
+        garbage.push_back(id);
+      } else {
+        keep.insert(id);
+      }
+      continue;
+    }
+    if (!r.status.ok()) {
+      QuarantineAtOpen(id, nullptr, std::string(r.status.message()));
+      keep.insert(id);
+      continue;
+    }
+    v1::ContextManifest& m = r.manifest;
+    if (m.context_id() != id.AsBytes()) {
+      QuarantineAtOpen(id, nullptr, "manifest under this key names another context id");
+      keep.insert(id);
+      continue;
+    }
+    switch (m.state()) {
+      case v1::CONTEXT_STATE_READY: {
+        keep.insert(id);
+        auto e = std::make_shared<ContextEntry>();
+        e->last_access_ms.store(m.last_access_ms());
+        e->persisted_access_ms = m.last_access_ms();
+        e->manifest = std::move(m);
+        contexts_[id] = std::move(e);
+        break;
+      }
+      case v1::CONTEXT_STATE_FAILED:
+        keep.insert(id);
+        quarantined_[id] = std::move(m);
+        break;
+      case v1::CONTEXT_STATE_EVICTING:
+        ++evictions_finished_at_open_;
+        garbage.push_back(id);
+        break;
+      default:  // BUILDING: a build cut short
+        ++gc_contexts_at_open_;
+        garbage.push_back(id);
+        break;
+    }
   }
   // 2. READY children whose parent is gone (an interrupted delete) cannot
-  //    be served: drop them. Repeat for grandchildren.
+  //    be served: drop them. Children of a quarantined context are
+  //    quarantined with it (their first blocks are its pages). Repeat for
+  //    grandchildren.
   for (bool changed = !reload; changed;) {
     changed = false;
     for (auto it = contexts_.begin(); it != contexts_.end();) {
       const auto& m = it->second->manifest;
       if (!m.parent_id().empty()) {
         auto pid = ContextId::FromBytes(m.parent_id());
+        if (pid.ok() && contexts_.count(*pid) == 0 && quarantined_.count(*pid) > 0) {
+          QuarantineAtOpen(it->first, &m, "parent context " + Hex(*pid) + " is quarantined");
+          it = contexts_.erase(it);
+          changed = true;
+          continue;
+        }
         if (!pid.ok() || contexts_.count(*pid) == 0) {
           spdlog::warn("storage: context {} lost its parent; deleting it", Hex(it->first));
           garbage.push_back(it->first);
-          ready.erase(it->first);
+          keep.erase(it->first);
+          ++gc_contexts_at_open_;
           it = contexts_.erase(it);
           changed = true;
           continue;
@@ -323,33 +503,89 @@ Status StoreCore::CollectGarbage(bool reload) {
     }
   }
   if (!reload) {
-    for (auto& [id, e] : contexts_) {
-      if (!e->manifest.parent_id().empty()) {
-        auto pid = ContextId::FromBytes(e->manifest.parent_id());
-        if (pid.ok()) ++contexts_[*pid]->children;
-      }
-    }
-    gc_contexts_at_open_ = garbage.size();
+    auto count_child = [&](const v1::ContextManifest& m) {
+      if (m.parent_id().empty()) return;
+      auto pid = ContextId::FromBytes(m.parent_id());
+      if (!pid.ok()) return;
+      auto p = contexts_.find(*pid);
+      if (p != contexts_.end()) ++p->second->children;
+    };
+    for (auto& [id, e] : contexts_) count_child(e->manifest);
+    for (auto& [id, m] : quarantined_) count_child(m);
   }
-  // 3. Orphans: key ranges in data CFs with no READY manifest (a crash
-  //    between writes, or garbage from step 1).
+  // 3. Orphans: key ranges in data CFs with no manifest (a crash between
+  //    writes). A range that cannot be read quarantines its context. If the
+  //    meta column family could not be read to its end, a range without a
+  //    manifest may be a context whose manifest is unreadable: quarantine
+  //    it instead of deleting it.
   std::set<ContextId> orphan_set(garbage.begin(), garbage.end());
   for (int c : {kCfTokens, kCfPages, kCfIndex}) {
-    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf(c)));
-    it->SeekToFirst();
-    while (it->Valid()) {
-      ContextId id;
-      if (!ParseContextPrefix(it->key().ToStringView(), &id)) {
-        it->Next();
+    // One key that every READY context has in `c` (if any).
+    std::vector<std::pair<ContextId, std::string>> probes;
+    for (const auto& [id, e] : contexts_) {
+      const v1::ContextManifest& m = e->manifest;
+      const uint64_t n_blocks =
+          (m.n_tokens() + m.block_tokens() - 1) / std::max(1u, m.block_tokens());
+      if (c == kCfTokens) {
+        probes.emplace_back(id, TokenKey(id, 0));
+      } else if (c == kCfPages && m.shared_blocks() < n_blocks) {
+        probes.emplace_back(id, PageKey(id, 0, 0, m.shared_blocks()));
+      } else if (c == kCfIndex && m.artifacts_size() > 0) {
+        const auto& a = m.artifacts(0);
+        probes.emplace_back(
+            id, ArtifactKey(id, static_cast<uint16_t>(a.layer()),
+                            static_cast<uint16_t>(a.kv_head()), static_cast<uint8_t>(a.kind()), 0));
+      }
+    }
+    bool complete = true;
+    RETURN_IF_ERROR(ScanDataRanges(
+        c, probes,
+        [&](const ContextId& id) {
+          if (keep.count(id) || orphan_set.count(id)) return;
+          if (!meta_complete && !reload) {
+            QuarantineAtOpen(id, nullptr,
+                             "key range without a readable manifest (the meta column family "
+                             "could not be read to its end)");
+            keep.insert(id);
+            return;
+          }
+          orphan_set.insert(id);
+          if (!reload) ++orphan_prefixes_at_open_;
+        },
+        [&](const ContextId& id, Status why) {
+          if (reload) return;  // keep what is there; the next open decides
+          auto e = contexts_.find(id);
+          if (e != contexts_.end()) {
+            QuarantineAtOpen(id, &e->second->manifest, std::string(why.message()));
+            contexts_.erase(e);
+          } else if (quarantined_.count(id) == 0 && orphan_set.count(id) == 0) {
+            QuarantineAtOpen(id, nullptr, std::string(why.message()));
+          }
+          // Unreadable data of a context being deleted anyway is left to the
+          // deletion's range tombstones.
+          if (orphan_set.count(id) == 0) keep.insert(id);
+        },
+        &complete));
+    if (!complete) {
+      spdlog::error("storage: {} column family only partly scanned", kCfNames[c]);
+    }
+  }
+  // Children of contexts quarantined in step 3 follow them.
+  for (bool changed = !reload; changed;) {
+    changed = false;
+    for (auto it = contexts_.begin(); it != contexts_.end();) {
+      auto pid = ContextId::FromBytes(it->second->manifest.parent_id());
+      if (pid.ok() && quarantined_.count(*pid) > 0) {
+        QuarantineAtOpen(it->first, &it->second->manifest,
+                         "parent context " + Hex(*pid) + " is quarantined");
+        it = contexts_.erase(it);
+        changed = true;
         continue;
       }
-      if (ready.count(id) == 0 && orphan_set.insert(id).second && !reload) {
-        ++orphan_prefixes_at_open_;
-      }
-      it->Seek(ContextRangeEnd(id));
+      ++it;
     }
-    RETURN_IF_ERROR(FromRocks(it->status(), "scan for orphaned keys"));
   }
+  if (!reload) quarantined_at_open_ = quarantined_.size();
   if (!orphan_set.empty()) {
     spdlog::info("storage: open: removing {} incomplete contexts / orphaned key ranges",
                  orphan_set.size());
@@ -365,24 +601,41 @@ Status StoreCore::DeleteContextsData(const std::vector<ContextId>& ids) {
   return DeleteContextsDataNoLock(ids);
 }
 
+Status StoreCore::PutEvictingMarkers(rocksdb::WriteBatch* batch,
+                                     const std::vector<ContextId>& ids) const {
+  for (const auto& id : ids) {
+    v1::ContextManifest marker;
+    marker.set_context_id(std::string(id.AsBytes()));
+    marker.set_format_version(kFormatVersion);
+    marker.set_state(v1::CONTEXT_STATE_EVICTING);
+    RETURN_IF_ERROR(
+        FromRocks(batch->Put(cf(kCfMeta), ManifestKey(id), EncodeManifest(marker)), "put marker"));
+  }
+  return Status::OK();
+}
+
 Status StoreCore::DeleteContextsDataNoLock(const std::vector<ContextId>& ids) {
   if (ids.empty()) return Status::OK();
+  // 1. One synced batch: the EVICTING marker of every id (replacing its
+  //    manifest) and the range deletions. From here on the contexts are
+  //    gone for readers, and the marker tells the next Open() to finish the
+  //    job if this process dies before step 3.
   rocksdb::WriteBatch batch;
+  RETURN_IF_ERROR(PutEvictingMarkers(&batch, ids));
   for (const auto& id : ids) {
     std::string b = ContextRangeBegin(id), e = ContextRangeEnd(id);
     for (int c : {kCfTokens, kCfPages, kCfIndex}) {
       RETURN_IF_ERROR(FromRocks(batch.DeleteRange(cf(c), b, e), "delete range"));
     }
-    RETURN_IF_ERROR(FromRocks(batch.Delete(cf(kCfMeta), ManifestKey(id)), "delete manifest"));
   }
   RETURN_IF_ERROR(WriteNoLock(&batch, /*sync=*/true, /*disable_wal=*/false));
-  // Reclaim the space. The data is already logically gone (the batch above
-  // is durable), so failures here only delay reclamation to a later
-  // compaction and are logged, not returned.
-  //  1. Drop SST files that lie entirely inside a deleted range: no rewrite,
+  // 2. Reclaim the space. Failures here only delay reclamation: the markers
+  //    stay, and the next Open() compacts again.
+  //  a. Drop SST files that lie entirely inside a deleted range: no rewrite,
   //     no free space needed (a full disk cannot run a compaction).
-  //  2. Compact exactly the ranges so the tombstones drop the rest (and, with
+  //  b. Compact exactly the ranges so the tombstones drop the rest (and, with
   //     blob files, rewrite/free the blobs).
+  bool reclaimed = true;
   std::vector<std::string> bounds;
   for (const auto& id : ids) {
     bounds.push_back(ContextRangeBegin(id));
@@ -401,11 +654,22 @@ Status StoreCore::DeleteContextsDataNoLock(const std::vector<ContextId>& ids) {
     for (size_t i = 0; i < ids.size(); ++i) {
       rocksdb::Status cs = db_->CompactRange(cro, cf(c), &slices[2 * i], &slices[2 * i + 1]);
       if (!cs.ok()) {
-        spdlog::warn("storage: compacting the deleted range of {}: {} (space is reclaimed later)",
-                     Hex(ids[i]), cs.ToString());
+        reclaimed = false;
+        spdlog::warn(
+            "storage: compacting the deleted range of {}: {} (space is reclaimed at "
+            "the next open)",
+            Hex(ids[i]), cs.ToString());
       }
     }
   }
+  if (!reclaimed) return Status::OK();
+  // 3. Done: drop the markers (unsynced: a lost delete only repeats step 2).
+  rocksdb::WriteBatch done;
+  for (const auto& id : ids) {
+    RETURN_IF_ERROR(FromRocks(done.Delete(cf(kCfMeta), ManifestKey(id)), "delete marker"));
+  }
+  Status s = WriteNoLock(&done, /*sync=*/false, /*disable_wal=*/false);
+  if (!s.ok()) spdlog::warn("storage: removing eviction markers: {}", s.ToString());
   return Status::OK();
 }
 
@@ -493,7 +757,7 @@ Status StoreCore::PutManifestLocked(const v1::ContextManifest& m, bool sync) {
   auto id = ContextId::FromBytes(m.context_id());
   if (!id.ok()) return id.status();
   RETURN_IF_ERROR(
-      FromRocks(batch.Put(cf(kCfMeta), ManifestKey(*id), m.SerializeAsString()), "put manifest"));
+      FromRocks(batch.Put(cf(kCfMeta), ManifestKey(*id), EncodeManifest(m)), "put manifest"));
   return Write(&batch, sync, /*disable_wal=*/false);
 }
 
@@ -533,10 +797,7 @@ Status StoreCore::CheckParentLocked(const BuildRequest& req, const ContextId& pa
                                     v1::ContextManifest* parent_manifest) const {
   auto it = contexts_.find(parent);
   if (it == contexts_.end() || it->second->doomed) {
-    if (building_.count(parent)) {
-      return FailedPreconditionError("parent context " + Hex(parent) + " is BUILDING");
-    }
-    return NotFoundError("parent context " + Hex(parent) + " not found");
+    return NotServedLocked(parent).WithContext("parent");
   }
   const v1::ContextManifest& pm = it->second->manifest;
   if (pm.model().fingerprint() != req.model.fingerprint()) {
@@ -633,6 +894,7 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
         return UnavailableError("context " + Hex(id) +
                                 " is being deleted (leased); retry after its sessions close");
       }
+      if (quarantined_.count(id)) return NotServedLocked(id);
       auto b = building_.find(id);
       if (b == building_.end()) break;
       std::shared_ptr<BuildSlot> other = b->second;
@@ -719,7 +981,7 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
   man.set_stored_bytes(token_bytes);
   {
     Status s =
-        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), man.SerializeAsString()), "put manifest");
+        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), EncodeManifest(man)), "put manifest");
     if (s.ok()) s = Write(&batch, /*sync=*/true, /*disable_wal=*/false);
     if (!s.ok()) {
       // Best effort: drop what may have been written.
@@ -826,12 +1088,7 @@ Status StoreCore::AbortBuild(ContextWriter* w) {
 StatusOr<v1::ContextManifest> StoreCore::GetManifest(const ContextId& id) const {
   std::lock_guard<std::mutex> l(mu_);
   auto it = contexts_.find(id);
-  if (it == contexts_.end() || it->second->doomed) {
-    if (building_.count(id)) {
-      return FailedPreconditionError("context " + Hex(id) + " is BUILDING, not READY");
-    }
-    return NotFoundError("context " + Hex(id) + " not found");
-  }
+  if (it == contexts_.end() || it->second->doomed) return NotServedLocked(id);
   v1::ContextManifest m = it->second->manifest;
   m.set_last_access_ms(it->second->last_access_ms.load());
   return m;
@@ -857,12 +1114,7 @@ void StoreCore::Touch(const ContextId& id) {
 StatusOr<Lease> StoreCore::AcquireLease(const ContextId& id) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = contexts_.find(id);
-  if (it == contexts_.end() || it->second->doomed) {
-    if (building_.count(id)) {
-      return FailedPreconditionError("context " + Hex(id) + " is BUILDING, not READY");
-    }
-    return NotFoundError("context " + Hex(id) + " not found");
-  }
+  if (it == contexts_.end() || it->second->doomed) return NotServedLocked(id);
   ++it->second->leases;
   it->second->last_access_ms.store(clock_->NowMillis());
   return Lease(this, id);
@@ -948,9 +1200,7 @@ Status StoreCore::UpdateManifest(const ContextId& id,
                                  const std::function<void(v1::ContextManifest*)>& edit) {
   std::lock_guard<std::mutex> l(mu_);
   auto it = contexts_.find(id);
-  if (it == contexts_.end() || it->second->doomed) {
-    return NotFoundError("context " + Hex(id) + " not found");
-  }
+  if (it == contexts_.end() || it->second->doomed) return NotServedLocked(id);
   v1::ContextManifest m = it->second->manifest;
   edit(&m);
   m.set_last_access_ms(it->second->last_access_ms.load());
@@ -996,29 +1246,116 @@ void StoreCore::DetachLocked(const ContextId& id) {
 StatusOr<bool> StoreCore::Delete(const ContextId& id) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    auto it = contexts_.find(id);
-    if (it == contexts_.end() || it->second->doomed) {
-      if (building_.count(id)) {
-        return FailedPreconditionError("context " + Hex(id) + " is BUILDING; abort its build");
+    auto q = quarantined_.find(id);
+    if (q != quarantined_.end()) {
+      // The one way a quarantined context goes: an explicit delete.
+      if (HasChildrenLocked(id)) {
+        return FailedPreconditionError("quarantined context " + Hex(id) +
+                                       " is the parent of other contexts; delete them first");
       }
-      return NotFoundError("context " + Hex(id) + " not found");
+      auto pid = ContextId::FromBytes(q->second.parent_id());
+      if (pid.ok()) {
+        auto p = contexts_.find(*pid);
+        if (p != contexts_.end()) --p->second->children;
+      }
+      quarantined_.erase(q);
+    } else {
+      auto it = contexts_.find(id);
+      if (it == contexts_.end() || it->second->doomed) {
+        if (building_.count(id)) {
+          return FailedPreconditionError("context " + Hex(id) + " is BUILDING; abort its build");
+        }
+        return NotFoundError("context " + Hex(id) + " not found");
+      }
+      auto& e = *it->second;
+      if (e.manifest.pinned()) {
+        return FailedPreconditionError("context " + Hex(id) + " is pinned; unpin it first");
+      }
+      if (e.children > 0) {
+        return FailedPreconditionError("context " + Hex(id) + " is the parent of " +
+                                       std::to_string(e.children) +
+                                       " context(s); delete them first");
+      }
+      if (e.leases > 0) {
+        RETURN_IF_ERROR(MarkEvictingLocked({id}));
+        e.doomed = true;
+        return true;
+      }
+      DetachLocked(id);
     }
-    auto& e = *it->second;
-    if (e.manifest.pinned()) {
-      return FailedPreconditionError("context " + Hex(id) + " is pinned; unpin it first");
-    }
-    if (e.children > 0) {
-      return FailedPreconditionError("context " + Hex(id) + " is the parent of " +
-                                     std::to_string(e.children) + " context(s); delete them first");
-    }
-    if (e.leases > 0) {
-      e.doomed = true;
-      return true;
-    }
-    DetachLocked(id);
   }
   RETURN_IF_ERROR(DeleteContextsData({id}));
   return false;
+}
+
+Status StoreCore::MarkEvictingLocked(const std::vector<ContextId>& ids) {
+  if (ids.empty()) return Status::OK();
+  rocksdb::WriteBatch batch;
+  RETURN_IF_ERROR(PutEvictingMarkers(&batch, ids));
+  return Write(&batch, /*sync=*/true, /*disable_wal=*/false).WithContext("mark for eviction");
+}
+
+bool StoreCore::HasChildrenLocked(const ContextId& id) const {
+  const std::string raw(id.AsBytes());
+  for (const auto& [cid, e] : contexts_) {
+    if (e->manifest.parent_id() == raw) return true;
+  }
+  for (const auto& [cid, m] : quarantined_) {
+    if (m.parent_id() == raw) return true;
+  }
+  return false;
+}
+
+Status StoreCore::NotServedLocked(const ContextId& id) const {
+  auto q = quarantined_.find(id);
+  if (q != quarantined_.end()) {
+    return DataLossError("context " + Hex(id) + " is quarantined (FAILED): " + q->second.error());
+  }
+  if (building_.count(id)) {
+    return FailedPreconditionError("context " + Hex(id) + " is BUILDING, not READY");
+  }
+  return NotFoundError("context " + Hex(id) + " not found");
+}
+
+Status StoreCore::Quarantine(const ContextId& id, std::string_view reason) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (quarantined_.count(id)) return Status::OK();
+  auto it = contexts_.find(id);
+  if (it == contexts_.end() || it->second->doomed) return NotServedLocked(id);
+  v1::ContextManifest m = it->second->manifest;
+  m.set_last_access_ms(it->second->last_access_ms.load());
+  m.set_state(v1::CONTEXT_STATE_FAILED);
+  m.set_error(std::string(reason));
+  RETURN_IF_ERROR(PutManifestLocked(m, /*sync=*/true).WithContext("quarantine " + Hex(id)));
+  spdlog::error("storage: quarantined context {}: {}", Hex(id), reason);
+  // Open readers keep their manifest copy; a parent keeps counting this
+  // child (it still references the parent's pages).
+  contexts_.erase(it);
+  quarantined_[id] = std::move(m);
+  // Descendants read this context's pages: they follow it (in memory; Open
+  // derives the same from the persisted FAILED state).
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (auto c = contexts_.begin(); c != contexts_.end(); ++c) {
+      auto pid = ContextId::FromBytes(c->second->manifest.parent_id());
+      if (!pid.ok() || quarantined_.count(*pid) == 0) continue;
+      v1::ContextManifest cm = c->second->manifest;
+      cm.set_state(v1::CONTEXT_STATE_FAILED);
+      cm.set_error("parent context " + Hex(*pid) + " is quarantined");
+      quarantined_[c->first] = std::move(cm);
+      contexts_.erase(c);
+      changed = true;
+      break;
+    }
+  }
+  return Status::OK();
+}
+
+std::vector<v1::ContextManifest> StoreCore::ListQuarantined() const {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<v1::ContextManifest> out;
+  for (const auto& [id, m] : quarantined_) out.push_back(m);
+  return out;
 }
 
 StatusOr<EvictionReport> StoreCore::RunEvictionPass() {
@@ -1045,6 +1382,12 @@ StatusOr<EvictionReport> StoreCore::RunEvictionPass() {
     }
     auto decisions =
         SelectEvictionVictims(options_.eviction, std::move(cands), clock_->NowMillis());
+    // Deferred evictions are acknowledged only once their markers are durable.
+    std::vector<ContextId> deferred;
+    for (const auto& d : decisions) {
+      if (d.deferred) deferred.push_back(d.id);
+    }
+    RETURN_IF_ERROR(MarkEvictingLocked(deferred));
     for (const auto& d : decisions) {
       if (d.deferred) {
         contexts_[d.id]->doomed = true;
@@ -1071,11 +1414,12 @@ Status StoreCore::FlushAccessTimes() {
   std::vector<std::pair<ContextEntry*, int64_t>> updated;
   for (auto& [id, e] : contexts_) {
     int64_t t = e->last_access_ms.load();
-    if (t == e->persisted_access_ms) continue;
+    // A doomed context's stored manifest is its EVICTING marker: keep it.
+    if (t == e->persisted_access_ms || e->doomed) continue;
     v1::ContextManifest m = e->manifest;
     m.set_last_access_ms(t);
     RETURN_IF_ERROR(
-        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), m.SerializeAsString()), "put manifest"));
+        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), EncodeManifest(m)), "put manifest"));
     updated.emplace_back(e.get(), t);
   }
   if (updated.empty()) return Status::OK();
@@ -1097,6 +1441,7 @@ StoreStats StoreCore::GetStats() const {
       s.stored_bytes += e->manifest.stored_bytes();
     }
     s.building_contexts = building_.size();
+    s.quarantined_contexts = quarantined_.size();
   }
   s.capacity_bytes = options_.eviction.capacity_bytes;
   auto l = LockDb();
@@ -1115,6 +1460,8 @@ StoreStats StoreCore::GetStats() const {
   }
   s.gc_contexts_at_open = gc_contexts_at_open_;
   s.orphan_prefixes_at_open = orphan_prefixes_at_open_;
+  s.evictions_finished_at_open = evictions_finished_at_open_;
+  s.quarantined_at_open = quarantined_at_open_;
   return s;
 }
 
@@ -1147,6 +1494,10 @@ void Store::SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t def
 }
 Status Store::SetExpiry(const ContextId& id, int64_t t) { return core_->SetExpiry(id, t); }
 StatusOr<bool> Store::Delete(const ContextId& id) { return core_->Delete(id); }
+Status Store::Quarantine(const ContextId& id, std::string_view reason) {
+  return core_->Quarantine(id, reason);
+}
+std::vector<v1::ContextManifest> Store::ListQuarantined() const { return core_->ListQuarantined(); }
 StatusOr<EvictionReport> Store::RunEvictionPass() { return core_->RunEvictionPass(); }
 Status Store::FlushAccessTimes() { return core_->FlushAccessTimes(); }
 StoreStats Store::GetStats() const { return core_->GetStats(); }

@@ -9,17 +9,28 @@
 //
 // Guarantees:
 //  - After a crash, Open() garbage-collects every BUILDING context and any
-//    orphaned keys, and reclaims their space; only READY contexts survive.
+//    orphaned keys, and reclaims their space; only READY (and quarantined)
+//    contexts survive.
+//  - An acknowledged eviction (Delete or RunEvictionPass returned, deferred
+//    or not) is durable: its EVICTING marker is synced first, and Open()
+//    finishes every marked context (range delete + compaction) so the space
+//    comes back even if the process died mid-eviction or with leases open.
+//  - A context whose manifest fails its crc32c or does not parse, whose
+//    metadata blocks fail their RocksDB checksums at open, or that was
+//    passed to Quarantine() is quarantined: kept on disk in state FAILED
+//    with a reason, never served (DATA_LOSS), deleted only by Delete().
+//    Open() does not fail for it; the other contexts are served.
 //  - A page is verified (crc32c) on every read; a bad page is DATA_LOSS and
 //    never handed out.
 //  - A context with a live Lease (every ContextReader holds one) is never
 //    deleted; evicting it marks it and deletes it when the last lease drops.
 //  - A parent stays while any child context references its pages.
 //
-// Errors: NOT_FOUND unknown context; FAILED_PRECONDITION not READY, pinned,
-// or has children (explicit delete); INVALID_ARGUMENT bad shapes/dtypes/
-// options; RESOURCE_EXHAUSTED out of disk space (the store stays usable);
-// DATA_LOSS corrupt data; INTERNAL other RocksDB errors.
+// Errors: NOT_FOUND unknown context (or one being evicted);
+// FAILED_PRECONDITION not READY, pinned, or has children (explicit delete);
+// INVALID_ARGUMENT bad shapes/dtypes/options; RESOURCE_EXHAUSTED out of disk
+// space (the store stays usable); DATA_LOSS corrupt data or a quarantined
+// context; INTERNAL other RocksDB errors.
 //
 // Ownership and lifetime: Store owns the DB. Every ContextWriter,
 // ContextReader and Lease must be destroyed before the Store.
@@ -34,6 +45,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -55,8 +67,9 @@ class ContextReader;
 class StoreCore;
 
 // On-disk format version written by this build. Open() refuses a data dir
-// with a larger version.
-inline constexpr uint32_t kFormatVersion = 1;
+// with a larger version and upgrades a version 1 dir in place (2 added the
+// manifest framing, docs/storage-format.md).
+inline constexpr uint32_t kFormatVersion = 2;
 
 enum class PageReadMethod {
   kMultiGet,  // one rocksdb::DB::MultiGet per page table
@@ -207,15 +220,28 @@ struct StoreStats {
   uint64_t block_cache_misses = 0;       // since open (BLOCK_CACHE_MISS)
   // Live SST + blob bytes per column family: "meta", "tokens", "pages", "index".
   std::map<std::string, uint64_t> bytes_by_cf;
-  uint64_t gc_contexts_at_open = 0;      // BUILDING contexts removed by Open
-  uint64_t orphan_prefixes_at_open = 0;  // key ranges with no manifest at all, removed by Open
+  uint64_t gc_contexts_at_open = 0;         // BUILDING contexts removed by Open
+  uint64_t orphan_prefixes_at_open = 0;     // key ranges with no manifest at all, removed by Open
+  uint64_t evictions_finished_at_open = 0;  // EVICTING contexts Open deleted and compacted
+  uint64_t quarantined_contexts = 0;        // FAILED contexts held now
+  uint64_t quarantined_at_open = 0;         // FAILED contexts found or made by Open
 };
+
+// Whether a Store::Open error message is RocksDB failing to take the data
+// dir's LOCK file (another process, or another Store in this process, has
+// the dir open). Matches only the LOCK-file IOError, not other errors that
+// mention "lock" (e.g. "block checksum mismatch").
+bool IsDataDirLockedError(std::string_view message);
 
 class Store {
  public:
   // Opens (creating if missing) the store in directory `path`. Runs crash
-  // GC. FAILED_PRECONDITION if the data dir's format_version is newer than
-  // kFormatVersion; INVALID_ARGUMENT for bad options.
+  // GC and finishes interrupted evictions. FAILED_PRECONDITION if the data
+  // dir's format_version is newer than kFormatVersion; INVALID_ARGUMENT for
+  // bad options; an error for which IsDataDirLockedError() holds if the dir
+  // is open elsewhere; DATA_LOSS/INTERNAL if RocksDB's own MANIFEST/CURRENT
+  // cannot be read. Corrupt context metadata does not fail Open (see
+  // quarantine above).
   static StatusOr<std::unique_ptr<Store>> Open(const StoreOptions& options,
                                                const std::string& path);
   ~Store();
@@ -227,8 +253,9 @@ class Store {
   // process is waited for; if it commits, its manifest is returned.
   StatusOr<BuildStart> BeginBuild(const BuildRequest& request);
 
-  // Manifest of a READY context (NOT_FOUND / FAILED_PRECONDITION if
-  // BUILDING). Reflects in-memory last access.
+  // Manifest of a READY context (NOT_FOUND if unknown or being evicted,
+  // FAILED_PRECONDITION if BUILDING, DATA_LOSS if quarantined). Reflects
+  // in-memory last access.
   StatusOr<v1::ContextManifest> GetManifest(const ContextId& id) const;
   // All READY contexts (not marked for deletion), ordered by id.
   std::vector<v1::ContextManifest> ListContexts() const;
@@ -251,9 +278,19 @@ class Store {
   void SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share);
   // Sets the absolute expiry (ms since epoch, 0 = never).
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
-  // Deletes a context now, or when its last lease drops (deferred = true).
-  // FAILED_PRECONDITION if pinned or referenced by a child.
+  // Deletes a context now, or when its last lease drops (deferred = true;
+  // the context is then gone for new lookups, the open leases keep reading,
+  // and the eviction survives a restart). A quarantined context is deleted
+  // now. FAILED_PRECONDITION if pinned or referenced by a child.
   StatusOr<bool /*deferred*/> Delete(const ContextId& id);
+
+  // Marks a READY context FAILED with `reason` (persisted, synced): it is no
+  // longer served and its READY descendants are quarantined with it. Open
+  // readers keep working. OK if already quarantined; NOT_FOUND otherwise.
+  Status Quarantine(const ContextId& id, std::string_view reason);
+  // Quarantined (FAILED) contexts with their reasons (ContextManifest.error),
+  // ordered by id.
+  std::vector<v1::ContextManifest> ListQuarantined() const;
 
   // One eviction pass (TTL + capacity); see eviction_policy.h.
   StatusOr<EvictionReport> RunEvictionPass();

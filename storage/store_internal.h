@@ -12,8 +12,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <shared_mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -53,8 +55,11 @@ struct BuildSlot {
 struct ContextEntry {
   v1::ContextManifest manifest;  // READY; guarded by StoreCore::mu
   int leases = 0;                // guarded by StoreCore::mu
-  int children = 0;              // guarded by StoreCore::mu
-  bool doomed = false;           // marked for deletion; guarded by StoreCore::mu
+  // READY and quarantined contexts naming this one as parent; guarded by StoreCore::mu
+  int children = 0;
+  // Marked for deletion (its stored manifest is an EVICTING marker);
+  // guarded by StoreCore::mu
+  bool doomed = false;
   std::atomic<int64_t> last_access_ms{0};
   int64_t persisted_access_ms = 0;  // guarded by StoreCore::mu
 };
@@ -79,6 +84,8 @@ class StoreCore {
   void SetTenantShares(std::map<std::string, uint64_t> shares, uint64_t default_share);
   Status SetExpiry(const ContextId& id, int64_t expires_at_ms);
   StatusOr<bool> Delete(const ContextId& id);
+  Status Quarantine(const ContextId& id, std::string_view reason);
+  std::vector<v1::ContextManifest> ListQuarantined() const;
   StatusOr<EvictionReport> RunEvictionPass();
   Status FlushAccessTimes();
   StoreStats GetStats() const;
@@ -124,12 +131,48 @@ class StoreCore {
   Status OpenDb(bool read_only);
   void CloseDb();
   Status CheckFormatVersion();
-  // Deletes non-READY manifests and every key range without a READY
-  // manifest. At first open (reload = false) also loads contexts_.
+  // One manifest read by ScanManifests.
+  struct ScannedManifest {
+    ContextId id;
+    v1::ContextManifest manifest;  // valid iff status.ok()
+    Status status;                 // DATA_LOSS: why it cannot be read
+  };
+  // Reads every manifest. A meta block that fails its checksum does not stop
+  // the scan: its manifests are read one by one, and those whose own crc32c
+  // cannot vouch for them come back DATA_LOSS. *complete = false if the
+  // rest of the column family could not be walked at all.
+  Status ScanManifests(std::vector<ScannedManifest>* out, bool* complete) const;
+  // Calls on_range(id) once per context key range in data column family `c`.
+  // If a block fails its checksum the scan stops there (*complete = false)
+  // and, for each (id, key) of `probes` not scanned yet, a point read of key
+  // that fails its checksum calls on_error(id, DATA_LOSS).
+  Status ScanDataRanges(int c, const std::vector<std::pair<ContextId, std::string>>& probes,
+                        const std::function<void(const ContextId&)>& on_range,
+                        const std::function<void(const ContextId&, Status)>& on_error,
+                        bool* complete) const;
+  // At first open: records `id` as quarantined (FAILED, `reason`), keeping
+  // the fields of `m` when given. Not persisted: the next open finds the
+  // same fault.
+  void QuarantineAtOpen(const ContextId& id, const v1::ContextManifest* m, std::string reason);
+  // At first open (reload = false): loads READY contexts, quarantines FAILED
+  // and unreadable ones, finishes EVICTING ones, deletes BUILDING ones and
+  // key ranges without a manifest (compacting them). On a reload only
+  // BUILDING manifests and ranges with no manifest at all are deleted.
   Status CollectGarbage(bool reload);
-  // Deletes every key of `ids` (all CFs + manifests) and compacts the ranges.
+  // Deletes every key of `ids`: one synced batch writes an EVICTING marker
+  // over each manifest and range-deletes the data CFs; the ranges are then
+  // compacted, and only if that succeeded are the markers removed (a crash
+  // or failure in between is finished by the next Open()).
   Status DeleteContextsData(const std::vector<ContextId>& ids);
   Status DeleteContextsDataNoLock(const std::vector<ContextId>& ids);
+  // Adds an EVICTING marker manifest for each id to `batch`.
+  Status PutEvictingMarkers(rocksdb::WriteBatch* batch, const std::vector<ContextId>& ids) const;
+  // Persists EVICTING markers (synced) for deferred evictions (mu_ held).
+  Status MarkEvictingLocked(const std::vector<ContextId>& ids);
+  // The error for an id that is not served: DATA_LOSS quarantined,
+  // FAILED_PRECONDITION building, NOT_FOUND otherwise (mu_ held).
+  Status NotServedLocked(const ContextId& id) const;
+  bool HasChildrenLocked(const ContextId& id) const;
   Status WriteNoLock(rocksdb::WriteBatch* batch, bool sync, bool disable_wal);
   // Removes a READY entry from memory (lock held); returns its id for
   // DeleteContextsData.
@@ -166,8 +209,12 @@ class StoreCore {
   std::condition_variable build_cv_;
   std::map<ContextId, std::shared_ptr<ContextEntry>> contexts_;  // guarded by mu_
   std::map<ContextId, std::shared_ptr<BuildSlot>> building_;     // guarded by mu_
+  // FAILED contexts (state FAILED, error = reason); guarded by mu_
+  std::map<ContextId, v1::ContextManifest> quarantined_;
   uint64_t gc_contexts_at_open_ = 0;
   uint64_t orphan_prefixes_at_open_ = 0;
+  uint64_t evictions_finished_at_open_ = 0;
+  uint64_t quarantined_at_open_ = 0;
 
   std::mutex bg_mu_;
   std::condition_variable bg_cv_;

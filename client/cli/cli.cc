@@ -4,6 +4,7 @@
 
 #include "client/cli/admin_commands.h"
 #include "client/cli/command.h"
+#include "client/cli/fsck_command.h"
 #include "client/cli/generate_command.h"
 #include "client/cli/health_command.h"
 #include "client/cli/keys_command.h"
@@ -59,6 +60,8 @@ int RunCli(int argc, char** argv) {
   add("health", "Check the server's health (exit 0 if SERVING)", std::make_unique<HealthCommand>());
   add("keys", "Manage API keys in a keys file (create, list, revoke, map-cert); offline",
       std::make_unique<KeysCommand>());
+  add("fsck", "Check a data dir offline (server stopped): verify every context's checksums",
+      std::make_unique<FsckCommand>());
 
   try {
     app.parse(argc, argv);

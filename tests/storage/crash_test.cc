@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "storage/manifest_codec.h"
 #include "tests/storage/test_util.h"
 
 namespace ctxcache::storage {
@@ -163,7 +164,7 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
         raw->db->NewIterator(rocksdb::ReadOptions(), raw->cf("meta")));
     for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
       v1::ContextManifest m;
-      ASSERT_TRUE(m.ParseFromString(it->value().ToString()));
+      ASSERT_TRUE(DecodeManifest(it->value().ToStringView(), &m).ok());
       EXPECT_EQ(m.state(), v1::CONTEXT_STATE_READY) << "kill " << i;
     }
   }

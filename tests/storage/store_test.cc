@@ -7,10 +7,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <functional>
 #include <thread>
 
+#include "common/crc32c.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
+#include "storage/fsck.h"
+#include "storage/manifest_codec.h"
 #include "tests/storage/test_util.h"
 
 namespace ctxcache::storage {
@@ -819,6 +824,296 @@ TEST_F(StoreTest, BlobFilesModeWorksToo) {
   ASSERT_TRUE(m.ok());
   ExpectAllPagesMatch(IdOf(*m));
   EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
+}
+
+// ---- Issue #19 findings 8 and 9: quarantine instead of delete / no start --
+
+// Builds a context named `name` (the name lets a test find its manifest in
+// an SST file).
+StatusOr<v1::ContextManifest> BuildNamed(Store* store, const std::vector<uint32_t>& tokens,
+                                         const std::string& name) {
+  BuildRequest req;
+  req.model = MakeSpec(1, 2, 16);
+  req.tokens = tokens;
+  req.name = name;
+  ASSIGN_OR_RETURN(BuildStart start, store->BeginBuild(req));
+  RETURN_IF_ERROR(WriteKv(start.writer.get(), 0, tokens.size()));
+  return start.writer->Commit();
+}
+
+// Rewrites the stored manifest value of `id` through RocksDB (so RocksDB's
+// own block checksums stay valid) with edit(value).
+void EditManifestValue(const std::string& path, const ContextId& id,
+                       const std::function<void(std::string*)>& edit) {
+  auto raw = OpenRaw(path);
+  ASSERT_NE(raw, nullptr);
+  std::string v;
+  ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("meta"), ManifestKey(id), &v).ok());
+  edit(&v);
+  ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("meta"), ManifestKey(id), v).ok());
+}
+
+// Flips one byte of the first file of column family `cf` whose key range
+// starts with `id`, at the first occurrence of `needle` in it (or at byte
+// 32 if `needle` is empty): a RocksDB block checksum mismatch, not a
+// RocksDB write.
+void FlipByteInSst(const std::string& path, const std::string& cf, const ContextId& id,
+                   const std::string& needle) {
+  std::string file;
+  {
+    auto raw = OpenRaw(path);
+    ASSERT_NE(raw, nullptr);
+    for (const auto& c : raw->names) {
+      if (c == cf) {
+        ASSERT_TRUE(raw->db->Flush(rocksdb::FlushOptions(), raw->cf(c)).ok());
+      }
+    }
+    std::vector<rocksdb::LiveFileMetaData> files;
+    raw->db->GetLiveFilesMetaData(&files);
+    for (const auto& f : files) {
+      if (f.column_family_name != cf) continue;
+      // meta keys: 'M' | id; data keys: id | ...
+      std::string_view lo(f.smallestkey), hi(f.largestkey);
+      std::string want = cf == "meta" ? ManifestKey(id) : std::string(id.AsBytes());
+      if (lo.substr(0, want.size()) <= want && want <= hi.substr(0, want.size())) {
+        file = f.db_path + f.name;
+        break;
+      }
+    }
+  }
+  ASSERT_FALSE(file.empty()) << "no " << cf << " file holds " << id.ToHex();
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  size_t at = needle.empty() ? 32 : bytes.find(needle);
+  ASSERT_NE(at, std::string::npos) << needle << " not in " << file;
+  bytes[at] ^= 0x20;
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+bool HasManifest(const std::string& path, const ContextId& id) {
+  auto raw = OpenRaw(path);
+  EXPECT_NE(raw, nullptr);
+  std::string v;
+  return raw && raw->db->Get(rocksdb::ReadOptions(), raw->cf("meta"), ManifestKey(id), &v).ok();
+}
+
+// Checks that `id` is quarantined: not served, listed with a reason
+// containing `why`, and its data still on disk after a reopen.
+void ExpectQuarantined(Store* store, const ContextId& id, const std::string& why) {
+  EXPECT_EQ(store->GetManifest(id).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(store->OpenReader(id).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(store->AcquireLease(id).status().code(), StatusCode::kDataLoss);
+  for (const auto& m : store->ListContexts()) EXPECT_NE(IdOf(m), id);
+  bool listed = false;
+  for (const auto& m : store->ListQuarantined()) {
+    if (IdOf(m) != id) continue;
+    listed = true;
+    EXPECT_EQ(m.state(), v1::CONTEXT_STATE_FAILED);
+    EXPECT_NE(m.error().find(why), std::string::npos) << m.error();
+  }
+  EXPECT_TRUE(listed);
+}
+
+TEST_F(StoreTest, ManifestCorruptionQuarantines) {
+  Open();
+  auto a = BuildNamed(store_.get(), Tokens(40, 1), "alpha");
+  auto b = BuildNamed(store_.get(), Tokens(40, 2), "bravo");
+  ASSERT_TRUE(a.ok() && b.ok());
+  Close();
+  // One flipped byte in the serialized body: same length, still parses.
+  EditManifestValue(dir_.path(), IdOf(*a), [](std::string* v) {
+    ASSERT_TRUE(IsFramedManifest(*v));
+    size_t at = v->find("alpha");
+    ASSERT_NE(at, std::string::npos);
+    (*v)[at] ^= 0x01;
+  });
+  for (int round = 0; round < 2; ++round) {  // kept across opens
+    Open();
+    ExpectQuarantined(store_.get(), IdOf(*a), "crc32c mismatch");
+    EXPECT_EQ(store_->GetStats().quarantined_contexts, 1u);
+    EXPECT_TRUE(store_->Verify(IdOf(*b)).ok());
+    Close();
+    EXPECT_GT(CountKeys(dir_.path(), "pages", IdOf(*a)), 0u) << "round " << round;
+    EXPECT_TRUE(HasManifest(dir_.path(), IdOf(*a)));
+  }
+  // An explicit delete is the one way out.
+  Open();
+  ASSERT_TRUE(store_->Delete(IdOf(*a)).ok());
+  EXPECT_EQ(store_->GetManifest(IdOf(*a)).status().code(), StatusCode::kNotFound);
+  Close();
+  EXPECT_EQ(CountKeys(dir_.path(), "pages", IdOf(*a)), 0u);
+  EXPECT_FALSE(HasManifest(dir_.path(), IdOf(*a)));
+}
+
+TEST_F(StoreTest, UnparseableManifestQuarantines) {
+  Open();
+  auto a = BuildContext(store_.get(), MakeSpec(1, 2, 16), Tokens(40, 1));
+  auto b = BuildContext(store_.get(), MakeSpec(1, 2, 16), Tokens(40, 2));
+  ASSERT_TRUE(a.ok() && b.ok());
+  Close();
+  // Framed with a valid crc, body not a protobuf.
+  EditManifestValue(dir_.path(), IdOf(*a), [](std::string* v) {
+    std::string body = "\x0a\xff\xff\xff\xff\x0f";
+    *v = EncodeManifest(v1::ContextManifest());
+    std::string framed = v->substr(0, 2);
+    uint32_t crc = crc32c::Value(body);
+    for (int i = 0; i < 4; ++i) framed.push_back(static_cast<char>(crc >> (8 * i)));
+    *v = framed + body;
+  });
+  // Unframed (a pre-framing value) that does not parse.
+  EditManifestValue(dir_.path(), IdOf(*b), [](std::string* v) { *v = "\x0a\xff\xff"; });
+  Open();
+  ExpectQuarantined(store_.get(), IdOf(*a), "does not parse");
+  ExpectQuarantined(store_.get(), IdOf(*b), "does not parse");
+  Close();
+  for (const auto& m : {*a, *b}) {
+    EXPECT_GT(CountKeys(dir_.path(), "pages", IdOf(m)), 0u);
+    EXPECT_TRUE(HasManifest(dir_.path(), IdOf(m)));
+  }
+}
+
+TEST_F(StoreTest, UnframedManifestsFromOlderBuildsStillOpen) {
+  Open();
+  auto a = BuildContext(store_.get(), MakeSpec(1, 2, 16), Tokens(40, 1));
+  ASSERT_TRUE(a.ok());
+  Close();
+  EditManifestValue(dir_.path(), IdOf(*a), [](std::string* v) {
+    v1::ContextManifest m;
+    ASSERT_TRUE(DecodeManifest(*v, &m).ok());
+    *v = m.SerializeAsString();  // what a89af71 and earlier wrote
+    ASSERT_FALSE(IsFramedManifest(*v));
+  });
+  {
+    auto raw = OpenRaw(dir_.path());
+    ASSERT_NE(raw, nullptr);
+    std::string v1 = {1, 0, 0, 0};  // and their format_version
+    ASSERT_TRUE(
+        raw->db->Put(rocksdb::WriteOptions(), raw->cf("meta"), FormatVersionKey(), v1).ok());
+  }
+  Open();
+  auto m = store_->GetManifest(IdOf(*a));
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  EXPECT_EQ(m->state(), v1::CONTEXT_STATE_READY);
+  ExpectAllPagesMatch(IdOf(*a));
+  Close();
+  // Upgraded in place: an older build now refuses the dir instead of taking
+  // framed manifests for garbage.
+  auto raw = OpenRaw(dir_.path());
+  ASSERT_NE(raw, nullptr);
+  std::string v;
+  ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("meta"), FormatVersionKey(), &v).ok());
+  EXPECT_EQ(v, std::string({static_cast<char>(kFormatVersion), 0, 0, 0}));
+  EXPECT_EQ(kFormatVersion, 2u);
+}
+
+TEST_F(StoreTest, CorruptMetaBlockDegradesStartInsteadOfFailingIt) {
+  Open();
+  auto a = BuildNamed(store_.get(), Tokens(40, 1), "alpha-in-a-bad-block");
+  auto b = BuildNamed(store_.get(), Tokens(40, 2), "bravo");
+  ASSERT_TRUE(a.ok() && b.ok());
+  Close();
+  FlipByteInSst(dir_.path(), "meta", IdOf(*a), "alpha-in-a-bad-block");
+  Open();  // asserts that Open succeeds
+  ExpectQuarantined(store_.get(), IdOf(*a), "");
+  // b shares the bad block; its own crc32c vouches for its manifest.
+  ASSERT_TRUE(store_->GetManifest(IdOf(*b)).ok());
+  ExpectAllPagesMatch(IdOf(*b));
+  Close();
+  EXPECT_GT(CountKeys(dir_.path(), "pages", IdOf(*a)), 0u);
+  EXPECT_GT(CountKeys(dir_.path(), "tokens", IdOf(*a)), 0u);
+}
+
+TEST_F(StoreTest, CorruptTokensBlockDegradesStartInsteadOfFailingIt) {
+  Open();
+  auto a = BuildContext(store_.get(), MakeSpec(1, 2, 16), Tokens(4000, 1));
+  auto b = BuildContext(store_.get(), MakeSpec(1, 2, 16), Tokens(4000, 2));
+  ASSERT_TRUE(a.ok() && b.ok());
+  Close();
+  FlipByteInSst(dir_.path(), "tokens", IdOf(*a), "");
+  Open();
+  ExpectQuarantined(store_.get(), IdOf(*a), "tokens column family");
+  ExpectAllPagesMatch(IdOf(*b));
+  EXPECT_TRUE(store_->Verify(IdOf(*b)).ok());
+  Close();
+  EXPECT_GT(CountKeys(dir_.path(), "pages", IdOf(*a)), 0u);
+  EXPECT_TRUE(HasManifest(dir_.path(), IdOf(*a)));
+}
+
+TEST_F(StoreTest, LockErrorIsRecognizedPrecisely) {
+  Open();
+  // The real error: a second Store on an open data dir.
+  auto second = Store::Open(TestOptions(&clock_), dir_.path());
+  ASSERT_FALSE(second.ok());
+  EXPECT_TRUE(IsDataDirLockedError(second.status().message())) << second.status().ToString();
+  // RocksDB's other-process wording.
+  EXPECT_TRUE(IsDataDirLockedError(
+      "open RocksDB at /d: IO error: While lock file: /d/LOCK: Resource temporarily unavailable"));
+  // Errors that merely contain "lock".
+  EXPECT_FALSE(IsDataDirLockedError(
+      "open RocksDB at /d: Corruption: block checksum mismatch: stored = 1, computed = 2, type = "
+      "1 in /d/000012.sst offset 0 size 4001"));
+  EXPECT_FALSE(IsDataDirLockedError("Corruption: bad block contents in /d/MANIFEST-000005"));
+  EXPECT_FALSE(IsDataDirLockedError("IO error: No such file or directory: /d/LOCK"));
+}
+
+TEST_F(StoreTest, FsckFindsAFlippedPageAndQuarantinesItWithItsChild) {
+  Open();
+  auto spec = MakeSpec(2, 2, 32);
+  auto bad = BuildContext(store_.get(), spec, Tokens(64, 1));
+  auto good = BuildContext(store_.get(), spec, Tokens(64, 2));
+  ASSERT_TRUE(bad.ok() && good.ok());
+  auto child_tokens = Tokens(64, 1);
+  auto more = Tokens(40, 9);
+  child_tokens.insert(child_tokens.end(), more.begin(), more.end());
+  auto child = BuildContext(store_.get(), spec, child_tokens, IdOf(*bad));
+  ASSERT_TRUE(child.ok());
+  Close();
+  {
+    auto raw = OpenRaw(dir_.path());
+    ASSERT_NE(raw, nullptr);
+    std::string key = PageKey(IdOf(*bad), 0, 1, 3), value;
+    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
+    value[value.size() - 7] ^= 0x01;
+    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
+  }
+  Open();
+  auto report = Fsck(store_.get(), FsckOptions());
+  ASSERT_TRUE(report.ok()) << report.status().ToString();
+  EXPECT_FALSE(report->clean());
+  EXPECT_EQ(report->ok, 1u);
+  EXPECT_EQ(report->corrupt, 2u);  // the context and its child (it reads the bad page too)
+  for (const auto& e : report->entries) {
+    if (e.id == IdOf(*good)) {
+      EXPECT_EQ(e.result, FsckEntry::Result::kOk);
+    } else {
+      EXPECT_EQ(e.result, FsckEntry::Result::kCorrupt);
+      EXPECT_NE(e.detail.find("layer 0 kv_head 1 block 3"), std::string::npos) << e.detail;
+    }
+  }
+  EXPECT_TRUE(store_->GetManifest(IdOf(*bad)).ok());  // report only
+
+  FsckOptions q;
+  q.quarantine = true;
+  report = Fsck(store_.get(), q);
+  ASSERT_TRUE(report.ok());
+  Close();
+  Open();  // persisted
+  ExpectQuarantined(store_.get(), IdOf(*bad), "fsck: ");
+  ExpectQuarantined(store_.get(), IdOf(*child), "");
+  EXPECT_TRUE(store_->Verify(IdOf(*good)).ok());
+  report = Fsck(store_.get(), FsckOptions());
+  ASSERT_TRUE(report.ok());
+  EXPECT_EQ(report->ok, 1u);
+  EXPECT_EQ(report->quarantined, 2u);
+  // The parent cannot go before its (quarantined) child.
+  EXPECT_EQ(store_->Delete(IdOf(*bad)).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(store_->Delete(IdOf(*child)).ok());
+  ASSERT_TRUE(store_->Delete(IdOf(*bad)).ok());
+  EXPECT_EQ(store_->ListQuarantined().size(), 0u);
 }
 
 }  // namespace

@@ -162,7 +162,9 @@ inline std::unique_ptr<RawDb> OpenRaw(const std::string& path) {
   rocksdb::DBOptions o;
   if (!rocksdb::DB::ListColumnFamilies(o, path, &raw->names).ok()) return nullptr;
   std::vector<rocksdb::ColumnFamilyDescriptor> descs;
-  for (auto& n : raw->names) descs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  rocksdb::ColumnFamilyOptions cfo;
+  cfo.compression = rocksdb::kNoCompression;  // values stay findable in files it flushes
+  for (auto& n : raw->names) descs.emplace_back(n, cfo);
   rocksdb::DB* db = nullptr;
   if (!rocksdb::DB::Open(o, path, descs, &raw->handles, &db).ok()) return nullptr;
   raw->db.reset(db);

@@ -123,8 +123,8 @@ StatusOr<KeysFile> KeysFile::Parse(std::string_view text) {
       RETURN_IF_ERROR(ParseTenantRole(kv, where, &e.tenant, &e.role));
       out.subjects.push_back(std::move(e));
     } else {
-      return InvalidArgumentError(where + ": expected 'key' or 'cert', got '" +
-                                  kind.substr(0, 32) + "'");
+      return InvalidArgumentError(where + ": expected 'key' or 'cert', got '" + kind.substr(0, 32) +
+                                  "'");
     }
   }
   return out;

@@ -101,10 +101,10 @@ class KeyStore {
 
   std::string path_;
   mutable std::mutex mu_;
-  std::shared_ptr<const KeysFile> file_;          // guarded by mu_
-  std::map<std::string, size_t> by_id_;           // guarded by mu_
-  FileStamp stamp_;                                // guarded by mu_
-  int64_t last_check_ms_ = 0;                      // guarded by mu_
+  std::shared_ptr<const KeysFile> file_;  // guarded by mu_
+  std::map<std::string, size_t> by_id_;   // guarded by mu_
+  FileStamp stamp_;                       // guarded by mu_
+  int64_t last_check_ms_ = 0;             // guarded by mu_
 };
 
 }  // namespace ctxcache::auth

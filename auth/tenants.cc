@@ -112,7 +112,8 @@ StatusOr<TenantsConfig> TenantsConfig::Parse(std::string_view text) {
 
 StatusOr<TenantsConfig> TenantsConfig::Read(const std::string& path) {
   std::ifstream f(path);
-  if (!f) return NotFoundError("tenants file '" + path + "' cannot be read: " + std::strerror(errno));
+  if (!f)
+    return NotFoundError("tenants file '" + path + "' cannot be read: " + std::strerror(errno));
   std::stringstream ss;
   ss << f.rdbuf();
   auto parsed = Parse(ss.str());
@@ -137,8 +138,8 @@ StatusOr<std::string> LoadOrCreateIdSecret(const std::string& path) {
   if (fd >= 0) {
     ASSIGN_OR_RETURN(std::string secret, RandomBytes(kBytes));
     std::string hex = HexEncode(secret) + "\n";
-    bool ok = ::write(fd, hex.data(), hex.size()) == static_cast<ssize_t>(hex.size()) &&
-              ::fsync(fd) == 0;
+    bool ok =
+        ::write(fd, hex.data(), hex.size()) == static_cast<ssize_t>(hex.size()) && ::fsync(fd) == 0;
     ::close(fd);
     if (!ok) {
       ::unlink(path.c_str());

@@ -4,7 +4,9 @@
 #      carried) starts on that host and answers health;
 #   2. the Python package installs and its tests pass against the bundled
 #      ctxcached with that host's grpcio / protobuf;
-#   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash).
+#   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash);
+#   4. python/bench/hf_decode.py: HF transformers prefill + ingest + sparse
+#      decode through ctxcached, against dense and the C++ worker.
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -42,8 +44,29 @@ stage bundle 120 bash -c "
 stage python_tests 400 bash -c "
   python3 -m pip install -q --no-index --no-build-isolation --no-deps --target '$WORK/site' ./python &&
   PYTHONPATH='$WORK/site' python3 -c 'import ctxcache, grpc, google.protobuf as p; print(ctxcache.__file__, grpc.__version__, p.__version__)' &&
-  cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' python3 -m pytest tests -q -p no:cacheprovider \
+  cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' CTXCACHE_HF_TESTS=1 python3 -m pytest tests -q -p no:cacheprovider \
     --model-dir ../tests/data/golden"
 stage gpu_decode_attention 400 python3 python/bench/gpu_decode_attention.py \
   --out "$OUT/gpu_decode_attention.json"
+# 4. HF transformers end to end: prefill + ingest + sparse decode against the
+#    bundled ctxcached (python/bench/hf_decode.py), and the C++ reference
+#    worker's csa agreement on the same document and prompt, for comparison.
+PROMPT=$'\n\n   Truncate the file corresponding to file descriptor'
+stage hf_decode 500 bash -c "
+  '$WORK/bin/ctxcached' --data-dir '$WORK/data-hf' --listen 127.0.0.1:0 --port-file '$WORK/ports-hf' \
+    --metrics-listen '' --model-dir models --default-model ctxcache-ref >'$WORK/server-hf.log' 2>&1 &
+  pid=\$!
+  for i in \$(seq 1 100); do [ -s '$WORK/ports-hf' ] && break; sleep 0.2; done
+  addr=127.0.0.1:\$(head -1 '$WORK/ports-hf' | tr -dc 0-9)
+  '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref \
+    --file tests/data/demo/document.txt --text \"\$1\" >'$WORK/tokens.json' &&
+  PYTHONPATH='$WORK/site' python3 python/bench/hf_decode.py --server \$addr \
+    --tokens-json '$WORK/tokens.json' --out '$OUT/hf_decode.json' &&
+  id=\$('$WORK/bin/ctxcache' --server \$addr --json --timeout 600 build \
+    --file tests/data/demo/document.txt | python3 -c 'import json,sys; print(json.loads(sys.stdin.read().splitlines()[-1])[\"context_id\"])') &&
+  '$WORK/bin/ctxcache' --server \$addr --timeout 600 --json generate --context \$id --prompt \"\$1\" \
+    --method csa --rho 0.05 --max-tokens 64 --compare full --model-dir models >'$OUT/cpp_worker_csa.json'
+  rc=\$?
+  kill -TERM \$pid; wait \$pid
+  exit \$rc" _ "$PROMPT"
 exit $status

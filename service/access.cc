@@ -17,9 +17,10 @@ StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(const ServerConfi
     ASSIGN_OR_RETURN(*tenants, auth::TenantsConfig::Read(config.tenants_file));
   }
   ac->tenants_ = std::move(tenants);
-  const std::string secret_path = config.id_secret_file.empty()
-                                      ? (std::filesystem::path(config.data_dir) / "ID_SECRET").string()
-                                      : config.id_secret_file;
+  const std::string secret_path =
+      config.id_secret_file.empty()
+          ? (std::filesystem::path(config.data_dir) / "ID_SECRET").string()
+          : config.id_secret_file;
   ASSIGN_OR_RETURN(ac->id_secret_, auth::LoadOrCreateIdSecret(secret_path));
   return ac;
 }
@@ -27,8 +28,7 @@ StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(const ServerConfi
 StatusOr<auth::Principal> AccessControl::Authenticate(const grpc::ServerContext* context) {
   if (!keys_) return auth::Principal{};  // no authentication: the anonymous admin
   if (auto reloaded = keys_->ReloadIfChanged(); !reloaded.ok()) {
-    spdlog::error("keys file: {}; the previous keys stay in force",
-                  reloaded.status().ToString());
+    spdlog::error("keys file: {}; the previous keys stay in force", reloaded.status().ToString());
   } else if (*reloaded) {
     spdlog::info("keys file {} reloaded: {} keys", keys_->path(), keys_->n_keys());
   }

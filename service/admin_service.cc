@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <chrono>
 
+#include "auth/principal.h"
 #include "common/dtype.h"
 #include "index/methods.h"
-#include "auth/principal.h"
 #include "service/build_pipeline.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
@@ -80,16 +80,42 @@ Status Tokenize(const LoadedModel& model, bool has_text, const std::string& text
   return Status::OK();
 }
 
+// The longest context allowed for `model` (null: a model not hosted here);
+// ServerConfig::max_context_tokens.
+uint64_t MaxContextTokens(const ServerConfig& c, const LoadedModel* model) {
+  if (c.max_context_tokens > 0) return c.max_context_tokens;
+  if (model && model->model->spec().max_position_embeddings > 0) {
+    return static_cast<uint64_t>(model->model->spec().max_position_embeddings);
+  }
+  return uint64_t{1} << 20;
+}
+
+Status CheckContextLength(uint64_t n_tokens, uint64_t limit, const std::string& model) {
+  if (n_tokens <= limit) return Status::OK();
+  return InvalidArgumentError("the context has " + std::to_string(n_tokens) + " tokens; model '" +
+                              Clip(model) + "' takes at most " + std::to_string(limit) +
+                              " (its max_position_embeddings, or --max-context-tokens)");
+}
+
+// name, labels and ttl of Build, Extend and Ingest requests.
+Status ValidateMetadata(const std::string& name,
+                        const google::protobuf::Map<std::string, std::string>& labels,
+                        int64_t ttl_seconds, const char* prefix) {
+  const std::string p(prefix);
+  RETURN_IF_ERROR(ValidateText(name, (p + "name").c_str(), kMaxNameBytes));
+  RETURN_IF_ERROR(ValidateLabels(labels, (p + "labels").c_str()));
+  return ValidateTtl(ttl_seconds, (p + "ttl_seconds").c_str());
+}
+
 // An ingest under the name of a model this server hosts must carry that
 // model's spec exactly: otherwise a client could store KV of another shape
 // (or fake KV) under the hosted model's name and fingerprint.
 Status CheckIngestSpec(const v1::ModelSpec& hosted, const v1::ModelSpec& got) {
   auto field = [&](const char* name, uint64_t want, uint64_t have) -> Status {
     if (want == have) return Status::OK();
-    return InvalidArgumentError("header.model." + std::string(name) + ": model '" +
-                                hosted.name() + "' is hosted here with " + name + " " +
-                                std::to_string(want) + ", the ingest says " +
-                                std::to_string(have) +
+    return InvalidArgumentError("header.model." + std::string(name) + ": model '" + hosted.name() +
+                                "' is hosted here with " + name + " " + std::to_string(want) +
+                                ", the ingest says " + std::to_string(have) +
                                 "; an ingest under a hosted model's name must match its spec "
                                 "exactly");
   };
@@ -111,199 +137,236 @@ Status CheckIngestSpec(const v1::ModelSpec& hosted, const v1::ModelSpec& got) {
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
                                             const v1::BuildContextRequest* request,
                                             grpc::ServerWriter<v1::BuildProgress>* writer) {
-  RpcScope rpc(ctx_, context, "BuildContext", auth::Action::kBuild);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
-  if (request->input_case() == v1::BuildContextRequest::INPUT_NOT_SET) {
-    return rpc.Finish(Invalid("one of text or tokens is required"));
-  }
-  if (request->ttl_seconds() < 0) return rpc.Finish(Invalid("ttl_seconds must be >= 0"));
-  auto model = ctx_->models.Get(request->model());
-  if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
-  BuildJob job;
-  job.model = *model;
-  Status s = Tokenize(**model, request->has_text(), request->text(), request->tokens(),
-                      request->add_bos(), &job.tokens);
-  if (!s.ok()) return rpc.Finish(ToGrpc(s));
-  auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
-  if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-  job.indexes = std::move(idx).value();
-  job.name = request->name();
-  auto tenant = ctx_->access->TenantFor(rpc.principal(), request->tenant());
-  if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
-  job.tenant = *tenant;
-  job.id_namespace = ctx_->access->IdNamespace(job.tenant, /*ingested=*/false);
-  job.provenance = v1::PROVENANCE_BUILT;
-  job.labels.insert(request->labels().begin(), request->labels().end());
-  job.ttl_ms = request->ttl_seconds() * 1000;
-  job.pinned = request->pin();
-  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/false, &rpc, job.tokens.size()));
+  return Guarded(ctx_, "BuildContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "BuildContext", auth::Action::kBuild);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+    if (request->input_case() == v1::BuildContextRequest::INPUT_NOT_SET) {
+      return rpc.Finish(Invalid("one of text or tokens is required"));
+    }
+    if (Status s = ValidateMetadata(request->name(), request->labels(), request->ttl_seconds(), "");
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    if (Status s = ValidateText(request->model(), "model", kMaxModelNameBytes); !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    auto model = ctx_->models.Get(request->model());
+    if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
+    BuildJob job;
+    job.model = *model;
+    Status s = Tokenize(**model, request->has_text(), request->text(), request->tokens(),
+                        request->add_bos(), &job.tokens);
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    s = CheckContextLength(job.tokens.size(), MaxContextTokens(ctx_->config, model->get()),
+                           (*model)->name);
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
+    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+    job.indexes = std::move(idx).value();
+    job.name = request->name();
+    auto tenant = ctx_->access->TenantFor(rpc.principal(), request->tenant());
+    if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+    job.tenant = *tenant;
+    job.id_namespace = ctx_->access->IdNamespace(job.tenant, /*ingested=*/false);
+    job.provenance = v1::PROVENANCE_BUILT;
+    job.labels.insert(request->labels().begin(), request->labels().end());
+    job.ttl_ms = request->ttl_seconds() * 1000;
+    job.pinned = request->pin();
+    return rpc.Finish(
+        RunBuildRpc(context, &job, writer, /*extend=*/false, &rpc, job.tokens.size()));
+  });
 }
 
 grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                                              const v1::ExtendContextRequest* request,
                                              grpc::ServerWriter<v1::BuildProgress>* writer) {
-  RpcScope rpc(ctx_, context, "ExtendContext", auth::Action::kBuild);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
-  auto pid = ParseContextId(request->parent_id());
-  if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
-  rpc.set_context_id(pid->ToHex());
-  if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
-    return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
-  }
-  auto reader = ctx_->store->OpenReader(*pid);
-  if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-  const v1::ContextManifest& parent = (*reader)->manifest();
-  // A shared parent may be extended by any builder: the child belongs to
-  // the caller's tenant.
-  if (Status s = AccessControl::CheckContext(rpc.principal(), *pid, parent, auth::Action::kRead);
-      !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  auto model = ctx_->models.Get(parent.model().name());
-  if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
-  if ((*model)->spec.fingerprint() != parent.model().fingerprint()) {
-    return rpc.Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                   "the parent was built with a different version of model '" +
-                                       parent.model().name() + "' (fingerprint mismatch)"));
-  }
-  auto parent_tokens = (*reader)->ReadTokens();
-  if (!parent_tokens.ok()) return rpc.Finish(ToGrpc(parent_tokens.status()));
-  BuildJob job;
-  job.model = *model;
-  job.tokens.assign(parent_tokens->begin(), parent_tokens->end());
-  std::vector<int32_t> extra;
-  Status s =
-      Tokenize(**model, request->has_text(), request->text(), request->tokens(), false, &extra);
-  if (!s.ok()) return rpc.Finish(ToGrpc(s));
-  job.tokens.insert(job.tokens.end(), extra.begin(), extra.end());
-  job.parent = *pid;
-  // Default: the parent's index methods and parameters, minus those derived
-  // from the parent's size (CSA's C is re-derived for the child).
-  if (request->indexes().empty()) {
-    for (const auto& ip : parent.index_params()) {
-      IndexRequest r;
-      r.method = ip.method();
-      index::MethodParams parent_params(ip.params().begin(), ip.params().end());
-      auto info = index::FindMethodInfo(r.method);
-      if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("parent index")));
-      r.params = index::ParamsForExtend(**info, parent_params);
-      job.indexes.push_back(std::move(r));
+  return Guarded(ctx_, "ExtendContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "ExtendContext", auth::Action::kBuild);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+    auto pid = ParseContextId(request->parent_id());
+    if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
+    rpc.set_context_id(pid->ToHex());
+    if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
+      return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
     }
-  } else {
-    auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
-    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-    job.indexes = std::move(idx).value();
-  }
-  job.name = request->name().empty() ? parent.name() : request->name();
-  // The child belongs to the caller's tenant (an admin's: the parent's), and
-  // inherits the parent's provenance: a child of ingested KV is ingested.
-  job.tenant = rpc.principal().role == auth::Role::kAdmin ? parent.tenant()
-                                                          : rpc.principal().tenant;
-  job.provenance = parent.provenance();
-  job.id_namespace = ctx_->access->IdNamespace(job.tenant,
-                                               job.provenance == v1::PROVENANCE_INGESTED);
-  job.labels.insert(parent.labels().begin(), parent.labels().end());
-  for (const auto& [k, v] : request->labels()) job.labels[k] = v;
-  job.ttl_ms = request->ttl_seconds() * 1000;
-  job.pinned = request->pin();
-  reader->reset();  // drop the lease; BeginBuild takes its own reference
-  return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/true, &rpc, extra.size()));
+    if (Status s = ValidateMetadata(request->name(), request->labels(), request->ttl_seconds(), "");
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    auto reader = ctx_->store->OpenReader(*pid);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    const v1::ContextManifest& parent = (*reader)->manifest();
+    // A shared parent may be extended by any builder: the child belongs to
+    // the caller's tenant.
+    if (Status s = AccessControl::CheckContext(rpc.principal(), *pid, parent, auth::Action::kRead);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    auto model = ctx_->models.Get(parent.model().name());
+    if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
+    if ((*model)->spec.fingerprint() != parent.model().fingerprint()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                     "the parent was built with a different version of model '" +
+                                         parent.model().name() + "' (fingerprint mismatch)"));
+    }
+    auto parent_tokens = (*reader)->ReadTokens();
+    if (!parent_tokens.ok()) return rpc.Finish(ToGrpc(parent_tokens.status()));
+    BuildJob job;
+    job.model = *model;
+    job.tokens.assign(parent_tokens->begin(), parent_tokens->end());
+    std::vector<int32_t> extra;
+    Status s =
+        Tokenize(**model, request->has_text(), request->text(), request->tokens(), false, &extra);
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    job.tokens.insert(job.tokens.end(), extra.begin(), extra.end());
+    s = CheckContextLength(job.tokens.size(), MaxContextTokens(ctx_->config, model->get()),
+                           (*model)->name);
+    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    job.parent = *pid;
+    // Default: the parent's index methods and parameters, minus those derived
+    // from the parent's size (CSA's C is re-derived for the child).
+    if (request->indexes().empty()) {
+      for (const auto& ip : parent.index_params()) {
+        IndexRequest r;
+        r.method = ip.method();
+        index::MethodParams parent_params(ip.params().begin(), ip.params().end());
+        auto info = index::FindMethodInfo(r.method);
+        if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("parent index")));
+        r.params = index::ParamsForExtend(**info, parent_params);
+        job.indexes.push_back(std::move(r));
+      }
+    } else {
+      auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
+      if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+      job.indexes = std::move(idx).value();
+    }
+    job.name = request->name().empty() ? parent.name() : request->name();
+    // The child belongs to the caller's tenant (an admin's: the parent's), and
+    // inherits the parent's provenance: a child of ingested KV is ingested.
+    job.tenant =
+        rpc.principal().role == auth::Role::kAdmin ? parent.tenant() : rpc.principal().tenant;
+    job.provenance = parent.provenance();
+    job.id_namespace =
+        ctx_->access->IdNamespace(job.tenant, job.provenance == v1::PROVENANCE_INGESTED);
+    job.labels.insert(parent.labels().begin(), parent.labels().end());
+    for (const auto& [k, v] : request->labels()) job.labels[k] = v;
+    job.ttl_ms = request->ttl_seconds() * 1000;
+    job.pinned = request->pin();
+    reader->reset();  // drop the lease; BeginBuild takes its own reference
+    return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/true, &rpc, extra.size()));
+  });
 }
 
 grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
                                              grpc::ServerReader<v1::IngestChunk>* reader,
                                              v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, context, "IngestContext", auth::Action::kBuild);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
-  v1::IngestChunk msg;
-  if (!reader->Read(&msg) || !msg.has_header()) {
-    return rpc.Finish(Invalid("the first IngestChunk must carry the header"));
-  }
-  const v1::IngestHeader& h = msg.header();
-  IngestBuilder::Header header;
-  header.model = h.model();
-  header.tokens.assign(h.tokens().ids().begin(), h.tokens().ids().end());
-  auto idx = IndexRequests(h.indexes(), ctx_->config.default_indexes);
-  if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-  header.indexes = std::move(idx).value();
-  header.name = h.name();
-  if (h.ttl_seconds() < 0) return rpc.Finish(Invalid("header.ttl_seconds must be >= 0"));
-  if (ctx_->models.IsHosted(h.model().name())) {
-    auto hosted = ctx_->models.Get(h.model().name());
-    if (!hosted.ok()) return rpc.Finish(ToGrpc(hosted.status()));
-    if (Status s = CheckIngestSpec((*hosted)->spec, h.model()); !s.ok()) {
+  return Guarded(ctx_, "IngestContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "IngestContext", auth::Action::kBuild);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+    v1::IngestChunk msg;
+    if (!reader->Read(&msg) || !msg.has_header()) {
+      return rpc.Finish(Invalid("the first IngestChunk must carry the header"));
+    }
+    const v1::IngestHeader& h = msg.header();
+    IngestBuilder::Header header;
+    header.model = h.model();
+    header.tokens.assign(h.tokens().ids().begin(), h.tokens().ids().end());
+    auto idx = IndexRequests(h.indexes(), ctx_->config.default_indexes);
+    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+    header.indexes = std::move(idx).value();
+    header.name = h.name();
+    if (Status s = ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."); !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
-  }
-  auto tenant = ctx_->access->TenantFor(rpc.principal(), h.tenant());
-  if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
-  rpc.set_tenant(*tenant);
-  header.tenant = *tenant;
-  // Ingested KV is asserted by the client: its ids live apart from built
-  // ones, so a later BuildContext of the same tokens never reuses it.
-  header.id_namespace = ctx_->access->IdNamespace(*tenant, /*ingested=*/true);
-  header.provenance = v1::PROVENANCE_INGESTED;
-  header.labels.insert(h.labels().begin(), h.labels().end());
-  header.ttl_ms = h.ttl_seconds() * 1000;
-  header.pinned = h.pin();
-  auto quota = ctx_->quotas->AdmitBuild(*tenant, header.tokens.size());
-  if (!quota.ok()) return rpc.Finish(ToGrpc(quota.status()));
-  header.before_commit = [this, t = *tenant, g = &*quota](uint64_t bytes) {
-    return ctx_->quotas->AdmitCommit(t, bytes, g);
-  };
-  auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
-  if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
-  IngestBuilder& b = **builder;
-  if (b.reused()) {  // already stored with these indexes: drain the stream, return it
+    if (Status s = ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    std::shared_ptr<const LoadedModel> hosted_model;
+    if (ctx_->models.IsHosted(h.model().name())) {
+      auto hosted = ctx_->models.Get(h.model().name());
+      if (!hosted.ok()) return rpc.Finish(ToGrpc(hosted.status()));
+      if (Status s = CheckIngestSpec((*hosted)->spec, h.model()); !s.ok()) {
+        return rpc.Finish(ToGrpc(s));
+      }
+      hosted_model = *hosted;
+    }
+    if (Status s = CheckContextLength(header.tokens.size(),
+                                      MaxContextTokens(ctx_->config, hosted_model.get()),
+                                      h.model().name());
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    auto tenant = ctx_->access->TenantFor(rpc.principal(), h.tenant());
+    if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+    rpc.set_tenant(*tenant);
+    header.tenant = *tenant;
+    // Ingested KV is asserted by the client: its ids live apart from built
+    // ones, so a later BuildContext of the same tokens never reuses it.
+    header.id_namespace = ctx_->access->IdNamespace(*tenant, /*ingested=*/true);
+    header.provenance = v1::PROVENANCE_INGESTED;
+    header.labels.insert(h.labels().begin(), h.labels().end());
+    header.ttl_ms = h.ttl_seconds() * 1000;
+    header.pinned = h.pin();
+    auto quota = ctx_->quotas->AdmitBuild(*tenant, header.tokens.size());
+    if (!quota.ok()) return rpc.Finish(ToGrpc(quota.status()));
+    header.before_commit = [this, t = *tenant, g = &*quota](uint64_t bytes) {
+      return ctx_->quotas->AdmitCommit(t, bytes, g);
+    };
+    auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
+    if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
+    IngestBuilder& b = **builder;
+    if (b.reused()) {  // already stored with these indexes: drain the stream, return it
+      while (reader->Read(&msg)) {
+      }
+      *response = ManifestToInfo(b.existing());
+      rpc.set_context_id(response->context_id());
+      return rpc.Finish(grpc::Status::OK);
+    }
+    const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
+    std::vector<float> k, v, q;
+    bool committed = false;
     while (reader->Read(&msg)) {
+      if (context->IsCancelled()) return rpc.Finish(ToGrpc(CancelledError("ingest cancelled")));
+      if (msg.has_commit()) {
+        committed = true;
+        break;
+      }
+      if (!msg.has_chunk()) {
+        return rpc.Finish(ToGrpc(InvalidArgumentError("expected a chunk or the commit")));
+      }
+      const v1::IngestLayerChunk& c = msg.chunk();
+      const int64_t n = c.n_tokens();
+      Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
+      if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
+      const bool has_q = c.has_q() && !c.q().data().empty();
+      if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
+      if (s.ok()) {
+        s = b.AddChunk(static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX)),
+                       static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
+                       has_q ? q.data() : nullptr);
+      }
+      if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
     }
-    *response = ManifestToInfo(b.existing());
+    if (!committed) {
+      return rpc.Finish(
+          grpc::Status(grpc::StatusCode::ABORTED,
+                       "the ingest stream ended before IngestCommit; nothing was stored"));
+    }
+    auto manifest = b.Commit();
+    if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
+    *response = ManifestToInfo(*manifest);
     rpc.set_context_id(response->context_id());
+    ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
+    ctx_->events.Publish(v1::ContextEvent::READY, *response);
     return rpc.Finish(grpc::Status::OK);
-  }
-  const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
-  std::vector<float> k, v, q;
-  bool committed = false;
-  while (reader->Read(&msg)) {
-    if (context->IsCancelled()) return rpc.Finish(ToGrpc(CancelledError("ingest cancelled")));
-    if (msg.has_commit()) {
-      committed = true;
-      break;
-    }
-    if (!msg.has_chunk()) {
-      return rpc.Finish(ToGrpc(InvalidArgumentError("expected a chunk or the commit")));
-    }
-    const v1::IngestLayerChunk& c = msg.chunk();
-    const int64_t n = c.n_tokens();
-    Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
-    if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
-    const bool has_q = c.has_q() && !c.q().data().empty();
-    if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
-    if (s.ok()) {
-      s = b.AddChunk(static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX)),
-                     static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
-                     has_q ? q.data() : nullptr);
-    }
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
-  }
-  if (!committed) {
-    return rpc.Finish(
-        grpc::Status(grpc::StatusCode::ABORTED,
-                     "the ingest stream ended before IngestCommit; nothing was stored"));
-  }
-  auto manifest = b.Commit();
-  if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
-  *response = ManifestToInfo(*manifest);
-  rpc.set_context_id(response->context_id());
-  ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
-  ctx_->events.Publish(v1::ContextEvent::READY, *response);
-  return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJob* job,
@@ -357,7 +420,8 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
   BuildProgress final_progress;
   final_progress.phase = BuildProgress::Phase::kDone;
   final_progress.tokens_total = final_progress.tokens_prefilled = outcome->manifest.n_tokens();
-  final_progress.layers_total = final_progress.layers_indexed = outcome->manifest.model().n_layers();
+  final_progress.layers_total = final_progress.layers_indexed =
+      outcome->manifest.model().n_layers();
   final_progress.bytes_written = outcome->manifest.stored_bytes();
   final_progress.tokens_per_s = secs > 0 ? outcome->manifest.n_tokens() / secs : 0;
   v1::BuildProgress done = ProgressToProto(final_progress);
@@ -379,109 +443,125 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
 grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext* context,
                                           const v1::GetContextRequest* request,
                                           v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  auto id = ParseContextId(request->context_id());
-  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-  auto m = ctx_->store->GetManifest(*id);
-  if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
-  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kRead);
-      !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  *response = ManifestToInfo(*m);
-  return rpc.Finish(grpc::Status::OK);
+  return Guarded(ctx_, "GetContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    auto m = ctx_->store->GetManifest(*id);
+    if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kRead);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    *response = ManifestToInfo(*m);
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext* context,
                                             const v1::ListContextsRequest* request,
                                             v1::ListContextsResponse* response) {
-  RpcScope rpc(ctx_, context, "ListContexts", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  const auth::Principal& who = rpc.principal();
-  if (!request->tenant().empty() && who.role != auth::Role::kAdmin) {
-    return rpc.Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                   "tenant: only an admin may list another tenant's contexts; "
-                                   "leave it empty to list your own"));
-  }
-  uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
-  if (page_size > 1000) {
-    return rpc.Finish(
-        grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                     "page_size must be <= 1000, got " + std::to_string(request->page_size())));
-  }
-  // Contexts come ordered by id; the page token is the last id returned.
-  std::string after = request->page_token();
-  if (!after.empty() && !storage::ContextId::FromHex(after).ok()) {
-    return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                   "page_token is not a token returned by ListContexts"));
-  }
-  for (const auto& m : ctx_->store->ListContexts()) {
-    if (!AccessControl::CanAccess(who, m.tenant(), m.shared(), auth::Action::kRead)) continue;
-    if (!request->tenant().empty() && m.tenant() != request->tenant()) continue;
-    v1::ContextInfo info = ManifestToInfo(m);
-    if (!after.empty() && info.context_id() <= after) continue;
-    if (request->state_filter() != v1::CONTEXT_STATE_UNSPECIFIED &&
-        m.state() != request->state_filter()) {
-      continue;
+  return Guarded(ctx_, "ListContexts", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "ListContexts", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    const auth::Principal& who = rpc.principal();
+    if (!request->tenant().empty() && who.role != auth::Role::kAdmin) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                     "tenant: only an admin may list another tenant's contexts; "
+                                     "leave it empty to list your own"));
     }
-    if (!LabelsMatch(m, request->label_filter())) continue;
-    if (static_cast<uint32_t>(response->contexts_size()) == page_size) {
-      response->set_next_page_token(response->contexts().rbegin()->context_id());
-      break;
+    uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
+    if (page_size > 1000) {
+      return rpc.Finish(
+          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                       "page_size must be <= 1000, got " + std::to_string(request->page_size())));
     }
-    *response->add_contexts() = std::move(info);
-  }
-  return rpc.Finish(grpc::Status::OK);
+    // Contexts come ordered by id; the page token is the last id returned.
+    std::string after = request->page_token();
+    if (!after.empty() && !storage::ContextId::FromHex(after).ok()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                     "page_token is not a token returned by ListContexts"));
+    }
+    // Pages are bounded by bytes as well as count, so a page of contexts
+    // with large labels still fits a message; the token still makes progress
+    // (at least one context per page).
+    const size_t byte_budget = ctx_->config.max_message_bytes / 2;
+    size_t bytes = 0;
+    for (const auto& m : ctx_->store->ListContexts()) {
+      if (!AccessControl::CanAccess(who, m.tenant(), m.shared(), auth::Action::kRead)) continue;
+      if (!request->tenant().empty() && m.tenant() != request->tenant()) continue;
+      v1::ContextInfo info = ManifestToInfo(m);
+      if (!after.empty() && info.context_id() <= after) continue;
+      if (request->state_filter() != v1::CONTEXT_STATE_UNSPECIFIED &&
+          m.state() != request->state_filter()) {
+        continue;
+      }
+      if (!LabelsMatch(m, request->label_filter())) continue;
+      const size_t size = info.ByteSizeLong();
+      if (static_cast<uint32_t>(response->contexts_size()) == page_size ||
+          (response->contexts_size() > 0 && bytes + size > byte_budget)) {
+        response->set_next_page_token(response->contexts().rbegin()->context_id());
+        break;
+      }
+      bytes += size;
+      *response->add_contexts() = std::move(info);
+    }
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
                                             const v1::EvictContextRequest* request,
                                             v1::EvictContextResponse* response) {
-  RpcScope rpc(ctx_, context, "EvictContext", auth::Action::kBuild);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  auto id = ParseContextId(request->context_id());
-  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-  rpc.set_context_id(id->ToHex());
-  auto m = ctx_->store->GetManifest(*id);
-  if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
-  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kBuild);
-      !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  auto deferred = ctx_->store->Delete(*id);
-  if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
-  response->set_deferred(*deferred);
-  response->set_evicted(!*deferred);
-  response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());
-  ctx_->metrics.GetCounter("ctxcache_evictions_total", "Contexts evicted (explicit and policy)")
-      ->Inc();
-  ctx_->events.Publish(v1::ContextEvent::EVICTED, ManifestToInfo(*m));
-  return rpc.Finish(grpc::Status::OK);
+  return Guarded(ctx_, "EvictContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "EvictContext", auth::Action::kBuild);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    rpc.set_context_id(id->ToHex());
+    auto m = ctx_->store->GetManifest(*id);
+    if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kBuild);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    auto deferred = ctx_->store->Delete(*id);
+    if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
+    response->set_deferred(*deferred);
+    response->set_evicted(!*deferred);
+    response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());
+    ctx_->metrics.GetCounter("ctxcache_evictions_total", "Contexts evicted (explicit and policy)")
+        ->Inc();
+    ctx_->events.Publish(v1::ContextEvent::EVICTED, ManifestToInfo(*m));
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext* context,
                                           const v1::PinContextRequest* request,
                                           v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, context, "PinContext", auth::Action::kBuild);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  return rpc.Finish(UpdateFlag(&rpc, request->context_id(), auth::Action::kBuild,
-                               [&](const storage::ContextId& id) {
-                                 return ctx_->store->SetPinned(id, request->pinned());
-                               },
-                               response));
+  return Guarded(ctx_, "PinContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "PinContext", auth::Action::kBuild);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    return rpc.Finish(UpdateFlag(
+        &rpc, request->context_id(), auth::Action::kBuild,
+        [&](const storage::ContextId& id) { return ctx_->store->SetPinned(id, request->pinned()); },
+        response));
+  });
 }
 
 grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
                                             const v1::ShareContextRequest* request,
                                             v1::ContextInfo* response) {
-  RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kAdmin);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  return rpc.Finish(UpdateFlag(&rpc, request->context_id(), auth::Action::kAdmin,
-                               [&](const storage::ContextId& id) {
-                                 return ctx_->store->SetShared(id, request->shared());
-                               },
-                               response));
+  return Guarded(ctx_, "ShareContext", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kAdmin);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    return rpc.Finish(UpdateFlag(
+        &rpc, request->context_id(), auth::Action::kAdmin,
+        [&](const storage::ContextId& id) { return ctx_->store->SetShared(id, request->shared()); },
+        response));
+  });
 }
 
 grpc::Status AdminServiceImpl::UpdateFlag(
@@ -504,30 +584,32 @@ grpc::Status AdminServiceImpl::UpdateFlag(
 
 grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                                         v1::ServerStats* response) {
-  RpcScope rpc(ctx_, context, "GetStats", auth::Action::kStats);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (rpc.principal().role != auth::Role::kAdmin) {
-    // Non-admins see their own tenant only: nothing about other tenants'
-    // contexts (counts and bytes would leak their activity).
-    TenantUsage u = ctx_->quotas->Usage(rpc.principal().tenant);
+  return Guarded(ctx_, "GetStats", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "GetStats", auth::Action::kStats);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (rpc.principal().role != auth::Role::kAdmin) {
+      // Non-admins see their own tenant only: nothing about other tenants'
+      // contexts (counts and bytes would leak their activity).
+      TenantUsage u = ctx_->quotas->Usage(rpc.principal().tenant);
+      response->set_version(CTXCACHE_VERSION);
+      response->set_n_contexts(u.contexts);
+      response->set_stored_bytes(u.stored_bytes);
+      for (const auto& m : ctx_->models.Available()) response->add_models(m);
+      return rpc.Finish(grpc::Status::OK);
+    }
+    storage::StoreStats st = ctx_->store->GetStats();
     response->set_version(CTXCACHE_VERSION);
-    response->set_n_contexts(u.contexts);
-    response->set_stored_bytes(u.stored_bytes);
+    response->set_uptime_s(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_->start_time).count());
+    response->set_n_contexts(st.ready_contexts);
+    response->set_stored_bytes(st.stored_bytes);
+    response->set_capacity_bytes(st.capacity_bytes);
+    response->set_open_sessions(ctx_->open_sessions.load());
+    response->set_build_queue_depth(ctx_->build_queue.waiting());
     for (const auto& m : ctx_->models.Available()) response->add_models(m);
+    for (const auto& [cf, bytes] : st.bytes_by_cf) (*response->mutable_bytes_by_kind())[cf] = bytes;
     return rpc.Finish(grpc::Status::OK);
-  }
-  storage::StoreStats st = ctx_->store->GetStats();
-  response->set_version(CTXCACHE_VERSION);
-  response->set_uptime_s(
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_->start_time).count());
-  response->set_n_contexts(st.ready_contexts);
-  response->set_stored_bytes(st.stored_bytes);
-  response->set_capacity_bytes(st.capacity_bytes);
-  response->set_open_sessions(ctx_->open_sessions.load());
-  response->set_build_queue_depth(ctx_->build_queue.waiting());
-  for (const auto& m : ctx_->models.Available()) response->add_models(m);
-  for (const auto& [cf, bytes] : st.bytes_by_cf) (*response->mutable_bytes_by_kind())[cf] = bytes;
-  return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 }  // namespace ctxcache::service

@@ -443,6 +443,12 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
         "header.model: n_layers, n_q_heads, n_kv_heads and head_dim must be > 0 and n_q_heads "
         "a multiple of n_kv_heads");
   }
+  if (spec.n_layers() > 1024 || spec.n_q_heads() > 1024 || spec.head_dim() > 1024) {
+    return InvalidArgumentError(
+        "header.model: n_layers, n_q_heads and head_dim must each be <= 1024, got " +
+        std::to_string(spec.n_layers()) + ", " + std::to_string(spec.n_q_heads()) + ", " +
+        std::to_string(spec.head_dim()));
+  }
   if (spec.fingerprint().empty()) {
     return InvalidArgumentError(
         "header.model.fingerprint is required (it decides KV compatibility)");

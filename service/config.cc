@@ -22,8 +22,10 @@ std::string ServerConfig::ToToml() const {
      << "build-queue-size = " << build_queue_size << "\n"
      << "default-indexes = " << q(default_indexes) << "\n"
      << "prefill-chunk = " << prefill_chunk << "\n"
+     << "max-context-tokens = " << max_context_tokens << "\n"
      << "max-sessions = " << max_sessions << "\n"
      << "session-idle-timeout-s = " << session_idle_timeout_s << "\n"
+     << "session-open-timeout-s = " << session_open_timeout_s << "\n"
      << "max-message-bytes = " << max_message_bytes << "\n"
      << "keepalive-time-s = " << keepalive_time_s << "\n"
      << "drain-timeout-s = " << drain_timeout_s << "\n"
@@ -78,7 +80,14 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   app.add_option("--prefill-chunk", c.prefill_chunk, "Prefill chunk size (tokens)")
       ->check(CLI::Range(1u, 65536u))
       ->capture_default_str();
+  app.add_option("--max-context-tokens", c.max_context_tokens,
+                 "Longest context to build/ingest (0 = the model's max_position_embeddings)")
+      ->capture_default_str();
   app.add_option("--max-sessions", c.max_sessions, "Open decode sessions allowed")
+      ->capture_default_str();
+  app.add_option("--session-open-timeout-s", c.session_open_timeout_s,
+                 "Cancel Decode streams that open no session within N s")
+      ->check(CLI::Range(1u, 3600u))
       ->capture_default_str();
   app.add_option("--session-idle-timeout-s", c.session_idle_timeout_s, "Idle session timeout (s)")
       ->capture_default_str();
@@ -115,6 +124,9 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--fault-corrupt-pages-for-testing", c.fault_corrupt_pages,
                "TESTING ONLY: corrupt every page sent (clients must report DATA_LOSS)")
+      ->group("");
+  app.add_option("--fault-throw-in-rpc-for-testing", c.fault_throw_in_rpc,
+                 "TESTING ONLY: this RPC's handler throws (must become INTERNAL)")
       ->group("");
   try {
     app.parse(argc, argv);

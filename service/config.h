@@ -50,10 +50,19 @@ struct ServerConfig {
   // Prefill chunk size, tokens.
   uint32_t prefill_chunk = 512;
 
+  // Longest context a build, extend or ingest may have, tokens. 0 = the
+  // model's max_position_embeddings (for ingests of models not hosted here:
+  // 1,048,576). A value > 0 replaces the model's limit (it may raise it:
+  // the operator's call). Default: 0.
+  uint64_t max_context_tokens = 0;
+
   // --- Sessions ---
   uint32_t max_sessions = 256;
   // A session with no message for this long is closed, seconds.
   uint32_t session_idle_timeout_s = 300;
+  // A Decode stream that has not opened a session this long after it
+  // started is cancelled (it holds a server thread), seconds. Default: 10.
+  uint32_t session_open_timeout_s = 10;
 
   // --- gRPC ---
   // Max message size sent and received, bytes.
@@ -104,6 +113,9 @@ struct ServerConfig {
   // Flips one bit of every page payload sent (after its crc32c is computed),
   // so tests can prove clients detect corruption. Never set in production.
   bool fault_corrupt_pages = false;
+  // Makes the named RPC throw from its handler, so tests can prove no
+  // exception escapes a handler. Never set in production.
+  std::string fault_throw_in_rpc;
 
   // --- Logging ---
   // trace|debug|info|warn|error|off

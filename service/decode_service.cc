@@ -6,10 +6,10 @@
 
 #include "auth/principal.h"
 #include "common/crc32c.h"
+#include "index/methods.h"
 #include "service/access.h"
 #include "service/decode_session.h"
 #include "service/grpc_status.h"
-#include "index/methods.h"
 #include "service/rpc_metrics.h"
 #include "service/wire.h"
 
@@ -38,11 +38,11 @@ Status RunStep(DecodeSession* session, const v1::StepRequest& req, bool corrupt_
                std::vector<v1::PageBatch>* batches) {
   const session::SessionShape& sh = session->shape();
   if (req.layer() >= static_cast<uint32_t>(sh.n_layers)) {
-    return InvalidArgumentError("step.layer " + std::to_string(req.layer()) +
-                                " out of range [0, " + std::to_string(sh.n_layers) + ")");
+    return InvalidArgumentError("step.layer " + std::to_string(req.layer()) + " out of range [0, " +
+                                std::to_string(sh.n_layers) + ")");
   }
-  RETURN_IF_ERROR(TensorToFloat(req.queries(), {sh.n_q_heads, sh.head_dim}, "step.queries",
-                                queries));
+  RETURN_IF_ERROR(
+      TensorToFloat(req.queries(), {sh.n_q_heads, sh.head_dim}, "step.queries", queries));
   RETURN_IF_ERROR(session->Step(req.layer(), queries->data(), step));
   const int g = sh.group_size();
   result->set_layer(step->layer);
@@ -97,7 +97,8 @@ Status RunAppend(DecodeSession* session, const v1::AppendRequest& append) {
   RETURN_IF_ERROR(TensorToFloat(append.k(), {L, KV, D}, "append.k", &k));
   RETURN_IF_ERROR(TensorToFloat(append.v(), {L, KV, D}, "append.v", &v));
   const bool has_q = append.has_q() && !append.q().data().empty();
-  if (has_q) RETURN_IF_ERROR(TensorToFloat(append.q(), {L, int64_t{sh.n_q_heads}, D}, "append.q", &q));
+  if (has_q)
+    RETURN_IF_ERROR(TensorToFloat(append.q(), {L, int64_t{sh.n_q_heads}, D}, "append.q", &q));
   return session->Append(k.data(), v.data(), has_q ? q.data() : nullptr);
 }
 
@@ -146,6 +147,8 @@ class DecodeStreamHandler {
     if (session_) sessions_gauge_->Set(ctx_->open_sessions.load() - 1);
   }
 
+  bool has_session() const { return session_ != nullptr; }
+
   // False once the stream is closed.
   bool Handle(const v1::DecodeRequest& req, const WriteFn& write) {
     const uint64_t rid = req.request_id();
@@ -193,8 +196,8 @@ class DecodeStreamHandler {
         AccessControl::CheckContext(principal_, id, reader->manifest(), auth::Action::kRead));
     ASSIGN_OR_RETURN(QuotaGuard quota, ctx_->quotas->AdmitSession(principal_.tenant));
     std::map<std::string, std::string> params(open.params().begin(), open.params().end());
-    ASSIGN_OR_RETURN(session_, DecodeSession::Open(std::move(reader), open.method(), params,
-                                                   open.want_pages()));
+    ASSIGN_OR_RETURN(
+        session_, DecodeSession::Open(std::move(reader), open.method(), params, open.want_pages()));
     session_quota_ = std::move(quota);
     sessions_gauge_->Set(ctx_->open_sessions.load());
     out->set_session_id(open.context_id() + "/" + stream_name_);
@@ -264,8 +267,16 @@ void DecodeServiceImpl::ReaperLoop() {
   while (!stop_) {
     cv_.wait_for(lock, std::chrono::seconds(1));
     const int64_t limit = int64_t{ctx_->config.session_idle_timeout_s} * 1000;
+    const int64_t open_limit = int64_t{ctx_->config.session_open_timeout_s} * 1000;
     const int64_t now = NowMs();
     for (auto& [key, s] : streams_) {
+      if (!s->opened.load() && s->started_ms > 0 && now - s->started_ms > open_limit) {
+        spdlog::info("cancelling a Decode stream that opened no session within {} s",
+                     ctx_->config.session_open_timeout_s);
+        s->context->TryCancel();
+        s->started_ms = 0;  // once
+        continue;
+      }
       if (now - s->last_activity_ms.load() > limit) {
         spdlog::info("closing a decode session idle for more than {} s",
                      ctx_->config.session_idle_timeout_s);
@@ -284,220 +295,231 @@ void DecodeServiceImpl::CancelAll() {
 grpc::Status DecodeServiceImpl::Decode(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
-  RpcScope rpc(ctx_, context, "Decode", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
-  auto live = std::make_unique<LiveStream>();
-  live->context = context;
-  live->last_activity_ms = NowMs();
-  LiveStream* key = live.get();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    streams_[key] = std::move(live);
-  }
-  struct Unregister {
-    DecodeServiceImpl* self;
-    LiveStream* key;
-    ~Unregister() {
-      std::lock_guard<std::mutex> lock(self->mu_);
-      self->streams_.erase(key);
+  return Guarded(ctx_, "Decode", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "Decode", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+    auto live = std::make_unique<LiveStream>();
+    live->context = context;
+    live->last_activity_ms = NowMs();
+    live->started_ms = NowMs();
+    LiveStream* key = live.get();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      streams_[key] = std::move(live);
     }
-  } unregister{this, key};
+    struct Unregister {
+      DecodeServiceImpl* self;
+      LiveStream* key;
+      ~Unregister() {
+        std::lock_guard<std::mutex> lock(self->mu_);
+        self->streams_.erase(key);
+      }
+    } unregister{this, key};
 
-  DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)),
-                              rpc.principal());
-  v1::DecodeRequest req;
-  while (stream->Read(&req)) {
-    key->last_activity_ms = NowMs();
-    if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
-      stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
-      continue;
+    DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)),
+                                rpc.principal());
+    v1::DecodeRequest req;
+    while (stream->Read(&req)) {
+      key->last_activity_ms = NowMs();
+      if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
+        stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
+        continue;
+      }
+      if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
+        return rpc.Finish(grpc::Status::OK);  // closed
+      }
+      if (handler.has_session()) key->opened = true;
     }
-    if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
-      return rpc.Finish(grpc::Status::OK);  // closed
+    if (context->IsCancelled()) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle"));
     }
-  }
-  if (context->IsCancelled()) {
-    return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle"));
-  }
-  return rpc.Finish(grpc::Status::OK);
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
                                            const v1::FetchIndexRequest* request,
                                            grpc::ServerWriter<v1::IndexChunk>* writer) {
-  RpcScope rpc(ctx_, context, "FetchIndex", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  auto id = ParseContextId(request->context_id());
-  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-  auto reader = ctx_->store->OpenReader(*id);
-  if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
-                                             auth::Action::kRead);
-      !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  const v1::ContextManifest& m = (*reader)->manifest();
-  std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
-  std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
-  std::vector<std::string> methods(request->methods().begin(), request->methods().end());
-  if (layers.empty()) {
-    for (uint32_t l = 0; l < m.model().n_layers(); ++l) layers.push_back(l);
-  }
-  if (heads.empty()) {
-    for (uint32_t h = 0; h < m.model().n_kv_heads(); ++h) heads.push_back(h);
-  }
-  if (methods.empty()) {
-    for (const auto& ip : m.index_params()) methods.push_back(ip.method());
-  }
-  for (uint32_t l : layers) {
-    if (l >= m.model().n_layers()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "layers: " + std::to_string(l) + " out of range [0, " +
-                                         std::to_string(m.model().n_layers()) + ")"));
+  return Guarded(ctx_, "FetchIndex", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "FetchIndex", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    auto reader = ctx_->store->OpenReader(*id);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
+                                               auth::Action::kRead);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
     }
-  }
-  for (uint32_t h : heads) {
-    if (h >= m.model().n_kv_heads()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "kv_heads: " + std::to_string(h) + " out of range"));
+    const v1::ContextManifest& m = (*reader)->manifest();
+    std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
+    std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
+    std::vector<std::string> methods(request->methods().begin(), request->methods().end());
+    if (layers.empty()) {
+      for (uint32_t l = 0; l < m.model().n_layers(); ++l) layers.push_back(l);
     }
-  }
-  constexpr size_t kChunk = 1u << 20;
-  for (const auto& method : methods) {
-    auto info = index::FindMethodInfo(method);
-    if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("methods")));
-    const uint8_t kind = (*info)->artifact_kind;
+    if (heads.empty()) {
+      for (uint32_t h = 0; h < m.model().n_kv_heads(); ++h) heads.push_back(h);
+    }
+    if (methods.empty()) {
+      for (const auto& ip : m.index_params()) methods.push_back(ip.method());
+    }
     for (uint32_t l : layers) {
-      for (uint32_t h : heads) {
-        if (context->IsCancelled()) {
-          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
-        }
-        auto bytes = (*reader)->ReadArtifact(l, h, kind);
-        if (!bytes.ok()) {
-          Status s = bytes.status();
-          if (s.code() == StatusCode::kNotFound) {
-            s = FailedPreconditionError("context has no '" + method + "' index");
+      if (l >= m.model().n_layers()) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "layers: " + std::to_string(l) + " out of range [0, " +
+                                           std::to_string(m.model().n_layers()) + ")"));
+      }
+    }
+    for (uint32_t h : heads) {
+      if (h >= m.model().n_kv_heads()) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "kv_heads: " + std::to_string(h) + " out of range"));
+      }
+    }
+    constexpr size_t kChunk = 1u << 20;
+    for (const auto& method : methods) {
+      auto info = index::FindMethodInfo(method);
+      if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("methods")));
+      const uint8_t kind = (*info)->artifact_kind;
+      for (uint32_t l : layers) {
+        for (uint32_t h : heads) {
+          if (context->IsCancelled()) {
+            return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
           }
-          return rpc.Finish(ToGrpc(s));
-        }
-        const uint32_t crc = crc32c::Value(*bytes);
-        const uint32_t n_chunks =
-            static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
-        for (uint32_t c = 0; c < n_chunks; ++c) {
-          v1::IndexChunk chunk;
-          chunk.set_layer(l);
-          chunk.set_kv_head(h);
-          chunk.set_method(method);
-          chunk.set_chunk_index(c);
-          chunk.set_n_chunks(n_chunks);
-          chunk.set_crc32c(crc);
-          chunk.set_total_bytes(bytes->size());
-          size_t off = size_t{c} * kChunk;
-          chunk.set_data(bytes->substr(off, std::min(kChunk, bytes->size() - off)));
-          if (!writer->Write(chunk)) {
-            return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+          auto bytes = (*reader)->ReadArtifact(l, h, kind);
+          if (!bytes.ok()) {
+            Status s = bytes.status();
+            if (s.code() == StatusCode::kNotFound) {
+              s = FailedPreconditionError("context has no '" + method + "' index");
+            }
+            return rpc.Finish(ToGrpc(s));
+          }
+          const uint32_t crc = crc32c::Value(*bytes);
+          const uint32_t n_chunks =
+              static_cast<uint32_t>(std::max<size_t>(1, (bytes->size() + kChunk - 1) / kChunk));
+          for (uint32_t c = 0; c < n_chunks; ++c) {
+            v1::IndexChunk chunk;
+            chunk.set_layer(l);
+            chunk.set_kv_head(h);
+            chunk.set_method(method);
+            chunk.set_chunk_index(c);
+            chunk.set_n_chunks(n_chunks);
+            chunk.set_crc32c(crc);
+            chunk.set_total_bytes(bytes->size());
+            size_t off = size_t{c} * kChunk;
+            chunk.set_data(bytes->substr(off, std::min(kChunk, bytes->size() - off)));
+            if (!writer->Write(chunk)) {
+              return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+            }
           }
         }
       }
     }
-  }
-  return rpc.Finish(grpc::Status::OK);
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                            const v1::FetchPagesRequest* request,
                                            grpc::ServerWriter<v1::PageBatch>* writer) {
-  RpcScope rpc(ctx_, context, "FetchPages", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  auto id = ParseContextId(request->context_id());
-  if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-  auto reader = ctx_->store->OpenReader(*id);
-  if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-  if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
-                                             auth::Action::kRead);
-      !s.ok()) {
-    return rpc.Finish(ToGrpc(s));
-  }
-  const v1::ContextManifest& m = (*reader)->manifest();
-  PageBatcher batcher(
-      kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
-      ctx_->config.fault_corrupt_pages);
-  storage::PageBatch batch;
-  Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
-                                                 "Stored page bytes read for decode sessions");
-  for (const auto& t : request->tables()) {
-    if (context->IsCancelled()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+  return Guarded(ctx_, "FetchPages", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "FetchPages", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    auto reader = ctx_->store->OpenReader(*id);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
+                                               auth::Action::kRead);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
     }
-    if (t.layer() >= m.model().n_layers() || t.kv_head() >= m.model().n_kv_heads()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "tables: layer " + std::to_string(t.layer()) + " / kv_head " +
-                                         std::to_string(t.kv_head()) +
-                                         " out of range (context has " +
-                                         std::to_string(m.model().n_layers()) + " layers, " +
-                                         std::to_string(m.model().n_kv_heads()) + " kv heads)"));
-    }
-    std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
-    Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));
-    bytes_read->Inc(static_cast<double>(batch.stored_bytes));
-    for (size_t i = 0; i < batch.size(); ++i) {
-      if (!batcher.Add(StoredPageToProto(batch, i, t.layer(), t.kv_head()))) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+    const v1::ContextManifest& m = (*reader)->manifest();
+    PageBatcher batcher(
+        kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
+        ctx_->config.fault_corrupt_pages);
+    storage::PageBatch batch;
+    Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                                   "Stored page bytes read for decode sessions");
+    for (const auto& t : request->tables()) {
+      if (context->IsCancelled()) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      }
+      if (t.layer() >= m.model().n_layers() || t.kv_head() >= m.model().n_kv_heads()) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       "tables: layer " + std::to_string(t.layer()) +
+                                           " / kv_head " + std::to_string(t.kv_head()) +
+                                           " out of range (context has " +
+                                           std::to_string(m.model().n_layers()) + " layers, " +
+                                           std::to_string(m.model().n_kv_heads()) + " kv heads)"));
+      }
+      std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
+      Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
+      if (!s.ok()) return rpc.Finish(ToGrpc(s));
+      bytes_read->Inc(static_cast<double>(batch.stored_bytes));
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (!batcher.Add(StoredPageToProto(batch, i, t.layer(), t.kv_head()))) {
+          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+        }
       }
     }
-  }
-  batcher.Finish();
-  return rpc.Finish(grpc::Status::OK);
+    batcher.Finish();
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
                                               const v1::WatchRequest* request,
                                               grpc::ServerWriter<v1::ContextEvent>* writer) {
-  RpcScope rpc(ctx_, context, "WatchContexts", auth::Action::kRead);
-  if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-  if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-  if (!request->context_id().empty()) {
-    auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status().WithContext("context_id filter")));
-  }
-  // Only events of contexts the caller may read are ever queued for it.
-  auto sub = ctx_->events.Subscribe([who = rpc.principal()](const v1::ContextInfo& c) {
-    return AccessControl::CanAccess(who, c.tenant(), c.shared(), auth::Action::kRead);
-  });
-  struct Unsub {
-    EventHub* hub;
-    std::shared_ptr<EventHub::Subscriber> s;
-    ~Unsub() { hub->Unsubscribe(s); }
-  } unsub{&ctx_->events, sub};
-  // Initial empty event: tells the client the subscription is live.
-  v1::ContextEvent hello;
-  hello.set_type(v1::ContextEvent::TYPE_UNSPECIFIED);
-  if (!writer->Write(hello)) return rpc.Finish(grpc::Status::OK);
-  while (!context->IsCancelled() && !ctx_->draining) {
-    std::unique_lock<std::mutex> lock(sub->mu);
-    sub->cv.wait_for(lock, std::chrono::milliseconds(200),
-                     [&] { return !sub->queue.empty() || sub->closed; });
-    if (sub->closed) break;
-    while (!sub->queue.empty()) {
-      v1::ContextEvent ev = std::move(sub->queue.front());
-      sub->queue.pop_front();
-      lock.unlock();
-      bool match =
-          request->context_id().empty() || ev.context().context_id() == request->context_id();
-      for (const auto& [k, v] : request->label_filter()) {
-        auto it = ev.context().labels().find(k);
-        match = match && it != ev.context().labels().end() && it->second == v;
-      }
-      if (match && !writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
-      lock.lock();
+  return Guarded(ctx_, "WatchContexts", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "WatchContexts", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    if (!request->context_id().empty()) {
+      auto id = ParseContextId(request->context_id());
+      if (!id.ok()) return rpc.Finish(ToGrpc(id.status().WithContext("context_id filter")));
     }
-  }
-  return rpc.Finish(grpc::Status::OK);
+    // Only events of contexts the caller may read are ever queued for it.
+    auto sub = ctx_->events.Subscribe([who = rpc.principal()](const v1::ContextInfo& c) {
+      return AccessControl::CanAccess(who, c.tenant(), c.shared(), auth::Action::kRead);
+    });
+    struct Unsub {
+      EventHub* hub;
+      std::shared_ptr<EventHub::Subscriber> s;
+      ~Unsub() { hub->Unsubscribe(s); }
+    } unsub{&ctx_->events, sub};
+    // Initial empty event: tells the client the subscription is live.
+    v1::ContextEvent hello;
+    hello.set_type(v1::ContextEvent::TYPE_UNSPECIFIED);
+    if (!writer->Write(hello)) return rpc.Finish(grpc::Status::OK);
+    while (!context->IsCancelled() && !ctx_->draining) {
+      std::unique_lock<std::mutex> lock(sub->mu);
+      sub->cv.wait_for(lock, std::chrono::milliseconds(200),
+                       [&] { return !sub->queue.empty() || sub->closed; });
+      if (sub->closed) break;
+      while (!sub->queue.empty()) {
+        v1::ContextEvent ev = std::move(sub->queue.front());
+        sub->queue.pop_front();
+        sub->queued_bytes -= std::min(sub->queued_bytes, ev.ByteSizeLong());
+        lock.unlock();
+        bool match =
+            request->context_id().empty() || ev.context().context_id() == request->context_id();
+        for (const auto& [k, v] : request->label_filter()) {
+          auto it = ev.context().labels().find(k);
+          match = match && it != ev.context().labels().end() && it->second == v;
+        }
+        if (match && !writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
+        lock.lock();
+      }
+    }
+    return rpc.Finish(grpc::Status::OK);
+  });
 }
 
 }  // namespace ctxcache::service

@@ -39,6 +39,8 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
   struct LiveStream {
     grpc::ServerContext* context;
     std::atomic<int64_t> last_activity_ms;
+    int64_t started_ms = 0;
+    std::atomic<bool> opened{false};  // a session was opened on it
   };
   void ReaperLoop();
 

@@ -1,6 +1,7 @@
 // EventHub: fan-out of context lifecycle events to WatchContexts streams.
-// Each subscriber has a bounded queue (oldest events dropped beyond it, and
-// counted) so a slow watcher never blocks builds.
+// Each subscriber has a bounded queue (at most 4,096 events and 4 MiB; the
+// oldest are dropped beyond it, and counted) so a slow watcher never blocks
+// builds nor pins memory.
 //
 // Thread-safety: safe for concurrent use.
 #pragma once
@@ -27,6 +28,7 @@ class EventHub {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<v1::ContextEvent> queue;  // guarded by mu
+    size_t queued_bytes = 0;             // guarded by mu
     uint64_t dropped = 0;                // guarded by mu
     bool closed = false;                 // guarded by mu
   };
@@ -55,10 +57,14 @@ class EventHub {
     for (auto& s : subs_) {
       if (s->filter && !s->filter(info)) continue;
       std::lock_guard<std::mutex> sl(s->mu);
-      if (s->queue.size() >= kMaxQueue) {
+      const size_t size = ev.ByteSizeLong();
+      while (!s->queue.empty() &&
+             (s->queue.size() >= kMaxQueue || s->queued_bytes + size > kMaxQueueBytes)) {
+        s->queued_bytes -= s->queue.front().ByteSizeLong();
         s->queue.pop_front();
         s->dropped++;
       }
+      s->queued_bytes += size;
       s->queue.push_back(ev);
       s->cv.notify_one();
     }
@@ -76,6 +82,7 @@ class EventHub {
 
  private:
   static constexpr size_t kMaxQueue = 4096;
+  static constexpr size_t kMaxQueueBytes = 4 << 20;
   std::mutex mu_;
   std::list<std::shared_ptr<Subscriber>> subs_;  // guarded by mu_
 };

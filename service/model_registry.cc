@@ -54,15 +54,14 @@ StatusOr<std::shared_ptr<const LoadedModel>> ModelRegistry::Get(const std::strin
   auto it = loaded_.find(name);
   if (it != loaded_.end()) return it->second;
   if (name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
-    return InvalidArgumentError("model name '" + name + "' must be a directory name under " +
-                                model_dir_);
+    return InvalidArgumentError("model: '" + name.substr(0, 64) +
+                                "' must be the name of a model directory, without '/' or '..'");
   }
   auto dir = std::filesystem::path(model_dir_) / name;
   if (!std::filesystem::exists(dir / "config.json")) {
     std::string avail;
     for (const auto& m : Available()) avail += (avail.empty() ? "" : ", ") + m;
-    return NotFoundError("unknown model '" + name + "' (no " + (dir / "config.json").string() +
-                         "); available under --model-dir " + model_dir_ + ": " +
+    return NotFoundError("unknown model '" + name.substr(0, 64) + "'; available: " +
                          (avail.empty() ? "none" : avail));
   }
   auto start = std::chrono::steady_clock::now();

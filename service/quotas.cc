@@ -54,8 +54,7 @@ void QuotaGuard::Release() {
   kind_ = Kind::kNone;
 }
 
-Status TenantQuotas::Reject(const std::string& tenant, const char* reason,
-                            const std::string& msg) {
+Status TenantQuotas::Reject(const std::string& tenant, const char* reason, const std::string& msg) {
   metrics_
       ->GetCounter("ctxcache_tenant_rejected_total", "Calls refused by a tenant quota, by reason",
                    {{"tenant", TenantLabel(tenant)}, {"reason", reason}})
@@ -107,9 +106,8 @@ StatusOr<QuotaGuard> TenantQuotas::AdmitBuild(const std::string& tenant, uint64_
     }
     if (q.max_stored_bytes && u.stored_bytes >= q.max_stored_bytes) {
       return Reject(tenant, "max_stored_bytes",
-                    "quota max_stored_bytes=" + std::to_string(q.max_stored_bytes) +
-                        " reached (" + std::to_string(u.stored_bytes) +
-                        " bytes stored); evict some first");
+                    "quota max_stored_bytes=" + std::to_string(q.max_stored_bytes) + " reached (" +
+                        std::to_string(u.stored_bytes) + " bytes stored); evict some first");
     }
   }
   std::unique_lock<std::mutex> l(mu_);

@@ -15,7 +15,10 @@
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <chrono>
+#include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "auth/principal.h"
@@ -35,6 +38,9 @@ class RpcScope {
         method_(method),
         action_(action),
         start_(std::chrono::steady_clock::now()) {
+    if (!ctx_->config.fault_throw_in_rpc.empty() && ctx_->config.fault_throw_in_rpc == method) {
+      throw std::runtime_error("fault injected by --fault-throw-in-rpc-for-testing");
+    }
     auto p = ctx_->access->Authenticate(context);
     if (p.ok()) {
       principal_ = std::move(p).value();
@@ -80,8 +86,8 @@ class RpcScope {
                   CodeName(status.error_code()), secs * 1e6, status.error_message());
     const bool refused = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                          status.error_code() == grpc::StatusCode::PERMISSION_DENIED;
-    if (ctx_->audit && (action_ == auth::Action::kBuild || action_ == auth::Action::kAdmin ||
-                        refused)) {
+    if (ctx_->audit &&
+        (action_ == auth::Action::kBuild || action_ == auth::Action::kAdmin || refused)) {
       Audit(status);
     }
     return status;
@@ -131,5 +137,31 @@ class RpcScope {
   std::string context_id_;
   std::string tenant_;
 };
+
+// Runs a handler body. An exception escaping it (a bug: handlers return
+// Status) is logged with an incident number and becomes INTERNAL naming
+// that number, never gRPC's UNKNOWN "Unexpected error in RPC handling";
+// it is counted in ctxcache_rpc_total{code="INTERNAL"}.
+template <typename Fn>
+grpc::Status Guarded(ServiceContext* ctx, const char* method, Fn&& body) {
+  std::string what;
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "an exception of unknown type";
+  }
+  static std::atomic<uint64_t> incidents{0};
+  const uint64_t n = ++incidents;
+  spdlog::error("incident {}: {} threw: {}", n, method, what);
+  ctx->metrics
+      .GetCounter("ctxcache_rpc_total", "RPCs handled, by method and status code",
+                  {{"method", method}, {"code", "INTERNAL"}})
+      ->Inc();
+  return grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error in ") + method +
+                                                      " (incident " + std::to_string(n) +
+                                                      "; the server log has the details)");
+}
 
 }  // namespace ctxcache::service

@@ -12,9 +12,52 @@ StatusOr<storage::ContextId> ParseContextId(const std::string& hex, const char* 
   }
   auto id = storage::ContextId::FromHex(hex);
   if (!id.ok()) {
-    return InvalidArgumentError(std::string(field) + " '" + hex + "' is not 32 hex characters");
+    return InvalidArgumentError(std::string(field) + " '" + Clip(hex) +
+                                "' is not 32 hex characters");
   }
   return *id;
+}
+
+std::string Clip(std::string_view s, size_t max_bytes) {
+  if (s.size() <= max_bytes) return std::string(s);
+  return std::string(s.substr(0, max_bytes)) + "...";
+}
+
+Status ValidateText(std::string_view value, const char* field, size_t max_bytes) {
+  if (value.size() > max_bytes) {
+    return InvalidArgumentError(std::string(field) + ": at most " + std::to_string(max_bytes) +
+                                " bytes, got " + std::to_string(value.size()));
+  }
+  for (unsigned char c : value) {
+    if (c < 0x20 || c == 0x7f) {
+      return InvalidArgumentError(std::string(field) +
+                                  ": control characters (NUL, newline, ...) are not allowed");
+    }
+  }
+  return Status::OK();
+}
+
+Status ValidateLabels(const google::protobuf::Map<std::string, std::string>& labels,
+                      const char* field) {
+  if (labels.size() > kMaxLabels) {
+    return InvalidArgumentError(std::string(field) + ": at most " + std::to_string(kMaxLabels) +
+                                " labels, got " + std::to_string(labels.size()));
+  }
+  for (const auto& [k, v] : labels) {
+    if (k.empty()) return InvalidArgumentError(std::string(field) + ": empty label key");
+    RETURN_IF_ERROR(ValidateText(k, field, kMaxLabelKeyBytes));
+    RETURN_IF_ERROR(ValidateText(v, field, kMaxLabelValueBytes));
+  }
+  return Status::OK();
+}
+
+Status ValidateTtl(int64_t ttl_seconds, const char* field) {
+  if (ttl_seconds < 0 || ttl_seconds > kMaxTtlSeconds) {
+    return InvalidArgumentError(std::string(field) + ": expected 0 (server default) to " +
+                                std::to_string(kMaxTtlSeconds) + " seconds, got " +
+                                std::to_string(ttl_seconds));
+  }
+  return Status::OK();
 }
 
 v1::ContextInfo ManifestToInfo(const v1::ContextManifest& m) {

@@ -25,6 +25,27 @@ namespace ctxcache::service {
 // Max page payload bytes per PageBatch message (below gRPC's message limit).
 inline constexpr size_t kMaxPageBatchBytes = 4u << 20;
 
+// Request metadata limits (docs/api.md "Limits"): bounded so that every
+// response carrying them fits a message and nothing grows without bound.
+inline constexpr size_t kMaxNameBytes = 256;
+inline constexpr size_t kMaxModelNameBytes = 128;
+inline constexpr size_t kMaxLabels = 64;
+inline constexpr size_t kMaxLabelKeyBytes = 128;
+inline constexpr size_t kMaxLabelValueBytes = 1024;
+// TTLs above 100 years are refused (ttl_seconds * 1000 must not overflow).
+inline constexpr int64_t kMaxTtlSeconds = int64_t{100} * 365 * 86400;
+
+// A string field: at most max_bytes, no NUL or other control characters.
+// InvalidArgument naming `field` (and never echoing more than 64 bytes).
+Status ValidateText(std::string_view value, const char* field, size_t max_bytes);
+// Labels: count, key and value sizes and content as above.
+Status ValidateLabels(const google::protobuf::Map<std::string, std::string>& labels,
+                      const char* field);
+// 0 <= ttl_seconds <= kMaxTtlSeconds.
+Status ValidateTtl(int64_t ttl_seconds, const char* field);
+// `s` cut to `max_bytes` (with "..." when cut), for echoing inputs in errors.
+std::string Clip(std::string_view s, size_t max_bytes = 64);
+
 // A 32-hex-character context id; InvalidArgument naming `field` otherwise.
 StatusOr<storage::ContextId> ParseContextId(const std::string& hex,
                                             const char* field = "context_id");

@@ -8,6 +8,7 @@
 #include "client/cli/generate_command.h"
 #include "client/cli/health_command.h"
 #include "client/cli/keys_command.h"
+#include "client/cli/tokenize_command.h"
 
 namespace ctxcache::cli {
 
@@ -60,6 +61,8 @@ int RunCli(int argc, char** argv) {
   add("health", "Check the server's health (exit 0 if SERVING)", std::make_unique<HealthCommand>());
   add("keys", "Manage API keys in a keys file (create, list, revoke, map-cert); offline",
       std::make_unique<KeysCommand>());
+  add("tokenize", "Tokenize text with a local model's tokenizer; prints token ids as JSON",
+      std::make_unique<TokenizeCommand>());
   add("fsck", "Check a data dir offline (server stopped): verify every context's checksums",
       std::make_unique<FsckCommand>());
 

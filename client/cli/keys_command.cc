@@ -43,8 +43,7 @@ int KeysCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
   auth::KeysFile file;
   if (auto f = auth::KeysFile::Read(keys_file_); f.ok()) {
     file = std::move(f).value();
-  } else if (f.status().code() != StatusCode::kNotFound || list_->parsed() ||
-             revoke_->parsed()) {
+  } else if (f.status().code() != StatusCode::kNotFound || list_->parsed() || revoke_->parsed()) {
     return fail(f.status());
   }
   if (create_->parsed() || map_cert_->parsed()) {
@@ -115,9 +114,10 @@ int KeysCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
     return fail(InvalidArgumentError("revoke needs exactly one of --id or --cn"));
   }
   const size_t before = file.keys.size() + file.subjects.size();
-  file.keys.erase(std::remove_if(file.keys.begin(), file.keys.end(),
-                                 [&](const auth::KeyEntry& k) { return !id_.empty() && k.id == id_; }),
-                  file.keys.end());
+  file.keys.erase(
+      std::remove_if(file.keys.begin(), file.keys.end(),
+                     [&](const auth::KeyEntry& k) { return !id_.empty() && k.id == id_; }),
+      file.keys.end());
   file.subjects.erase(
       std::remove_if(file.subjects.begin(), file.subjects.end(),
                      [&](const auth::SubjectEntry& e) { return !cn_.empty() && e.cn == cn_; }),

@@ -62,7 +62,9 @@ class Server:
         self.log_path = os.path.join(workdir, "ctxcached.log")
         self.args = [binary, "--data-dir", self.data_dir, "--port-file", self.port_file,
                      "--listen", listen, "--metrics-listen", "", "--model-dir", model_dir,
-                     "--default-model", "llama3", *(extra or [])]
+                     "--default-model", "llama3",
+                     # the golden llama3 declares 256 positions; tests use longer contexts
+                     "--max-context-tokens", "65536", *(extra or [])]
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
         # Client options for the readiness check (e.g. tls_ca for a TLS server).

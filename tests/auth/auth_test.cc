@@ -90,9 +90,9 @@ TEST(KeysFile, GeneratedKeysAuthenticateAndNothingElseDoes) {
   EXPECT_EQ(a->tenant, "");
   std::string wrong = reader->key;
   wrong.back() = wrong.back() == 'a' ? 'b' : 'a';
-  for (const std::string& bad : {"Bearer " + wrong, reader->key, std::string("Bearer "),
-                                 "Bearer ck_000000000000_" + std::string(64, '0'),
-                                 "Basic " + reader->key}) {
+  for (const std::string& bad :
+       {"Bearer " + wrong, reader->key, std::string("Bearer "),
+        "Bearer ck_000000000000_" + std::string(64, '0'), "Basic " + reader->key}) {
     auto r = (*store)->AuthenticateBearer(bad);
     EXPECT_EQ(r.status().code(), StatusCode::kUnauthenticated) << bad;
   }
@@ -125,7 +125,7 @@ TEST(KeysFile, MalformedLinesNameTheLine) {
   const std::string salt(32, 'a'), sha(64, 'b');
   for (const std::string& bad :
        {std::string("key 0123456789ab tenant=a role=reader salt=") + salt,  // no sha256
-        "key 0123 tenant=a role=reader salt=" + salt + " sha256=" + sha,   // short id
+        "key 0123 tenant=a role=reader salt=" + salt + " sha256=" + sha,    // short id
         "key 0123456789ab tenant=a role=god salt=" + salt + " sha256=" + sha,
         "key 0123456789ab tenant=- role=reader salt=" + salt + " sha256=" + sha,
         std::string("cert tenant=a role=reader"), std::string("user x")}) {
@@ -150,10 +150,10 @@ TEST(Tenants, ParsesQuotasWithSuffixesAndRejectsUnknownKeys) {
   EXPECT_EQ(t->QuotaFor("acme").max_streams, 8u);
   EXPECT_EQ(t->QuotaFor("acme").max_messages_per_second, 100u);
   EXPECT_EQ(t->QuotaFor("acme").max_stored_bytes, 0u);  // a section is the whole quota
-  for (const char* bad : {"max_contexts = 1\n", "[tenant.a]\nmax_cakes = 1\n",
-                          "[tenant.a]\nmax_contexts = -1\n", "[tenant.a]\nmax_contexts = 1X\n",
-                          "[tenant.a/b]\n", "[other]\n",
-                          "[tenant.a]\nmax_contexts = 99999999999999999999999\n"}) {
+  for (const char* bad :
+       {"max_contexts = 1\n", "[tenant.a]\nmax_cakes = 1\n", "[tenant.a]\nmax_contexts = -1\n",
+        "[tenant.a]\nmax_contexts = 1X\n", "[tenant.a/b]\n", "[other]\n",
+        "[tenant.a]\nmax_contexts = 99999999999999999999999\n"}) {
     EXPECT_FALSE(TenantsConfig::Parse(bad).ok()) << bad;
   }
 }

@@ -32,7 +32,9 @@ int FreePort() {
 }
 
 std::vector<std::string> ModelArgs() {
-  return {"--model-dir", testing::SourceDir() + "/tests/data/golden", "--default-model", "llama3"};
+  // The golden llama3 declares 256 positions; these tests use longer contexts.
+  return {"--model-dir", testing::SourceDir() + "/tests/data/golden", "--default-model", "llama3",
+          "--max-context-tokens", "65536"};
 }
 
 StatusOr<v1::BuildProgress> BuildRandom(client::Client* c, int n, uint32_t seed) {

@@ -52,8 +52,8 @@ int Cli(const std::vector<std::string>& args, std::string* out) {
 // `ctxcache keys create`: the key (first line of its stdout).
 std::string CreateKey(const std::string& keys_file, const std::string& tenant,
                       const std::string& role) {
-  std::vector<std::string> args = {"keys", "create", "--keys-file", keys_file, "--role", role,
-                                   "--json"};
+  std::vector<std::string> args = {"keys",   "create", "--keys-file", keys_file,
+                                   "--role", role,     "--json"};
   if (!tenant.empty()) args.insert(args.end(), {"--tenant", tenant});
   std::string out;
   EXPECT_EQ(Cli(args, &out), 0) << out;
@@ -264,8 +264,8 @@ class Caller {
       return stream->Finish();
     }
     if (resp.has_error()) {
-      result = grpc::Status(static_cast<grpc::StatusCode>(resp.error().code()),
-                            resp.error().message());
+      result =
+          grpc::Status(static_cast<grpc::StatusCode>(resp.error().code()), resp.error().message());
     }
     if (keep_open && result.ok()) {
       open_.push_back({std::move(ctx), std::move(stream)});
@@ -345,14 +345,16 @@ class SecurityTest : public ::testing::Test {
 
   // Starts ctxcached on the golden llama3 model with `extra` flags.
   void Start(std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--model-dir", ModelDir(), "--default-model", "llama3",
-                                     "--default-indexes", "streaming"};
+    // The golden llama3 declares 256 positions; these tests use longer contexts.
+    std::vector<std::string> args = {
+        "--model-dir",       ModelDir(),  "--default-model",      "llama3",
+        "--default-indexes", "streaming", "--max-context-tokens", "65536"};
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_TRUE(server_.Start(tmp_.path() + "/data", args)) << server_.log();
   }
   void StartTlsWithKeys(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--tls-cert", Pki("server.pem"), "--tls-key",
-                                     Pki("server.key"), "--keys-file", keys_file_};
+    std::vector<std::string> args = {"--tls-cert",      Pki("server.pem"), "--tls-key",
+                                     Pki("server.key"), "--keys-file",     keys_file_};
     args.insert(args.end(), extra.begin(), extra.end());
     Start(args);
   }
@@ -394,12 +396,12 @@ TEST_F(SecurityTest, MtlsRequiresAValidClientCertificateMappedToATenant) {
             0)
       << out;
   StartTlsWithKeys({"--tls-client-ca", Pki("ca.pem")});
-  Caller mapped(server_.address(), Creds{"", Pki("ca.pem"), Pki("client-a.pem"), Pki("client-a.key")});
+  Caller mapped(server_.address(),
+                Creds{"", Pki("ca.pem"), Pki("client-a.pem"), Pki("client-a.key")});
   v1::ListContextsResponse list;
   EXPECT_TRUE(mapped.List(&list).ok());
   // The subject maps to a reader: building is denied.
-  EXPECT_EQ(mapped.Build(Tokens(16, 1), nullptr).error_code(),
-            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(mapped.Build(Tokens(16, 1), nullptr).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   // A valid certificate whose subject is not mapped: UNAUTHENTICATED.
   Caller unmapped(server_.address(),
                   Creds{"", Pki("ca.pem"), Pki("client-unmapped.pem"), Pki("client-unmapped.key")});
@@ -407,7 +409,8 @@ TEST_F(SecurityTest, MtlsRequiresAValidClientCertificateMappedToATenant) {
   // No certificate, an expired one, or one from another CA: no handshake.
   Caller none(server_.address(), Creds{"", Pki("ca.pem"), "", ""});
   EXPECT_EQ(none.List(&list).error_code(), grpc::StatusCode::UNAVAILABLE);
-  Caller expired(server_.address(), Creds{"", Pki("ca.pem"), Pki("expired.pem"), Pki("expired.key")});
+  Caller expired(server_.address(),
+                 Creds{"", Pki("ca.pem"), Pki("expired.pem"), Pki("expired.key")});
   EXPECT_EQ(expired.List(&list).error_code(), grpc::StatusCode::UNAVAILABLE);
   Caller other(server_.address(),
                Creds{"", Pki("ca.pem"), Pki("other-client.pem"), Pki("other-client.key")});
@@ -446,13 +449,14 @@ TEST_F(SecurityTest, CertificateReloadsWithoutRestartOrDroppingSessions) {
 
 TEST_F(SecurityTest, NonLoopbackListenNeedsTlsAndKeysOrInsecure) {
   ServerProcess p;
-  const std::vector<std::string> base = {"--model-dir", ModelDir(), "--listen", "0.0.0.0:0",
-                                         "--metrics-listen", ""};
+  const std::vector<std::string> base = {"--model-dir", ModelDir(),         "--listen",
+                                         "0.0.0.0:0",   "--metrics-listen", ""};
   EXPECT_FALSE(p.Start(tmp_.path() + "/d1", base));
   EXPECT_NE(p.log().find("not a loopback address"), std::string::npos) << p.log();
   // TLS without keys is not enough either.
   std::vector<std::string> tls_only = base;
-  tls_only.insert(tls_only.end(), {"--tls-cert", Pki("server.pem"), "--tls-key", Pki("server.key")});
+  tls_only.insert(tls_only.end(),
+                  {"--tls-cert", Pki("server.pem"), "--tls-key", Pki("server.key")});
   ServerProcess p2;
   EXPECT_FALSE(p2.Start(tmp_.path() + "/d2", tls_only));
   // --insecure starts, with a warning.
@@ -524,37 +528,50 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
   }
   using Rpc = std::function<grpc::Status(Caller&, int)>;
   const std::vector<std::tuple<std::string, Rpc, std::set<std::string>>> table = {
-      {"BuildContext", [](Caller& c, int i) {
-         return c.Build(Tokens(24, 100 + i), nullptr, "acme"); }, {"admin", "builder"}},
-      {"IngestContext", [&](Caller& c, int i) {
+      {"BuildContext",
+       [](Caller& c, int i) { return c.Build(Tokens(24, 100 + i), nullptr, "acme"); },
+       {"admin", "builder"}},
+      {"IngestContext",
+       [&](Caller& c, int i) {
          v1::ContextInfo info;
          v1::ModelSpec spec = probe.model();
          spec.set_name("external-model");
-         return c.Ingest(spec, Tokens(16, 200 + i), 0.5f, &info, "acme"); }, {"admin", "builder"}},
-      {"ExtendContext", [&](Caller& c, int i) {
-         return c.Extend(id, Tokens(8, 300 + i)); }, {"admin", "builder"}},
+         return c.Ingest(spec, Tokens(16, 200 + i), 0.5f, &info, "acme");
+       },
+       {"admin", "builder"}},
+      {"ExtendContext",
+       [&](Caller& c, int i) { return c.Extend(id, Tokens(8, 300 + i)); },
+       {"admin", "builder"}},
       {"GetContext", [&](Caller& c, int) { return c.Get(id); }, {"admin", "reader"}},
-      {"ListContexts", [](Caller& c, int) {
+      {"ListContexts",
+       [](Caller& c, int) {
          v1::ListContextsResponse r;
-         return c.List(&r); }, {"admin", "reader"}},
+         return c.List(&r);
+       },
+       {"admin", "reader"}},
       {"PinContext", [&](Caller& c, int) { return c.Pin(id, true); }, {"admin", "builder"}},
       {"ShareContext", [&](Caller& c, int) { return c.Share(id, false); }, {"admin"}},
       {"GetStats", [](Caller& c, int) { return c.Stats(); }, {"admin", "builder", "reader"}},
       {"Decode", [&](Caller& c, int) { return c.OpenSession(id); }, {"admin", "reader"}},
       {"FetchIndex", [&](Caller& c, int) { return c.FetchIndex(id); }, {"admin", "reader"}},
       {"FetchPages", [&](Caller& c, int) { return c.FetchPages(id); }, {"admin", "reader"}},
-      {"WatchContexts", [](Caller& c, int) {
+      {"WatchContexts",
+       [](Caller& c, int) {
          std::vector<v1::ContextEvent> ev;
          std::mutex mu;
          if (grpc::Status started = c.StartWatch(&ev, &mu); !started.ok()) return started;
          grpc::Status s = c.StopWatch();
-         return s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s; },
+         return s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
+       },
        {"admin", "reader"}},
-      {"EvictContext", [&](Caller& c, int i) {
+      {"EvictContext",
+       [&](Caller& c, int i) {
          // A throwaway context of acme per role, built by the builder.
          v1::BuildProgress d;
          EXPECT_TRUE(builder.Build(Tokens(20, 400 + i), &d).ok());
-         return c.Evict(d.context().context_id()); }, {"admin", "builder"}},
+         return c.Evict(d.context().context_id());
+       },
+       {"admin", "builder"}},
   };
   int i = 0;
   for (const auto& [rpc, call, allowed] : table) {
@@ -816,7 +833,8 @@ TEST_F(SecurityTest, EachQuotaRefusesWithItsNameAndLeavesNothingHalfWritten) {
       if (p.phase() == v1::BuildProgress::PREFILL) started = true;
     });
   });
-  for (int i = 0; i < 600 && !started; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  for (int i = 0; i < 600 && !started; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   s = qb.Build(Tokens(40, 9), nullptr);
   t.join();
   EXPECT_TRUE(long_build.ok()) << long_build.error_message();
@@ -879,8 +897,7 @@ TEST_F(SecurityTest, AuditLogNamesWhoAndWhatButNeverAKeyOrPrompt) {
   v1::BuildContextRequest req;
   v1::BuildProgress done;
   ASSERT_TRUE(b.Build(Tokens(32, 3), &done).ok());
-  EXPECT_EQ(r.Evict(done.context().context_id()).error_code(),
-            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(r.Evict(done.context().context_id()).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   const std::string log = ReadFile(audit);
   EXPECT_NE(log.find("\"rpc\":\"BuildContext\",\"who\":\"" + KeyId(builder) +
                      "\",\"role\":\"builder\",\"tenant\":\"acme\",\"context\":\"" +

@@ -44,8 +44,10 @@ class ServiceTest : public ::testing::Test {
   void SetUp() override { StartServer(); }
 
   void StartServer(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"--model-dir", ModelDir(),          "--default-model",
-                                     "llama3",      "--default-indexes", "csa,tactic,lfps,quest"};
+    // The golden llama3 declares 256 positions; these tests use longer contexts.
+    std::vector<std::string> args = {"--model-dir",         ModelDir(), "--default-model",
+                                     "llama3",              "--default-indexes",
+                                     "csa,tactic,lfps,quest", "--max-context-tokens", "65536"};
     args.insert(args.end(), extra.begin(), extra.end());
     ASSERT_TRUE(server_.Start(tmp_.path() + "/data", args)) << server_.log();
     client::ClientOptions o;

@@ -1,0 +1,109 @@
+"""HF transformers end to end against a running ctxcached (the GPU machine:
+scripts/gpu-suite.sh stage hf_decode).
+
+1. Loads an HF LLaMA-family model (default models/ctxcache-ref) in bf16.
+2. Prefills the context (a document + a continuation prompt, minus its last
+   token) with HF, and ingests its post-RoPE K/V/Q into ctxcache
+   (``ctxcache.torch.hf.prefill_and_ingest``, csa index built server-side):
+   TTFT = prefill + ingest, and the ingest throughput.
+3. Decodes ``--n-new`` tokens greedily with dense attention over the
+   prefill's KV, and with ctxcache selecting per layer-step for each method
+   (teacher-forced on the dense tokens, so per-position agreement and
+   KL(dense||sparse) are measured like ``ctxcache generate --compare full``).
+   ``full`` must decode exactly like dense.
+4. Native HF decoding (SDPA over HF's own cache) for tokens/s context.
+Prints and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", default="models/ctxcache-ref")
+    ap.add_argument("--tokens-json", required=True,
+                    help="JSON list of token ids: the document then the prompt")
+    ap.add_argument("--n-new", type=int, default=64)
+    ap.add_argument("--methods", default="full,csa,streaming,oracle")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    import ctxcache
+    from ctxcache.torch import hf
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
+    ids = [int(x) for x in json.load(open(a.tokens_json))]
+    context, first = ids[:-1], ids[-1]
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+           "model": a.model, "n_context": len(context), "n_new": a.n_new}
+    with ctxcache.Client(a.server, timeout=300) as c:
+        t0 = time.perf_counter()
+        info, pre = hf.prefill_and_ingest(c, model, context, indexes=["csa"], keep_cache=True)
+        res["ttft_s"] = time.perf_counter() - t0
+        res["prefill_s"] = pre.seconds
+        res["ingest_s"] = pre.ingest_s
+        res["ingest_tokens_per_s"] = len(context) / pre.ingest_s
+        res["context_id"] = info.context_id
+        dense = hf.generate_dense(model, pre, first, a.n_new)
+        forced = dense.tokens
+        dense_tf = hf.generate_dense(model, pre, first, a.n_new, forced=forced)
+        n_layers, n_kv, d = len(pre.k), pre.k[0].shape[0], pre.k[0].shape[2]
+        dense_bytes = len(context) * n_layers * n_kv * d * 2 * 2
+        res["dense"] = {"tokens_per_s": a.n_new / sum(dense.step_s),
+                        "step_ms_p50": 1e3 * statistics.median(dense.step_s)}
+        for method in a.methods.split(","):
+            out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced)
+            agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
+            kl = []
+            for p, q in zip(dense_tf.logits, out.logits):
+                lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
+                kl.append(float(torch.sum(lp.exp() * (lp - lq))))
+            res[method] = {
+                "agreement": agree, "mean_kl": float(np.mean(kl)),
+                "max_abs_logit_diff": float(max(float((p - q).abs().max())
+                                                for p, q in zip(dense_tf.logits, out.logits))),
+                "bytes_per_step": out.bytes_received / a.n_new,
+                "bytes_ratio_vs_dense": dense_bytes / max(1.0, out.bytes_received / a.n_new),
+                "tokens_per_s": a.n_new / sum(out.step_s),
+                "step_ms_p50": 1e3 * statistics.median(out.step_s)}
+            if method == "full":
+                res[method]["tokens_equal_dense"] = out.tokens == dense_tf.tokens
+        # Native HF decoding over its own cache (SDPA), for context.
+        cache = pre.cache
+        tok = torch.tensor([[first]], device=dev)
+        steps = []
+        native = []
+        with torch.no_grad():
+            for i in range(a.n_new):
+                torch.cuda.synchronize() if dev == "cuda" else None
+                t = time.perf_counter()
+                o = model(input_ids=tok, past_key_values=cache, use_cache=True)
+                nxt = int(torch.argmax(o.logits[0, -1]))
+                torch.cuda.synchronize() if dev == "cuda" else None
+                steps.append(time.perf_counter() - t)
+                native.append(nxt)
+                tok = torch.tensor([[forced[i]]], device=dev)
+        res["native_hf"] = {"tokens_per_s": a.n_new / sum(steps),
+                            "step_ms_p50": 1e3 * statistics.median(steps),
+                            "agreement_with_dense": float(np.mean([x == y for x, y in
+                                                                   zip(native, dense_tf.tokens)]))}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

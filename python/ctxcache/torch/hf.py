@@ -1,0 +1,308 @@
+"""HF transformers integration: prefill a context with a LLaMA-family model,
+ingest its KV into ctxcache, and decode against ctxcache with sparse
+attention over the pages it selects.
+
+    from transformers import AutoModelForCausalLM
+    from ctxcache.torch import hf
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    info, prefill = hf.prefill_and_ingest(client, model, context_ids, indexes=["csa"])
+    out = hf.generate(client, model, info, last_token, n_new=64, method="csa")
+    out.tokens, out.step_s, out.bytes_received
+
+How decoding works: the model runs one token at a time with its own
+attention modules (projections, RoPE) but a custom attention function
+(``transformers.AttentionInterface``, registered as ``"ctxcache"``). For
+each layer the function sends the post-RoPE queries to a ctxcache decode
+session (server-side selection, ``Session.step``), gets the selected
+context tokens' K/V from the pages, and attends, per query head, over its
+selected context tokens plus every token generated so far (those live in the
+model's own decode cache, dense, on the GPU; they are not appended to the
+session, so the stored index covers the context only). ``method="full"``
+selects every context token: it must decode exactly like dense attention
+over the same KV, which ``generate_dense`` computes with the same attention
+code (``attend``) over the prefill cache.
+
+Needs torch and, for the model parts, transformers (>= 4.48, the attention
+interface); ``attend`` and ``gather_selected`` need torch only.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["attend", "gather_selected", "model_spec", "prefill", "prefill_and_ingest",
+           "generate", "generate_dense", "GenerateResult", "PrefillResult"]
+
+
+# ---------------------------------------------------------------- attention --
+
+def attend(q: torch.Tensor, ctx_k: Sequence[torch.Tensor], ctx_v: Sequence[torch.Tensor],
+           dec_k: torch.Tensor, dec_v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token's attention, per query head.
+
+    Args:
+        q: ``[n_q_heads, d]`` post-RoPE queries.
+        ctx_k, ctx_v: per query head, the ``[n_i, d]`` K/V of the context
+            tokens it attends to (selected, or all).
+        dec_k, dec_v: ``[n_kv_heads, t, d]`` K/V of the decoded tokens so far
+            (including the current one), attended by every head of the group.
+        scale: the softmax scale (1/sqrt(d) unless the model says otherwise).
+
+    Returns:
+        ``[n_q_heads, d]`` in float32: softmax over the concatenation.
+    """
+    n_q = q.shape[0]
+    g = n_q // dec_k.shape[0]
+    out = torch.empty(n_q, q.shape[1], dtype=torch.float32, device=q.device)
+    qf = q.float()
+    for h in range(n_q):
+        k = torch.cat([ctx_k[h].float(), dec_k[h // g].float()], dim=0)
+        v = torch.cat([ctx_v[h].float(), dec_v[h // g].float()], dim=0)
+        w = torch.softmax((k @ qf[h]) * scale, dim=0)
+        out[h] = w @ v
+    return out
+
+
+def gather_selected(step: Any, n_q_heads: int, device: Any, dtype: Any) -> tuple:
+    """Per query head, the K/V rows of its selected context tokens from a
+    :class:`ctxcache.StepResult` (server-side selection)."""
+    ks: List[torch.Tensor] = []
+    vs: List[torch.Tensor] = []
+    n_kv = len(step.heads)
+    g = n_q_heads // n_kv
+    for h in range(n_q_heads):
+        head = step.heads[h // g]
+        k = torch.as_tensor(np.asarray(head.k), dtype=torch.float32)
+        v = torch.as_tensor(np.asarray(head.v), dtype=torch.float32)
+        ids = np.asarray(head.per_q_head[h % g])
+        rows = torch.as_tensor(np.searchsorted(np.asarray(head.ids), ids), dtype=torch.long)
+        ks.append(k[rows].to(device=device, dtype=dtype))
+        vs.append(v[rows].to(device=device, dtype=dtype))
+    return ks, vs
+
+
+# ------------------------------------------------------------------ models --
+
+def _layers(model: Any) -> Any:
+    return model.model.layers
+
+
+def model_spec(model: Any, name: str) -> Dict[str, Any]:
+    """The ModelSpec of an HF LLaMA-family model for ``Client.ingest``: its
+    shape, kv_dtype bf16, and a fingerprint = SHA-256 over the parameters
+    (names and bytes, in name order), so different weights never share ids."""
+    cfg = model.config
+    n_q = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    h = hashlib.sha256()
+    for pname, p in sorted(model.state_dict().items()):
+        h.update(pname.encode())
+        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return {"name": name, "n_layers": cfg.num_hidden_layers, "n_q_heads": n_q,
+            "n_kv_heads": getattr(cfg, "num_key_value_heads", n_q), "head_dim": d,
+            "kv_dtype": "bf16", "fingerprint": h.digest()}
+
+
+@dataclass
+class PrefillResult:
+    """The prefill of a context: per layer post-RoPE K, V ``[n_kv, n, d]`` and
+    Q ``[n_q, n, d]`` (bf16, CPU), and the time it took."""
+
+    k: List[torch.Tensor]
+    v: List[torch.Tensor]
+    q: List[torch.Tensor]
+    seconds: float
+    cache: Any = None  # the model's cache after the prefill (for generate_dense)
+
+
+@torch.no_grad()
+def prefill(model: Any, input_ids: Sequence[int], keep_cache: bool = False,
+            chunk: int = 4096) -> PrefillResult:
+    """Runs the model over ``input_ids`` (in chunks of ``chunk`` tokens) and
+    captures every layer's post-RoPE Q (through a pre-hook on the attention
+    module, recomputing its projection and RoPE) and K/V (from the cache)."""
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    dev = next(model.parameters()).device
+    layers = _layers(model)
+    qs: List[List[torch.Tensor]] = [[] for _ in layers]
+    hooks = []
+
+    def make_hook(i: int, attn: Any) -> Any:
+        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            b, t, _ = hidden.shape
+            q = module.q_proj(hidden).view(b, t, -1, module.head_dim).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            qs[i].append(q[0].to("cpu", torch.bfloat16))
+        return attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+    for i, layer in enumerate(layers):
+        hooks.append(make_hook(i, layer.self_attn))
+    ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=dev)[None]
+    cache = DynamicCache()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        for s in range(0, ids.shape[1], chunk):
+            model(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    ks, vs = [], []
+    for i in range(len(layers)):
+        k, v = _cache_kv(cache, i)
+        ks.append(k[0].to("cpu", torch.bfloat16))
+        vs.append(v[0].to("cpu", torch.bfloat16))
+    q_all = [torch.cat(x, dim=1) for x in qs]
+    return PrefillResult(ks, vs, q_all, secs, cache if keep_cache else None)
+
+
+def _cache_kv(cache: Any, layer: int) -> tuple:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def prefill_and_ingest(client: Any, model: Any, context_ids: Sequence[int], *,
+                       name: str = "hf-context", model_name: str = "",
+                       indexes: Any = None, keep_cache: bool = False) -> tuple:
+    """Prefills ``context_ids`` with ``model`` and ingests the KV (and Q) into
+    ctxcache. Returns ``(ContextInfo, PrefillResult)``; the result carries
+    ``ingest_s``, the ingest's wall time."""
+    pre = prefill(model, context_ids, keep_cache=keep_cache)
+    spec = model_spec(model, model_name or "hf:" + str(getattr(model.config, "_name_or_path",
+                                                                  "model")).split("/")[-1])
+    t0 = time.perf_counter()
+    info = client.ingest(spec, list(context_ids),
+                         ((pre.k[i], pre.v[i], pre.q[i]) for i in range(len(pre.k))),
+                         indexes=indexes, name=name)
+    pre.ingest_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+    return info, pre
+
+
+# ------------------------------------------------------------------ decode --
+
+@dataclass
+class GenerateResult:
+    tokens: List[int] = field(default_factory=list)
+    logits: List[torch.Tensor] = field(default_factory=list)  # per step, float32 CPU
+    step_s: List[float] = field(default_factory=list)
+    bytes_received: int = 0
+
+
+class _Decoder:
+    """The state the registered attention function reads: the session (or
+    the dense context KV) and the per-layer bookkeeping."""
+
+    def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None) -> None:
+        self.session = session
+        self.dense_kv = dense_kv
+        self.bytes_received = 0
+
+
+_ACTIVE: List[_Decoder] = []
+
+
+def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Any, scaling: Optional[float] = None, dropout: float = 0.0,
+                        **kwargs: Any) -> tuple:
+    dec = _ACTIVE[-1]
+    if query.shape[0] != 1 or query.shape[2] != 1:
+        raise ValueError("ctxcache attention decodes one token of one sequence at a time")
+    layer = module.layer_idx
+    q = query[0, :, 0, :]  # [n_q, d]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    n_q = q.shape[0]
+    if dec.session is not None:
+        step = dec.session.step(layer, q.float().cpu().numpy())
+        dec.bytes_received += step.bytes_received
+        ks, vs = gather_selected(step, n_q, q.device, torch.float32)
+    else:
+        k_all, v_all = dec.dense_kv[layer]  # [n_kv, n, d] on the device
+        g = n_q // k_all.shape[0]
+        ks = [k_all[h // g] for h in range(n_q)]
+        vs = [v_all[h // g] for h in range(n_q)]
+    out = attend(q, ks, vs, key[0], value[0], scale)  # [n_q, d]
+    return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register("ctxcache", _ctxcache_attention)
+
+
+@torch.no_grad()
+def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: int,
+            forced: Optional[Sequence[int]] = None) -> GenerateResult:
+    from transformers import DynamicCache
+
+    _register()
+    dev = next(model.parameters()).device
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "ctxcache"
+    for layer in _layers(model):
+        layer.self_attn.config._attn_implementation = "ctxcache"
+    _ACTIVE.append(dec)
+    res = GenerateResult()
+    cache = DynamicCache()  # the generated tokens only
+    token = int(first_token)
+    try:
+        for i in range(n_new):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pos = torch.tensor([[position + i]], device=dev)
+            out = model(input_ids=torch.tensor([[token]], device=dev), position_ids=pos,
+                        cache_position=torch.tensor([i], device=dev), past_key_values=cache,
+                        use_cache=True)
+            logits = out.logits[0, -1].float()
+            token = int(torch.argmax(logits))
+            next_input = int(forced[i]) if forced is not None else token
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            res.step_s.append(time.perf_counter() - t0)
+            res.logits.append(logits.cpu())
+            res.tokens.append(token)
+            token = next_input
+    finally:
+        _ACTIVE.pop()
+        model.config._attn_implementation = previous
+        for layer in _layers(model):
+            layer.self_attn.config._attn_implementation = previous
+    res.bytes_received = dec.bytes_received
+    return res
+
+
+def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
+             method: str = "csa", params: Optional[Dict[str, Any]] = None,
+             forced: Optional[Sequence[int]] = None) -> GenerateResult:
+    """Greedy decoding of ``n_new`` tokens after the context ``info``
+    (``first_token`` goes at position ``info.n_tokens``), with ``method``'s
+    selection done by ctxcache (a server-side session) at every layer-step.
+    ``forced``: teacher forcing, step i+1 is fed forced[i] (the argmax is
+    still what ``tokens`` records), for agreement measurements."""
+    with client.open_session(info.context_id, method=method, params=params or {}) as s:
+        return _decode(model, _Decoder(session=s), first_token, int(info.n_tokens), n_new, forced)
+
+
+def generate_dense(model: Any, pre: PrefillResult, first_token: int, n_new: int,
+                   forced: Optional[Sequence[int]] = None) -> GenerateResult:
+    """The same decoding with dense attention over the prefill's KV (as
+    ctxcache stores it: bf16), through the same attention code."""
+    dev = next(model.parameters()).device
+    kv = [(pre.k[i].to(dev, torch.float32), pre.v[i].to(dev, torch.float32))
+          for i in range(len(pre.k))]
+    return _decode(model, _Decoder(dense_kv=kv), first_token, int(pre.k[0].shape[1]), n_new,
+                   forced)

@@ -15,9 +15,13 @@ OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
-stage() {  # stage NAME SECONDS CMD...
+stage() {  # stage NAME SECONDS CMD...; CTXCACHE_GPU_STAGES=a,b runs only those
   local name="$1" secs="$2"
   shift 2
+  if [ -n "${CTXCACHE_GPU_STAGES:-}" ] && [[ ",$CTXCACHE_GPU_STAGES," != *",$name,"* ]]; then
+    echo "== $name skipped"
+    return
+  fi
   echo "== $name"
   timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -41,9 +45,10 @@ stage bundle 120 bash -c "
   for i in \$(seq 1 100); do [ -s '$WORK/ports' ] && break; sleep 0.2; done
   port=\$(head -1 '$WORK/ports' | tr -dc 0-9)
   '$WORK/bin/ctxcache' health --server 127.0.0.1:\$port && kill -TERM \$pid && wait \$pid"
-stage python_tests 400 bash -c "
+stage install 120 bash -c "
   python3 -m pip install -q --no-index --no-build-isolation --no-deps --target '$WORK/site' ./python &&
-  PYTHONPATH='$WORK/site' python3 -c 'import ctxcache, grpc, google.protobuf as p; print(ctxcache.__file__, grpc.__version__, p.__version__)' &&
+  PYTHONPATH='$WORK/site' python3 -c 'import ctxcache, grpc, google.protobuf as p; print(ctxcache.__file__, grpc.__version__, p.__version__)'"
+stage python_tests 400 bash -c "
   cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' CTXCACHE_HF_TESTS=1 python3 -m pytest tests -q -p no:cacheprovider \
     --model-dir ../tests/data/golden"
 stage gpu_decode_attention 400 python3 python/bench/gpu_decode_attention.py \
@@ -61,7 +66,7 @@ stage hf_decode 500 bash -c "
   '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref \
     --file tests/data/demo/document.txt --text \"\$1\" >'$WORK/tokens.json' &&
   PYTHONPATH='$WORK/site' python3 python/bench/hf_decode.py --server \$addr \
-    --tokens-json '$WORK/tokens.json' --out '$OUT/hf_decode.json' &&
+    --tokens-json '$WORK/tokens.json' --n-new \${CTXCACHE_HF_NEW:-32} --out '$OUT/hf_decode.json' &&
   id=\$('$WORK/bin/ctxcache' --server \$addr --json --timeout 600 build \
     --file tests/data/demo/document.txt | python3 -c 'import json,sys; print(json.loads(sys.stdin.read().splitlines()[-1])[\"context_id\"])') &&
   '$WORK/bin/ctxcache' --server \$addr --timeout 600 --json generate --context \$id --prompt \"\$1\" \

@@ -26,6 +26,13 @@ import numpy as np
 import torch
 
 
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -33,7 +40,7 @@ def main() -> int:
     ap.add_argument("--tokens-json", required=True,
                     help="JSON list of token ids: the document then the prompt")
     ap.add_argument("--n-new", type=int, default=64)
-    ap.add_argument("--methods", default="full,csa,streaming,oracle")
+    ap.add_argument("--methods", default="full,csa,streaming")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
@@ -42,12 +49,19 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"loading {a.model} on {dev}")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(dev).eval()
     ids = [int(x) for x in json.load(open(a.tokens_json))]
     context, first = ids[:-1], ids[-1]
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "model": a.model, "n_context": len(context), "n_new": a.n_new}
+    def save() -> None:
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
     with ctxcache.Client(a.server, timeout=300) as c:
+        log(f"prefill + ingest of {len(context)} tokens")
         t0 = time.perf_counter()
         info, pre = hf.prefill_and_ingest(c, model, context, indexes=["csa"], keep_cache=True)
         res["ttft_s"] = time.perf_counter() - t0
@@ -55,6 +69,8 @@ def main() -> int:
         res["ingest_s"] = pre.ingest_s
         res["ingest_tokens_per_s"] = len(context) / pre.ingest_s
         res["context_id"] = info.context_id
+        log(f"ingested: prefill {pre.seconds:.2f} s, ingest {pre.ingest_s:.2f} s; dense decode")
+        save()
         dense = hf.generate_dense(model, pre, first, a.n_new)
         forced = dense.tokens
         dense_tf = hf.generate_dense(model, pre, first, a.n_new, forced=forced)
@@ -63,6 +79,7 @@ def main() -> int:
         res["dense"] = {"tokens_per_s": a.n_new / sum(dense.step_s),
                         "step_ms_p50": 1e3 * statistics.median(dense.step_s)}
         for method in a.methods.split(","):
+            log(f"decode with {method}")
             out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced)
             agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
             kl = []
@@ -79,6 +96,9 @@ def main() -> int:
                 "step_ms_p50": 1e3 * statistics.median(out.step_s)}
             if method == "full":
                 res[method]["tokens_equal_dense"] = out.tokens == dense_tf.tokens
+            log(f"{method}: {res[method]}")
+            save()
+        log("native HF decode")
         # Native HF decoding over its own cache (SDPA), for context.
         cache = pre.cache
         tok = torch.tensor([[first]], device=dev)
@@ -99,9 +119,7 @@ def main() -> int:
                             "agreement_with_dense": float(np.mean([x == y for x, y in
                                                                    zip(native, dense_tf.tokens)]))}
     print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    save()
     return 0
 
 

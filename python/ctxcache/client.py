@@ -30,7 +30,7 @@ import numpy as np
 
 from ctxcache import errors
 from ctxcache import tensors as _t
-from ctxcache.crc32c import crc32c
+from ctxcache.crc32c import crc32c, crc32c_many
 from ctxcache.session import Session
 from ctxcache.types import Page
 from ctxcache.v1 import ctxcache_service_pb2 as pb
@@ -799,11 +799,24 @@ def _page_table(t: Any) -> "pb.PageTable":
     return pb.PageTable(layer=int(layer), kv_head=int(kv_head), blocks=[int(b) for b in blocks])
 
 
+def check_page_crcs(pages: Sequence["pb.Page"], rpc: str = "") -> None:
+    """Checks the crc32c of many wire pages in one pass (crc32c_many);
+    :class:`ctxcache.DataLoss` naming the first bad one."""
+    if not pages:
+        return
+    got = crc32c_many([p.k + p.v for p in pages])
+    for p, c in zip(pages, got):
+        if int(c) != p.crc32c:
+            raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
+                                  f"block {p.block}): the page was corrupted in transit", rpc=rpc)
+
+
 def decode_page(p: "pb.Page", dtype: str = "float32", as_torch: bool = False,
-                rpc: str = "") -> Page:
+                rpc: str = "", crc_checked: bool = False) -> Page:
     """A :class:`ctxcache.Page` of a wire ``Page``, after checking its crc32c
-    and size (:class:`ctxcache.DataLoss`)."""
-    if crc32c(p.v, crc32c(p.k)) != p.crc32c:
+    (unless the caller did, with :func:`check_page_crcs`) and size
+    (:class:`ctxcache.DataLoss`)."""
+    if not crc_checked and crc32c(p.v, crc32c(p.k)) != p.crc32c:
         raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
                               f"block {p.block}): the page was corrupted in transit", rpc=rpc)
     size = _t._ITEMSIZE.get(p.dtype)

@@ -223,7 +223,7 @@ class Session:
         return self._assemble(resp.step, batches)
 
     def _assemble(self, step: "pb.StepResult", batches: List["pb.PageBatch"]) -> StepResult:
-        from ctxcache.client import decode_page
+        from ctxcache.client import check_page_crcs, decode_page
 
         m = self.model
         n_q, n_kv = m.n_q_heads, m.n_kv_heads
@@ -248,13 +248,15 @@ class Session:
             blocks[pt.kv_head].update(pt.blocks)
         pages: List[Dict[int, Page]] = [{} for _ in range(n_kv)]
         received = 0
+        check_page_crcs([p for b in batches for p in b.pages], rpc="Decode")
         for b in batches:
             for p in b.pages:
                 if p.kv_head >= n_kv:
                     raise errors.DataLoss(f"page of kv head {p.kv_head} out of range",
                                           rpc="Decode")
                 received += len(p.k) + len(p.v)
-                pages[p.kv_head][p.block] = decode_page(p, "float32", rpc="Decode")
+                pages[p.kv_head][p.block] = decode_page(p, "float32", rpc="Decode",
+                                                        crc_checked=True)
         for h, head in enumerate(heads):
             head.blocks = sorted(blocks[h] | set(pages[h]))
             parts = [x for x in head.per_q_head if x.size]

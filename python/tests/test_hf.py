@@ -30,13 +30,26 @@ def test_attend_over_everything_is_dense_attention() -> None:
     q = torch.randn(nq, d, generator=g)
     k = torch.randn(nkv, n + t, d, generator=g)
     v = torch.randn(nkv, n + t, d, generator=g)
-    ctx_k = [k[h // 4, :n] for h in range(nq)]
-    ctx_v = [v[h // 4, :n] for h in range(nq)]
-    got = hf.attend(q, ctx_k, ctx_v, k[:, n:], v[:, n:], d ** -0.5)
+    got = hf.attend(q, list(k[:, :n]), list(v[:, :n]), None, k[:, n:], v[:, n:], d ** -0.5)
     torch.testing.assert_close(got, dense(q, k, v, d ** -0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_gather_selected_gives_each_q_head_its_own_rows() -> None:
+def test_attend_masks_each_query_head_to_its_own_selection() -> None:
+    g = torch.Generator().manual_seed(1)
+    nq, nkv, n, t, d = 4, 2, 30, 2, 8
+    q = torch.randn(nq, d, generator=g)
+    k = torch.randn(nkv, n + t, d, generator=g)
+    v = torch.randn(nkv, n + t, d, generator=g)
+    rng = np.random.default_rng(0)
+    masks = [torch.as_tensor(rng.random((2, n)) < 0.3) for _ in range(nkv)]
+    got = hf.attend(q, list(k[:, :n]), list(v[:, :n]), masks, k[:, n:], v[:, n:], 0.3)
+    for h in range(nq):
+        rows = torch.cat([torch.nonzero(masks[h // 2][h % 2])[:, 0], torch.arange(n, n + t)])
+        w = torch.softmax(k[h // 2, rows] @ q[h] * 0.3, dim=0)
+        torch.testing.assert_close(got[h], w @ v[h // 2, rows], rtol=1e-5, atol=1e-5)
+
+
+def test_gather_selected_masks_each_q_heads_rows() -> None:
     d = 4
     ids = np.array([1, 5, 9], dtype=np.int64)
     k = np.arange(3 * d, dtype=np.float32).reshape(3, d)
@@ -44,10 +57,10 @@ def test_gather_selected_gives_each_q_head_its_own_rows() -> None:
                       v=k + 100)
     step = StepResult(layer=0, heads=[head], selections=[], page_tables=[], stats=None,
                       bytes_received=0)
-    ks, vs = hf.gather_selected(step, 2, "cpu", torch.float32)
-    assert torch.equal(ks[0], torch.tensor(k[[0, 2]]))
-    assert torch.equal(ks[1], torch.tensor(k[[1]]))
-    assert torch.equal(vs[1], torch.tensor(k[[1]] + 100))
+    ks, vs, masks = hf.gather_selected(step, 2, "cpu", torch.float32)
+    assert torch.equal(ks[0], torch.tensor(k))
+    assert torch.equal(vs[0], torch.tensor(k + 100))
+    assert masks[0].tolist() == [[True, False, True], [False, True, False]]
 
 
 transformers = pytest.importorskip("transformers") if os.environ.get("CTXCACHE_HF_TESTS") else None

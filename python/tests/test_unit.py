@@ -123,3 +123,12 @@ def test_client_rejects_bad_arguments() -> None:
             c.build()
         with pytest.raises(ValueError, match="uint32"):
             c.build(tokens=[1, -2])
+
+
+def test_crc32c_many_matches_one_at_a_time() -> None:
+    from ctxcache.crc32c import crc32c, crc32c_many
+    rng = np.random.default_rng(7)
+    sizes = [4096] * 40 + [2048] * 3 + [0, 1, 255, 256, 257, 1234, 20000, 70000]
+    bufs = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
+    assert [int(x) for x in crc32c_many(bufs)] == [crc32c(b) for b in bufs]
+    assert int(crc32c_many([b"123456789"])[0]) == 0xE3069283

@@ -42,48 +42,58 @@ __all__ = ["attend", "gather_selected", "model_spec", "prefill", "prefill_and_in
 # ---------------------------------------------------------------- attention --
 
 def attend(q: torch.Tensor, ctx_k: Sequence[torch.Tensor], ctx_v: Sequence[torch.Tensor],
-           dec_k: torch.Tensor, dec_v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode token's attention, per query head.
+           ctx_mask: Optional[Sequence[Optional[torch.Tensor]]], dec_k: torch.Tensor,
+           dec_v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode token's attention, one matmul per kv head.
 
     Args:
         q: ``[n_q_heads, d]`` post-RoPE queries.
-        ctx_k, ctx_v: per query head, the ``[n_i, d]`` K/V of the context
-            tokens it attends to (selected, or all).
+        ctx_k, ctx_v: per kv head, the ``[n_h, d]`` K/V of the context tokens
+            its group of query heads attends to (the union of their
+            selections, or all).
+        ctx_mask: per kv head, ``[g, n_h]`` bool: which of those rows each
+            query head of the group selected (None = all rows, for every head).
         dec_k, dec_v: ``[n_kv_heads, t, d]`` K/V of the decoded tokens so far
             (including the current one), attended by every head of the group.
         scale: the softmax scale (1/sqrt(d) unless the model says otherwise).
 
     Returns:
-        ``[n_q_heads, d]`` in float32: softmax over the concatenation.
+        ``[n_q_heads, d]`` in float32: per query head, softmax over its
+        selected context rows and the decoded tokens.
     """
-    n_q = q.shape[0]
-    g = n_q // dec_k.shape[0]
+    n_q, n_kv = q.shape[0], dec_k.shape[0]
+    g = n_q // n_kv
     out = torch.empty(n_q, q.shape[1], dtype=torch.float32, device=q.device)
     qf = q.float()
-    for h in range(n_q):
-        k = torch.cat([ctx_k[h].float(), dec_k[h // g].float()], dim=0)
-        v = torch.cat([ctx_v[h].float(), dec_v[h // g].float()], dim=0)
-        w = torch.softmax((k @ qf[h]) * scale, dim=0)
-        out[h] = w @ v
+    for h in range(n_kv):
+        n_ctx = ctx_k[h].shape[0]
+        k = torch.cat([ctx_k[h].float(), dec_k[h].float()], dim=0)
+        v = torch.cat([ctx_v[h].float(), dec_v[h].float()], dim=0)
+        logits = (qf[h * g:(h + 1) * g] @ k.T) * scale  # [g, n_ctx + t]
+        mask = ctx_mask[h] if ctx_mask is not None else None
+        if mask is not None and n_ctx:
+            logits[:, :n_ctx].masked_fill_(~mask, float("-inf"))
+        out[h * g:(h + 1) * g] = torch.softmax(logits, dim=-1) @ v
     return out
 
 
 def gather_selected(step: Any, n_q_heads: int, device: Any, dtype: Any) -> tuple:
-    """Per query head, the K/V rows of its selected context tokens from a
-    :class:`ctxcache.StepResult` (server-side selection)."""
+    """From a :class:`ctxcache.StepResult` (server-side selection): per kv
+    head the K/V rows of the union of its query heads' selections and the
+    ``[g, n_h]`` mask of each query head's own rows, on ``device``."""
     ks: List[torch.Tensor] = []
     vs: List[torch.Tensor] = []
-    n_kv = len(step.heads)
-    g = n_q_heads // n_kv
-    for h in range(n_q_heads):
-        head = step.heads[h // g]
-        k = torch.as_tensor(np.asarray(head.k), dtype=torch.float32)
-        v = torch.as_tensor(np.asarray(head.v), dtype=torch.float32)
-        ids = np.asarray(head.per_q_head[h % g])
-        rows = torch.as_tensor(np.searchsorted(np.asarray(head.ids), ids), dtype=torch.long)
-        ks.append(k[rows].to(device=device, dtype=dtype))
-        vs.append(v[rows].to(device=device, dtype=dtype))
-    return ks, vs
+    masks: List[torch.Tensor] = []
+    g = n_q_heads // len(step.heads)
+    for head in step.heads:
+        union = np.asarray(head.ids)
+        mask = np.zeros((g, union.size), dtype=bool)
+        for j in range(g):
+            mask[j, np.searchsorted(union, np.asarray(head.per_q_head[j]))] = True
+        ks.append(torch.as_tensor(np.asarray(head.k)).to(device=device, dtype=dtype))
+        vs.append(torch.as_tensor(np.asarray(head.v)).to(device=device, dtype=dtype))
+        masks.append(torch.as_tensor(mask).to(device))
+    return ks, vs, masks
 
 
 # ------------------------------------------------------------------ models --
@@ -228,13 +238,11 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     if dec.session is not None:
         step = dec.session.step(layer, q.float().cpu().numpy())
         dec.bytes_received += step.bytes_received
-        ks, vs = gather_selected(step, n_q, q.device, torch.float32)
+        ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32)
     else:
         k_all, v_all = dec.dense_kv[layer]  # [n_kv, n, d] on the device
-        g = n_q // k_all.shape[0]
-        ks = [k_all[h // g] for h in range(n_q)]
-        vs = [v_all[h // g] for h in range(n_q)]
-    out = attend(q, ks, vs, key[0], value[0], scale)  # [n_q, d]
+        ks, vs, masks = list(k_all), list(v_all), None
+    out = attend(q, ks, vs, masks, key[0], value[0], scale)  # [n_q, d]
     return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
 
 

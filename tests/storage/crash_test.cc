@@ -1,22 +1,27 @@
-// Crash test (label `crash`): a child process builds, extends, aborts and
-// deletes contexts in a loop; the test SIGKILLs it at random points, then
+// Crash test (label `crash`): a child process builds, extends, aborts,
+// pins/unpins and deletes (evicts, also while a reader lease defers it)
+// contexts in a loop; the test SIGKILLs it at random points, then
 // reopens the store and checks that
 //  - no BUILDING or partial context is visible,
 //  - every READY context passes a full page/artifact/token verification,
 //  - no key range without a READY manifest is left (orphans reclaimed).
 // The child is this binary re-executed to run CrashTest.DISABLED_Child with
-// CTXCACHE_CRASH_CHILD_DIR set.
+// CTXCACHE_CRASH_CHILD_DIR set. The default suite runs 24 kills; the run at
+// scale is `CTXCACHE_CRASH_KILLS=100 build/tests/storage_crash_test`
+// (docs/reliability.md).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <random>
 #include <set>
 #include <thread>
 
+#include "storage/context_reader.h"
 #include "storage/manifest_codec.h"
 #include "tests/storage/test_util.h"
 
@@ -59,10 +64,22 @@ StoreOptions CrashOptions() {
       }
       continue;
     }
+    const int kind = static_cast<int>(rng() % 6);
+    if (kind >= 4 && !ready.empty()) {
+      const ContextId id = *ContextId::FromBytes(ready[rng() % ready.size()].context_id());
+      if (kind == 4) {
+        store->SetPinned(id, rng() % 2 == 0).IgnoreError();
+      } else {
+        // Evict, half the time while a reader holds a lease (deferred).
+        StatusOr<std::unique_ptr<ContextReader>> lease = NotFoundError("no lease");
+        if (rng() % 2 == 0) lease = store->OpenReader(id);
+        store->Delete(id).status().IgnoreError();
+      }
+      continue;
+    }
     BuildRequest req;
     req.model = spec;
     std::vector<uint32_t> tokens;
-    const int kind = static_cast<int>(rng() % 4);
     if (kind == 0 && !ready.empty()) {
       // Extend an existing context (prefix sharing).
       const auto& parent = ready[rng() % ready.size()];
@@ -117,7 +134,8 @@ pid_t SpawnChild(const std::string& dir, uint32_t seed) {
 TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
   TempDir dir;
   std::mt19937 rng(12345);
-  const int kKills = 24;
+  const char* kills_env = std::getenv("CTXCACHE_CRASH_KILLS");
+  const int kKills = kills_env ? std::max(1, std::atoi(kills_env)) : 24;
   uint64_t total_gc = 0, max_ready = 0;
   std::set<std::string> ever_ready;
   for (int i = 0; i < kKills; ++i) {
@@ -179,9 +197,11 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
   EXPECT_LE(st.live_sst_bytes, 2 * st.stored_bytes + (4u << 20))
       << "live " << st.live_sst_bytes << " stored " << st.stored_bytes;
   fprintf(stderr,
-          "crash test: %zu contexts ever READY, %lu GC'd at reopen, max %lu READY at once\n",
-          ever_ready.size(), static_cast<unsigned long>(total_gc),
-          static_cast<unsigned long>(max_ready));
+          "crash test: %d kills, %zu contexts ever READY, %lu GC'd at reopen, max %lu READY at "
+          "once, live SST %lu bytes for %lu stored\n",
+          kKills, ever_ready.size(), static_cast<unsigned long>(total_gc),
+          static_cast<unsigned long>(max_ready), static_cast<unsigned long>(st.live_sst_bytes),
+          static_cast<unsigned long>(st.stored_bytes));
 }
 
 }  // namespace

@@ -78,9 +78,11 @@ def main() -> int:
         dense_bytes = len(context) * n_layers * n_kv * d * 2 * 2
         res["dense"] = {"tokens_per_s": a.n_new / sum(dense.step_s),
                         "step_ms_p50": 1e3 * statistics.median(dense.step_s)}
+        method_tokens = {}
         for method in a.methods.split(","):
             log(f"decode with {method}")
             out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced)
+            method_tokens[method] = out.tokens
             agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
             kl = []
             for p, q in zip(dense_tf.logits, out.logits):
@@ -98,6 +100,20 @@ def main() -> int:
                 res[method]["tokens_equal_dense"] = out.tokens == dense_tf.tokens
             log(f"{method}: {res[method]}")
             save()
+        log("decode with csa, client-side selection + GPU page pool")
+        out = hf.generate_client(c, model, info, first, a.n_new, forced=forced)
+        agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
+        res["csa_client"] = {
+            "agreement": agree,
+            # Client-side selection is the server's pipeline: same tokens.
+            "tokens_equal_server_csa": out.tokens == method_tokens.get("csa"),
+            "bytes_per_step": out.bytes_received / a.n_new,
+            "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
+            "tokens_per_s": a.n_new / sum(out.step_s),
+            "step_ms_p50": 1e3 * statistics.median(out.step_s),
+            "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s)}
+        log(f"csa_client: {res['csa_client']}")
+        save()
         log("native HF decode")
         # Native HF decoding over its own cache (SDPA), for context.
         cache = pre.cache

@@ -87,3 +87,34 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
         csa = hf.generate(c, model, info, ids[-1], 16, method="csa")
         assert len(csa.tokens) == 16
         assert csa.bytes_received < full.bytes_received
+        # Client-side selection + GPU page pool: the server's selections.
+        client_csa = hf.generate_client(c, model, info, ids[-1], 16)
+        assert client_csa.tokens == csa.tokens
+
+
+def test_gpu_page_pool_fetches_only_missing_pages_and_evicts_lru(make_server) -> None:
+    import ctxcache
+    from conftest import random_tokens
+
+    server = make_server(["--default-indexes", "streaming"])
+    with ctxcache.Client(server.address) as c:
+        info = c.build(tokens=random_tokens(400, 3)).context
+        d = info.model.head_dim
+        pool = hf.GpuPagePool(c, info.context_id, 16, d, "cpu", budget_bytes=6 * 2 * 16 * d * 2)
+        assert pool.n_slots == 6
+        slots = pool.ensure(0, {0: [0, 1, 2], 1: [3]})
+        assert (pool.misses, pool.hits) == (4, 0)
+        ref = c.fetch_pages(info.context_id, [(0, 0, [1]), (0, 1, [3])], dtype="raw",
+                            as_torch=True)
+        for p, s in zip(ref, [slots[0][1], slots[1][0]]):
+            assert torch.equal(pool.k[s, :p.n_tokens], p.k.view(p.n_tokens, -1))
+            assert torch.equal(pool.v[s, :p.n_tokens], p.v.view(p.n_tokens, -1))
+        pool.ensure(0, {0: [0, 1, 2]})
+        assert (pool.misses, pool.hits) == (4, 3)
+        # 3 more pages: 2 free slots, then the least recently used page that
+        # is not needed now, (0, 1, 3), goes.
+        pool.ensure(1, {0: [4, 5, 6]})
+        assert pool.misses == 7
+        assert (0, 1, 3) not in pool._slot and (0, 0, 0) in pool._slot
+        with pytest.raises(ValueError):
+            pool.ensure(0, {0: list(range(7))})

@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 __all__ = ["attend", "gather_selected", "model_spec", "prefill", "prefill_and_ingest",
-           "generate", "generate_dense", "GenerateResult", "PrefillResult"]
+           "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
+           "PrefillResult"]
 
 
 # ---------------------------------------------------------------- attention --
@@ -212,13 +214,77 @@ class GenerateResult:
     bytes_received: int = 0
 
 
+class GpuPagePool:
+    """Stored KV pages of one context on the GPU, by (layer, kv head, block),
+    least recently used first out, under a byte budget. ``ensure`` fetches
+    the missing pages of a layer in one FetchPages call.
+
+    Attributes: hits, misses (pages), bytes_fetched.
+    """
+
+    def __init__(self, client: Any, context_id: str, block: int, head_dim: int, device: Any,
+                 budget_bytes: int = 1 << 30, dtype: Any = torch.bfloat16) -> None:
+        per_page = 2 * block * head_dim * torch.tensor([], dtype=dtype).element_size()
+        n_slots = max(1, int(budget_bytes) // per_page)
+        self.client, self.context_id, self.block = client, context_id, block
+        self.k = torch.zeros(n_slots, block, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self._slot: "OrderedDict[Tuple[int, int, int], int]" = OrderedDict()
+        self._free = list(range(n_slots))
+        self.hits = self.misses = self.bytes_fetched = 0
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[0]
+
+    def ensure(self, layer: int, blocks_by_head: Dict[int, Sequence[int]]) -> Dict[int, torch.Tensor]:
+        """The slots of each kv head's ``blocks`` (in that order), fetching the
+        missing pages. A layer needing more pages than the pool holds is a
+        ValueError (raise the budget)."""
+        need = sum(len(b) for b in blocks_by_head.values())
+        if need > self.n_slots:
+            raise ValueError(f"GpuPagePool: a layer-step needs {need} pages, the pool holds "
+                             f"{self.n_slots}; raise budget_bytes")
+        keep = {(layer, h, int(b)) for h, bl in blocks_by_head.items() for b in bl}
+        missing: Dict[int, List[int]] = {}
+        for key in keep:
+            if key in self._slot:
+                self._slot.move_to_end(key)
+                self.hits += 1
+            else:
+                missing.setdefault(key[1], []).append(key[2])
+        if missing:
+            tables = [(layer, h, sorted(bl)) for h, bl in missing.items()]
+            pages = self.client.fetch_pages(self.context_id, tables, dtype="raw", as_torch=True)
+            for p in pages:
+                key = (layer, int(p.kv_head), int(p.block))
+                if self._free:
+                    slot = self._free.pop()
+                else:  # evict the least recently used page not needed now
+                    victim = next(k for k in self._slot if k not in keep)
+                    slot = self._slot.pop(victim)
+                n = int(p.n_tokens)
+                self.k[slot, :n].copy_(p.k.view(n, -1), non_blocking=True)
+                self.v[slot, :n].copy_(p.v.view(n, -1), non_blocking=True)
+                self._slot[key] = slot
+                self.misses += 1
+                self.bytes_fetched += 2 * p.k.numel() * p.k.element_size()
+        dev = self.k.device
+        return {h: torch.tensor([self._slot[(layer, h, int(b))] for b in bl], dtype=torch.long,
+                                device=dev)
+                for h, bl in blocks_by_head.items()}
+
+
 class _Decoder:
     """The state the registered attention function reads: the session (or
-    the dense context KV) and the per-layer bookkeeping."""
+    the client-side selector and page pool, or the dense context KV)."""
 
-    def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None) -> None:
+    def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
+                 selector: Any = None, pool: Optional[GpuPagePool] = None) -> None:
         self.session = session
         self.dense_kv = dense_kv
+        self.selector = selector
+        self.pool = pool
         self.bytes_received = 0
 
 
@@ -239,11 +305,35 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         step = dec.session.step(layer, q.float().cpu().numpy())
         dec.bytes_received += step.bytes_received
         ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32)
+    elif dec.selector is not None:
+        ks, vs, masks = _client_step(dec, layer, q)
     else:
         k_all, v_all = dec.dense_kv[layer]  # [n_kv, n, d] on the device
         ks, vs, masks = list(k_all), list(v_all), None
     out = attend(q, ks, vs, masks, key[0], value[0], scale)  # [n_q, d]
     return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
+
+
+def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
+    """Client-side csa selection (ctxcache.torch.selection, the server's
+    pipeline) and the selected pages from the GPU page pool."""
+    pool = dec.pool
+    b = pool.block
+    steps = dec.selector.step(layer, q.float().cpu().numpy(), as_torch=False)
+    before = pool.bytes_fetched
+    slots = pool.ensure(layer, {h: [int(x) for x in st.pages] for h, st in enumerate(steps)})
+    dec.bytes_received += pool.bytes_fetched - before
+    ks, vs, masks = [], [], []
+    for h, st in enumerate(steps):
+        pages = np.asarray(st.pages, dtype=np.int64)
+        ks.append(pool.k[slots[h]].reshape(-1, pool.k.shape[-1]))
+        vs.append(pool.v[slots[h]].reshape(-1, pool.v.shape[-1]))
+        mask = np.zeros((len(st.per_q_head), pages.size * b), dtype=bool)
+        for j, ids in enumerate(st.per_q_head):
+            ids = np.asarray(ids, dtype=np.int64)
+            mask[j, np.searchsorted(pages, ids // b) * b + ids % b] = True
+        masks.append(torch.as_tensor(mask).to(q.device))
+    return ks, vs, masks
 
 
 def _register() -> None:
@@ -303,6 +393,28 @@ def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *
     still what ``tokens`` records), for agreement measurements."""
     with client.open_session(info.context_id, method=method, params=params or {}) as s:
         return _decode(model, _Decoder(session=s), first_token, int(info.n_tokens), n_new, forced)
+
+
+def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
+                    params: Optional[Dict[str, Any]] = None,
+                    forced: Optional[Sequence[int]] = None,
+                    pool_bytes: int = 1 << 30) -> GenerateResult:
+    """As :func:`generate` with csa, but selecting on the client
+    (``ctxcache.torch.selection.CsaSession`` over the fetched index: the
+    same selections as a server-side session) and reading pages from a
+    :class:`GpuPagePool` that fetches only pages it does not hold: no
+    round trip per layer-step once the pool is warm."""
+    from ctxcache.torch.selection import CsaSession
+
+    dev = next(model.parameters()).device
+    arts = client.fetch_index(info.context_id, "csa")
+    selector = CsaSession(arts, n_q_heads=int(info.model.n_q_heads), params=params or {})
+    pool = GpuPagePool(client, info.context_id, int(info.block_tokens) or 16,
+                       int(info.model.head_dim), dev, pool_bytes)
+    res = _decode(model, _Decoder(selector=selector, pool=pool), first_token,
+                  int(info.n_tokens), n_new, forced)
+    res.pool_hits, res.pool_misses = pool.hits, pool.misses  # type: ignore[attr-defined]
+    return res
 
 
 def generate_dense(model: Any, pre: PrefillResult, first_token: int, n_new: int,

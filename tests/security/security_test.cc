@@ -610,8 +610,16 @@ TEST_F(SecurityTest, NoTenantCanReachAnotherTenantsContextThroughAnyRpc) {
   ASSERT_TRUE(ab.Build(prompt, &a_done).ok());
   const std::string a_id = a_done.context().context_id();
   EXPECT_EQ(a_done.context().tenant(), "a");
-  // A builder may not act for another tenant.
+  // A builder may not act for another tenant: not by building, not by
+  // ingesting into it.
   EXPECT_EQ(bb.Build(prompt, nullptr, "a").error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  {
+    v1::ContextInfo ingested;
+    v1::ModelSpec spec = a_done.context().model();
+    spec.set_name("external-model");
+    EXPECT_EQ(bb.Ingest(spec, prompt, 0.5f, &ingested, "a").error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
 
   // Every RPC of b on a's context fails exactly like an unknown id.
   const std::string unknown = "0123456789abcdef0123456789abcdef";

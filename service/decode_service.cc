@@ -1,5 +1,6 @@
 #include "service/decode_service.h"
 
+#include <malloc.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -264,8 +265,18 @@ DecodeServiceImpl::~DecodeServiceImpl() {
 
 void DecodeServiceImpl::ReaperLoop() {
   std::unique_lock<std::mutex> lock(mu_);
+  size_t streams_at_trim = 0;
   while (!stop_) {
     cv_.wait_for(lock, std::chrono::seconds(1));
+    // Sessions free large buffers (selector tables, decoded pages); glibc
+    // keeps freed memory in its arenas, so RSS would stay at the peak. Give
+    // it back once streams have closed.
+    if (streams_.size() < streams_at_trim) {
+      lock.unlock();
+      malloc_trim(0);
+      lock.lock();
+    }
+    streams_at_trim = streams_.size();
     const int64_t limit = int64_t{ctx_->config.session_idle_timeout_s} * 1000;
     const int64_t open_limit = int64_t{ctx_->config.session_open_timeout_s} * 1000;
     const int64_t now = NowMs();

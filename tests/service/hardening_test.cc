@@ -349,5 +349,63 @@ TEST_F(HardeningTest, Finding2_IdleDecodeStreamsAreClosedAndTheirThreadsReturn) 
   EXPECT_TRUE(st->Finish().ok());
 }
 
+// Finding 11: RSS stayed near its peak after sessions closed (glibc keeps
+// freed memory); the reaper now trims once streams close.
+TEST_F(HardeningTest, Finding11_MemoryIsReturnedAfterSessionsClose) {
+  Start({"--max-context-tokens", "65536"});
+  v1::BuildContextRequest req = Tokens(8000, 3);
+  req.add_indexes()->set_method("csa");
+  v1::BuildProgress built;
+  ASSERT_TRUE(Build(req, &built).ok());
+  const v1::ContextInfo& info = built.context();
+  const long base = ProcStatus(server_.pid(), "VmRSS");
+  long peak = base;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+    std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>>>
+        streams;
+    for (int i = 0; i < 16; ++i) {
+      ctxs.push_back(std::make_unique<grpc::ClientContext>());
+      Prepare(ctxs.back().get());
+      streams.push_back(decode_->Decode(ctxs.back().get()));
+      v1::DecodeRequest open;
+      open.mutable_open()->set_context_id(info.context_id());
+      open.mutable_open()->set_method("csa");
+      v1::DecodeResponse resp;
+      ASSERT_TRUE(streams.back()->Write(open) && streams.back()->Read(&resp));
+      ASSERT_TRUE(resp.has_opened()) << resp.error().message();
+      for (uint32_t l = 0; l < info.model().n_layers(); ++l) {
+        v1::DecodeRequest step;
+        step.mutable_step()->set_layer(l);
+        auto* q = step.mutable_step()->mutable_queries();
+        q->set_dtype(v1::DTYPE_F32);
+        q->add_shape(info.model().n_q_heads());
+        q->add_shape(info.model().head_dim());
+        std::vector<float> qs(info.model().n_q_heads() * info.model().head_dim(), 0.1f * (l + 1));
+        q->set_data(std::string(reinterpret_cast<const char*>(qs.data()), qs.size() * 4));
+        ASSERT_TRUE(streams.back()->Write(step));
+        ASSERT_TRUE(streams.back()->Read(&resp));
+        ASSERT_TRUE(resp.has_step()) << resp.error().message();
+      }
+    }
+    peak = std::max(peak, ProcStatus(server_.pid(), "VmRSS"));
+    for (auto& st : streams) {
+      v1::DecodeRequest close;
+      close.mutable_close();
+      v1::DecodeResponse resp;
+      st->Write(close);
+      st->Read(&resp);
+      st->WritesDone();
+      st->Finish();
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+  const long after = ProcStatus(server_.pid(), "VmRSS");
+  std::printf("server RSS: %ld KiB before sessions, %ld at peak, %ld 3 s after closing\n", base,
+              peak, after);
+  ASSERT_GT(peak - base, 100 << 10);  // the sessions did use memory
+  EXPECT_LT(after - base, (peak - base) / 5);
+}
+
 }  // namespace
 }  // namespace ctxcache

@@ -44,6 +44,34 @@ def proc_status(pid: int, field: str) -> int:
     return -1
 
 
+def plot(res: dict, path: str) -> None:
+    """RSS, threads and step latency against time (needs python3-matplotlib;
+    skipped with a warning without it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("soak: python3-matplotlib is not installed; no plot", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    samples = res["samples"]
+    t = [x["t_s"] / 60 for x in samples]
+    fig, ax = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
+    ax[0].plot(t, [x["rss_mib"] for x in samples])
+    ax[0].set_ylabel("server RSS (MiB)")
+    ax[1].plot(t, [x["threads"] for x in samples])
+    ax[1].set_ylabel("server threads")
+    ax[2].plot(t, [x["step_p50_ms"] for x in samples], label="p50")
+    ax[2].plot(t, [x["step_p99_ms"] for x in samples], label="p99")
+    ax[2].set_ylabel("step (ms)")
+    ax[2].legend()
+    ax[2].set_xlabel("minutes")
+    fig.suptitle(f"ctxcached soak: {res['sessions']} sessions + builds, evictions, watches; "
+                 f"{res['errors']} errors")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin-dir", default=os.path.join(REPO, "build", "bin"))
@@ -55,7 +83,11 @@ def main() -> int:
     ap.add_argument("--warmup-minutes", type=float, default=2.0)
     ap.add_argument("--out", default="")
     ap.add_argument("--plot", default="")
+    ap.add_argument("--replot", default="", help="only re-plot a saved --out JSON")
     a = ap.parse_args()
+    if a.replot:
+        plot(json.load(open(a.replot)), a.plot)
+        return 0
 
     work = tempfile.mkdtemp(prefix="ctxcache-soak-")
     ports = os.path.join(work, "ports")
@@ -199,24 +231,7 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        t = [s["t_s"] / 60 for s in samples]
-        fig, ax = plt.subplots(3, 1, figsize=(7, 7), sharex=True)
-        ax[0].plot(t, [s["rss_mib"] for s in samples])
-        ax[0].set_ylabel("server RSS (MiB)")
-        ax[1].plot(t, [s["threads"] for s in samples])
-        ax[1].set_ylabel("server threads")
-        ax[2].plot(t, [s["step_p50_ms"] for s in samples], label="p50")
-        ax[2].plot(t, [s["step_p99_ms"] for s in samples], label="p99")
-        ax[2].set_ylabel("step (ms)")
-        ax[2].legend()
-        ax[2].set_xlabel("minutes")
-        fig.suptitle(f"ctxcached soak: {a.sessions} sessions + builds, evictions, watches; "
-                     f"{stats['errors']} errors")
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=90)
+        plot(res, a.plot)
     return 0 if stats["errors"] == 0 else 1
 
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <limits>
 #include <set>
 
 #include "common/logging.h"
@@ -273,6 +274,16 @@ Status StoreCore::CheckFormatVersion() {
   return Status::OK();
 }
 
+StatusOr<v1::ContextManifest> ParseManifestValue(std::string_view value) {
+  v1::ContextManifest m;
+  if (value.size() > static_cast<size_t>(std::numeric_limits<int>::max()) ||
+      !m.ParseFromArray(value.data(), static_cast<int>(value.size()))) {
+    return DataLossError("manifest value (" + std::to_string(value.size()) +
+                         " bytes) is not a ContextManifest");
+  }
+  return m;
+}
+
 Status StoreCore::CollectGarbage(bool reload) {
   // 1. Manifests: keep READY ones, collect BUILDING/FAILED/unparseable.
   std::vector<ContextId> garbage;
@@ -282,12 +293,13 @@ Status StoreCore::CollectGarbage(bool reload) {
     for (it->Seek("M"); it->Valid() && it->key().starts_with("M"); it->Next()) {
       ContextId id;
       if (!ParseManifestKey(it->key().ToStringView(), &id)) continue;
-      v1::ContextManifest m;
-      if (!m.ParseFromArray(it->value().data(), static_cast<int>(it->value().size()))) {
+      StatusOr<v1::ContextManifest> parsed = ParseManifestValue(it->value().ToStringView());
+      if (!parsed.ok()) {
         spdlog::warn("storage: unparseable manifest for {}; deleting the context", Hex(id));
         garbage.push_back(id);
         continue;
       }
+      v1::ContextManifest m = std::move(*parsed);
       if (m.state() != v1::CONTEXT_STATE_READY) {
         garbage.push_back(id);
         continue;

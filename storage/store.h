@@ -54,6 +54,12 @@ class ContextWriter;
 class ContextReader;
 class StoreCore;
 
+// Parses a `meta` column value ('M' key) into the manifest Open() reads:
+// DATA_LOSS if the bytes are not a ContextManifest. Semantic checks (state,
+// parent) are the caller's: Open() drops non-READY contexts and children whose
+// parent id is not a stored context.
+StatusOr<v1::ContextManifest> ParseManifestValue(std::string_view value);
+
 // On-disk format version written by this build. Open() refuses a data dir
 // with a larger version.
 inline constexpr uint32_t kFormatVersion = 1;

@@ -1,6 +1,8 @@
 // Fuzz target: a `meta` column value parsed the way Store::Open reads it
 // (storage::ParseManifestValue, then the READY-state and parent-id checks of
 // its garbage collection), plus a serialize/parse round trip.
+#include <google/protobuf/stubs/logging.h>
+
 #include <cstdlib>
 
 #include "fuzz/fuzz_target.h"
@@ -10,6 +12,12 @@
 using namespace ctxcache;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // protobuf logs every invalid UTF-8 string field it rejects: mute it.
+  static const bool muted = [] {
+    google::protobuf::SetLogHandler(nullptr);
+    return true;
+  }();
+  (void)muted;
   StatusOr<v1::ContextManifest> m = storage::ParseManifestValue(fuzz::AsView(data, size));
   if (!m.ok()) return 0;
   (void)storage::ContextId::FromBytes(m->context_id());

@@ -155,6 +155,9 @@ void TextSeeds() {
   keys.subjects.push_back({"worker-a", "acme", auth::Role::kReader});
   Put("fuzz_keys_file", "generated", keys.Serialize());
   Check(auth::KeysFile::Parse(keys.Serialize()).status(), "keys seed parses");
+  const std::string tenants = "[default]\nmax_stored_bytes = 1G\n[tenant.acme]\nmax_contexts = 5\n";
+  Check(auth::TenantsConfig::Parse(tenants).status(), "tenants seed parses");
+  Put("fuzz_tenants", "generated", tenants);
 }
 
 void ModelSeeds(const fs::path& source_dir) {

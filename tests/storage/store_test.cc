@@ -83,6 +83,24 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<Store> store_;
 };
 
+// The manifest parse Open() applies to every `meta` value (fuzzed by
+// fuzz/fuzz_manifest): a stored manifest reads back; other bytes are DATA_LOSS.
+TEST(ParseManifestValueTest, RoundTripAndGarbage) {
+  v1::ContextManifest m;
+  m.set_context_id(std::string(16, '\x11'));
+  m.set_state(v1::CONTEXT_STATE_READY);
+  m.set_n_tokens(42);
+  m.set_tenant("acme");
+  auto parsed = ParseManifestValue(m.SerializeAsString());
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->SerializeAsString(), m.SerializeAsString());
+  EXPECT_TRUE(ParseManifestValue("").ok());  // every field at its default
+  for (std::string bad : {std::string("\xff\xff\xff"), std::string("\x0a\x10x"),
+                          std::string("\x82\x01\x02\xc3\x28")}) {  // last: tenant not UTF-8
+    EXPECT_EQ(ParseManifestValue(bad).status().code(), StatusCode::kDataLoss);
+  }
+}
+
 TEST_F(StoreTest, BuildCommitReadBackAllDtypes) {
   Open();
   for (v1::DType dt : {v1::DTYPE_BF16, v1::DTYPE_F16, v1::DTYPE_F32}) {

@@ -28,7 +28,7 @@ inline int FuzzIndexArtifact(std::string_view method, const uint8_t* data, size_
   const int d = sel.head_dim();
   // Select and Append touch every table entry: only for small tables, so a
   // large (valid) header does not turn into a slow input.
-  if (n <= 0 || d <= 0 || n > (int64_t{1} << 16) || n * d > (int64_t{1} << 16)) return 0;
+  if (n <= 0 || d <= 0 || n > (int64_t{1} << 14) || n * d > (int64_t{1} << 14)) return 0;
   std::vector<float> keys(static_cast<size_t>(n + 1) * d);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<float>((i * 7919) % 17) - 8.0f;
   index::ArrayKeySource source(keys.data(), n, d);

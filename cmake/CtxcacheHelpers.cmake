@@ -148,7 +148,8 @@ function(ctxcache_library name)
 endfunction()
 
 # ctxcache_test(NAME SOURCES ... [LIBS ...] [LABELS ...] [TIMEOUT s])
-# Labels: unit (fast, runs under sanitizers too), integration, crash, bench, golden.
+# Labels: unit (fast, runs under sanitizers too), integration, crash, bench, golden;
+# fuzz/CMakeLists.txt adds `fuzz` (its tests are not ctxcache_test binaries).
 function(ctxcache_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${name} ${ARG_SOURCES})

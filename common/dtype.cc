@@ -100,7 +100,11 @@ void Bf16ToFloat(const uint16_t* src, float* dst, size_t n) {
     __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
   }
-  for (; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+  for (; i < n; ++i) {
+    uint16_t v;  // src may be unaligned (bytes from a file): no uint16_t load
+    std::memcpy(&v, reinterpret_cast<const char*>(src) + 2 * i, 2);
+    dst[i] = Bf16ToFloat(v);
+  }
 }
 
 void FloatToHalf(const float* src, uint16_t* dst, size_t n) {
@@ -118,7 +122,11 @@ void HalfToFloat(const uint16_t* src, float* dst, size_t n) {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
   }
-  for (; i < n; ++i) dst[i] = HalfToFloat(src[i]);
+  for (; i < n; ++i) {
+    uint16_t v;  // src may be unaligned (bytes from a file): no uint16_t load
+    std::memcpy(&v, reinterpret_cast<const char*>(src) + 2 * i, 2);
+    dst[i] = HalfToFloat(v);
+  }
 }
 
 void ConvertToFloat(DType dtype, const void* src, float* dst, size_t n) {

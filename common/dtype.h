@@ -45,7 +45,9 @@ void Bf16ToFloat(const uint16_t* src, float* dst, size_t n);
 void FloatToHalf(const float* src, uint16_t* dst, size_t n);
 void HalfToFloat(const uint16_t* src, float* dst, size_t n);
 
-// Converts `n` elements of `dtype` at `src` to fp32 at `dst`.
+// Converts `n` elements of `dtype` at `src` to fp32 at `dst`. `src` needs
+// no alignment (here and in Bf16ToFloat / HalfToFloat): it may point into
+// file bytes at any offset.
 void ConvertToFloat(DType dtype, const void* src, float* dst, size_t n);
 // Converts `n` fp32 elements to `dtype` at `dst` (n * DTypeSize(dtype) bytes).
 void ConvertFromFloat(DType dtype, const float* src, void* dst, size_t n);

@@ -615,7 +615,9 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
       int64_t prev = -1;
       for (int64_t e = 0; e < L_; ++e) {
         uint64_t delta = 0;
-        if (!r.GetVarint(&delta) || delta == 0 || prev + static_cast<int64_t>(delta) >= n_tokens_) {
+        // Unsigned compare: a huge delta must not wrap prev (signed overflow).
+        if (!r.GetVarint(&delta) || delta == 0 ||
+            delta > static_cast<uint64_t>(n_tokens_ - 1 - prev)) {
           return loss("bad list ids");
         }
         prev += static_cast<int64_t>(delta);

@@ -11,6 +11,9 @@
 namespace ctxcache::index {
 namespace {
 
+// Upper bound of s, sink and local (params and loaded artifacts alike).
+constexpr int kMaxWindow = 1 << 20;
+
 Status CheckOptions(const LfpsOptions& o) {
   if (o.history <= 0) return InvalidArgumentError("lfps: history (s) must be > 0");
   if (!(o.decay >= 0 && o.decay < 1))
@@ -19,8 +22,13 @@ Status CheckOptions(const LfpsOptions& o) {
     return InvalidArgumentError("lfps: epsilon (eps) must be in (0, 1]");
   }
   if (!(o.a > 0 && std::isfinite(o.a))) return InvalidArgumentError("lfps: a must be > 0");
-  if (o.n_sink < 0) return InvalidArgumentError("lfps: n_sink (sink) must be >= 0");
-  if (o.local_window < 0) return InvalidArgumentError("lfps: local_window (local) must be >= 0");
+  if (o.history > kMaxWindow) return InvalidArgumentError("lfps: history (s) must be <= 2^20");
+  if (o.n_sink < 0 || o.n_sink > kMaxWindow) {
+    return InvalidArgumentError("lfps: n_sink (sink) must be in [0, 2^20]");
+  }
+  if (o.local_window < 0 || o.local_window > kMaxWindow) {
+    return InvalidArgumentError("lfps: local_window (local) must be in [0, 2^20]");
+  }
   if (!(o.rho > 0 && o.rho <= 1)) return InvalidArgumentError("lfps: rho must be in (0, 1]");
   return Status::OK();
 }
@@ -128,12 +136,12 @@ void LfpsUpdateTables(double r, const std::vector<int32_t>& c2, const std::vecto
 StatusOr<LfpsOptions> ParseLfpsParams(const MethodParams& params) {
   ParamReader rd("lfps", params);
   LfpsOptions o;
-  ASSIGN_OR_RETURN(int64_t s, rd.Int("s", o.history, 1, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t s, rd.Int("s", o.history, 1, kMaxWindow));
   ASSIGN_OR_RETURN(o.decay, rd.Double("r", o.decay, 0, 0.999999));
   ASSIGN_OR_RETURN(o.epsilon, rd.Double("eps", o.epsilon, 1e-9, 1));
   ASSIGN_OR_RETURN(o.a, rd.Double("a", o.a, 1e-9, 1e9));
-  ASSIGN_OR_RETURN(int64_t sink, rd.Int("sink", o.n_sink, 0, 1 << 20));
-  ASSIGN_OR_RETURN(int64_t local, rd.Int("local", o.local_window, 0, 1 << 20));
+  ASSIGN_OR_RETURN(int64_t sink, rd.Int("sink", o.n_sink, 0, kMaxWindow));
+  ASSIGN_OR_RETURN(int64_t local, rd.Int("local", o.local_window, 0, kMaxWindow));
   ASSIGN_OR_RETURN(o.rho, rd.Double("rho", o.rho, 1e-9, 1));
   RETURN_IF_ERROR(rd.Finish());
   o.history = static_cast<int>(s);
@@ -288,7 +296,7 @@ Status LfpsSelector::SelectHead(int h, const float* q, int64_t budget, const Key
   std::vector<int32_t> c1 = LfpsExpand(ver, sla, c0, lo);
   // 4. Exact scores over C1 ∪ local window.
   std::vector<int32_t> cand;
-  cand.reserve(c1.size() + options_.local_window);
+  cand.reserve(c1.size() + static_cast<size_t>(std::min<int64_t>(options_.local_window, n)));
   std::set_union(c1.begin(), c1.end(), fixed.begin() + lo, fixed.end(), std::back_inserter(cand));
   std::vector<int32_t> to_fetch;
   for (int32_t i : cand) {

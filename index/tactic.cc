@@ -375,10 +375,14 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Load(std::string_view 
   }
   RETURN_IF_ERROR(CheckOptions(o));
   const int64_t n = sel->n_tokens_;
-  const int64_t clustered_end = sel->n_sink_ + sel->n_ranked_;
+  // Each count within [0, n] before they are added: no signed overflow.
   if (d <= 0 || d > 4096 || n < 1 || n >= INT32_MAX || sel->n_sink_ < 0 ||
-      sel->n_sink_ > o.n_sink || sel->n_ranked_ < 1 || clustered_end > n ||
-      n - clustered_end >= o.recluster_every || n_clusters < 1 || n_clusters > sel->n_ranked_) {
+      sel->n_sink_ > o.n_sink || sel->n_sink_ > n || sel->n_ranked_ < 1 || sel->n_ranked_ > n) {
+    return DataLossError("tactic: corrupt artifact header");
+  }
+  const int64_t clustered_end = sel->n_sink_ + sel->n_ranked_;
+  if (clustered_end > n || n - clustered_end >= o.recluster_every || n_clusters < 1 ||
+      n_clusters > sel->n_ranked_) {
     return DataLossError("tactic: corrupt artifact header");
   }
   sel->head_dim_ = d;

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -71,6 +72,9 @@ size_t TensorDTypeSize(TensorDType t) {
 }
 
 int64_t TensorView::numel() const {
+  // A zero dimension first: the other dimensions' product may not fit (Open
+  // checks that it does whenever the count is not 0).
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
   return n;
@@ -155,10 +159,23 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
                            std::to_string(data_size) + " bytes are present");
     }
     v.nbytes = en - b;
-    if (static_cast<uint64_t>(v.numel()) * TensorDTypeSize(v.dtype) != v.nbytes) {
+    // The element count must fit int64 (numel()): a product that overflows is
+    // no tensor, whatever its wrapped value would "need".
+    int64_t numel = 1;
+    bool overflow = false;
+    for (int64_t s : v.shape) overflow |= __builtin_mul_overflow(numel, s, &numel);
+    uint64_t need = 0;
+    overflow |= __builtin_mul_overflow(static_cast<uint64_t>(numel),
+                                       static_cast<uint64_t>(TensorDTypeSize(v.dtype)), &need);
+    if (overflow && std::find(v.shape.begin(), v.shape.end(), 0) == v.shape.end()) {
+      return InvalidArgumentError(path + ": tensor '" + name + "': shape " + v.ShapeString() +
+                                  " has more elements than int64 holds");
+    }
+    if (overflow) need = 0;  // a zero dimension: no elements, whatever the others
+    if (need != v.nbytes) {
       return InvalidArgumentError(path + ": tensor '" + name + "': shape " + v.ShapeString() +
                                   " x " + std::string(TensorDTypeName(v.dtype)) + " needs " +
-                                  std::to_string(v.numel() * TensorDTypeSize(v.dtype)) +
+                                  std::to_string(need) +
                                   " bytes but data_offsets span " + std::to_string(v.nbytes));
     }
     v.data = base + data_start + b;

@@ -188,15 +188,37 @@ StatusOr<Trace> ReadTrace(const std::string& path) {
     return InvalidArgumentError(where + "bad header field: " + e.what());
   }
   if (n_tokens < 0 || n_q_rows < 0 || n_q_rows > n_tokens || t.head_dim <= 0 || t.n_kv_heads <= 0 ||
-      t.n_q_heads % t.n_kv_heads != 0) {
+      t.n_q_heads <= 0 || t.n_q_heads % t.n_kv_heads != 0) {
     return InvalidArgumentError(where + "inconsistent header dims");
   }
+  // The sizes the header implies, checked for overflow: a hostile header may
+  // name counts whose byte sizes wrap size_t and "match" a small file.
+  bool overflow = false;
+  auto mul = [&overflow](size_t a, size_t b) {
+    size_t r = 0;
+    overflow |= __builtin_mul_overflow(a, b, &r);
+    return r;
+  };
+  auto add = [&overflow](size_t a, size_t b) {
+    size_t r = 0;
+    overflow |= __builtin_add_overflow(a, b, &r);
+    return r;
+  };
   const size_t es = DTypeSize(dtype);
-  const size_t qn =
-      static_cast<size_t>(t.kv_heads.size()) * (t.n_q_heads / t.n_kv_heads) * n_q_rows * t.head_dim;
-  const size_t kn = static_cast<size_t>(t.kv_heads.size()) * n_tokens * t.head_dim;
-  const size_t need =
-      16 + hlen + n_tokens * 4 + n_q_rows * 8 + t.layers.size() * (qn + 2 * kn) * es + 4;
+  const size_t group = static_cast<size_t>(t.n_q_heads / t.n_kv_heads);
+  const size_t qn = mul(mul(mul(t.kv_heads.size(), group), static_cast<size_t>(n_q_rows)),
+                        static_cast<size_t>(t.head_dim));
+  const size_t kn =
+      mul(mul(t.kv_heads.size(), static_cast<size_t>(n_tokens)), static_cast<size_t>(t.head_dim));
+  const size_t tensors = mul(mul(t.layers.size(), add(qn, mul(2, kn))), es);
+  const size_t need = add(add(add(add(size_t{16} + hlen, mul(static_cast<size_t>(n_tokens), 4)),
+                                  mul(static_cast<size_t>(n_q_rows), 8)),
+                              tensors),
+                          4);
+  if (overflow) {
+    return DataLossError(where + "header sizes overflow (n_tokens " + std::to_string(n_tokens) +
+                         ", n_q_rows " + std::to_string(n_q_rows) + ")");
+  }
   if (data.size() < need) {
     return DataLossError(where + "truncated: " + std::to_string(data.size()) +
                          " bytes, header implies " + std::to_string(need));

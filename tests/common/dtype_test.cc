@@ -35,6 +35,26 @@ TEST(DTypeTest, SizesAndNames) {
   EXPECT_NE(bad.status().message().find("int8"), std::string_view::npos);
 }
 
+// Found by fuzz/fuzz_trace: a .ctxtrace payload (and a safetensors tensor)
+// may start at an odd offset, and the element-wise tail of the 16-bit
+// conversions loaded it as uint16_t (misaligned load: UBSan reports it in the
+// sanitizer unit run). Every length hits the tail; src is odd on purpose.
+TEST(DTypeTest, ConvertToFloatReadsUnalignedSource) {
+  const std::vector<float> want = {1.0f, -2.0f, 0.5f, 3.0f, -0.25f, 8.0f, 16.0f, -1.0f,
+                                   2.0f, 4.0f,  -8.0f, 0.125f};
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (size_t n = 1; n <= want.size(); ++n) {
+      std::vector<char> raw(1 + 2 * n);
+      std::vector<uint16_t> bits(n);
+      ConvertFromFloat(dtype, want.data(), bits.data(), n);
+      std::memcpy(raw.data() + 1, bits.data(), 2 * n);
+      std::vector<float> got(n);
+      ConvertToFloat(dtype, raw.data() + 1, got.data(), n);
+      for (size_t i = 0; i < n; ++i) EXPECT_EQ(got[i], want[i]) << DTypeName(dtype) << " " << n;
+    }
+  }
+}
+
 TEST(Bf16Test, ExactValuesRoundTrip) {
   for (float x : {0.0f, -0.0f, 1.0f, -2.5f, 1024.0f, 0.15625f}) {
     EXPECT_EQ(Bf16ToFloat(FloatToBf16(x)), x) << x;

@@ -437,6 +437,32 @@ TEST(CsaTest, CompactSerializationEqualsDequantizedPlain) {
   EXPECT_GT((*s)->PlainBytesPerToken(), (*s)->CompactBytesPerToken());
 }
 
+// Found by fuzz/fuzz_index_csa: a compact list id delta near 2^64 wrapped the
+// running id (signed overflow) and loaded negative ids; it is DATA_LOSS.
+TEST(CsaTest, CompactIdDeltaOverflowIsDataLoss) {
+  Data data = MakeData(512, 7);
+  CsaOptions o = SmallOptions();
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  std::string compact, plain;
+  (*s)->SerializeCompact(&compact);
+  (*s)->SerializePlain(&plain);
+  // Both forms share everything before the lists; the plain lists are
+  // int32 ids + fp16 scores per entry. The first compact list starts with
+  // its (lo, hi) floats, then its first id delta.
+  const size_t lists = static_cast<size_t>(o.m) * o.C * (*s)->L() * 6;
+  ASSERT_GT(plain.size(), lists);
+  size_t at = plain.size() - lists + 8;
+  size_t end = at;
+  while (end < compact.size() && (static_cast<uint8_t>(compact[end]) & 0x80) != 0) ++end;
+  ASSERT_LT(end, compact.size());
+  ASSERT_TRUE(CsaSelector::Load(compact).ok());
+  std::string bad = compact;
+  bad.replace(at, end - at + 1, std::string(9, '\xff') + '\x01');  // varint 2^64 - 1
+  auto loaded = CsaSelector::Load(bad);
+  EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status().ToString();
+}
+
 TEST(CsaTest, SearchPeriodReusesSelection) {
   Data data = MakeData(512, 8);
   auto params = ParseParams("m=4,C=16,iters=5,schedule=0.15/4");

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <cmath>
 #include <random>
 
@@ -252,6 +254,28 @@ TEST_F(LfpsDecodeTest, SerializeRoundTripContinuesIdentically) {
   EXPECT_EQ(LoadLfpsSelector(bytes.substr(0, bytes.size() - 3)).status().code(),
             StatusCode::kDataLoss);
   EXPECT_EQ(LoadLfpsSelector("LFP1").status().code(), StatusCode::kInvalidArgument);
+}
+
+// Found by fuzz/fuzz_index_lfps: an artifact's local window was only checked
+// for >= 0, and Select reserved that many candidates (8 GiB for 2^31 - 1).
+// Loaded options obey the params' bounds; anything else is rejected.
+TEST_F(LfpsDecodeTest, LoadRejectsOutOfRangeWindows) {
+  auto built = BuildLfpsSelector(Prefill(), {});
+  ASSERT_TRUE(built.ok());
+  std::string bytes;
+  ASSERT_TRUE((*built)->Serialize(&bytes).ok());
+  ASSERT_TRUE(LoadLfpsSelector(bytes).ok());
+  // Header: magic+version 8, n_tokens 8, d 4, G 4, s 4, r 8, eps 8, a 8,
+  // then int32 sink at 52 and int32 local at 56.
+  for (size_t offset : {size_t{52}, size_t{56}}) {
+    for (int32_t v : {(1 << 20) + 1, INT32_MAX}) {
+      std::string bad = bytes;
+      std::memcpy(bad.data() + offset, &v, sizeof(v));
+      auto loaded = LoadLfpsSelector(bad);
+      EXPECT_EQ(loaded.status().code(), StatusCode::kInvalidArgument)
+          << offset << " " << v << " " << loaded.status().ToString();
+    }
+  }
 }
 
 TEST_F(LfpsDecodeTest, BadParameters) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <set>
 
@@ -266,6 +267,29 @@ TEST_F(TacticSyntheticTest, FixedBudgetTakesWholeClustersWithinBudget) {
   for (int h = 0; h < 2; ++h) {
     EXPECT_LE(static_cast<int64_t>(out.per_head[h].size()), 205);
     EXPECT_GT(static_cast<int64_t>(out.per_head[h].size()), 205 / 2);
+  }
+}
+
+// Found by fuzz/fuzz_index_tactic: the loader added the artifact's sink and
+// ranked counts before range-checking them (signed overflow: UBSan reports
+// it in the sanitizer unit run; wrapped, a huge n_ranked passed the header
+// checks). Each count is checked on its own first: DATA_LOSS.
+TEST_F(TacticSyntheticTest, LoadRejectsOverflowingCounts) {
+  auto sel = BuildTacticSelector(head_.Prefill(), {});
+  ASSERT_TRUE(sel.ok());
+  std::string bytes;
+  ASSERT_TRUE((*sel)->Serialize(&bytes).ok());
+  ASSERT_TRUE(LoadTacticSelector(bytes).ok());
+  // int64 n_sink at byte 84, int64 n_ranked at 92 (header layout: Serialize).
+  const std::vector<std::pair<int64_t, int64_t>> cases = {
+      {1, INT64_MAX}, {INT64_MIN, INT64_MIN}, {-1, 1}, {0, head_.n_tokens + 1}};
+  for (auto [n_sink, n_ranked] : cases) {
+    std::string bad = bytes;
+    std::memcpy(bad.data() + 84, &n_sink, sizeof(n_sink));
+    std::memcpy(bad.data() + 92, &n_ranked, sizeof(n_ranked));
+    auto loaded = LoadTacticSelector(bad);
+    EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss)
+        << n_sink << " " << n_ranked << " " << loaded.status().ToString();
   }
 }
 

@@ -327,6 +327,32 @@ TEST_F(LoaderTest, CorruptHeader) {
   EXPECT_NE(st.message().find("JSON"), std::string::npos);
 }
 
+// A shape whose element count overflows int64 (fuzz/fuzz_safetensors): the
+// product wrapped, so [2^62 + 1, 4] f32 "needed" 16 bytes and opened as a
+// tensor of 2^64 elements over 16 bytes. It is INVALID_ARGUMENT.
+TEST(SafetensorsTest, OverflowingShapeIsInvalidArgument) {
+  const std::string dir = testing::MakeTempDir("safetensors");
+  const std::string p = dir + "/overflow.safetensors";
+  for (const std::string shape : {"[4611686018427387905, 4]", "[4294967296, 4294967296]",
+                                  "[3037000500, 3037000500, 0]"}) {
+    const bool empty = shape.find(", 0]") != std::string::npos;  // 0 elements: fine
+    const std::string end = empty ? "0" : "16";
+    const std::string header =
+        R"({"t": {"dtype": "F32", "shape": )" + shape + R"(, "data_offsets": [0, )" + end + "]}}";
+    std::string file(8, '\0');
+    const uint64_t len = header.size();
+    std::memcpy(file.data(), &len, 8);
+    file += header + std::string(16, '\0');
+    WriteText(p, file);
+    auto set = SafetensorsSet::OpenFile(p);
+    if (empty) {
+      EXPECT_TRUE(set.ok()) << shape << ": " << set.status().ToString();
+    } else {
+      EXPECT_EQ(set.status().code(), StatusCode::kInvalidArgument) << shape;
+    }
+  }
+}
+
 TEST(ModelConfigTest, ParsesQwenAndMistralSpecifics) {
   auto q = ParseModelConfig(R"({"architectures":["Qwen2ForCausalLM"],"hidden_size":64,
     "intermediate_size":128,"num_hidden_layers":1,"num_attention_heads":4,

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/crc32c.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/prefill.h"
@@ -123,6 +124,44 @@ TEST_F(TraceTest, CorruptTruncatedMissing) {
   version[8] = 9;
   write(version);
   EXPECT_EQ(ReadTrace(p).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Reading a hostile header (fuzz/fuzz_trace): counts whose byte sizes wrap
+// size_t (n_tokens = 2^62 makes n_tokens * 4 wrap to 0, so the file "matched"
+// the size and ReadTrace then resized to 2^62 tokens), and a negative q-head
+// count (a negative GQA group), are rejected with a Status. The checksum is
+// valid: only the header lies.
+TEST_F(TraceTest, HostileHeaderCountsAreRejected) {
+  const std::string p = dir_ + "/hostile.ctxtrace";
+  auto file = [](const std::string& header) {
+    std::string b = "CTXTRACE";
+    const uint32_t version = kTraceFormatVersion, hlen = static_cast<uint32_t>(header.size());
+    b.append(reinterpret_cast<const char*>(&version), 4);
+    b.append(reinterpret_cast<const char*>(&hlen), 4);
+    b += header;
+    const uint32_t crc = crc32c::Value(b.data() + 16, b.size() - 16);
+    b.append(reinterpret_cast<const char*>(&crc), 4);
+    return b;
+  };
+  const std::string common =
+      R"("n_layers_total": 1, "n_kv_heads": 1, "head_dim": 1, "dtype": "f32", "kv_heads": [0])";
+  const std::vector<std::string> headers = {
+      // n_tokens * 4 wraps to 0 (no layers: nothing else in the size).
+      R"({"n_tokens": 4611686018427387904, "n_q_rows": 0, "n_q_heads": 1, "layers": [], )" +
+          common + "}",
+      // the K/V bytes of one layer wrap: 2 * 2^62 * 1 * 4.
+      R"({"n_tokens": 4611686018427387904, "n_q_rows": 0, "n_q_heads": 1, "layers": [0], )" +
+          common + "}",
+      // n_q_heads = -2: a negative group size.
+      R"({"n_tokens": 1, "n_q_rows": 1, "n_q_heads": -2, "layers": [0], )" + common + "}",
+  };
+  for (const std::string& h : headers) {
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << file(h);
+    Status st = ReadTrace(p).status();
+    EXPECT_FALSE(st.ok()) << h;
+    EXPECT_TRUE(st.code() == StatusCode::kDataLoss || st.code() == StatusCode::kInvalidArgument)
+        << h << ": " << st.ToString();
+  }
 }
 
 TEST_F(TraceTest, ValidateRejectsInconsistentTraces) {

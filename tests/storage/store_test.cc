@@ -88,6 +88,24 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<Store> store_;
 };
 
+// The manifest parse Open() applies to every `meta` value (fuzzed by
+// fuzz/fuzz_manifest): a stored manifest reads back; other bytes are DATA_LOSS.
+TEST(DecodeManifestTest, RoundTripAndGarbage) {
+  v1::ContextManifest m;
+  m.set_context_id(std::string(16, '\x11'));
+  m.set_state(v1::CONTEXT_STATE_READY);
+  m.set_n_tokens(42);
+  m.set_tenant("acme");
+  v1::ContextManifest parsed;
+  ASSERT_TRUE(DecodeManifest(EncodeManifest(m), &parsed).ok());
+  EXPECT_EQ(parsed.SerializeAsString(), m.SerializeAsString());
+  ASSERT_TRUE(DecodeManifest(m.SerializeAsString(), &parsed).ok());  // legacy unframed
+  for (std::string bad : {std::string("\xff\xff\xff"), std::string("\x0a\x10x"),
+                          std::string("\x82\x01\x02\xc3\x28")}) {  // last: tenant not UTF-8
+    EXPECT_EQ(DecodeManifest(bad, &parsed).code(), StatusCode::kDataLoss);
+  }
+}
+
 TEST_F(StoreTest, BuildCommitReadBackAllDtypes) {
   Open();
   for (v1::DType dt : {v1::DTYPE_BF16, v1::DTYPE_F16, v1::DTYPE_F32}) {

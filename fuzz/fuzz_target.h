@@ -44,7 +44,9 @@ class TempFile {
 
   const std::string& Write(std::string_view bytes) {
     std::FILE* f = std::fopen(path_.c_str(), "wb");
-    if (f == nullptr || std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() ||
+    // An empty view may carry a null data(): fwrite must not see it.
+    if (f == nullptr ||
+        (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) ||
         std::fclose(f) != 0) {
       std::perror(path_.c_str());
       std::abort();

@@ -68,10 +68,22 @@ bool AccessControl::CanAccess(const auth::Principal& p, const std::string& tenan
   return shared && action == auth::Action::kRead;
 }
 
-Status AccessControl::CheckContext(const auth::Principal& p, const storage::ContextId& id,
-                                   const v1::ContextManifest& m, auth::Action action) {
-  if (CanAccess(p, m.tenant(), m.shared(), action)) return Status::OK();
-  return NotFoundError("context " + id.ToHex() + " not found");
+StatusOr<std::unique_ptr<storage::ContextReader>> AccessControl::OpenReader(
+    storage::Store* store, const auth::Principal& p, const storage::ContextId& id,
+    auth::Action action) {
+  ASSIGN_OR_RETURN(std::unique_ptr<storage::ContextReader> reader, store->OpenReader(id));
+  const v1::ContextManifest& m = reader->manifest();
+  if (!CanAccess(p, m.tenant(), m.shared(), action)) return storage::ContextNotFoundError(id);
+  return reader;
+}
+
+StatusOr<v1::ContextManifest> AccessControl::GetManifest(storage::Store* store,
+                                                         const auth::Principal& p,
+                                                         const storage::ContextId& id,
+                                                         auth::Action action) {
+  ASSIGN_OR_RETURN(v1::ContextManifest m, store->GetManifest(id));
+  if (!CanAccess(p, m.tenant(), m.shared(), action)) return storage::ContextNotFoundError(id);
+  return m;
 }
 
 std::shared_ptr<const auth::TenantsConfig> AccessControl::tenants() const {

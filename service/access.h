@@ -25,7 +25,9 @@
 #include "common/status.h"
 #include "ctxcache/v1/ctxcache_service.pb.h"
 #include "service/config.h"
+#include "storage/context_reader.h"
 #include "storage/keys.h"
+#include "storage/store.h"
 
 namespace ctxcache::service {
 
@@ -53,10 +55,16 @@ class AccessControl {
   // readable by every tenant).
   static bool CanAccess(const auth::Principal& p, const std::string& tenant, bool shared,
                         auth::Action action);
-  // NOT_FOUND "context <id> not found" unless CanAccess: the same message
-  // the store gives for a context that does not exist.
-  static Status CheckContext(const auth::Principal& p, const storage::ContextId& id,
-                             const v1::ContextManifest& m, auth::Action action);
+  // The context's reader (lease) or manifest if `p` may perform `action` on
+  // it; the store's error if it does not exist, and the same
+  // storage::ContextNotFoundError if `p` may not see it.
+  static StatusOr<std::unique_ptr<storage::ContextReader>> OpenReader(storage::Store* store,
+                                                                      const auth::Principal& p,
+                                                                      const storage::ContextId& id,
+                                                                      auth::Action action);
+  static StatusOr<v1::ContextManifest> GetManifest(storage::Store* store, const auth::Principal& p,
+                                                   const storage::ContextId& id,
+                                                   auth::Action action);
 
   // ContextManifest.id_namespace for contexts of `tenant`.
   std::string IdNamespace(const std::string& tenant, bool ingested) const {

@@ -197,15 +197,12 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
         !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
-    auto reader = ctx_->store->OpenReader(*pid);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-    const v1::ContextManifest& parent = (*reader)->manifest();
     // A shared parent may be extended by any builder: the child belongs to
     // the caller's tenant.
-    if (Status s = AccessControl::CheckContext(rpc.principal(), *pid, parent, auth::Action::kRead);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
+    auto reader =
+        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *pid, auth::Action::kRead);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    const v1::ContextManifest& parent = (*reader)->manifest();
     auto model = ctx_->models.Get(parent.model().name());
     if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
     if ((*model)->spec.fingerprint() != parent.model().fingerprint()) {
@@ -448,12 +445,9 @@ grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext* context,
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-    auto m = ctx_->store->GetManifest(*id);
+    auto m =
+        AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
-    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kRead);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
     *response = ManifestToInfo(*m);
     return rpc.Finish(grpc::Status::OK);
   });
@@ -520,12 +514,9 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
     rpc.set_context_id(id->ToHex());
-    auto m = ctx_->store->GetManifest(*id);
+    auto m =
+        AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kBuild);
     if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
-    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, *m, auth::Action::kBuild);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
     auto deferred = ctx_->store->Delete(*id);
     if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
     response->set_deferred(*deferred);
@@ -570,11 +561,8 @@ grpc::Status AdminServiceImpl::UpdateFlag(
   auto id = ParseContextId(context_id);
   if (!id.ok()) return ToGrpc(id.status());
   rpc->set_context_id(id->ToHex());
-  auto before = ctx_->store->GetManifest(*id);
+  auto before = AccessControl::GetManifest(ctx_->store.get(), rpc->principal(), *id, action);
   if (!before.ok()) return ToGrpc(before.status());
-  if (Status s = AccessControl::CheckContext(rpc->principal(), *id, *before, action); !s.ok()) {
-    return ToGrpc(s);
-  }
   if (Status s = update(*id); !s.ok()) return ToGrpc(s);
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return ToGrpc(m.status());

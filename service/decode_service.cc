@@ -192,9 +192,8 @@ class DecodeStreamHandler {
 
   Status OpenReserved(const v1::OpenSession& open, v1::SessionOpened* out) {
     ASSIGN_OR_RETURN(storage::ContextId id, ParseContextId(open.context_id()));
-    ASSIGN_OR_RETURN(auto reader, ctx_->store->OpenReader(id));
-    RETURN_IF_ERROR(
-        AccessControl::CheckContext(principal_, id, reader->manifest(), auth::Action::kRead));
+    ASSIGN_OR_RETURN(auto reader, AccessControl::OpenReader(ctx_->store.get(), principal_, id,
+                                                            auth::Action::kRead));
     ASSIGN_OR_RETURN(QuotaGuard quota, ctx_->quotas->AdmitSession(principal_.tenant));
     std::map<std::string, std::string> params(open.params().begin(), open.params().end());
     ASSIGN_OR_RETURN(
@@ -359,13 +358,9 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
     if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-    auto reader = ctx_->store->OpenReader(*id);
+    auto reader =
+        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
-                                               auth::Action::kRead);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
     const v1::ContextManifest& m = (*reader)->manifest();
     std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
     std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
@@ -444,13 +439,9 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
     if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
-    auto reader = ctx_->store->OpenReader(*id);
+    auto reader =
+        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-    if (Status s = AccessControl::CheckContext(rpc.principal(), *id, (*reader)->manifest(),
-                                               auth::Action::kRead);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
     const v1::ContextManifest& m = (*reader)->manifest();
     PageBatcher batcher(
         kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },

@@ -24,6 +24,8 @@
 #include <thread>
 #include <utility>
 
+#include "auth/crypto.h"
+
 namespace ctxcache::service {
 
 namespace {
@@ -375,13 +377,7 @@ bool TokenMatches(const mg_connection* conn, int port) {
     want = "Bearer " + it->second;
   }
   const char* got = mg_get_header(conn, "Authorization");
-  std::string_view g = got ? got : "";
-  // Constant time in the token's length.
-  volatile uint8_t diff = g.size() != want.size();
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff = diff | static_cast<uint8_t>(want[i] ^ (i < g.size() ? g[i] : 0));
-  }
-  return diff == 0;
+  return auth::ConstantTimeEqual(got ? got : "", want);
 }
 
 // Runs before civetweb's URI handlers: everything but /metrics (which the

@@ -173,22 +173,30 @@ Status TenantQuotas::AdmitCommit(const std::string& tenant, uint64_t bytes, Quot
   return Status::OK();
 }
 
-StatusOr<QuotaGuard> TenantQuotas::AdmitStream(const std::string& tenant) {
+StatusOr<QuotaGuard> TenantQuotas::AdmitCounted(const std::string& tenant, QuotaGuard::Kind kind) {
   const auth::TenantQuota q = access_->tenants()->QuotaFor(tenant);
+  const bool session = kind == QuotaGuard::Kind::kSession;
+  const uint64_t limit = session ? q.max_sessions : q.max_streams;
   std::unique_lock<std::mutex> l(mu_);
   State& st = state_[tenant];
-  if (q.max_streams && st.streams >= q.max_streams) {
+  uint64_t& count = session ? st.sessions : st.streams;
+  if (limit && count >= limit) {
     l.unlock();
-    return Reject(tenant, "max_streams",
-                  "quota max_streams=" + std::to_string(q.max_streams) +
-                      " open streaming calls reached; close one first");
+    const char* name = session ? "max_sessions" : "max_streams";
+    return Reject(tenant, name,
+                  std::string("quota ") + name + "=" + std::to_string(limit) + " open " +
+                      (session ? "sessions" : "streaming calls") + " reached; close one first");
   }
-  ++st.streams;
+  ++count;
   QuotaGuard g;
   g.owner_ = this;
-  g.kind_ = QuotaGuard::Kind::kStream;
+  g.kind_ = kind;
   g.tenant_ = tenant;
   return g;
+}
+
+StatusOr<QuotaGuard> TenantQuotas::AdmitStream(const std::string& tenant) {
+  return AdmitCounted(tenant, QuotaGuard::Kind::kStream);
 }
 
 Status TenantQuotas::AdmitMessage(const std::string& tenant) {
@@ -218,21 +226,7 @@ Status TenantQuotas::AdmitMessage(const std::string& tenant) {
 
 StatusOr<QuotaGuard> TenantQuotas::AdmitSession(const std::string& tenant) {
   Track(tenant);
-  const auth::TenantQuota q = access_->tenants()->QuotaFor(tenant);
-  std::unique_lock<std::mutex> l(mu_);
-  State& st = state_[tenant];
-  if (q.max_sessions && st.sessions >= q.max_sessions) {
-    l.unlock();
-    return Reject(tenant, "max_sessions",
-                  "quota max_sessions=" + std::to_string(q.max_sessions) +
-                      " open sessions reached; close one first");
-  }
-  ++st.sessions;
-  QuotaGuard g;
-  g.owner_ = this;
-  g.kind_ = QuotaGuard::Kind::kSession;
-  g.tenant_ = tenant;
-  return g;
+  return AdmitCounted(tenant, QuotaGuard::Kind::kSession);
 }
 
 }  // namespace ctxcache::service

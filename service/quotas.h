@@ -85,6 +85,8 @@ class TenantQuotas {
  private:
   friend class QuotaGuard;
   Status Reject(const std::string& tenant, const char* reason, const std::string& msg);
+  // max_sessions or max_streams: one more of `kind` for the tenant.
+  StatusOr<QuotaGuard> AdmitCounted(const std::string& tenant, QuotaGuard::Kind kind);
 
   const AccessControl* access_;
   storage::Store* store_;
@@ -93,10 +95,10 @@ class TenantQuotas {
   struct State {
     uint64_t builds = 0;
     uint64_t sessions = 0;
-    uint64_t pending_bytes = 0;     // admitted commits not yet visible in the store
+    uint64_t pending_bytes = 0;  // admitted commits not yet visible in the store
     uint64_t pending_contexts = 0;
     uint64_t streams = 0;
-    double tokens = -1;         // message bucket; -1 = full
+    double tokens = -1;  // message bucket; -1 = full
     int64_t refilled_us = 0;
     std::deque<std::pair<int64_t, uint64_t>> recent_tokens;  // (ms, tokens)
   };

@@ -182,4 +182,8 @@ std::string ContextRangeEnd(const ContextId& id) {
   return std::string(32, '\xFF');
 }
 
+Status ContextNotFoundError(const ContextId& id) {
+  return NotFoundError("context " + id.ToHex() + " not found");
+}
+
 }  // namespace ctxcache::storage

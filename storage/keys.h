@@ -50,6 +50,11 @@ struct ContextId {
   friend auto operator<=>(const ContextId&, const ContextId&) = default;
 };
 
+// NOT_FOUND "context <hex> not found": the one message for a context that
+// does not exist, which the service also gives for a context the caller may
+// not see (so the two cannot be told apart).
+Status ContextNotFoundError(const ContextId& id);
+
 struct ContextIdHash {
   size_t operator()(const ContextId& id) const {
     uint64_t h;

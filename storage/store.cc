@@ -1266,7 +1266,7 @@ StatusOr<bool> StoreCore::Delete(const ContextId& id) {
         if (building_.count(id)) {
           return FailedPreconditionError("context " + Hex(id) + " is BUILDING; abort its build");
         }
-        return NotFoundError("context " + Hex(id) + " not found");
+        return ContextNotFoundError(id);
       }
       auto& e = *it->second;
       if (e.manifest.pinned()) {
@@ -1315,7 +1315,7 @@ Status StoreCore::NotServedLocked(const ContextId& id) const {
   if (building_.count(id)) {
     return FailedPreconditionError("context " + Hex(id) + " is BUILDING, not READY");
   }
-  return NotFoundError("context " + Hex(id) + " not found");
+  return ContextNotFoundError(id);
 }
 
 Status StoreCore::Quarantine(const ContextId& id, std::string_view reason) {

@@ -12,44 +12,12 @@
 #   5. stops the server (SIGTERM: drain, close RocksDB, exit 0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-JOBS="${CTXCACHE_JOBS:-$(nproc)}"
-
-# CTXCACHE_DEMO_SKIP_BUILD=1 reuses build/ as it is (the ctest that runs this
-# script in CI sets it, since ctest runs after the build).
-if [ "${CTXCACHE_DEMO_SKIP_BUILD:-0}" != "1" ]; then
-  echo "== installing dependencies"
-  ./scripts/install-deps.sh
-  echo "== building (Release)"
-  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build -j"$JOBS" --target ctxcached ctxcache ctxcache_spm
-fi
-
-WORK="$(mktemp -d /tmp/ctxcache-demo-XXXXXX)"
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+source scripts/demo-lib.sh
+demo_build
 
 echo "== starting ctxcached (data dir $WORK/data, log $WORK/ctxcached.log)"
 START=$(date +%s)
-./build/bin/ctxcached --data-dir "$WORK/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
-  --model-dir models --default-model ctxcache-ref --port-file "$WORK/ports" \
-  >"$WORK/ctxcached.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 300); do
-  [ -s "$WORK/ports" ] && break
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "ctxcached exited early:"; cat "$WORK/ctxcached.log"; exit 1
-  fi
-  sleep 0.1
-done
-[ -s "$WORK/ports" ] || { echo "ctxcached did not start in 30 s"; cat "$WORK/ctxcached.log"; exit 1; }
-PORT="$(sed -n 1p "$WORK/ports")"
+demo_start_server --metrics-listen 127.0.0.1:0 --model-dir models --default-model ctxcache-ref
 SERVER="127.0.0.1:$PORT"
 echo "== ctxcached is listening on $SERVER"
 

@@ -12,25 +12,8 @@
 #   6. stops the server and prints the audit log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-JOBS="${CTXCACHE_JOBS:-$(nproc)}"
-if [ "${CTXCACHE_DEMO_SKIP_BUILD:-0}" != "1" ]; then
-  echo "== installing dependencies"
-  ./scripts/install-deps.sh
-  echo "== building (Release)"
-  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build build -j"$JOBS" --target ctxcached ctxcache ctxcache_spm
-fi
-
-WORK="$(mktemp -d /tmp/ctxcache-secure-XXXXXX)"
-SERVER_PID=""
-cleanup() {
-  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+source scripts/demo-lib.sh
+demo_build
 CLI=./build/bin/ctxcache
 
 echo "== a test PKI (openssl): CA, server certificate for 127.0.0.1"
@@ -42,17 +25,10 @@ $CLI keys create --keys-file "$WORK/keys" --tenant globex --role reader >"$WORK/
 $CLI keys list --keys-file "$WORK/keys"
 
 echo "== starting ctxcached with TLS and API keys on 0.0.0.0"
-./build/bin/ctxcached --data-dir "$WORK/data" --listen 0.0.0.0:0 --metrics-listen "" \
-  --model-dir models --default-model ctxcache-ref --port-file "$WORK/ports" \
-  --tls-cert "$WORK/pki/server.pem" --tls-key "$WORK/pki/server.key" \
-  --keys-file "$WORK/keys" --audit-log "$WORK/audit.log" >"$WORK/ctxcached.log" 2>&1 &
-SERVER_PID=$!
-for _ in $(seq 1 300); do
-  [ -s "$WORK/ports" ] && break
-  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/ctxcached.log"; exit 1; }
-  sleep 0.1
-done
-SERVER="127.0.0.1:$(sed -n 1p "$WORK/ports")"
+DEMO_LISTEN=0.0.0.0:0 demo_start_server --metrics-listen "" --model-dir models \
+  --default-model ctxcache-ref --tls-cert "$WORK/pki/server.pem" --tls-key "$WORK/pki/server.key" \
+  --keys-file "$WORK/keys" --audit-log "$WORK/audit.log"
+SERVER="127.0.0.1:$PORT"
 TLS=(--server "$SERVER" --tls-ca "$WORK/pki/ca.pem")
 
 echo "== acme's builder builds a context over TLS"

@@ -837,7 +837,7 @@ TEST_F(SecurityTest, EachQuotaRefusesWithItsNameAndLeavesNothingHalfWritten) {
   grpc::Status long_build;
   std::thread t([&] {
     Caller c(server_.address(), Tls(q));
-    long_build = c.Build(Tokens(3000, 8), nullptr, "", [&](const v1::BuildProgress& p) {
+    long_build = c.Build(Tokens(30000, 8), nullptr, "", [&](const v1::BuildProgress& p) {
       if (p.phase() == v1::BuildProgress::PREFILL) started = true;
     });
   });

@@ -1,9 +1,9 @@
 """Triton kernels of the GPU sparse decode path.
 
 select_top_pages  exact per-row top-k of page scores (ties: lower page first),
-                  one program per row: bisection on the order-preserving
-                  integer image of the float scores, then a prefix-sum
-                  compaction. Replaces torch.topk, whose single-block radix
+                  one program per row: a FAN-ary search on the order-
+                  preserving integer image of the float scores, then a
+                  prefix-sum compaction. Replaces torch.topk, whose single-block radix
                   select dominated the selection at 8-64 rows of 8K pages.
 paged_decode_attention
                   flash-decoding over the selected pages read in place from
@@ -29,6 +29,10 @@ import triton.language as tl
 
 # Warps of the top-k kernel; 0 = by row length (override: CTXCACHE_SELECT_WARPS).
 SELECT_WARPS = int(os.environ.get("CTXCACHE_SELECT_WARPS", "0"))
+# Branching of the top-k search (a power of 2): FAN - 1 thresholds per step.
+# 4 measured fastest on an H100 (8 and 16 rows of 8K pages): the compares
+# grow with FAN faster than the steps shrink.
+SELECT_FAN = int(os.environ.get("CTXCACHE_SELECT_FAN", "4"))
 
 
 @triton.jit
@@ -79,7 +83,8 @@ def csa_score_pages(q: torch.Tensor, centroids: torch.Tensor, list_bins: torch.T
 
 @triton.jit
 def _select_top_pages_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr,
-                             KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+                             KEY_BITS: tl.constexpr, FAN: tl.constexpr, STEPS: tl.constexpr,
+                             BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     valid = offs < P
@@ -89,36 +94,35 @@ def _select_top_pages_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr
     if RESET:  # leave the bins zeroed for the next step
         tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
     bits = x.to(tl.int32, bitcast=True)
-    # Order-preserving int image of IEEE floats (negatives: flip all but sign).
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    # Order-preserving int32 image of IEEE floats (negatives: flip all but
+    # sign). Keys stay 32-bit (the compares are the kernel's work); only the
+    # search bounds' arithmetic is 64-bit.
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     # KEY_BITS 16: rank by the top 16 bits (bf16 precision), ties by page
-    # order; half the bisection steps of the exact 32-bit ranking.
+    # order; about half the search steps of the exact 32-bit ranking.
     key = key >> (32 - KEY_BITS)
-    lo = tl.min(tl.where(valid, key, 2**31), axis=0)
-    hi = tl.max(tl.where(valid, key, -2**31), axis=0)
-    # 4-ary search for the K-th largest key: three thresholds counted in one
-    # reduction per step. Invariant: count(key >= lo) >= K > count(key > hi).
-    quarter = tl.arange(0, 4)
-    for _ in tl.static_range(KEY_BITS // 2 + 1):
+    key = tl.where(valid, key, -2**31)  # padding ranks below every page
+    lo = tl.min(tl.where(valid, key, 2**31 - 1), axis=0).to(tl.int64)
+    hi = tl.max(key, axis=0).to(tl.int64)
+    # FAN-ary search for the K-th largest key: FAN - 1 thresholds counted in
+    # one 2-D reduction per step. Invariant: count(key >= lo) >= K > count(key > hi).
+    fan = tl.arange(0, FAN)
+    for _ in tl.static_range(STEPS):
         span = hi - lo + 1
-        t1 = lo + span // 4
-        t2 = lo + span // 2
-        t3 = lo + (span * 3) // 4
-        ts = tl.where(quarter == 0, t1, tl.where(quarter == 1, t2, t3))
+        ts = (lo + (span * fan) // FAN).to(tl.int32)  # ts[0] = lo
         cnt = tl.sum(((key[None, :] >= ts[:, None]) & valid[None, :]).to(tl.int32), axis=1)
-        c1 = tl.sum(tl.where(quarter == 0, cnt, 0), axis=0)
-        c2 = tl.sum(tl.where(quarter == 1, cnt, 0), axis=0)
-        c3 = tl.sum(tl.where(quarter == 2, cnt, 0), axis=0)
-        new_lo = tl.where(c3 >= K, t3, tl.where(c2 >= K, t2, tl.where(c1 >= K, t1, lo)))
-        hi = tl.where(c3 >= K, hi, tl.where(c2 >= K, t3 - 1, tl.where(c1 >= K, t2 - 1, t1 - 1)))
+        best = tl.max(tl.where(cnt >= K, fan, 0), axis=0)  # counts fall with the threshold
+        new_lo = lo + (span * best) // FAN
+        hi = tl.where(best == FAN - 1, hi, lo + (span * (best + 1)) // FAN - 1)
         lo = new_lo
+    lo = lo.to(tl.int32)
     gt = (key > lo) & valid
     eq = (key == lo) & valid
-    # One scan for both prefix counts: > in the low 16 bits, == in the high.
-    both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+    # One scan for both prefix counts: > in the low 32 bits, == in the high.
+    both = tl.cumsum(gt.to(tl.int64) + (eq.to(tl.int64) << 32), axis=0)
     total_gt = tl.sum(gt.to(tl.int32), axis=0)
-    gt_rank = both & 0xFFFF
-    eq_rank = both >> 16
+    gt_rank = both & 0xFFFFFFFF
+    eq_rank = both >> 32
     take_eq = eq & (eq_rank <= K - total_gt)
     take = gt | take_eq
     # Output slot: the strictly greater ones first, then the ties taken.
@@ -140,8 +144,12 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     block = triton.next_power_of_2(p)
+    key_bits = 32 if exact else 16
+    fan_bits = SELECT_FAN.bit_length() - 1
+    steps = (key_bits + fan_bits - 1) // fan_bits + 1
     _select_top_pages_kernel[(rows,)](scores, out, p, k, n_recent, RESET=reset,
-                                      KEY_BITS=32 if exact else 16, BLOCK=block,
+                                      KEY_BITS=key_bits, FAN=SELECT_FAN, STEPS=steps,
+                                      BLOCK=block,
                                       num_warps=SELECT_WARPS or (16 if block >= 4096 else 4))
     return out
 

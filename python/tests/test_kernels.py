@@ -1,0 +1,113 @@
+"""ctxcache.torch.kernels (Triton) against torch references. GPU only: skipped
+where there is no CUDA device or no triton (Debian CI); run on the GPU
+machine by scripts/gpu-suite.sh."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from ctxcache.torch import kernels  # noqa: E402
+
+DEV = "cuda"
+
+
+def reference_top_pages(scores: torch.Tensor, k: int, n_recent: int, key_bits: int):
+    """Global ids of each row's k best pages, ties by lower page, as sets."""
+    rows, p = scores.shape
+    x = scores.clone()
+    x[:, 0] = float("inf")
+    if n_recent:
+        x[:, p - n_recent:] = float("inf")
+    bits = x.view(torch.int32).to(torch.int64)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + 2**31
+    key = key >> (32 - key_bits)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    base = torch.arange(rows, device=scores.device).view(rows, 1) * p
+    return [set(r.tolist()) for r in (order + base)]
+
+
+def score_cases(rows: int, p: int):
+    g = torch.Generator(device=DEV).manual_seed(rows * 7919 + p)
+    yield "uniform", torch.rand(rows, p, device=DEV, generator=g)
+    yield "signed", torch.randn(rows, p, device=DEV, generator=g)
+    # Most pages never scored (exact zeros): the k-th key is a huge tie.
+    sparse = torch.rand(rows, p, device=DEV, generator=g)
+    sparse[torch.rand(rows, p, device=DEV, generator=g) < 0.97] = 0.0
+    yield "mostly_zero", sparse
+    # Few distinct values: ties everywhere, decided by page order.
+    yield "coarse", torch.randint(0, 5, (rows, p), device=DEV, generator=g).float()
+    yield "all_equal", torch.ones(rows, p, device=DEV)
+
+
+@pytest.mark.parametrize("rows,p,k", [(8, 8192, 413), (2, 20000, 1001), (64, 4096, 200),
+                                      (3, 300, 300), (1, 1000, 1)])
+@pytest.mark.parametrize("exact", [True, False])
+def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact) -> None:
+    out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
+    for name, scores in score_cases(rows, p):
+        n_recent = min(2, k - 1)
+        want = reference_top_pages(scores, k, n_recent, 32 if exact else 16)
+        x = scores.clone()
+        got = kernels.select_top_pages(x, k, n_recent=n_recent, reset=True, out=out, exact=exact)
+        assert [set(r.tolist()) for r in got] == want, name
+        assert torch.count_nonzero(x) == 0, "reset leaves the bins zeroed"
+
+
+def test_top_pages_is_graph_capturable() -> None:
+    rows, p, k = 8, 8192, 413
+    static = torch.rand(rows, p, device=DEV)
+    out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
+    kernels.select_top_pages(static.clone(), k, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.select_top_pages(static, k, out=out)
+    for seed in range(3):
+        fresh = torch.rand(rows, p, device=DEV, generator=torch.Generator(DEV).manual_seed(seed))
+        static.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert [set(r.tolist()) for r in out] == reference_top_pages(fresh, k, 0, 32)
+
+
+def test_paged_attention_equals_sdpa_over_the_gathered_pages() -> None:
+    g = torch.Generator(device=DEV).manual_seed(3)
+    rows, group, d, page, p, kp = 4, 4, 128, 16, 512, 37
+    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
+                         for r in range(rows)])
+    attn = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)
+    got = attn(q, k, v, pages).float()
+    tok = (pages.view(rows, kp, 1) * page + torch.arange(page, device=DEV)).view(rows, -1)
+    ks, vs = k[tok].float(), v[tok].float()  # [rows, kp*page, d]
+    w = torch.softmax(q.float() @ ks.transpose(1, 2) / math.sqrt(d), dim=-1)
+    torch.testing.assert_close(got, w @ vs, rtol=2e-2, atol=2e-2)
+
+
+def test_csa_score_pages_equals_the_torch_score_add() -> None:
+    g = torch.Generator(device=DEV).manual_seed(5)
+    rows, group, d, m, c, p, lst = 4, 4, 128, 8, 64, 256, 700
+    ds = d // m
+    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    cent = torch.nn.functional.normalize(
+        torch.randn(rows, m, c, ds, device=DEV, generator=g), dim=-1).to(torch.bfloat16)
+    ids = (torch.randint(0, p, (rows, m, c, lst), device=DEV, generator=g) +
+           (torch.arange(rows, device=DEV) * p).view(rows, 1, 1, 1)).view(rows * m * c, lst)
+    sc = torch.randn(rows * m * c, lst, device=DEV, dtype=torch.float16, generator=g)
+    bins = torch.zeros(rows * p, device=DEV)
+    kernels.csa_score_pages(q, cent, ids.to(torch.int32), sc, bins)
+    qs = q.float().mean(dim=1).view(rows, m, ds)
+    w = qs.norm(dim=-1)
+    j = torch.einsum("rmd,rmcd->rmc", qs, cent.float()).argmax(dim=-1)
+    lid = ((torch.arange(rows, device=DEV).view(rows, 1) * m +
+            torch.arange(m, device=DEV).view(1, m)) * c + j).view(-1)
+    want = torch.zeros(rows * p, device=DEV)
+    want.scatter_add_(0, ids[lid].view(-1), (sc[lid].float() * w.view(-1, 1)).view(-1))
+    torch.testing.assert_close(bins, want, rtol=1e-4, atol=1e-3)

@@ -33,6 +33,12 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def kl_div(p: "torch.Tensor", q: "torch.Tensor") -> float:
+    """KL(softmax(p) || softmax(q)) of two logit vectors."""
+    lp, lq = torch.log_softmax(p.float(), -1), torch.log_softmax(q.float(), -1)
+    return float(torch.sum(lp.exp() * (lp - lq)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -84,10 +90,7 @@ def main() -> int:
             out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced)
             method_tokens[method] = out.tokens
             agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
-            kl = []
-            for p, q in zip(dense_tf.logits, out.logits):
-                lp, lq = torch.log_softmax(p, -1), torch.log_softmax(q, -1)
-                kl.append(float(torch.sum(lp.exp() * (lp - lq))))
+            kl = [kl_div(p, q) for p, q in zip(dense_tf.logits, out.logits)]
             res[method] = {
                 "agreement": agree, "mean_kl": float(np.mean(kl)),
                 "max_abs_logit_diff": float(max(float((p - q).abs().max())
@@ -100,20 +103,27 @@ def main() -> int:
                 res[method]["tokens_equal_dense"] = out.tokens == dense_tf.tokens
             log(f"{method}: {res[method]}")
             save()
-        log("decode with csa, client-side selection + GPU page pool")
-        out = hf.generate_client(c, model, info, first, a.n_new, forced=forced)
-        agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
-        res["csa_client"] = {
-            "agreement": agree,
-            # Client-side selection is the server's pipeline: same tokens.
-            "tokens_equal_server_csa": out.tokens == method_tokens.get("csa"),
-            "bytes_per_step": out.bytes_received / a.n_new,
-            "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
-            "tokens_per_s": a.n_new / sum(out.step_s),
-            "step_ms_p50": 1e3 * statistics.median(out.step_s),
-            "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s)}
-        log(f"csa_client: {res['csa_client']}")
-        save()
+        for sel in ("exact", "torch"):
+            name = "csa_client" if sel == "exact" else "csa_client_torch"
+            log(f"decode with csa, client-side selection ({sel}) + GPU page pool")
+            out = hf.generate_client(c, model, info, first, a.n_new, forced=forced, selection=sel)
+            res[name] = {
+                "selection": sel,
+                "agreement": float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)])),
+                # exact: the server's pipeline, so the server's tokens; torch:
+                # the same stages as tensor ops (near-ties may differ).
+                "tokens_equal_server_csa": out.tokens == method_tokens.get("csa"),
+                "agreement_with_server_csa": float(np.mean(
+                    [x == y for x, y in zip(out.tokens, method_tokens.get("csa", []))])),
+                "mean_kl": float(np.mean([kl_div(x, y) for x, y in
+                                          zip(dense_tf.logits, out.logits)])),
+                "bytes_per_step": out.bytes_received / a.n_new,
+                "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
+                "tokens_per_s": a.n_new / sum(out.step_s),
+                "step_ms_p50": 1e3 * statistics.median(out.step_s),
+                "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s)}
+            log(f"{name}: {res[name]}")
+            save()
         log("native HF decode")
         # Native HF decoding over its own cache (SDPA), for context.
         cache = pre.cache

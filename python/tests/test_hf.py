@@ -87,9 +87,17 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
         csa = hf.generate(c, model, info, ids[-1], 16, method="csa")
         assert len(csa.tokens) == 16
         assert csa.bytes_received < full.bytes_received
-        # Client-side selection + GPU page pool: the server's selections.
-        client_csa = hf.generate_client(c, model, info, ids[-1], 16)
+        # Client-side selection + GPU page pool: the exact numpy core makes
+        # the server's selections, so the server's tokens.
+        client_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="exact")
         assert client_csa.tokens == csa.tokens
+        # The torch core on the device: the same stages as tensor ops; teacher
+        # forced on the server's tokens, near-ties aside it predicts the same.
+        torch_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="torch",
+                                       forced=csa.tokens)
+        same = sum(a == b for a, b in zip(torch_csa.tokens, csa.tokens))
+        assert same >= 15, (torch_csa.tokens, csa.tokens)
+        assert torch_csa.bytes_received < full.bytes_received
 
 
 def test_gpu_page_pool_fetches_only_missing_pages_and_evicts_lru(make_server) -> None:

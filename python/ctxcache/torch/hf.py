@@ -280,10 +280,12 @@ class _Decoder:
     the client-side selector and page pool, or the dense context KV)."""
 
     def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
-                 selector: Any = None, pool: Optional[GpuPagePool] = None) -> None:
+                 selector: Any = None, pool: Optional[GpuPagePool] = None,
+                 planner: Any = None) -> None:
         self.session = session
         self.dense_kv = dense_kv
-        self.selector = selector
+        self.selector = selector  # numpy CsaSession
+        self.planner = planner    # TorchCsaSession
         self.pool = pool
         self.bytes_received = 0
 
@@ -307,6 +309,8 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32)
     elif dec.selector is not None:
         ks, vs, masks = _client_step(dec, layer, q)
+    elif dec.planner is not None:
+        ks, vs, masks = _planned_step(dec, layer, q)
     else:
         k_all, v_all = dec.dense_kv[layer]  # [n_kv, n, d] on the device
         ks, vs, masks = list(k_all), list(v_all), None
@@ -333,6 +337,31 @@ def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
             ids = np.asarray(ids, dtype=np.int64)
             mask[j, np.searchsorted(pages, ids // b) * b + ids % b] = True
         masks.append(torch.as_tensor(mask).to(q.device))
+    return ks, vs, masks
+
+
+def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
+    """Client-side csa selection as tensor ops on the device
+    (ctxcache.torch.gpu_session) and the selected pages from the GPU page
+    pool; one device-to-host copy per layer (the page ids, for the pool)."""
+    pool = dec.pool
+    plan = dec.planner.step(layer, q)
+    n_kv = plan.pages.shape[0]
+    pages = [plan.page_ids(h) for h in range(n_kv)]
+    host = torch.cat(pages).cpu().tolist()
+    by_head, at = {}, 0
+    for h in range(n_kv):
+        by_head[h] = host[at:at + pages[h].numel()]
+        at += pages[h].numel()
+    before = pool.bytes_fetched
+    slots = pool.ensure(layer, by_head)
+    dec.bytes_received += pool.bytes_fetched - before
+    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, page]
+    ks, vs, masks = [], [], []
+    for h in range(n_kv):
+        ks.append(pool.k[slots[h]].reshape(-1, pool.k.shape[-1]))
+        vs.append(pool.v[slots[h]].reshape(-1, pool.v.shape[-1]))
+        masks.append(tok[h][:, pages[h]].reshape(tok.shape[1], -1))
     return ks, vs, masks
 
 
@@ -398,21 +427,33 @@ def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *
 def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
                     params: Optional[Dict[str, Any]] = None,
                     forced: Optional[Sequence[int]] = None,
-                    pool_bytes: int = 1 << 30) -> GenerateResult:
-    """As :func:`generate` with csa, but selecting on the client
-    (``ctxcache.torch.selection.CsaSession`` over the fetched index: the
-    same selections as a server-side session) and reading pages from a
-    :class:`GpuPagePool` that fetches only pages it does not hold: no
-    round trip per layer-step once the pool is warm."""
-    from ctxcache.torch.selection import CsaSession
+                    pool_bytes: int = 1 << 30, selection: str = "torch") -> GenerateResult:
+    """As :func:`generate` with csa, but selecting on the client and reading
+    pages from a :class:`GpuPagePool` that fetches only pages it does not
+    hold: no round trip per layer-step once the pool is warm.
 
+    selection: ``"torch"`` runs the session core as tensor ops on the
+    model's device (``ctxcache.torch.gpu_session.TorchCsaSession``; float
+    sums in another order than the server's, so a near-tie may resolve
+    differently); ``"exact"`` runs the numpy copy of the C++ core
+    (``ctxcache.torch.selection.CsaSession``: the server's selections
+    exactly, on the CPU)."""
     dev = next(model.parameters()).device
     arts = client.fetch_index(info.context_id, "csa")
-    selector = CsaSession(arts, n_q_heads=int(info.model.n_q_heads), params=params or {})
+    n_q = int(info.model.n_q_heads)
+    if selection == "torch":
+        from ctxcache.torch.gpu_session import TorchCsaSession
+        dec = _Decoder(planner=TorchCsaSession(arts, n_q_heads=n_q, params=params or {},
+                                               device=dev))
+    elif selection == "exact":
+        from ctxcache.torch.selection import CsaSession
+        dec = _Decoder(selector=CsaSession(arts, n_q_heads=n_q, params=params or {}))
+    else:
+        raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
     pool = GpuPagePool(client, info.context_id, int(info.block_tokens) or 16,
                        int(info.model.head_dim), dev, pool_bytes)
-    res = _decode(model, _Decoder(selector=selector, pool=pool), first_token,
-                  int(info.n_tokens), n_new, forced)
+    dec.pool = pool
+    res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
     res.pool_hits, res.pool_misses = pool.hits, pool.misses  # type: ignore[attr-defined]
     return res
 

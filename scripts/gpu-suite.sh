@@ -66,7 +66,8 @@ stage hf_decode 500 bash -c "
   '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref \
     --file tests/data/demo/document.txt --text \"\$1\" >'$WORK/tokens.json' &&
   PYTHONPATH='$WORK/site' python3 python/bench/hf_decode.py --server \$addr \
-    --tokens-json '$WORK/tokens.json' --n-new \${CTXCACHE_HF_NEW:-32} --out '$OUT/hf_decode.json' &&
+    --tokens-json '$WORK/tokens.json' --n-new \${CTXCACHE_HF_NEW:-32} --out '$OUT/hf_decode.json' \
+    \${CTXCACHE_HF_ARGS:-} &&
   id=\$('$WORK/bin/ctxcache' --server \$addr --json --timeout 600 build \
     --file tests/data/demo/document.txt | python3 -c 'import json,sys; print(json.loads(sys.stdin.read().splitlines()[-1])[\"context_id\"])') &&
   '$WORK/bin/ctxcache' --server \$addr --timeout 600 --json generate --context \$id --prompt \"\$1\" \

@@ -48,6 +48,8 @@ def main() -> int:
     ap.add_argument("--n-new", type=int, default=64)
     ap.add_argument("--methods", default="full,csa,streaming")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the torch client-side decode (host time per function)")
     a = ap.parse_args()
 
     import ctxcache
@@ -106,7 +108,18 @@ def main() -> int:
         for sel in ("exact", "torch"):
             name = "csa_client" if sel == "exact" else "csa_client_torch"
             log(f"decode with csa, client-side selection ({sel}) + GPU page pool")
+            if a.profile and sel == "torch":  # where the host time goes, per function
+                import cProfile
+                import io
+                import pstats
+                prof = cProfile.Profile()
+                prof.enable()
             out = hf.generate_client(c, model, info, first, a.n_new, forced=forced, selection=sel)
+            if a.profile and sel == "torch":
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+                log(text.getvalue())
             res[name] = {
                 "selection": sel,
                 "agreement": float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)])),

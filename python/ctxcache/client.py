@@ -741,7 +741,8 @@ class Client:
             return [p for batch in stream for p in batch.pages]
 
         raw = self._stream("FetchPages", self._decode.FetchPages, req, consume)
-        return [decode_page(p, dtype, as_torch, rpc="FetchPages") for p in raw]
+        check_page_crcs(raw, rpc="FetchPages")  # one batched pass, not a loop per page
+        return [decode_page(p, dtype, as_torch, rpc="FetchPages", crc_checked=True) for p in raw]
 
     def open_session(self, context_id: str, method: str = "csa",
                      params: Optional[Mapping[str, Any]] = None, *, as_torch: bool = False,

@@ -89,6 +89,13 @@ struct Selection {
   // token's attention logit (q.k / sqrt(d) scale); empty when the method has
   // none. The page cap ranks pages by the softmax mass of these estimates.
   std::vector<std::vector<float>> per_head_logits;
+  // Optional, one per q head when per_head_logits is set: log of the method's
+  // estimated softmax normalizer, log sum_i exp(logit_i) over every covered
+  // token with the same logit estimates (csa: its accumulated list scores;
+  // oracle: exact). Empty when the method has no estimate for the tokens it
+  // did not select. The session's per-step attention-mass estimate
+  // (EstimateCapturedMass) needs it.
+  std::vector<double> per_head_log_normalizer;
 };
 
 // Work done by one call, for benchmarks and metrics.

@@ -181,6 +181,10 @@ class Task:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
+    def token_ids(self):
+        """[<s>] + context + question + answer: the training sequence (no </s>)."""
+        return [BOS] + self.context_ids + self.question_ids + self.answer_ids
+
     def to_json(self):
         return {k: self.__dict__[k] for k in (
             "id", "family", "seed", "length", "depth", "kind", "n_tokens", "needle_token",
@@ -320,7 +324,7 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
                         depth=depth, kind=kind, n_tokens=1 + len(ctx_ids),
                         needle_token=needle_token, doc=pool.names[hay[0][0]], context=context,
                         question=question, answer=answer, question_ids=question_ids,
-                        answer_ids=answer_ids)
+                        answer_ids=answer_ids, context_ids=ctx_ids)
         budget = int(budget * (0.95 * length / total))
     raise RuntimeError(f"could not fit a {family} task into {length} tokens")
 

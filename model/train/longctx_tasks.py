@@ -163,13 +163,13 @@ class DocumentPool:
                     self.sentences.append((di, s))
 
     def haystack(self, rng, n_tokens):
-        """Consecutive paragraphs from a random start (wrapping) with at least
-        n_tokens tokens (paragraph counts plus 2 per separator)."""
+        """Consecutive paragraphs (doc index, text, tokens) from a random start
+        (wrapping) with at least n_tokens tokens (plus 2 per separator)."""
         i = rng.randrange(len(self.paras))
         out, total = [], 0
         for _ in range(len(self.paras)):
             di, p, n = self.paras[i]
-            out.append((di, p))
+            out.append((di, p, n))
             total += n + 2
             if total >= n_tokens:
                 break
@@ -263,16 +263,16 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
     budget = length
     for attempt in range(6):
         hay = pool.haystack(rng, budget)
-        inserts, question, answer, kind = _needles(family, rng, pool, {d for d, _ in hay})
-        paras = [p for _, p in hay]
+        inserts, question, answer, kind = _needles(family, rng, pool, {d for d, _, _ in hay})
+        paras = [p for _, p, _ in hay]
         # Place every insert on a paragraph boundary by token position: the
         # queried one (rel None) at the depth, the others at their own relative
         # positions; ("after", u) entries are chain links placed at fraction u of
         # the way from the previous link to the end.
         n = len(paras)
         cum = [0]
-        for p in paras:
-            cum.append(cum[-1] + tok.count(p) + 2)
+        for _, _, n_tok in hay:
+            cum.append(cum[-1] + n_tok + 2)
 
         def slot_at(frac):
             target = frac * cum[-1]
@@ -306,12 +306,22 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
         answer_ids = qa_ids[len(question_ids):]
         context = "\n\n".join(blocks) + "\n\n"
         ctx_ids = tok.encode(context)
+        counts = {p: n_tok for _, p, n_tok in hay}
         while 1 + len(ctx_ids) + len(qa_ids) > length:
-            drop = next((j for j in range(len(blocks) - 1, -1, -1) if blocks[j] not in inserted),
-                        None)
-            if drop is None or drop < len(blocks) // 2:
+            # Drop trailing paragraphs (never an insert) worth the excess, then
+            # re-encode once.
+            excess = 1 + len(ctx_ids) + len(qa_ids) - length
+            dropped = False
+            while excess > 0:
+                drop = next((j for j in range(len(blocks) - 1, -1, -1)
+                             if blocks[j] not in inserted), None)
+                if drop is None or drop < len(blocks) // 2:
+                    break
+                excess -= counts.get(blocks[drop], 0) + 2
+                blocks.pop(drop)
+                dropped = True
+            if not dropped:
                 break
-            blocks.pop(drop)
             context = "\n\n".join(blocks) + "\n\n"
             ctx_ids = tok.encode(context)
         total = 1 + len(ctx_ids) + len(qa_ids)

@@ -420,10 +420,11 @@ Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* sta
     budget_ = in.budget;
     out->per_head.resize(in.n_queries);
     out->per_head_logits.resize(in.n_queries);
-    out->per_head_log_normalizer.resize(in.n_queries);
+    out->per_head_log_normalizer.resize(in.want_log_normalizer ? in.n_queries : 0);
     for (int h = 0; h < in.n_queries; ++h) {
       SearchOne(in.queries + static_cast<int64_t>(h) * d_, &out->per_head[h],
-                &out->per_head_logits[h], &out->per_head_log_normalizer[h], stats);
+                &out->per_head_logits[h],
+                in.want_log_normalizer ? &out->per_head_log_normalizer[h] : nullptr, stats);
     }
     if (options_.period > 1) {
       last_per_head_ = out->per_head;

@@ -87,12 +87,13 @@ double ExactAttention::OutputError(const std::vector<int32_t>& ids) const {
 
 double LogSumExp(const float* x, int64_t n, float scale) {
   if (n <= 0) return -std::numeric_limits<double>::infinity();
-  double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, static_cast<double>(x[i]) * scale);
+  // Vectorized float exp (one pass per decode step and q head); the shift by
+  // the maximum keeps every term in (0, 1].
+  Eigen::Map<const Eigen::ArrayXf> a(x, n);
+  const float mx = scale >= 0 ? a.maxCoeff() * scale : a.minCoeff() * scale;
   if (!std::isfinite(mx)) return mx;
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(x[i]) * scale - mx);
-  return mx + std::log(sum);
+  const double sum = (a * scale - mx).exp().cast<double>().sum();
+  return static_cast<double>(mx) + std::log(sum);
 }
 
 double EstimateCapturedMass(const std::vector<int32_t>& estimated, const std::vector<float>& logits,

@@ -76,6 +76,8 @@ struct SelectInput {
   int n_queries = 0;                // normally G
   int64_t budget = 0;               // tokens per q head; 0 = the method's default (rho * N)
   const KeySource* keys = nullptr;  // required by oracle/tactic/lfps; may be null otherwise
+  // Fill Selection::per_head_log_normalizer (methods that can: csa, oracle).
+  bool want_log_normalizer = false;
 };
 
 struct Selection {

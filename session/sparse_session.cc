@@ -187,6 +187,7 @@ Status SparseSession::PlanHeadWith(int layer, index::Selector* selector,
   in.n_queries = shape_.group_size();
   in.budget = params_.TokenBudget(n);
   in.keys = keys;
+  in.want_log_normalizer = params_.estimate_mass;
   index::Selection sel;
   index::WorkStats ws;
   RETURN_IF_ERROR(selector->Select(in, &sel, &ws));
@@ -207,7 +208,8 @@ Status SparseSession::PlanHeadWith(int layer, index::Selector* selector,
           index::EstimateCapturedMass(estimated_ids[h], sel.per_head_logits[h],
                                       sel.per_head_log_normalizer[h], n, out->per_q_head[h])));
     }
-  } else if (std::all_of(out->per_q_head.begin(), out->per_q_head.end(),
+  } else if (params_.estimate_mass &&
+             std::all_of(out->per_q_head.begin(), out->per_q_head.end(),
                          [n](const auto& ids) { return static_cast<int64_t>(ids.size()) == n; })) {
     out->estimated_mass.assign(out->per_q_head.size(), 1.0f);
   }

@@ -72,7 +72,8 @@ struct HeadStep {
   // per_q_head captures, in [0, 1], from the method's own logit estimates
   // (index::EstimateCapturedMass over Selection::per_head_logits and
   // per_head_log_normalizer: csa, oracle), or exactly 1 when every q head
-  // attends every token (full). Empty when the method gives no estimate
+  // attends every token (full). Only with the session param estimate_mass;
+  // empty without it and when the method gives no estimate
   // (tactic with a token budget, quest, lfps, streaming; csa steps that reuse
   // a selection under a search period).
   std::vector<float> estimated_mass;

@@ -5,8 +5,8 @@
 // (scripts/make-ref-trace.sh: tests/data/demo/document.txt, layers 3 and 7).
 //
 // The session runs as served: selectors built by the method registry with
-// the served defaults, session params {rho: 0.05} (page cap at 5% of the
-// pages, whole-page widening). The context is the trace's tokens before the
+// the served defaults, session params {rho: 0.05, estimate_mass: 1} (page cap
+// at 5% of the pages, whole-page widening). The context is the trace's tokens before the
 // last 64 stored query rows; those rows are the decode steps (each over the
 // context only). Reported: Pearson correlation and mean absolute error of
 // estimate vs exact mass over every (layer, q head, step).
@@ -189,7 +189,7 @@ class MassEstimateTest : public ::testing::Test {
 TEST_F(MassEstimateTest, CsaEstimateTracksExactMassOnTheReferenceTrace) {
   std::vector<double> est, exact;
   int missing = 0;
-  Run("csa", {{"rho", "0.05"}}, &est, &exact, &missing);
+  Run("csa", {{"rho", "0.05"}, {"estimate_mass", "1"}}, &est, &exact, &missing);
   ASSERT_EQ(missing, 0);
   const Agreement a = Compare(est, exact);
   std::printf(
@@ -207,7 +207,7 @@ TEST_F(MassEstimateTest, CsaEstimateTracksExactMassOnTheReferenceTrace) {
 TEST_F(MassEstimateTest, OracleEstimateIsNearlyExact) {
   std::vector<double> est, exact;
   int missing = 0;
-  Run("oracle", {{"rho", "0.05"}}, &est, &exact, &missing);
+  Run("oracle", {{"rho", "0.05"}, {"estimate_mass", "1"}}, &est, &exact, &missing);
   ASSERT_EQ(missing, 0);
   const Agreement a = Compare(est, exact);
   std::printf("oracle rho 0.05: correlation %.3f, MAE %.4f, mean estimate %.3f, mean exact %.3f\n",
@@ -216,17 +216,26 @@ TEST_F(MassEstimateTest, OracleEstimateIsNearlyExact) {
   EXPECT_LE(a.mae, 0.05);
 }
 
+// Without the session param there is no estimate (and no O(n) pass).
+TEST_F(MassEstimateTest, NoEstimateUnlessTheSessionAsks) {
+  std::vector<double> est, exact;
+  int missing = 0;
+  Run("csa", {{"rho", "0.05"}}, &est, &exact, &missing);
+  EXPECT_TRUE(est.empty());
+  EXPECT_EQ(missing, 2 * 2 * kSteps);
+}
+
 // Methods without logit estimates report none; full attends everything (1).
 TEST_F(MassEstimateTest, StreamingHasNoEstimateAndFullIsOne) {
   std::vector<double> est, exact;
   int missing = 0;
-  Run("streaming", {{"rho", "0.05"}}, &est, &exact, &missing);
+  Run("streaming", {{"rho", "0.05"}, {"estimate_mass", "1"}}, &est, &exact, &missing);
   EXPECT_TRUE(est.empty());
   EXPECT_EQ(missing, 2 * 2 * kSteps);
   est.clear();
   exact.clear();
   missing = 0;
-  Run("full", {}, &est, &exact, &missing);
+  Run("full", {{"estimate_mass", "1"}}, &est, &exact, &missing);
   ASSERT_EQ(missing, 0);
   for (size_t i = 0; i < est.size(); ++i) {
     EXPECT_EQ(est[i], 1.0);

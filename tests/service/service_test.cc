@@ -239,7 +239,9 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
     ASSERT_NO_FATAL_FAILURE(LoadSelectors(id, method, spec, &owned, &sels));
     // Embedded: the model's KvCache is the page source.
     model::KvCachePageFetcher fetcher(&stored, static_cast<int>(info.block_tokens()));
-    auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, {});
+    model::SparseAttentionOptions sparse_options;
+    sparse_options.params = {{"estimate_mass", "1"}};
+    auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, sparse_options);
     ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
     Trace embedded;
     std::vector<float> logits;
@@ -267,6 +269,7 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
       so.context_id = id;
       so.method = method;
       so.mode = mode;
+      so.params = {{"estimate_mass", "1"}};
       auto session = client_->OpenSession(so);
       ASSERT_TRUE(session.ok()) << session.status().ToString();
       client::RemoteAttention remote(spec, session->get(), n);

@@ -85,16 +85,20 @@ StatusOr<std::vector<TaskSpec>> ReadTasks(const std::string& path, int limit) {
       }
     }
     TaskSpec t;
-    t.id = j["id"].get<std::string>();
-    t.family = j["family"].get<std::string>();
-    t.kind = j.value("kind", "");
-    t.length = j["length"].get<int64_t>();
-    t.depth = j["depth"].get<double>();
-    t.n_tokens = j["n_tokens"].get<int64_t>();
-    t.needle_token = j.value("needle_token", int64_t{0});
-    t.context = j["context"].get<std::string>();
-    t.question_ids = j["question_ids"].get<std::vector<int32_t>>();
-    t.answer_ids = j["answer_ids"].get<std::vector<int32_t>>();
+    try {
+      t.id = j["id"].get<std::string>();
+      t.family = j["family"].get<std::string>();
+      t.kind = j.value("kind", "");
+      t.length = j["length"].get<int64_t>();
+      t.depth = j["depth"].get<double>();
+      t.n_tokens = j["n_tokens"].get<int64_t>();
+      t.needle_token = j.value("needle_token", int64_t{0});
+      t.context = j["context"].get<std::string>();
+      t.question_ids = j["question_ids"].get<std::vector<int32_t>>();
+      t.answer_ids = j["answer_ids"].get<std::vector<int32_t>>();
+    } catch (const Json::exception& e) {
+      return InvalidArgumentError("--tasks: " + where + ": " + e.what());
+    }
     if (t.question_ids.empty() || t.answer_ids.empty()) {
       return InvalidArgumentError("--tasks: " + where + " has an empty question or answer");
     }
@@ -203,6 +207,109 @@ void PrintTable(const std::vector<Config>& configs, const std::map<std::string, 
   }
 }
 
+// One task: builds its context, runs every configuration, tallies the
+// results under the task's groups, fills *out (per-task JSON) and evicts the
+// context. build_s / decode_s accumulate wall seconds.
+Status ScoreTask(const model::Model& model, client::Client* client,
+                 const v1::BuildContextRequest& build_template, const TaskSpec& task,
+                 const std::vector<Config>& configs, std::map<std::string, Tally>* tallies,
+                 Json* out, double* build_s, double* decode_s) {
+  v1::BuildContextRequest req = build_template;
+  req.set_text(task.context);
+  req.set_add_bos(true);
+  const auto tb = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(v1::BuildProgress built, client->Build(req, nullptr));
+  *build_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - tb).count();
+  const v1::ContextInfo& info = built.context();
+  if (static_cast<int64_t>(info.n_tokens()) != task.n_tokens) {
+    return FailedPreconditionError(std::string("the server tokenized ")
+                                       .append(std::to_string(info.n_tokens()))
+                                       .append(" tokens, the generator ")
+                                       .append(std::to_string(task.n_tokens))
+                                       .append(" (a different tokenizer?)"));
+  }
+  Json& tj = *out;
+  tj["id"] = task.id;
+  tj["family"] = task.family;
+  tj["length"] = task.length;
+  tj["depth"] = task.depth;
+  tj["n_tokens"] = task.n_tokens;
+  tj["needle_token"] = task.needle_token;
+  tj["answer_ids"] = task.answer_ids;
+  for (const Config& c : configs) {
+    auto o = RunTask(model, client, info.context_id(), task, c);
+    if (!o.ok()) return o.status().WithContext(c.Label());
+    *decode_s += o->seconds;
+    for (const auto& g : TaskGroups(task)) (*tallies)[c.Label()].Add(g, o->correct);
+    tj["results"][c.Label()] = {{"correct", o->correct}, {"generated", o->generated}};
+  }
+  return client->Evict(info.context_id()).status().WithContext("evict");
+}
+
+// The (method, budget) configurations of --methods and --budgets (full
+// once), and the indexes a build must add for them (methods not always built).
+Status ParseConfigs(const std::string& methods_arg, const std::string& budgets_arg,
+                    std::vector<Config>* configs, std::vector<double>* budgets,
+                    v1::BuildContextRequest* build_req) {
+  for (const auto& b : SplitList(budgets_arg)) {
+    char* end = nullptr;
+    const double v = std::strtod(b.c_str(), &end);
+    if (end == b.c_str() || *end != '\0' || !(v > 0 && v <= 1)) {
+      return InvalidArgumentError(
+          std::string("--budgets: '").append(b).append("' is not in (0, 1]"));
+    }
+    budgets->push_back(v);
+  }
+  for (const auto& m : SplitList(methods_arg)) {
+    auto info = index::FindMethodInfo(m);
+    if (!info.ok()) return info.status().WithContext("--methods");
+    if (m == "full") {
+      configs->push_back({m, 0});
+      continue;
+    }
+    if (!(*info)->always_built) build_req->add_indexes()->set_method(m);
+    for (double b : *budgets) configs->push_back({m, b});
+  }
+  if (configs->empty()) return InvalidArgumentError("--methods: no method given");
+  return Status::OK();
+}
+
+// The quick test's checks: full's accuracy >= expect_full_min, and on far
+// needles full - streaming >= expect_far_gap at every budget (negative =
+// unchecked). Returns one line per failed check.
+std::vector<std::string> CheckExpectations(std::map<std::string, Tally>& tallies,
+                                           const std::vector<double>& budgets,
+                                           double expect_full_min, double expect_far_gap) {
+  std::vector<std::string> failures;
+  if (expect_full_min >= 0) {
+    const double full = tallies.count("full") ? tallies["full"].Accuracy("all") : -1;
+    if (full < expect_full_min) {
+      failures.push_back(std::string("full accuracy ")
+                             .append(std::to_string(full))
+                             .append(" < ")
+                             .append(std::to_string(expect_full_min)));
+    }
+  }
+  if (expect_far_gap >= 0) {
+    const double full_far = tallies.count("full") ? tallies["full"].Accuracy("depth:far") : -1;
+    for (double b : budgets) {
+      const std::string label = Config{"streaming", b}.Label();
+      const double st = tallies.count(label) ? tallies[label].Accuracy("depth:far") : -1;
+      if (full_far < 0 || st < 0 || full_far - st < expect_far_gap) {
+        failures.push_back(std::string("far needles: full ")
+                               .append(std::to_string(full_far))
+                               .append(" - ")
+                               .append(label)
+                               .append(" ")
+                               .append(std::to_string(st))
+                               .append(" < ")
+                               .append(std::to_string(expect_far_gap)));
+      }
+    }
+  }
+  return failures;
+}
+
 int RunTasks(int argc, char** argv) {
   CLI::App app{"ctxcache-bench tasks"};
   std::string tasks_path, model_dir, methods_arg = "full,oracle,csa,tactic,quest,streaming,lfps",
@@ -231,28 +338,11 @@ int RunTasks(int argc, char** argv) {
   }
   std::vector<Config> configs;
   std::vector<double> budgets;
-  for (const auto& b : SplitList(budgets_arg)) {
-    char* end = nullptr;
-    const double v = std::strtod(b.c_str(), &end);
-    if (end == b.c_str() || *end != '\0' || !(v > 0 && v <= 1)) {
-      std::cerr << "ctxcache-bench tasks: --budgets: '" << b << "' is not in (0, 1]\n";
-      return 2;
-    }
-    budgets.push_back(v);
-  }
   v1::BuildContextRequest proto_req;
-  for (const auto& m : SplitList(methods_arg)) {
-    auto info = index::FindMethodInfo(m);
-    if (!info.ok()) {
-      std::cerr << "ctxcache-bench tasks: --methods: " << info.status().ToString() << "\n";
-      return 2;
-    }
-    if (m == "full") {
-      configs.push_back({m, 0});
-      continue;
-    }
-    if (!(*info)->always_built) proto_req.add_indexes()->set_method(m);
-    for (double b : budgets) configs.push_back({m, b});
+  if (Status st = ParseConfigs(methods_arg, budgets_arg, &configs, &budgets, &proto_req);
+      !st.ok()) {
+    std::cerr << "ctxcache-bench tasks: " << st.ToString() << "\n";
+    return 2;
   }
   auto model = model::Model::Load(mp.string());
   if (!model.ok()) {
@@ -276,49 +366,14 @@ int RunTasks(int argc, char** argv) {
   Json results = Json::array();
   double build_s = 0, decode_s = 0;
   for (const TaskSpec& task : *tasks) {
-    v1::BuildContextRequest req = proto_req;
-    req.set_text(task.context);
-    req.set_add_bos(true);
-    auto tb = std::chrono::steady_clock::now();
-    auto built = client->Build(req, nullptr);
-    if (!built.ok()) {
-      std::cerr << "ctxcache-bench tasks: build " << task.id << ": " << built.status().ToString()
-                << "\n";
-      return 1;
-    }
-    build_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - tb).count();
-    const v1::ContextInfo& info = built->context();
-    if (static_cast<int64_t>(info.n_tokens()) != task.n_tokens) {
-      std::cerr << "ctxcache-bench tasks: task " << task.id << ": the server tokenized "
-                << info.n_tokens() << " tokens, the generator " << task.n_tokens
-                << " (a different tokenizer?)\n";
-      return 1;
-    }
     Json tj;
-    tj["id"] = task.id;
-    tj["family"] = task.family;
-    tj["length"] = task.length;
-    tj["depth"] = task.depth;
-    tj["n_tokens"] = task.n_tokens;
-    tj["needle_token"] = task.needle_token;
-    tj["answer_ids"] = task.answer_ids;
-    for (const Config& c : configs) {
-      auto o = RunTask(**model, client.get(), info.context_id(), task, c);
-      if (!o.ok()) {
-        std::cerr << "ctxcache-bench tasks: task " << task.id << " " << c.Label() << ": "
-                  << o.status().ToString() << "\n";
-        return 1;
-      }
-      decode_s += o->seconds;
-      for (const auto& g : TaskGroups(task)) tallies[c.Label()].Add(g, o->correct);
-      tj["results"][c.Label()] = {{"correct", o->correct}, {"generated", o->generated}};
+    if (Status st = ScoreTask(**model, client.get(), proto_req, task, configs, &tallies, &tj,
+                              &build_s, &decode_s);
+        !st.ok()) {
+      std::cerr << "ctxcache-bench tasks: task " << task.id << ": " << st.ToString() << "\n";
+      return 1;
     }
     results.push_back(tj);
-    auto ev = client->Evict(info.context_id());
-    if (!ev.ok()) {
-      std::cerr << "ctxcache-bench tasks: evict: " << ev.status().ToString() << "\n";
-      return 1;
-    }
     std::cerr << "task " << results.size() << "/" << tasks->size() << " " << task.family << " "
               << task.length << " depth " << task.depth << ": full "
               << (tj["results"].contains("full") ? tj["results"]["full"]["correct"].dump() : "-")
@@ -350,26 +405,8 @@ int RunTasks(int argc, char** argv) {
     out["accuracy"][c.Label()] = {{"method", c.method}, {"budget", c.budget}, {"groups", a}};
   }
   out["tasks"] = results;
-  // Checks (the quick ctest).
-  std::vector<std::string> failures;
-  if (expect_full_min >= 0) {
-    const double full = tallies.count("full") ? tallies["full"].Accuracy("all") : -1;
-    if (full < expect_full_min) {
-      failures.push_back("full accuracy " + std::to_string(full) + " < " +
-                         std::to_string(expect_full_min));
-    }
-  }
-  if (expect_far_gap >= 0) {
-    const double full_far = tallies.count("full") ? tallies["full"].Accuracy("depth:far") : -1;
-    for (double b : budgets) {
-      const std::string label = Config{"streaming", b}.Label();
-      const double s = tallies.count(label) ? tallies[label].Accuracy("depth:far") : -1;
-      if (full_far < 0 || s < 0 || full_far - s < expect_far_gap) {
-        failures.push_back("far needles: full " + std::to_string(full_far) + " - " + label + " " +
-                           std::to_string(s) + " < " + std::to_string(expect_far_gap));
-      }
-    }
-  }
+  const std::vector<std::string> failures =
+      CheckExpectations(tallies, budgets, expect_full_min, expect_far_gap);
   out["check_failures"] = failures;
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);

@@ -39,6 +39,14 @@ so tasks are reproducible one by one. EVAL_SEED is the held-out evaluation seed;
 training seeds must differ from it (train.py refuses it) and the evaluation reads
 held-out documents only (tests/data/demo, never the training corpus).
 
+Why Python, and a file between the two sides: the training code is Python
+(train.py imports this module), and the service-side evaluation is the C++
+`ctxcache-bench tasks`, which already runs the real model through ctxcached
+with the reference worker (client::GenerateRemote) and needs neither torch nor
+transformers on the CPU machine. The JSONL carries the question and answer
+token ids, so the bench needs no tokenizer; it checks the server's token count
+of the context against the generator's n_tokens.
+
 Usage:
   python3 model/train/longctx_tasks.py --tok models/ctxcache-ref/tokenizer.model \\
       --docs tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt \\

@@ -313,7 +313,9 @@ def cmd_train(a):
     state = {"step": 0, "tokens": 0, "task_rows": 0, "rows": 0, "elapsed": 0.0, "ema": None}
     ckpt = os.path.join(a.run, "ckpt.pt")
     if a.resume and os.path.exists(ckpt):
-        c = torch.load(ckpt, map_location=dev)
+        # CPU first: the RNG state must stay a CPU tensor; the optimizer
+        # moves its state to the parameters' device.
+        c = torch.load(ckpt, map_location="cpu", weights_only=False)
         model.load_state_dict(c["model"])
         opt.load_state_dict(c["opt"])
         g.set_state(c["gen"])

@@ -35,34 +35,14 @@
 #include <thread>
 
 #include "bench/bench_registry.h"
+#include "bench/bench_server.h"
 #include "client/worker/decode_worker.h"
 #include "common/percentile.h"
 #include "ctxcache/client.h"
 #include "model/model.h"
-#include "tests/service/server_process.h"
 
 namespace ctxcache::bench {
 namespace {
-
-std::string SelfDir() {
-  return std::filesystem::read_symlink("/proc/self/exe").parent_path().string();
-}
-
-// ctxcached from the bench's own bin directory, data under dir/data, metrics
-// off; the process spawn and port-file wait are tests/service/server_process.h.
-bool StartServer(const std::string& dir, const std::string& model_dir, const std::string& model,
-                 testing::ServerProcess* server) {
-  return server->Start(dir + "/data",
-                       {"--metrics-listen", "", "--model-dir", model_dir, "--default-model", model,
-                        "--max-message-bytes", "67108864", "--log-level", "warn"});
-}
-
-// Stops the server with SIGTERM when the bench returns (drains; SIGKILL after
-// ServerProcess::Stop's timeout).
-struct StopOnExit {
-  testing::ServerProcess* server;
-  ~StopOnExit() { server->Stop(SIGTERM); }
-};
 
 struct RunResult {
   std::vector<double> step_us;
@@ -267,7 +247,7 @@ int RunE2e(int argc, char** argv) {
   std::string dir = mkdtemp(tmpl.data());
   testing::ServerProcess server(SelfDir());
   StopOnExit stop_on_exit{&server};
-  if (!StartServer(dir, mp.parent_path().string(), mp.filename().string(), &server)) {
+  if (!StartBenchServer(dir, mp.parent_path().string(), mp.filename().string(), &server)) {
     std::cerr << "ctxcache-bench e2e: ctxcached did not start; see " << server.log_path() << "\n";
     return 1;
   }

@@ -13,6 +13,7 @@
 
 #include "common/dtype.h"
 #include "index/byte_io.h"
+#include "index/metrics.h"
 #include "index/oracle.h"
 #include "index/params.h"
 
@@ -301,7 +302,7 @@ Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
 }
 
 void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
-                            std::vector<float>* logits, WorkStats* stats) {
+                            std::vector<float>* logits, double* log_normalizer, WorkStats* stats) {
   const int m = options_.m, C = options_.C, ds = sub_dim();
   const int64_t n = n_tokens_;
   if (static_cast<int64_t>(acc_.size()) != n) acc_.assign(n, 0.0f);
@@ -366,6 +367,9 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
                          std::sqrt(static_cast<float>(d_));
   std::vector<float>& forced_acc = forced_acc_;
   forced_acc.clear();
+  // The normalizer over every token's estimate (tokens in no gathered list
+  // keep their imputed value), before the forced tokens are masked.
+  if (log_normalizer) *log_normalizer = LogSumExp(acc_.data(), n, to_logit);
   for (int32_t i : forced) forced_acc.push_back(acc_[i]);
   if (k > static_cast<int64_t>(forced.size())) {
     for (int32_t i : forced) acc_[i] = -std::numeric_limits<float>::infinity();
@@ -406,6 +410,7 @@ Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* sta
     out->per_head_logits.clear();  // no estimates for a reused selection
     // Keep the last search's selection; add the tokens appended since.
     out->per_head = last_per_head_;
+    out->per_head_log_normalizer.clear();
     for (auto& h : out->per_head) {
       for (int64_t i = n_at_last_search_; i < n_tokens_; ++i) h.push_back(static_cast<int32_t>(i));
       SortUnique(&h);
@@ -415,9 +420,11 @@ Status CsaSelector::Select(const SelectInput& in, Selection* out, WorkStats* sta
     budget_ = in.budget;
     out->per_head.resize(in.n_queries);
     out->per_head_logits.resize(in.n_queries);
+    out->per_head_log_normalizer.resize(in.want_log_normalizer ? in.n_queries : 0);
     for (int h = 0; h < in.n_queries; ++h) {
       SearchOne(in.queries + static_cast<int64_t>(h) * d_, &out->per_head[h],
-                &out->per_head_logits[h], stats);
+                &out->per_head_logits[h],
+                in.want_log_normalizer ? &out->per_head_log_normalizer[h] : nullptr, stats);
     }
     if (options_.period > 1) {
       last_per_head_ = out->per_head;

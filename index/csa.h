@@ -171,8 +171,10 @@ class CsaSelector final : public Selector {
   CsaSelector() = default;
   int64_t ListOffset(int b, int j) const { return (static_cast<int64_t>(b) * options_.C + j) * L_; }
   void BuildHeap(int64_t list);
+  // logits and log_normalizer may be null: the estimated logits of the
+  // selected tokens and log sum_i exp over every covered token's estimate.
   void SearchOne(const float* q, std::vector<int32_t>* selected, std::vector<float>* logits,
-                 WorkStats* stats);
+                 double* log_normalizer, WorkStats* stats);
   Status ReadTables(std::string_view bytes);
 
   CsaOptions options_;

@@ -3,6 +3,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/dtype.h"
 #include "index/topk.h"
@@ -82,6 +83,46 @@ double ExactAttention::OutputError(const std::vector<int32_t>& ids) const {
     den += output_[j] * output_[j];
   }
   return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+double LogSumExp(const float* x, int64_t n, float scale) {
+  if (n <= 0) return -std::numeric_limits<double>::infinity();
+  // Vectorized float exp (one pass per decode step and q head); the shift by
+  // the maximum keeps every term in (0, 1].
+  Eigen::Map<const Eigen::ArrayXf> a(x, n);
+  const float mx = scale >= 0 ? a.maxCoeff() * scale : a.minCoeff() * scale;
+  if (!std::isfinite(mx)) return mx;
+  const double sum = (a * scale - mx).exp().cast<double>().sum();
+  return static_cast<double>(mx) + std::log(sum);
+}
+
+double EstimateCapturedMass(const std::vector<int32_t>& estimated, const std::vector<float>& logits,
+                            double log_normalizer, int64_t n,
+                            const std::vector<int32_t>& attended) {
+  if (n <= 0 || !std::isfinite(log_normalizer)) return 0.0;
+  // Mass of the estimated tokens, and of those among them that are attended.
+  double est_all = 0, captured = 0;
+  size_t a = 0;
+  int64_t unestimated_attended = 0;
+  for (size_t e = 0; e < estimated.size(); ++e) {
+    const double p = std::exp(static_cast<double>(logits[e]) - log_normalizer);
+    est_all += p;
+    while (a < attended.size() && attended[a] < estimated[e]) {
+      ++unestimated_attended;
+      ++a;
+    }
+    if (a < attended.size() && attended[a] == estimated[e]) {
+      captured += p;
+      ++a;
+    }
+  }
+  unestimated_attended += static_cast<int64_t>(attended.size() - a);
+  const int64_t rest = n - static_cast<int64_t>(estimated.size());
+  if (rest > 0 && unestimated_attended > 0) {
+    captured += std::max(0.0, 1.0 - est_all) * static_cast<double>(unestimated_attended) /
+                static_cast<double>(rest);
+  }
+  return std::clamp(captured, 0.0, 1.0);
 }
 
 double RecallAtK(const std::vector<int32_t>& selected, const std::vector<int32_t>& exact_topk) {

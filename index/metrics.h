@@ -46,6 +46,18 @@ class ExactAttention {
   std::vector<double> output_;
 };
 
+// The attention mass that `attended` (sorted-unique ids) captures, estimated
+// from a method's own logit estimates instead of the keys: `estimated` holds
+// sorted-unique ids with their estimated logits (parallel, q.k/sqrt(d) scale)
+// and log_normalizer = log sum_i exp(logit_i) over all n covered tokens. An
+// attended id without an estimate (added by whole-page widening) counts as the
+// average token outside `estimated`. Result in [0, 1].
+double EstimateCapturedMass(const std::vector<int32_t>& estimated, const std::vector<float>& logits,
+                            double log_normalizer, int64_t n, const std::vector<int32_t>& attended);
+
+// log sum_i exp(x[i] * scale) for i < n, stable (max-shifted, double sums).
+double LogSumExp(const float* x, int64_t n, float scale);
+
 // |selected ∩ exact| / |exact|; both sorted-unique.
 double RecallAtK(const std::vector<int32_t>& selected, const std::vector<int32_t>& exact_topk);
 

@@ -96,6 +96,7 @@ class OracleSelector final : public Selector {
     scores_.resize(n_);
     out->per_head.resize(in.n_queries);
     out->per_head_logits.resize(in.n_queries);
+    out->per_head_log_normalizer.resize(in.want_log_normalizer ? in.n_queries : 0);
     for (int h = 0; h < in.n_queries; ++h) {
       RETURN_IF_ERROR(ScoreAllKeys(*in.keys, in.queries + static_cast<int64_t>(h) * d_, n_,
                                    scores_.data(), &gather_));
@@ -104,6 +105,9 @@ class OracleSelector final : public Selector {
       auto& lg = out->per_head_logits[h];
       lg.clear();
       for (int32_t id : out->per_head[h]) lg.push_back(scores_[id] * inv);
+      if (in.want_log_normalizer) {
+        out->per_head_log_normalizer[h] = LogSumExp(scores_.data(), n_, inv);
+      }
     }
     MergeHeads(out);
     out->estimated_mass = -1.0;

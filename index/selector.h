@@ -76,6 +76,8 @@ struct SelectInput {
   int n_queries = 0;                // normally G
   int64_t budget = 0;               // tokens per q head; 0 = the method's default (rho * N)
   const KeySource* keys = nullptr;  // required by oracle/tactic/lfps; may be null otherwise
+  // Fill Selection::per_head_log_normalizer (methods that can: csa, oracle).
+  bool want_log_normalizer = false;
 };
 
 struct Selection {
@@ -89,6 +91,13 @@ struct Selection {
   // token's attention logit (q.k / sqrt(d) scale); empty when the method has
   // none. The page cap ranks pages by the softmax mass of these estimates.
   std::vector<std::vector<float>> per_head_logits;
+  // Optional, one per q head when per_head_logits is set: log of the method's
+  // estimated softmax normalizer, log sum_i exp(logit_i) over every covered
+  // token with the same logit estimates (csa: its accumulated list scores;
+  // oracle: exact). Empty when the method has no estimate for the tokens it
+  // did not select. The session's per-step attention-mass estimate
+  // (EstimateCapturedMass) needs it.
+  std::vector<double> per_head_log_normalizer;
 };
 
 // Work done by one call, for benchmarks and metrics.

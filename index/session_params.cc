@@ -39,10 +39,15 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
     } else if (k == "recent_blocks") {
       if (x < 0) return InvalidArgumentError("session param recent_blocks must be >= 0");
       s.table_options.recent_blocks = static_cast<int>(x);
+    } else if (k == "estimate_mass") {
+      if (x != 0 && x != 1) {
+        return InvalidArgumentError("session param estimate_mass must be 0 or 1");
+      }
+      s.estimate_mass = x == 1;
     } else {
-      return InvalidArgumentError(
-          "unknown session param '" + k +
-          "'; expected rho, budget, page_fraction, whole_pages, subgroup or recent_blocks");
+      return InvalidArgumentError("unknown session param '" + k +
+                                  "'; expected rho, budget, page_fraction, whole_pages, "
+                                  "subgroup, recent_blocks or estimate_mass");
     }
   }
   // Default page budget: the token budget's fraction of the pages (rho), so a

@@ -15,6 +15,10 @@
 //                  paging keeps each method's exact selections).
 //   subgroup       q heads per page table, >= 1. Default: 4.
 //   recent_blocks  pages before the current one always fetched, >= 0. Default: 1.
+//   estimate_mass  1: every step estimates the attention mass each q head's
+//                  selection captures (session::HeadStep::estimated_mass; an
+//                  O(n) pass over the method's logit estimates per q head).
+//                  Default: 0.
 //
 // Thread-safety: a value type; Parse is reentrant.
 #pragma once
@@ -34,6 +38,7 @@ struct SessionParams {
   int64_t budget = 0;        // 0 = use rho
   double page_fraction = 0;  // 0 = no page cap
   bool whole_pages = false;
+  bool estimate_mass = false;
   PageTableOptions table_options;
 
   // InvalidArgument naming the param and the expected values.

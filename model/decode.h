@@ -86,7 +86,8 @@ class KvCachePageFetcher final : public session::PageFetcher {
 
 struct SparseAttentionOptions {
   // Session params as a decode session takes them (index/session_params.h:
-  // rho, budget, page_fraction, whole_pages, subgroup, recent_blocks).
+  // rho, budget, page_fraction, whole_pages, subgroup, recent_blocks,
+  // estimate_mass).
   // Default: empty (each param's own default).
   std::map<std::string, std::string> params;
   // Tokens per page (B); must match the fetcher's. Default: 16.

@@ -60,6 +60,9 @@ Status RunStep(DecodeSession* session, const v1::StepRequest& req, bool corrupt_
       v1::HeadSelection* sel = result->add_selections();
       sel->set_q_head(static_cast<uint32_t>(h * g + j));
       for (int32_t id : hs.per_q_head[j]) sel->add_token_ids(static_cast<uint32_t>(id));
+      if (static_cast<size_t>(j) < hs.estimated_mass.size()) {
+        sel->set_estimated_mass(hs.estimated_mass[j]);
+      }
     }
   }
   auto* st = result->mutable_stats();

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "index/metrics.h"
+
 namespace ctxcache::session {
 
 Status SessionShape::Validate() const {
@@ -185,13 +187,32 @@ Status SparseSession::PlanHeadWith(int layer, index::Selector* selector,
   in.n_queries = shape_.group_size();
   in.budget = params_.TokenBudget(n);
   in.keys = keys;
+  in.want_log_normalizer = params_.estimate_mass;
   index::Selection sel;
   index::WorkStats ws;
   RETURN_IF_ERROR(selector->Select(in, &sel, &ws));
   if (work != nullptr) work->Add(ws);
+  // The selector's estimated ids (PageStep rewrites per_head in place).
+  const bool estimates = !sel.per_head_log_normalizer.empty() &&
+                         sel.per_head_log_normalizer.size() == sel.per_head.size() &&
+                         sel.per_head_logits.size() == sel.per_head.size();
+  std::vector<std::vector<int32_t>> estimated_ids;
+  if (estimates) estimated_ids = sel.per_head;
   out->tables.clear();
   RETURN_IF_ERROR(params_.PageStep(n, &sel.per_head, &out->tables, &sel.per_head_logits));
   out->per_q_head = std::move(sel.per_head);
+  out->estimated_mass.clear();
+  if (estimates) {
+    for (size_t h = 0; h < out->per_q_head.size(); ++h) {
+      out->estimated_mass.push_back(static_cast<float>(
+          index::EstimateCapturedMass(estimated_ids[h], sel.per_head_logits[h],
+                                      sel.per_head_log_normalizer[h], n, out->per_q_head[h])));
+    }
+  } else if (params_.estimate_mass &&
+             std::all_of(out->per_q_head.begin(), out->per_q_head.end(),
+                         [n](const auto& ids) { return static_cast<int64_t>(ids.size()) == n; })) {
+    out->estimated_mass.assign(out->per_q_head.size(), 1.0f);
+  }
   out->pages.clear();
   for (const auto& t : out->tables) {
     for (int32_t p : t.pages) out->pages.push_back(static_cast<uint32_t>(p));

@@ -68,6 +68,15 @@ struct HeadStep {
   // share); pages[n_whole_stored, end) reach into the appended tokens.
   size_t n_whole_stored = 0;
   size_t n_with_stored = 0;
+  // Per q head of the group (G entries): the estimated attention mass that
+  // per_q_head captures, in [0, 1], from the method's own logit estimates
+  // (index::EstimateCapturedMass over Selection::per_head_logits and
+  // per_head_log_normalizer: csa, oracle), or exactly 1 when every q head
+  // attends every token (full). Only with the session param estimate_mass;
+  // empty without it and when the method gives no estimate
+  // (tactic with a token budget, quest, lfps, streaming; csa steps that reuse
+  // a selection under a search period).
+  std::vector<float> estimated_mass;
 
   std::span<const uint32_t> whole_stored_pages() const {
     return std::span<const uint32_t>(pages).first(n_whole_stored);

@@ -210,6 +210,7 @@ Status ClientModeSession::Step(uint32_t layer, const float* queries, SelectedKV*
     session::PageMap pages;
     RETURN_IF_ERROR(core_->LoadPages(static_cast<int>(layer), static_cast<int>(h), step, &pages));
     head.per_q_head = std::move(step.per_q_head);
+    head.estimated_mass = std::move(step.estimated_mass);
     head.pages = std::move(step.pages);
     for (const auto& sq : head.per_q_head) head.ids.insert(head.ids.end(), sq.begin(), sq.end());
     std::sort(head.ids.begin(), head.ids.end());

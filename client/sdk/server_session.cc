@@ -68,10 +68,18 @@ Status ServerModeSession::Step(uint32_t layer, const float* queries, SelectedKV*
   *out = SelectedKV();
   out->heads.resize(n_kv);
   for (auto& h : out->heads) h.per_q_head.resize(g);
+  bool has_mass = step.selections_size() == static_cast<int>(n_q);
   for (const auto& s : step.selections()) {
     if (s.q_head() >= n_q) return DataLossError("selection of q head out of range");
     auto& head = out->heads[s.q_head() / g];
     head.per_q_head[s.q_head() % g].assign(s.token_ids().begin(), s.token_ids().end());
+    has_mass = has_mass && s.has_estimated_mass();
+  }
+  if (has_mass) {
+    for (auto& h : out->heads) h.estimated_mass.assign(g, 0.0f);
+    for (const auto& s : step.selections()) {
+      out->heads[s.q_head() / g].estimated_mass[s.q_head() % g] = s.estimated_mass();
+    }
   }
   for (const auto& pt : step.page_tables()) {
     if (pt.kv_head() >= n_kv) return DataLossError("page table of kv head out of range");

@@ -1,21 +1,44 @@
 #!/usr/bin/env python3
-"""Trains the ctxcache reference model: a small LLaMA-architecture model (HF
-transformers LlamaForCausalLM built from a LlamaConfig, nothing downloaded).
+"""Trains the ctxcache reference model: a small LLaMA-architecture model
+(model/train/llama.py: plain torch with HF LlamaForCausalLM's names and
+checkpoint layout; nothing downloaded). Reference model v2 (issue 17) mixes the
+documentation corpus with synthetic long-context retrieval tasks
+(model/train/longctx_tasks.py) at 4K-32K tokens.
 
-Subcommands (run from the repository root on the GPU machine):
+Subcommands (run from the repository root; GPU machine unless --device cpu):
 
   prep   --corpus DIR --tok tokenizer.model --data DIR
+         [--task-lengths 4096,8192,16384,32768 --tasks-per-length N --task-seed S]
+         [--eval-docs a.txt,b.txt --eval-lengths ... --eval-depths ... --eval-per-cell K]
          Tokenizes DIR/train.txt(.xz) and DIR/heldout.txt(.xz) (documents separated
-         by a line holding only "\\x1e") with sentencepiece; each document becomes
-         [<s>] + ids + [</s>]. Writes DATA/train.u16, DATA/heldout_docs.npz.
+         by a line holding only "\\x1e"); each document becomes [<s>] + ids + [</s>].
+         Writes DATA/train.u16, DATA/heldout_docs.npz. With --tasks-per-length,
+         also generates training tasks from the training documents (seeds derived
+         from --task-seed, never the held-out EVAL_SEED): DATA/tasks.u16 and
+         DATA/tasks_index.npy (rows: offset, tokens, answer start, answer length,
+         target length). With --eval-docs: the held-out evaluation tasks
+         (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
-  train  --data DIR --run DIR --minutes M [--seq 4096 --batch 16 ...]
-         AdamW, linear warmup + cosine decay; the step count is fixed after the
-         first steps from the measured step time so training ends within M minutes.
-         Logs to RUN/log.jsonl, saves RUN/final (bf16, save_pretrained).
-  eval   --data DIR --model DIR --out DIR
-         Held-out perplexity at 1K/4K/8K/16K context, unigram baseline at 4K,
-         attention on token 0 per layer (eager attention), loss-curve PNG.
+  train  --data DIR --run DIR --minutes M [--phases 4096:32,8192:16,16384:8,32768:4
+         --phase-frac 0.35,0.3,0.2,0.15 --task-frac 0.5 --answer-weight 1.0]
+         AdamW, linear warmup, then cosine decay over the *time* budget M (so the
+         schedule needs no calibration and survives a resume). Phases are
+         (sequence length : rows per step) used for the given fractions of the
+         time; the last phase should be >= 16K. Each row is, with probability
+         --task-frac, a task of the phase's length (its tokens at the end of the
+         row, a corpus window before it), else a corpus window. Loss: mean
+         next-token cross entropy + answer_weight x the mean over answer tokens.
+         Logs to RUN/log.jsonl; checkpoints RUN/ckpt.pt every --ckpt-every steps
+         and at exit; --resume continues from RUN/ckpt.pt; --chunk-seconds S
+         stops after S seconds of this call (checkpointed, no DONE). At the end:
+         RUN/final (bf16, HF layout, shards <= 15 MB), RUN/summary.json, RUN/DONE.
+  eval   --data DIR --model DIR --out DIR [--run DIR]
+         Held-out perplexity at --ppl-lengths (default 1K..32K), unigram baseline,
+         attention on token 0 per layer, full-attention exact-match accuracy on
+         DATA/eval_tasks.jsonl by family x length x depth (greedy decoding), and
+         the loss curve (with --run).
+  hfcheck --model DIR   (needs transformers) logits of llama.py vs HF
+         LlamaForCausalLM on the same checkpoint.
 """
 import argparse
 import json
@@ -30,19 +53,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-BOS, EOS = 1, 2
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama  # noqa: E402
+import longctx_tasks as lt  # noqa: E402
+
+BOS, EOS = llama.BOS, llama.EOS
 
 
-def model_config(args):
-    from transformers import LlamaConfig
-    return LlamaConfig(
-        vocab_size=8192, hidden_size=args.hidden, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, initializer_range=0.02,
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False, hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None)
+def model_config(a):
+    return llama.Config(vocab_size=8192, hidden_size=a.hidden, intermediate_size=a.ffn,
+                        num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                        num_key_value_heads=a.kv_heads, rope_theta=500000.0,
+                        max_position_embeddings=32768, tie_word_embeddings=True)
 
 
 def add_model_args(ap):
@@ -51,6 +73,16 @@ def add_model_args(ap):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def autocast(dev):
+    if dev == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def read_docs(path):
@@ -73,12 +105,41 @@ def _enc(args):
     return np.asarray([BOS] + _SP.encode(text) + [EOS], dtype=np.uint16)
 
 
+def _task_shard(args):
+    """Training tasks from one shard of the training documents."""
+    tok_path, docs, lengths, per_length, seed, shard = args
+    tok = lt.Tokenizer(tok_path)
+    pool = lt.DocumentPool(docs, tok)
+    rng = np.random.default_rng([seed, shard])
+    depths = rng.uniform(0.0, 1.0, size=len(lengths) * per_length)
+    ids, rows = [], []
+    off = 0
+    k = 0
+    for length in lengths:
+        for i in range(per_length):
+            fam = lt.FAMILIES[i % len(lt.FAMILIES)]
+            k += 1
+            try:
+                t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i)
+            except RuntimeError:  # a shard too small for this length
+                continue
+            seq = t.token_ids() + [EOS]
+            ans_start = 1 + len(t.context_ids) + len(t.question_ids)
+            ids.append(np.asarray(seq, dtype=np.uint16))
+            rows.append((off, len(seq), ans_start, len(t.answer_ids), length))
+            off += len(seq)
+    return np.concatenate(ids), np.asarray(rows, dtype=np.int64)
+
+
 def cmd_prep(a):
     from multiprocessing import Pool
     os.makedirs(a.data, exist_ok=True)
+    train_docs = None
     for split in a.splits.split(","):
         docs = read_docs(os.path.join(a.corpus, f"{split}.txt"))
-        with Pool(os.cpu_count()) as pool:
+        if split == "train":
+            train_docs = docs
+        with Pool(a.procs or os.cpu_count()) as pool:
             enc = pool.map(_enc, [(a.tok, d) for d in docs], chunksize=1)
         if split == "train":
             np.concatenate(enc).tofile(os.path.join(a.data, "train.u16"))
@@ -87,144 +148,259 @@ def cmd_prep(a):
         n = sum(len(e) for e in enc)
         chars = sum(len(d) for d in docs)
         print(json.dumps({"split": split, "docs": len(docs), "tokens": n, "chars": chars,
-                          "chars_per_token": chars / n}))
+                          "chars_per_token": chars / n}), flush=True)
+    if a.tasks_per_length:
+        if a.task_seed == lt.EVAL_SEED:
+            raise SystemExit("--task-seed must differ from the held-out EVAL_SEED")
+        if train_docs is None:
+            train_docs = read_docs(os.path.join(a.corpus, "train.txt"))
+        procs = a.procs or os.cpu_count()
+        lengths = [int(x) for x in a.task_lengths.split(",")]
+        per = max(1, a.tasks_per_length // procs)
+        named = [(f"train#{i}", d) for i, d in enumerate(train_docs)]
+        jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s) for s in range(procs)]
+        t0 = time.time()
+        with Pool(procs) as pool:
+            parts = pool.map(_task_shard, jobs, chunksize=1)
+        ids, rows, off = [], [], 0
+        for pid, prow in parts:
+            prow = prow.copy()
+            prow[:, 0] += off
+            off += len(pid)
+            ids.append(pid)
+            rows.append(prow)
+        np.concatenate(ids).tofile(os.path.join(a.data, "tasks.u16"))
+        rows = np.concatenate(rows)
+        np.save(os.path.join(a.data, "tasks_index.npy"), rows)
+        print(json.dumps({"tasks": len(rows), "task_tokens": int(off),
+                          "per_length": {str(L): int((rows[:, 4] == L).sum()) for L in lengths},
+                          "seconds": time.time() - t0}), flush=True)
+    if a.eval_docs:
+        tok = lt.Tokenizer(a.tok)
+        pool = lt.DocumentPool(lt.read_docs(a.eval_docs.split(",")), tok)
+        n = 0
+        with open(os.path.join(a.data, "eval_tasks.jsonl"), "w", encoding="utf-8") as f:
+            for t in lt.generate(pool, tok, lt.FAMILIES, [int(x) for x in a.eval_lengths.split(",")],
+                                 [float(x) for x in a.eval_depths.split(",")], a.eval_per_cell,
+                                 lt.EVAL_SEED):
+                f.write(json.dumps(t.to_json(), ensure_ascii=False) + "\n")
+                n += 1
+        print(json.dumps({"eval_tasks": n}), flush=True)
 
 
-def build_model(a, device):
-    from transformers import LlamaForCausalLM
-    cfg = model_config(a)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(a.seed)
-    m = LlamaForCausalLM(cfg).to(device)
-    return m
+def build_model(a, dev):
+    return llama.Llama(model_config(a), seed=a.seed).to(dev)
 
 
-def lm_loss(model, x):
-    # x [B, T+1] int64; next-token cross entropy in fp32.
-    logits = model(input_ids=x[:, :-1]).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+def lm_loss(model, x, answer_mask=None, answer_weight=0.0):
+    """x [B, T+1] int64; mean next-token cross entropy in fp32, plus
+    answer_weight x the mean over positions where answer_mask [B, T] is set."""
+    logits = model(x[:, :-1])
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                         reduction="none")
+    loss = ce.mean()
+    if answer_mask is not None and answer_weight > 0:
+        m = answer_mask.reshape(-1)
+        if bool(m.any()):
+            loss = loss + answer_weight * ce[m].mean()
+    return loss
 
 
 def cmd_bench(a):
-    dev = "cuda"
-    for seq, batch, comp in [(4096, 16, False), (8192, 8, False), (8192, 8, True)]:
+    dev = default_device()
+    for seq, batch in [(4096, 32), (8192, 16), (16384, 8), (32768, 4)]:
         m = build_model(a, dev)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        fwd = torch.compile(m) if comp else m
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         x = torch.randint(0, 8192, (batch, seq + 1), device=dev)
         t0 = None
-        for i in range(14):
+        for i in range(12):
             if i == 4:
-                torch.cuda.synchronize()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
                 t0 = time.time()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = lm_loss(fwd, x)
+            with autocast(dev):
+                loss = lm_loss(m, x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        dt = (time.time() - t0) / 10
-        print(json.dumps({"seq": seq, "batch": batch, "compile": comp, "step_s": dt,
-                          "tok_per_s": batch * seq / dt,
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.time() - t0) / 8
+        print(json.dumps({"seq": seq, "batch": batch, "step_s": dt, "tok_per_s": batch * seq / dt,
                           "params": sum(p.numel() for p in m.parameters()),
-                          "mem_gb": torch.cuda.max_memory_allocated() / 1e9}), flush=True)
-        del m, opt, fwd
-        torch.cuda.empty_cache()
+                          "mem_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda"
+                          else 0}), flush=True)
+        del m, opt
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+
+def parse_phases(a):
+    phases = []
+    for p in a.phases.split(","):
+        seq, rows = p.split(":")
+        phases.append((int(seq), int(rows)))
+    fracs = [float(x) for x in a.phase_frac.split(",")]
+    if len(fracs) != len(phases) or abs(sum(fracs) - 1) > 1e-6:
+        raise SystemExit("--phase-frac: one fraction per phase, summing to 1")
+    return phases, np.cumsum(fracs)
+
+
+class Batcher:
+    """Rows of seq+1 tokens: corpus windows, or a task of length seq at the end
+    of the row after a corpus window (and its answer mask)."""
+
+    def __init__(self, a, data_dir, gen):
+        self.train = np.fromfile(os.path.join(data_dir, "train.u16"), dtype=np.uint16)
+        self.gen = gen
+        self.task_frac = a.task_frac
+        self.tasks = None
+        ti = os.path.join(data_dir, "tasks_index.npy")
+        if a.task_frac > 0 and os.path.exists(ti):
+            self.tasks = np.fromfile(os.path.join(data_dir, "tasks.u16"), dtype=np.uint16)
+            self.index = np.load(ti)
+            self.by_length = {int(L): np.nonzero(self.index[:, 4] == L)[0]
+                              for L in np.unique(self.index[:, 4])}
+        elif a.task_frac > 0:
+            raise SystemExit(f"--task-frac {a.task_frac}: no {ti} (run prep --tasks-per-length)")
+
+    def batch(self, seq, rows):
+        n = len(self.train)
+        x = torch.empty(rows, seq + 1, dtype=torch.int64)
+        mask = torch.zeros(rows, seq, dtype=torch.bool)
+        n_task = 0
+        for r in range(rows):
+            task = None
+            if self.tasks is not None and float(torch.rand(1, generator=self.gen)) < self.task_frac:
+                cand = self.by_length.get(seq, [])
+                if len(cand):
+                    task = self.index[cand[int(torch.randint(len(cand), (1,), generator=self.gen))]]
+            fill = seq + 1 - (int(task[1]) if task is not None else 0)
+            if fill > 0:
+                o = int(torch.randint(0, n - fill, (1,), generator=self.gen))
+                x[r, :fill] = torch.from_numpy(self.train[o:o + fill].astype(np.int64))
+            if task is not None:
+                off, ln, ans, alen = (int(v) for v in task[:4])
+                x[r, fill:] = torch.from_numpy(self.tasks[off:off + ln].astype(np.int64))
+                # Target position p predicts x[p + 1]: answer tokens sit at
+                # fill + ans .. fill + ans + alen - 1.
+                mask[r, fill + ans - 1:fill + ans - 1 + alen] = True
+                n_task += 1
+        return x, mask, n_task
+
+
+def lr_at(a, frac, step):
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    return a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1, frac))))
 
 
 def cmd_train(a):
-    dev = "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = a.device or default_device()
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
     os.makedirs(a.run, exist_ok=True)
-    data = np.fromfile(os.path.join(a.data, "train.u16"), dtype=np.uint16)
-    n = len(data)
-    data_t = torch.from_numpy(data.astype(np.int64))
+    phases, bounds = parse_phases(a)
     model = build_model(a, dev)
     nparams = sum(p.numel() for p in model.parameters())
     decay = [p for nm, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for nm, p in model.named_parameters() if p.dim() < 2]
+    kw = {"fused": True} if dev == "cuda" else {}
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    fwd = torch.compile(model) if a.compile else model
+                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, **kw)
     g = torch.Generator().manual_seed(a.seed)
-    # Fixed held-out windows for a validation loss during training.
+    state = {"step": 0, "tokens": 0, "task_rows": 0, "rows": 0, "elapsed": 0.0, "ema": None}
+    ckpt = os.path.join(a.run, "ckpt.pt")
+    if a.resume and os.path.exists(ckpt):
+        # CPU first: the RNG state must stay a CPU tensor; the optimizer
+        # moves its state to the parameters' device.
+        c = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(c["model"])
+        opt.load_state_dict(c["opt"])
+        g.set_state(c["gen"])
+        state = c["state"]
+        print(json.dumps({"resumed": state}), flush=True)
+    batcher = Batcher(a, a.data, g)
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     hstream = np.concatenate([held[k] for k in held.files]).astype(np.int64)
-    nval = min(8, (len(hstream) - 1) // (a.seq + 1))
-    val_x = torch.from_numpy(hstream[:nval * (a.seq + 1)].reshape(nval, a.seq + 1)).to(dev)
+    vseq = min(a.val_seq, (len(hstream) - 1))
+    nval = max(1, min(8, (len(hstream) - 1) // (vseq + 1)))
+    val_x = torch.from_numpy(hstream[:nval * (vseq + 1)].reshape(nval, vseq + 1)).to(dev)
 
     def val_loss():
         model.eval()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.no_grad(), autocast(dev):
             v = sum(lm_loss(model, val_x[i:i + 1]).item() for i in range(nval)) / nval
         model.train()
         return v
 
+    def save_ckpt():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": g.get_state(),
+                    "state": state}, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)
+
     budget = a.minutes * 60.0
-    total_steps = None
     log = open(os.path.join(a.run, "log.jsonl"), "a")
-    t_start = time.time()
-    step = 0
-    tokens = 0
-    ema = None
+    t_call = time.time()
+    base_elapsed = state["elapsed"]
     while True:
-        if total_steps is None and step == a.calib_steps:
-            per_step = (time.time() - t_calib) / (a.calib_steps - 5)
-            total_steps = int((budget - (time.time() - t_start)) / per_step) + step
-            print(json.dumps({"calibrated_step_s": per_step, "total_steps": total_steps}),
-                  flush=True)
-        if step == 5:
-            torch.cuda.synchronize()
-            t_calib = time.time()
-        if total_steps is not None and step >= total_steps:
+        elapsed = base_elapsed + (time.time() - t_call)
+        frac = elapsed / budget
+        if frac >= 1:
             break
-        ts = total_steps or 10**9
-        if step < a.warmup:
-            lr = a.lr * (step + 1) / a.warmup
-        else:
-            frac = min(1.0, (step - a.warmup) / max(1, ts - a.warmup))
-            lr = a.lr * (a.min_lr_frac + (1 - a.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+        if a.chunk_seconds and time.time() - t_call >= a.chunk_seconds:
+            state["elapsed"] = elapsed
+            save_ckpt()
+            print(json.dumps({"chunk_done": state}), flush=True)
+            log.close()
+            return
+        seq, rows = phases[int(np.searchsorted(bounds, frac, side="right"))
+                           if frac < bounds[-1] else len(phases) - 1]
+        lr = lr_at(a, frac, state["step"])
         for grp in opt.param_groups:
             grp["lr"] = lr
-        seq, batch = a.seq, a.batch
-        if total_steps is not None and a.long_seq and step >= total_steps * (1 - a.long_frac):
-            seq, batch = a.long_seq, max(1, a.batch * a.seq // a.long_seq)
-        off = torch.randint(0, n - seq - 1, (batch,), generator=g)
-        idx = off[:, None] + torch.arange(seq + 1)[None]
-        x = data_t[idx].to(dev, non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lm_loss(fwd, x)
+        x, mask, n_task = batcher.batch(seq, rows)
+        x, mask = x.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+        with autocast(dev):
+            loss = lm_loss(model, x, mask, a.answer_weight)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += batch * seq
-        if step % 10 == 0 or step == 1:
+        state["step"] += 1
+        state["tokens"] += rows * seq
+        state["rows"] += rows
+        state["task_rows"] += n_task
+        step = state["step"]
+        if step % a.log_every == 0 or step == 1:
             lv = loss.item()
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
-            rec = {"step": step, "loss": lv, "lr": lr, "grad_norm": gn.item(), "tokens": tokens,
-                   "seq": seq, "elapsed_s": time.time() - t_start}
+            state["ema"] = lv if state["ema"] is None else 0.9 * state["ema"] + 0.1 * lv
+            rec = {"step": step, "loss": lv, "lr": lr, "grad_norm": float(gn),
+                   "tokens": state["tokens"], "seq": seq, "rows": rows, "task_rows": n_task,
+                   "elapsed_s": base_elapsed + time.time() - t_call}
             if step % a.val_every == 0:
                 rec["val_loss"] = val_loss()
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            if step % 100 == 0 or step == 1:
+            if step % (a.log_every * 10) == 0 or step == 1:
                 print(json.dumps(rec), flush=True)
         if step % a.ckpt_every == 0:
-            model.save_pretrained(os.path.join(a.run, "ckpt"), safe_serialization=True)
-    elapsed = time.time() - t_start
+            state["elapsed"] = base_elapsed + time.time() - t_call
+            save_ckpt()
+    state["elapsed"] = base_elapsed + time.time() - t_call
+    save_ckpt()
     final = os.path.join(a.run, "final")
-    model.to(torch.bfloat16).save_pretrained(final, safe_serialization=True,
-                                             max_shard_size=a.shard)
-    summary = {"steps": step, "tokens": tokens, "train_tokens": n, "epochs": tokens / n,
-               "params": nparams, "train_seconds": elapsed, "seq": a.seq, "batch": a.batch,
-               "lr": a.lr, "warmup": a.warmup, "final_loss_ema": ema,
-               "final_val_loss": val_loss(), "val_windows": nval,
-               "long_seq": a.long_seq, "long_frac": a.long_frac,
-               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "cmd": " ".join(sys.argv)}
+    llama.save_pretrained(model, final, dtype=torch.bfloat16, max_shard_bytes=a.shard_bytes)
+    train_tokens = len(batcher.train)
+    summary = {"steps": state["step"], "tokens": state["tokens"], "train_tokens": train_tokens,
+               "epochs": state["tokens"] / train_tokens, "params": nparams,
+               "train_seconds": state["elapsed"], "phases": a.phases, "phase_frac": a.phase_frac,
+               "task_frac": a.task_frac, "task_rows": state["task_rows"], "rows": state["rows"],
+               "answer_weight": a.answer_weight, "lr": a.lr, "warmup": a.warmup,
+               "final_loss_ema": state["ema"], "final_val_loss": val_loss(), "val_windows": nval,
+               "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+               "torch": torch.__version__, "cmd": " ".join(sys.argv)}
     json.dump(summary, open(os.path.join(a.run, "summary.json"), "w"), indent=1)
     print(json.dumps(summary), flush=True)
     open(os.path.join(a.run, "DONE"), "w").write("ok\n")
@@ -233,41 +409,98 @@ def cmd_train(a):
 @torch.no_grad()
 def window_nll(model, ids, dev):
     x = torch.as_tensor(ids, dtype=torch.int64, device=dev)[None]
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        logits = model(input_ids=x[:, :-1]).logits
+    with autocast(dev):
+        logits = model(x[:, :-1])
     return F.cross_entropy(logits.float()[0], x[0, 1:], reduction="none").cpu().numpy()
 
 
+@torch.no_grad()
+def attention_on_key0(model, seq, dev, q0=16):
+    """Per layer and q head: mean attention weight on key 0 over queries
+    q0..T-1 (fp32, computed from the captured post-RoPE q/k)."""
+    x = torch.as_tensor(seq, dtype=torch.int64, device=dev)[None]
+    rows = []
+    cap = {}
+    hooks = []
+    c = model.config
+    for li, layer in enumerate(model.model.layers):
+        def pre(mod, args, li=li):
+            cap[li] = args
+        hooks.append(layer.self_attn.register_forward_pre_hook(pre))
+    model(x)
+    for h in hooks:
+        h.remove()
+    T = x.shape[1]
+    cos, sin = model.rope(T, dev)
+    for li, layer in enumerate(model.model.layers):
+        hs = cap[li][0].float()
+        at = layer.self_attn
+        q = at.q_proj(hs).view(1, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = at.k_proj(hs).view(1, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = q * cos + llama._rotate_half(q) * sin
+        k = k * cos + llama._rotate_half(k) * sin
+        k = k.repeat_interleave(c.num_attention_heads // c.num_key_value_heads, dim=1)
+        s = torch.matmul(q[:, :, q0:], k.transpose(-1, -2)) / math.sqrt(c.head_dim)
+        mask = torch.ones(T - q0, T, dtype=torch.bool, device=dev).triu(q0 + 1)
+        p0 = torch.softmax(s.masked_fill(mask, float("-inf")), -1)[0, :, :, 0]
+        per_head = p0.mean(dim=1).cpu().numpy()
+        rows.append({"layer": li, "mean": float(per_head.mean()), "max_head": float(per_head.max()),
+                     "per_head": [round(float(v), 4) for v in per_head]})
+    return rows
+
+
+def eval_tasks(model, tok, path, dev, limit=0):
+    """Greedy exact match of every task in the JSONL under full attention;
+    the context is tokenized with `tok` (longctx_tasks.Tokenizer)."""
+    res = {"by": {}, "tasks": []}
+    with open(path, encoding="utf-8") as f:
+        lines = [l for l in f if l.strip()]
+    if limit:
+        lines = lines[:limit]
+    for line in lines:
+        t = json.loads(line)
+        ids = [BOS] + tok.encode(t["context"]) + t["question_ids"]
+        got = model.greedy(ids, len(t["answer_ids"]))
+        ok = got == t["answer_ids"]
+        res["tasks"].append({"id": t["id"], "family": t["family"], "length": t["length"],
+                             "depth": t["depth"], "correct": ok})
+        for key in ("all", f"family:{t['family']}", f"length:{t['length']}",
+                    f"depth:{t['depth']:.2f}", f"family:{t['family']}/length:{t['length']}"):
+            c = res["by"].setdefault(key, [0, 0])
+            c[0] += int(ok)
+            c[1] += 1
+    res["accuracy"] = {k: v[0] / v[1] for k, v in res["by"].items()}
+    return res
+
+
 def cmd_eval(a):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from transformers import LlamaForCausalLM
-    dev = "cuda"
+    dev = a.device or default_device()
     os.makedirs(a.out, exist_ok=True)
     res = {}
-    # Loss curve.
-    recs = [json.loads(l) for l in open(os.path.join(a.run, "log.jsonl"))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["tokens"] / 1e6 for r in recs], [r["loss"] for r in recs], lw=0.8,
-            label="train (batch)")
-    vr = [r for r in recs if "val_loss" in r]
-    ax.plot([r["tokens"] / 1e6 for r in vr], [r["val_loss"] for r in vr], "o-", ms=3,
-            label="held-out (8 windows)")
-    ax.set_ylim(top=min(8.0, max(r["loss"] for r in recs)))
-    ax.legend()
-    ax.set_xlabel("training tokens (M)")
-    ax.set_ylabel("train loss (nats/token)")
-    ax.set_title("ctxcache-ref training loss")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "loss_curve.png"), dpi=110)
-    # Model as shipped.
+    if a.run and os.path.exists(os.path.join(a.run, "log.jsonl")):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        recs = [json.loads(l) for l in open(os.path.join(a.run, "log.jsonl"))]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["tokens"] / 1e6 for r in recs], [r["loss"] for r in recs], lw=0.8,
+                label="train (batch, incl. answer term)")
+        vr = [r for r in recs if "val_loss" in r]
+        ax.plot([r["tokens"] / 1e6 for r in vr], [r["val_loss"] for r in vr], "o-", ms=3,
+                label="held-out")
+        ax.set_ylim(top=min(8.0, max(r["loss"] for r in recs)))
+        ax.legend()
+        ax.set_xlabel("training tokens (M)")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title("ctxcache-ref training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.out, "loss_curve.png"), dpi=110)
     t0 = time.time()
-    model = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16,
-                                             attn_implementation="sdpa").to(dev).eval()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = llama.from_pretrained(a.model, dtype=dtype, device=dev)
     res["load_seconds"] = time.time() - t0
-    res["params"] = model.num_parameters()
+    res["params"] = sum(p.numel() for p in model.parameters())
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     docs = [held[k].astype(np.int64) for k in held.files]
     names = [f"doc{i}" for i in range(len(docs))]
@@ -277,39 +510,21 @@ def cmd_eval(a):
         assert len(names) == len(docs), (len(names), len(docs))
     keep = [i for i in range(len(docs)) if not (a.exclude and re.search(a.exclude, names[i]))]
     res["excluded_docs"] = [names[i] for i in range(len(docs)) if i not in keep]
-    res["heldout_docs"] = len(keep)
-    res["heldout_tokens"] = int(sum(len(docs[i]) for i in keep))
     order = sorted(keep, key=lambda i: len(docs[i]), reverse=True)
     longest = [docs[i] for i in order]
     res["heldout_long_docs"] = [(names[i], int(len(docs[i]))) for i in order[:6]]
-    # Unigram baseline from training frequencies (add-one smoothing).
     if a.unigram_counts:
         counts = np.load(a.unigram_counts).astype(np.float64) + 1.0
     else:
         tr = np.fromfile(os.path.join(a.data, "train.u16"), dtype=np.uint16)
         counts = np.bincount(tr, minlength=8192).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
-    # Per-document perplexity at 4K context (non-overlapping windows, up to 64K tokens).
-    per_doc = {}
-    for i in order:
-        d = docs[i]
-        v = [window_nll(model, d[s:s + 4097], dev)
-             for s in range(0, min(len(d), 65536) - 4097 + 1, 4096)]
-        if v:
-            v = np.concatenate(v)
-            u = np.concatenate([-logp[d[s + 1:s + 4097]]
-                                for s in range(0, min(len(d), 65536) - 4097 + 1, 4096)])
-            per_doc[names[i]] = {"tokens": int(v.size), "ppl": float(np.exp(v.mean())),
-                                 "unigram_ppl": float(np.exp(u.mean()))}
-    res["per_doc_4k"] = per_doc
-    print(json.dumps(per_doc), flush=True)
     ppl = {}
-    max_tok = a.eval_tokens
-    for L in (1024, 4096, 8192, 16384):
+    for L in [int(x) for x in a.ppl_lengths.split(",")]:
         nll, tail, uni, nwin = [], [], [], 0
         for d in longest:
             for s in range(0, len(d) - L - 1 + 1, L):
-                if sum(len(v) for v in nll) >= max_tok:
+                if sum(len(v) for v in nll) >= a.eval_tokens:
                     break
                 w = d[s:s + L + 1]
                 v = window_nll(model, w, dev)
@@ -318,40 +533,55 @@ def cmd_eval(a):
                 uni.append(-logp[w[1:]])
                 nwin += 1
         if not nll:
+            ppl[str(L)] = {"windows": 0, "note": "no held-out document is that long"}
             continue
         allv = np.concatenate(nll)
-        ppl[str(L)] = {"windows": nwin, "tokens": int(allv.size),
-                       "nll": float(allv.mean()), "ppl": float(np.exp(allv.mean())),
+        ppl[str(L)] = {"windows": nwin, "tokens": int(allv.size), "nll": float(allv.mean()),
+                       "ppl": float(np.exp(allv.mean())),
                        "ppl_last512": float(np.exp(np.concatenate(tail).mean())),
                        "unigram_ppl_same_tokens": float(np.exp(np.concatenate(uni).mean()))}
         print(json.dumps({"ctx": L, **ppl[str(L)]}), flush=True)
     res["perplexity"] = ppl
-    res["eval_tokens_per_context"] = max_tok
-    # Attention on token 0 per layer (eager attention, output_attentions).
-    model_e = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32,
-                                               attn_implementation="eager").to(dev).eval()
+    res["eval_tokens_per_context"] = a.eval_tokens
     sinks = {}
     for label, seq in (("doc_start", longest[0][:a.sink_len]),
-                       ("mid_doc", longest[1][5000:5000 + a.sink_len])):
-        x = torch.as_tensor(seq, dtype=torch.int64, device=dev)[None]
-        with torch.no_grad():
-            out = model_e(input_ids=x, output_attentions=True)
-        T = x.shape[1]
-        q0 = 16
-        rows = []
-        for li, att in enumerate(out.attentions):
-            a0 = att[0, :, q0:, 0].float()  # [H, T-q0] attention on key 0
-            per_head = a0.mean(dim=1).cpu().numpy()
-            rows.append({"layer": li, "mean": float(per_head.mean()),
-                         "max_head": float(per_head.max()),
-                         "per_head": [round(float(v), 4) for v in per_head]})
-        uniform = float(np.mean([1.0 / (q + 1) for q in range(q0, T)]))
-        sinks[label] = {"seq_len": T, "first_token_id": int(seq[0]), "query_from": q0,
+                       ("mid_doc", longest[min(1, len(longest) - 1)][5000:5000 + a.sink_len])):
+        if len(seq) <= 32:
+            continue
+        rows = attention_on_key0(model.float(), seq, dev)
+        model.to(dtype)
+        T = len(seq)
+        uniform = float(np.mean([1.0 / (q + 1) for q in range(16, T)]))
+        sinks[label] = {"seq_len": T, "first_token_id": int(seq[0]), "query_from": 16,
                         "uniform_reference": uniform, "layers": rows}
         print(json.dumps({label: [(r["layer"], round(r["mean"], 3)) for r in rows],
                           "uniform": uniform}), flush=True)
     res["attention_sinks"] = sinks
+    tasks = a.tasks or os.path.join(a.data, "eval_tasks.jsonl")
+    if os.path.exists(tasks):
+        tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
+        t0 = time.time()
+        tr = eval_tasks(model, tok, tasks, dev, a.task_limit)
+        tr["seconds"] = time.time() - t0
+        res["tasks"] = tr
+        print(json.dumps({"task_accuracy": {k: round(v, 3) for k, v in tr["accuracy"].items()
+                                            if "/" not in k}}), flush=True)
     json.dump(res, open(os.path.join(a.out, "eval.json"), "w"), indent=1)
+
+
+def cmd_hfcheck(a):
+    from transformers import LlamaForCausalLM
+    dev = a.device or default_device()
+    ours = llama.from_pretrained(a.model, dtype=torch.float32, device=dev)
+    hf = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                          attn_implementation="eager").to(dev).eval()
+    x = torch.randint(3, ours.config.vocab_size, (1, 256), device=dev,
+                      generator=torch.Generator(device=dev).manual_seed(0))
+    with torch.no_grad():
+        d = (ours(x) - hf(input_ids=x).logits).abs().max().item()
+    print(json.dumps({"hfcheck_max_abs_logit_diff": d}), flush=True)
+    if d > 1e-3:
+        raise SystemExit(f"llama.py and transformers disagree: {d}")
 
 
 def main():
@@ -362,6 +592,14 @@ def main():
     p.add_argument("--tok", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--splits", default="train,heldout")
+    p.add_argument("--procs", type=int, default=0, help="worker processes (0 = all cores)")
+    p.add_argument("--task-lengths", default="4096,8192,16384,32768")
+    p.add_argument("--tasks-per-length", type=int, default=0)
+    p.add_argument("--task-seed", type=int, default=1)
+    p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")
+    p.add_argument("--eval-lengths", default="4096,8192,16384,32768")
+    p.add_argument("--eval-depths", default="0.05,0.25,0.5,0.75,0.95")
+    p.add_argument("--eval-per-cell", type=int, default=2)
     p = sub.add_parser("bench")
     add_model_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -369,36 +607,49 @@ def main():
     add_model_args(p)
     p.add_argument("--data", required=True)
     p.add_argument("--run", required=True)
-    p.add_argument("--minutes", type=float, required=True)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--minutes", type=float, required=True, help="training time budget")
+    p.add_argument("--device", default="")
+    p.add_argument("--phases", default="4096:32,8192:16,16384:8,32768:4",
+                   help="seq:rows per step, in order")
+    p.add_argument("--phase-frac", default="0.35,0.3,0.2,0.15",
+                   help="fraction of the time budget per phase")
+    p.add_argument("--task-frac", type=float, default=0.5)
+    p.add_argument("--answer-weight", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--wd", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--calib-steps", type=int, default=30)
+    p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=500)
     p.add_argument("--val-every", type=int, default=200)
-    p.add_argument("--compile", action="store_true")
-    p.add_argument("--long-seq", type=int, default=0,
-                   help="if set, the last --long-frac of the steps use this context "
-                        "(same tokens per step)")
-    p.add_argument("--long-frac", type=float, default=0.1)
-    p.add_argument("--shard", default="15MB")
+    p.add_argument("--val-seq", type=int, default=8192)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--chunk-seconds", type=float, default=0,
+                   help="stop (checkpointed) after this many seconds of this call; 0 = run out")
+    p.add_argument("--shard-bytes", type=int, default=15_000_000)
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("eval")
     p.add_argument("--data", required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--run", default="")
+    p.add_argument("--device", default="")
+    p.add_argument("--tok", default="", help="sentencepiece model (default MODEL/tokenizer.model)")
+    p.add_argument("--tasks", default="", help="eval tasks JSONL (default DATA/eval_tasks.jsonl)")
+    p.add_argument("--task-limit", type=int, default=0)
+    p.add_argument("--ppl-lengths", default="1024,4096,8192,16384,32768")
     p.add_argument("--eval-tokens", type=int, default=262144)
     p.add_argument("--unigram-counts", default="",
                    help=".npy of training-token counts (else DATA/train.u16 is counted)")
     p.add_argument("--names", default="", help="docs.tsv written by make_corpus.py")
     p.add_argument("--exclude", default="", help="regex of held-out doc names to skip")
     p.add_argument("--sink-len", type=int, default=4096)
+    p = sub.add_parser("hfcheck")
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="")
     a = ap.parse_args()
-    {"prep": cmd_prep, "bench": cmd_bench, "train": cmd_train, "eval": cmd_eval}[a.cmd](a)
+    {"prep": cmd_prep, "bench": cmd_bench, "train": cmd_train, "eval": cmd_eval,
+     "hfcheck": cmd_hfcheck}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -54,5 +54,30 @@ TEST(MetricsTest, RejectsBadInput) {
             StatusCode::kInvalidArgument);
 }
 
+TEST(MetricsTest, LogSumExpIsStableAndExact) {
+  const std::vector<float> x = {1000.0f, 1000.0f, 990.0f};
+  const double want = 1000.0 * 0.5 + std::log(2.0 + std::exp(-5.0));
+  EXPECT_NEAR(LogSumExp(x.data(), 3, 0.5f), want, 1e-4);
+  EXPECT_TRUE(std::isinf(LogSumExp(x.data(), 0, 1.0f)));
+}
+
+TEST(MetricsTest, EstimatedMassFromExactLogitsIsTheExactMass) {
+  // With exact logits for every token the estimate is the softmax mass; a
+  // token without an estimate counts as the average unestimated token.
+  const std::vector<float> all = {0.5f, 2.0f, -1.0f, 1.5f, 0.0f, 3.0f};
+  const double lse = LogSumExp(all.data(), 6, 1.0f);
+  auto p = [&](int i) { return std::exp(all[i] - lse); };
+  const std::vector<int32_t> ids = {0, 1, 2, 3, 4, 5};
+  EXPECT_NEAR(EstimateCapturedMass(ids, all, lse, 6, {1, 5}), p(1) + p(5), 1e-6);
+  // Estimates for 1, 3, 5 only; attended 1 and 4 (4 unestimated): the rest's
+  // mass (tokens 0, 2, 4) split evenly.
+  const std::vector<int32_t> est = {1, 3, 5};
+  const std::vector<float> lg = {all[1], all[3], all[5]};
+  const double rest = p(0) + p(2) + p(4);
+  EXPECT_NEAR(EstimateCapturedMass(est, lg, lse, 6, {1, 4}), p(1) + rest / 3, 1e-6);
+  EXPECT_NEAR(EstimateCapturedMass(est, lg, lse, 6, ids), 1.0, 1e-6);
+  EXPECT_EQ(EstimateCapturedMass(est, lg, lse, 6, {}), 0.0);
+}
+
 }  // namespace
 }  // namespace ctxcache::index

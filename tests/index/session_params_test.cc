@@ -51,7 +51,7 @@ TEST(SessionParamsTest, BadValuesNameTheParam) {
       {"rho", "0"},      {"rho", "1.5"},          {"rho", "x"},
       {"budget", "0"},   {"page_fraction", "0"},  {"whole_pages", "2"},
       {"subgroup", "0"}, {"recent_blocks", "-1"}, {"rho", ""},
-      {"rho", "nan"}};
+      {"rho", "nan"},    {"estimate_mass", "2"}};
   for (const auto& [k, v] : bad) {
     auto p = SessionParams::Parse("csa", {{k, v}}, 16);
     ASSERT_FALSE(p.ok()) << k << "=" << v;

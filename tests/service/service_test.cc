@@ -229,6 +229,7 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
     std::vector<std::vector<float>> logits;                // [step]
     std::vector<std::vector<std::vector<int32_t>>> heads;  // [step, layer, kv][q head of group]
     std::vector<std::vector<uint32_t>> pages;              // [step, layer, kv]
+    std::vector<std::vector<float>> masses;                // [step, layer, kv][q head]
   };
   const int64_t page_budget = index::PageBudget(0.05, n + static_cast<int64_t>(seq.size()), 16);
   for (const char* method : {"csa", "oracle", "tactic", "quest"}) {
@@ -238,7 +239,9 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
     ASSERT_NO_FATAL_FAILURE(LoadSelectors(id, method, spec, &owned, &sels));
     // Embedded: the model's KvCache is the page source.
     model::KvCachePageFetcher fetcher(&stored, static_cast<int>(info.block_tokens()));
-    auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, {});
+    model::SparseAttentionOptions sparse_options;
+    sparse_options.params = {{"estimate_mass", "1"}};
+    auto sparse = model::SparseAttention::Create(spec, sels, &fetcher, n, sparse_options);
     ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
     Trace embedded;
     std::vector<float> logits;
@@ -251,6 +254,7 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
         for (const session::HeadStep& step : (*sparse)->last_steps(l)) {
           embedded.heads.push_back(step.per_q_head);
           embedded.pages.push_back(step.pages);
+          embedded.masses.push_back(step.estimated_mass);
           if (std::string(method) == "csa") {
             // The page cap holds: budget + the sink page + current and recent.
             EXPECT_LE(static_cast<int64_t>(step.pages.size()), page_budget + 3);
@@ -265,6 +269,7 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
       so.context_id = id;
       so.method = method;
       so.mode = mode;
+      so.params = {{"estimate_mass", "1"}};
       auto session = client_->OpenSession(so);
       ASSERT_TRUE(session.ok()) << session.status().ToString();
       client::RemoteAttention remote(spec, session->get(), n);
@@ -279,11 +284,31 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
           for (const auto& head : remote.last_selected(l).heads) {
             got.heads.push_back(head.per_q_head);
             got.pages.push_back(head.pages);
+            got.masses.push_back(head.estimated_mass);
           }
         }
       }
       EXPECT_EQ(got.pages, embedded.pages);
       EXPECT_EQ(got.heads, embedded.heads);
+      // The per-step attention-mass estimate (HeadSelection.estimated_mass):
+      // csa and oracle give one per q head in [0, 1], tactic (token budget)
+      // and quest none; the wire carries the core's value (the queries may
+      // differ in the last bit, as the logits below, so compared to 1e-4).
+      ASSERT_EQ(got.masses.size(), embedded.masses.size());
+      for (size_t i = 0; i < got.masses.size(); ++i) {
+        ASSERT_EQ(got.masses[i].size(), embedded.masses[i].size());
+        for (size_t j = 0; j < got.masses[i].size(); ++j) {
+          EXPECT_NEAR(got.masses[i][j], embedded.masses[i][j], 1e-4);
+        }
+      }
+      const bool estimates = std::string(method) == "csa" || std::string(method) == "oracle";
+      for (const auto& m : got.masses) {
+        ASSERT_EQ(m.size(), estimates ? static_cast<size_t>(spec.n_q_heads / spec.n_kv_heads) : 0u);
+        for (float x : m) {
+          EXPECT_GT(x, 0.0f);
+          EXPECT_LE(x, 1.0f);
+        }
+      }
       double max_diff = 0;
       for (size_t i = 0; i < got.logits.size(); ++i) {
         for (size_t j = 0; j < got.logits[i].size(); ++j) {

@@ -91,6 +91,10 @@ struct SelectedKV {
     std::vector<float> k, v;
     // Per q head of this kv head's group: its own selection (subset of ids).
     std::vector<std::vector<int32_t>> per_q_head;
+    // Per q head (parallel to per_q_head): the estimated attention mass its
+    // selection captures, in [0, 1] (HeadSelection.estimated_mass, docs/api.md);
+    // empty when the method gives no estimate.
+    std::vector<float> estimated_mass;
     // The pages fetched for this kv head: the union of its block-union page
     // tables (all subgroups), sorted.
     std::vector<uint32_t> pages;

@@ -1,0 +1,297 @@
+"""The reference model's architecture in plain torch: a LLaMA (RMSNorm, RoPE,
+SwiGLU, GQA, tied embeddings) whose parameter names and checkpoint layout are
+those of HF transformers' LlamaForCausalLM, so a checkpoint saved here loads in
+transformers and in the C++ prefill engine (model/), and vice versa.
+
+Training (train.py) uses this module on the GPU machine (torch 2.x, SDPA flash
+attention) and on the CPU machine (Debian's python3-torch 1.13, which has no
+SDPA: attention is then computed with an explicit causal mask). transformers is
+not needed; tests/train/llama_test.py checks this module against the HF golden
+logits in tests/data/golden.
+
+Checkpoints: config.json (the fields LlamaConfig writes, RoPE in
+`rope_parameters`), safetensors shards of at most `max_shard_bytes` and
+model.safetensors.index.json, written and read with the standard library
+(safetensors is a JSON header plus raw little-endian tensors).
+"""
+import json
+import math
+import os
+import struct
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BOS, EOS = 1, 2
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class Config:
+    """The LlamaConfig fields this architecture uses."""
+
+    def __init__(self, vocab_size=8192, hidden_size=512, intermediate_size=1024,
+                 num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=None, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 max_position_embeddings=32768, tie_word_embeddings=True):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
+        self.tie_word_embeddings = tie_word_embeddings
+
+    def to_hf(self):
+        return {
+            "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": BOS, "dtype": "bfloat16",
+            "eos_token_id": EOS, "head_dim": self.head_dim, "hidden_act": "silu",
+            "hidden_size": self.hidden_size, "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings, "mlp_bias": False,
+            "model_type": "llama", "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads, "pad_token_id": None,
+            "pretraining_tp": 1, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "tie_word_embeddings": self.tie_word_embeddings, "use_cache": True,
+            "vocab_size": self.vocab_size}
+
+    @staticmethod
+    def from_hf(c):
+        rope = c.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or c.get("rope_scaling"):
+            raise ValueError("only default RoPE is supported")
+        if c.get("attention_bias") or c.get("mlp_bias"):
+            raise ValueError("biases are not supported")
+        return Config(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+                      intermediate_size=c["intermediate_size"],
+                      num_hidden_layers=c["num_hidden_layers"],
+                      num_attention_heads=c["num_attention_heads"],
+                      num_key_value_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                      head_dim=c.get("head_dim"),
+                      rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+                      rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+                      max_position_embeddings=c.get("max_position_embeddings", 32768),
+                      tie_word_embeddings=c.get("tie_word_embeddings", False))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        hd = c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * hd, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        c, hd = self.c, self.c.head_dim
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        g = c.num_attention_heads // c.num_key_value_heads
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+        if hasattr(F, "scaled_dot_product_attention"):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # torch < 2.0 (the CPU machine's Debian torch)
+            s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(hd)
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            o = torch.matmul(torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1)
+                             .to(v.dtype), v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList([Layer(c) for _ in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """forward(ids [B, T] int64) -> logits [B, T, vocab]."""
+
+    def __init__(self, c, seed=0):
+        super().__init__()
+        self.config = c
+        torch.manual_seed(seed)
+        self.model = Body(c)
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        for m in self.modules():  # HF LlamaPreTrainedModel._init_weights
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def rope(self, T, device):
+        hd = self.config.head_dim
+        inv = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, device=device).float() / hd))
+        f = torch.outer(torch.arange(T, device=device).float(), inv)
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos()[None, None], emb.sin()[None, None]
+
+    def forward(self, ids):
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rope(ids.shape[1], ids.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        x = self.model.norm(x)
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, w)
+
+    @torch.no_grad()
+    def greedy(self, ids, n_new):
+        """Greedy continuation of ids (1-D list) by n_new tokens (full forward
+        per token; contexts here are at most 32K tokens and answers short)."""
+        dev = next(self.parameters()).device
+        x = torch.as_tensor([ids], dtype=torch.int64, device=dev)
+        out = []
+        for _ in range(n_new):
+            nxt = int(self(x)[0, -1].float().argmax())
+            out.append(nxt)
+            x = torch.cat([x, torch.tensor([[nxt]], device=dev)], dim=1)
+        return out
+
+
+# ----------------------------------------------------------- checkpoints ----
+
+def _write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        b = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        dt = _DTYPES[meta["dtype"]]
+        buf = bytearray(data[a:b])
+        t = torch.frombuffer(buf, dtype=torch.uint8) if b > a else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(dt).reshape(meta["shape"]).clone()
+    return out
+
+
+def save_pretrained(model, out_dir, dtype=torch.bfloat16, max_shard_bytes=15_000_000):
+    """config.json + shards of at most max_shard_bytes + the index, in the
+    order of the state dict (tied lm_head is not saved, as in HF)."""
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    shards, cur, cur_bytes = [], {}, 0
+    for k, v in sd.items():
+        nb = v.numel() * v.element_size()
+        if cur and cur_bytes + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+        cur[k] = v
+        cur_bytes += nb
+    shards.append(cur)
+    for f in os.listdir(out_dir):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(out_dir, f))
+    weight_map = {}
+    for i, s in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(os.path.join(out_dir, fn), s)
+        for k in s:
+            weight_map[k] = fn
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    cfg = model.config.to_hf()
+    cfg["dtype"] = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def from_pretrained(model_dir, dtype=torch.float32, device="cpu"):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = Config.from_hf(json.load(f))
+    idx = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        with open(idx) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    sd = {}
+    for fn in files:
+        sd.update(read_safetensors(os.path.join(model_dir, fn)))
+    m = Llama(c)
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(f"{model_dir}: missing {missing}, unexpected {unexpected}")
+    return m.to(device=device, dtype=dtype).eval()

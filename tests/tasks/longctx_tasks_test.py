@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Tests of the long-context task generator (model/train/longctx_tasks.py).
+
+Run by ctest (longctx_tasks_generator) as
+  python3 tests/tasks/longctx_tasks_test.py REPO_ROOT
+Needs the python sentencepiece module (scripts/install-deps.sh installs it).
+"""
+import os
+import sys
+import unittest
+
+ROOT = sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "..")
+sys.path.insert(0, os.path.join(ROOT, "model", "train"))
+import longctx_tasks as lt  # noqa: E402
+
+TOK = os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model")
+DOCS = [os.path.join(ROOT, "tests", "data", "demo", f)
+        for f in ("vim_help.txt", "r_admin.txt", "linux_firmware_guide.txt", "document.txt")]
+
+
+class GeneratorTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tok = lt.Tokenizer(TOK)
+        cls.pool = lt.DocumentPool(lt.read_docs(DOCS), cls.tok)
+
+    def tasks(self, seed, lengths=(4096,), depths=(0.1, 0.9)):
+        return list(lt.generate(self.pool, self.tok, lt.FAMILIES, lengths, depths, 1, seed))
+
+    def test_every_family_fits_its_length_and_holds_its_answer(self):
+        for t in self.tasks(lt.EVAL_SEED, lengths=(4096, 8192)):
+            with self.subTest(family=t.family, length=t.length, depth=t.depth):
+                total = t.n_tokens + len(t.question_ids) + len(t.answer_ids)
+                self.assertLessEqual(total, t.length)
+                self.assertGreaterEqual(total, 0.9 * t.length)
+                self.assertEqual(t.n_tokens, 1 + len(self.tok.encode(t.context)))
+                self.assertEqual(t.question_ids + t.answer_ids,
+                                 self.tok.encode(t.question + t.answer))
+                self.assertGreater(len(t.answer_ids), 0)
+                # The answer is in the context (var_track: the chain's value).
+                self.assertIn(t.answer.strip(), t.context)
+                # The queried needle sits near the requested depth (paragraph
+                # granularity; kv_table's depth is the table's first line).
+                self.assertLess(abs(t.needle_token / t.n_tokens - t.depth), 0.15)
+
+    def test_the_answer_is_not_in_the_question(self):
+        for t in self.tasks(lt.EVAL_SEED):
+            self.assertNotIn(t.answer.strip(), t.question)
+
+    def test_same_seed_same_tasks_other_seed_other_tasks(self):
+        a = [t.to_json() for t in self.tasks(5)]
+        b = [t.to_json() for t in self.tasks(5)]
+        c = [t.to_json() for t in self.tasks(6)]
+        self.assertEqual(a, b)
+        self.assertTrue(all(x["context"] != y["context"] for x, y in zip(a, c)))
+
+    def test_var_track_needs_the_whole_chain(self):
+        t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.2, lt.EVAL_SEED)
+        target = t.question.split("VAR ")[-1].split(" =")[0]
+        # Follow the chain backwards through the context.
+        name, hops = target, 0
+        while True:
+            line = next(s for s in t.context.split("\n") if s.startswith(f"VAR {name} = "))
+            rhs = line.split(" = ", 1)[1].rstrip(".")
+            if not rhs.startswith("VAR "):
+                break
+            name, hops = rhs[4:], hops + 1
+        self.assertEqual(hops, 3)
+        self.assertEqual(rhs, t.answer.strip())
+
+    def test_unknown_family_is_an_error(self):
+        with self.assertRaisesRegex(ValueError, "unknown family"):
+            lt.make_task(self.pool, self.tok, "nope", 4096, 0.5, 1)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=1)

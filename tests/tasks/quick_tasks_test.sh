@@ -19,7 +19,9 @@ trap 'rm -rf "$work"' EXIT
   --docs "$root/tests/data/demo/vim_help.txt,$root/tests/data/demo/r_admin.txt,$root/tests/data/demo/linux_firmware_guide.txt,$root/tests/data/demo/document.txt" \
   --lengths 4096 --depths 0.1,0.9 --per-cell 1 --out "$work/tasks.jsonl"
 cd "$root"
+rc=0
 "$bin/ctxcache-bench" tasks --tasks "$work/tasks.jsonl" --model "$root/models/ctxcache-ref" \
   --methods full,streaming --budgets 0.02,0.05,0.10 \
-  --expect-full-min 0.9 --expect-far-gap 0.5 > "$work/out.txt"
-head -n -1 "$work/out.txt"
+  --expect-full-min 0.9 --expect-far-gap 0.5 > "$work/out.txt" || rc=$?
+head -n -1 "$work/out.txt"  # the table (the JSON is the last line)
+exit $rc

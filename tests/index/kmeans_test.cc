@@ -120,6 +120,34 @@ TEST(KMeansTest, MiniBatchConvergesOnSeparableData) {
   ExpectSamePartition(labels, r->assign, k);
 }
 
+// kGiven starts from the given centroids: with no iterations they are the
+// result, and the assignment is the nearest of them.
+TEST(KMeansTest, GivenInitialCentroidsAreUsed) {
+  const int64_t n = 300;
+  const int d = 5, k = 7;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> x(n * d), init(k * d);
+  for (auto& v : x) v = g(rng);
+  for (auto& v : init) v = g(rng);
+  KMeansOptions o;
+  o.k = k;
+  o.init = KMeansInit::kGiven;
+  o.initial = init.data();
+  o.max_iters = 0;
+  auto r = KMeans(x.data(), n, d, d, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (int j = 0; j < k; ++j) {
+    for (int t = 0; t < d; ++t) EXPECT_EQ(r->centroids(j, t), init[j * d + t]);
+  }
+  std::vector<int32_t> want(n);
+  RowMatrixXf C = Eigen::Map<const RowMatrixXf>(init.data(), k, d);
+  AssignNearest(x.data(), n, d, d, C, KMeansMetric::kL2, want.data(), nullptr);
+  EXPECT_EQ(r->assign, want);
+  o.initial = nullptr;
+  EXPECT_EQ(KMeans(x.data(), n, d, d, o).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(KMeansTest, AssignNearestMatchesBruteForce) {
   std::mt19937_64 rng(6);
   std::normal_distribution<float> g(0, 1);

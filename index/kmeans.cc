@@ -183,6 +183,24 @@ void NormalizeRows(RowMatrixXf* m) {
   }
 }
 
+constexpr int64_t kSeedBlock = 64;
+
+// Sum of n <= kSeedBlock floats (AVX2: 8 lanes, then across lanes).
+double BlockSum(const float* x, int64_t n) {
+  int64_t i = 0;
+  float total = 0;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  total = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
 // k-means++ on a subsample of X; returns k row indices of X.
 std::vector<int64_t> SeedPlusPlus(const RowMatrixXf& X, int k, KMeansMetric metric,
                                   int64_t max_points, std::mt19937_64* rng) {
@@ -207,6 +225,8 @@ std::vector<int64_t> SeedPlusPlus(const RowMatrixXf& X, int k, KMeansMetric metr
   std::vector<int64_t> chosen;
   chosen.reserve(k);
   std::vector<char> taken(s, 0);
+  const int64_t n_blocks = (s + kSeedBlock - 1) / kSeedBlock;
+  std::vector<double> block_sum(n_blocks);
   std::uniform_int_distribution<int64_t> first(0, s - 1);
   int64_t next = first(*rng);
   for (int c = 0; c < k; ++c) {
@@ -227,9 +247,14 @@ std::vector<int64_t> SeedPlusPlus(const RowMatrixXf& X, int k, KMeansMetric metr
     } else {
       for (int64_t i = 0; i < s; ++i) dm[i] = std::min(dm[i], std::max(0.0f, 1.0f - gv[i]));
     }
-    // Taken points stay at 0 (dmin[next] = 0 above; min keeps it).
+    // Taken points stay at 0 (dmin[next] = 0 above; min keeps it). Block
+    // sums (SIMD within a block, double across blocks) let the draw below
+    // skip whole blocks.
     double total = 0;
-    for (int64_t i = 0; i < s; ++i) total += dm[i];
+    for (int64_t bk = 0; bk < n_blocks; ++bk) {
+      block_sum[bk] = BlockSum(dm + bk * kSeedBlock, std::min(kSeedBlock, s - bk * kSeedBlock));
+      total += block_sum[bk];
+    }
     if (c + 1 == k) break;
     if (total <= 0) {
       // All remaining points coincide with chosen ones: take any untaken.
@@ -238,8 +263,10 @@ std::vector<int64_t> SeedPlusPlus(const RowMatrixXf& X, int k, KMeansMetric metr
     }
     std::uniform_real_distribution<double> u(0.0, total);
     double target = u(*rng);
+    int64_t bk = 0;
+    while (bk + 1 < n_blocks && target > block_sum[bk]) target -= block_sum[bk++];
     next = -1;
-    for (int64_t i = 0; i < s; ++i) {
+    for (int64_t i = bk * kSeedBlock; i < s; ++i) {
       if (taken[i]) continue;
       target -= dmin[i];
       if (target <= 0) {

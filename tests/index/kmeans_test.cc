@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace ctxcache::index {
@@ -148,10 +149,14 @@ TEST(KMeansTest, GivenInitialCentroidsAreUsed) {
   EXPECT_EQ(KMeans(x.data(), n, d, d, o).status().code(), StatusCode::kInvalidArgument);
 }
 
-TEST(KMeansTest, AssignNearestMatchesBruteForce) {
+// d = 12 takes the GEMM-free small-d kernel, d = 40 the GEMM tiles; k = 7
+// and 70 cover the scalar and the SIMD argmax.
+class AssignNearestTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(AssignNearestTest, MatchesBruteForce) {
   std::mt19937_64 rng(6);
   std::normal_distribution<float> g(0, 1);
-  const int n = 300, d = 12, k = 7;
+  const int n = 3000, d = GetParam().first, k = GetParam().second;
   RowMatrixXf C(k, d);
   for (int j = 0; j < k; ++j) {
     for (int t = 0; t < d; ++t) C(j, t) = g(rng);
@@ -176,6 +181,11 @@ TEST(KMeansTest, AssignNearestMatchesBruteForce) {
     EXPECT_NEAR(best[i], bd, 1e-3 * (1 + bd));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AssignNearestTest,
+                         ::testing::Values(std::pair<int, int>{12, 7}, std::pair<int, int>{12, 70},
+                                           std::pair<int, int>{40, 7},
+                                           std::pair<int, int>{40, 70}));
 
 TEST(KMeansTest, AssignNearestCosineMatchesBruteForce) {
   std::mt19937_64 rng(8);

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -395,14 +396,16 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
   s->tail_mean_.assign(static_cast<size_t>(m) * C, 0.0f);
   s->ids_.resize(static_cast<size_t>(m) * C * L);
   s->scores_.resize(static_cast<size_t>(m) * C * L);
-  // Subspaces are independent: one task each (a nested call from a pool
-  // thread runs inline); every subspace writes only its own slices.
+  // Subspaces are independent: the pool's threads take them one at a time
+  // (a nested call from a pool thread runs them all inline); every subspace
+  // writes only its own slices.
   std::vector<Status> errs(m);
-  ThreadPool::Default()->ParallelFor(m, [&](size_t b0, size_t b1) {
+  std::atomic<int> next_subspace{0};
+  ThreadPool* pool = ThreadPool::Default();
+  pool->ParallelFor(std::min<size_t>(m, pool->size() + 1), [&](size_t, size_t) {
     RowMatrixXf S;
     ListScratch scratch;
-    for (size_t bb = b0; bb < b1; ++bb) {
-      const int b = static_cast<int>(bb);
+    for (int b = next_subspace++; b < m; b = next_subspace++) {
       KMeansOptions ko;
       ko.k = C;
       ko.metric = KMeansMetric::kCosine;

@@ -2,6 +2,7 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -135,12 +136,15 @@ StatusOr<KMeansResult> ClusterKeys(const float* keys, int64_t n, int d, int64_t 
       }
     }
   }
-  // Coarse clusters are split in parallel (each fine KMeans single-threaded).
+  // Coarse clusters are split in parallel, taken one at a time by the pool's
+  // threads (each fine KMeans single-threaded).
   std::vector<RowMatrixXf> fine(ko.k);
   std::vector<Status> errs(ko.k);
-  ThreadPool::Default()->ParallelFor(ko.k, [&](size_t c0, size_t c1) {
+  std::atomic<int> next_cluster{0};
+  ThreadPool* pool = ThreadPool::Default();
+  pool->ParallelFor(std::min<size_t>(ko.k, pool->size() + 1), [&](size_t, size_t) {
     RowMatrixXf sub;
-    for (size_t c = c0; c < c1; ++c) {
+    for (int c = next_cluster++; c < ko.k; c = next_cluster++) {
       const auto& mem = members[c];
       const int64_t nc = static_cast<int64_t>(mem.size());
       if (nc == 0) continue;

@@ -90,7 +90,7 @@ def synthetic(client: ctxcache.Client) -> Dict[str, ctxcache.pb.ContextInfo]:
 def _check_common(a, ctx: ctxcache.pb.ContextInfo) -> None:
     o = a.options
     m, C, d = o.m, o.C, ctx.model.head_dim
-    assert a.version == 1 and a.head_dim == d
+    assert a.version == (2 if a.compact else 1) and a.head_dim == d
     assert a.n_tokens == a.n_built == ctx.n_tokens
     assert a.L == math.ceil(o.alpha * ctx.n_tokens)
     assert a.centroids.shape == (m, C, d // m) and a.centroids.dtype == np.float32

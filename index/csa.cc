@@ -880,13 +880,18 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
   } else if (version >= 2) {
     const int levels = CodebookLevels(bits, L_);
     std::vector<uint16_t> book(levels);
-    std::vector<uint8_t> bitmap((n_tokens_ + 7) / 8);
+    // Sized on first use, after the bytes for it are known to be there: a
+    // corrupt n_tokens must not allocate.
+    std::vector<uint8_t> bitmap;
+    const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
     std::vector<uint8_t> packed((L_ * bits + 7) / 8);
     for (int64_t l = 0; l < n_lists; ++l) {
       int32_t* ids = ids_.data() + l * L_;
       uint8_t coding = 0;
       if (!r.Get(&coding)) return loss("truncated lists");
       if (coding == kIdsBitmap) {
+        if (r.remaining() < bitmap_bytes) return loss("truncated list bitmap");
+        bitmap.resize(bitmap_bytes);
         if (!r.GetArray(bitmap.data(), bitmap.size())) return loss("truncated list bitmap");
         int64_t e = 0;
         for (size_t byte = 0; byte < bitmap.size(); ++byte) {

@@ -3,15 +3,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
 
 #include "common/dtype.h"
+#include "common/thread_pool.h"
 #include "index/byte_io.h"
 #include "index/metrics.h"
 #include "index/oracle.h"
@@ -20,7 +23,14 @@
 namespace ctxcache::index {
 namespace {
 
-constexpr uint32_t kFormatVersion = 1;
+// CSAP is version 1. CSAC version 1: 8-bit scores in [lo, hi], delta-varint
+// ids; version 2 (written): per-list 4-bit score codebooks, ids as a bitmap or
+// delta varints, whichever is smaller (docs/storage-format.md).
+constexpr uint32_t kPlainVersion = 1;
+constexpr uint32_t kCompactVersion = 2;
+constexpr int kCompactScoreBits = 4;
+constexpr uint8_t kIdsVarint = 0;
+constexpr uint8_t kIdsBitmap = 1;
 constexpr size_t kEntryBytes = sizeof(int32_t) + sizeof(uint16_t);
 
 using StridedMap = Eigen::Map<const RowMatrixXf, 0, Eigen::OuterStride<>>;
@@ -92,6 +102,164 @@ void AccumulateList(const int32_t* ids, const uint16_t* sc, int64_t L, float w, 
   for (; e < L; ++e) acc[ids[e]] += w * Half(sc[e]) + bias;
 }
 
+// Order-preserving keys of fp16 bit patterns: a larger value has a larger
+// key, and -0 and +0 (equal values) share one key. Branch-free (AVX2 for 16
+// at a time): half the scores are negative, in no predictable order.
+inline uint16_t HalfKey(uint16_t h) {
+  h = h == 0x8000 ? 0 : h;
+  const uint16_t flip = static_cast<uint16_t>(static_cast<int16_t>(h) >> 15) | 0x8000;
+  return h ^ flip;
+}
+
+void HalfKeys(const uint16_t* h, int64_t n, uint16_t* key) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256i neg_zero = _mm256_set1_epi16(static_cast<int16_t>(0x8000));
+  for (; i + 16 <= n; i += 16) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
+    v = _mm256_andnot_si256(_mm256_cmpeq_epi16(v, neg_zero), v);
+    const __m256i flip = _mm256_or_si256(_mm256_srai_epi16(v, 15), neg_zero);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(key + i), _mm256_xor_si256(v, flip));
+  }
+#endif
+  for (; i < n; ++i) key[i] = HalfKey(h[i]);
+}
+
+// Sum of n floats, accumulated in double (AVX2: 4 independent 4-lane chains).
+double SumAsDouble(const float* x, int64_t n) {
+  int64_t i = 0;
+  double total = 0;
+#ifdef __AVX2__
+  __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v0)));
+    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1)));
+    a2 = _mm256_add_pd(a2, _mm256_cvtps_pd(_mm256_castps256_ps128(v1)));
+    a3 = _mm256_add_pd(a3, _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3)));
+  total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
+struct ListScratch {
+  std::vector<uint16_t> half;    // n: fp16 scores
+  std::vector<uint16_t> key;     // n: HalfKey of each
+  std::vector<float> rounded;    // n: the fp16 scores as floats
+  std::vector<uint16_t> sample;  // threshold sample
+  std::vector<int32_t> cand;     // candidate ids (ascending)
+  std::vector<int32_t> kept;     // the list's ids (ascending)
+  std::vector<int32_t> sorted;   // the list's ids by (key, id desc)
+};
+
+// One list from a row of n fp32 scores: the top L by fp16-rounded score, ties
+// to the lower id, written to ids/sc (L each) in ascending (score, -id) order
+// (a binary heap with the worst entry at the root). A strided sample of the
+// 16-bit order keys gives a threshold below the L-th key with high odds; the
+// candidates at or above it (all keys if it was not) go through an exact
+// radix select (high byte, then low byte of the boundary bucket), and an
+// LSD radix sort orders the L kept entries. Returns the mean fp16 score of
+// the n - L keys left out (0 when L == n).
+float BuildList(const float* row, int64_t n, int64_t L, ListScratch* s, int32_t* ids,
+                uint16_t* sc) {
+  s->half.resize(n);
+  s->key.resize(n);
+  s->rounded.resize(n);
+  FloatToHalf(row, s->half.data(), n);
+  HalfToFloat(s->half.data(), s->rounded.data(), n);
+  HalfKeys(s->half.data(), n, s->key.data());
+  const uint16_t* h = s->half.data();
+  const uint16_t* key = s->key.data();
+  // Candidates: keys >= a sampled threshold (every key for short rows).
+  uint16_t floor_key = 0;
+  constexpr int64_t kSample = 512;
+  if (n >= 8 * kSample && L < n) {
+    auto& smp = s->sample;
+    smp.resize(kSample);
+    const int64_t stride = n / kSample;
+    for (int64_t i = 0; i < kSample; ++i) smp[i] = key[i * stride];
+    const int64_t expected = L * kSample / n;
+    const int64_t rank = std::min<int64_t>(
+        kSample - 1,
+        expected + 4 * static_cast<int64_t>(std::sqrt(static_cast<double>(expected))) + 16);
+    std::nth_element(smp.begin(), smp.begin() + rank, smp.end(), std::greater<uint16_t>());
+    floor_key = smp[rank];
+  }
+  auto& cand = s->cand;
+  cand.resize(n + 1);
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    cand[c] = static_cast<int32_t>(i);
+    c += key[i] >= floor_key;
+  }
+  if (c < L) {  // unlucky sample: every key competes
+    for (int64_t i = 0; i < n; ++i) cand[i] = static_cast<int32_t>(i);
+    c = n;
+  }
+  // Exact radix select of the L-th largest key among the candidates.
+  uint32_t hist[256] = {};
+  for (int64_t e = 0; e < c; ++e) ++hist[key[cand[e]] >> 8];
+  int64_t above = 0;  // keys in buckets above the boundary bucket
+  int hi = 255;
+  while (above + hist[hi] < L) above += hist[hi--];
+  uint32_t hist_lo[256] = {};
+  for (int64_t e = 0; e < c; ++e) {
+    const uint16_t k = key[cand[e]];
+    if ((k >> 8) == hi) ++hist_lo[k & 0xff];
+  }
+  int lo = 255;
+  while (above + hist_lo[lo] < L) above += hist_lo[lo--];
+  const uint16_t threshold = static_cast<uint16_t>((hi << 8) | lo);
+  int64_t ties = L - above;  // keys equal to the threshold to keep, lowest ids first
+  auto& kept = s->kept;
+  kept.resize(c + 1);
+  int64_t e_out = 0;
+  for (int64_t e = 0; e < c; ++e) {
+    const int32_t id = cand[e];
+    const uint16_t k = key[id];
+    const bool tie = k == threshold && ties > 0;
+    ties -= tie;
+    kept[e_out] = id;
+    e_out += (k > threshold) | tie;
+  }
+  // LSD radix sort by key (low byte, then high byte), stable over descending
+  // ids: ascending (key, -id) is "worst first", a valid binary min-heap.
+  uint32_t cnt_lo[257] = {}, cnt_hi[257] = {};
+  for (int64_t e = 0; e < L; ++e) {
+    const uint16_t k = key[kept[e]];
+    ++cnt_lo[(k & 0xff) + 1];
+    ++cnt_hi[(k >> 8) + 1];
+  }
+  for (int b = 0; b < 256; ++b) {
+    cnt_lo[b + 1] += cnt_lo[b];
+    cnt_hi[b + 1] += cnt_hi[b];
+  }
+  auto& tmp = s->sorted;
+  tmp.resize(L);
+  for (int64_t e = L - 1; e >= 0; --e) {
+    const int32_t id = kept[e];
+    tmp[cnt_lo[key[id] & 0xff]++] = id;
+  }
+  for (int64_t e = 0; e < L; ++e) {
+    const int32_t id = tmp[e];
+    ids[cnt_hi[key[id] >> 8]++] = id;
+  }
+  double in_list[4] = {0, 0, 0, 0};
+  for (int64_t e = 0; e < L; ++e) {
+    const int32_t id = ids[e];
+    sc[e] = h[id];
+    in_list[e & 3] += s->rounded[id];
+  }
+  if (n == L) return 0.0f;
+  const double total = SumAsDouble(s->rounded.data(), n);
+  const double inside = (in_list[0] + in_list[1]) + (in_list[2] + in_list[3]);
+  return static_cast<float>((total - inside) / static_cast<double>(n - L));
+}
+
 Status CheckOptions(const CsaOptions& o) {
   auto bad = [](const std::string& field, const std::string& msg) {
     return InvalidArgumentError("csa: " + field + " " + msg);
@@ -133,15 +301,17 @@ StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   ASSIGN_OR_RETURN(int64_t sinks, pr.Int("sinks", o.sinks, 0, INT32_MAX));
   ASSIGN_OR_RETURN(int64_t tau, pr.Int("tau", o.tau, 1, 1 << 20));
   ASSIGN_OR_RETURN(o.backoff_cos, pr.Double("backoff_cos", o.backoff_cos, -1.0, 1.0));
-  ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights", o.proj_weights  ? "proj"
-                                                                 : o.norm_weights ? "norm"
-                                                                                  : "uniform",
-                                                     {"uniform", "norm", "proj"}));
+  ASSIGN_OR_RETURN(std::string weights, pr.Enum("weights",
+                                                o.proj_weights   ? "proj"
+                                                : o.norm_weights ? "norm"
+                                                                 : "uniform",
+                                                {"uniform", "norm", "proj"}));
   ASSIGN_OR_RETURN(std::string missing, pr.Enum("missing", "zero", {"zero", "min", "mean"}));
   o.impute_min = missing == "min";
   o.impute_tail_mean = missing == "mean";
   ASSIGN_OR_RETURN(int64_t period, pr.Int("period", o.period, 1, 1 << 20));
-  ASSIGN_OR_RETURN(std::string format, pr.Enum("format", o.compact ? "compact" : "plain", {"plain", "compact"}));
+  ASSIGN_OR_RETURN(std::string format,
+                   pr.Enum("format", o.compact ? "compact" : "plain", {"plain", "compact"}));
   if (pr.Has("schedule")) {
     ASSIGN_OR_RETURN(std::string schedule,
                      pr.Enum("schedule", "", {"0.05/1", "0.15/4", "0.20/8", "0.2/8"}));
@@ -215,63 +385,67 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
 
   s->key_mean_.assign(d, 0.0f);
   if (o.center_keys) {
-    Eigen::Map<const RowMatrixXf> K(p.keys, n, d);
+    // Row by row (contiguous), accumulated in double.
+    Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(d);
+    for (int64_t i = 0; i < n; ++i) {
+      sum += Eigen::Map<const Eigen::RowVectorXf>(p.keys + i * d, d).cast<double>();
+    }
     Eigen::Map<Eigen::RowVectorXf>(s->key_mean_.data(), d) =
-        (K.cast<double>().colwise().sum() / static_cast<double>(n)).cast<float>();
+        (sum / static_cast<double>(n)).cast<float>();
   }
   s->centroids_.resize(static_cast<size_t>(m) * C * ds);
   s->tail_mean_.assign(static_cast<size_t>(m) * C, 0.0f);
   s->ids_.resize(static_cast<size_t>(m) * C * L);
   s->scores_.resize(static_cast<size_t>(m) * C * L);
-  RowMatrixXf S;
-  std::vector<float> row(n);
-  std::vector<int32_t> top;
-  TopKScratch scratch;
-  std::vector<std::pair<float, int32_t>> entries;
-  for (int b = 0; b < m; ++b) {
-    KMeansOptions ko;
-    ko.k = C;
-    ko.metric = KMeansMetric::kCosine;
-    ko.init = KMeansInit::kPlusPlus;
-    ko.max_iters = o.kmeans_iters;
-    ko.seed = o.seed + 7919 * static_cast<uint64_t>(b);
-    auto km = KMeans(Q.data() + b * ds, rows, ds, d, ko);
-    if (!km.ok()) return km.status().WithContext("csa: subspace " + std::to_string(b));
-    const RowMatrixXf& cent = km->centroids;
-    std::memcpy(s->centroids_.data() + static_cast<size_t>(b) * C * ds, cent.data(),
-                sizeof(float) * C * ds);
-    // CSAttention §3.2 (2): s_j^b(i) = c_j^b . k_i^b for all centroids and keys.
-    StridedMap Kb(p.keys + b * ds, n, ds, Eigen::OuterStride<>(d));
-    S.noalias() = cent * Kb.transpose();
-    if (o.center_keys) {
-      Eigen::Map<const Eigen::VectorXf> kbar(s->key_mean_.data() + b * ds, ds);
-      const Eigen::VectorXf shift = cent * kbar;
-      S.colwise() -= shift;
-    }
-    for (int j = 0; j < C; ++j) {
-      const float* srow = S.row(j).data();
-      for (int64_t i = 0; i < n; ++i) row[i] = RoundToHalf(srow[i]);
-      SelectTopK(row.data(), n, L, TopKOrder::kAny, &top, &scratch);
-      entries.resize(L);
-      double total = 0, in_list = 0;
-      for (int64_t i = 0; i < n; ++i) total += row[i];
-      for (int64_t e = 0; e < L; ++e) {
-        entries[e] = {row[top[e]], top[e]};
-        in_list += row[top[e]];
+  // Subspaces are independent: the pool's threads take them one at a time
+  // (a nested call from a pool thread runs them all inline); every subspace
+  // writes only its own slices.
+  std::vector<Status> errs(m);
+  std::atomic<int> next_subspace{0};
+  ThreadPool* pool = ThreadPool::Default();
+  pool->ParallelFor(std::min<size_t>(m, pool->size() + 1), [&](size_t, size_t) {
+    RowMatrixXf S;
+    ListScratch scratch;
+    for (int b = next_subspace++; b < m; b = next_subspace++) {
+      KMeansOptions ko;
+      ko.k = C;
+      ko.metric = KMeansMetric::kCosine;
+      ko.init = KMeansInit::kPlusPlus;
+      ko.max_iters = o.kmeans_iters;
+      ko.seed = o.seed + 7919 * static_cast<uint64_t>(b);
+      ko.parallel = false;  // the subspaces are the parallel loop
+      auto km = KMeans(Q.data() + b * ds, rows, ds, d, ko);
+      if (!km.ok()) {
+        errs[b] = km.status().WithContext("csa: subspace " + std::to_string(b));
+        continue;
       }
-      s->tail_mean_[b * C + j] = n > L ? static_cast<float>((total - in_list) / (n - L)) : 0.0f;
-      // Max-heap under "beats" puts the worst entry at the root.
-      auto beats = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b2) {
-        return Beats(a.first, a.second, b2.first, b2.second);
-      };
-      std::make_heap(entries.begin(), entries.end(), beats);
-      const int64_t off = s->ListOffset(b, j);
-      for (int64_t e = 0; e < L; ++e) {
-        s->ids_[off + e] = entries[e].second;
-        s->scores_[off + e] = FloatToHalf(entries[e].first);
+      const RowMatrixXf& cent = km->centroids;
+      std::memcpy(s->centroids_.data() + static_cast<size_t>(b) * C * ds, cent.data(),
+                  sizeof(float) * C * ds);
+      // CSAttention §3.2 (2): s_j^b(i) = c_j^b . k_i^b for all centroids and keys,
+      // kRowsPerGemm centroids at a time (the score rows stay in cache for
+      // BuildList).
+      StridedMap Kb(p.keys + b * ds, n, ds, Eigen::OuterStride<>(d));
+      Eigen::VectorXf shift = Eigen::VectorXf::Zero(C);
+      if (o.center_keys) {
+        Eigen::Map<const Eigen::VectorXf> kbar(s->key_mean_.data() + b * ds, ds);
+        shift = cent * kbar;
+      }
+      constexpr int kRowsPerGemm = 16;
+      for (int j0 = 0; j0 < C; j0 += kRowsPerGemm) {
+        const int rows_j = std::min(kRowsPerGemm, C - j0);
+        S.noalias() = cent.middleRows(j0, rows_j) * Kb.transpose();
+        if (o.center_keys) S.colwise() -= shift.segment(j0, rows_j);
+        for (int r = 0; r < rows_j; ++r) {
+          const int j = j0 + r;
+          const int64_t off = s->ListOffset(b, j);
+          s->tail_mean_[b * C + j] = BuildList(S.row(r).data(), n, L, &scratch,
+                                               s->ids_.data() + off, s->scores_.data() + off);
+        }
       }
     }
-  }
+  });
+  for (const Status& e : errs) RETURN_IF_ERROR(e);
   return s;
 }
 
@@ -468,6 +642,74 @@ Status CsaSelector::Append(const float* key, const float* /*value*/, const float
 
 namespace {
 
+// Codebook entries per list: 2^bits, or L when the list is shorter.
+int CodebookLevels(int bits, int64_t L) {
+  return static_cast<int>(std::min<int64_t>(int64_t{1} << bits, L));
+}
+
+uint64_t VarintSize(uint64_t v) {
+  uint64_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+// The index of the level nearest to v in the ascending book (the lower one
+// on a tie).
+uint32_t NearestLevel(const float* book, int levels, float v) {
+  uint32_t best = 0;
+  float best_d = std::abs(v - book[0]);
+  for (int i = 1; i < levels; ++i) {
+    const float d = std::abs(v - book[i]);
+    if (d < best_d) {
+      best_d = d;
+      best = static_cast<uint32_t>(i);
+    }
+  }
+  return best;
+}
+
+// A 1-D Lloyd-Max codebook of `levels` fp16 values (ascending) for the n
+// ascending scores: equal-count groups' means, then Lloyd iterations (each
+// level the mean of the scores nearest to it).
+void ScoreCodebook(const float* sorted, int64_t n, int levels, uint16_t* book) {
+  std::vector<double> level(levels);
+  for (int g = 0; g < levels; ++g) {
+    const int64_t a = g * n / levels, b = (g + 1) * n / levels;
+    if (b > a) {
+      double sum = 0;
+      for (int64_t i = a; i < b; ++i) sum += sorted[i];
+      level[g] = sum / static_cast<double>(b - a);
+    } else {
+      level[g] = sorted[std::min<int64_t>(a, n - 1)];
+    }
+  }
+  std::vector<double> sum(levels);
+  std::vector<int64_t> count(levels);
+  for (int it = 0; it < 8; ++it) {
+    std::fill(sum.begin(), sum.end(), 0.0);
+    std::fill(count.begin(), count.end(), 0);
+    int g = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      // Levels ascend, scores ascend: the nearest level only moves up.
+      while (g + 1 < levels &&
+             std::abs(sorted[i] - level[g + 1]) < std::abs(sorted[i] - level[g])) {
+        ++g;
+      }
+      sum[g] += sorted[i];
+      ++count[g];
+    }
+    for (int k = 0; k < levels; ++k) {
+      if (count[k] > 0) level[k] = sum[k] / static_cast<double>(count[k]);
+    }
+    std::sort(level.begin(), level.end());
+  }
+  for (int k = 0; k < levels; ++k) book[k] = FloatToHalf(static_cast<float>(level[k]));
+  std::sort(book, book + levels, [](uint16_t a, uint16_t b) { return Half(a) < Half(b); });
+}
+
 void PutOptions(ByteWriter* w, const CsaOptions& o) {
   w->Put<int32_t>(o.m);
   w->Put<int32_t>(o.C);
@@ -511,7 +753,7 @@ bool GetOptions(ByteReader* r, CsaOptions* o) {
 void CsaSelector::SerializePlain(std::string* out) const {
   out->clear();
   ByteWriter w(out);
-  w.PutHeader("CSAP", kFormatVersion);
+  w.PutHeader("CSAP", kPlainVersion);
   PutOptions(&w, options_);
   w.Put<int32_t>(d_);
   w.Put<int64_t>(n_tokens_);
@@ -527,7 +769,7 @@ void CsaSelector::SerializePlain(std::string* out) const {
 void CsaSelector::SerializeCompact(std::string* out) const {
   out->clear();
   ByteWriter w(out);
-  w.PutHeader("CSAC", kFormatVersion);
+  w.PutHeader("CSAC", kCompactVersion);
   PutOptions(&w, options_);
   w.Put<int32_t>(d_);
   w.Put<int64_t>(n_tokens_);
@@ -536,29 +778,50 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   w.PutArray(centroids_.data(), centroids_.size());
   w.PutArray(key_mean_.data(), key_mean_.size());
   w.PutArray(tail_mean_.data(), tail_mean_.size());
-  std::vector<std::pair<int32_t, float>> list(L_);
-  std::vector<uint8_t> q(L_);
+  w.Put<uint8_t>(kCompactScoreBits);
+  const int levels = CodebookLevels(kCompactScoreBits, L_);
+  std::vector<std::pair<int32_t, uint16_t>> list(L_);
+  std::vector<float> sorted(L_);
+  std::vector<uint16_t> book(levels);
+  std::vector<float> book_f(levels);
+  std::vector<uint8_t> bitmap((n_tokens_ + 7) / 8);
+  std::vector<uint8_t> packed((L_ * kCompactScoreBits + 7) / 8);
   const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
   for (int64_t l = 0; l < n_lists; ++l) {
     const int32_t* ids = ids_.data() + l * L_;
     const uint16_t* sc = scores_.data() + l * L_;
-    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-    for (int64_t e = 0; e < L_; ++e) {
-      list[e] = {ids[e], Half(sc[e])};
-      lo = std::min(lo, list[e].second);
-      hi = std::max(hi, list[e].second);
-    }
+    for (int64_t e = 0; e < L_; ++e) list[e] = {ids[e], sc[e]};
     std::sort(list.begin(), list.end());
-    w.Put<float>(lo);
-    w.Put<float>(hi);
-    int32_t prev = -1;
-    const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
-    for (int64_t e = 0; e < L_; ++e) {
-      w.PutVarint(static_cast<uint64_t>(list[e].first - prev));  // >= 1: ids are unique
-      prev = list[e].first;
-      q[e] = step > 0 ? static_cast<uint8_t>(std::lround((list[e].second - lo) / step)) : 0;
+    // Ids: a bitmap over n_tokens or delta varints, whichever is smaller.
+    uint64_t varint_bytes = 0;
+    for (int64_t e = 0, prev = -1; e < L_; prev = list[e].first, ++e) {
+      varint_bytes += VarintSize(static_cast<uint64_t>(list[e].first - prev));
     }
-    w.PutArray(q.data(), q.size());
+    if (bitmap.size() < varint_bytes) {
+      w.Put<uint8_t>(kIdsBitmap);
+      std::fill(bitmap.begin(), bitmap.end(), 0);
+      for (const auto& [id, h] : list) bitmap[id >> 3] |= static_cast<uint8_t>(1u << (id & 7));
+      w.PutArray(bitmap.data(), bitmap.size());
+    } else {
+      w.Put<uint8_t>(kIdsVarint);
+      int32_t prev = -1;
+      for (const auto& [id, h] : list) {
+        w.PutVarint(static_cast<uint64_t>(id - prev));  // >= 1: ids are unique
+        prev = id;
+      }
+    }
+    // Scores: a codebook of `levels` fp16 values and one code per entry.
+    for (int64_t e = 0; e < L_; ++e) sorted[e] = Half(list[e].second);
+    std::sort(sorted.begin(), sorted.end());
+    ScoreCodebook(sorted.data(), L_, levels, book.data());
+    for (int i = 0; i < levels; ++i) book_f[i] = Half(book[i]);
+    w.PutArray(book.data(), book.size());
+    std::fill(packed.begin(), packed.end(), 0);
+    for (int64_t e = 0; e < L_; ++e) {
+      const uint32_t code = NearestLevel(book_f.data(), levels, Half(list[e].second));
+      packed[e >> 1] |= static_cast<uint8_t>(code << (4 * (e & 1)));
+    }
+    w.PutArray(packed.data(), packed.size());
   }
 }
 
@@ -575,7 +838,8 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
   ByteReader r(bytes);
   const bool compact = bytes.substr(0, 4) == "CSAC";
   uint32_t version = 0;
-  RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", kFormatVersion, &version, "csa"));
+  RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", compact ? kCompactVersion : kPlainVersion,
+                              &version, "csa"));
   auto loss = [](const std::string& what) { return DataLossError("csa artifact: " + what); };
   if (!GetOptions(&r, &options_)) return loss("truncated options");
   if (!CheckOptions(options_).ok()) return loss("corrupt options");
@@ -602,7 +866,15 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     return loss("bad list tail means");
   }
   const uint64_t entries = static_cast<uint64_t>(n_lists) * L_;
-  if (entries > r.remaining()) return loss("truncated lists");  // >= 1 byte per entry
+  uint8_t bits = 0;
+  if (compact && version >= 2) {
+    if (!r.Get(&bits) || bits != kCompactScoreBits) return loss("bad score bits");
+    // >= 1 coding byte, the codebook and the packed codes per list.
+    const uint64_t min_list = 1 + 2 * CodebookLevels(bits, L_) + (L_ * bits + 7) / 8;
+    if (static_cast<uint64_t>(n_lists) * min_list > r.remaining()) return loss("truncated lists");
+  } else if (entries > r.remaining()) {
+    return loss("truncated lists");  // >= 1 byte per entry
+  }
   ids_.resize(entries);
   scores_.resize(entries);
   if (!compact) {
@@ -611,6 +883,59 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     }
     for (int32_t id : ids_) {
       if (id < 0 || id >= n_tokens_) return loss("list id out of range");
+    }
+  } else if (version >= 2) {
+    const int levels = CodebookLevels(bits, L_);
+    std::vector<uint16_t> book(levels);
+    // Sized on first use, after the bytes for it are known to be there: a
+    // corrupt n_tokens must not allocate.
+    std::vector<uint8_t> bitmap;
+    const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
+    std::vector<uint8_t> packed((L_ * bits + 7) / 8);
+    for (int64_t l = 0; l < n_lists; ++l) {
+      int32_t* ids = ids_.data() + l * L_;
+      uint8_t coding = 0;
+      if (!r.Get(&coding)) return loss("truncated lists");
+      if (coding == kIdsBitmap) {
+        if (r.remaining() < bitmap_bytes) return loss("truncated list bitmap");
+        bitmap.resize(bitmap_bytes);
+        if (!r.GetArray(bitmap.data(), bitmap.size())) return loss("truncated list bitmap");
+        int64_t e = 0;
+        for (size_t byte = 0; byte < bitmap.size(); ++byte) {
+          for (uint32_t v = bitmap[byte]; v != 0; v &= v - 1) {
+            const int64_t id = static_cast<int64_t>(byte) * 8 + __builtin_ctz(v);
+            if (id >= n_tokens_ || e >= L_) return loss("bad list bitmap");
+            ids[e++] = static_cast<int32_t>(id);
+          }
+        }
+        if (e != L_) return loss("bad list bitmap");
+      } else if (coding == kIdsVarint) {
+        int64_t prev = -1;
+        for (int64_t e = 0; e < L_; ++e) {
+          uint64_t delta = 0;
+          // Unsigned compare: a huge delta must not wrap prev (signed overflow).
+          if (!r.GetVarint(&delta) || delta == 0 ||
+              delta > static_cast<uint64_t>(n_tokens_ - 1 - prev)) {
+            return loss("bad list ids");
+          }
+          prev += static_cast<int64_t>(delta);
+          ids[e] = static_cast<int32_t>(prev);
+        }
+      } else {
+        return loss("bad list id coding");
+      }
+      if (!r.GetArray(book.data(), book.size())) return loss("truncated score codebook");
+      for (uint16_t h : book) {
+        if (!std::isfinite(Half(h))) return loss("bad score codebook");
+      }
+      if (!r.GetArray(packed.data(), packed.size())) return loss("truncated scores");
+      uint16_t* sc = scores_.data() + l * L_;
+      for (int64_t e = 0; e < L_; ++e) {
+        const int code = (packed[e >> 1] >> (4 * (e & 1))) & 0xf;
+        if (code >= levels) return loss("bad score code");
+        sc[e] = book[code];
+      }
+      BuildHeap(l);
     }
   } else {
     std::vector<uint8_t> q(L_);

@@ -7,7 +7,11 @@
 // GEMM per subspace; kbar = mean build key, see center_keys; the paper uses
 // raw keys, center=0), and keep the top-L (id int32, score fp16) per centroid.
 // Ranking uses the fp16-rounded score, ties to the lower id, so that a
-// streaming insert reproduces a rebuild exactly (up to GEMM rounding).
+// streaming insert reproduces a rebuild exactly (up to GEMM rounding). The
+// top-L is a radix select over the 16-bit order keys of the fp16 scores.
+// Subspaces are built in parallel on ThreadPool::Default() (inline when
+// Build is called from a pool thread); the tables do not depend on the
+// thread count.
 //
 // Retrieve, per query q (CSAttention §3.3): in each subspace the nearest
 // centroid by cosine, or the top tau when the best cosine < backoff_cos;
@@ -28,8 +32,8 @@
 // as binary min-heaps, worst entry at the root).
 //
 // Method parameters ("csa"):
-//   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=65536
-//   iters=15 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
+//   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=4096
+//   iters=8 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
 //   weights=norm|uniform|proj missing=zero|min|mean period=1
 //   schedule=<rho>/<period> (preset; overrides rho and period)
 //   format=compact|plain (what Serialize() writes). The defaults are
@@ -41,9 +45,12 @@
 //   plain   "CSAP": options, centroids fp32, the key and tail means, then all
 //           lists' int32 ids, then all their fp16 scores, in heap order:
 //           bit-exact round trip.
-//   compact "CSAC": lists sorted by id, ids delta+varint coded, scores
-//           quantized to 8 bits between the list's min and max; after loading
-//           the scores equal the dequantized values.
+//   compact "CSAC" (version 2, written): lists sorted by id, ids as a bitmap
+//           over n_tokens or delta varints (whichever is smaller), scores as
+//           4-bit codes into a per-list codebook of min(16, L) fp16 values
+//           (1-D Lloyd-Max); after loading the scores equal the codebook
+//           values. Version 1 (8-bit scores between the list's min and max,
+//           delta varint ids) is still read.
 //
 // Thread-safety: as Selector: Select() uses per-instance scratch and schedule
 // state, so one instance per session (Clone()).
@@ -70,10 +77,13 @@ struct CsaOptions {
   double alpha = 0.25;
   // Fixed list length, overriding alpha when > 0 (clamped to N). Default: 0.
   int64_t fixed_L = 0;
-  // Pooled prefill query rows used for k-means (deterministic subsample). Default: 65536.
-  int64_t query_cap = 65536;
-  // Cosine k-means iterations per subspace. Default: 15.
-  int kmeans_iters = 15;
+  // Pooled prefill query rows used for k-means (deterministic subsample; 32
+  // per centroid at C = 128; docs/algorithms.md has the recall cost of the
+  // sample size). Default: 4096.
+  int64_t query_cap = 4096;
+  // Cosine k-means iterations per subspace (fewer when the objective
+  // converges). Default: 8.
+  int kmeans_iters = 8;
   // Score centroids against centered keys k_i - mean(k): a shift every query
   // sees equally (q.mean(k) is constant over keys), so top-K and softmax are
   // unchanged, but list membership no longer carries the keys' large common
@@ -112,8 +122,8 @@ struct CsaOptions {
   bool impute_tail_mean = false;
   // Search period P: a selection is reused for P Select() calls. Default: 1.
   int period = 1;
-  // Serialize() writes the compact form (delta/varint ids, 8-bit scores;
-  // docs/storage-format.md). Default: true.
+  // Serialize() writes the compact form (bitmap or delta-varint ids, 4-bit
+  // codebook scores; docs/storage-format.md). Default: true.
   bool compact = true;
 };
 

@@ -4,12 +4,15 @@
 //   kL2:     minimizes sum ||x - c_a(x)||^2 (Tactic, DESIGN §5.2).
 //   kCosine: spherical k-means: points are L2-normalized, centroids are kept
 //            at unit norm and assignment maximizes x.c (CSAttention §3.2).
-// Seeding: k-means++ (D^2 sampling; for cosine the distance is 1 - cos) or
-// k distinct random points. Optional mini-batch updates (Sculley 2010) with
+// Seeding: k-means++ (D^2 sampling; for cosine the distance is 1 - cos), k
+// distinct random points, or given centroids. Optional mini-batch updates (Sculley 2010) with
 // per-centroid learning rates. Empty clusters are re-seeded with the point
 // farthest from its centroid. Deterministic for a given seed and input.
 //
-// Thread-safety: KMeans() is reentrant; it runs on the calling thread.
+// Thread-safety: KMeans() and AssignNearest() are reentrant. Their
+// assignment GEMMs spread row blocks over ThreadPool::Default() (KMeans' unless
+// KMeansOptions::parallel is false; inline when called from a pool thread);
+// results do not depend on the thread count.
 #pragma once
 
 #include <Eigen/Core>
@@ -23,7 +26,8 @@ namespace ctxcache::index {
 using RowMatrixXf = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 enum class KMeansMetric { kL2, kCosine };
-enum class KMeansInit { kPlusPlus, kRandom };
+// kGiven starts from KMeansOptions::initial (k x d, row-major).
+enum class KMeansInit { kPlusPlus, kRandom, kGiven };
 
 struct KMeansOptions {
   // Number of centroids. Must be in [1, n]. Default: 128.
@@ -32,6 +36,9 @@ struct KMeansOptions {
   KMeansMetric metric = KMeansMetric::kL2;
   // Seeding. Default: k-means++.
   KMeansInit init = KMeansInit::kPlusPlus;
+  // kGiven: the k x d starting centroids (row-major, finite; for kCosine they
+  // are normalized). Must outlive the call. Default: nullptr.
+  const float* initial = nullptr;
   // Maximum number of iterations (full passes, or mini-batch steps). Default: 20.
   int max_iters = 20;
   // Stop when the relative objective change between iterations is below this
@@ -42,6 +49,9 @@ struct KMeansOptions {
   int64_t batch_size = 0;
   // RNG seed (std::mt19937_64). Default: 42.
   uint64_t seed = 42;
+  // Spread the assignment GEMMs over ThreadPool::Default(). Callers that
+  // already run KMeans calls in parallel set false. Default: true.
+  bool parallel = true;
   // k-means++ runs on at most this many points (a deterministic random
   // subsample) to bound its O(n k d) cost. Default: 65536.
   int64_t max_init_points = 65536;

@@ -2,10 +2,12 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <numeric>
 
+#include "common/thread_pool.h"
 #include "index/byte_io.h"
 #include "index/kmeans.h"
 #include "index/params.h"
@@ -80,15 +82,120 @@ StatusOr<TacticOptions> ParseTacticParams(const MethodParams& params) {
   return o;
 }
 
-Status TacticSelector::AddClusters(const float* keys, int64_t n, int32_t first_id, uint64_t seed) {
-  const int d = head_dim_;
+namespace {
+
+// Flat k-means up to this many clusters; above it, two levels.
+constexpr int64_t kFlatMaxClusters = 64;
+
+// L2 k-means of n keys into about k clusters: flat for k <= kFlatMaxClusters;
+// above, ceil(sqrt(k)) coarse clusters, then each coarse cluster of n_c keys
+// split into about n_c * k / n clusters (k in total; both levels random-seeded
+// Lloyd, `iters` iterations), then one flat Lloyd step from those centroids
+// (assign every key to its nearest centroid, then move each centroid to its
+// members' mean). The levels cost O(n sqrt(k) d) per iteration instead of
+// O(n k d); the flat step is one n x k x d GEMM. Empty clusters may remain
+// (AddClusters drops them).
+StatusOr<KMeansResult> ClusterKeys(const float* keys, int64_t n, int d, int64_t k, int iters,
+                                   uint64_t seed) {
   KMeansOptions ko;
-  ko.k = static_cast<int>(std::max<int64_t>(1, n / options_.avg_cluster_size));
   ko.metric = KMeansMetric::kL2;
   ko.init = KMeansInit::kRandom;  // Tactic §3.2: random seeds from the data
-  ko.max_iters = options_.max_iters;
+  ko.max_iters = iters;
   ko.seed = seed;
-  ASSIGN_OR_RETURN(KMeansResult km, KMeans(keys, n, d, d, ko));
+  if (k <= kFlatMaxClusters) {
+    ko.k = static_cast<int>(k);
+    return KMeans(keys, n, d, d, ko);
+  }
+  ko.k = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(k))));
+  ASSIGN_OR_RETURN(KMeansResult coarse, KMeans(keys, n, d, d, ko));
+  std::vector<std::vector<int64_t>> members(ko.k);
+  for (int64_t i = 0; i < n; ++i) members[coarse.assign[i]].push_back(i);
+  // Split k over the coarse clusters in proportion to their sizes (largest
+  // remainder, each in [1, n_c] when non-empty), so the total stays k.
+  std::vector<int64_t> kc(ko.k, 0);
+  {
+    std::vector<std::pair<double, int>> rem;
+    int64_t given = 0;
+    for (int c = 0; c < ko.k; ++c) {
+      const int64_t nc = static_cast<int64_t>(members[c].size());
+      if (nc == 0) continue;
+      const double share =
+          static_cast<double>(nc) * static_cast<double>(k) / static_cast<double>(n);
+      kc[c] = std::clamp<int64_t>(static_cast<int64_t>(share), 1, nc);
+      given += kc[c];
+      rem.emplace_back(share - static_cast<double>(kc[c]), c);
+    }
+    std::sort(rem.begin(), rem.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (size_t r = 0; given < k && r < rem.size(); ++r) {
+      const int c = rem[r].second;
+      if (kc[c] < static_cast<int64_t>(members[c].size())) {
+        ++kc[c];
+        ++given;
+      }
+    }
+  }
+  // Coarse clusters are split in parallel, taken one at a time by the pool's
+  // threads (each fine KMeans single-threaded).
+  std::vector<RowMatrixXf> fine(ko.k);
+  std::vector<Status> errs(ko.k);
+  std::atomic<int> next_cluster{0};
+  ThreadPool* pool = ThreadPool::Default();
+  pool->ParallelFor(std::min<size_t>(ko.k, pool->size() + 1), [&](size_t, size_t) {
+    RowMatrixXf sub;
+    for (int c = next_cluster++; c < ko.k; c = next_cluster++) {
+      const auto& mem = members[c];
+      const int64_t nc = static_cast<int64_t>(mem.size());
+      if (nc == 0) continue;
+      sub.resize(nc, d);
+      for (int64_t i = 0; i < nc; ++i) std::copy_n(keys + mem[i] * d, d, sub.row(i).data());
+      KMeansOptions fo = ko;
+      fo.k = static_cast<int>(kc[c]);
+      fo.seed = seed + 1 + static_cast<uint64_t>(c);
+      fo.parallel = false;
+      auto km = KMeans(sub.data(), nc, d, d, fo);
+      if (!km.ok()) {
+        errs[c] = km.status();
+        continue;
+      }
+      fine[c] = std::move(km->centroids);
+    }
+  });
+  std::vector<float> centroids;
+  int32_t next = 0;
+  for (int c = 0; c < ko.k; ++c) {
+    RETURN_IF_ERROR(errs[c]);
+    centroids.insert(centroids.end(), fine[c].data(), fine[c].data() + fine[c].size());
+    next += static_cast<int32_t>(fine[c].rows());
+  }
+  // One flat Lloyd step over all keys and centroids: every key joins its
+  // nearest centroid of any coarse cluster (keys near a coarse boundary
+  // move), then each centroid becomes the mean of its members.
+  KMeansResult out;
+  out.centroids = Eigen::Map<const RowMatrixXf>(centroids.data(), next, d);
+  out.assign.resize(n);
+  AssignNearest(keys, n, d, d, out.centroids, KMeansMetric::kL2, out.assign.data(), nullptr);
+  RowMatrixXf sums = RowMatrixXf::Zero(next, d);
+  std::vector<int64_t> count(next, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    sums.row(out.assign[i]) += Eigen::Map<const Eigen::RowVectorXf>(keys + i * d, d);
+    ++count[out.assign[i]];
+  }
+  for (int32_t c = 0; c < next; ++c) {
+    if (count[c] > 0) out.centroids.row(c) = sums.row(c) / static_cast<float>(count[c]);
+  }
+  out.iterations = coarse.iterations;
+  return out;
+}
+
+}  // namespace
+
+Status TacticSelector::AddClusters(const float* keys, int64_t n, int32_t first_id, uint64_t seed) {
+  const int d = head_dim_;
+  ASSIGN_OR_RETURN(KMeansResult km,
+                   ClusterKeys(keys, n, d, std::max<int64_t>(1, n / options_.avg_cluster_size),
+                               options_.max_iters, seed));
   const int64_t k = km.centroids.rows();
   std::vector<int64_t> count(k + 1, 0);
   for (int64_t i = 0; i < n; ++i) ++count[km.assign[i] + 1];

@@ -1,9 +1,14 @@
 // Tactic: clustering + distribution fitting (seeds 003 and 000, DESIGN §5.2).
 //
 // Build, per (layer, kv head): L2 k-means over the keys with
-// N / avg_cluster_size clusters, seeds drawn at random from the data, at most
-// `max_iters` Lloyd iterations (index/kmeans.h). Centroids and CSR member
-// lists are stored.
+// k = N / avg_cluster_size clusters, seeds drawn at random from the data, at
+// most `max_iters` Lloyd iterations (index/kmeans.h). Above 64 clusters the
+// k-means has two levels (ceil(sqrt(k)) coarse clusters, each split in
+// proportion to its size, k in total), then one flat Lloyd step over all keys
+// and centroids: every key joins its nearest centroid, each centroid is the
+// mean of its members. That costs O(N sqrt(k) d) per iteration plus one
+// N x k x d GEMM instead of O(N k d) per iteration (docs/algorithms.md has
+// the recall and mass it keeps). Centroids and CSR member lists are stored.
 //
 // Select, per q head (Tactic §3.3-3.4, Alg. 1):
 //  1. rank clusters by q·centroid (descending): a partially sorted token list;
@@ -119,6 +124,12 @@ class TacticSelector final : public Selector {
   // unless 0 < P <= 1.
   Status SetTarget(double target);
   int64_t n_clusters() const { return static_cast<int64_t>(offsets_.size()) - 1; }
+  // Cluster c in [0, n_clusters()): its centroid (head_dim floats) and its
+  // member token ids.
+  const float* centroid(int64_t c) const { return centroids_.data() + c * head_dim_; }
+  std::vector<int32_t> members(int64_t c) const {
+    return std::vector<int32_t>(members_.begin() + offsets_[c], members_.begin() + offsets_[c + 1]);
+  }
   int64_t n_ranked() const { return n_ranked_; }
   int64_t n_sink() const { return n_sink_; }
   // Per q head, from the last Select().

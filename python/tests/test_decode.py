@@ -43,9 +43,11 @@ def test_fetch_index_sizes_and_crc(client: ctxcache.Client,
 
 
 def test_fetch_index_reassembles_multi_chunk_artifacts(client: ctxcache.Client) -> None:
-    # ~600 bytes of csa tables per token and (layer, kv head): 2500 tokens make
-    # artifacts over the 1 MiB chunk size, sent as several IndexChunks.
-    ctx = client.build(tokens=random_tokens(2500, 21), indexes=["csa"]).context
+    # ~1,500 bytes of plain csa tables per token and (layer, kv head) (the
+    # compact default is ~260): 2500 tokens make artifacts over the 1 MiB
+    # chunk size, sent as several IndexChunks.
+    ctx = client.build(tokens=random_tokens(2500, 21),
+                       indexes=[("csa", {"format": "plain"})]).context
     arts = client.fetch_index(ctx.context_id, "csa")
     assert len(arts) == L * NKV
     assert max(len(b) for b in arts.values()) > (1 << 20)

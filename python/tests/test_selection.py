@@ -90,7 +90,7 @@ def synthetic(client: ctxcache.Client) -> Dict[str, ctxcache.pb.ContextInfo]:
 def _check_common(a, ctx: ctxcache.pb.ContextInfo) -> None:
     o = a.options
     m, C, d = o.m, o.C, ctx.model.head_dim
-    assert a.version == 1 and a.head_dim == d
+    assert a.version == (2 if a.compact else 1) and a.head_dim == d
     assert a.n_tokens == a.n_built == ctx.n_tokens
     assert a.L == math.ceil(o.alpha * ctx.n_tokens)
     assert a.centroids.shape == (m, C, d // m) and a.centroids.dtype == np.float32
@@ -116,7 +116,7 @@ def test_parse_plain_artifact(client: ctxcache.Client, llama_plain) -> None:
         # The defaults of a served context (index/csa.h CsaOptions).
         assert (o.m, o.C, o.alpha, o.fixed_L, o.iters, o.seed, o.rho, o.recent, o.sinks,
                 o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center) == \
-            (8, 128, 0.25, 0, 15, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
+            (8, 128, 0.25, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
         _check_common(a, llama_plain)
         m, C, d, L = o.m, o.C, a.head_dim, a.L
         assert len(raw) == CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L
@@ -140,12 +140,14 @@ def test_parse_compact_artifact(client: ctxcache.Client, llama_compact) -> None:
             (3, 0.5, "min", 2, 20, 2)
         _check_common(a, llama_compact)
         assert (np.diff(a.ids, axis=2) > 0).all()  # ascending ids
-        assert a.q.shape == a.ids.shape and a.lo.shape == a.hi.shape == (o.m, o.C)
-        assert (a.hi >= a.lo).all()
-        # lo and hi are the fp16 extremes; q = 0 / 255 reproduce them.
-        assert np.array_equal(a.lo.astype(np.float16).astype(np.float32), a.lo)
-        s = a.scores.astype(np.float32)
-        assert np.array_equal(s.min(axis=2), a.lo) and np.array_equal(s.max(axis=2), a.hi)
+        assert a.version == 2 and a.lo is None and a.hi is None
+        levels = min(16, a.L)
+        assert a.q.shape == a.ids.shape and a.book.shape == (o.m, o.C, levels)
+        assert a.id_coding.shape == (o.m, o.C) and set(np.unique(a.id_coding)) <= {0, 1}
+        assert (a.q < levels).all() and (np.diff(a.book.astype(np.float32), axis=2) >= 0).all()
+        # Scores are the codebook entries of their 4-bit codes.
+        want = np.take_along_axis(a.book, a.q.astype(np.int64), axis=2)
+        assert np.array_equal(a.scores.view(np.uint16), want.view(np.uint16))
 
 
 def test_plain_and_compact_hold_the_same_tables(client: ctxcache.Client, synthetic) -> None:
@@ -158,7 +160,7 @@ def test_plain_and_compact_hold_the_same_tables(client: ctxcache.Client, synthet
         assert (p.magic, c.magic) == ("CSAP", "CSAC")
         _check_common(p, synthetic["plain"])
         _check_common(c, synthetic["compact"])
-        assert len(compact[key]) < len(plain[key]) / 2
+        assert len(compact[key]) < len(plain[key]) / 3
         assert np.array_equal(p.centroids, c.centroids)
         assert np.array_equal(p.key_mean, c.key_mean)
         assert np.array_equal(p.tail_mean, c.tail_mean)
@@ -167,15 +169,13 @@ def test_plain_and_compact_hold_the_same_tables(client: ctxcache.Client, synthet
         p_ids = np.take_along_axis(p.ids, order, axis=2)
         p_sc = np.take_along_axis(p.scores, order, axis=2).astype(np.float32)
         assert np.array_equal(p_ids, c.ids)
-        assert np.array_equal(c.lo, p_sc.min(axis=2)) and np.array_equal(c.hi, p_sc.max(axis=2))
-        # 8-bit quantization (SerializeCompact, in fp32): q = lround((s - lo) / step).
-        step = np.where(c.hi > c.lo, (c.hi - c.lo) / np.float32(255.0), np.float32(0.0))
-        x = (p_sc - c.lo[..., None]) / np.where(step > 0, step, np.float32(1.0))[..., None]
-        want_q = np.where(step[..., None] > 0, np.floor(x.astype(np.float64) + 0.5), 0)
-        assert np.array_equal(c.q, want_q)
-        # Dequantized scores: error <= step/2 plus the fp16 rounding.
+        # 4-bit codebook quantization (SerializeCompact, in fp32): each code is
+        # the nearest codebook entry to the plain score (the first on a tie).
+        book = c.book.astype(np.float32)
+        dist = np.abs(p_sc[..., None] - book[:, :, None, :])
+        assert np.array_equal(c.q, np.argmin(dist, axis=3))
         err = np.abs(c.scores.astype(np.float32) - p_sc)
-        assert (err <= step[..., None] / 2 + np.abs(p_sc) * 2.0 ** -10 + 1e-6).all()
+        assert np.array_equal(err, dist.min(axis=3))
 
 
 def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama_compact) -> None:
@@ -205,9 +205,16 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
     with pytest.raises(ValueError, match="out of range"):
         parse_csa_artifact(bad_id)
     lists_at = CSA_HEADER_BYTES + 4 * a.C * a.head_dim + 4 * a.head_dim + 4 * a.m * a.C
-    zero_delta = compact[:lists_at + 8] + b"\0" + compact[lists_at + 9:]  # list 0's first delta
-    with pytest.raises(ValueError, match="bad list ids"):
-        parse_csa_artifact(zero_delta)
+    # CSAC version 2: the score-bits byte, then list 0's id coding byte (a
+    # bitmap here: 195 of 777 ids), its first bitmap byte.
+    assert compact[lists_at] == 4 and compact[lists_at + 1] == 1
+    with pytest.raises(ValueError, match="bad score bits"):
+        parse_csa_artifact(compact[:lists_at] + b"\x08" + compact[lists_at + 1:])
+    with pytest.raises(ValueError, match="bad list id coding"):
+        parse_csa_artifact(compact[:lists_at + 1] + b"\x07" + compact[lists_at + 2:])
+    flipped = bytes([compact[lists_at + 2] ^ 1])
+    with pytest.raises(ValueError, match="bad list bitmap"):  # one id more or less
+        parse_csa_artifact(compact[:lists_at + 2] + flipped + compact[lists_at + 3:])
 
 
 # ------------------------------------------------- float32 emulation helpers --

@@ -392,75 +392,313 @@ TEST(CsaTest, PlainSerializationIsBitExact) {
   (void)r;  // may load (scores) or fail (ids); must not crash
 }
 
-TEST(CsaTest, CompactSerializationEqualsDequantizedPlain) {
+void PutVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+template <typename T>
+void PutRaw(std::string* out, T v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+// A CSAC version 1 artifact of `s` (what earlier builds wrote and stored
+// contexts may hold: per list lo, hi, delta varints, 8-bit codes; layout in
+// docs/storage-format.md). Everything before the lists is shared with CSAP.
+std::string CompactV1(const CsaSelector& s) {
+  std::string plain;
+  s.SerializePlain(&plain);
+  const int64_t L = s.L();
+  const size_t lists = static_cast<size_t>(s.m()) * s.C() * L * 6;
+  std::string out = "CSAC";
+  PutRaw<uint32_t>(&out, 1);
+  out += plain.substr(8, plain.size() - lists - 8);
+  for (int b = 0; b < s.m(); ++b) {
+    for (int j = 0; j < s.C(); ++j) {
+      std::vector<std::pair<int32_t, float>> list;
+      float lo = INFINITY, hi = -INFINITY;
+      for (int64_t e = 0; e < L; ++e) {
+        const float v = HalfToFloat(s.list_scores(b, j)[e]);
+        list.emplace_back(s.list_ids(b, j)[e], v);
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      std::sort(list.begin(), list.end());
+      PutRaw<float>(&out, lo);
+      PutRaw<float>(&out, hi);
+      int32_t prev = -1;
+      for (auto& [id, v] : list) {
+        PutVarint(&out, static_cast<uint64_t>(id - prev));
+        prev = id;
+      }
+      const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
+      for (auto& [id, v] : list) {
+        out.push_back(static_cast<char>(step > 0 ? std::lround((v - lo) / step) : 0));
+      }
+    }
+  }
+  return out;
+}
+
+// Sorted (id, score) pairs of list (b, j).
+std::vector<std::pair<int32_t, float>> SortedList(const CsaSelector& s, int b, int j) {
+  std::vector<std::pair<int32_t, float>> out;
+  for (int64_t e = 0; e < s.L(); ++e) {
+    out.emplace_back(s.list_ids(b, j)[e], HalfToFloat(s.list_scores(b, j)[e]));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(CsaTest, CompactV1ArtifactsStillLoadAsDequantizedPlain) {
   Data data = MakeData(512, 7);
   CsaOptions o = SmallOptions();
-  o.compact = true;
   auto s = CsaSelector::Build(data.prefill(), o);
   ASSERT_TRUE(s.ok());
-  std::string compact, plain;
-  ASSERT_TRUE((*s)->Serialize(&compact).ok());
-  (*s)->SerializePlain(&plain);
-  EXPECT_LT(compact.size() * 2, plain.size());
-  auto loaded = CsaSelector::Load(compact);
+  const std::string v1 = CompactV1(**s);
+  auto loaded = CsaSelector::Load(v1);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   for (int b = 0; b < o.m; ++b) {
     for (int j = 0; j < o.C; ++j) {
       // Expected: the same id set, each score dequantized from its 8-bit code.
-      const int64_t L = (*s)->L();
+      auto want = SortedList(**s, b, j);
       float lo = INFINITY, hi = -INFINITY;
-      std::vector<std::pair<int32_t, float>> want;
-      for (int64_t e = 0; e < L; ++e) {
-        const float v = HalfToFloat((*s)->list_scores(b, j)[e]);
+      for (auto& [id, v] : want) {
         lo = std::min(lo, v);
         hi = std::max(hi, v);
-        want.emplace_back((*s)->list_ids(b, j)[e], v);
       }
       const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
       for (auto& [id, v] : want) {
         const long q = step > 0 ? std::lround((v - lo) / step) : 0;
         v = HalfToFloat(FloatToHalf(lo + q * step));
       }
-      std::vector<std::pair<int32_t, float>> got;
-      for (int64_t e = 0; e < L; ++e) {
-        got.emplace_back((*loaded)->list_ids(b, j)[e],
-                         HalfToFloat((*loaded)->list_scores(b, j)[e]));
-        if (e > 0) {
-          EXPECT_LE(HalfToFloat((*loaded)->list_scores(b, j)[0]), got.back().second);  // heap
-        }
+      const float root = HalfToFloat((*loaded)->list_scores(b, j)[0]);
+      for (int64_t e = 1; e < (*loaded)->L(); ++e) {
+        EXPECT_LE(root, HalfToFloat((*loaded)->list_scores(b, j)[e]));  // heap
       }
-      std::sort(want.begin(), want.end());
-      std::sort(got.begin(), got.end());
-      ASSERT_EQ(got, want) << "list " << b << "," << j;
+      ASSERT_EQ(SortedList(**loaded, b, j), want) << "list " << b << "," << j;
     }
   }
-  EXPECT_GT((*s)->PlainBytesPerToken(), (*s)->CompactBytesPerToken());
+}
+
+// Version 2 (written): the same ids; 4-bit codebook scores: at most 16
+// distinct values per list, each score's error below a sixteenth of the
+// list's range on average; both id codings round trip.
+TEST(CsaTest, CompactV2KeepsIdsAndQuantizesScoresToACodebook) {
+  Data data = MakeData(512, 7);
+  for (int64_t fixed_L : {int64_t{0}, int64_t{8}}) {  // L = 128: bitmap ids; L = 8: varints
+    CsaOptions o = SmallOptions();
+    o.fixed_L = fixed_L;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    ASSERT_TRUE(s.ok());
+    std::string compact, plain;
+    ASSERT_TRUE((*s)->Serialize(&compact).ok());
+    (*s)->SerializePlain(&plain);
+    ASSERT_EQ(compact.substr(0, 8), std::string("CSAC\x02\0\0\0", 8));
+    // 1 byte per entry against 6, plus a codebook per list (min(16, L) fp16).
+    EXPECT_LT(compact.size() * (fixed_L == 0 ? 3 : 1), plain.size()) << "L=" << (*s)->L();
+    auto loaded = CsaSelector::Load(compact);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    for (int b = 0; b < o.m; ++b) {
+      for (int j = 0; j < o.C; ++j) {
+        const auto want = SortedList(**s, b, j);
+        const auto got = SortedList(**loaded, b, j);
+        ASSERT_EQ(got.size(), want.size());
+        std::set<float> levels;
+        float lo = INFINITY, hi = -INFINITY;
+        double err = 0;
+        for (size_t e = 0; e < got.size(); ++e) {
+          ASSERT_EQ(got[e].first, want[e].first) << "list " << b << "," << j;
+          levels.insert(got[e].second);
+          lo = std::min(lo, want[e].second);
+          hi = std::max(hi, want[e].second);
+          err += std::abs(got[e].second - want[e].second);
+        }
+        EXPECT_LE(levels.size(), 16u);
+        EXPECT_LE(err / got.size(), (hi - lo) / 16 + 1e-3) << "list " << b << "," << j;
+      }
+    }
+  }
+}
+
+// The compact tables select what the built ones select: recall against the
+// exact top-K of the decode queries within 0.02 of the unquantized tables.
+TEST(CsaTest, CompactV2RecallEqualsBuiltTables) {
+  Data data = MakeData(4096, 11);
+  CsaOptions o = SmallOptions();
+  o.C = 32;
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  std::string compact;
+  (*s)->SerializeCompact(&compact);
+  auto loaded = CsaSelector::Load(compact);
+  ASSERT_TRUE(loaded.ok());
+  const int64_t k = 205;  // 5% of 4096
+  const int n_q = static_cast<int>(data.decode.size() / kD);
+  double recall_built = 0, recall_compact = 0;
+  for (int qi = 0; qi < n_q; ++qi) {
+    const float* q = data.decode.data() + qi * kD;
+    std::vector<std::pair<float, int32_t>> exact;
+    for (int64_t i = 0; i < data.n; ++i) {
+      float dot = 0;
+      for (int t = 0; t < kD; ++t) dot += q[t] * data.keys[i * kD + t];
+      exact.emplace_back(-dot, static_cast<int32_t>(i));
+    }
+    std::partial_sort(exact.begin(), exact.begin() + k, exact.end());
+    std::set<int32_t> top;
+    for (int64_t e = 0; e < k; ++e) top.insert(exact[e].second);
+    for (CsaSelector* sel : {s->get(), loaded->get()}) {
+      SelectInput in;
+      in.queries = q;
+      in.n_queries = 1;
+      in.budget = k;
+      Selection out;
+      ASSERT_TRUE(sel->Select(in, &out, nullptr).ok());
+      int hit = 0;
+      for (int32_t id : out.per_head[0]) hit += top.count(id);
+      (sel == s->get() ? recall_built : recall_compact) += static_cast<double>(hit) / k / n_q;
+    }
+  }
+  EXPECT_GT(recall_built, 0.2);  // the tables carry signal
+  EXPECT_NEAR(recall_compact, recall_built, 0.02);
+}
+
+// Default tables at N = 8192 (L = N/4, m·C = 1024 lists): the compact
+// artifact is at most 1.0x the bf16 K+V bytes at d = 128 and 1.5x at d = 64.
+TEST(CsaTest, CompactV2SizeAgainstKvBytes) {
+  for (int d : {64, 128}) {
+    const int64_t n = 8192, nq = 2048;
+    std::mt19937_64 rng(d);
+    std::normal_distribution<float> g(0, 1);
+    std::vector<float> keys(n * d), queries(nq * d);
+    for (auto& v : keys) v = g(rng);
+    for (auto& v : queries) v = g(rng);
+    HeadPrefill p;
+    p.n_tokens = n;
+    p.head_dim = d;
+    p.group_size = 1;
+    p.keys = keys.data();
+    p.n_queries = nq;
+    p.queries = queries.data();
+    auto s = CsaSelector::Build(p, CsaOptions{});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    const double kv_bytes_per_token = 2.0 * d * 2;
+    const double ratio = (*s)->CompactBytesPerToken() / kv_bytes_per_token;
+    EXPECT_LE(ratio, d == 128 ? 1.0 : 1.5) << "d=" << d;
+    EXPECT_GT(ratio, 0.25) << "d=" << d;  // about 1 byte per entry
+  }
 }
 
 // Found by fuzz/fuzz_index_csa: a compact list id delta near 2^64 wrapped the
-// running id (signed overflow) and loaded negative ids; it is DATA_LOSS.
+// running id (signed overflow) and loaded negative ids; it is DATA_LOSS, in
+// version 1 and in version 2's varint id coding. A version 2 bitmap with the
+// wrong number of ids is DATA_LOSS too.
 TEST(CsaTest, CompactIdDeltaOverflowIsDataLoss) {
   Data data = MakeData(512, 7);
   CsaOptions o = SmallOptions();
+  for (int64_t fixed_L : {int64_t{0}, int64_t{8}}) {
+    o.fixed_L = fixed_L;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    ASSERT_TRUE(s.ok());
+    std::string plain;
+    (*s)->SerializePlain(&plain);
+    // Every form shares the bytes before the lists with CSAP, whose lists
+    // are int32 ids + fp16 scores per entry.
+    const size_t lists = static_cast<size_t>(o.m) * o.C * (*s)->L() * 6;
+    ASSERT_GT(plain.size(), lists);
+    const size_t prefix = plain.size() - lists;
+    auto overflow = [&](const std::string& bytes, size_t at) {
+      ASSERT_TRUE(CsaSelector::Load(bytes).ok());
+      size_t end = at;
+      while (end < bytes.size() && (static_cast<uint8_t>(bytes[end]) & 0x80) != 0) ++end;
+      ASSERT_LT(end, bytes.size());
+      std::string bad = bytes;
+      bad.replace(at, end - at + 1, std::string(9, '\xff') + '\x01');  // varint 2^64 - 1
+      auto loaded = CsaSelector::Load(bad);
+      EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status().ToString();
+    };
+    // Version 1: the first list starts with its (lo, hi) floats.
+    overflow(CompactV1(**s), prefix + 8);
+    std::string v2;
+    (*s)->SerializeCompact(&v2);
+    // Version 2: the score-bits byte, then the first list's id coding byte.
+    const uint8_t coding = static_cast<uint8_t>(v2[prefix + 1]);
+    if (fixed_L == 8) {
+      ASSERT_EQ(coding, 0);  // 8 varints are smaller than a 64-byte bitmap
+      overflow(v2, prefix + 2);
+    } else {
+      ASSERT_EQ(coding, 1);  // 128 of 512 ids: the bitmap is smaller
+      std::string bad = v2;
+      bad[prefix + 2] = static_cast<char>(bad[prefix + 2] ^ 0x01);  // one id more or less
+      auto loaded = CsaSelector::Load(bad);
+      EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status().ToString();
+    }
+  }
+}
+
+// Rows long enough for the sampled threshold (n >= 4096) and scores with many
+// fp16 ties: the radix-selected lists still equal the naive definition.
+TEST(CsaTest, LongListsWithTiesMatchNaiveDefinition) {
+  Data data = MakeData(6000, 12);
+  for (auto& v : data.keys) v = std::round(v * 4) / 4;  // coarse keys: tied scores
+  CsaOptions o = SmallOptions();
   auto s = CsaSelector::Build(data.prefill(), o);
   ASSERT_TRUE(s.ok());
-  std::string compact, plain;
-  (*s)->SerializeCompact(&compact);
-  (*s)->SerializePlain(&plain);
-  // Both forms share everything before the lists; the plain lists are
-  // int32 ids + fp16 scores per entry. The first compact list starts with
-  // its (lo, hi) floats, then its first id delta.
-  const size_t lists = static_cast<size_t>(o.m) * o.C * (*s)->L() * 6;
-  ASSERT_GT(plain.size(), lists);
-  size_t at = plain.size() - lists + 8;
-  size_t end = at;
-  while (end < compact.size() && (static_cast<uint8_t>(compact[end]) & 0x80) != 0) ++end;
-  ASSERT_LT(end, compact.size());
-  ASSERT_TRUE(CsaSelector::Load(compact).ok());
-  std::string bad = compact;
-  bad.replace(at, end - at + 1, std::string(9, '\xff') + '\x01');  // varint 2^64 - 1
-  auto loaded = CsaSelector::Load(bad);
-  EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status().ToString();
+  for (int b = 0; b < o.m; ++b) {
+    for (int j = 0; j < o.C; ++j) ExpectListMatches(**s, data.keys.data(), data.n, b, j);
+  }
+}
+
+// k-means runs on query_cap of the pooled rows: a build on 1/4 of them keeps
+// recall against the exact top-K within 0.05 of the build on all of them.
+TEST(CsaTest, SubsampledQueriesKeepRecall) {
+  Data data = MakeData(4096, 13);
+  data.nq = 2048;  // 4096 pooled rows
+  std::mt19937_64 rng(13);
+  std::normal_distribution<float> g(0, 1);
+  data.queries.resize(kG * data.nq * kD);
+  for (int64_t r = 0; r < kG * data.nq; ++r) {
+    for (int t = 0; t < kD; ++t) {
+      data.queries[r * kD + t] =
+          data.decode[(r % (data.decode.size() / kD)) * kD + t] + 0.3f * g(rng);
+    }
+  }
+  auto recall_of = [&](int64_t cap) {
+    CsaOptions o = SmallOptions();
+    o.C = 32;
+    o.query_cap = cap;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    EXPECT_TRUE(s.ok());
+    const int64_t k = 205;
+    const int n_q = static_cast<int>(data.decode.size() / kD);
+    double recall = 0;
+    for (int qi = 0; qi < n_q; ++qi) {
+      const float* q = data.decode.data() + qi * kD;
+      std::vector<std::pair<float, int32_t>> exact;
+      for (int64_t i = 0; i < data.n; ++i) {
+        float dot = 0;
+        for (int t = 0; t < kD; ++t) dot += q[t] * data.keys[i * kD + t];
+        exact.emplace_back(-dot, static_cast<int32_t>(i));
+      }
+      std::partial_sort(exact.begin(), exact.begin() + k, exact.end());
+      std::set<int32_t> top;
+      for (int64_t e = 0; e < k; ++e) top.insert(exact[e].second);
+      SelectInput in;
+      in.queries = q;
+      in.n_queries = 1;
+      in.budget = k;
+      Selection out;
+      EXPECT_TRUE((*s)->Select(in, &out, nullptr).ok());
+      for (int32_t id : out.per_head[0]) recall += static_cast<double>(top.count(id)) / k / n_q;
+    }
+    return recall;
+  };
+  const double all = recall_of(1 << 20), quarter = recall_of(1024);
+  EXPECT_GT(all, 0.2);
+  EXPECT_NEAR(quarter, all, 0.05);
 }
 
 TEST(CsaTest, SearchPeriodReusesSelection) {

@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 #include <set>
+#include <utility>
 #include <vector>
 
 namespace ctxcache::index {
@@ -120,10 +121,42 @@ TEST(KMeansTest, MiniBatchConvergesOnSeparableData) {
   ExpectSamePartition(labels, r->assign, k);
 }
 
-TEST(KMeansTest, AssignNearestMatchesBruteForce) {
+// kGiven starts from the given centroids: with no iterations they are the
+// result, and the assignment is the nearest of them.
+TEST(KMeansTest, GivenInitialCentroidsAreUsed) {
+  const int64_t n = 300;
+  const int d = 5, k = 7;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> g(0, 1);
+  std::vector<float> x(n * d), init(k * d);
+  for (auto& v : x) v = g(rng);
+  for (auto& v : init) v = g(rng);
+  KMeansOptions o;
+  o.k = k;
+  o.init = KMeansInit::kGiven;
+  o.initial = init.data();
+  o.max_iters = 0;
+  auto r = KMeans(x.data(), n, d, d, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (int j = 0; j < k; ++j) {
+    for (int t = 0; t < d; ++t) EXPECT_EQ(r->centroids(j, t), init[j * d + t]);
+  }
+  std::vector<int32_t> want(n);
+  RowMatrixXf C = Eigen::Map<const RowMatrixXf>(init.data(), k, d);
+  AssignNearest(x.data(), n, d, d, C, KMeansMetric::kL2, want.data(), nullptr);
+  EXPECT_EQ(r->assign, want);
+  o.initial = nullptr;
+  EXPECT_EQ(KMeans(x.data(), n, d, d, o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// d = 12 takes the GEMM-free small-d kernel, d = 40 the GEMM tiles; k = 7
+// and 70 cover the scalar and the SIMD argmax.
+class AssignNearestTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(AssignNearestTest, MatchesBruteForce) {
   std::mt19937_64 rng(6);
   std::normal_distribution<float> g(0, 1);
-  const int n = 300, d = 12, k = 7;
+  const int n = 3000, d = GetParam().first, k = GetParam().second;
   RowMatrixXf C(k, d);
   for (int j = 0; j < k; ++j) {
     for (int t = 0; t < d; ++t) C(j, t) = g(rng);
@@ -148,6 +181,11 @@ TEST(KMeansTest, AssignNearestMatchesBruteForce) {
     EXPECT_NEAR(best[i], bd, 1e-3 * (1 + bd));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AssignNearestTest,
+                         ::testing::Values(std::pair<int, int>{12, 7}, std::pair<int, int>{12, 70},
+                                           std::pair<int, int>{40, 7},
+                                           std::pair<int, int>{40, 70}));
 
 TEST(KMeansTest, AssignNearestCosineMatchesBruteForce) {
   std::mt19937_64 rng(8);

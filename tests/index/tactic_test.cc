@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 
+#include "index/kmeans.h"
 #include "index/metrics.h"
 #include "index/synthetic.h"
 
@@ -250,6 +251,45 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   std::string v2 = bytes;
   v2[4] = 2;
   EXPECT_EQ(LoadTacticSelector(v2).status().code(), StatusCode::kInvalidArgument);
+}
+
+// 4096 keys, 256 clusters: the two-level k-means with its flat step. Every
+// centroid is the mean of its members (the final update), and the clusters
+// are about as tight as a flat k-means with the same k and iterations.
+TEST_F(TacticSyntheticTest, TwoLevelClustersAreMemberMeansAndTight) {
+  auto sel = BuildTacticSelector(head_.Prefill(), {});
+  ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+  auto* tactic = static_cast<TacticSelector*>(sel->get());
+  const int d = head_.head_dim;
+  const int64_t k = 4096 / 16;
+  ASSERT_EQ(tactic->n_clusters(), k);
+  double sse = 0;
+  int64_t covered = 0;
+  for (int64_t c = 0; c < k; ++c) {
+    const std::vector<int32_t> mem = tactic->members(c);
+    ASSERT_FALSE(mem.empty());
+    covered += static_cast<int64_t>(mem.size());
+    for (int t = 0; t < d; ++t) {
+      double mean = 0;
+      for (int32_t id : mem) mean += head_.keys[static_cast<size_t>(id) * d + t];
+      mean /= static_cast<double>(mem.size());
+      ASSERT_NEAR(tactic->centroid(c)[t], mean, 1e-4 * (1 + std::abs(mean))) << "cluster " << c;
+      for (int32_t id : mem) {
+        const double diff = head_.keys[static_cast<size_t>(id) * d + t] - tactic->centroid(c)[t];
+        sse += diff * diff;
+      }
+    }
+  }
+  EXPECT_EQ(covered, 4096);
+  KMeansOptions ko;
+  ko.k = static_cast<int>(k);
+  ko.metric = KMeansMetric::kL2;
+  ko.init = KMeansInit::kRandom;
+  ko.max_iters = 10;
+  auto flat = KMeans(head_.keys.data(), 4096, d, d, ko);
+  ASSERT_TRUE(flat.ok());
+  const double two_level = sse / 4096;
+  EXPECT_LT(two_level, 1.10 * flat->objective) << "flat " << flat->objective;
 }
 
 TEST_F(TacticSyntheticTest, FixedBudgetTakesWholeClustersWithinBudget) {

@@ -10,10 +10,11 @@ The bytes are those :meth:`ctxcache.Client.fetch_index` returns for method
 >>> a.centroids.shape, a.ids.shape            # [m, C, d/m], [m, C, L]
 
 After parsing, ``scores`` are exactly the fp16 scores the C++ loader holds:
-the stored ones for ``CSAP``; for ``CSAC`` the dequantized
-``fp16(fma(q, step, lo))`` (the compiled loader fuses ``lo + q * step`` into
-one fused multiply-add, so that is what is reproduced here; with
-``step = (hi - lo) / 255`` in fp32).
+the stored ones for ``CSAP``; for ``CSAC`` version 2 (written today) each
+list's fp16 codebook entry of its 4-bit code; for ``CSAC`` version 1 (older
+stored contexts) the dequantized ``fp16(fma(q, step, lo))`` (the compiled
+loader fuses ``lo + q * step`` into one fused multiply-add, so that is what is
+reproduced here; with ``step = (hi - lo) / 255`` in fp32).
 
 List order: ``CSAP`` lists are in the stored binary min-heap order; ``CSAC``
 lists are in ascending id order (the C++ loader rebuilds a heap from them; the
@@ -35,7 +36,8 @@ import numpy as np
 __all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
            "CSA_FORMAT_VERSION", "CSA_HEADER_BYTES"]
 
-CSA_FORMAT_VERSION = 1  # the newest version this parser (and the C++ build) reads
+CSA_FORMAT_VERSION = 2  # the newest version this parser (and the C++ build) reads
+CSA_PLAIN_VERSION = 1  # CSAP has only version 1
 CSA_HEADER_BYTES = 118  # magic, version, options and shape fields; the arrays follow
 
 # Options and shape fields, offsets 8..117 (docs/storage-format.md table):
@@ -55,8 +57,8 @@ class CsaOptions:
     C: int = 128                  # centroids per subspace
     alpha: float = 0.25           # L = ceil(alpha * N) unless fixed_L > 0
     fixed_L: int = 0              # the `L` param
-    query_cap: int = 65536
-    iters: int = 15               # k-means iterations
+    query_cap: int = 4096
+    iters: int = 8                # k-means iterations
     center: bool = True           # keys centred (key_mean subtracted) before scoring
     seed: int = 42
     rho: float = 0.05
@@ -112,7 +114,7 @@ class CsaArtifact:
 
     Attributes:
         magic: ``"CSAP"`` or ``"CSAC"``.
-        version: the format version (1).
+        version: the format version (CSAP: 1; CSAC: 1 or 2).
         options: the serialized :class:`CsaOptions`.
         head_dim: d. ``sub_dim`` = d / m.
         n_tokens: tokens covered (appended ones included).
@@ -123,8 +125,13 @@ class CsaArtifact:
         tail_mean: float32 ``[m, C]``: mean build score of the keys outside each list.
         ids: int32 ``[m, C, L]`` token ids of list (b, j).
         scores: float16 ``[m, C, L]``, parallel to ``ids``, as the C++ loader holds them.
-        lo, hi: ``CSAC`` only: float32 ``[m, C]`` score range of each list.
-        q: ``CSAC`` only: uint8 ``[m, C, L]`` quantized scores (ascending-id order).
+        lo, hi: ``CSAC`` version 1 only: float32 ``[m, C]`` score range of each list.
+        q: ``CSAC`` only: uint8 ``[m, C, L]`` quantized scores (ascending-id
+            order): 8-bit codes (version 1) or 4-bit codebook indices (version 2).
+        book: ``CSAC`` version 2 only: float16 ``[m, C, min(16, L)]``: each
+            list's codebook (ascending).
+        id_coding: ``CSAC`` version 2 only: uint8 ``[m, C]``: 0 = delta
+            varints, 1 = bitmap.
     """
 
     magic: str
@@ -142,6 +149,8 @@ class CsaArtifact:
     lo: Optional[np.ndarray] = field(default=None, repr=False)
     hi: Optional[np.ndarray] = field(default=None, repr=False)
     q: Optional[np.ndarray] = field(default=None, repr=False)
+    book: Optional[np.ndarray] = field(default=None, repr=False)
+    id_coding: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def compact(self) -> bool:
@@ -216,6 +225,64 @@ def _list_ids(buf: bytes, pos: int, L: int, n_tokens: int):
     return ids.astype(np.int32), pos + int(used.size)
 
 
+_SCORE_BITS = 4  # CSAC version 2: bits per score code
+_IDS_VARINT, _IDS_BITMAP = 0, 1
+
+
+def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int):
+    """The lists of a ``CSAC`` version 2 artifact from `pos`: per list an id
+    coding byte (0: L delta varints, 1: a bitmap of ceil(n_tokens / 8) bytes,
+    bit i of byte i // 8 least significant first), min(16, L) fp16 codebook
+    entries, then ceil(L / 2) bytes of 4-bit codes (entry e in the low nibble
+    of byte e // 2 when e is even, the high nibble when odd), in ascending-id
+    order. Returns (ids, scores, codes, book, id_coding, new position)."""
+    levels = min(1 << _SCORE_BITS, L)
+    code_bytes = (L * _SCORE_BITS + 7) // 8
+    bitmap_bytes = (n_tokens + 7) // 8
+    ids = np.empty((n_lists, L), dtype=np.int32)
+    codes = np.empty((n_lists, L), dtype=np.uint8)
+    book = np.empty((n_lists, levels), dtype=np.float16)
+    id_coding = np.empty(n_lists, dtype=np.uint8)
+    for li in range(n_lists):
+        if pos + 1 > len(buf):
+            raise _fail("truncated lists")
+        coding = buf[pos]
+        pos += 1
+        if coding == _IDS_BITMAP:
+            if pos + bitmap_bytes > len(buf):
+                raise _fail("truncated list bitmap")
+            bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=bitmap_bytes,
+                                               offset=pos), bitorder="little")
+            pos += bitmap_bytes
+            set_ids = np.flatnonzero(bits)
+            if set_ids.size != L or (set_ids.size and set_ids[-1] >= n_tokens):
+                raise _fail("bad list bitmap")
+            ids[li] = set_ids
+        elif coding == _IDS_VARINT:
+            ids[li], pos = _list_ids(buf, pos, L, n_tokens)
+        else:
+            raise _fail("bad list id coding")
+        id_coding[li] = coding
+        if pos + 2 * levels > len(buf):
+            raise _fail("truncated score codebook")
+        book[li] = np.frombuffer(buf, dtype="<f2", count=levels, offset=pos)
+        pos += 2 * levels
+        if not np.isfinite(book[li]).all():
+            raise _fail("bad score codebook")
+        if pos + code_bytes > len(buf):
+            raise _fail("truncated scores")
+        packed = np.frombuffer(buf, dtype=np.uint8, count=code_bytes, offset=pos)
+        pos += code_bytes
+        nib = np.empty(2 * code_bytes, dtype=np.uint8)
+        nib[0::2] = packed & 0x0F
+        nib[1::2] = packed >> 4
+        codes[li] = nib[:L]
+        if (codes[li] >= levels).any():
+            raise _fail("bad score code")
+    scores = np.take_along_axis(book, codes.astype(np.int64), axis=1).astype(np.float16)
+    return ids, scores, codes, book, id_coding, pos
+
+
 def parse_csa_artifact(data: bytes) -> CsaArtifact:
     """Parses one ``CSAP`` or ``CSAC`` artifact (bytes, bytearray or memoryview).
 
@@ -231,10 +298,11 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
     if magic not in (b"CSAP", b"CSAC"):
         raise ValueError(f"csa: bad magic {magic!r}, expected \"CSAP\" or \"CSAC\"")
     (version,) = struct.unpack_from("<I", buf, 4)
-    if version == 0 or version > CSA_FORMAT_VERSION:
-        raise ValueError(f"csa: unsupported format version {version}, this parser reads "
-                         f"<= {CSA_FORMAT_VERSION}")
     compact = magic == b"CSAC"
+    newest = CSA_FORMAT_VERSION if compact else CSA_PLAIN_VERSION
+    if version == 0 or version > newest:
+        raise ValueError(f"csa: unsupported format version {version}, this parser reads "
+                         f"<= {newest}")
     if len(buf) < CSA_HEADER_BYTES:
         raise _fail(f"truncated options/header ({len(buf)} bytes, the header has "
                     f"{CSA_HEADER_BYTES})")
@@ -273,17 +341,33 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
     if not np.isfinite(tail_mean).all():
         raise _fail("bad list tail means (not finite)")
     n_lists = m * C
-    if n_lists * L > len(buf) - pos:  # every entry takes >= 1 byte
+    lo = hi = q = book = id_coding = None
+    v2 = compact and version >= 2
+    if v2:
+        if pos + 1 > len(buf) or buf[pos] != _SCORE_BITS:
+            raise _fail("bad score bits")
+        pos += 1
+        levels = min(1 << _SCORE_BITS, L)
+        code_bytes = (L * _SCORE_BITS + 7) // 8
+        if n_lists * (1 + 2 * levels + code_bytes) > len(buf) - pos:
+            raise _fail("truncated lists")
+    elif n_lists * L > len(buf) - pos:  # every entry takes >= 1 byte
         raise _fail("truncated lists")
-    lo = hi = q = None
-    if not compact:
+    if v2:
+        ids, scores, q, book, id_coding, pos = _read_v2_lists(buf, pos, n_lists, L, n_tokens)
+        ids = ids.reshape(m, C, L)
+        scores = scores.reshape(m, C, L)
+        q = q.reshape(m, C, L)
+        book = book.reshape(m, C, -1)
+        id_coding = id_coding.reshape(m, C)
+    elif not compact:
         ids = take("<i4", n_lists * L, "lists (ids)").astype(np.int32)
         scores = take("<f2", n_lists * L, "lists (scores)").astype(np.float16)
         if ids.size and (ids.min() < 0 or ids.max() >= n_tokens):
             raise _fail(f"list id out of range [0, {n_tokens})")
         ids = ids.reshape(m, C, L)
         scores = scores.reshape(m, C, L)
-    else:
+    else:  # CSAC version 1
         ids = np.empty((n_lists, L), dtype=np.int32)
         q = np.empty((n_lists, L), dtype=np.uint8)
         lo = np.empty(n_lists, dtype=np.float32)
@@ -318,4 +402,4 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
     return CsaArtifact(magic=magic.decode(), version=version, options=o, head_dim=d,
                        n_tokens=n_tokens, n_built=n_built, L=L, centroids=centroids,
                        key_mean=key_mean, tail_mean=tail_mean, ids=ids, scores=scores,
-                       lo=lo, hi=hi, q=q)
+                       lo=lo, hi=hi, q=q, book=book, id_coding=id_coding)

@@ -50,7 +50,8 @@ operation:
   use the C library's ``exp`` (:func:`math.exp`; numpy's vectorized ``exp``
   differs in the last bit on AVX-512 machines), the normaliser is summed in
   order, and each page's mass is summed head by head in selection order.
-* csa's compact artifacts are dequantized with the loader's fused
+* csa's compact artifacts hold the loader's scores exactly: version 2's
+  codebook entries, version 1's values dequantized with the loader's fused
   multiply-add (:mod:`ctxcache.torch.artifacts`).
 
 Checked by python/tests/test_selection.py: identical selections and page

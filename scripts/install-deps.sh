@@ -14,6 +14,7 @@ PACKAGES=(
   libfaiss-dev libopenblas-dev
   fio curl procps xz-utils
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv python3-setuptools python3-wheel
+  python3-matplotlib linux-perf
 )
 
 missing=()

@@ -427,6 +427,7 @@ StatusOr<ReadResult> MeasureCold(Variant variant, const std::string& path, const
 }
 
 int RunStorageBench(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines as they come
   CLI::App app{"storage: RocksDB page store vs the raw disk"};
   bool quick = false, no_variants = false;
   std::string dir = "ctxcache-bench-storage";

@@ -101,10 +101,20 @@ Status ContextWriter::PutToSst(uint32_t layer, uint32_t kv_head, HeadState* hs,
     // file, which is wasted (and can exhaust a small disk) with many heads.
     rocksdb::EnvOptions env_options;
     env_options.allow_fallocate = false;
+    env_options.writable_file_max_buffer_size = kSstWriteBufferBytes;
     // Start writeback every MiB so that Commit's fsync has little left to do.
     env_options.bytes_per_sync = 1 << 20;
+    // O_DIRECT: no copy into the page cache, and nothing left for Commit's
+    // fsync to write back. Where the filesystem refuses it, buffered writes.
+    env_options.use_direct_writes = core_->options().direct_ingest_writes;
     hs->sst = std::make_unique<rocksdb::SstFileWriter>(env_options, core_->page_sst_options());
-    RETURN_IF_ERROR(FromRocks(hs->sst->Open(hs->sst_path), "open " + hs->sst_path));
+    rocksdb::Status opened = hs->sst->Open(hs->sst_path);
+    if (!opened.ok() && env_options.use_direct_writes) {
+      env_options.use_direct_writes = false;
+      hs->sst = std::make_unique<rocksdb::SstFileWriter>(env_options, core_->page_sst_options());
+      opened = hs->sst->Open(hs->sst_path);
+    }
+    RETURN_IF_ERROR(FromRocks(opened, "open " + hs->sst_path));
     hs->sst_pages = 0;
     AdjustBuffered(static_cast<int64_t>(kSstFixedBytes));
   }

@@ -99,6 +99,10 @@ struct StoreOptions {
   // enable_blob_files. Default: true (a build is write-once; reads after
   // ingestion are as fast as after the memtable path: docs/benchmarks.md).
   bool ingest_pages = true;
+  // Write the ingest SST files with O_DIRECT (no copy into the page cache;
+  // Commit's fsync has nothing left to write back). Falls back to buffered
+  // writes where the filesystem refuses O_DIRECT (e.g. tmpfs). Default: true.
+  bool direct_ingest_writes = true;
   // An ingest file is closed after this many pages (bounds the writer's
   // in-memory SST index, whatever the context size). Default: 4096.
   uint32_t ingest_file_pages = 4096;

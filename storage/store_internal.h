@@ -30,11 +30,14 @@ namespace ctxcache::storage {
 enum Cf : int { kCfMeta = 0, kCfTokens = 1, kCfPages = 2, kCfIndex = 3, kNumCfs = 4 };
 inline constexpr const char* kCfNames[kNumCfs] = {"meta", "tokens", "pages", "index"};
 
+// Write buffer of an open ingest SstFileWriter (RocksDB's WritableFileWriter;
+// with O_DIRECT one write per buffer).
+inline constexpr size_t kSstWriteBufferBytes = 256 << 10;
 // In-memory cost of one page in an open SstFileWriter (index entry + bloom
-// bits), and of an open SstFileWriter itself (data block buffer), counted in
-// ContextWriter::buffered_bytes().
+// bits), and of an open SstFileWriter itself (data block buffer + write
+// buffer), counted in ContextWriter::buffered_bytes().
 inline constexpr size_t kSstBytesPerPage = 48;
-inline constexpr size_t kSstFixedBytes = 8 << 10;
+inline constexpr size_t kSstFixedBytes = (16 << 10) + kSstWriteBufferBytes;
 
 // Token ids per value in the tokens column family.
 inline constexpr uint32_t kTokensPerChunk = 16384;

@@ -141,8 +141,8 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
   const bool sorted = owners_.size() == 1;
   rocksdb::DB* db = core_->db();
   rocksdb::ColumnFamilyHandle* cf = core_->cf(kCfPages);
-  ThreadPool* pool = core_->read_pool();
-  const size_t depth = pool == nullptr ? 1 : core_->options().read_io_depth;
+  ThreadPool* pool = core_->io_pool();
+  const size_t depth = core_->options().read_io_depth;
   std::vector<rocksdb::PinnableSlice> values(n);
   std::vector<rocksdb::Status> statuses(n);
   FirstError first;

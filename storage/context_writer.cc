@@ -289,7 +289,10 @@ Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32
     return Status::OK();
   }
   std::vector<Status> results(n_kv_heads_);
-  ThreadPool::Default()->ParallelFor(n_kv_heads_, [&](size_t begin, size_t end) {
+  // Ingest writers block on O_DIRECT writes: give every head a thread of the
+  // store's I/O pool so that the CPU work of the others overlaps them.
+  ThreadPool* pool = ingest_ ? core_->io_pool() : ThreadPool::Default();
+  pool->ParallelFor(n_kv_heads_, [&](size_t begin, size_t end) {
     for (size_t h = begin; h < end; ++h) {
       results[h] = AppendStrided(layer, static_cast<uint32_t>(h), token_start, n_tokens, dtype,
                                  kb + h * row, vb + h * row, stride);
@@ -366,9 +369,10 @@ StatusOr<v1::ContextManifest> ContextWriter::Commit() {
     }
   }
   if (ingest_) {
-    // Finish (fsync) the open SSTs in parallel: the device overlaps them.
+    // Finish (fsync) the open SSTs in parallel on the I/O pool: the device
+    // and the filesystem journal overlap them.
     std::vector<Status> results(heads_.size());
-    ThreadPool::Default()->ParallelFor(heads_.size(), [&](size_t begin, size_t end) {
+    core_->io_pool()->ParallelFor(heads_.size(), [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         if (heads_[i]) results[i] = FinishSst(heads_[i].get());
       }

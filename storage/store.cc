@@ -52,9 +52,9 @@ Status ValidateOptions(const StoreOptions& o) {
     return InvalidArgumentError("StoreOptions.read_io_depth: expected 1..1024, got " +
                                 std::to_string(o.read_io_depth));
   }
-  if (o.read_io_threads == 0 || o.read_io_threads > 4096) {
-    return InvalidArgumentError("StoreOptions.read_io_threads: expected 1..4096, got " +
-                                std::to_string(o.read_io_threads));
+  if (o.io_threads == 0 || o.io_threads > 4096) {
+    return InvalidArgumentError("StoreOptions.io_threads: expected 1..4096, got " +
+                                std::to_string(o.io_threads));
   }
   const auto& e = o.eviction;
   if (!(e.low_watermark > 0 && e.low_watermark <= e.high_watermark && e.high_watermark <= 1.0)) {
@@ -193,7 +193,7 @@ Status StoreCore::Open() {
   }
   RETURN_IF_ERROR(OpenDb(/*read_only=*/false));
   RETURN_IF_ERROR(CheckFormatVersion());
-  if (options_.read_io_depth > 1) read_pool_ = std::make_unique<ThreadPool>(options_.read_io_threads);
+  io_pool_ = std::make_unique<ThreadPool>(options_.io_threads);
   // Ingest files of builds that never committed (no build is live yet).
   std::error_code ec;
   std::filesystem::remove_all(path_ + "/ingest", ec);

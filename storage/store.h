@@ -123,10 +123,12 @@ struct StoreOptions {
   // reads one page at a time). 1 = one MultiGet on the calling thread.
   // 1..1024. Default: 32.
   uint32_t read_io_depth = 32;
-  // Threads of the store's I/O pool, shared by every reader: bounds the
-  // page reads in flight store-wide (they mostly wait on the disk). Unused
-  // when read_io_depth == 1. 1..4096. Default: 64.
-  uint32_t read_io_threads = 64;
+  // Threads of the store's I/O pool, shared by every reader and writer: the
+  // concurrent page reads of ReadPages, and on the ingestion path the
+  // per-head work of AppendLayerKV and the SST finish (fsync) at Commit,
+  // which block on O_DIRECT writes. Bounds the page reads in flight
+  // store-wide. 1..4096. Default: 64.
+  uint32_t io_threads = 64;
 
   // ---- Eviction -----------------------------------------------------------
   // Capacity budget and watermarks, on the bytes stored by READY contexts

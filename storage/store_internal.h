@@ -118,9 +118,10 @@ class StoreCore {
   uint64_t generation() const { return generation_.load(); }
 
   rocksdb::DB* db() const { return db_.get(); }
-  // The readers' I/O pool (StoreOptions::read_io_threads); nullptr when
-  // read_io_depth == 1.
-  ThreadPool* read_pool() const { return read_pool_.get(); }
+  // The store's I/O pool (StoreOptions::io_threads): concurrent page reads,
+  // and the ingest writers' per-head work. Its tasks never wait on each
+  // other.
+  ThreadPool* io_pool() const { return io_pool_.get(); }
   rocksdb::ColumnFamilyHandle* cf(int c) const { return cfs_[c]; }
   const StoreOptions& options() const { return options_; }
   // Options for rocksdb::SstFileWriter of the pages column family.
@@ -204,7 +205,7 @@ class StoreCore {
   std::atomic<uint64_t> policy_evictions_{0};        // TTL/capacity victims since open
   std::shared_ptr<rocksdb::Cache> blob_cache_;
   std::unique_ptr<rocksdb::DB> db_;
-  std::unique_ptr<ThreadPool> read_pool_;  // idle whenever no ReadPages runs
+  std::unique_ptr<ThreadPool> io_pool_;  // idle when no read or ingest write runs
   rocksdb::Options page_sst_options_;
   rocksdb::ColumnFamilyHandle* cfs_[kNumCfs] = {};
   std::vector<rocksdb::ColumnFamilyHandle*> extra_cfs_;  // default + unknown

@@ -507,7 +507,7 @@ TEST_F(StoreTest, ConcurrentPageReadsMatchSerialReadsAndReportTheFirstBadPage) {
   serial.read_io_depth = 1;
   StoreOptions concurrent = serial;
   concurrent.read_io_depth = 8;
-  concurrent.read_io_threads = 3;  // fewer threads than parts: tasks queue
+  concurrent.io_threads = 3;  // fewer threads than parts: tasks queue
   std::vector<PageBatch> got(2);
   for (int pass = 0; pass < 2; ++pass) {
     Open(pass == 0 ? serial : concurrent);
@@ -542,10 +542,10 @@ TEST_F(StoreTest, ReadIoOptionsAreValidated) {
   for (auto [depth, threads, field] :
        {std::tuple<uint32_t, uint32_t, const char*>{0, 4, "read_io_depth"},
         {2000, 4, "read_io_depth"},
-        {8, 0, "read_io_threads"}}) {
+        {8, 0, "io_threads"}}) {
     StoreOptions o = TestOptions(&clock_);
     o.read_io_depth = depth;
-    o.read_io_threads = threads;
+    o.io_threads = threads;
     auto s = Store::Open(o, dir_.Sub("bad"));
     ASSERT_FALSE(s.ok());
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);

@@ -10,25 +10,30 @@
 //              through ContextWriter in 512-token prefill chunks, including
 //              Commit: write_gbps = raw KV bytes / s.
 //   read_warm  page-table reads (per layer, per kv head, a sorted random 5% of
-//              the blocks), the same tables twice; the second pass is timed.
+//              the blocks; a table is a function of its id alone): one step of
+//              tables read once to fill a 1 GiB block cache, then the same
+//              tables 5 more times, timed; with the block-cache hit ratio of
+//              the timed passes and the working set against the cache size.
 //   read_cold  the store reopened with the block cache off and
 //              use_direct_reads = true (O_DIRECT: the OS page cache cannot
-//              help), fresh random tables; MultiGet and iterator both timed.
+//              help), fresh random tables, at the default read_io_depth
+//              (MultiGet; the iterator too), then swept over --depths.
 //              read_cold_gbps counts stored (on-disk) bytes per second.
-//   fio        fio random reads on the same filesystem, bs = average stored
-//              page size (rounded up to 4 KiB for O_DIRECT), direct=1, psync,
-//              numjobs = reader threads (QD1 each, like the store's reads),
-//              run right before and right after the cold reads (mean
-//              reported); and fio sequential writes (bs 1 MiB, direct=1,
-//              libaio QD8) before the store's write.
-//   variants   pages written through WAL-less memtable writes into SSTs
-//              (default, "sst_memtable"), by SST ingestion ("sst_ingest"), and
-//              as BlobDB blobs ("blob"): write,
-//              warm/cold reads and the disk space reclaimed by deleting the
-//              context, for each.
+//   fio        random reads on the same filesystem, bs = average stored page
+//              size rounded up to 4 KiB (O_DIRECT), direct=1: psync with
+//              numjobs = reader threads (QD1 each) and libaio QD32, each run
+//              right before and right after the default store's cold reads
+//              (means reported: read_vs_fio_qd1, read_vs_fio_qd32); a libaio
+//              queue-depth sweep (--fio-qds) at the end; sequential writes
+//              (bs 1 MiB, libaio QD8) before the store's writes
+//              (write_vs_fio_seq).
+//   variants   the default store (SST ingestion), the memtable path
+//              ("sst_memtable") and BlobDB ("blob"): write, warm/cold reads
+//              and the disk space reclaimed by deleting the context.
 //
 // Usage: ctxcache-bench storage [--quick] [--dir PATH] [--tokens N]
-//        [--threads T] [--read-seconds S] [--no-blob]
+//        [--threads T] [--read-seconds S] [--depths 1,2,..] [--fio-qds 1,2,..]
+//        [--no-variants]
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <atomic>

@@ -441,7 +441,8 @@ int RunStorageBench(int argc, char** argv) {
   app.add_flag("--quick", quick, "small run (2K tokens, short reads, short sweeps; ~1 min)");
   app.add_option("--dir", dir, "scratch directory on the filesystem to measure (emptied)");
   app.add_option("--tokens", cfg.tokens, "context length (default 32768, 2048 with --quick)");
-  app.add_option("--threads", cfg.threads, "reader threads (fio psync numjobs for the QD1 baseline)");
+  app.add_option("--threads", cfg.threads,
+                 "reader threads (fio psync numjobs for the QD1 baseline)");
   app.add_option("--read-seconds", cfg.read_seconds, "time budget per read measurement");
   app.add_option("--depths", depths_csv,
                  "read_io_depth sweep for the default store (default 1,2,4,8,16,32,64; "
@@ -580,8 +581,9 @@ int RunStorageBench(int argc, char** argv) {
                            cfg, 11);
       if (!r.ok()) return Fail(r.status());
       v["read_cold_multiget"] = ReadJson(*r);
-      std::printf("%s: cold reads (multiget, depth %u) %.3f GB/s stored, p50 %.0f us, p99 %.0f us\n",
-                  name, defaults.read_io_depth, r->stored_gbps, r->p50_us, r->p99_us);
+      std::printf(
+          "%s: cold reads (multiget, depth %u) %.3f GB/s stored, p50 %.0f us, p99 %.0f us\n", name,
+          defaults.read_io_depth, r->stored_gbps, r->p50_us, r->p99_us);
     }
     if (headline) {
       rr32_after = fio_randread_qd(bs, 32);
@@ -642,11 +644,11 @@ int RunStorageBench(int argc, char** argv) {
   // What the readers reach between preemptions: bytes of a median fetch /
   // its p50, times the reader threads (the aggregate above includes fetches
   // that lost the CPU on a shared machine).
-  result["read_warm_gbps_at_p50"] =
-      d["read_warm"]["p50_us"].get<double>() > 0
-          ? warm_json["fetch_bytes"].get<double>() / (d["read_warm"]["p50_us"].get<double>() * 1e3) *
-                cfg.threads
-          : 0.0;
+  result["read_warm_gbps_at_p50"] = d["read_warm"]["p50_us"].get<double>() > 0
+                                        ? warm_json["fetch_bytes"].get<double>() /
+                                              (d["read_warm"]["p50_us"].get<double>() * 1e3) *
+                                              cfg.threads
+                                        : 0.0;
   result["block_cache_hit_ratio"] = warm_json["block_cache_hit_ratio"];
   result["warm_working_set_bytes"] = warm_json["working_set_bytes"];
   result["warm_block_cache_bytes"] = warm_json["block_cache_bytes"];

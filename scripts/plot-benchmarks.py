@@ -63,7 +63,7 @@ def kind_of(j):
 def save(fig, out_dir, name, written):
     path = os.path.join(out_dir, name)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     written.append(path)
 
@@ -72,7 +72,7 @@ def plot_storage(runs, out_dir, written):
     j = runs[-1][1]  # the latest storage run
     cfg = j.get("config", {})
     threads = cfg.get("reader_threads", 2)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 6))
     fio = j.get("fio_randread_by_qd", {})
     if fio:
         qds = sorted(int(q) for q in fio)
@@ -82,20 +82,29 @@ def plot_storage(runs, out_dir, written):
         xs = [r["reads_in_flight"] for r in sweep]
         ax.plot(xs, [r["stored_gbps"] for r in sweep], "b-s",
                 label=f"store cold (O_DIRECT, {threads} readers x read_io_depth)")
+    if "read_cold_gbps" in j:
+        depth = cfg.get("read_io_depth", 32)
+        ax.plot([threads * depth], [j["read_cold_gbps"]], "b*", markersize=14,
+                label=f"store cold, default read_io_depth {depth}, between fio QD32 runs "
+                      f"({j['read_cold_gbps']:.3f} GB/s = {j.get('read_vs_fio_qd32', 0):.2f} x "
+                      f"fio QD32)")
     if "read_warm_gbps" in j:
         ax.axhline(j["read_warm_gbps"], color="r", linestyle="-",
                    label=f"store warm ({threads} readers, block-cache hit ratio "
                          f"{j.get('block_cache_hit_ratio', 0):.3f})")
     if "fio_randread_gbps" in j:
         ax.plot([threads], [j["fio_randread_gbps"]], "k^",
-                label=f"fio randread psync, {threads} jobs x QD1")
+                label=f"fio randread psync, {threads} jobs x QD1 (around the cold reads)")
+    if "fio_randread_qd32_gbps" in j:
+        ax.plot([32], [j["fio_randread_qd32_gbps"]], "kD",
+                label="fio randread libaio QD32 (around the cold reads)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("reads in flight (queue depth)")
     ax.set_ylabel("GB/s (stored bytes)")
     ax.set_title(f"page-table reads vs the disk, bs {j.get('fio_randread_bs', '?')} B, "
                  f"{cfg.get('tokens', '?')} tokens")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     save(fig, out_dir, "storage-reads-by-qd.png", written)
 
     variants = j.get("variants", {})

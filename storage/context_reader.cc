@@ -89,8 +89,8 @@ Status ContextReader::CheckAndDecode(uint32_t layer, uint32_t kv_head, uint32_t 
                                      size_t slot, PageBatch* out) const {
   if (read.IsNotFound()) {
     return DataLossError("context " + id_.ToHex() + " layer " + std::to_string(layer) +
-                         " kv_head " + std::to_string(kv_head) + " block " +
-                         std::to_string(block) + ": page missing");
+                         " kv_head " + std::to_string(kv_head) + " block " + std::to_string(block) +
+                         ": page missing");
   }
   if (!read.ok()) return FromRocks(read, "read page");
   return DecodeInto(layer, kv_head, block, value, slot, out);
@@ -161,8 +161,8 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
         misses.push_back(i);
         continue;
       }
-      first.Keep(i, CheckAndDecode(layer, kv_head, blocks[i], statuses[i],
-                                   values[i].ToStringView(), i, out));
+      first.Keep(i, CheckAndDecode(layer, kv_head, blocks[i], statuses[i], values[i].ToStringView(),
+                                   i, out));
       stored += values[i].size();
       values[i].Reset();
     }
@@ -247,7 +247,7 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
         if (!(it->Valid() && it->key() == keys[i])) it->Seek(keys[i]);
         const bool found = it->Valid() && it->key() == keys[i];
         s = CheckAndDecode(layer, kv_head, blocks[i],
-                           found ? rocksdb::Status::OK()
+                           found               ? rocksdb::Status::OK()
                            : it->status().ok() ? rocksdb::Status::NotFound()
                                                : it->status(),
                            found ? it->value().ToStringView() : std::string_view(), i, out);

@@ -1045,9 +1045,10 @@ StatusOr<v1::ContextManifest> StoreCore::CommitBuild(ContextWriter* w, v1::Conte
       io_pool_->ParallelFor(groups, [&](size_t begin, size_t end) {
         for (size_t g = begin; g < end; ++g) {
           const auto first = ingest_files.begin() + static_cast<std::ptrdiff_t>(g * per_group);
-          const auto last = ingest_files.begin() + static_cast<std::ptrdiff_t>(
-                                                       std::min(ingest_files.size(), (g + 1) * per_group));
-          results[g] = db_->IngestExternalFile(cf(kCfPages), std::vector<std::string>(first, last), io);
+          const auto last = ingest_files.begin() + static_cast<std::ptrdiff_t>(std::min(
+                                                       ingest_files.size(), (g + 1) * per_group));
+          results[g] =
+              db_->IngestExternalFile(cf(kCfPages), std::vector<std::string>(first, last), io);
         }
       });
       for (const auto& r : results) RETURN_IF_ERROR(FromRocks(r, "ingest pages of " + Hex(id)));

@@ -62,8 +62,8 @@ TEST(Crc32cTest, ThreeStreamPathMatchesBitwiseReference) {
     x ^= x << 17;
     b = static_cast<uint8_t>(x);
   }
-  for (size_t n : {767ul, 768ul, 769ul, 1536ul, 6143ul, 6144ul, 6151ul, 8192ul, 8208ul, 12288ul,
-                   18000ul}) {
+  for (size_t n :
+       {767ul, 768ul, 769ul, 1536ul, 6143ul, 6144ul, 6151ul, 8192ul, 8208ul, 12288ul, 18000ul}) {
     for (size_t offset : {0ul, 1ul, 5ul}) {
       const uint8_t* p = buf.data() + offset;
       const uint32_t want = ReferenceCrc32c(p, n);

@@ -151,10 +151,10 @@ TEST(CrashTest, KilledBuildsNeverLeaveVisibleOrOrphanedState) {
   for (int i = 0; i < kKills; ++i) {
     const bool ingest = i % 4 != 3;
     ingest_kills += ingest;
-    pid_t pid = SpawnChild("CrashTest.DISABLED_Child",
-                           {{kChildEnv, dir.path()},
-                            {"CTXCACHE_CRASH_SEED", std::to_string(rng())},
-                            {"CTXCACHE_CRASH_INGEST", ingest ? "1" : "0"}});
+    pid_t pid =
+        SpawnChild("CrashTest.DISABLED_Child", {{kChildEnv, dir.path()},
+                                                {"CTXCACHE_CRASH_SEED", std::to_string(rng())},
+                                                {"CTXCACHE_CRASH_INGEST", ingest ? "1" : "0"}});
     ASSERT_GT(pid, 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(150 + rng() % 700));
     ASSERT_EQ(kill(pid, SIGKILL), 0);

@@ -868,8 +868,9 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
     return InvalidArgumentError("model.fingerprint: expected a non-empty hash");
   }
   if (req.tokens.empty()) return InvalidArgumentError("tokens: expected at least one token");
-  size_t staging = size_t{m.n_layers()} * m.n_kv_heads() * 2 * options_.block_tokens *
-                   m.head_dim() * DTypeSize(dtype);
+  size_t staging =
+      size_t{m.n_layers()} * m.n_kv_heads() *
+      (kPageHeaderSize + 2 * size_t{options_.block_tokens} * m.head_dim() * DTypeSize(dtype));
   if (ingest_pages()) {
     staging += size_t{m.n_layers()} * m.n_kv_heads() *
                (kSstFixedBytes + size_t{options_.ingest_file_pages} * kSstBytesPerPage);

@@ -15,6 +15,7 @@ PACKAGES=(
   fio curl procps xz-utils
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv python3-setuptools python3-wheel
   python3-sentencepiece
+  python3-matplotlib linux-perf python3-torch
 )
 
 missing=()

@@ -2,9 +2,14 @@
 
 #include <rocksdb/db.h>
 
+#include <condition_variable>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
 
 #include "common/crc32c.h"
+#include "common/thread_pool.h"
 #include "storage/page_codec.h"
 #include "storage/store_internal.h"
 
@@ -76,8 +81,130 @@ Status ContextReader::DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t bloc
                       std::to_string(block) + ": " + std::string(s.message()));
   }
   out->n_tokens[slot] = h.shape.n_tokens;
-  out->stored_bytes += value.size();
   return Status::OK();
+}
+
+Status ContextReader::CheckAndDecode(uint32_t layer, uint32_t kv_head, uint32_t block,
+                                     const rocksdb::Status& read, std::string_view value,
+                                     size_t slot, PageBatch* out) const {
+  if (read.IsNotFound()) {
+    return DataLossError("context " + id_.ToHex() + " layer " + std::to_string(layer) +
+                         " kv_head " + std::to_string(kv_head) + " block " + std::to_string(block) +
+                         ": page missing");
+  }
+  if (!read.ok()) return FromRocks(read, "read page");
+  return DecodeInto(layer, kv_head, block, value, slot, out);
+}
+
+namespace {
+
+// Runs task(0) on the calling thread and task(1..n-1) on `pool`, and waits
+// for all of them. Unlike ThreadPool::ParallelFor it queues from any thread:
+// the I/O pool's tasks never wait on each other, so this cannot deadlock.
+void RunOnPool(ThreadPool* pool, size_t n, const std::function<void(size_t)>& task) {
+  size_t remaining = n - 1;
+  std::mutex mu;
+  std::condition_variable cv;
+  for (size_t i = 1; i < n; ++i) {
+    pool->Submit([&, i] {
+      task(i);
+      std::lock_guard<std::mutex> l(mu);
+      if (--remaining == 0) cv.notify_one();
+    });
+  }
+  task(0);
+  std::unique_lock<std::mutex> l(mu);
+  cv.wait(l, [&] { return remaining == 0; });
+}
+
+// The first error by slot, so that the reported page does not depend on
+// which I/O task finished first.
+struct FirstError {
+  size_t slot = SIZE_MAX;
+  Status status;
+  void Keep(size_t at, Status s) {
+    if (!s.ok() && at < slot) {
+      slot = at;
+      status = std::move(s);
+    }
+  }
+};
+
+}  // namespace
+
+Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
+                                    std::span<const uint32_t> blocks,
+                                    std::span<const rocksdb::Slice> keys, PageBatch* out) const {
+  const size_t n = keys.size();
+  // Keys of one owner are sorted; owners are visited parent-first, so the
+  // whole list is sorted only without a parent.
+  const bool sorted = owners_.size() == 1;
+  rocksdb::DB* db = core_->db();
+  rocksdb::ColumnFamilyHandle* cf = core_->cf(kCfPages);
+  ThreadPool* pool = core_->io_pool();
+  const size_t depth = core_->options().read_io_depth;
+  std::vector<rocksdb::PinnableSlice> values(n);
+  std::vector<rocksdb::Status> statuses(n);
+  FirstError first;
+  uint64_t stored = 0;
+  std::vector<size_t> misses;
+  if (depth > 1 && n > 1) {
+    // Pass 1, on this thread and without I/O: what the block cache and the
+    // memtables hold; misses come back Incomplete. Get, not MultiGet:
+    // RocksDB 7.8's MultiGet reads data blocks from the file even under
+    // kBlockCacheTier (and then does not cache them).
+    rocksdb::ReadOptions cached;
+    cached.read_tier = rocksdb::kBlockCacheTier;
+    for (size_t i = 0; i < n; ++i) statuses[i] = db->Get(cached, cf, keys[i], &values[i]);
+    for (size_t i = 0; i < n; ++i) {
+      if (statuses[i].IsIncomplete()) {
+        misses.push_back(i);
+        continue;
+      }
+      first.Keep(i, CheckAndDecode(layer, kv_head, blocks[i], statuses[i], values[i].ToStringView(),
+                                   i, out));
+      stored += values[i].size();
+      values[i].Reset();
+    }
+  } else {
+    misses.resize(n);
+    for (size_t i = 0; i < n; ++i) misses[i] = i;
+  }
+  if (!misses.empty()) {
+    // Pass 2: the misses, split into up to `depth` sorted MultiGets that run
+    // at once (each a sequence of synchronous reads), so up to `depth` reads
+    // are in flight; each part decodes and verifies its own pages.
+    const size_t chunk = (misses.size() + depth - 1) / depth;
+    const size_t parts = (misses.size() + chunk - 1) / chunk;
+    std::vector<FirstError> part_errors(parts);
+    std::vector<uint64_t> part_stored(parts, 0);
+    auto read_part = [&](size_t p) {
+      const size_t begin = p * chunk, m = std::min(misses.size(), begin + chunk) - begin;
+      std::vector<rocksdb::Slice> part_keys(m);
+      for (size_t j = 0; j < m; ++j) part_keys[j] = keys[misses[begin + j]];
+      std::vector<rocksdb::PinnableSlice> part_values(m);
+      std::vector<rocksdb::Status> part_statuses(m);
+      db->MultiGet(rocksdb::ReadOptions(), cf, m, part_keys.data(), part_values.data(),
+                   part_statuses.data(), sorted);
+      for (size_t j = 0; j < m; ++j) {
+        const size_t i = misses[begin + j];
+        part_errors[p].Keep(i, CheckAndDecode(layer, kv_head, blocks[i], part_statuses[j],
+                                              part_values[j].ToStringView(), i, out));
+        part_stored[p] += part_values[j].size();
+      }
+    };
+    if (parts == 1) {
+      read_part(0);
+    } else {
+      RunOnPool(pool, parts, read_part);
+    }
+    for (size_t p = 0; p < parts; ++p) {
+      first.Keep(part_errors[p].slot, std::move(part_errors[p].status));
+      stored += part_stored[p];
+    }
+  }
+  out->stored_bytes = stored;
+  return first.status;
 }
 
 Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
@@ -103,45 +230,29 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
     auto db_lock = core_->LockDb();
     const auto l16 = static_cast<uint16_t>(layer);
     const auto h16 = static_cast<uint16_t>(kv_head);
-    rocksdb::ColumnFamilyHandle* cf = core_->cf(kCfPages);
-    std::vector<std::string> keys(blocks.size());
-    for (size_t i = 0; i < blocks.size(); ++i)
-      keys[i] = PageKey(OwnerOf(blocks[i]), l16, h16, blocks[i]);
-    rocksdb::ReadOptions ro;
+    // All keys in one buffer: no allocation per page.
+    std::vector<char> key_bytes(blocks.size() * kPageKeySize);
+    std::vector<rocksdb::Slice> keys(blocks.size());
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      char* k = key_bytes.data() + i * kPageKeySize;
+      EncodePageKey(OwnerOf(blocks[i]), l16, h16, blocks[i], k);
+      keys[i] = rocksdb::Slice(k, kPageKeySize);
+    }
     if (method == PageReadMethod::kMultiGet) {
-      std::vector<rocksdb::Slice> slices(keys.begin(), keys.end());
-      std::vector<rocksdb::PinnableSlice> values(keys.size());
-      std::vector<rocksdb::Status> statuses(keys.size());
-      // Keys of one owner are sorted; owners are visited parent-first, so the
-      // whole list is sorted only without a parent.
-      core_->db()->MultiGet(ro, cf, keys.size(), slices.data(), values.data(), statuses.data(),
-                            /*sorted_input=*/owners_.size() == 1);
-      for (size_t i = 0; i < keys.size() && s.ok(); ++i) {
-        if (statuses[i].IsNotFound()) {
-          s = DataLossError("context " + id_.ToHex() + " layer " + std::to_string(layer) +
-                            " kv_head " + std::to_string(kv_head) + " block " +
-                            std::to_string(blocks[i]) + ": page missing");
-        } else if (!statuses[i].ok()) {
-          s = FromRocks(statuses[i], "read page");
-        } else {
-          s = DecodeInto(layer, kv_head, blocks[i], values[i].ToStringView(), i, out);
-        }
-      }
+      s = MultiGetPages(layer, kv_head, blocks, keys, out);
     } else {
-      std::unique_ptr<rocksdb::Iterator> it;
+      std::unique_ptr<rocksdb::Iterator> it(
+          core_->db()->NewIterator(rocksdb::ReadOptions(), core_->cf(kCfPages)));
       for (size_t i = 0; i < keys.size() && s.ok(); ++i) {
-        if (!it) it.reset(core_->db()->NewIterator(ro, cf));
-        if (!(it->Valid() && it->key() == rocksdb::Slice(keys[i]))) it->Seek(keys[i]);
-        if (!it->Valid() || it->key() != rocksdb::Slice(keys[i])) {
-          s = it->status().ok()
-                  ? DataLossError("context " + id_.ToHex() + " layer " + std::to_string(layer) +
-                                  " kv_head " + std::to_string(kv_head) + " block " +
-                                  std::to_string(blocks[i]) + ": page missing")
-                  : FromRocks(it->status(), "read page");
-          break;
-        }
-        s = DecodeInto(layer, kv_head, blocks[i], it->value().ToStringView(), i, out);
-        it->Next();
+        if (!(it->Valid() && it->key() == keys[i])) it->Seek(keys[i]);
+        const bool found = it->Valid() && it->key() == keys[i];
+        s = CheckAndDecode(layer, kv_head, blocks[i],
+                           found               ? rocksdb::Status::OK()
+                           : it->status().ok() ? rocksdb::Status::NotFound()
+                                               : it->status(),
+                           found ? it->value().ToStringView() : std::string_view(), i, out);
+        if (s.ok()) out->stored_bytes += it->value().size();
+        if (found) it->Next();
       }
     }
   }

@@ -21,6 +21,11 @@
 #include "storage/keys.h"
 #include "storage/store.h"
 
+namespace rocksdb {
+class Slice;
+class Status;
+}  // namespace rocksdb
+
 namespace ctxcache::storage {
 
 // Decoded pages of one (layer, kv_head), fixed stride. Page i occupies
@@ -81,8 +86,19 @@ class ContextReader {
                 std::vector<Owner> owners);
   const ContextId& OwnerOf(uint32_t block) const;
   Status CheckTable(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks) const;
+  // Decodes and verifies one page into slot `slot` of *out.
   Status DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t block, std::string_view value,
                     size_t slot, PageBatch* out) const;
+  // DecodeInto after the RocksDB read status of the page (NotFound: the page
+  // is missing, DATA_LOSS).
+  Status CheckAndDecode(uint32_t layer, uint32_t kv_head, uint32_t block,
+                        const rocksdb::Status& read, std::string_view value, size_t slot,
+                        PageBatch* out) const;
+  // PageReadMethod::kMultiGet: cached pages on this thread, the misses as
+  // up to StoreOptions::read_io_depth concurrent MultiGets on the store's
+  // I/O pool. Sets out->stored_bytes.
+  Status MultiGetPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
+                       std::span<const rocksdb::Slice> keys, PageBatch* out) const;
 
   StoreCore* core_;
   Lease lease_;

@@ -14,11 +14,14 @@
 namespace ctxcache::storage {
 
 struct ContextWriter::HeadState {
-  uint64_t next_token = 0;       // next token index expected
-  uint32_t fill = 0;             // tokens in `staging`
-  bool seeded = false;           // parent's boundary tokens copied in
-  std::vector<uint8_t> staging;  // K rows [B][d], then V rows [B][d]
-  std::string encoded;           // scratch for the encoded page
+  uint64_t next_token = 0;  // next token index expected
+  uint32_t fill = 0;        // tokens in `staging`
+  bool seeded = false;      // parent's boundary tokens copied in
+  // kPageHeaderSize bytes of room for the page header, then K rows [B][d],
+  // then V rows [B][d]: a codec-none page is encoded in place (Payload()).
+  std::vector<uint8_t> staging;
+  uint8_t* Payload() { return staging.data() + kPageHeaderSize; }
+  std::string encoded;  // scratch for the encoded page
   // Ingest path: the open SST of this (layer, kv_head).
   std::unique_ptr<rocksdb::SstFileWriter> sst;
   std::string sst_path;
@@ -101,10 +104,20 @@ Status ContextWriter::PutToSst(uint32_t layer, uint32_t kv_head, HeadState* hs,
     // file, which is wasted (and can exhaust a small disk) with many heads.
     rocksdb::EnvOptions env_options;
     env_options.allow_fallocate = false;
+    env_options.writable_file_max_buffer_size = kSstWriteBufferBytes;
     // Start writeback every MiB so that Commit's fsync has little left to do.
     env_options.bytes_per_sync = 1 << 20;
+    // O_DIRECT: no copy into the page cache, and nothing left for Commit's
+    // fsync to write back. Where the filesystem refuses it, buffered writes.
+    env_options.use_direct_writes = core_->options().direct_ingest_writes;
     hs->sst = std::make_unique<rocksdb::SstFileWriter>(env_options, core_->page_sst_options());
-    RETURN_IF_ERROR(FromRocks(hs->sst->Open(hs->sst_path), "open " + hs->sst_path));
+    rocksdb::Status opened = hs->sst->Open(hs->sst_path);
+    if (!opened.ok() && env_options.use_direct_writes) {
+      env_options.use_direct_writes = false;
+      hs->sst = std::make_unique<rocksdb::SstFileWriter>(env_options, core_->page_sst_options());
+      opened = hs->sst->Open(hs->sst_path);
+    }
+    RETURN_IF_ERROR(FromRocks(opened, "open " + hs->sst_path));
     hs->sst_pages = 0;
     AdjustBuffered(static_cast<int64_t>(kSstFixedBytes));
   }
@@ -178,8 +191,8 @@ Status ContextWriter::SeedFromParent(uint32_t layer, uint32_t kv_head, HeadState
                          std::to_string(boundary));
   }
   const size_t row = size_t{head_dim_} * DTypeSize(dtype_);
-  std::memcpy(hs->staging.data(), raw.data(), boundary * row);
-  std::memcpy(hs->staging.data() + page_bytes_ / 2, raw.data() + boundary * row, boundary * row);
+  std::memcpy(hs->Payload(), raw.data(), boundary * row);
+  std::memcpy(hs->Payload() + page_bytes_ / 2, raw.data() + boundary * row, boundary * row);
   hs->fill = boundary;
   return Status::OK();
 }
@@ -190,18 +203,25 @@ Status ContextWriter::EmitPage(uint32_t layer, uint32_t kv_head, HeadState* hs) 
   const size_t row = size_t{head_dim_} * DTypeSize(dtype_);
   if (n < block_tokens_) {
     // Partial last page: V rows follow the n K rows.
-    std::memmove(hs->staging.data() + n * row, hs->staging.data() + page_bytes_ / 2, n * row);
+    std::memmove(hs->Payload() + n * row, hs->Payload() + page_bytes_ / 2, n * row);
   }
   PageShape shape{dtype_, n, head_dim_};
-  hs->encoded.clear();
-  std::string_view raw(reinterpret_cast<const char*>(hs->staging.data()), shape.RawBytes());
-  RETURN_IF_ERROR(EncodePage(core_->options().page_codec, shape, raw, &hs->encoded));
+  std::string_view encoded;
+  if (core_->options().page_codec.codec == PageCodec::kNone) {
+    ASSIGN_OR_RETURN(encoded,
+                     EncodeRawPageInPlace(shape, reinterpret_cast<char*>(hs->staging.data())));
+  } else {
+    hs->encoded.clear();
+    std::string_view raw(reinterpret_cast<const char*>(hs->Payload()), shape.RawBytes());
+    RETURN_IF_ERROR(EncodePage(core_->options().page_codec, shape, raw, &hs->encoded));
+    encoded = hs->encoded;
+  }
   raw_kv_bytes_.fetch_add(shape.RawBytes());
   hs->fill = 0;
   std::string key =
       PageKey(id_, static_cast<uint16_t>(layer), static_cast<uint16_t>(kv_head), block);
-  if (ingest_) return PutToSst(layer, kv_head, hs, key, hs->encoded);
-  return AddToBatch(key, hs->encoded, kCfPages);
+  if (ingest_) return PutToSst(layer, kv_head, hs, key, encoded);
+  return AddToBatch(key, encoded, kCfPages);
 }
 
 Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t token_start,
@@ -225,8 +245,8 @@ Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t t
   if (hs == nullptr) {
     auto fresh = std::make_unique<HeadState>();
     fresh->next_token = first_token_;
-    fresh->staging.resize(page_bytes_);
-    AdjustBuffered(static_cast<int64_t>(page_bytes_));
+    fresh->staging.resize(kPageHeaderSize + page_bytes_);
+    AdjustBuffered(static_cast<int64_t>(fresh->staging.size()));
     hs = fresh.get();
     heads_[size_t{layer} * n_kv_heads_ + kv_head] = std::move(fresh);
   }
@@ -246,9 +266,8 @@ Status ContextWriter::AppendStrided(uint32_t layer, uint32_t kv_head, uint64_t t
   while (done < n_tokens) {
     uint32_t take = std::min(n_tokens - done, block_tokens_ - hs->fill);
     for (uint32_t t = 0; t < take; ++t) {
-      std::memcpy(hs->staging.data() + (hs->fill + t) * row, k + (done + t) * row_stride_bytes,
-                  row);
-      std::memcpy(hs->staging.data() + page_bytes_ / 2 + (hs->fill + t) * row,
+      std::memcpy(hs->Payload() + (hs->fill + t) * row, k + (done + t) * row_stride_bytes, row);
+      std::memcpy(hs->Payload() + page_bytes_ / 2 + (hs->fill + t) * row,
                   v + (done + t) * row_stride_bytes, row);
     }
     hs->fill += take;
@@ -279,7 +298,10 @@ Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32
     return Status::OK();
   }
   std::vector<Status> results(n_kv_heads_);
-  ThreadPool::Default()->ParallelFor(n_kv_heads_, [&](size_t begin, size_t end) {
+  // Ingest writers block on O_DIRECT writes: give every head a thread of the
+  // store's I/O pool so that the CPU work of the others overlaps them.
+  ThreadPool* pool = ingest_ ? core_->io_pool() : ThreadPool::Default();
+  pool->ParallelFor(n_kv_heads_, [&](size_t begin, size_t end) {
     for (size_t h = begin; h < end; ++h) {
       results[h] = AppendStrided(layer, static_cast<uint32_t>(h), token_start, n_tokens, dtype,
                                  kb + h * row, vb + h * row, stride);
@@ -356,9 +378,10 @@ StatusOr<v1::ContextManifest> ContextWriter::Commit() {
     }
   }
   if (ingest_) {
-    // Finish (fsync) the open SSTs in parallel: the device overlaps them.
+    // Finish (fsync) the open SSTs in parallel on the I/O pool: the device
+    // and the filesystem journal overlap them.
     std::vector<Status> results(heads_.size());
-    ThreadPool::Default()->ParallelFor(heads_.size(), [&](size_t begin, size_t end) {
+    core_->io_pool()->ParallelFor(heads_.size(), [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         if (heads_[i]) results[i] = FinishSst(heads_[i].get());
       }

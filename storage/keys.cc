@@ -106,13 +106,22 @@ uint32_t GetBE32(const char* p) {
   return (uint32_t{u[0]} << 24) | (uint32_t{u[1]} << 16) | (uint32_t{u[2]} << 8) | u[3];
 }
 
+void EncodePageKey(const ContextId& id, uint16_t layer, uint16_t kv_head, uint32_t block,
+                   char* dst) {
+  std::memcpy(dst, id.bytes.data(), 16);
+  dst[16] = static_cast<char>(layer >> 8);
+  dst[17] = static_cast<char>(layer);
+  dst[18] = static_cast<char>(kv_head >> 8);
+  dst[19] = static_cast<char>(kv_head);
+  dst[20] = static_cast<char>(block >> 24);
+  dst[21] = static_cast<char>(block >> 16);
+  dst[22] = static_cast<char>(block >> 8);
+  dst[23] = static_cast<char>(block);
+}
+
 std::string PageKey(const ContextId& id, uint16_t layer, uint16_t kv_head, uint32_t block) {
-  std::string k;
-  k.reserve(kPageKeySize);
-  k.append(id.AsBytes());
-  PutBE16(&k, layer);
-  PutBE16(&k, kv_head);
-  PutBE32(&k, block);
+  std::string k(kPageKeySize, '\0');
+  EncodePageKey(id, layer, kv_head, block, k.data());
   return k;
 }
 

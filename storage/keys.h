@@ -71,6 +71,10 @@ inline constexpr size_t kArtifactKeySize = 25;
 inline constexpr size_t kTokenKeySize = 20;
 
 std::string PageKey(const ContextId& id, uint16_t layer, uint16_t kv_head, uint32_t block);
+// The same key written to dst[0, kPageKeySize) (no allocation; the reader
+// builds a page table's keys in one buffer).
+void EncodePageKey(const ContextId& id, uint16_t layer, uint16_t kv_head, uint32_t block,
+                   char* dst);
 std::string ArtifactKey(const ContextId& id, uint16_t layer, uint16_t kv_head, uint8_t kind,
                         uint32_t chunk);
 std::string TokenKey(const ContextId& id, uint32_t chunk);

@@ -92,8 +92,9 @@ void UnshuffleBytes(const uint8_t* src, uint8_t* dst, size_t n, size_t elem_size
   }
 }
 
-Status EncodePage(const PageCodecOptions& options, const PageShape& shape, std::string_view raw,
-                  std::string* out) {
+namespace {
+
+Status CheckShape(const PageShape& shape, size_t raw_size) {
   if (!IsValidDType(static_cast<int>(shape.dtype))) {
     return InvalidArgumentError("page dtype: expected f32|f16|bf16");
   }
@@ -105,25 +106,43 @@ Status EncodePage(const PageCodecOptions& options, const PageShape& shape, std::
     return InvalidArgumentError("page head_dim: expected 1..65535, got " +
                                 std::to_string(shape.head_dim));
   }
-  if (raw.size() != shape.RawBytes()) {
+  if (raw_size != shape.RawBytes()) {
     return InvalidArgumentError("page payload: expected " + std::to_string(shape.RawBytes()) +
                                 " bytes (2*n_tokens*head_dim*dtype_size), got " +
-                                std::to_string(raw.size()));
+                                std::to_string(raw_size));
   }
+  return Status::OK();
+}
+
+void WriteHeader(const PageShape& shape, PageCodec codec, std::string_view raw, char* h) {
+  h[0] = static_cast<char>(kPageMagic);
+  h[1] = static_cast<char>(kPageFormatVersion);
+  h[2] = static_cast<char>(shape.dtype);
+  h[3] = static_cast<char>(codec);
+  PutLE16(h + 4, static_cast<uint16_t>(shape.n_tokens));
+  PutLE16(h + 6, static_cast<uint16_t>(shape.head_dim));
+  PutLE32(h + 8, static_cast<uint32_t>(raw.size()));
+  PutLE32(h + 12, crc32c::Value(raw));
+}
+
+}  // namespace
+
+StatusOr<std::string_view> EncodeRawPageInPlace(const PageShape& shape, char* buf) {
+  RETURN_IF_ERROR(CheckShape(shape, shape.RawBytes()));
+  WriteHeader(shape, PageCodec::kNone, std::string_view(buf + kPageHeaderSize, shape.RawBytes()),
+              buf);
+  return std::string_view(buf, kPageHeaderSize + shape.RawBytes());
+}
+
+Status EncodePage(const PageCodecOptions& options, const PageShape& shape, std::string_view raw,
+                  std::string* out) {
+  RETURN_IF_ERROR(CheckShape(shape, raw.size()));
   if (!IsValidPageCodec(static_cast<int>(options.codec))) {
     return InvalidArgumentError("page codec: unknown value");
   }
   const size_t base = out->size();
   out->resize(base + kPageHeaderSize);
-  char* h = out->data() + base;
-  h[0] = static_cast<char>(kPageMagic);
-  h[1] = static_cast<char>(kPageFormatVersion);
-  h[2] = static_cast<char>(shape.dtype);
-  h[3] = static_cast<char>(options.codec);
-  PutLE16(h + 4, static_cast<uint16_t>(shape.n_tokens));
-  PutLE16(h + 6, static_cast<uint16_t>(shape.head_dim));
-  PutLE32(h + 8, static_cast<uint32_t>(raw.size()));
-  PutLE32(h + 12, crc32c::Value(raw));
+  WriteHeader(shape, options.codec, raw, out->data() + base);
 
   if (options.codec == PageCodec::kNone) {
     out->append(raw);

@@ -77,6 +77,13 @@ struct PageHeader {
 Status EncodePage(const PageCodecOptions& options, const PageShape& shape, std::string_view raw,
                   std::string* out);
 
+// The codec-none encoding without a copy: buf[kPageHeaderSize,
+// kPageHeaderSize + shape.RawBytes()) holds the raw payload; the header is
+// written into buf[0, kPageHeaderSize) and the encoded page returned is a
+// view of buf[0, kPageHeaderSize + shape.RawBytes()). Same bytes as
+// EncodePage with PageCodec::kNone. INVALID_ARGUMENT for a bad shape.
+StatusOr<std::string_view> EncodeRawPageInPlace(const PageShape& shape, char* buf);
+
 // Parses and checks the header only (DATA_LOSS if malformed).
 Status ParsePageHeader(std::string_view encoded, PageHeader* header);
 

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/thread_pool.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
 #include "storage/store.h"
@@ -29,11 +30,14 @@ namespace ctxcache::storage {
 enum Cf : int { kCfMeta = 0, kCfTokens = 1, kCfPages = 2, kCfIndex = 3, kNumCfs = 4 };
 inline constexpr const char* kCfNames[kNumCfs] = {"meta", "tokens", "pages", "index"};
 
+// Write buffer of an open ingest SstFileWriter (RocksDB's WritableFileWriter;
+// with O_DIRECT one write per buffer).
+inline constexpr size_t kSstWriteBufferBytes = 256 << 10;
 // In-memory cost of one page in an open SstFileWriter (index entry + bloom
-// bits), and of an open SstFileWriter itself (data block buffer), counted in
-// ContextWriter::buffered_bytes().
+// bits), and of an open SstFileWriter itself (data block buffer + write
+// buffer), counted in ContextWriter::buffered_bytes().
 inline constexpr size_t kSstBytesPerPage = 48;
-inline constexpr size_t kSstFixedBytes = 8 << 10;
+inline constexpr size_t kSstFixedBytes = (16 << 10) + kSstWriteBufferBytes;
 
 // Token ids per value in the tokens column family.
 inline constexpr uint32_t kTokensPerChunk = 16384;
@@ -114,6 +118,10 @@ class StoreCore {
   uint64_t generation() const { return generation_.load(); }
 
   rocksdb::DB* db() const { return db_.get(); }
+  // The store's I/O pool (StoreOptions::io_threads): concurrent page reads,
+  // and the ingest writers' per-head work. Its tasks never wait on each
+  // other.
+  ThreadPool* io_pool() const { return io_pool_.get(); }
   rocksdb::ColumnFamilyHandle* cf(int c) const { return cfs_[c]; }
   const StoreOptions& options() const { return options_; }
   // Options for rocksdb::SstFileWriter of the pages column family.
@@ -197,6 +205,7 @@ class StoreCore {
   std::atomic<uint64_t> policy_evictions_{0};        // TTL/capacity victims since open
   std::shared_ptr<rocksdb::Cache> blob_cache_;
   std::unique_ptr<rocksdb::DB> db_;
+  std::unique_ptr<ThreadPool> io_pool_;  // idle when no read or ingest write runs
   rocksdb::Options page_sst_options_;
   rocksdb::ColumnFamilyHandle* cfs_[kNumCfs] = {};
   std::vector<rocksdb::ColumnFamilyHandle*> extra_cfs_;  // default + unknown

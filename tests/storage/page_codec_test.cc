@@ -72,6 +72,31 @@ TEST(PageCodecTest, EveryFlippedBitIsDataLoss) {
   }
 }
 
+// The writer's no-copy path writes the same bytes as EncodePage(kNone).
+TEST(PageCodecTest, RawPageInPlaceEqualsEncodePageNone) {
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (uint32_t n_tokens : {16u, 5u, 1u}) {
+      PageShape shape{dtype, n_tokens, 64};
+      std::string raw = RandomPayload(dtype, n_tokens, 64, 7 * n_tokens);
+      std::string want;
+      ASSERT_TRUE(EncodePage({PageCodec::kNone, 1}, shape, raw, &want).ok());
+      std::string buf(kPageHeaderSize, 'x');
+      buf += raw;
+      auto got = EncodeRawPageInPlace(shape, buf.data());
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(got->data(), buf.data());
+      EXPECT_EQ(std::string(*got), want);
+      std::vector<uint8_t> out(raw.size());
+      PageHeader h;
+      ASSERT_TRUE(DecodePage(*got, out.data(), out.size(), &h).ok());
+      EXPECT_EQ(std::memcmp(out.data(), raw.data(), raw.size()), 0);
+    }
+  }
+  std::string buf(kPageHeaderSize + 64, '\0');
+  EXPECT_EQ(EncodeRawPageInPlace(PageShape{DType::kBF16, 0, 16}, buf.data()).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(PageCodecTest, RejectsBadShapes) {
   std::string enc;
   std::string raw(100, 'x');

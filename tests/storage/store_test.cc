@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <thread>
+#include <tuple>
 
 #include "common/crc32c.h"
 #include "storage/context_reader.h"
@@ -472,6 +473,86 @@ TEST_F(StoreTest, FlippedBitInStoredPageIsDataLoss) {
   EXPECT_EQ(store_->Verify(id).code(), StatusCode::kDataLoss);
 }
 
+// Pages not in the block cache are read as up to read_io_depth concurrent
+// MultiGets on the I/O pool: the batch is the same as a serial read, for a
+// child (keys from two owners, not sorted overall) too, and of two bad pages
+// the first is reported whichever I/O task finishes first.
+TEST_F(StoreTest, ConcurrentPageReadsMatchSerialReadsAndReportTheFirstBadPage) {
+  Open();
+  auto spec = MakeSpec(2, 2, 32);
+  auto parent = BuildContext(store_.get(), spec, Tokens(300, 5));
+  ASSERT_TRUE(parent.ok());
+  auto tokens = Tokens(300, 5);
+  auto extra = Tokens(250, 6);
+  tokens.insert(tokens.end(), extra.begin(), extra.end());
+  auto child = BuildContext(store_.get(), spec, tokens, IdOf(*parent));
+  ASSERT_TRUE(child.ok());
+  const ContextId id = IdOf(*child);
+  Close();
+  {
+    // Two bad pages of (1, 1), flushed into an SST so that they are read
+    // from the file by the I/O pool, not found in a memtable.
+    auto raw = OpenRaw(dir_.path());
+    ASSERT_NE(raw, nullptr);
+    for (uint32_t block : {22u, 29u}) {
+      std::string key = PageKey(id, 1, 1, block), value;
+      ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
+      value[value.size() - 3] ^= 0x01;
+      ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
+    }
+    ASSERT_TRUE(raw->db->Flush(rocksdb::FlushOptions(), raw->cf("pages")).ok());
+  }
+  StoreOptions serial = TestOptions(&clock_);
+  serial.block_cache_bytes = 0;  // every page is a miss
+  serial.read_io_depth = 1;
+  StoreOptions concurrent = serial;
+  concurrent.read_io_depth = 8;
+  concurrent.io_threads = 3;  // fewer threads than parts: tasks queue
+  std::vector<PageBatch> got(2);
+  for (int pass = 0; pass < 2; ++pass) {
+    Open(pass == 0 ? serial : concurrent);
+    auto r = store_->OpenReader(id);
+    ASSERT_TRUE(r.ok());
+    const auto all = AllBlocks((*r)->n_blocks());
+    ASSERT_TRUE((*r)->ReadPages(0, 1, all, &got[pass]).ok());
+    for (size_t i = 0; i < got[pass].size(); ++i) {
+      ASSERT_TRUE(PageMatches(got[pass], i, 0, 1)) << "pass " << pass << " block " << i;
+    }
+    PageBatch bad;
+    for (int repeat = 0; repeat < 5; ++repeat) {
+      Status s = (*r)->ReadPages(1, 1, all, &bad);
+      ASSERT_EQ(s.code(), StatusCode::kDataLoss) << s.ToString();
+      EXPECT_NE(s.message().find("layer 1 kv_head 1 block 22"), std::string_view::npos)
+          << s.ToString();
+      EXPECT_EQ(bad.size(), 0u);
+    }
+    std::vector<uint32_t> good;
+    for (uint32_t b : all) {
+      if (b != 22 && b != 29) good.push_back(b);
+    }
+    ASSERT_TRUE((*r)->ReadPages(1, 1, good, &bad).ok());
+    for (size_t i = 0; i < bad.size(); ++i) ASSERT_TRUE(PageMatches(bad, i, 1, 1));
+  }
+  EXPECT_EQ(got[0].blocks, got[1].blocks);
+  EXPECT_EQ(got[0].data, got[1].data);
+  EXPECT_EQ(got[0].stored_bytes, got[1].stored_bytes);
+}
+
+TEST_F(StoreTest, ReadIoOptionsAreValidated) {
+  for (auto [depth, threads, field] :
+       {std::tuple<uint32_t, uint32_t, const char*>{0, 4, "read_io_depth"},
+        {2000, 4, "read_io_depth"},
+        {8, 0, "io_threads"}}) {
+    StoreOptions o = TestOptions(&clock_);
+    o.read_io_depth = depth;
+    o.io_threads = threads;
+    auto s = Store::Open(o, dir_.Sub("bad"));
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.status().message().find(field), std::string_view::npos) << s.status().ToString();
+  }
+}
+
 TEST_F(StoreTest, ArtifactsRoundTripChunkedAndVerified) {
   StoreOptions o = TestOptions(&clock_);
   Open(o);
@@ -524,6 +605,7 @@ TEST_F(StoreTest, ArtifactsRoundTripChunkedAndVerified) {
 
 TEST_F(StoreTest, WriterMemoryIsBoundedFor32KTokens) {
   StoreOptions o = TestOptions(&clock_);
+  o.ingest_pages = false;  // the memtable path: pages go through write batches
   o.write_batch_bytes = 256 << 10;
   o.max_writer_buffer_bytes = 1 << 20;
   o.page_codec.codec = PageCodec::kNone;
@@ -568,18 +650,18 @@ TEST_F(StoreTest, IngestWriterMemoryIsBoundedFor32KTokens) {
   o.ingest_pages = true;
   o.ingest_file_pages = 512;  // SSTs closed every 512 pages
   o.write_batch_bytes = 64 << 10;
-  o.max_writer_buffer_bytes = 1 << 20;
+  o.max_writer_buffer_bytes = 2 << 20;
   o.page_codec.codec = PageCodec::kNone;
   Open(o);
   auto tokens = Tokens(32768);
   BuildRequest req;
-  req.model = MakeSpec(2, 2, 16);
+  req.model = MakeSpec(2, 2, 64);  // 32 MiB of KV
   req.tokens = tokens;
   auto start = store_->BeginBuild(req);
   ASSERT_TRUE(start.ok()) << start.status().ToString();
   ContextWriter* w = start->writer.get();
   const uint32_t chunk = 1000;
-  std::vector<uint16_t> k(chunk * 2 * 16, 1), v(chunk * 2 * 16, 2);
+  std::vector<uint16_t> k(chunk * 2 * 64, 1), v(chunk * 2 * 64, 2);
   for (uint64_t t = 0; t < tokens.size(); t += chunk) {
     uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(chunk, tokens.size() - t));
     for (uint32_t l = 0; l < 2; ++l) {
@@ -588,8 +670,9 @@ TEST_F(StoreTest, IngestWriterMemoryIsBoundedFor32KTokens) {
   }
   auto m = w->Commit();
   ASSERT_TRUE(m.ok()) << m.status().ToString();
-  // Per (layer, head): one partial page + one open SST's index (512 pages).
-  const size_t per_head = 2 * 16 * 16 * 2 + 8192 + 512 * 48;
+  // Per (layer, head): one partial page + one open SST (its 16 KiB block and
+  // 256 KiB write buffers) and its index (512 pages).
+  const size_t per_head = 2 * 16 * 64 * 2 + (16 << 10) + (256 << 10) + 512 * 48;
   EXPECT_LE(w->peak_buffered_bytes(), 4 * per_head + 4096);
   EXPECT_GT(w->peak_buffered_bytes(), 4 * 512 * 48 / 2);  // SST indexes did fill up
   EXPECT_LT(w->peak_buffered_bytes() * 8, m->raw_kv_bytes());
@@ -823,6 +906,19 @@ TEST_F(StoreTest, IngestPathForPagesWorksToo) {
   StoreOptions o = TestOptions(&clock_);
   o.ingest_pages = true;
   o.ingest_file_pages = 8;  // several files per (layer, head)
+  o.write_batch_bytes = 64 << 10;
+  Open(o);
+  auto m = BuildContext(store_.get(), MakeSpec(2, 2, 64), Tokens(300));
+  ASSERT_TRUE(m.ok());
+  ExpectAllPagesMatch(IdOf(*m));
+  Close();
+  Open(o);
+  EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
+}
+
+TEST_F(StoreTest, MemtablePathForPagesWorksToo) {
+  StoreOptions o = TestOptions(&clock_);
+  o.ingest_pages = false;
   o.write_batch_bytes = 64 << 10;
   Open(o);
   auto m = BuildContext(store_.get(), MakeSpec(2, 2, 64), Tokens(300));

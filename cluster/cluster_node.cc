@@ -461,18 +461,32 @@ std::vector<NodeInfo> ClusterNode::Owners(const storage::ContextId& id) const {
 }
 
 std::vector<NodeInfo> ClusterNode::RemoteHolders(const storage::ContextId& id) const {
-  std::lock_guard lock(mu_);
   const std::string hex = id.ToHex();
-  auto it = view_.holders.find(hex);
-  if (it == view_.holders.end()) return {};
+  std::set<std::string> held;
+  {
+    std::lock_guard lock(mu_);
+    auto it = view_.holders.find(hex);
+    if (it != view_.holders.end()) held = it->second;
+  }
+  held.erase(self_.node_id);
+  if (held.empty()) {
+    const std::string prefix = Key("holders/" + hex + "/");
+    auto kvs = etcd_->GetPrefix(prefix);
+    if (kvs.ok()) {
+      for (const auto& kv : *kvs) held.insert(kv.key.substr(prefix.size()));
+    }
+    held.erase(self_.node_id);
+  }
+  std::lock_guard lock(mu_);
   std::vector<NodeInfo> out;
   for (const auto& o : OwnersIn(view_, hex)) {
-    if (o.node_id != self_.node_id && it->second.count(o.node_id)) out.push_back(o);
+    if (held.count(o.node_id)) out.push_back(o);
   }
-  for (const auto& h : it->second) {
-    if (h == self_.node_id) continue;
-    if (std::none_of(out.begin(), out.end(), [&](const NodeInfo& n) { return n.node_id == h; })) {
-      out.push_back(view_.nodes.at(h));
+  for (const auto& h : held) {
+    auto n = view_.nodes.find(h);
+    if (n == view_.nodes.end()) continue;  // not live (as of the last refresh)
+    if (std::none_of(out.begin(), out.end(), [&](const NodeInfo& x) { return x.node_id == h; })) {
+      out.push_back(n->second);
     }
   }
   return out;

@@ -98,7 +98,8 @@ class ClusterNode {
   std::vector<NodeInfo> LiveNodes() const;
   // The context's owners among the live nodes, first owner first.
   std::vector<NodeInfo> Owners(const storage::ContextId& id) const;
-  // Live nodes other than this one holding a READY copy, owners first.
+  // Live nodes other than this one holding a READY copy, owners first. When
+  // the last refresh saw none, etcd is asked (a context published since).
   std::vector<NodeInfo> RemoteHolders(const storage::ContextId& id) const;
   // The rebalancer leader's node id ("" if unknown).
   std::string Rebalancer() const;

@@ -10,6 +10,9 @@ restarted with its data rejoins without a copy.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from typing import Dict, List, Tuple
 
@@ -39,6 +42,17 @@ def holders(cluster: Cluster, context_id: str) -> List[str]:
     return sorted(rc._membership.holders(context_id))
 
 
+def settle(cluster: Cluster, context_id: str) -> List[str]:
+    """Waits until exactly the context's owners hold it (copies made, the
+    builder's surplus copy dropped); returns them."""
+    rc = ctxcache.ClusterClient(cluster.uri)
+
+    def settled():
+        owners = sorted(o.node_id for o in owners_of(context_id, rc.nodes(refresh=True), R))
+        return owners if holders(cluster, context_id) == owners else None
+    return wait_for(settled, 20, "holders == owners")
+
+
 def live_holders(cluster: Cluster, context_id: str) -> List[str]:
     live = {n.name for n in cluster.live()}
     return [h for h in holders(cluster, context_id) if h in live]
@@ -58,7 +72,7 @@ def test_built_through_one_node_readable_through_every_node(cluster: Cluster) ->
                    name="anywhere").context.context_id
     # READY means R durable copies; the builder's surplus copy (if it is no
     # owner) goes once both owners hold theirs.
-    wait_for(lambda: len(holders(cluster, ctx)) == R, 20, "R holders")
+    settle(cluster, ctx)
     reference = pages_of(c0, ctx) if cluster.nodes[0].name in holders(cluster, ctx) else None
     seen = []
     for n in cluster.nodes:
@@ -94,7 +108,7 @@ def test_built_through_one_node_readable_through_every_node(cluster: Cluster) ->
 def test_pin_and_evict_are_cluster_wide(cluster: Cluster) -> None:
     rc = ctxcache.Client(cluster.uri)
     ctx = rc.build(tokens=list(range(5, 105)), name="lifecycle").context.context_id
-    wait_for(lambda: len(holders(cluster, ctx)) == R, 20, "R holders")
+    settle(cluster, ctx)
     # Pin through a node that does not hold it: forwarded, recorded in etcd,
     # applied by every holder.
     non_holder = next(n for n in cluster.nodes if n.name not in holders(cluster, ctx))
@@ -149,7 +163,7 @@ def test_sigkill_owner_mid_session_continues_on_replica_then_rereplicates(
     rc = ctxcache.Client(cluster.uri)
     ctx = rc.build(tokens=[(i * 31) % 400 + 3 for i in range(250)],
                    name="failover").context.context_id
-    wait_for(lambda: len(holders(cluster, ctx)) == R, 20, "R holders")
+    settle(cluster, ctx)
     params = {"rho": 0.1}
     with ctxcache.Client(cluster.nodes[0].address).open_session(ctx, "csa", params) as s:
         reference = _decode(s, 12, seed=7)
@@ -182,3 +196,22 @@ def test_sigkill_owner_mid_session_continues_on_replica_then_rereplicates(
     victim.start()
     wait_for(lambda: victim.name in holders(cluster, ctx), 15, "rejoined holder")
     assert victim.metrics()["ctxcache_replication_bytes_total"] == 0
+
+
+def test_cli_cluster_status(cluster: Cluster, bin_dir: str) -> None:
+    for n in cluster.live():  # views refresh every second
+        wait_for(lambda: n.metrics()["ctxcache_cluster_nodes"] == len(cluster.live()), 10, "view")
+    # Through etcd (any live node answers) and through one node directly.
+    for server in (cluster.uri, cluster.live()[0].address):
+        r = subprocess.run([os.path.join(bin_dir, "ctxcache"), "cluster", "status", "--json",
+                            "--server", server], capture_output=True, text=True, timeout=30)
+        assert r.returncode in (0, 1), r.stderr
+        st = json.loads(r.stdout)
+        assert st["cluster"] == cluster.name and st["replicas"] == R
+        assert sorted(n["node_id"] for n in st["nodes"]) == sorted(n.name for n in cluster.live())
+        assert all(n["health"] == "SERVING" for n in st["nodes"])
+        assert st["rebalancer"] in {n.name for n in cluster.live()}
+        assert sum(n["stored_contexts"] for n in st["nodes"]) >= R
+    table = subprocess.run([os.path.join(bin_dir, "ctxcache"), "cluster", "status", "--server",
+                            cluster.uri], capture_output=True, text=True, timeout=30)
+    assert "NODE" in table.stdout and "LAG" in table.stdout

@@ -99,9 +99,8 @@ Status ClusterNode::Register() {
     std::lock_guard lock(mu_);
     lease_ = lease;
   }
-  nlohmann::json j = {{"addr", self_.address},
-                      {"zone", self_.zone},
-                      {"capacity_bytes", self_.capacity_bytes}};
+  nlohmann::json j = {
+      {"addr", self_.address}, {"zone", self_.zone}, {"capacity_bytes", self_.capacity_bytes}};
   RETURN_IF_ERROR(etcd_->Put(Key("nodes/" + self_.node_id), j.dump(), lease));
   for (const auto& m : store_->ListContexts()) {
     ASSIGN_OR_RETURN(auto id, storage::ContextId::FromBytes(m.context_id()));
@@ -242,9 +241,8 @@ void ClusterNode::ApplyLifecycle() {
     if (rec == v.contexts.end()) {
       // Stored here but unknown to the cluster (built while etcd was away,
       // or before clustering): publish it.
-      nlohmann::json j = {{"pinned", m.pinned()},
-                          {"expires_at_ms", m.expires_at_ms()},
-                          {"shared", m.shared()}};
+      nlohmann::json j = {
+          {"pinned", m.pinned()}, {"expires_at_ms", m.expires_at_ms()}, {"shared", m.shared()}};
       etcd_->PutIfAbsent(Key("contexts/" + hex), j.dump()).status().IgnoreError();
       RegisterHolder(*id).IgnoreError();
       continue;
@@ -414,12 +412,11 @@ Status ClusterNode::PublishReady(const v1::ContextManifest& m) {
   std::unique_lock lock(st->mu);
   st->cv.wait(lock, [&] { return st->durable >= options_.min_replicas || st->pending == 0; });
   if (st->durable >= options_.min_replicas) return Status::OK();
-  return UnavailableError("context " + hex + " is READY on " + std::to_string(st->durable) +
-                          " node(s), fewer than --min-replicas " +
-                          std::to_string(options_.min_replicas) + " (" +
-                          std::to_string(owners.size()) + " live owner(s))" +
-                          (st->errors.empty() ? "" : ": " + st->errors) +
-                          "; the rebalancer keeps copying");
+  return UnavailableError(
+      "context " + hex + " is READY on " + std::to_string(st->durable) +
+      " node(s), fewer than --min-replicas " + std::to_string(options_.min_replicas) + " (" +
+      std::to_string(owners.size()) + " live owner(s))" +
+      (st->errors.empty() ? "" : ": " + st->errors) + "; the rebalancer keeps copying");
 }
 
 StatusOr<PullResult> ClusterNode::PullFrom(const storage::ContextId& id,

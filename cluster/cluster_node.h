@@ -141,10 +141,10 @@ class ClusterNode {
   };
   // The last read of /<cluster>/.
   struct View {
-    std::map<std::string, NodeInfo> nodes;                       // by node id
-    std::map<std::string, Record> contexts;                      // by ctx hex
-    std::map<std::string, std::set<std::string>> holders;        // ctx hex -> node ids
-    std::set<std::string> evicted;                               // ctx hex
+    std::map<std::string, NodeInfo> nodes;                 // by node id
+    std::map<std::string, Record> contexts;                // by ctx hex
+    std::map<std::string, std::set<std::string>> holders;  // ctx hex -> node ids
+    std::set<std::string> evicted;                         // ctx hex
   };
   std::vector<NodeInfo> OwnersIn(const View& v, const std::string& hex) const;
 
@@ -155,11 +155,11 @@ class ClusterNode {
   NodeInfo self_;
 
   mutable std::mutex mu_;
-  View view_;                   // guarded by mu_
-  std::string rebalancer_;      // guarded by mu_
-  int64_t lease_ = 0;           // guarded by mu_
-  uint64_t owned_ = 0;          // guarded by mu_
-  uint64_t lag_ = 0;            // guarded by mu_
+  View view_;               // guarded by mu_
+  std::string rebalancer_;  // guarded by mu_
+  int64_t lease_ = 0;       // guarded by mu_
+  uint64_t owned_ = 0;      // guarded by mu_
+  uint64_t lag_ = 0;        // guarded by mu_
 
   std::atomic<uint64_t> replication_bytes_{0};
   std::atomic<uint64_t> replication_errors_{0};

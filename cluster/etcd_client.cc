@@ -77,8 +77,8 @@ StatusOr<ClusterUri> ParseClusterUri(const std::string& uri, const char* flag) {
   size_t start = 0;
   while (start <= hosts.size()) {
     auto comma = hosts.find(',', start);
-    std::string h = hosts.substr(start, comma == std::string::npos ? std::string::npos
-                                                                   : comma - start);
+    std::string h =
+        hosts.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     auto colon = h.rfind(':');
     if (h.empty() || colon == std::string::npos || colon == 0 || colon + 1 == h.size()) {
       return bad("endpoint '" + h + "' is not host:port");

@@ -6,9 +6,9 @@
 #include <chrono>
 #include <cstring>
 
+#include "proto/dtype_convert.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
-#include "proto/dtype_convert.h"
 
 namespace ctxcache::cluster {
 
@@ -68,8 +68,8 @@ Status ExportContext(storage::Store* store, const storage::ContextId& id, size_t
   }
 
   for (const auto& a : m.artifacts()) {
-    ASSIGN_OR_RETURN(std::string bytes, reader->ReadArtifact(a.layer(), a.kv_head(),
-                                                             static_cast<uint8_t>(a.kind())));
+    ASSIGN_OR_RETURN(std::string bytes,
+                     reader->ReadArtifact(a.layer(), a.kv_head(), static_cast<uint8_t>(a.kind())));
     size_t off = 0;
     do {
       chunk.Clear();
@@ -122,14 +122,13 @@ Status ExportContext(storage::Store* store, const storage::ContextId& id, size_t
           uint64_t skip = tok + sent > block_first ? tok + sent - block_first : 0;
           if (skip >= batch.n_tokens[i]) continue;
           uint64_t rows = batch.n_tokens[i] - skip;
-          k->append(reinterpret_cast<const char*>(batch.K(i)) + skip * row_bytes,
-                    rows * row_bytes);
-          v->append(reinterpret_cast<const char*>(batch.V(i)) + skip * row_bytes,
-                    rows * row_bytes);
+          k->append(reinterpret_cast<const char*>(batch.K(i)) + skip * row_bytes, rows * row_bytes);
+          v->append(reinterpret_cast<const char*>(batch.V(i)) + skip * row_bytes, rows * row_bytes);
           sent += rows;
         }
-        if (sent == 0) return InternalError("export " + id.ToHex() + ": no progress at token " +
-                                            std::to_string(tok));
+        if (sent == 0)
+          return InternalError("export " + id.ToHex() + ": no progress at token " +
+                               std::to_string(tok));
         kv->set_n_tokens(static_cast<uint32_t>(sent));
         RETURN_IF_ERROR(emit(chunk));
         tok += sent;
@@ -170,11 +169,11 @@ class Importer {
         if (a.offset() != artifact_.size()) return DataLossError("export stream: artifact gap");
         artifact_.append(a.data());
         bytes_ += a.data().size();
-        if (artifact_.size() > a.total_bytes()) return DataLossError("export stream: artifact size");
+        if (artifact_.size() > a.total_bytes())
+          return DataLossError("export stream: artifact size");
         if (artifact_.size() == a.total_bytes()) {
-          RETURN_IF_ERROR(writer_->PutArtifact(a.layer(), a.kv_head(),
-                                               static_cast<uint8_t>(a.kind()), a.name(),
-                                               artifact_));
+          RETURN_IF_ERROR(writer_->PutArtifact(
+              a.layer(), a.kv_head(), static_cast<uint8_t>(a.kind()), a.name(), artifact_));
           artifact_.clear();
         }
         return false;
@@ -193,9 +192,8 @@ class Importer {
                                std::to_string(kv.n_tokens()) + " tokens");
         }
         ASSIGN_OR_RETURN(DType dtype, FromProtoDType(kv.dtype()));
-        RETURN_IF_ERROR(writer_->AppendKV(kv.layer(), kv.kv_head(), kv.token_start(),
-                                          kv.n_tokens(), dtype, kv.k().data(),
-                                          kv.v().data()));
+        RETURN_IF_ERROR(writer_->AppendKV(kv.layer(), kv.kv_head(), kv.token_start(), kv.n_tokens(),
+                                          dtype, kv.k().data(), kv.v().data()));
         return false;
       }
       case v1::ReplicaChunk::kDone: {

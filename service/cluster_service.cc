@@ -51,13 +51,13 @@ grpc::Status ClusterServiceImpl::ExportContext(grpc::ServerContext* context,
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
     rpc.set_context_id(id->ToHex());
-    Status s = cluster::ExportContext(
-        ctx_->store.get(), *id, kReplicaChunkBytes, [&](const v1::ReplicaChunk& c) -> Status {
-          if (context->IsCancelled() || !writer->Write(c)) {
-            return CancelledError("the receiving node went away");
-          }
-          return Status::OK();
-        });
+    Status s = cluster::ExportContext(ctx_->store.get(), *id, kReplicaChunkBytes,
+                                      [&](const v1::ReplicaChunk& c) -> Status {
+                                        if (context->IsCancelled() || !writer->Write(c)) {
+                                          return CancelledError("the receiving node went away");
+                                        }
+                                        return Status::OK();
+                                      });
     if (!s.ok()) ctx_->cluster->CountReplicationError();
     return rpc.Finish(ToGrpc(s));
   });
@@ -74,8 +74,9 @@ grpc::Status ClusterServiceImpl::ReplicateContext(grpc::ServerContext* context,
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
     rpc.set_context_id(id->ToHex());
     if (request->source_addr().empty()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "source_addr: empty (host:port of a node holding the context)"));
+      return rpc.Finish(
+          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                       "source_addr: empty (host:port of a node holding the context)"));
     }
     auto r = ctx_->cluster->PullFrom(*id, request->source_addr());
     if (!r.ok()) return rpc.Finish(ToGrpc(r.status()));

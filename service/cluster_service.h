@@ -59,10 +59,9 @@ void PrepareForward(ServiceContext* ctx, const grpc::ServerContext* in, grpc::Cl
 
 // Proxies a whole Decode stream whose first request (already read) is
 // `first` to `target`.
-grpc::Status ForwardDecode(
-    ServiceContext* ctx, grpc::ServerContext* in, const std::string& target,
-    const v1::DecodeRequest& first,
-    grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream);
+grpc::Status ForwardDecode(ServiceContext* ctx, grpc::ServerContext* in, const std::string& target,
+                           const v1::DecodeRequest& first,
+                           grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream);
 
 // Proxies a unary call: call(channel, client_context) returns its status.
 template <typename CallFn>

@@ -9,8 +9,8 @@
 #include "common/crc32c.h"
 #include "index/methods.h"
 #include "service/access.h"
-#include "service/decode_session.h"
 #include "service/cluster_service.h"
+#include "service/decode_session.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
 #include "service/wire.h"
@@ -342,10 +342,10 @@ grpc::Status DecodeServiceImpl::Decode(
           return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream));
         }
       }
-      if (!refuse.ok()) {
-        stream->Write(ErrorResponse(req.request_id(), Status(static_cast<StatusCode>(
-                                                                 refuse.error_code()),
-                                                             refuse.error_message())));
+      if (!refuse.ok()) {  // answered; the stream may still open another session
+        const Status s(static_cast<StatusCode>(refuse.error_code()), refuse.error_message());
+        stream->Write(ErrorResponse(req.request_id(), s));
+        have_first = stream->Read(&req);
       }
     }
     for (bool more = have_first; more; more = stream->Read(&req)) {

@@ -66,8 +66,8 @@ int ClusterCommand::Run(const GlobalOptions& global, std::ostream& out, std::ost
     client::internal::AddCallCredentials(o, &ctx);
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(static_cast<int64_t>(global.timeout_s * 1000)));
-    last = v1::ClusterService::NewStub(*channel)->GetClusterStatus(
-        &ctx, v1::ClusterStatusRequest(), &st);
+    last = v1::ClusterService::NewStub(*channel)->GetClusterStatus(&ctx, v1::ClusterStatusRequest(),
+                                                                   &st);
     if (last.ok()) {
       answered = server;
       break;
@@ -108,9 +108,9 @@ int ClusterCommand::Run(const GlobalOptions& global, std::ostream& out, std::ost
     out << j.dump() << "\n";
     return healthy ? 0 : 1;
   }
-  out << "cluster " << st.cluster() << ": " << st.nodes_size() << " live node(s), R="
-      << st.replicas() << ", rebalancer " << (st.rebalancer().empty() ? "-" : st.rebalancer())
-      << "\n";
+  out << "cluster " << st.cluster() << ": " << st.nodes_size()
+      << " live node(s), R=" << st.replicas() << ", rebalancer "
+      << (st.rebalancer().empty() ? "-" : st.rebalancer()) << "\n";
   char line[512];
   std::snprintf(line, sizeof(line), "%-16s %-22s %-8s %-10s %8s %8s %8s\n", "NODE", "ADDRESS",
                 "ZONE", "HEALTH", "STORED", "OWNED", "LAG");

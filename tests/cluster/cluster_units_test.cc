@@ -36,8 +36,7 @@ TEST(PlacementTest, ScoreMatchesThePythonRoutingClient) {
   // Values from python/ctxcache/cluster.py:rendezvous_score (hashlib): the
   // routing clients and the nodes must agree on owners.
   EXPECT_EQ(RendezvousScore("n0", "00112233445566778899aabbccddeeff"), 8757784162351915363ull);
-  EXPECT_EQ(RendezvousScore("node-b", "ffffffffffffffffffffffffffffffff"),
-            10354402899574390293ull);
+  EXPECT_EQ(RendezvousScore("node-b", "ffffffffffffffffffffffffffffffff"), 10354402899574390293ull);
   std::vector<NodeInfo> nodes = Nodes(5, 2);
   auto owners = OwnersOf("0123456789abcdef0123456789abcdef", nodes, 3);
   ASSERT_EQ(owners.size(), 3u);
@@ -135,8 +134,8 @@ TEST(ClusterFlagsTest, DefaultsAndValidation) {
   EXPECT_EQ(c->replicas, 2u);
   EXPECT_EQ(c->min_replicas, 0u);  // = replicas
   EXPECT_EQ(c->etcd_lease_ttl_s, 10u);
-  c = Parse({"--cluster", "etcd://h:1/c", "--replicas", "3", "--min-replicas", "2", "--zone",
-             "r1", "--node-id", "a", "--advertise-addr", "h:7"});
+  c = Parse({"--cluster", "etcd://h:1/c", "--replicas", "3", "--min-replicas", "2", "--zone", "r1",
+             "--node-id", "a", "--advertise-addr", "h:7"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->replicas, 3u);
   EXPECT_EQ(c->min_replicas, 2u);

@@ -311,9 +311,16 @@ void ClusterNode::RebalancePass() {
   }
   size_t started = 0;
   std::vector<std::pair<std::string, std::pair<std::string, std::string>>> jobs;
+  const int64_t now = NowMs();
   for (const auto& [hex, rec] : v.contexts) {
     if (v.evicted.count(hex)) continue;
     const auto& holders = v.holders[hex];
+    if (rec.expires_at_ms > 0 && rec.expires_at_ms <= now) {
+      // Expired: every holder's own TTL pass deletes its copy; once none is
+      // left the record goes too.
+      if (holders.empty()) etcd_->Delete(Key("contexts/" + hex)).IgnoreError();
+      continue;
+    }
     if (holders.empty()) continue;  // no live copy: nothing to copy from
     auto owners = OwnersIn(v, hex);
     // Prefer a holder that is an owner as the source.

@@ -171,10 +171,10 @@ void PrepareForward(ServiceContext* ctx, const grpc::ServerContext* in, grpc::Cl
       ->Inc();
 }
 
-grpc::Status ForwardDecode(
-    ServiceContext* ctx, grpc::ServerContext* in, const std::string& target,
-    const v1::DecodeRequest& first,
-    grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
+grpc::Status ForwardDecode(ServiceContext* ctx, grpc::ServerContext* in, const std::string& target,
+                           const v1::DecodeRequest& first,
+                           grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream,
+                           const std::function<void()>& on_message) {
   grpc::ClientContext out;
   PrepareForward(ctx, in, &out, "Decode");
   auto stub = v1::DecodeService::NewStub(ctx->cluster->peers()->Get(target));
@@ -187,6 +187,7 @@ grpc::Status ForwardDecode(
   std::thread back([&] {
     v1::DecodeResponse resp;
     while (upstream->Read(&resp)) {
+      on_message();
       if (!stream->Write(resp)) {
         out.TryCancel();
         break;
@@ -196,6 +197,7 @@ grpc::Status ForwardDecode(
   });
   v1::DecodeRequest req;
   while (stream->Read(&req)) {
+    on_message();
     if (!upstream->Write(req)) break;
   }
   client_done = true;

@@ -16,6 +16,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -58,10 +59,11 @@ void PrepareForward(ServiceContext* ctx, const grpc::ServerContext* in, grpc::Cl
                     const char* method);
 
 // Proxies a whole Decode stream whose first request (already read) is
-// `first` to `target`.
+// `first` to `target`; on_message runs for every message relayed either way.
 grpc::Status ForwardDecode(ServiceContext* ctx, grpc::ServerContext* in, const std::string& target,
                            const v1::DecodeRequest& first,
-                           grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream);
+                           grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream,
+                           const std::function<void()>& on_message);
 
 // Proxies a unary call: call(channel, client_context) returns its status.
 template <typename CallFn>

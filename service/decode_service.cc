@@ -339,7 +339,9 @@ grpc::Status DecodeServiceImpl::Decode(
       grpc::Status refuse;
       if (id.ok()) {
         if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-          return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream));
+          key->opened = true;  // the idle and open timeouts see the proxied traffic
+          return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream,
+                                          [key] { key->last_activity_ms = NowMs(); }));
         }
       }
       if (!refuse.ok()) {  // answered; the stream may still open another session

@@ -158,6 +158,21 @@ def _decode(session, steps: int, seed: int, on_step=None) -> List[List[List[int]
     return out
 
 
+def test_decode_session_through_a_node_without_the_context(cluster: Cluster) -> None:
+    rc = ctxcache.Client(cluster.uri)
+    ctx = rc.build(tokens=[(i * 17) % 450 + 2 for i in range(200)]).context.context_id
+    owners = settle(cluster, ctx)
+    holder = next(n for n in cluster.nodes if n.name in owners)
+    other = next(n for n in cluster.nodes if n.name not in owners)
+    with ctxcache.Client(holder.address).open_session(ctx, "csa", {"rho": 0.1}) as s:
+        direct = _decode(s, 6, seed=3)
+    before = other.metrics().get('ctxcache_forwarded_requests_total{method="Decode"}', 0)
+    with ctxcache.Client(other.address).open_session(ctx, "csa", {"rho": 0.1}) as s:
+        proxied = _decode(s, 6, seed=3)
+    assert proxied == direct
+    assert other.metrics()['ctxcache_forwarded_requests_total{method="Decode"}'] == before + 1
+
+
 def test_sigkill_owner_mid_session_continues_on_replica_then_rereplicates(
         cluster: Cluster) -> None:
     rc = ctxcache.Client(cluster.uri)

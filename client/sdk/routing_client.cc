@@ -182,8 +182,8 @@ class RoutingClient final : public Client {
   StatusOr<v1::BuildProgress> Extend(
       const v1::ExtendContextRequest& request,
       const std::function<void(const v1::BuildProgress&)>& on_progress) override {
-    return OnContext<v1::BuildProgress>(
-        request.parent_id(), [&](Client* c) { return c->Extend(request, on_progress); });
+    return OnContext<v1::BuildProgress>(request.parent_id(),
+                                        [&](Client* c) { return c->Extend(request, on_progress); });
   }
   StatusOr<v1::ContextInfo> GetContext(const std::string& id) override {
     return OnContext<v1::ContextInfo>(id, [&](Client* c) { return c->GetContext(id); });
@@ -238,9 +238,9 @@ class RoutingClient final : public Client {
   cluster::ClusterUri uri_;
   std::unique_ptr<cluster::EtcdClient> etcd_;
   std::mutex mu_;
-  std::vector<NodeInfo> nodes_;                               // guarded by mu_
-  std::chrono::steady_clock::time_point nodes_at_;            // guarded by mu_
-  std::map<std::string, std::unique_ptr<Client>> clients_;   // guarded by mu_
+  std::vector<NodeInfo> nodes_;                             // guarded by mu_
+  std::chrono::steady_clock::time_point nodes_at_;          // guarded by mu_
+  std::map<std::string, std::unique_ptr<Client>> clients_;  // guarded by mu_
   std::atomic<size_t> next_{0};
 
   friend class FailoverSession;

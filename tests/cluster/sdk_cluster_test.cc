@@ -32,8 +32,8 @@ std::map<std::string, int> Pids() {
   size_t start = 0;
   while (start < s.size()) {
     size_t comma = s.find(',', start);
-    std::string item = s.substr(start, comma == std::string::npos ? std::string::npos
-                                                                  : comma - start);
+    std::string item =
+        s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
     auto eq = item.find('=');
     if (eq != std::string::npos) out[item.substr(0, eq)] = std::stoi(item.substr(eq + 1));
     if (comma == std::string::npos) break;

@@ -86,8 +86,11 @@ class Etcd:
 
 class Node:
     def __init__(self, name: str, workdir: str, cluster_uri: str, bin_dir: str, model_dir: str,
-                 extra: Optional[List[str]] = None) -> None:
+                 extra: Optional[List[str]] = None,
+                 client_kwargs: Optional[dict] = None) -> None:
         self.name = name
+        # Client options for the readiness check (e.g. tls_ca for TLS nodes).
+        self.client_kwargs = dict(client_kwargs or {})
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         self.port = free_port()
@@ -118,7 +121,7 @@ class Node:
                 return False
         wait_for(listening, timeout, f"ctxcached {self.name} listening", interval=0.05)
         import ctxcache
-        with ctxcache.Client(self.address, timeout=5.0) as c:
+        with ctxcache.Client(self.address, timeout=5.0, **self.client_kwargs) as c:
             wait_for(lambda: c.health() == "SERVING", timeout, f"{self.name} SERVING")
         return self
 
@@ -166,7 +169,9 @@ class Cluster:
     """etcd + n nodes named n0..n{n-1}; close() stops everything."""
 
     def __init__(self, n: int, bin_dir: str, model_dir: str, name: str = "test",
-                 extra: Optional[List[str]] = None) -> None:
+                 extra: Optional[List[str]] = None,
+                 client_kwargs: Optional[dict] = None) -> None:
+        self.client_kwargs = dict(client_kwargs or {})
         self.tmp = tempfile.mkdtemp(prefix="ctxcache-cluster-")
         self.bin_dir = bin_dir
         self.model_dir = model_dir
@@ -181,7 +186,7 @@ class Cluster:
     def add_node(self, extra: Optional[List[str]] = None) -> Node:
         i = len(self.nodes)
         node = Node(f"n{i}", os.path.join(self.tmp, f"n{i}"), self.uri, self.bin_dir,
-                    self.model_dir, [*self.extra, *(extra or [])])
+                    self.model_dir, [*self.extra, *(extra or [])], self.client_kwargs)
         self.nodes.append(node)
         return node.start()
 

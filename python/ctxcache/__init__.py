@@ -61,7 +61,8 @@ from ctxcache.types import HeadResult, Page, StepResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "ClusterClient", "FailoverSession", "Session", "Watcher", "Page", "HeadResult", "StepResult", "crc32c",
+    "Client", "ClusterClient", "FailoverSession", "Session", "Watcher", "Page", "HeadResult",
+    "StepResult", "crc32c",
     "decode_page", "pb", "storage_pb", "error_for_code",
     "Error", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted",

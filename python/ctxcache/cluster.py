@@ -276,7 +276,8 @@ class ClusterClient:
         return self._ctx(context_id, lambda c: c.fetch_pages(context_id, *args, **kwargs))
 
     def open_session(self, context_id: str, method: str = "csa",
-                     params: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> "FailoverSession":
+                     params: Optional[Mapping[str, Any]] = None,
+                     **kwargs: Any) -> "FailoverSession":
         return FailoverSession(self, context_id, method, dict(params or {}), kwargs)
 
 

@@ -97,7 +97,8 @@ class Node:
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
         self.log_path = os.path.join(workdir, "ctxcached.log")
-        self.args = [os.path.join(bin_dir, "ctxcached"), "--data-dir", os.path.join(workdir, "data"),
+        self.args = [os.path.join(bin_dir, "ctxcached"),
+                     "--data-dir", os.path.join(workdir, "data"),
                      "--listen", self.address, "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
                      "--model-dir", model_dir, "--default-model", "llama3",
                      "--max-context-tokens", "65536", "--cluster", cluster_uri,

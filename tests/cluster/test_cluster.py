@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from typing import Dict, List, Tuple
 
 import numpy as np

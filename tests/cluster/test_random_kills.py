@@ -6,7 +6,6 @@ build reported READY is readable through every node, and each has R live
 copies again."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess

@@ -77,7 +77,6 @@ def test_tenancy_survives_replication_and_forwarding(secured) -> None:
 
 def test_cluster_service_needs_the_admin_role(secured) -> None:
     c, keys = secured
-    from ctxcache.v1 import storage_pb2  # noqa: F401  (descriptor pool)
     import grpc
     for key, code in ((keys["alice"], grpc.StatusCode.PERMISSION_DENIED),
                       ("", grpc.StatusCode.UNAUTHENTICATED)):

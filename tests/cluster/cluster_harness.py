@@ -39,8 +39,9 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
 
 
 class Etcd:
-    def __init__(self, workdir: str, binary: str = "/usr/bin/etcd") -> None:
-        self.binary = binary
+    def __init__(self, workdir: str, binary: str = "") -> None:
+        # $CTXCACHE_ETCD_BIN overrides Debian's /usr/bin/etcd.
+        self.binary = binary or os.environ.get("CTXCACHE_ETCD_BIN", "/usr/bin/etcd")
         self.workdir = workdir
         self.client_port = free_port()
         self.peer_port = free_port()

@@ -7,6 +7,7 @@
 #include "common/dtype.h"
 #include "index/methods.h"
 #include "service/build_pipeline.h"
+#include "service/cluster_service.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
 #include "service/wire.h"
@@ -190,6 +191,15 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
     auto pid = ParseContextId(request->parent_id());
     if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
     rpc.set_context_id(pid->ToHex());
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *pid, &refuse)) {
+      return rpc.Finish(ForwardServerStream(
+          ctx_, context, "ExtendContext", *target, *request, writer,
+          [](auto ch, grpc::ClientContext* cc, const v1::ExtendContextRequest& r) {
+            return v1::ContextAdmin::NewStub(ch)->ExtendContext(cc, r);
+          }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
     if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
       return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
     }
@@ -358,6 +368,11 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     }
     auto manifest = b.Commit();
     if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
+    if (ctx_->cluster) {
+      if (Status pub = ctx_->cluster->PublishReady(*manifest); !pub.ok()) {
+        return rpc.Finish(ToGrpc(pub));
+      }
+    }
     *response = ManifestToInfo(*manifest);
     rpc.set_context_id(response->context_id());
     ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
@@ -425,6 +440,12 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
   done.set_reused(outcome->reused);
   *done.mutable_context() = ManifestToInfo(outcome->manifest);
   if (!extend) rpc->set_context_id(done.context().context_id());
+  if (ctx_->cluster) {
+    // READY is reported once --min-replicas durable copies exist.
+    if (Status pub = ctx_->cluster->PublishReady(outcome->manifest); !pub.ok()) {
+      return ToGrpc(pub);
+    }
+  }
   if (!outcome->reused) {
     ctx_->metrics.GetCounter("ctxcache_builds_total", "Contexts built")->Inc();
     ctx_->metrics.GetCounter("ctxcache_written_bytes_total", "Bytes written by builds")
@@ -445,6 +466,15 @@ grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext* context,
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(ForwardUnary(ctx_, context, "GetContext", *target,
+                                     [&](auto ch, grpc::ClientContext* cc) {
+                                       return v1::ContextAdmin::NewStub(ch)->GetContext(
+                                           cc, *request, response);
+                                     }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
     auto m =
         AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
@@ -514,11 +544,26 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
     rpc.set_context_id(id->ToHex());
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(ForwardUnary(ctx_, context, "EvictContext", *target,
+                                     [&](auto ch, grpc::ClientContext* cc) {
+                                       return v1::ContextAdmin::NewStub(ch)->EvictContext(
+                                           cc, *request, response);
+                                     }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
     auto m =
         AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kBuild);
     if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
     auto deferred = ctx_->store->Delete(*id);
     if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
+    if (ctx_->cluster) {
+      // Every other holder deletes its copy when it sees the tombstone.
+      if (Status rec = ctx_->cluster->RecordEvicted(*id); !rec.ok()) {
+        return rpc.Finish(ToGrpc(rec.WithContext("evicted here; recording it in etcd")));
+      }
+    }
     response->set_deferred(*deferred);
     response->set_evicted(!*deferred);
     response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());
@@ -535,6 +580,13 @@ grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext* context,
   return Guarded(ctx_, "PinContext", [&]() -> grpc::Status {
     RpcScope rpc(ctx_, context, "PinContext", auth::Action::kBuild);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (auto fwd = MaybeForwardFlag(context, "PinContext", request->context_id(),
+                                    [&](auto ch, grpc::ClientContext* cc) {
+                                      return v1::ContextAdmin::NewStub(ch)->PinContext(
+                                          cc, *request, response);
+                                    })) {
+      return rpc.Finish(*fwd);
+    }
     return rpc.Finish(UpdateFlag(
         &rpc, request->context_id(), auth::Action::kBuild,
         [&](const storage::ContextId& id) { return ctx_->store->SetPinned(id, request->pinned()); },
@@ -548,6 +600,13 @@ grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
   return Guarded(ctx_, "ShareContext", [&]() -> grpc::Status {
     RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kAdmin);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (auto fwd = MaybeForwardFlag(context, "ShareContext", request->context_id(),
+                                    [&](auto ch, grpc::ClientContext* cc) {
+                                      return v1::ContextAdmin::NewStub(ch)->ShareContext(
+                                          cc, *request, response);
+                                    })) {
+      return rpc.Finish(*fwd);
+    }
     return rpc.Finish(UpdateFlag(
         &rpc, request->context_id(), auth::Action::kAdmin,
         [&](const storage::ContextId& id) { return ctx_->store->SetShared(id, request->shared()); },
@@ -566,6 +625,12 @@ grpc::Status AdminServiceImpl::UpdateFlag(
   if (Status s = update(*id); !s.ok()) return ToGrpc(s);
   auto m = ctx_->store->GetManifest(*id);
   if (!m.ok()) return ToGrpc(m.status());
+  if (ctx_->cluster) {
+    // Every holder applies the change from etcd.
+    if (Status rec = ctx_->cluster->RecordLifecycle(*m); !rec.ok()) {
+      return ToGrpc(rec.WithContext("changed here; recording it in etcd"));
+    }
+  }
   *response = ManifestToInfo(*m);
   return grpc::Status::OK;
 }

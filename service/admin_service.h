@@ -6,9 +6,11 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 
 #include "auth/principal.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
+#include "service/cluster_service.h"
 #include "service/service_context.h"
 #include "storage/keys.h"
 
@@ -52,6 +54,21 @@ class AdminServiceImpl final : public v1::ContextAdmin::Service {
   grpc::Status UpdateFlag(RpcScope* rpc, const std::string& context_id, auth::Action action,
                           const std::function<Status(const storage::ContextId&)>& update,
                           v1::ContextInfo* response);
+
+  // Pin and Share of a context stored elsewhere in the cluster: the
+  // forwarded call's status (or the refusal); nullopt to handle it here.
+  template <typename CallFn>
+  std::optional<grpc::Status> MaybeForwardFlag(grpc::ServerContext* context, const char* method,
+                                               const std::string& context_id, CallFn call) {
+    auto id = storage::ContextId::FromHex(context_id);
+    if (!id.ok()) return std::nullopt;  // UpdateFlag reports it
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return ForwardUnary(ctx_, context, method, *target, call);
+    }
+    if (!refuse.ok()) return refuse;
+    return std::nullopt;
+  }
 
   ServiceContext* ctx_;
 };

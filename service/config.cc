@@ -41,6 +41,14 @@ std::string ServerConfig::ToToml() const {
      << "audit-log = " << q(audit_log) << "\n"
      << "metrics-token-file = " << q(metrics_token_file) << "\n"
      << "max-streams-per-connection = " << max_streams_per_connection << "\n"
+     << "cluster = " << q(cluster) << "\n"
+     << "node-id = " << q(node_id) << "\n"
+     << "advertise-addr = " << q(advertise_addr) << "\n"
+     << "zone = " << q(zone) << "\n"
+     << "replicas = " << replicas << "\n"
+     << "min-replicas = " << min_replicas << "\n"
+     << "etcd-lease-ttl-s = " << etcd_lease_ttl_s << "\n"
+     << "cluster-key-file = " << q(cluster_key_file) << "\n"
      << "log-level = " << q(log_level) << "\n";
   return os.str();
 }
@@ -119,6 +127,24 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
                  "Concurrent calls per client connection")
       ->check(CLI::Range(1u, 100000u))
       ->capture_default_str();
+  app.add_option("--cluster", c.cluster,
+                 "Join the etcd cluster etcd://host:port[,host:port...]/<name> (docs/cluster.md)");
+  app.add_option("--node-id", c.node_id, "Node id in the cluster (default <hostname>-<port>)");
+  app.add_option("--advertise-addr", c.advertise_addr,
+                 "HOST:PORT peers and clients dial (default the listen address)");
+  app.add_option("--zone", c.zone, "Failure domain (owners spread across zones)");
+  app.add_option("--replicas", c.replicas, "Copies per context (R)")
+      ->check(CLI::Range(1u, 16u))
+      ->capture_default_str();
+  app.add_option("--min-replicas", c.min_replicas,
+                 "Durable copies before READY is returned (0 = --replicas)")
+      ->check(CLI::Range(0u, 16u))
+      ->capture_default_str();
+  app.add_option("--etcd-lease-ttl-s", c.etcd_lease_ttl_s, "etcd lease TTL (s)")
+      ->check(CLI::Range(2u, 300u))
+      ->capture_default_str();
+  app.add_option("--cluster-key-file", c.cluster_key_file,
+                 "API key (admin role) this node presents to its peers");
   app.add_option("--log-level", c.log_level, "trace|debug|info|warn|error|off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -140,6 +166,19 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   }
   if (!c.tls_client_ca.empty() && c.tls_cert.empty()) {
     return InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS)");
+  }
+  if (c.min_replicas > c.replicas) {
+    return InvalidArgumentError("--min-replicas must be <= --replicas");
+  }
+  if (c.cluster.empty() && (!c.node_id.empty() || !c.advertise_addr.empty() ||
+                            !c.cluster_key_file.empty())) {
+    return InvalidArgumentError(
+        "--node-id, --advertise-addr and --cluster-key-file need --cluster");
+  }
+  if (!c.cluster.empty() && !c.keys_file.empty() && c.cluster_key_file.empty()) {
+    return InvalidArgumentError(
+        "--cluster with --keys-file needs --cluster-key-file (an admin key the nodes present to "
+        "each other)");
   }
   if (c.low_watermark > c.high_watermark) {
     return InvalidArgumentError("--low-watermark must be <= --high-watermark");

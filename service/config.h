@@ -109,6 +109,29 @@ struct ServerConfig {
   // MAX_CONCURRENT_STREAMS). Default: 128.
   uint32_t max_streams_per_connection = 128;
 
+  // --- Cluster (docs/cluster.md) ---
+  // etcd://host:port[,host:port...]/<cluster-name>; "" = a single node, no
+  // cluster code runs. Default: "".
+  std::string cluster;
+  // This node's id in the cluster. Default: "" = <hostname>-<listen port>.
+  std::string node_id;
+  // host:port other nodes and clients dial. Default: "" = the listen
+  // address (with the bound port when --listen has port 0).
+  std::string advertise_addr;
+  // Failure domain; a context's owners spread across zones first. Default: "".
+  std::string zone;
+  // Owners (copies) per context, R. Default: 2.
+  uint32_t replicas = 2;
+  // A build/ingest/extend reports READY once this many durable copies
+  // exist. Default: 0 = replicas.
+  uint32_t min_replicas = 0;
+  // etcd lease TTL: a node silent this long leaves the cluster, seconds.
+  // Default: 10.
+  uint32_t etcd_lease_ttl_s = 10;
+  // File holding the API key (admin role, `ctxcache keys create`) this node
+  // presents to its peers. Required when --keys-file is set. Default: "".
+  std::string cluster_key_file;
+
   // --- Testing ---
   // Flips one bit of every page payload sent (after its crc32c is computed),
   // so tests can prove clients detect corruption. Never set in production.

@@ -9,6 +9,7 @@
 #include "common/crc32c.h"
 #include "index/methods.h"
 #include "service/access.h"
+#include "service/cluster_service.h"
 #include "service/decode_session.h"
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
@@ -334,7 +335,25 @@ grpc::Status DecodeServiceImpl::Decode(
     DecodeStreamHandler handler(ctx_, std::to_string(reinterpret_cast<uintptr_t>(key)),
                                 rpc.principal());
     v1::DecodeRequest req;
-    while (stream->Read(&req)) {
+    bool have_first = stream->Read(&req);
+    if (have_first && req.has_open()) {
+      // A session on a context stored elsewhere in the cluster: proxy it.
+      auto id = storage::ContextId::FromHex(req.open().context_id());
+      grpc::Status refuse;
+      if (id.ok()) {
+        if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+          key->opened = true;  // the idle and open timeouts see the proxied traffic
+          return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream,
+                                          [key] { key->last_activity_ms = NowMs(); }));
+        }
+      }
+      if (!refuse.ok()) {  // answered; the stream may still open another session
+        const Status s(static_cast<StatusCode>(refuse.error_code()), refuse.error_message());
+        stream->Write(ErrorResponse(req.request_id(), s));
+        have_first = stream->Read(&req);
+      }
+    }
+    for (bool more = have_first; more; more = stream->Read(&req)) {
       key->last_activity_ms = NowMs();
       if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
         stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
@@ -361,6 +380,15 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
     if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(ForwardServerStream(
+          ctx_, context, "FetchIndex", *target, *request, writer,
+          [](auto ch, grpc::ClientContext* cc, const v1::FetchIndexRequest& r) {
+            return v1::DecodeService::NewStub(ch)->FetchIndex(cc, r);
+          }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
@@ -442,6 +470,15 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
     if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(ForwardServerStream(
+          ctx_, context, "FetchPages", *target, *request, writer,
+          [](auto ch, grpc::ClientContext* cc, const v1::FetchPagesRequest& r) {
+            return v1::DecodeService::NewStub(ch)->FetchPages(cc, r);
+          }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));

@@ -7,6 +7,7 @@
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 #include <signal.h>
+#include <unistd.h>
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/spdlog.h>
 
@@ -20,6 +21,7 @@
 #include "common/logging.h"
 #include "service/access.h"
 #include "service/admin_service.h"
+#include "service/cluster_service.h"
 #include "service/decode_service.h"
 #include "service/metrics.h"
 #include "service/service_context.h"
@@ -148,6 +150,11 @@ class ServerImpl {
 
     admin_ = std::make_unique<AdminServiceImpl>(&ctx_);
     decode_ = std::make_unique<DecodeServiceImpl>(&ctx_);
+    cluster_ = std::make_unique<ClusterServiceImpl>(&ctx_);
+    if (!c.cluster.empty()) {
+      if (Status s = StartCluster(); !s.ok()) return s;
+      RegisterClusterMetrics();
+    }
 
     grpc::EnableDefaultHealthCheckService(true);
     if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -165,6 +172,7 @@ class ServerImpl {
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
     builder.RegisterService(admin_.get());
     builder.RegisterService(decode_.get());
+    builder.RegisterService(cluster_.get());
     server_ = builder.BuildAndStart();
     if (!server_ || bound_port == 0) {
       return UnavailableError("cannot listen on --listen " + c.listen +
@@ -175,6 +183,7 @@ class ServerImpl {
     health->SetServingStatus(true);
     health->SetServingStatus("ctxcache.v1.ContextAdmin", true);
     health->SetServingStatus("ctxcache.v1.DecodeService", true);
+    health->SetServingStatus("ctxcache.v1.ClusterService", true);
 
     if (!c.metrics_listen.empty()) {
       metrics_http_ = std::make_unique<MetricsHttpServer>(&ctx_.metrics);
@@ -239,8 +248,11 @@ class ServerImpl {
       server_.reset();
     }
     if (metrics_http_) metrics_http_->Stop();
+    if (ctx_.cluster) ctx_.cluster->Stop();  // leaves the cluster (revokes its lease)
     admin_.reset();
     decode_.reset();
+    cluster_.reset();
+    ctx_.cluster.reset();
     ctx_.store.reset();  // closes RocksDB
     spdlog::info("store closed");
   }
@@ -249,6 +261,79 @@ class ServerImpl {
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
 
  private:
+  // Joins the --cluster (before serving: handlers read ctx_.cluster).
+  Status StartCluster() {
+    const ServerConfig& c = ctx_.config;
+    ASSIGN_OR_RETURN(auto uri, cluster::ParseClusterUri(c.cluster));
+    cluster::ClusterOptions o;
+    o.uri = uri;
+    std::string listen_port = c.listen.substr(c.listen.rfind(':') + 1);
+    o.advertise_addr = c.advertise_addr.empty() ? c.listen : c.advertise_addr;
+    if (c.advertise_addr.empty() && listen_port == "0") {
+      return InvalidArgumentError(
+          "--cluster needs a fixed --listen port or an --advertise-addr (peers and clients dial "
+          "the advertised address)");
+    }
+    if (c.node_id.empty()) {
+      char host[256] = {0};
+      gethostname(host, sizeof(host) - 1);
+      o.node_id = std::string(host).append("-").append(
+          o.advertise_addr.substr(o.advertise_addr.rfind(':') + 1));
+    } else {
+      o.node_id = c.node_id;
+    }
+    o.zone = c.zone;
+    o.capacity_bytes = c.capacity_bytes;
+    o.replicas = c.replicas;
+    o.min_replicas = c.min_replicas == 0 ? c.replicas : c.min_replicas;
+    o.lease_ttl_s = c.etcd_lease_ttl_s;
+    o.peer.max_message_bytes = c.max_message_bytes;
+    Status err;
+    if (!c.cluster_key_file.empty()) {
+      o.peer.cluster_key = ReadSmallFile(c.cluster_key_file, &err, "--cluster-key-file");
+      if (!err.ok()) return err;
+      while (!o.peer.cluster_key.empty() &&
+             std::isspace(static_cast<unsigned char>(o.peer.cluster_key.back()))) {
+        o.peer.cluster_key.pop_back();
+      }
+      if (o.peer.cluster_key.empty()) return InvalidArgumentError("--cluster-key-file: empty");
+    }
+    if (!c.tls_cert.empty()) {
+      // Peers are verified against --tls-client-ca when set (the CA of the
+      // node certificates), else against this node's own certificate.
+      o.peer.tls_root_ca = ReadSmallFile(c.tls_client_ca.empty() ? c.tls_cert : c.tls_client_ca,
+                                         &err, "--tls-client-ca");
+      if (!err.ok()) return err;
+      o.peer.tls_cert = ReadSmallFile(c.tls_cert, &err, "--tls-cert");
+      if (!err.ok()) return err;
+      o.peer.tls_key = ReadSmallFile(c.tls_key, &err, "--tls-key");
+      if (!err.ok()) return err;
+    }
+    auto node = cluster::ClusterNode::Start(std::move(o), ctx_.store.get());
+    if (!node.ok()) return node.status().WithContext("--cluster " + c.cluster);
+    ctx_.cluster = std::move(node).value();
+    return Status::OK();
+  }
+
+  void RegisterClusterMetrics() {
+    auto& m = ctx_.metrics;
+    cluster::ClusterNode* n = ctx_.cluster.get();
+    m.AddCallbackGauge("ctxcache_cluster_nodes", "Live cluster nodes seen in etcd",
+                       [n] { return static_cast<double>(n->GetStats().live_nodes); });
+    m.AddCallbackGauge("ctxcache_cluster_owned_contexts",
+                       "Contexts this node owns (rendezvous placement over live nodes)",
+                       [n] { return static_cast<double>(n->GetStats().owned_contexts); });
+    m.AddCallbackGauge("ctxcache_replication_lag_contexts",
+                       "Contexts this node owns with fewer than --replicas live copies",
+                       [n] { return static_cast<double>(n->GetStats().lag_contexts); });
+    m.AddCallbackCounter("ctxcache_replication_bytes_total",
+                         "Context bytes copied into this node from peers",
+                         [n] { return static_cast<double>(n->GetStats().replication_bytes); });
+    m.AddCallbackCounter("ctxcache_replication_errors_total",
+                         "Failed context copies started or served by this node",
+                         [n] { return static_cast<double>(n->GetStats().replication_errors); });
+  }
+
   void RegisterProcessMetrics() {
     auto& m = ctx_.metrics;
     m.GetGauge("ctxcache_build_info", "Build information (value 1); version and revision in labels",
@@ -343,6 +428,7 @@ class ServerImpl {
   std::shared_ptr<grpc::experimental::CertificateProviderInterface> cert_provider_;
   std::unique_ptr<AdminServiceImpl> admin_;
   std::unique_ptr<DecodeServiceImpl> decode_;
+  std::unique_ptr<ClusterServiceImpl> cluster_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   int port_ = 0;

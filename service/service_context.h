@@ -8,6 +8,7 @@
 
 #include <spdlog/logger.h>
 
+#include "cluster/cluster_node.h"
 #include "service/access.h"
 #include "service/build_queue.h"
 #include "service/config.h"
@@ -27,6 +28,9 @@ struct ServiceContext {
 
   ServerConfig config;
   std::unique_ptr<storage::Store> store;
+  // Cluster membership and replication; null without --cluster. Set before
+  // the gRPC server starts, reset after it stopped and before the store.
+  std::unique_ptr<cluster::ClusterNode> cluster;
   // Authentication, authorization, tenancy (set by Start before serving).
   std::unique_ptr<AccessControl> access;
   std::unique_ptr<TenantQuotas> quotas;

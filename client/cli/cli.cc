@@ -6,6 +6,7 @@
 #include "client/cli/command.h"
 #include "client/cli/fsck_command.h"
 #include "client/cli/generate_command.h"
+#include "client/cli/cluster_command.h"
 #include "client/cli/health_command.h"
 #include "client/cli/keys_command.h"
 #include "client/cli/tokenize_command.h"
@@ -58,6 +59,8 @@ int RunCli(int argc, char** argv) {
       std::make_unique<WatchCommand>());
   add("generate", "Decode against a context with sparse attention (reference worker)",
       std::make_unique<GenerateCommand>());
+  add("cluster", "Cluster status: nodes, health, owned contexts, replication lag",
+      std::make_unique<ClusterCommand>());
   add("health", "Check the server's health (exit 0 if SERVING)", std::make_unique<HealthCommand>());
   add("keys", "Manage API keys in a keys file (create, list, revoke, map-cert); offline",
       std::make_unique<KeysCommand>());

@@ -11,6 +11,7 @@
 
 #include "client/sdk/channel.h"
 #include "client/sdk/retry.h"
+#include "client/sdk/routing_client.h"
 #include "client/sdk/sessions.h"
 #include "common/crc32c.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
@@ -236,6 +237,7 @@ class ClientImpl final : public Client {
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.server.empty()) return InvalidArgumentError("server address is empty");
   if (options.timeout_s <= 0) return InvalidArgumentError("timeout_s must be > 0");
+  if (options.server.rfind("etcd://", 0) == 0) return internal::ConnectCluster(options);
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, internal::MakeChannel(options));
   return std::unique_ptr<Client>(new ClientImpl(options, std::move(channel)));
 }

@@ -49,6 +49,7 @@ except ImportError as _e:  # pragma: no cover - a source checkout without stubs
     ) from _e
 
 from ctxcache.client import Client, Watcher, decode_page
+from ctxcache.cluster import ClusterClient, FailoverSession
 from ctxcache.crc32c import crc32c
 from ctxcache.errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                              Error, FailedPrecondition, Internal, InvalidArgument, NotFound,
@@ -60,7 +61,8 @@ from ctxcache.types import HeadResult, Page, StepResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Session", "Watcher", "Page", "HeadResult", "StepResult", "crc32c",
+    "Client", "ClusterClient", "FailoverSession", "Session", "Watcher", "Page", "HeadResult",
+    "StepResult", "crc32c",
     "decode_page", "pb", "storage_pb", "error_for_code",
     "Error", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted",

@@ -297,7 +297,18 @@ class Client:
             (default: ``$CTXCACHE_API_KEY`` if set).
 
     Usable as a context manager (closes the channel).
+
+    ``address`` may also be ``etcd://host:port[,host:port...]/<cluster>``: the
+    result is then a :class:`ctxcache.cluster.ClusterClient` (same methods)
+    that routes each call to a node holding its context and fails over.
     """
+
+    def __new__(cls, address: str = "127.0.0.1:7700", *args: Any, **kwargs: Any) -> Any:
+        # etcd://host:port/<cluster>: a routing client over the cluster.
+        if cls is Client and isinstance(address, str) and address.startswith("etcd://"):
+            from ctxcache.cluster import ClusterClient
+            return ClusterClient(address, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, address: str = "127.0.0.1:7700", timeout: float = 30.0,
                  max_attempts: int = 5, initial_backoff: float = 0.1,

@@ -29,8 +29,14 @@
 namespace ctxcache::client {
 
 struct ClientOptions {
-  // ctxcached address, HOST:PORT. Default: 127.0.0.1:7700.
+  // ctxcached address, HOST:PORT; or etcd://host:port[,host:port...]/<cluster>
+  // for a cluster (docs/cluster.md): calls are routed to a node holding
+  // their context and decode sessions fail over mid-session. Default:
+  // 127.0.0.1:7700.
   std::string server = "127.0.0.1:7700";
+  // With an etcd:// server: the cluster's --replicas, to compute owners.
+  // Default: 2.
+  uint32_t cluster_replicas = 2;
   // Deadline of each unary call and of each session message, seconds. Default: 30.
   double timeout_s = 30.0;
   // Attempts for calls failing with UNAVAILABLE (1 = no retry). Default: 5.

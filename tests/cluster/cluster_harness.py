@@ -1,0 +1,203 @@
+"""A real etcd and N real ctxcached processes on loopback (no mocks), for the
+cluster tests and the cluster bench.
+
+etcd comes from Debian's etcd-server package (/usr/bin/etcd), with a temp
+data dir and random free ports; each ctxcached gets its own data dir, a fixed
+free port (cluster nodes advertise their listen address) and --cluster
+etcd://127.0.0.1:<port>/<name>.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+class Etcd:
+    def __init__(self, workdir: str, binary: str = "") -> None:
+        # $CTXCACHE_ETCD_BIN overrides Debian's /usr/bin/etcd.
+        self.binary = binary or os.environ.get("CTXCACHE_ETCD_BIN", "/usr/bin/etcd")
+        self.workdir = workdir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = os.path.join(workdir, "etcd.log")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> "Etcd":
+        url_c = f"http://127.0.0.1:{self.client_port}"
+        url_p = f"http://127.0.0.1:{self.peer_port}"
+        args = [self.binary, "--name", "test", "--data-dir", os.path.join(self.workdir, "etcd"),
+                "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
+                "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
+                "--initial-cluster", f"test={url_p}", "--log-level", "warn"]
+        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                with urllib.request.urlopen(url_c + "/health", timeout=1) as r:
+                    return b"true" in r.read()
+            except OSError:
+                return False
+        wait_for(healthy, 30, "etcd health")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Node:
+    def __init__(self, name: str, workdir: str, cluster_uri: str, bin_dir: str, model_dir: str,
+                 extra: Optional[List[str]] = None,
+                 client_kwargs: Optional[dict] = None) -> None:
+        self.name = name
+        # Client options for the readiness check (e.g. tls_ca for TLS nodes).
+        self.client_kwargs = dict(client_kwargs or {})
+        self.workdir = workdir
+        os.makedirs(workdir, exist_ok=True)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()
+        self.log_path = os.path.join(workdir, "ctxcached.log")
+        self.args = [os.path.join(bin_dir, "ctxcached"),
+                     "--data-dir", os.path.join(workdir, "data"),
+                     "--listen", self.address, "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+                     "--model-dir", model_dir, "--default-model", "llama3",
+                     "--max-context-tokens", "65536", "--cluster", cluster_uri,
+                     "--node-id", name, *(extra or [])]
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self, timeout: float = 30.0) -> "Node":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        # Wait for the port first: a gRPC channel that failed to connect backs
+        # off for seconds before it tries again.
+        def listening() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ctxcached {self.name} exited ({self.proc.returncode}):\n"
+                                   + self.log_tail())
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return True
+            except OSError:
+                return False
+        wait_for(listening, timeout, f"ctxcached {self.name} listening", interval=0.05)
+        import ctxcache
+        with ctxcache.Client(self.address, timeout=5.0, **self.client_kwargs) as c:
+            wait_for(lambda: c.health() == "SERVING", timeout, f"{self.name} SERVING")
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def metrics(self) -> Dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=5) as r:
+            text = r.read().decode()
+        out: Dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            k, v = line.rsplit(" ", 1)
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+        return out
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Cluster:
+    """etcd + n nodes named n0..n{n-1}; close() stops everything."""
+
+    def __init__(self, n: int, bin_dir: str, model_dir: str, name: str = "test",
+                 extra: Optional[List[str]] = None,
+                 client_kwargs: Optional[dict] = None) -> None:
+        self.client_kwargs = dict(client_kwargs or {})
+        self.tmp = tempfile.mkdtemp(prefix="ctxcache-cluster-")
+        self.bin_dir = bin_dir
+        self.model_dir = model_dir
+        self.name = name
+        self.extra = extra or []
+        self.etcd = Etcd(self.tmp).start()
+        self.uri = f"etcd://{self.etcd.endpoint}/{name}"
+        self.nodes: List[Node] = []
+        for i in range(n):
+            self.add_node()
+
+    def add_node(self, extra: Optional[List[str]] = None) -> Node:
+        i = len(self.nodes)
+        node = Node(f"n{i}", os.path.join(self.tmp, f"n{i}"), self.uri, self.bin_dir,
+                    self.model_dir, [*self.extra, *(extra or [])], self.client_kwargs)
+        self.nodes.append(node)
+        return node.start()
+
+    def live(self) -> List[Node]:
+        return [n for n in self.nodes if n.alive()]
+
+    def close(self, keep: bool = False) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.etcd.stop()
+        if not keep:
+            shutil.rmtree(self.tmp, ignore_errors=True)

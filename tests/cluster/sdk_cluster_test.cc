@@ -1,0 +1,146 @@
+// The C++ SDK against a real cluster: Client::Connect("etcd://...") routes
+// calls to holders, and a decode session survives SIGKILL of the node serving
+// it with identical selections. Run by tests/cluster/test_sdk.py, which
+// starts etcd and the nodes and passes:
+//   CTXCACHE_CLUSTER_URI  etcd://127.0.0.1:<port>/<cluster>
+//   CTXCACHE_CLUSTER_PIDS node_id=pid,... (the test kills the serving node)
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cluster/etcd_client.h"
+#include "cluster/placement.h"
+#include "ctxcache/client.h"
+
+namespace ctxcache::client {
+namespace {
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+std::map<std::string, int> Pids() {
+  std::map<std::string, int> out;
+  std::string s = Env("CTXCACHE_CLUSTER_PIDS");
+  size_t start = 0;
+  while (start < s.size()) {
+    size_t comma = s.find(',', start);
+    std::string item =
+        s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    auto eq = item.find('=');
+    if (eq != std::string::npos) out[item.substr(0, eq)] = std::stoi(item.substr(eq + 1));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// Selected ids per (token, layer, q head) of `steps` tokens: deterministic
+// queries and appends from `seed` (2 layers, 4 q / 2 kv heads, d 32).
+StatusOr<std::vector<std::vector<int32_t>>> Decode(DecodeSession* s, int steps, uint32_t seed,
+                                                   const std::function<void(int)>& before) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n01;
+  std::vector<std::vector<int32_t>> out;
+  for (int t = 0; t < steps; ++t) {
+    if (before) before(t);
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      std::vector<float> q(4 * 32);
+      for (auto& x : q) x = n01(rng);
+      SelectedKV sel;
+      RETURN_IF_ERROR(s->Step(layer, q.data(), &sel));
+      for (const auto& h : sel.heads) {
+        for (const auto& ids : h.per_q_head) out.push_back(ids);
+      }
+    }
+    std::vector<float> k(2 * 2 * 32), v(2 * 2 * 32), q(2 * 4 * 32);
+    for (auto* a : {&k, &v, &q}) {
+      for (auto& x : *a) x = n01(rng);
+    }
+    RETURN_IF_ERROR(s->Append(k.data(), v.data(), q.data()));
+  }
+  return out;
+}
+
+TEST(SdkClusterTest, RoutesAndFailsOverMidSessionWithIdenticalSelections) {
+  const std::string uri = Env("CTXCACHE_CLUSTER_URI");
+  ASSERT_FALSE(uri.empty()) << "run by tests/cluster/test_sdk.py";
+  ClientOptions co;
+  co.server = uri;
+  co.timeout_s = 10;
+  auto client = Client::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+
+  v1::BuildContextRequest req;
+  for (uint32_t i = 0; i < 240; ++i) req.mutable_tokens()->add_ids((i * 29) % 450 + 5);
+  auto built = (*client)->Build(req, nullptr);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  const std::string id = built->context().context_id();
+  auto info = (*client)->GetContext(id);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->n_tokens(), 240u);
+
+  // The reference: an uninterrupted session.
+  SessionOptions so;
+  so.context_id = id;
+  so.method = "csa";
+  so.params = {{"rho", "0.1"}};
+  auto ref_session = (*client)->OpenSession(so);
+  ASSERT_TRUE(ref_session.ok()) << ref_session.status().ToString();
+  auto reference = Decode(ref_session->get(), 10, 11, nullptr);
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  ASSERT_TRUE((*ref_session)->Close().ok());
+
+  // The node a routed session opens on: the first owner holding the context.
+  auto parsed = cluster::ParseClusterUri(uri);
+  ASSERT_TRUE(parsed.ok());
+  cluster::EtcdClient::Options eo;
+  eo.endpoints = parsed->endpoints;
+  auto etcd = cluster::EtcdClient::Connect(eo);
+  ASSERT_TRUE(etcd.ok());
+  std::vector<cluster::NodeInfo> nodes;
+  auto kvs = (*etcd)->GetPrefix("/" + parsed->cluster + "/nodes/");
+  ASSERT_TRUE(kvs.ok());
+  for (const auto& kv : *kvs) {
+    cluster::NodeInfo n;
+    n.node_id = kv.key.substr(parsed->cluster.size() + 8);
+    nodes.push_back(n);
+  }
+  std::set<std::string> held;
+  const std::string hp = "/" + parsed->cluster + "/holders/" + id + "/";
+  auto hk = (*etcd)->GetPrefix(hp);
+  ASSERT_TRUE(hk.ok());
+  for (const auto& kv : *hk) held.insert(kv.key.substr(hp.size()));
+  std::string serving;
+  for (const auto& o : cluster::OwnersOf(id, nodes, 2)) {
+    if (held.count(o.node_id)) {
+      serving = o.node_id;
+      break;
+    }
+  }
+  ASSERT_FALSE(serving.empty());
+  auto pids = Pids();
+  ASSERT_TRUE(pids.count(serving)) << serving;
+
+  auto session = (*client)->OpenSession(so);
+  ASSERT_TRUE(session.ok()) << session.status().ToString();
+  auto got = Decode(session->get(), 10, 11, [&](int t) {
+    if (t == 4) {
+      ASSERT_EQ(kill(pids[serving], SIGKILL), 0);
+    }
+  });
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, *reference);
+  (*session)->Close().IgnoreError();
+  std::printf("killed %s mid-session; selections identical\n", serving.c_str());
+}
+
+}  // namespace
+}  // namespace ctxcache::client

@@ -232,11 +232,14 @@ class Session:
         empty = np.zeros(0, dtype=np.int64)
         heads = [HeadResult(kv_head=h, per_q_head=[empty] * g) for h in range(n_kv)]
         selections: List[np.ndarray] = [empty] * n_q
+        mass: List[Optional[float]] = [None] * n_q
         for s in step.selections:
             if s.q_head >= n_q:
                 raise errors.DataLoss(f"selection of q head {s.q_head} out of range", rpc="Decode")
             ids = np.array(s.token_ids, dtype=np.int64)
             selections[s.q_head] = ids
+            if s.HasField("estimated_mass"):
+                mass[s.q_head] = float(s.estimated_mass)
             heads[s.q_head // g].per_q_head[s.q_head % g] = ids
         tables = []
         blocks: List[set] = [set() for _ in range(n_kv)]
@@ -285,7 +288,8 @@ class Session:
             if self._as_torch:
                 head.k, head.v = _t.to_torch(head.k), _t.to_torch(head.v)
         return StepResult(layer=step.layer, heads=heads, selections=selections,
-                          page_tables=tables, stats=step.stats, bytes_received=received)
+                          page_tables=tables, stats=step.stats, bytes_received=received,
+                          estimated_mass=mass)
 
     def _convert_page(self, p: Page) -> Page:
         # Pages were decoded to float32 for the gather; re-express as asked.

@@ -7,7 +7,7 @@ Everything else the client returns is the API's protobuf message itself
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -78,6 +78,9 @@ class StepResult:
         stats: the server's ``SelectStats`` (entries/bytes touched, keys scored,
             select_us).
         bytes_received: K+V payload bytes of the pages received.
+        estimated_mass: per q head, the estimated share of its attention the
+            selection captured (session param ``estimate_mass=1``; None where
+            the server sent none: docs/api.md).
     """
 
     layer: int
@@ -86,6 +89,7 @@ class StepResult:
     page_tables: List[tuple]
     stats: Any
     bytes_received: int = 0
+    estimated_mass: List[Optional[float]] = field(default_factory=list)
 
     @property
     def n_pages(self) -> int:

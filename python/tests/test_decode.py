@@ -169,6 +169,22 @@ def test_every_built_method_steps(client: ctxcache.Client, built: ctxcache.pb.Co
             assert all(h.ids.size == 300 for h in r.heads)
 
 
+def test_estimated_mass_only_when_asked(client: ctxcache.Client,
+                                        built: ctxcache.pb.ContextInfo) -> None:
+    n_q = built.model.n_q_heads
+    with client.open_session(built.context_id, "csa", {"rho": 0.1}) as s:
+        r = s.step(0, queries(3))
+        assert r.estimated_mass == [None] * n_q  # not asked: nothing computed or sent
+    with client.open_session(built.context_id, "full", {"estimate_mass": 1}) as s:
+        assert s.step(0, queries(3)).estimated_mass == [pytest.approx(1.0)] * n_q
+    with client.open_session(built.context_id, "csa", {"rho": 0.1, "estimate_mass": 1}) as s:
+        got = s.step(0, queries(3)).estimated_mass
+        assert len(got) == n_q and all(m is not None and 0.0 < m <= 1.0 for m in got)
+    with client.open_session(built.context_id, "oracle", {"rho": 0.1, "estimate_mass": 1}) as s:
+        got = s.step(0, queries(3)).estimated_mass
+        assert all(m is not None and 0.0 < m <= 1.0 for m in got)
+
+
 def test_append_extends_the_sequence(client: ctxcache.Client,
                                      built: ctxcache.pb.ContextInfo) -> None:
     rng = np.random.default_rng(11)

@@ -106,6 +106,17 @@ struct EtcdClient::Impl {
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
   }
 
+  // One unary RPC through Call(): each attempt gets a fresh context with a
+  // deadline of `ms`. rpc(endpoint, context) makes the call.
+  template <typename Rpc>
+  grpc::Status Unary(int64_t ms, Rpc&& rpc) {
+    return Call([&](Endpoint& e) {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, ms);
+      return rpc(e, &ctx);
+    });
+  }
+
   // Runs `call` against the current endpoint, moving to the next one on
   // UNAVAILABLE (at most once per endpoint).
   grpc::Status Call(const std::function<grpc::Status(Endpoint&)>& call) {
@@ -146,11 +157,10 @@ StatusOr<int64_t> EtcdClient::GrantLease(int64_t ttl_s) {
   etcdserverpb::LeaseGrantRequest req;
   req.set_ttl(ttl_s);
   etcdserverpb::LeaseGrantResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.lease->LeaseGrant(&ctx, req, &resp);
-  });
+  grpc::Status s =
+      impl_->Unary(impl_->options.rpc_timeout_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+        return e.lease->LeaseGrant(ctx, req, &resp);
+      });
   if (!s.ok()) return FromGrpc(s, "LeaseGrant");
   if (!resp.error().empty()) return UnavailableError("etcd LeaseGrant: " + resp.error());
   return resp.id();
@@ -183,11 +193,10 @@ Status EtcdClient::RevokeLease(int64_t lease) {
   etcdserverpb::LeaseRevokeRequest req;
   req.set_id(lease);
   etcdserverpb::LeaseRevokeResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.lease->LeaseRevoke(&ctx, req, &resp);
-  });
+  grpc::Status s =
+      impl_->Unary(impl_->options.rpc_timeout_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+        return e.lease->LeaseRevoke(ctx, req, &resp);
+      });
   return s.ok() ? Status::OK() : FromGrpc(s, "LeaseRevoke");
 }
 
@@ -197,11 +206,9 @@ Status EtcdClient::Put(const std::string& key, const std::string& value, int64_t
   req.set_value(value);
   req.set_lease(lease);
   etcdserverpb::PutResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->Put(&ctx, req, &resp);
-  });
+  grpc::Status s = impl_->Unary(
+      impl_->options.rpc_timeout_ms,
+      [&](Impl::Endpoint& e, grpc::ClientContext* ctx) { return e.kv->Put(ctx, req, &resp); });
   return s.ok() ? Status::OK() : FromGrpc(s, "Put");
 }
 
@@ -218,11 +225,9 @@ StatusOr<bool> EtcdClient::PutIfAbsent(const std::string& key, const std::string
   put->set_value(value);
   put->set_lease(lease);
   etcdserverpb::TxnResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->Txn(&ctx, req, &resp);
-  });
+  grpc::Status s = impl_->Unary(
+      impl_->options.rpc_timeout_ms,
+      [&](Impl::Endpoint& e, grpc::ClientContext* ctx) { return e.kv->Txn(ctx, req, &resp); });
   if (!s.ok()) return FromGrpc(s, "Txn");
   return resp.succeeded();
 }
@@ -231,11 +236,9 @@ StatusOr<EtcdKeyValue> EtcdClient::Get(const std::string& key) {
   etcdserverpb::RangeRequest req;
   req.set_key(key);
   etcdserverpb::RangeResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->Range(&ctx, req, &resp);
-  });
+  grpc::Status s = impl_->Unary(
+      impl_->options.rpc_timeout_ms,
+      [&](Impl::Endpoint& e, grpc::ClientContext* ctx) { return e.kv->Range(ctx, req, &resp); });
   if (!s.ok()) return FromGrpc(s, "Range");
   if (resp.kvs_size() == 0) return NotFoundError("etcd: no key " + key);
   const auto& kv = resp.kvs(0);
@@ -247,11 +250,9 @@ StatusOr<std::vector<EtcdKeyValue>> EtcdClient::GetPrefix(const std::string& pre
   req.set_key(prefix);
   req.set_range_end(PrefixEnd(prefix));
   etcdserverpb::RangeResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->Range(&ctx, req, &resp);
-  });
+  grpc::Status s = impl_->Unary(
+      impl_->options.rpc_timeout_ms,
+      [&](Impl::Endpoint& e, grpc::ClientContext* ctx) { return e.kv->Range(ctx, req, &resp); });
   if (!s.ok()) return FromGrpc(s, "Range");
   std::vector<EtcdKeyValue> out;
   out.reserve(resp.kvs_size());
@@ -265,11 +266,10 @@ Status EtcdClient::Delete(const std::string& key) {
   etcdserverpb::DeleteRangeRequest req;
   req.set_key(key);
   etcdserverpb::DeleteRangeResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->DeleteRange(&ctx, req, &resp);
-  });
+  grpc::Status s =
+      impl_->Unary(impl_->options.rpc_timeout_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+        return e.kv->DeleteRange(ctx, req, &resp);
+      });
   return s.ok() ? Status::OK() : FromGrpc(s, "DeleteRange");
 }
 
@@ -278,11 +278,10 @@ Status EtcdClient::DeletePrefix(const std::string& prefix) {
   req.set_key(prefix);
   req.set_range_end(PrefixEnd(prefix));
   etcdserverpb::DeleteRangeResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.kv->DeleteRange(&ctx, req, &resp);
-  });
+  grpc::Status s =
+      impl_->Unary(impl_->options.rpc_timeout_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+        return e.kv->DeleteRange(ctx, req, &resp);
+      });
   return s.ok() ? Status::OK() : FromGrpc(s, "DeleteRange");
 }
 
@@ -293,10 +292,8 @@ StatusOr<std::string> EtcdClient::Campaign(const std::string& election, int64_t 
   req.set_lease(lease);
   req.set_value(value);
   v3electionpb::CampaignResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, wait_ms);
-    return e.election->Campaign(&ctx, req, &resp);
+  grpc::Status s = impl_->Unary(wait_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+    return e.election->Campaign(ctx, req, &resp);
   });
   if (!s.ok()) return FromGrpc(s, "Campaign");
   return resp.leader().key();
@@ -306,11 +303,10 @@ StatusOr<std::string> EtcdClient::Leader(const std::string& election) {
   v3electionpb::LeaderRequest req;
   req.set_name(election);
   v3electionpb::LeaderResponse resp;
-  grpc::Status s = impl_->Call([&](Impl::Endpoint& e) {
-    grpc::ClientContext ctx;
-    impl_->Deadline(&ctx, impl_->options.rpc_timeout_ms);
-    return e.election->Leader(&ctx, req, &resp);
-  });
+  grpc::Status s =
+      impl_->Unary(impl_->options.rpc_timeout_ms, [&](Impl::Endpoint& e, grpc::ClientContext* ctx) {
+        return e.election->Leader(ctx, req, &resp);
+      });
   if (!s.ok()) return FromGrpc(s, "Leader");
   if (!resp.has_kv()) return NotFoundError("etcd election " + election + ": no leader");
   return resp.kv().value();

@@ -36,7 +36,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ctxcache.torch.selection import CsaIndex, SessionParams, page_budget
+from ctxcache.torch.selection import CsaIndex, CsaSession, SessionParams, page_budget
 
 __all__ = ["LayerPlan", "TorchCsaSession"]
 
@@ -118,22 +118,13 @@ class TorchCsaSession:
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  device: Any = "cpu") -> None:
-        if not artifacts:
-            raise ValueError("TorchCsaSession: no artifacts")
-        self.params = params if isinstance(params, SessionParams) else SessionParams.parse(params)
-        indexes = {(int(l), int(h)): a if isinstance(a, CsaIndex) else CsaIndex(a)
-                   for (l, h), a in artifacts.items()}
-        self.n_layers = 1 + max(l for l, _ in indexes)
-        self.n_kv_heads = 1 + max(h for _, h in indexes)
-        missing = [(l, h) for l in range(self.n_layers) for h in range(self.n_kv_heads)
-                   if (l, h) not in indexes]
-        if missing:
-            raise ValueError(f"TorchCsaSession: no artifact for (layer, kv head) {missing[0]}")
-        if n_q_heads % self.n_kv_heads:
-            raise ValueError(f"TorchCsaSession: n_q_heads {n_q_heads} is not a multiple of "
-                             f"n_kv_heads {self.n_kv_heads}")
-        self.n_q_heads = n_q_heads
-        self.group_size = n_q_heads // self.n_kv_heads
+        # The exact session parses and checks the artifacts and params (one
+        # code path for both); this class keeps only its indexes' tables.
+        exact = CsaSession(artifacts, n_q_heads=n_q_heads, params=params)
+        self.params = exact.params
+        self.n_layers, self.n_kv_heads = exact.n_layers, exact.n_kv_heads
+        self.n_q_heads, self.group_size = exact.n_q_heads, exact.group_size
+        indexes = exact.indexes
         self.device = torch.device(device)
         self.layers = [_Layer([indexes[(l, h)] for h in range(self.n_kv_heads)], self.device)
                        for l in range(self.n_layers)]

@@ -321,17 +321,12 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
 def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     """Client-side csa selection (ctxcache.torch.selection, the server's
     pipeline) and the selected pages from the GPU page pool."""
-    pool = dec.pool
-    b = pool.block
+    b = dec.pool.block
     steps = dec.selector.step(layer, q.float().cpu().numpy(), as_torch=False)
-    before = pool.bytes_fetched
-    slots = pool.ensure(layer, {h: [int(x) for x in st.pages] for h, st in enumerate(steps)})
-    dec.bytes_received += pool.bytes_fetched - before
-    ks, vs, masks = [], [], []
-    for h, st in enumerate(steps):
+    ks, vs = _pool_kv(dec, layer, {h: [int(x) for x in st.pages] for h, st in enumerate(steps)})
+    masks = []
+    for st in steps:
         pages = np.asarray(st.pages, dtype=np.int64)
-        ks.append(pool.k[slots[h]].reshape(-1, pool.k.shape[-1]))
-        vs.append(pool.v[slots[h]].reshape(-1, pool.v.shape[-1]))
         mask = np.zeros((len(st.per_q_head), pages.size * b), dtype=bool)
         for j, ids in enumerate(st.per_q_head):
             ids = np.asarray(ids, dtype=np.int64)
@@ -344,7 +339,6 @@ def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     """Client-side csa selection as tensor ops on the device
     (ctxcache.torch.gpu_session) and the selected pages from the GPU page
     pool; one device-to-host copy per layer (the page ids, for the pool)."""
-    pool = dec.pool
     plan = dec.planner.step(layer, q)
     n_kv = plan.pages.shape[0]
     pages = [plan.page_ids(h) for h in range(n_kv)]
@@ -353,16 +347,23 @@ def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     for h in range(n_kv):
         by_head[h] = host[at:at + pages[h].numel()]
         at += pages[h].numel()
+    ks, vs = _pool_kv(dec, layer, by_head)
+    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, page]
+    masks = [tok[h][:, pages[h]].reshape(tok.shape[1], -1) for h in range(n_kv)]
+    return ks, vs, masks
+
+
+def _pool_kv(dec: _Decoder, layer: int, by_head: Dict[int, List[int]]) -> tuple:
+    """Per kv head (in key order), the K and V rows of its pages in the given
+    order, from the GPU page pool, which fetches the missing ones; adds the
+    fetched bytes to the decoder's count."""
+    pool = dec.pool
     before = pool.bytes_fetched
     slots = pool.ensure(layer, by_head)
     dec.bytes_received += pool.bytes_fetched - before
-    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, page]
-    ks, vs, masks = [], [], []
-    for h in range(n_kv):
-        ks.append(pool.k[slots[h]].reshape(-1, pool.k.shape[-1]))
-        vs.append(pool.v[slots[h]].reshape(-1, pool.v.shape[-1]))
-        masks.append(tok[h][:, pages[h]].reshape(tok.shape[1], -1))
-    return ks, vs, masks
+    d = pool.k.shape[-1]
+    return ([pool.k[slots[h]].reshape(-1, d) for h in sorted(by_head)],
+            [pool.v[slots[h]].reshape(-1, d) for h in sorted(by_head)])
 
 
 def _register() -> None:

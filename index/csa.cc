@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -657,18 +658,40 @@ uint64_t VarintSize(uint64_t v) {
 }
 
 // The index of the level nearest to v in the ascending book (the lower one
-// on a tie).
+// on a tie). Distances fall towards v's insertion point from both sides, so
+// the nearest level is one of its two neighbours; equal distances further
+// down (duplicate levels, or float rounding) are walked to the first.
 uint32_t NearestLevel(const float* book, int levels, float v) {
-  uint32_t best = 0;
-  float best_d = std::abs(v - book[0]);
-  for (int i = 1; i < levels; ++i) {
-    const float d = std::abs(v - book[i]);
-    if (d < best_d) {
-      best_d = d;
-      best = static_cast<uint32_t>(i);
-    }
+  int best = 0;  // lower_bound by counting (branch-free over <= 16 levels)
+  for (int i = 0; i < levels; ++i) best += book[i] < v ? 1 : 0;
+  if (best == levels) {
+    best = levels - 1;
+  } else if (best > 0 && !(std::abs(v - book[best]) < std::abs(v - book[best - 1]))) {
+    --best;
   }
-  return best;
+  while (best > 0 && std::abs(v - book[best - 1]) <= std::abs(v - book[best])) --best;
+  return static_cast<uint32_t>(best);
+}
+
+// The n fp16 values h ascending, as floats, by a two-pass LSD radix sort of
+// their order-preserving 16-bit images (negatives' bits inverted, positives'
+// sign bit set). `keys` and `tmp` hold n entries each.
+void SortHalves(const uint16_t* h, int64_t n, uint16_t* keys, uint16_t* tmp, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = (h[i] & 0x8000u) ? static_cast<uint16_t>(~h[i]) : static_cast<uint16_t>(h[i] | 0x8000u);
+  }
+  for (int shift = 0; shift < 16; shift += 8) {
+    int64_t count[257] = {};
+    for (int64_t i = 0; i < n; ++i) ++count[((keys[i] >> shift) & 0xFF) + 1];
+    for (int b = 0; b < 256; ++b) count[b + 1] += count[b];
+    for (int64_t i = 0; i < n; ++i) tmp[count[(keys[i] >> shift) & 0xFF]++] = keys[i];
+    std::swap(keys, tmp);
+  }
+  // Two passes: the sorted keys are back in the caller's `keys`.
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t k = keys[i];
+    out[i] = Half((k & 0x8000u) ? static_cast<uint16_t>(k & 0x7FFFu) : static_cast<uint16_t>(~k));
+  }
 }
 
 // A 1-D Lloyd-Max codebook of `levels` fp16 values (ascending) for the n
@@ -691,16 +714,25 @@ void ScoreCodebook(const float* sorted, int64_t n, int levels, uint16_t* book) {
   for (int it = 0; it < 8; ++it) {
     std::fill(sum.begin(), sum.end(), 0.0);
     std::fill(count.begin(), count.end(), 0);
+    // Levels ascend, scores ascend: the nearest level only moves up, so each
+    // level's scores are one run, summed in a register.
     int g = 0;
+    double run = 0;
+    int64_t run_n = 0;
     for (int64_t i = 0; i < n; ++i) {
-      // Levels ascend, scores ascend: the nearest level only moves up.
       while (g + 1 < levels &&
              std::abs(sorted[i] - level[g + 1]) < std::abs(sorted[i] - level[g])) {
+        sum[g] = run;
+        count[g] = run_n;
+        run = 0;
+        run_n = 0;
         ++g;
       }
-      sum[g] += sorted[i];
-      ++count[g];
+      run += sorted[i];
+      ++run_n;
     }
+    sum[g] = run;
+    count[g] = run_n;
     for (int k = 0; k < levels; ++k) {
       if (count[k] > 0) level[k] = sum[k] / static_cast<double>(count[k]);
     }
@@ -780,7 +812,13 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   w.PutArray(tail_mean_.data(), tail_mean_.size());
   w.Put<uint8_t>(kCompactScoreBits);
   const int levels = CodebookLevels(kCompactScoreBits, L_);
+  // Sorting by id and by score without comparison sorts (they were most of
+  // a commit's CPU): ids are unique in [0, n_tokens), so a bitmap walk
+  // orders them; fp16 scores sort by a two-pass radix on their bits.
   std::vector<std::pair<int32_t, uint16_t>> list(L_);
+  std::vector<uint64_t> seen((n_tokens_ + 63) / 64);
+  std::vector<uint16_t> score_of(static_cast<size_t>(n_tokens_));
+  std::vector<uint16_t> keys(L_), keys_tmp(L_);
   std::vector<float> sorted(L_);
   std::vector<uint16_t> book(levels);
   std::vector<float> book_f(levels);
@@ -790,8 +828,17 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   for (int64_t l = 0; l < n_lists; ++l) {
     const int32_t* ids = ids_.data() + l * L_;
     const uint16_t* sc = scores_.data() + l * L_;
-    for (int64_t e = 0; e < L_; ++e) list[e] = {ids[e], sc[e]};
-    std::sort(list.begin(), list.end());
+    for (int64_t e = 0; e < L_; ++e) {
+      seen[static_cast<size_t>(ids[e]) >> 6] |= uint64_t{1} << (ids[e] & 63);
+      score_of[static_cast<size_t>(ids[e])] = sc[e];
+    }
+    for (size_t wi = 0, e = 0; wi < seen.size(); ++wi) {
+      for (uint64_t word = seen[wi]; word != 0; word &= word - 1) {
+        const int32_t id = static_cast<int32_t>(wi * 64 + std::countr_zero(word));
+        list[e++] = {id, score_of[static_cast<size_t>(id)]};
+      }
+      seen[wi] = 0;
+    }
     // Ids: a bitmap over n_tokens or delta varints, whichever is smaller.
     uint64_t varint_bytes = 0;
     for (int64_t e = 0, prev = -1; e < L_; prev = list[e].first, ++e) {
@@ -811,8 +858,7 @@ void CsaSelector::SerializeCompact(std::string* out) const {
       }
     }
     // Scores: a codebook of `levels` fp16 values and one code per entry.
-    for (int64_t e = 0; e < L_; ++e) sorted[e] = Half(list[e].second);
-    std::sort(sorted.begin(), sorted.end());
+    SortHalves(sc, L_, keys.data(), keys_tmp.data(), sorted.data());
     ScoreCodebook(sorted.data(), L_, levels, book.data());
     for (int i = 0; i < levels; ++i) book_f[i] = Half(book[i]);
     w.PutArray(book.data(), book.size());

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <span>
 
 #include "common/dtype.h"
@@ -200,39 +201,55 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   }
   const int64_t n = shape.n_tokens;
   const int d = shape.head_dim;
-  for (int layer = 0; layer < shape.n_layers; ++layer) {
-    if (cancel && cancel->load()) return CancelledError("build cancelled");
-    // One item per kv head: its keys are read once for every method.
-    std::vector<Status> results(static_cast<size_t>(shape.n_kv_heads));
-    ThreadPool::Default()->ParallelFor(results.size(), [&](size_t b, size_t e) {
-      std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), q;
-      std::vector<int64_t> positions;
-      for (size_t item = b; item < e; ++item) {
-        const int h = static_cast<int>(item);
-        read_kv(layer, h, k.data(), v.data());
-        read_queries(layer, h, &q, &positions);
-        index::HeadPrefill hp;
-        hp.n_tokens = n;
-        hp.head_dim = d;
-        hp.group_size = shape.group_size;
-        hp.keys = k.data();
-        hp.values = v.data();
-        hp.n_queries = static_cast<int64_t>(positions.size());
-        hp.query_positions = positions.empty() ? nullptr : positions.data();
-        hp.queries = q.empty() ? nullptr : q.data();
-        for (const IndexRequest& r : methods) {
-          Status s = BuildArtifact(writer, layer, h, r, hp);
-          if (!s.ok()) {
-            results[item] = s.WithContext("building the " + r.method + " index of layer " +
-                                          std::to_string(layer) + " kv head " + std::to_string(h));
-            break;
-          }
+  // One item per (layer, kv head), all in one parallel loop (a per-layer
+  // loop left most cores idle on models with few kv heads); an item reads its
+  // keys once for every method. layer_done(l + 1) runs, under `mu` and in
+  // order, once every head of layers 0..l is built.
+  const size_t n_items = static_cast<size_t>(shape.n_layers) * shape.n_kv_heads;
+  std::vector<Status> results(n_items);
+  std::vector<int> heads_left(static_cast<size_t>(shape.n_layers), shape.n_kv_heads);
+  std::mutex mu;
+  int layers_reported = 0;  // guarded by mu
+  ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
+    std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), q;
+    std::vector<int64_t> positions;
+    for (size_t item = b; item < e; ++item) {
+      const int layer = static_cast<int>(item / shape.n_kv_heads);
+      const int h = static_cast<int>(item % shape.n_kv_heads);
+      if (cancel && cancel->load()) {
+        results[item] = CancelledError("build cancelled");
+        continue;
+      }
+      read_kv(layer, h, k.data(), v.data());
+      read_queries(layer, h, &q, &positions);
+      index::HeadPrefill hp;
+      hp.n_tokens = n;
+      hp.head_dim = d;
+      hp.group_size = shape.group_size;
+      hp.keys = k.data();
+      hp.values = v.data();
+      hp.n_queries = static_cast<int64_t>(positions.size());
+      hp.query_positions = positions.empty() ? nullptr : positions.data();
+      hp.queries = q.empty() ? nullptr : q.data();
+      for (const IndexRequest& r : methods) {
+        Status s = BuildArtifact(writer, layer, h, r, hp);
+        if (!s.ok()) {
+          results[item] = s.WithContext("building the " + r.method + " index of layer " +
+                                        std::to_string(layer) + " kv head " + std::to_string(h));
+          break;
         }
       }
-    });
-    for (const auto& s : results) RETURN_IF_ERROR(s);
-    if (layer_done) layer_done(layer + 1);
-  }
+      std::lock_guard<std::mutex> lock(mu);
+      --heads_left[static_cast<size_t>(layer)];
+      const int before = layers_reported;
+      while (layers_reported < shape.n_layers &&
+             heads_left[static_cast<size_t>(layers_reported)] == 0) {
+        ++layers_reported;
+      }
+      if (layer_done && layers_reported != before) layer_done(layers_reported);
+    }
+  });
+  for (const auto& s : results) RETURN_IF_ERROR(s);
   // Record the parameters actually used (defaults that depend on the context
   // included), e.g. csa {C, format}.
   std::vector<float> q0;

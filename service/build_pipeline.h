@@ -97,8 +97,9 @@ using ReadQueriesFn =
     std::function<void(int layer, int kv_head, std::vector<float>* q, std::vector<int64_t>* pos)>;
 
 // Builds and stores every requested method's artifact (plus the always-built
-// reference methods) per (layer, kv head), kv heads in parallel, and records
-// the methods' parameters in the manifest. `layer_done(n)` after each layer.
+// reference methods) per (layer, kv head), all items in parallel, and records
+// the methods' parameters in the manifest. `layer_done(n)` once layers 0..n-1
+// are complete, in order and never concurrently (from any thread).
 Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
                            const std::vector<IndexRequest>& requested, const ReadKvFn& read_kv,
                            const ReadQueriesFn& read_queries,

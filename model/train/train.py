@@ -106,17 +106,18 @@ def _enc(args):
 
 
 def _task_shard(args):
-    """Training tasks from one shard of the training documents."""
+    """Training tasks from one shard of the training documents: per_length[j]
+    tasks of lengths[j]."""
     tok_path, docs, lengths, per_length, seed, shard = args
     tok = lt.Tokenizer(tok_path)
     pool = lt.DocumentPool(docs, tok)
     rng = np.random.default_rng([seed, shard])
-    depths = rng.uniform(0.0, 1.0, size=len(lengths) * per_length)
+    depths = rng.uniform(0.0, 1.0, size=sum(per_length))
     ids, rows = [], []
     off = 0
     k = 0
-    for length in lengths:
-        for i in range(per_length):
+    for length, per in zip(lengths, per_length):
+        for i in range(per):
             fam = lt.FAMILIES[i % len(lt.FAMILIES)]
             k += 1
             try:
@@ -128,6 +129,8 @@ def _task_shard(args):
             ids.append(np.asarray(seq, dtype=np.uint16))
             rows.append((off, len(seq), ans_start, len(t.answer_ids), length))
             off += len(seq)
+    if not ids:
+        return np.zeros(0, dtype=np.uint16), np.zeros((0, 5), dtype=np.int64)
     return np.concatenate(ids), np.asarray(rows, dtype=np.int64)
 
 
@@ -149,14 +152,19 @@ def cmd_prep(a):
         chars = sum(len(d) for d in docs)
         print(json.dumps({"split": split, "docs": len(docs), "tokens": n, "chars": chars,
                           "chars_per_token": chars / n}), flush=True)
-    if a.tasks_per_length:
+    per_length = [int(x) for x in a.tasks_per_length.split(",")]
+    if any(per_length):
         if a.task_seed == lt.EVAL_SEED:
             raise SystemExit("--task-seed must differ from the held-out EVAL_SEED")
         if train_docs is None:
             train_docs = read_docs(os.path.join(a.corpus, "train.txt"))
         procs = a.procs or os.cpu_count()
         lengths = [int(x) for x in a.task_lengths.split(",")]
-        per = max(1, a.tasks_per_length // procs)
+        if len(per_length) == 1:
+            per_length = per_length * len(lengths)
+        if len(per_length) != len(lengths):
+            raise SystemExit("--tasks-per-length: one count, or one per --task-lengths entry")
+        per = [max(1, n // procs) if n else 0 for n in per_length]
         named = [(f"train#{i}", d) for i, d in enumerate(train_docs)]
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s) for s in range(procs)]
         t0 = time.time()
@@ -192,17 +200,38 @@ def build_model(a, dev):
     return llama.Llama(model_config(a), seed=a.seed).to(dev)
 
 
-def lm_loss(model, x, answer_mask=None, answer_weight=0.0):
-    """x [B, T+1] int64; mean next-token cross entropy in fp32, plus
-    answer_weight x the mean over positions where answer_mask [B, T] is set."""
+def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None):
+    """x [B, T+1] int64. Weighted mean next-token cross entropy (fp32): every
+    target counts 1, a target where answer_mask [B, T] is set counts
+    answer_weight, and the sum is divided by the total weight. So an answer
+    token weighs answer_weight ordinary tokens whatever the batch holds, and
+    answer_weight 1 is the plain LM loss. With stats (a dict): stats["lm"] =
+    the unweighted mean, stats["answer"] = the mean over answer targets (or
+    None), stats["answer_share"] = the answer targets' share of the weight.
+
+    (Reference model v2 run 1 added answer_weight x the *mean* over answer
+    targets instead: ~100 answer tokens then weighed as much as the other
+    131K tokens of the step, each ~1000x an ordinary token. The gradient was
+    that of a ~100-token batch, clipped every step; held-out loss stalled at
+    4.7 and the model learned neither language nor the tasks.)"""
     logits = model(x[:, :-1])
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                          reduction="none")
-    loss = ce.mean()
-    if answer_mask is not None and answer_weight > 0:
+    m = None
+    if answer_mask is not None:
         m = answer_mask.reshape(-1)
-        if bool(m.any()):
-            loss = loss + answer_weight * ce[m].mean()
+    if m is not None and answer_weight != 1.0:
+        w = 1.0 + (answer_weight - 1.0) * m.to(ce.dtype)
+        loss = (ce * w).sum() / w.sum()
+    else:
+        loss = ce.mean()
+    if stats is not None:
+        with torch.no_grad():
+            stats["lm"] = float(ce.mean())
+            n_ans = int(m.sum()) if m is not None else 0
+            stats["answer"] = float(ce[m].mean()) if n_ans else None
+            stats["answer_share"] = (answer_weight * n_ans /
+                                     (ce.numel() + (answer_weight - 1.0) * n_ans))
     return loss
 
 
@@ -296,6 +325,8 @@ def lr_at(a, frac, step):
 
 
 def cmd_train(a):
+    if (a.minutes > 0) == (a.steps > 0):
+        raise SystemExit("train: give exactly one of --minutes M or --steps N")
     dev = a.device or default_device()
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -346,7 +377,7 @@ def cmd_train(a):
     base_elapsed = state["elapsed"]
     while True:
         elapsed = base_elapsed + (time.time() - t_call)
-        frac = elapsed / budget
+        frac = state["step"] / a.steps if a.steps else elapsed / budget
         if frac >= 1:
             break
         if a.chunk_seconds and time.time() - t_call >= a.chunk_seconds:
@@ -362,8 +393,10 @@ def cmd_train(a):
             grp["lr"] = lr
         x, mask, n_task = batcher.batch(seq, rows)
         x, mask = x.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
+        logging = (state["step"] + 1) % a.log_every == 0 or state["step"] == 0
+        st = {} if logging else None
         with autocast(dev):
-            loss = lm_loss(model, x, mask, a.answer_weight)
+            loss = lm_loss(model, x, mask, a.answer_weight, st)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -373,10 +406,12 @@ def cmd_train(a):
         state["rows"] += rows
         state["task_rows"] += n_task
         step = state["step"]
-        if step % a.log_every == 0 or step == 1:
+        if logging:
             lv = loss.item()
-            state["ema"] = lv if state["ema"] is None else 0.9 * state["ema"] + 0.1 * lv
-            rec = {"step": step, "loss": lv, "lr": lr, "grad_norm": float(gn),
+            state["ema"] = (st["lm"] if state["ema"] is None
+                            else 0.9 * state["ema"] + 0.1 * st["lm"])
+            rec = {"step": step, "loss": lv, "lm_loss": st["lm"], "answer_loss": st["answer"],
+                   "answer_share": st["answer_share"], "lr": lr, "grad_norm": float(gn),
                    "tokens": state["tokens"], "seq": seq, "rows": rows, "task_rows": n_task,
                    "elapsed_s": base_elapsed + time.time() - t_call}
             if step % a.val_every == 0:
@@ -594,7 +629,8 @@ def main():
     p.add_argument("--splits", default="train,heldout")
     p.add_argument("--procs", type=int, default=0, help="worker processes (0 = all cores)")
     p.add_argument("--task-lengths", default="4096,8192,16384,32768")
-    p.add_argument("--tasks-per-length", type=int, default=0)
+    p.add_argument("--tasks-per-length", default="0",
+                   help="training tasks per length: one count, or one per --task-lengths entry")
     p.add_argument("--task-seed", type=int, default=1)
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")
     p.add_argument("--eval-lengths", default="4096,8192,16384,32768")
@@ -607,7 +643,9 @@ def main():
     add_model_args(p)
     p.add_argument("--data", required=True)
     p.add_argument("--run", required=True)
-    p.add_argument("--minutes", type=float, required=True, help="training time budget")
+    p.add_argument("--minutes", type=float, default=0, help="training time budget")
+    p.add_argument("--steps", type=int, default=0,
+                   help="step budget instead of --minutes (deterministic; CPU tests)")
     p.add_argument("--device", default="")
     p.add_argument("--phases", default="4096:32,8192:16,16384:8,32768:4",
                    help="seq:rows per step, in order")

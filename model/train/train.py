@@ -8,27 +8,30 @@ documentation corpus with synthetic long-context retrieval tasks
 Subcommands (run from the repository root; GPU machine unless --device cpu):
 
   prep   --corpus DIR --tok tokenizer.model --data DIR
-         [--task-lengths 4096,8192,16384,32768 --tasks-per-length N --task-seed S]
+         [--task-lengths 4096,8192,16384,32768 --tasks-per-length N[,N..] --task-seed S]
          [--eval-docs a.txt,b.txt --eval-lengths ... --eval-depths ... --eval-per-cell K]
          Tokenizes DIR/train.txt(.xz) and DIR/heldout.txt(.xz) (documents separated
          by a line holding only "\\x1e"); each document becomes [<s>] + ids + [</s>].
-         Writes DATA/train.u16, DATA/heldout_docs.npz. With --tasks-per-length,
-         also generates training tasks from the training documents (seeds derived
+         Writes DATA/train.u16, DATA/heldout_docs.npz. With --tasks-per-length
+         (one count, or one per task length), also generates training tasks from the training documents (seeds derived
          from --task-seed, never the held-out EVAL_SEED): DATA/tasks.u16 and
          DATA/tasks_index.npy (rows: offset, tokens, answer start, answer length,
          target length). With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
-  train  --data DIR --run DIR --minutes M [--phases 4096:32,8192:16,16384:8,32768:4
-         --phase-frac 0.35,0.3,0.2,0.15 --task-frac 0.5 --answer-weight 1.0]
+  train  --data DIR --run DIR --minutes M | --steps N
+         [--phases 4096:32,8192:16,16384:8,32768:4 --phase-frac 0.35,0.25,0.25,0.15
+         --task-frac 0.6 --answer-weight 20]
          AdamW, linear warmup, then cosine decay over the *time* budget M (so the
-         schedule needs no calibration and survives a resume). Phases are
-         (sequence length : rows per step) used for the given fractions of the
-         time; the last phase should be >= 16K. Each row is, with probability
-         --task-frac, a task of the phase's length (its tokens at the end of the
-         row, a corpus window before it), else a corpus window. Loss: mean
-         next-token cross entropy + answer_weight x the mean over answer tokens.
-         Logs to RUN/log.jsonl; checkpoints RUN/ckpt.pt every --ckpt-every steps
+         schedule needs no calibration and survives a resume), or over N steps
+         (deterministic; CPU tests). Phases are (sequence length : rows per step)
+         used for the given fractions of the budget; the last phase should be
+         >= 16K. Each row is, with probability --task-frac, a task of the phase's
+         length (its tokens at the end of the row, a corpus window before it),
+         else a corpus window. Loss: next-token cross entropy averaged over the
+         targets with weight 1, answer targets with weight --answer-weight
+         (lm_loss). Logs (loss, lm_loss, answer_loss, answer_share) to
+         RUN/log.jsonl; checkpoints RUN/ckpt.pt every --ckpt-every steps
          and at exit; --resume continues from RUN/ckpt.pt; --chunk-seconds S
          stops after S seconds of this call (checkpointed, no DONE). At the end:
          RUN/final (bf16, HF layout, shards <= 15 MB), RUN/summary.json, RUN/DONE.
@@ -649,10 +652,11 @@ def main():
     p.add_argument("--device", default="")
     p.add_argument("--phases", default="4096:32,8192:16,16384:8,32768:4",
                    help="seq:rows per step, in order")
-    p.add_argument("--phase-frac", default="0.35,0.3,0.2,0.15",
-                   help="fraction of the time budget per phase")
-    p.add_argument("--task-frac", type=float, default=0.5)
-    p.add_argument("--answer-weight", type=float, default=1.0)
+    p.add_argument("--phase-frac", default="0.35,0.25,0.25,0.15",
+                   help="fraction of the time (or step) budget per phase")
+    p.add_argument("--task-frac", type=float, default=0.6)
+    p.add_argument("--answer-weight", type=float, default=20.0,
+                   help="weight of an answer target against an ordinary one (1: plain LM)")
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr-frac", type=float, default=0.1)
     p.add_argument("--wd", type=float, default=0.1)

@@ -95,7 +95,8 @@ start_training() {
   setsid nohup $PY model/train/train.py train --data $W/data --run $W/run --resume \
     $DEV $MODEL $TRAIN_ARGS > $W/train.log 2>&1 < /dev/null &
   echo $! > $W/train.pid
-  echo "training started: train.py train --data $W/data --run $W/run --resume $DEV $MODEL $TRAIN_ARGS"
+  echo "training started: train.py train --data $W/data --run $W/run --resume" \
+    "$DEV $MODEL $TRAIN_ARGS"
 }
 tiny_carry() {  # TINY: a 3 MB slice of the carried corpus, the real held-out split
   local t=$W/carry
@@ -113,9 +114,10 @@ do_prep() {
   rm -rf $W/smoke
   # The smoke run: the real phases, mix and loss for a few steps (all phases
   # at --minutes 0.5), so a crash at 32K shows here and not in the real run.
-  $PY model/train/train.py train --data $W/data --run $W/smoke $DEV $MODEL \
-    $(echo "$TRAIN_ARGS" | sed -E 's/--(minutes|steps|warmup|val-every|log-every|ckpt-every) [0-9.]+//g') \
-    $SMOKE_ARGS 2>&1 | grep -v Warn | tail -2 | cut -c1-300
+  local keep
+  keep=$(echo "$TRAIN_ARGS" |
+    sed -E 's/--(minutes|steps|warmup|val-every|log-every|ckpt-every) [0-9.]+//g')
+  $PY model/train/train.py train --data $W/data --run $W/smoke $DEV $MODEL $keep $SMOKE_ARGS 2>&1 | grep -v Warn | tail -2 | cut -c1-300
   cp $C/tokenizer.model $W/smoke/final/
   if have_hf; then
     $PY model/train/train.py hfcheck --model $W/smoke/final $DEV 2>&1 | grep -v Warn

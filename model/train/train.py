@@ -13,8 +13,9 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          Tokenizes DIR/train.txt(.xz) and DIR/heldout.txt(.xz) (documents separated
          by a line holding only "\\x1e"); each document becomes [<s>] + ids + [</s>].
          Writes DATA/train.u16, DATA/heldout_docs.npz. With --tasks-per-length
-         (one count, or one per task length), also generates training tasks from the training documents (seeds derived
-         from --task-seed, never the held-out EVAL_SEED): DATA/tasks.u16 and
+         (one count, or one per task length), also generates training tasks from
+         the training documents (seeds derived from --task-seed, never the
+         held-out EVAL_SEED; split over --procs shards): DATA/tasks.u16 and
          DATA/tasks_index.npy (rows: offset, tokens, answer start, answer length,
          target length). With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
@@ -330,6 +331,8 @@ def lr_at(a, frac, step):
 def cmd_train(a):
     if (a.minutes > 0) == (a.steps > 0):
         raise SystemExit("train: give exactly one of --minutes M or --steps N")
+    if a.answer_weight < 0:
+        raise SystemExit(f"--answer-weight must be >= 0, got {a.answer_weight}")
     dev = a.device or default_device()
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

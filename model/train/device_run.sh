@@ -55,7 +55,7 @@ else
   TRAIN_ARGS=${TRAIN_ARGS:-"--minutes 14 --phases 4096:32,8192:16,16384:8,32768:4 \
     --phase-frac 0.35,0.25,0.25,0.15 --task-frac 0.6 --answer-weight 20"}
   SMOKE_ARGS="--minutes 0.5 --warmup 5 --val-every 20 --ckpt-every 50"
-  # Enough tasks that each is seen ~2-3 times at --task-frac 0.6 (~135M tokens).
+  # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
   EVAL_TASK_ARGS="--eval-per-cell 2"

@@ -103,21 +103,27 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
     with ctxcache.Client(server.address, timeout=120) as c:
         info, pre = hf.prefill_and_ingest(c, model, ids[:-1], indexes=["csa"])
         dense_out = hf.generate_dense(model, pre, ids[-1], 16)
+        # The generated tokens go back to the session (append=True); its
+        # selections of them are dropped (the model's cache holds them), so
+        # full still decodes exactly like dense.
         full = hf.generate(c, model, info, ids[-1], 16, method="full")
         assert full.tokens == dense_out.tokens
+        assert full.appended_tokens == 16
         for a, b in zip(full.logits, dense_out.logits):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
-        csa = hf.generate(c, model, info, ids[-1], 16, method="csa")
+        csa = hf.generate(c, model, info, ids[-1], 16, method="csa", append=False)
         assert len(csa.tokens) == 16
         assert csa.bytes_received < full.bytes_received
         # Client-side selection + GPU page pool: the exact numpy core makes
         # the server's selections, so the server's tokens.
-        client_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="exact")
+        client_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="exact",
+                                        append=False)
         assert client_csa.tokens == csa.tokens
         # The torch core on the device: the same stages as tensor ops; teacher
         # forced on the server's tokens, near-ties aside it predicts the same.
         torch_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="torch",
                                        forced=csa.tokens)
+        assert torch_csa.appended_tokens == 16 and torch_csa.ttft_s > 0
         same = sum(a == b for a, b in zip(torch_csa.tokens, csa.tokens))
         assert same >= 15, (torch_csa.tokens, csa.tokens)
         assert torch_csa.bytes_received < full.bytes_received

@@ -188,7 +188,7 @@ class CsaSelector final : public Selector {
 
   // Bytes of this instance's own state (options, schedule, overlay), not
   // counting the shared tables (TableBytes()).
-  uint64_t SessionBytes() const;
+  uint64_t SessionBytes() const override;
   // Bytes of the shared tables.
   uint64_t TableBytes() const;
   // True when both instances read the same table memory.

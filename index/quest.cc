@@ -200,6 +200,10 @@ uint64_t QuestSelector::MemoryBytes() const {
                               sizeof(float);
 }
 
+uint64_t QuestSelector::SessionBytes() const {
+  return sizeof(*this) + (page_min_.capacity() + page_max_.capacity()) * sizeof(float);
+}
+
 StatusOr<std::unique_ptr<Selector>> BuildQuestSelector(const HeadPrefill& prefill,
                                                        const MethodParams& params) {
   ASSIGN_OR_RETURN(QuestOptions o, ParseQuestParams(params));

@@ -46,6 +46,7 @@ class QuestSelector final : public Selector {
   Status Serialize(std::string* out) const override;
   std::unique_ptr<Selector> Clone() const override;
   uint64_t MemoryBytes() const override;
+  uint64_t SessionBytes() const override;
 
   int64_t n_pages() const {
     return n_base_pages_ + static_cast<int64_t>(page_min_.size()) / head_dim_;

@@ -531,6 +531,16 @@ std::unique_ptr<Selector> TacticSelector::Clone() const {
   return std::unique_ptr<Selector>(new TacticSelector(*this));
 }
 
+uint64_t TacticSelector::SessionBytes() const {
+  uint64_t own = sizeof(*this) + tail_keys_.capacity() * sizeof(float);
+  for (const auto& e : last_) own += sizeof(e);
+  if (cl_.use_count() == 1) {
+    own += cl_->centroids.capacity() * sizeof(float) + cl_->offsets.capacity() * sizeof(int64_t) +
+           cl_->members.capacity() * sizeof(int32_t);
+  }
+  return own;
+}
+
 uint64_t TacticSelector::MemoryBytes() const {
   return sizeof(*this) + cl_->centroids.capacity() * sizeof(float) +
          cl_->offsets.capacity() * sizeof(int64_t) + cl_->members.capacity() * sizeof(int32_t) +

@@ -117,6 +117,8 @@ class TacticSelector final : public Selector {
   Status Append(const float* key, const float* value, const float* queries) override;
   Status Serialize(std::string* out) const override;
   std::unique_ptr<Selector> Clone() const override;
+  // Own state, plus the clusters once this instance copied them.
+  uint64_t SessionBytes() const override;
   uint64_t MemoryBytes() const override;
 
   const TacticOptions& options() const { return options_; }

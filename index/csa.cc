@@ -52,34 +52,49 @@ inline bool Beats(float sa, int32_t ia, float sb, int32_t ib) {
   return sa > sb || (sa == sb && ia < ib);
 }
 
-void SiftDown(int32_t* ids, uint16_t* sc, int64_t L, int64_t i) {
-  const int32_t id = ids[i];
-  const uint16_t h = sc[i];
-  const float s = Half(h);
-  while (true) {
-    const int64_t l = 2 * i + 1;
-    if (l >= L) break;
-    int64_t worst = l;
-    float ws = Half(sc[l]);
-    if (l + 1 < L) {
-      const float rs = Half(sc[l + 1]);
-      if (Beats(ws, ids[l], rs, ids[l + 1])) {
-        worst = l + 1;
-        ws = rs;
-      }
+// Sorts a list worst entry first (ascending score, among equal scores the
+// higher id first): the order Build writes, and a heap with the worst entry
+// at the root. ids_ascending: the ids come in ascending order (the compact
+// loader's), which a stable radix sort on the fp16 order keys keeps for ties;
+// otherwise a comparison sort.
+void SortWorstFirst(int32_t* ids, uint16_t* sc, int64_t L, bool ids_ascending,
+                    std::vector<uint64_t>* a, std::vector<uint64_t>* b) {
+  if (!ids_ascending) {
+    bool sorted = true;
+    for (int64_t e = 1; e < L && sorted; ++e) {
+      sorted = Beats(Half(sc[e]), ids[e], Half(sc[e - 1]), ids[e - 1]);
     }
-    // Done once the worst child does not lose to the element.
-    if (!Beats(s, id, ws, ids[worst])) break;
-    ids[i] = ids[worst];
-    sc[i] = sc[worst];
-    i = worst;
+    if (sorted) return;
   }
-  ids[i] = id;
-  sc[i] = h;
-}
-
-void BuildHeapAt(int32_t* ids, uint16_t* sc, int64_t L) {
-  for (int64_t i = L / 2 - 1; i >= 0; --i) SiftDown(ids, sc, L, i);
+  a->resize(static_cast<size_t>(L));
+  b->resize(static_cast<size_t>(L));
+  for (int64_t e = 0; e < L; ++e) {
+    // Descending order key on top, then the payload.
+    const uint16_t h = sc[e] == 0x8000 ? 0 : sc[e];
+    const uint16_t key = static_cast<uint16_t>(
+        ~(h ^ (static_cast<uint16_t>(static_cast<int16_t>(h) >> 15) | 0x8000)));
+    (*a)[e] = (uint64_t{key} << 48) | (uint64_t{sc[e]} << 32) | static_cast<uint32_t>(ids[e]);
+  }
+  if (ids_ascending) {
+    for (int shift = 48; shift < 64; shift += 8) {
+      size_t count[257] = {};
+      for (uint64_t v : *a) ++count[((v >> shift) & 0xFF) + 1];
+      for (int k = 0; k < 256; ++k) count[k + 1] += count[k];
+      for (uint64_t v : *a) (*b)[count[(v >> shift) & 0xFF]++] = v;
+      a->swap(*b);
+    }
+    std::reverse(a->begin(), a->end());  // ascending key, ties: descending id
+  } else {
+    std::sort(a->begin(), a->end(), [](uint64_t x, uint64_t y) {
+      const uint16_t kx = static_cast<uint16_t>(x >> 48), ky = static_cast<uint16_t>(y >> 48);
+      if (kx != ky) return kx > ky;  // descending key: ascending score
+      return static_cast<int32_t>(x) > static_cast<int32_t>(y);
+    });
+  }
+  for (int64_t e = 0; e < L; ++e) {
+    ids[e] = static_cast<int32_t>(static_cast<uint32_t>((*a)[e]));
+    sc[e] = static_cast<uint16_t>((*a)[e] >> 32);
+  }
 }
 
 // Select() scratch, per thread: a session's selectors run one at a time on
@@ -91,7 +106,6 @@ struct SearchScratch {
   std::vector<int> order;            // C (backoff ranking)
   std::vector<int32_t> topk_ids;
   TopKScratch topk;
-  std::vector<float> saved;          // acc of evicted base entries
 };
 SearchScratch& Scratch() {
   static thread_local SearchScratch scratch;
@@ -643,6 +657,10 @@ Status CsaSelector::Append(const float* key, const float* /*value*/, const float
   sims_v.resize(C);
   views_.clear();
   if (overlay_.lists.empty()) overlay_.lists.resize(static_cast<size_t>(m) * C);
+  // Heap of appended entries with the worst in front: "less" is Beats.
+  auto live_less = [](const Entry& x, const Entry& y) {
+    return Beats(Half(x.score), x.id, Half(y.score), y.id);
+  };
   for (int b = 0; b < m; ++b) {
     Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
     Eigen::Map<const Eigen::VectorXf> kb(key + b * ds, ds);
@@ -655,42 +673,20 @@ Status CsaSelector::Append(const float* key, const float* /*value*/, const float
       // Try-insert (§3.3 (5)): the new id is the largest, so it must beat the
       // worst entry's score strictly; it replaces that entry.
       if (!(Half(h) > WorstScore(list))) continue;
-      std::unique_ptr<ListOverlay>& o = overlay_.lists[static_cast<size_t>(list)];
-      if (!o) {
-        o = std::make_unique<ListOverlay>();
-        o->frontier.push_back(0);
-      }
-      const int32_t* bids = t.ids.data() + list * L_;
-      const uint16_t* bsc = t.scores.data() + list * L_;
-      // Heaps with the worst entry in front: "less" is Beats.
-      auto base_less = [&](int32_t x, int32_t y) {
-        return Beats(Half(bsc[x]), bids[x], Half(bsc[y]), bids[y]);
-      };
-      auto live_less = [&](int32_t x, int32_t y) {
-        return Beats(Half(o->log_sc[x]), o->log_ids[x], Half(o->log_sc[y]), o->log_ids[y]);
-      };
+      ListOverlay& o = overlay_.lists[static_cast<size_t>(list)];
+      const int64_t off = list * L_;
       const bool worst_is_base =
-          !o->frontier.empty() &&
-          (o->live.empty() ||
-           !Beats(Half(bsc[o->frontier[0]]), bids[o->frontier[0]], Half(o->log_sc[o->live[0]]),
-                  o->log_ids[o->live[0]]));
+          o.n_evicted < L_ &&
+          (o.live.empty() || !Beats(Half(t.scores[off + o.n_evicted]), t.ids[off + o.n_evicted],
+                                    Half(o.live.front().score), o.live.front().id));
       if (worst_is_base) {
-        std::pop_heap(o->frontier.begin(), o->frontier.end(), base_less);
-        const int32_t gone = o->frontier.back();
-        o->frontier.pop_back();
-        o->evicted.push_back(gone);
-        for (int64_t c = 2 * int64_t{gone} + 1; c <= 2 * int64_t{gone} + 2 && c < L_; ++c) {
-          o->frontier.push_back(static_cast<int32_t>(c));
-          std::push_heap(o->frontier.begin(), o->frontier.end(), base_less);
-        }
+        ++o.n_evicted;
       } else {
-        std::pop_heap(o->live.begin(), o->live.end(), live_less);
-        o->live.pop_back();
+        std::pop_heap(o.live.begin(), o.live.end(), live_less);
+        o.live.pop_back();
       }
-      o->log_ids.push_back(id);
-      o->log_sc.push_back(h);
-      o->live.push_back(static_cast<int32_t>(o->log_ids.size() - 1));
-      std::push_heap(o->live.begin(), o->live.end(), live_less);
+      o.live.push_back(Entry{id, h});
+      std::push_heap(o.live.begin(), o.live.end(), live_less);
     }
   }
   ++n_tokens_;
@@ -702,27 +698,33 @@ float CsaSelector::WorstScore(int64_t list) const {
   const int64_t off = list * L_;
   const ListOverlay* o = overlay(list);
   if (o == nullptr) return Half(t.scores[off]);
-  if (o->live.empty()) return Half(t.scores[off + o->frontier[0]]);
-  const float ls = Half(o->log_sc[o->live[0]]);
-  if (o->frontier.empty()) return ls;
-  const int32_t f = o->frontier[0];
-  const float bs = Half(t.scores[off + f]);
-  return Beats(bs, t.ids[off + f], ls, o->log_ids[o->live[0]]) ? ls : bs;
+  if (o->live.empty()) return Half(t.scores[off + o->n_evicted]);
+  const float ls = Half(o->live.front().score);
+  if (o->n_evicted >= L_) return ls;
+  const int64_t e = off + o->n_evicted;
+  const float bs = Half(t.scores[e]);
+  return Beats(bs, t.ids[e], ls, o->live.front().id) ? ls : bs;
 }
 
 void CsaSelector::MaterializeList(int64_t list, std::vector<int32_t>* ids,
                                   std::vector<uint16_t>* sc) const {
   const Tables& t = *base_;
   const int64_t off = list * L_;
-  ids->assign(t.ids.begin() + off, t.ids.begin() + off + L_);
-  sc->assign(t.scores.begin() + off, t.scores.begin() + off + L_);
   const ListOverlay* o = overlay(list);
-  if (o == nullptr) return;
-  // Replays the in-place inserts: each logged entry beat the root then.
-  for (size_t k = 0; k < o->log_ids.size(); ++k) {
-    (*ids)[0] = o->log_ids[k];
-    (*sc)[0] = o->log_sc[k];
-    SiftDown(ids->data(), sc->data(), L_, 0);
+  const int64_t k = o ? o->n_evicted : 0;
+  std::vector<Entry> all;
+  all.reserve(static_cast<size_t>(L_));
+  for (int64_t e = off + k; e < off + L_; ++e) all.push_back(Entry{t.ids[e], t.scores[e]});
+  if (o != nullptr) all.insert(all.end(), o->live.begin(), o->live.end());
+  // Worst first: a before c when c beats a.
+  std::sort(all.begin(), all.end(), [](const Entry& a, const Entry& c) {
+    return Beats(Half(c.score), c.id, Half(a.score), a.id);
+  });
+  ids->resize(all.size());
+  sc->resize(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    (*ids)[i] = all[i].id;
+    (*sc)[i] = all[i].score;
   }
 }
 
@@ -746,15 +748,11 @@ void CsaSelector::AccumulateCurrent(int64_t list, float w, float bias, float* ac
     AccumulateList(ids, sc, L_, w, bias, acc);
     return;
   }
-  // The base entries pushed out keep their accumulator value (each id is in
-  // a list once, so restoring it is exact); the live appended entries add
-  // what AccumulateList adds.
-  std::vector<float>& saved = Scratch().saved;
-  saved.resize(o->evicted.size());
-  for (size_t i = 0; i < o->evicted.size(); ++i) saved[i] = acc[ids[o->evicted[i]]];
-  AccumulateList(ids, sc, L_, w, bias, acc);
-  for (size_t i = 0; i < o->evicted.size(); ++i) acc[ids[o->evicted[i]]] = saved[i];
-  for (int32_t k : o->live) acc[o->log_ids[k]] += std::fma(Half(o->log_sc[k]), w, bias);
+  // The base entries still in the list follow the n_evicted pushed out; the
+  // appended ones add what AccumulateList adds (a fused multiply-add).
+  const int64_t k = o->n_evicted;
+  AccumulateList(ids + k, sc + k, L_ - k, w, bias, acc);
+  for (const Entry& e : o->live) acc[e.id] += std::fma(Half(e.score), w, bias);
 }
 
 const int32_t* CsaSelector::list_ids(int b, int j) const {
@@ -776,24 +774,6 @@ const uint16_t* CsaSelector::list_scores(int b, int j) const {
     if (v.first == list) return v.second.second.data();
   }
   return nullptr;  // unreachable: list_ids materialized it
-}
-
-uint64_t CsaSelector::ListOverlay::Bytes() const {
-  return sizeof(*this) + log_ids.capacity() * sizeof(int32_t) +
-         log_sc.capacity() * sizeof(uint16_t) +
-         (live.capacity() + evicted.capacity() + frontier.capacity()) * sizeof(int32_t);
-}
-
-CsaSelector::Overlay::Overlay(const Overlay& o) { *this = o; }
-
-CsaSelector::Overlay& CsaSelector::Overlay::operator=(const Overlay& o) {
-  if (this == &o) return *this;
-  lists.clear();
-  lists.resize(o.lists.size());
-  for (size_t i = 0; i < o.lists.size(); ++i) {
-    if (o.lists[i]) lists[i] = std::make_unique<ListOverlay>(*o.lists[i]);
-  }
-  return *this;
 }
 
 namespace {
@@ -1056,6 +1036,7 @@ Status CsaSelector::Serialize(std::string* out) const {
 Status CsaSelector::ReadTables(std::string_view bytes) {
   ByteReader r(bytes);
   auto t = std::make_shared<Tables>();
+  std::vector<uint64_t> sort_a, sort_b;  // SortWorstFirst scratch
   const bool compact = bytes.substr(0, 4) == "CSAC";
   uint32_t version = 0;
   RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", compact ? kCompactVersion : kPlainVersion,
@@ -1103,6 +1084,10 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     }
     for (int32_t id : t->ids) {
       if (id < 0 || id >= n_tokens_) return loss("list id out of range");
+    }
+    for (int64_t l = 0; l < n_lists; ++l) {
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/false, &sort_a, &sort_b);
     }
   } else if (version >= 2) {
     const int levels = CodebookLevels(bits, L_);
@@ -1155,7 +1140,8 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
         if (code >= levels) return loss("bad score code");
         sc[e] = book[code];
       }
-      BuildHeapAt(t->ids.data() + l * L_, t->scores.data() + l * L_, L_);
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/true, &sort_a, &sort_b);
     }
   } else {
     std::vector<uint8_t> q(L_);
@@ -1178,7 +1164,8 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
       if (!r.GetArray(q.data(), L_)) return loss("truncated scores");
       const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
       for (int64_t e = 0; e < L_; ++e) t->scores[l * L_ + e] = FloatToHalf(lo + q[e] * step);
-      BuildHeapAt(t->ids.data() + l * L_, t->scores.data() + l * L_, L_);
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/true, &sort_a, &sort_b);
     }
   }
   if (r.remaining() != 0) return loss("trailing bytes");
@@ -1208,10 +1195,8 @@ uint64_t CsaSelector::TableBytes() const {
 }
 
 uint64_t CsaSelector::SessionBytes() const {
-  uint64_t bytes = sizeof(*this) + overlay_.lists.capacity() * sizeof(void*);
-  for (const auto& o : overlay_.lists) {
-    if (o) bytes += o->Bytes();
-  }
+  uint64_t bytes = sizeof(*this) + overlay_.lists.capacity() * sizeof(ListOverlay);
+  for (const auto& o : overlay_.lists) bytes += o.live.capacity() * sizeof(Entry);
   for (const auto& h : last_per_head_) bytes += h.capacity() * sizeof(int32_t);
   for (const auto& v : views_) {
     bytes += v.second.first.capacity() * sizeof(int32_t) +

@@ -54,12 +54,15 @@
 //
 // Sharing (issue #19): the tables (centroids, means, lists) are immutable
 // once built or loaded and are shared by Clone()s through a
-// shared_ptr<const>; a clone costs a few hundred bytes. Per-instance state is
-// the retrieval options, the search-period schedule and an overlay of the
-// tokens appended to this instance: for each list the appended entries it
-// took and the base entries they pushed out (in the order the in-place heap
-// would have), so selections, lists and serialized bytes equal those of a
-// selector whose heaps were rewritten in place. Select() scratch (the dense
+// shared_ptr<const>; a clone costs a few hundred bytes. The lists are kept
+// sorted worst entry first (Build writes them so; Load sorts them), which is
+// also a valid heap. Per-instance state is the retrieval options, the
+// search-period schedule and an overlay of the tokens appended to this
+// instance: per list the appended entries it holds (8 bytes each) and how
+// many of its worst base entries they pushed out. A list is always the top L
+// of its base and appended entries, as when the heaps were rewritten in
+// place, so selections are the same; list_ids() and the serialized forms
+// give each list sorted worst first. Select() scratch (the dense
 // accumulator) is per thread, not per instance.
 //
 // Thread-safety: as Selector: Select() and Append() mutate per-instance
@@ -179,7 +182,7 @@ class CsaSelector final : public Selector {
   const float* centroid(int b, int j) const {
     return base_->centroids.data() + (static_cast<int64_t>(b) * options_.C + j) * sub_dim();
   }
-  // List (b, j): L ids and fp16 scores, in heap order (worst entry first),
+  // List (b, j): L ids and fp16 scores, worst entry first (a heap; sorted),
   // including appended tokens. Inspection: a list this instance appended
   // into is materialized into a per-instance copy, valid until the next
   // Append().
@@ -208,34 +211,34 @@ class CsaSelector final : public Selector {
     std::vector<int32_t> ids;      // m * C * L, each list a heap (worst entry first)
     std::vector<uint16_t> scores;  // m * C * L (fp16)
   };
-  // One list's appended state. The list is the top L of its base entries
-  // and `log` under Beats; an Append that beats the worst entry replaces it.
-  struct ListOverlay {
-    std::vector<int32_t> log_ids;    // every appended entry the list took, in order
-    std::vector<uint16_t> log_sc;    // their fp16 scores
-    std::vector<int32_t> live;       // heap (worst first) of log indices still in the list
-    std::vector<int32_t> evicted;    // base heap indices pushed out
-    std::vector<int32_t> frontier;   // heap (worst first) of base indices next in line
-    uint64_t Bytes() const;
+  // One list's appended state. Base lists are kept sorted worst first (a
+  // sorted array is also a heap with the worst entry at the root), so the
+  // base entries appended tokens pushed out are its first n_evicted.
+  struct Entry {
+    int32_t id;
+    uint16_t score;  // fp16
   };
-  // Per-list overlays, null until a list takes an appended entry. Deep-copied.
+  struct ListOverlay {
+    uint32_t n_evicted = 0;    // base entries pushed out: the first n_evicted
+    std::vector<Entry> live;   // heap (worst first) of the appended entries in the list
+  };
+  // Per-list overlays: empty until the first Append, then m * C.
   struct Overlay {
-    std::vector<std::unique_ptr<ListOverlay>> lists;  // empty, or m * C
-    Overlay() = default;
-    Overlay(const Overlay& o);
-    Overlay& operator=(const Overlay& o);
+    std::vector<ListOverlay> lists;
   };
 
   CsaSelector() = default;
   int64_t ListOffset(int b, int j) const { return (static_cast<int64_t>(b) * options_.C + j) * L_; }
   const ListOverlay* overlay(int64_t list) const {
-    return overlay_.lists.empty() ? nullptr : overlay_.lists[static_cast<size_t>(list)].get();
+    if (overlay_.lists.empty()) return nullptr;
+    const ListOverlay& o = overlay_.lists[static_cast<size_t>(list)];
+    return o.live.empty() && o.n_evicted == 0 ? nullptr : &o;
   }
   // Score of the worst entry of `list` (base and overlay).
   float WorstScore(int64_t list) const;
-  // The list in heap order, as an in-place rewrite would have left it.
+  // The list's current entries, sorted worst first.
   void MaterializeList(int64_t list, std::vector<int32_t>* ids, std::vector<uint16_t>* sc) const;
-  // Pointers to list `list` in heap order: the base arrays, or materialized
+  // Pointers to list `list`, worst first: the base arrays, or materialized
   // into *ids / *sc when the list has an overlay.
   void ListView(int64_t list, std::vector<int32_t>* ids, std::vector<uint16_t>* sc,
                 const int32_t** ids_out, const uint16_t** sc_out) const;

@@ -828,6 +828,24 @@ TEST(CsaTest, ClonesShareTablesAndAppendOverlayMatchesRewrittenLists) {
     auto* ca = static_cast<CsaSelector*>(a.get());
     auto* cb = static_cast<CsaSelector*>(b.get());
     EXPECT_TRUE(ca->SharesTablesWith(**built));
+    // Base lists are sorted worst first (the overlay relies on it), built or
+    // loaded from either form.
+    std::string compact_bytes;
+    (*built)->SerializeCompact(&compact_bytes);
+    auto from_compact = CsaSelector::Load(compact_bytes);
+    ASSERT_TRUE(from_compact.ok());
+    for (const CsaSelector* s : {built->get(), from_compact->get()}) {
+      for (int b = 0; b < o.m; ++b) {
+        for (int j = 0; j < o.C; ++j) {
+          const int32_t* ids = s->list_ids(b, j);
+          const uint16_t* sc = s->list_scores(b, j);
+          for (int64_t e = 1; e < s->L(); ++e) {
+            const float prev = HalfToFloat(sc[e - 1]), cur = HalfToFloat(sc[e]);
+            ASSERT_TRUE(cur > prev || (cur == prev && ids[e] < ids[e - 1])) << b << "," << j;
+          }
+        }
+      }
+    }
     EXPECT_TRUE(cb->SharesTablesWith(*ca));
     // A clone's own state is small next to the tables.
     EXPECT_LT(ca->SessionBytes() * 20, ca->TableBytes());

@@ -117,7 +117,7 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
   }
   s->reader_ = std::move(reader);
   s->fetcher_ = options.pages != nullptr
-                    ? std::make_unique<ReaderPageFetcher>(s->reader_.get(), options.pages)
+                    ? std::make_unique<ReaderPageFetcher>(s->reader_.get(), *options.pages)
                     : std::make_unique<ReaderPageFetcher>(s->reader_.get());
   ASSIGN_OR_RETURN(s->core_, session::SparseSession::Create(shape, session_params,
                                                             std::move(selectors),

@@ -37,11 +37,11 @@ class ReaderPageFetcher final : public session::PageFetcher {
   // A private cache. Default: 64 MiB.
   explicit ReaderPageFetcher(storage::ContextReader* reader, size_t cache_bytes = 64u << 20)
       : reader_(reader), cache_budget_(cache_bytes) {}
-  // The shared cache (not owned; outlives the fetcher).
-  ReaderPageFetcher(storage::ContextReader* reader, SharedPageCache* shared)
+  // The shared cache (outlives the fetcher).
+  ReaderPageFetcher(storage::ContextReader* reader, SharedPageCache& shared)
       : reader_(reader),
         cache_budget_(0),
-        shared_(shared),
+        shared_(&shared),
         context_key_(SharedPageCache::ContextKey(reader->manifest())) {}
   Status Fetch(int layer, int kv_head, std::span<const uint32_t> blocks,
                session::PageMap* out) override;

@@ -123,8 +123,9 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
                                                             std::move(selectors),
                                                             s->fetcher_.get()));
   // A first estimate of one appended token: its K and V in every layer.
-  s->token_bytes_ = 2 * sizeof(float) * static_cast<uint64_t>(shape.n_layers) *
-                    static_cast<uint64_t>(shape.n_kv_heads) * static_cast<uint64_t>(shape.head_dim);
+  s->kv_bytes_ = 2 * sizeof(float) * static_cast<uint64_t>(shape.n_layers) *
+                 static_cast<uint64_t>(shape.n_kv_heads) * static_cast<uint64_t>(shape.head_dim);
+  s->token_bytes_ = s->kv_bytes_;
   if (options.budget != nullptr) {
     const uint64_t own = s->memory_bytes();
     RETURN_IF_ERROR(options.budget->Reserve(own, "opening a " + method + " session"));
@@ -202,7 +203,7 @@ void DecodeSession::Recharge() {
   const uint64_t now = memory_bytes();
   if (budget_ == nullptr) return;
   if (now > charged_) {
-    token_bytes_ = std::max<uint64_t>(token_bytes_, now - charged_);
+    token_bytes_ = std::max<uint64_t>(kv_bytes_, now - charged_);
     budget_->Charge(now - charged_);
   } else {
     budget_->Release(charged_ - now);

@@ -137,7 +137,8 @@ class DecodeSession {
   std::unique_ptr<ReaderPageFetcher> fetcher_;
   MemoryBudget* budget_ = nullptr;
   uint64_t charged_ = 0;       // bytes charged to budget_
-  uint64_t token_bytes_ = 0;   // what the last Append added (the next one's estimate)
+  uint64_t kv_bytes_ = 0;      // one token's K and V in every layer
+  uint64_t token_bytes_ = 0;   // the next Append's estimate: the last one's cost (>= kv_bytes_)
   uint64_t max_appended_ = 0;  // 0 = unlimited
   uint64_t n_appended_ = 0;
   std::unique_ptr<session::SparseSession> core_;

@@ -1,5 +1,7 @@
 #include "service/session_memory.h"
 
+#include <malloc.h>
+
 #include <functional>
 
 #include "index/methods.h"
@@ -40,7 +42,12 @@ void MemoryBudget::Release(uint64_t bytes) {
 }
 
 LoadedIndex::~LoadedIndex() {
+  selectors.clear();
   if (budget != nullptr) budget->Release(bytes);
+  // The tables are the largest buffers a server frees; glibc would keep
+  // them in its arenas (RSS at the peak) until the decode reaper's next
+  // trim, which can run before the last session of a context is gone.
+  malloc_trim(0);
 }
 
 StatusOr<std::vector<std::unique_ptr<index::Selector>>> LoadContextIndex(

@@ -59,8 +59,9 @@ class MemoryBudget {
 };
 
 // The selectors of one (context, method), [layer * n_kv_heads + kv_head]:
-// the prototypes each session clones. Releases its bytes from the budget
-// when destroyed.
+// the prototypes each session clones. When destroyed (its last session
+// closed) it releases its bytes from the budget and returns the freed
+// memory to the OS (malloc_trim).
 struct LoadedIndex {
   std::vector<std::unique_ptr<index::Selector>> selectors;
   uint64_t bytes = 0;  // sum of MemoryBytes(): the tables

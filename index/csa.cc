@@ -52,30 +52,64 @@ inline bool Beats(float sa, int32_t ia, float sb, int32_t ib) {
   return sa > sb || (sa == sb && ia < ib);
 }
 
-void SiftDown(int32_t* ids, uint16_t* sc, int64_t L, int64_t i) {
-  const int32_t id = ids[i];
-  const uint16_t h = sc[i];
-  const float s = Half(h);
-  while (true) {
-    const int64_t l = 2 * i + 1;
-    if (l >= L) break;
-    int64_t worst = l;
-    float ws = Half(sc[l]);
-    if (l + 1 < L) {
-      const float rs = Half(sc[l + 1]);
-      if (Beats(ws, ids[l], rs, ids[l + 1])) {
-        worst = l + 1;
-        ws = rs;
-      }
+// Sorts a list worst entry first (ascending score, among equal scores the
+// higher id first): the order Build writes, and a heap with the worst entry
+// at the root. ids_ascending: the ids come in ascending order (the compact
+// loader's), which a stable radix sort on the fp16 order keys keeps for ties;
+// otherwise a comparison sort.
+void SortWorstFirst(int32_t* ids, uint16_t* sc, int64_t L, bool ids_ascending,
+                    std::vector<uint64_t>* a, std::vector<uint64_t>* b) {
+  if (!ids_ascending) {
+    bool sorted = true;
+    for (int64_t e = 1; e < L && sorted; ++e) {
+      sorted = Beats(Half(sc[e]), ids[e], Half(sc[e - 1]), ids[e - 1]);
     }
-    // Done once the worst child does not lose to the element.
-    if (!Beats(s, id, ws, ids[worst])) break;
-    ids[i] = ids[worst];
-    sc[i] = sc[worst];
-    i = worst;
+    if (sorted) return;
   }
-  ids[i] = id;
-  sc[i] = h;
+  a->resize(static_cast<size_t>(L));
+  b->resize(static_cast<size_t>(L));
+  for (int64_t e = 0; e < L; ++e) {
+    // Descending order key on top, then the payload.
+    const uint16_t h = sc[e] == 0x8000 ? 0 : sc[e];
+    const uint16_t key = static_cast<uint16_t>(
+        ~(h ^ (static_cast<uint16_t>(static_cast<int16_t>(h) >> 15) | 0x8000)));
+    (*a)[e] = (uint64_t{key} << 48) | (uint64_t{sc[e]} << 32) | static_cast<uint32_t>(ids[e]);
+  }
+  if (ids_ascending) {
+    for (int shift = 48; shift < 64; shift += 8) {
+      size_t count[257] = {};
+      for (uint64_t v : *a) ++count[((v >> shift) & 0xFF) + 1];
+      for (int k = 0; k < 256; ++k) count[k + 1] += count[k];
+      for (uint64_t v : *a) (*b)[count[(v >> shift) & 0xFF]++] = v;
+      a->swap(*b);
+    }
+    std::reverse(a->begin(), a->end());  // ascending key, ties: descending id
+  } else {
+    std::sort(a->begin(), a->end(), [](uint64_t x, uint64_t y) {
+      const uint16_t kx = static_cast<uint16_t>(x >> 48), ky = static_cast<uint16_t>(y >> 48);
+      if (kx != ky) return kx > ky;  // descending key: ascending score
+      return static_cast<int32_t>(x) > static_cast<int32_t>(y);
+    });
+  }
+  for (int64_t e = 0; e < L; ++e) {
+    ids[e] = static_cast<int32_t>(static_cast<uint32_t>((*a)[e]));
+    sc[e] = static_cast<uint16_t>((*a)[e] >> 32);
+  }
+}
+
+// Select() scratch, per thread: a session's selectors run one at a time on
+// its thread, so one dense accumulator serves them all.
+struct SearchScratch {
+  std::vector<float> acc;            // dense accumulator, zero between searches
+  std::vector<float> forced_acc;     // acc of the forced tokens
+  std::vector<float> centroid_sims;  // C
+  std::vector<int> order;            // C (backoff ranking)
+  std::vector<int32_t> topk_ids;
+  TopKScratch topk;
+};
+SearchScratch& Scratch() {
+  static thread_local SearchScratch scratch;
+  return scratch;
 }
 
 // acc[ids[e]] += w * scores[e] + bias for e < L.
@@ -358,6 +392,7 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
   }
 
   std::unique_ptr<CsaSelector> s(new CsaSelector());
+  auto t = std::make_shared<Tables>();
   s->options_ = o;
   s->d_ = d;
   s->n_tokens_ = n;
@@ -384,20 +419,20 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
     std::memcpy(Q.row(r).data(), p.queries + rows_idx[r] * d, sizeof(float) * d);
   }
 
-  s->key_mean_.assign(d, 0.0f);
+  t->key_mean.assign(d, 0.0f);
   if (o.center_keys) {
     // Row by row (contiguous), accumulated in double.
     Eigen::RowVectorXd sum = Eigen::RowVectorXd::Zero(d);
     for (int64_t i = 0; i < n; ++i) {
       sum += Eigen::Map<const Eigen::RowVectorXf>(p.keys + i * d, d).cast<double>();
     }
-    Eigen::Map<Eigen::RowVectorXf>(s->key_mean_.data(), d) =
+    Eigen::Map<Eigen::RowVectorXf>(t->key_mean.data(), d) =
         (sum / static_cast<double>(n)).cast<float>();
   }
-  s->centroids_.resize(static_cast<size_t>(m) * C * ds);
-  s->tail_mean_.assign(static_cast<size_t>(m) * C, 0.0f);
-  s->ids_.resize(static_cast<size_t>(m) * C * L);
-  s->scores_.resize(static_cast<size_t>(m) * C * L);
+  t->centroids.resize(static_cast<size_t>(m) * C * ds);
+  t->tail_mean.assign(static_cast<size_t>(m) * C, 0.0f);
+  t->ids.resize(static_cast<size_t>(m) * C * L);
+  t->scores.resize(static_cast<size_t>(m) * C * L);
   // Subspaces are independent: the pool's threads take them one at a time
   // (a nested call from a pool thread runs them all inline); every subspace
   // writes only its own slices.
@@ -421,7 +456,7 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
         continue;
       }
       const RowMatrixXf& cent = km->centroids;
-      std::memcpy(s->centroids_.data() + static_cast<size_t>(b) * C * ds, cent.data(),
+      std::memcpy(t->centroids.data() + static_cast<size_t>(b) * C * ds, cent.data(),
                   sizeof(float) * C * ds);
       // CSAttention §3.2 (2): s_j^b(i) = c_j^b . k_i^b for all centroids and keys,
       // kRowsPerGemm centroids at a time (the score rows stay in cache for
@@ -429,7 +464,7 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
       StridedMap Kb(p.keys + b * ds, n, ds, Eigen::OuterStride<>(d));
       Eigen::VectorXf shift = Eigen::VectorXf::Zero(C);
       if (o.center_keys) {
-        Eigen::Map<const Eigen::VectorXf> kbar(s->key_mean_.data() + b * ds, ds);
+        Eigen::Map<const Eigen::VectorXf> kbar(t->key_mean.data() + b * ds, ds);
         shift = cent * kbar;
       }
       constexpr int kRowsPerGemm = 16;
@@ -440,21 +475,18 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
         for (int r = 0; r < rows_j; ++r) {
           const int j = j0 + r;
           const int64_t off = s->ListOffset(b, j);
-          s->tail_mean_[b * C + j] = BuildList(S.row(r).data(), n, L, &scratch,
-                                               s->ids_.data() + off, s->scores_.data() + off);
+          t->tail_mean[b * C + j] = BuildList(S.row(r).data(), n, L, &scratch,
+                                               t->ids.data() + off, t->scores.data() + off);
         }
       }
     }
   });
   for (const Status& e : errs) RETURN_IF_ERROR(e);
+  s->n_base_ = n;
+  s->base_ = std::move(t);
   return s;
 }
 
-void CsaSelector::BuildHeap(int64_t list) {
-  int32_t* ids = ids_.data() + list * L_;
-  uint16_t* sc = scores_.data() + list * L_;
-  for (int64_t i = L_ / 2 - 1; i >= 0; --i) SiftDown(ids, sc, L_, i);
-}
 
 Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
   CsaOptions next = options_;
@@ -480,8 +512,9 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
                             std::vector<float>* logits, double* log_normalizer, WorkStats* stats) {
   const int m = options_.m, C = options_.C, ds = sub_dim();
   const int64_t n = n_tokens_;
-  if (static_cast<int64_t>(acc_.size()) != n) acc_.assign(n, 0.0f);
-  centroid_sims_.resize(C);
+  SearchScratch& ss = Scratch();
+  if (static_cast<int64_t>(ss.acc.size()) != n) ss.acc.assign(n, 0.0f);
+  ss.centroid_sims.resize(C);
   int64_t lists = 0;
   float norm_sum = 0;
   for (int b = 0; b < m; ++b) {
@@ -492,31 +525,32 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
     if (!(norm > 0)) continue;  // a zero sub-query carries no signal
     // CSAttention §3.3 (1): nearest centroid by cosine (centroids are unit).
     Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
-    Eigen::Map<Eigen::VectorXf> sims(centroid_sims_.data(), C);
+    Eigen::Map<Eigen::VectorXf> sims(ss.centroid_sims.data(), C);
     sims.noalias() = cent * qv;
     int best = 0;
     for (int j = 1; j < C; ++j) {
-      if (centroid_sims_[j] > centroid_sims_[best]) best = j;
+      if (ss.centroid_sims[j] > ss.centroid_sims[best]) best = j;
     }
     const float w = options_.norm_weights ? norm : 1.0f;
-    auto weight = [&](int j) { return options_.proj_weights ? centroid_sims_[j] : w; };
+    auto weight = [&](int j) { return options_.proj_weights ? ss.centroid_sims[j] : w; };
     // With impute_min, entries add w * (V - min_b); the heap root is min_b.
     auto accumulate = [&](int j, float wj) {
-      const float missing = options_.impute_tail_mean ? tail_mean_[b * C + j]
-                            : options_.impute_min     ? Half(list_scores(b, j)[0])
+      const int64_t list = static_cast<int64_t>(b) * C + j;
+      const float missing = options_.impute_tail_mean ? base_->tail_mean[list]
+                            : options_.impute_min     ? WorstScore(list)
                                                       : 0.0f;
       const float bias = -wj * missing;
-      AccumulateList(list_ids(b, j), list_scores(b, j), L_, wj, bias, acc_.data());
+      AccumulateCurrent(list, wj, bias, ss.acc.data());
     };
-    if (options_.tau > 1 && centroid_sims_[best] / norm < options_.backoff_cos) {
+    if (options_.tau > 1 && ss.centroid_sims[best] / norm < options_.backoff_cos) {
       // Backoff (seed 004 §4.4): the top-tau centroids, averaged.
       const int tau = std::min(options_.tau, C);
-      std::vector<int>& all = order_scratch_;
+      std::vector<int>& all = ss.order;
       all.resize(C);
       std::iota(all.begin(), all.end(), 0);
       std::partial_sort(all.begin(), all.begin() + tau, all.end(), [&](int a, int c) {
-        return centroid_sims_[a] > centroid_sims_[c] ||
-               (centroid_sims_[a] == centroid_sims_[c] && a < c);
+        return ss.centroid_sims[a] > ss.centroid_sims[c] ||
+               (ss.centroid_sims[a] == ss.centroid_sims[c] && a < c);
       });
       for (int t = 0; t < tau; ++t) {
         accumulate(all[t], weight(all[t]) / tau);
@@ -540,19 +574,19 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
   // their mean. Forced tokens keep their accumulated estimate.
   const float to_logit = (options_.norm_weights || options_.proj_weights ? 1.0f : norm_sum / m) /
                          std::sqrt(static_cast<float>(d_));
-  std::vector<float>& forced_acc = forced_acc_;
+  std::vector<float>& forced_acc = ss.forced_acc;
   forced_acc.clear();
   // The normalizer over every token's estimate (tokens in no gathered list
   // keep their imputed value), before the forced tokens are masked.
-  if (log_normalizer) *log_normalizer = LogSumExp(acc_.data(), n, to_logit);
-  for (int32_t i : forced) forced_acc.push_back(acc_[i]);
+  if (log_normalizer) *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
+  for (int32_t i : forced) forced_acc.push_back(ss.acc[i]);
   if (k > static_cast<int64_t>(forced.size())) {
-    for (int32_t i : forced) acc_[i] = -std::numeric_limits<float>::infinity();
-    SelectTopK(acc_.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
-               &topk_ids_, &topk_scratch_);
+    for (int32_t i : forced) ss.acc[i] = -std::numeric_limits<float>::infinity();
+    SelectTopK(ss.acc.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
+               &ss.topk_ids, &ss.topk);
     std::vector<int32_t> merged;
-    merged.reserve(forced.size() + topk_ids_.size());
-    std::merge(forced.begin(), forced.end(), topk_ids_.begin(), topk_ids_.end(),
+    merged.reserve(forced.size() + ss.topk_ids.size());
+    std::merge(forced.begin(), forced.end(), ss.topk_ids.begin(), ss.topk_ids.end(),
                std::back_inserter(merged));
     *selected = std::move(merged);
   }
@@ -562,11 +596,11 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
     const int64_t n_forced_head = n_sinks;
     for (int32_t id : *selected) {
       const bool is_forced = id < n_forced_head || id >= recent_start;
-      float a = is_forced ? forced_acc[f++] : acc_[id];
+      float a = is_forced ? forced_acc[f++] : ss.acc[id];
       logits->push_back(a * to_logit);
     }
   }
-  std::fill(acc_.begin(), acc_.end(), 0.0f);
+  std::fill(ss.acc.begin(), ss.acc.end(), 0.0f);
   if (stats) {
     stats->entries_touched += static_cast<uint64_t>(lists) * L_ + static_cast<uint64_t>(m) * C;
     stats->bytes_touched += static_cast<uint64_t>(lists) * L_ * kEntryBytes +
@@ -618,27 +652,128 @@ Status CsaSelector::Append(const float* key, const float* /*value*/, const float
   if (n_tokens_ >= INT32_MAX) return ResourceExhaustedError("csa: token ids exhausted");
   const int m = options_.m, C = options_.C, ds = sub_dim();
   const int32_t id = static_cast<int32_t>(n_tokens_);
-  centroid_sims_.resize(C);
+  const Tables& t = *base_;
+  std::vector<float>& sims_v = Scratch().centroid_sims;
+  sims_v.resize(C);
+  views_.clear();
+  if (overlay_.lists.empty()) overlay_.lists.resize(static_cast<size_t>(m) * C);
+  // Heap of appended entries with the worst in front: "less" is Beats.
+  auto live_less = [](const Entry& x, const Entry& y) {
+    return Beats(Half(x.score), x.id, Half(y.score), y.id);
+  };
   for (int b = 0; b < m; ++b) {
     Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
     Eigen::Map<const Eigen::VectorXf> kb(key + b * ds, ds);
-    Eigen::Map<Eigen::VectorXf> sims(centroid_sims_.data(), C);
-    Eigen::Map<const Eigen::VectorXf> kbar(key_mean_.data() + b * ds, ds);
+    Eigen::Map<Eigen::VectorXf> sims(sims_v.data(), C);
+    Eigen::Map<const Eigen::VectorXf> kbar(t.key_mean.data() + b * ds, ds);
     sims.noalias() = cent * kb - cent * kbar;
     for (int j = 0; j < C; ++j) {
-      const uint16_t h = FloatToHalf(centroid_sims_[j]);
-      const int64_t off = ListOffset(b, j);
+      const uint16_t h = FloatToHalf(sims_v[j]);
+      const int64_t list = static_cast<int64_t>(b) * C + j;
       // Try-insert (§3.3 (5)): the new id is the largest, so it must beat the
-      // root's score strictly.
-      if (Half(h) > Half(scores_[off])) {
-        ids_[off] = id;
-        scores_[off] = h;
-        SiftDown(ids_.data() + off, scores_.data() + off, L_, 0);
+      // worst entry's score strictly; it replaces that entry.
+      if (!(Half(h) > WorstScore(list))) continue;
+      ListOverlay& o = overlay_.lists[static_cast<size_t>(list)];
+      const int64_t off = list * L_;
+      const bool worst_is_base =
+          o.n_evicted < L_ &&
+          (o.live.empty() || !Beats(Half(t.scores[off + o.n_evicted]), t.ids[off + o.n_evicted],
+                                    Half(o.live.front().score), o.live.front().id));
+      if (worst_is_base) {
+        ++o.n_evicted;
+      } else {
+        std::pop_heap(o.live.begin(), o.live.end(), live_less);
+        o.live.pop_back();
       }
+      o.live.push_back(Entry{id, h});
+      std::push_heap(o.live.begin(), o.live.end(), live_less);
     }
   }
   ++n_tokens_;
   return Status::OK();
+}
+
+float CsaSelector::WorstScore(int64_t list) const {
+  const Tables& t = *base_;
+  const int64_t off = list * L_;
+  const ListOverlay* o = overlay(list);
+  if (o == nullptr) return Half(t.scores[off]);
+  if (o->live.empty()) return Half(t.scores[off + o->n_evicted]);
+  const float ls = Half(o->live.front().score);
+  if (o->n_evicted >= L_) return ls;
+  const int64_t e = off + o->n_evicted;
+  const float bs = Half(t.scores[e]);
+  return Beats(bs, t.ids[e], ls, o->live.front().id) ? ls : bs;
+}
+
+void CsaSelector::MaterializeList(int64_t list, std::vector<int32_t>* ids,
+                                  std::vector<uint16_t>* sc) const {
+  const Tables& t = *base_;
+  const int64_t off = list * L_;
+  const ListOverlay* o = overlay(list);
+  const int64_t k = o ? o->n_evicted : 0;
+  std::vector<Entry> all;
+  all.reserve(static_cast<size_t>(L_));
+  for (int64_t e = off + k; e < off + L_; ++e) all.push_back(Entry{t.ids[e], t.scores[e]});
+  if (o != nullptr) all.insert(all.end(), o->live.begin(), o->live.end());
+  // Worst first: a before c when c beats a.
+  std::sort(all.begin(), all.end(), [](const Entry& a, const Entry& c) {
+    return Beats(Half(c.score), c.id, Half(a.score), a.id);
+  });
+  ids->resize(all.size());
+  sc->resize(all.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    (*ids)[i] = all[i].id;
+    (*sc)[i] = all[i].score;
+  }
+}
+
+void CsaSelector::ListView(int64_t list, std::vector<int32_t>* ids, std::vector<uint16_t>* sc,
+                           const int32_t** ids_out, const uint16_t** sc_out) const {
+  if (overlay(list) == nullptr) {
+    *ids_out = base_->ids.data() + list * L_;
+    *sc_out = base_->scores.data() + list * L_;
+    return;
+  }
+  MaterializeList(list, ids, sc);
+  *ids_out = ids->data();
+  *sc_out = sc->data();
+}
+
+void CsaSelector::AccumulateCurrent(int64_t list, float w, float bias, float* acc) const {
+  const int32_t* ids = base_->ids.data() + list * L_;
+  const uint16_t* sc = base_->scores.data() + list * L_;
+  const ListOverlay* o = overlay(list);
+  if (o == nullptr) {
+    AccumulateList(ids, sc, L_, w, bias, acc);
+    return;
+  }
+  // The base entries still in the list follow the n_evicted pushed out; the
+  // appended ones add what AccumulateList adds (a fused multiply-add).
+  const int64_t k = o->n_evicted;
+  AccumulateList(ids + k, sc + k, L_ - k, w, bias, acc);
+  for (const Entry& e : o->live) acc[e.id] += std::fma(Half(e.score), w, bias);
+}
+
+const int32_t* CsaSelector::list_ids(int b, int j) const {
+  const int64_t list = static_cast<int64_t>(b) * options_.C + j;
+  if (overlay(list) == nullptr) return base_->ids.data() + list * L_;
+  for (const auto& v : views_) {
+    if (v.first == list) return v.second.first.data();
+  }
+  views_.emplace_back(list, std::pair<std::vector<int32_t>, std::vector<uint16_t>>());
+  MaterializeList(list, &views_.back().second.first, &views_.back().second.second);
+  return views_.back().second.first.data();
+}
+
+const uint16_t* CsaSelector::list_scores(int b, int j) const {
+  const int64_t list = static_cast<int64_t>(b) * options_.C + j;
+  if (overlay(list) == nullptr) return base_->scores.data() + list * L_;
+  list_ids(b, j);
+  for (const auto& v : views_) {
+    if (v.first == list) return v.second.second.data();
+  }
+  return nullptr;  // unreachable: list_ids materialized it
 }
 
 namespace {
@@ -785,31 +920,46 @@ bool GetOptions(ByteReader* r, CsaOptions* o) {
 void CsaSelector::SerializePlain(std::string* out) const {
   out->clear();
   ByteWriter w(out);
+  const Tables& t = *base_;
   w.PutHeader("CSAP", kPlainVersion);
   PutOptions(&w, options_);
   w.Put<int32_t>(d_);
   w.Put<int64_t>(n_tokens_);
   w.Put<int64_t>(n_built_);
   w.Put<int64_t>(L_);
-  w.PutArray(centroids_.data(), centroids_.size());
-  w.PutArray(key_mean_.data(), key_mean_.size());
-  w.PutArray(tail_mean_.data(), tail_mean_.size());
-  w.PutArray(ids_.data(), ids_.size());
-  w.PutArray(scores_.data(), scores_.size());
+  w.PutArray(t.centroids.data(), t.centroids.size());
+  w.PutArray(t.key_mean.data(), t.key_mean.size());
+  w.PutArray(t.tail_mean.data(), t.tail_mean.size());
+  if (overlay_.lists.empty()) {
+    w.PutArray(t.ids.data(), t.ids.size());
+    w.PutArray(t.scores.data(), t.scores.size());
+    return;
+  }
+  std::vector<int32_t> ids(t.ids.size());
+  std::vector<uint16_t> scores(t.scores.size()), list_sc;
+  std::vector<int32_t> list_ids;
+  for (int64_t l = 0; l < static_cast<int64_t>(options_.m) * options_.C; ++l) {
+    MaterializeList(l, &list_ids, &list_sc);
+    std::copy(list_ids.begin(), list_ids.end(), ids.begin() + l * L_);
+    std::copy(list_sc.begin(), list_sc.end(), scores.begin() + l * L_);
+  }
+  w.PutArray(ids.data(), ids.size());
+  w.PutArray(scores.data(), scores.size());
 }
 
 void CsaSelector::SerializeCompact(std::string* out) const {
   out->clear();
   ByteWriter w(out);
+  const Tables& t = *base_;
   w.PutHeader("CSAC", kCompactVersion);
   PutOptions(&w, options_);
   w.Put<int32_t>(d_);
   w.Put<int64_t>(n_tokens_);
   w.Put<int64_t>(n_built_);
   w.Put<int64_t>(L_);
-  w.PutArray(centroids_.data(), centroids_.size());
-  w.PutArray(key_mean_.data(), key_mean_.size());
-  w.PutArray(tail_mean_.data(), tail_mean_.size());
+  w.PutArray(t.centroids.data(), t.centroids.size());
+  w.PutArray(t.key_mean.data(), t.key_mean.size());
+  w.PutArray(t.tail_mean.data(), t.tail_mean.size());
   w.Put<uint8_t>(kCompactScoreBits);
   const int levels = CodebookLevels(kCompactScoreBits, L_);
   // Sorting by id and by score without comparison sorts (they were most of
@@ -824,10 +974,13 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   std::vector<float> book_f(levels);
   std::vector<uint8_t> bitmap((n_tokens_ + 7) / 8);
   std::vector<uint8_t> packed((L_ * kCompactScoreBits + 7) / 8);
+  std::vector<int32_t> view_ids;
+  std::vector<uint16_t> view_sc;
   const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
   for (int64_t l = 0; l < n_lists; ++l) {
-    const int32_t* ids = ids_.data() + l * L_;
-    const uint16_t* sc = scores_.data() + l * L_;
+    const int32_t* ids = nullptr;
+    const uint16_t* sc = nullptr;
+    ListView(l, &view_ids, &view_sc, &ids, &sc);
     for (int64_t e = 0; e < L_; ++e) {
       seen[static_cast<size_t>(ids[e]) >> 6] |= uint64_t{1} << (ids[e] & 63);
       score_of[static_cast<size_t>(ids[e])] = sc[e];
@@ -882,6 +1035,8 @@ Status CsaSelector::Serialize(std::string* out) const {
 
 Status CsaSelector::ReadTables(std::string_view bytes) {
   ByteReader r(bytes);
+  auto t = std::make_shared<Tables>();
+  std::vector<uint64_t> sort_a, sort_b;  // SortWorstFirst scratch
   const bool compact = bytes.substr(0, 4) == "CSAC";
   uint32_t version = 0;
   RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", compact ? kCompactVersion : kPlainVersion,
@@ -899,16 +1054,16 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
   const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
   const size_t n_cent = static_cast<size_t>(options_.C) * d_;
   if (n_cent * sizeof(float) > r.remaining()) return loss("truncated centroids");
-  centroids_.resize(n_cent);
-  if (!r.GetArray(centroids_.data(), n_cent)) return loss("truncated centroids");
-  key_mean_.resize(d_);
-  if (!r.GetArray(key_mean_.data(), d_) || HasNonFinite(key_mean_.data(), d_) ||
-      HasNonFinite(centroids_.data(), n_cent)) {
+  t->centroids.resize(n_cent);
+  if (!r.GetArray(t->centroids.data(), n_cent)) return loss("truncated centroids");
+  t->key_mean.resize(d_);
+  if (!r.GetArray(t->key_mean.data(), d_) || HasNonFinite(t->key_mean.data(), d_) ||
+      HasNonFinite(t->centroids.data(), n_cent)) {
     return loss("bad centroids or key mean");
   }
-  tail_mean_.resize(static_cast<size_t>(options_.m) * options_.C);
-  if (!r.GetArray(tail_mean_.data(), tail_mean_.size()) ||
-      HasNonFinite(tail_mean_.data(), tail_mean_.size())) {
+  t->tail_mean.resize(static_cast<size_t>(options_.m) * options_.C);
+  if (!r.GetArray(t->tail_mean.data(), t->tail_mean.size()) ||
+      HasNonFinite(t->tail_mean.data(), t->tail_mean.size())) {
     return loss("bad list tail means");
   }
   const uint64_t entries = static_cast<uint64_t>(n_lists) * L_;
@@ -921,14 +1076,18 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
   } else if (entries > r.remaining()) {
     return loss("truncated lists");  // >= 1 byte per entry
   }
-  ids_.resize(entries);
-  scores_.resize(entries);
+  t->ids.resize(entries);
+  t->scores.resize(entries);
   if (!compact) {
-    if (!r.GetArray(ids_.data(), entries) || !r.GetArray(scores_.data(), entries)) {
+    if (!r.GetArray(t->ids.data(), entries) || !r.GetArray(t->scores.data(), entries)) {
       return loss("truncated lists");
     }
-    for (int32_t id : ids_) {
+    for (int32_t id : t->ids) {
       if (id < 0 || id >= n_tokens_) return loss("list id out of range");
+    }
+    for (int64_t l = 0; l < n_lists; ++l) {
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/false, &sort_a, &sort_b);
     }
   } else if (version >= 2) {
     const int levels = CodebookLevels(bits, L_);
@@ -939,7 +1098,7 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
     std::vector<uint8_t> packed((L_ * bits + 7) / 8);
     for (int64_t l = 0; l < n_lists; ++l) {
-      int32_t* ids = ids_.data() + l * L_;
+      int32_t* ids = t->ids.data() + l * L_;
       uint8_t coding = 0;
       if (!r.Get(&coding)) return loss("truncated lists");
       if (coding == kIdsBitmap) {
@@ -975,13 +1134,14 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
         if (!std::isfinite(Half(h))) return loss("bad score codebook");
       }
       if (!r.GetArray(packed.data(), packed.size())) return loss("truncated scores");
-      uint16_t* sc = scores_.data() + l * L_;
+      uint16_t* sc = t->scores.data() + l * L_;
       for (int64_t e = 0; e < L_; ++e) {
         const int code = (packed[e >> 1] >> (4 * (e & 1))) & 0xf;
         if (code >= levels) return loss("bad score code");
         sc[e] = book[code];
       }
-      BuildHeap(l);
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/true, &sort_a, &sort_b);
     }
   } else {
     std::vector<uint8_t> q(L_);
@@ -999,15 +1159,18 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
           return loss("bad list ids");
         }
         prev += static_cast<int64_t>(delta);
-        ids_[l * L_ + e] = static_cast<int32_t>(prev);
+        t->ids[l * L_ + e] = static_cast<int32_t>(prev);
       }
       if (!r.GetArray(q.data(), L_)) return loss("truncated scores");
       const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
-      for (int64_t e = 0; e < L_; ++e) scores_[l * L_ + e] = FloatToHalf(lo + q[e] * step);
-      BuildHeap(l);
+      for (int64_t e = 0; e < L_; ++e) t->scores[l * L_ + e] = FloatToHalf(lo + q[e] * step);
+      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
+                     /*ids_ascending=*/true, &sort_a, &sort_b);
     }
   }
   if (r.remaining() != 0) return loss("trailing bytes");
+  n_base_ = n_tokens_;
+  base_ = std::move(t);
   return Status::OK();
 }
 
@@ -1022,13 +1185,29 @@ std::unique_ptr<Selector> CsaSelector::Clone() const {
 }
 
 uint64_t CsaSelector::MemoryBytes() const {
-  return (centroids_.size() + key_mean_.size() + tail_mean_.size()) * sizeof(float) +
-         ids_.size() * sizeof(int32_t) + scores_.size() * sizeof(uint16_t) +
-         acc_.capacity() * sizeof(float);
+  return TableBytes() + SessionBytes();
+}
+
+uint64_t CsaSelector::TableBytes() const {
+  const Tables& t = *base_;
+  return (t.centroids.size() + t.key_mean.size() + t.tail_mean.size()) * sizeof(float) +
+         t.ids.size() * sizeof(int32_t) + t.scores.size() * sizeof(uint16_t);
+}
+
+uint64_t CsaSelector::SessionBytes() const {
+  uint64_t bytes = sizeof(*this) + overlay_.lists.capacity() * sizeof(ListOverlay);
+  for (const auto& o : overlay_.lists) bytes += o.live.capacity() * sizeof(Entry);
+  for (const auto& h : last_per_head_) bytes += h.capacity() * sizeof(int32_t);
+  for (const auto& v : views_) {
+    bytes += v.second.first.capacity() * sizeof(int32_t) +
+             v.second.second.capacity() * sizeof(uint16_t);
+  }
+  return bytes;
 }
 
 double CsaSelector::PlainBytesPerToken() const {
-  return static_cast<double>(ids_.size() * kEntryBytes + centroids_.size() * sizeof(float)) /
+  return static_cast<double>(base_->ids.size() * kEntryBytes +
+                             base_->centroids.size() * sizeof(float)) /
          static_cast<double>(n_tokens_);
 }
 

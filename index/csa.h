@@ -52,8 +52,22 @@
 //           values. Version 1 (8-bit scores between the list's min and max,
 //           delta varint ids) is still read.
 //
-// Thread-safety: as Selector: Select() uses per-instance scratch and schedule
-// state, so one instance per session (Clone()).
+// Sharing (issue #19): the tables (centroids, means, lists) are immutable
+// once built or loaded and are shared by Clone()s through a
+// shared_ptr<const>; a clone costs a few hundred bytes. The lists are kept
+// sorted worst entry first (Build writes them so; Load sorts them), which is
+// also a valid heap. Per-instance state is the retrieval options, the
+// search-period schedule and an overlay of the tokens appended to this
+// instance: per list the appended entries it holds (8 bytes each) and how
+// many of its worst base entries they pushed out. A list is always the top L
+// of its base and appended entries, as when the heaps were rewritten in
+// place, so selections are the same; list_ids() and the serialized forms
+// give each list sorted worst first. Select() scratch (the dense
+// accumulator) is per thread, not per instance.
+//
+// Thread-safety: as Selector: Select() and Append() mutate per-instance
+// schedule and overlay state, so one instance per session (Clone()).
+// Distinct instances sharing tables may run on any threads.
 #pragma once
 
 #include <cstdint>
@@ -164,13 +178,24 @@ class CsaSelector final : public Selector {
   int64_t L() const { return L_; }
   int sub_dim() const { return d_ / options_.m; }
   // Centroid (b, j): sub_dim floats, unit norm.
-  const std::vector<float>& key_mean() const { return key_mean_; }
+  const std::vector<float>& key_mean() const { return base_->key_mean; }
   const float* centroid(int b, int j) const {
-    return centroids_.data() + (static_cast<int64_t>(b) * options_.C + j) * sub_dim();
+    return base_->centroids.data() + (static_cast<int64_t>(b) * options_.C + j) * sub_dim();
   }
-  // List (b, j): L ids and fp16 scores, in heap order (worst entry first).
-  const int32_t* list_ids(int b, int j) const { return ids_.data() + ListOffset(b, j); }
-  const uint16_t* list_scores(int b, int j) const { return scores_.data() + ListOffset(b, j); }
+  // List (b, j): L ids and fp16 scores, worst entry first (a heap; sorted),
+  // including appended tokens. Inspection: a list this instance appended
+  // into is materialized into a per-instance copy, valid until the next
+  // Append().
+  const int32_t* list_ids(int b, int j) const;
+  const uint16_t* list_scores(int b, int j) const;
+
+  // Bytes of this instance's own state (options, schedule, overlay), not
+  // counting the shared tables (TableBytes()).
+  uint64_t SessionBytes() const override;
+  // Bytes of the shared tables.
+  uint64_t TableBytes() const;
+  // True when both instances read the same table memory.
+  bool SharesTablesWith(const CsaSelector& other) const { return base_ == other.base_; }
 
   // Table bytes per covered token: plain (int32 + fp16 per entry, plus
   // centroids) and compact (actual encoded size).
@@ -178,9 +203,47 @@ class CsaSelector final : public Selector {
   double CompactBytesPerToken() const;
 
  private:
+  // The immutable tables, shared by clones.
+  struct Tables {
+    std::vector<float> centroids;  // m * C * sub_dim
+    std::vector<float> key_mean;   // d: subtracted from keys before scoring (zeros if !center)
+    std::vector<float> tail_mean;  // m * C: mean build score of keys outside each list
+    std::vector<int32_t> ids;      // m * C * L, each list a heap (worst entry first)
+    std::vector<uint16_t> scores;  // m * C * L (fp16)
+  };
+  // One list's appended state. Base lists are kept sorted worst first (a
+  // sorted array is also a heap with the worst entry at the root), so the
+  // base entries appended tokens pushed out are its first n_evicted.
+  struct Entry {
+    int32_t id;
+    uint16_t score;  // fp16
+  };
+  struct ListOverlay {
+    uint32_t n_evicted = 0;    // base entries pushed out: the first n_evicted
+    std::vector<Entry> live;   // heap (worst first) of the appended entries in the list
+  };
+  // Per-list overlays: empty until the first Append, then m * C.
+  struct Overlay {
+    std::vector<ListOverlay> lists;
+  };
+
   CsaSelector() = default;
   int64_t ListOffset(int b, int j) const { return (static_cast<int64_t>(b) * options_.C + j) * L_; }
-  void BuildHeap(int64_t list);
+  const ListOverlay* overlay(int64_t list) const {
+    if (overlay_.lists.empty()) return nullptr;
+    const ListOverlay& o = overlay_.lists[static_cast<size_t>(list)];
+    return o.live.empty() && o.n_evicted == 0 ? nullptr : &o;
+  }
+  // Score of the worst entry of `list` (base and overlay).
+  float WorstScore(int64_t list) const;
+  // The list's current entries, sorted worst first.
+  void MaterializeList(int64_t list, std::vector<int32_t>* ids, std::vector<uint16_t>* sc) const;
+  // Pointers to list `list`, worst first: the base arrays, or materialized
+  // into *ids / *sc when the list has an overlay.
+  void ListView(int64_t list, std::vector<int32_t>* ids, std::vector<uint16_t>* sc,
+                const int32_t** ids_out, const uint16_t** sc_out) const;
+  // acc[id] += fma(score, w, bias) over the list's current entries.
+  void AccumulateCurrent(int64_t list, float w, float bias, float* acc) const;
   // logits and log_normalizer may be null: the estimated logits of the
   // selected tokens and log sum_i exp over every covered token's estimate.
   void SearchOne(const float* q, std::vector<int32_t>* selected, std::vector<float>* logits,
@@ -191,20 +254,15 @@ class CsaSelector final : public Selector {
   int d_ = 0;
   int64_t n_tokens_ = 0;  // covered tokens, including appended ones
   int64_t n_built_ = 0;   // tokens at build time
+  int64_t n_base_ = 0;    // tokens the shared tables cover
   int64_t L_ = 0;
-  std::vector<float> centroids_;  // m * C * sub_dim
-  std::vector<float> key_mean_;   // d: subtracted from keys before scoring (zeros if !center)
-  std::vector<float> tail_mean_;  // m * C: mean build score of keys outside each list
-  std::vector<int32_t> ids_;      // m * C * L
-  std::vector<uint16_t> scores_;  // m * C * L (fp16)
+  std::shared_ptr<const Tables> base_;
+  Overlay overlay_;
+  // list -> materialized (ids, scores), for list_ids()/list_scores().
+  mutable std::vector<std::pair<int64_t, std::pair<std::vector<int32_t>, std::vector<uint16_t>>>>
+      views_;
 
-  // Per-session state and scratch (not serialized).
-  std::vector<float> acc_;            // dense accumulator, n_tokens_
-  std::vector<float> forced_acc_;     // scratch: acc of the forced tokens
-  std::vector<float> centroid_sims_;  // C
-  std::vector<int> order_scratch_;    // C (backoff ranking)
-  std::vector<int32_t> topk_ids_;
-  TopKScratch topk_scratch_;
+  // Search-period schedule (per instance).
   int64_t budget_ = 0;  // SelectInput.budget of the current search
   int steps_since_search_ = 0;
   int64_t n_at_last_search_ = 0;

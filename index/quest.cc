@@ -43,12 +43,13 @@ StatusOr<std::unique_ptr<QuestSelector>> QuestSelector::Build(const float* keys,
   for (int64_t i = 0; i < n_tokens; ++i) {
     RETURN_IF_ERROR(sel->Append(keys + i * head_dim, nullptr, nullptr));
   }
+  sel->Share();
   return sel;
 }
 
 float QuestSelector::PageScore(const float* q, int64_t page) const {
-  const float* mn = page_min_.data() + page * head_dim_;
-  const float* mx = page_max_.data() + page * head_dim_;
+  const float* mn = PageMin(page);
+  const float* mx = PageMax(page);
   float s = 0;
   for (int j = 0; j < head_dim_; ++j) s += std::max(q[j] * mn[j], q[j] * mx[j]);
   return s;
@@ -108,6 +109,14 @@ Status QuestSelector::Append(const float* key, const float*, const float*) {
   if (key == nullptr) return InvalidArgumentError("quest: key must not be null");
   if (n_tokens_ >= INT32_MAX - 1) return OutOfRangeError("quest: too many tokens");
   const int d = head_dim_;
+  if (n_tokens_ % options_.page_size != 0 && page_min_.empty()) {
+    // The partial last page is shared: this instance takes its own copy.
+    --n_base_pages_;
+    const float* mn = base_->min.data() + n_base_pages_ * d;
+    const float* mx = base_->max.data() + n_base_pages_ * d;
+    page_min_.assign(mn, mn + d);
+    page_max_.assign(mx, mx + d);
+  }
   if (n_tokens_ % options_.page_size == 0) {
     page_min_.insert(page_min_.end(), key, key + d);
     page_max_.insert(page_max_.end(), key, key + d);
@@ -131,9 +140,27 @@ Status QuestSelector::Serialize(std::string* out) const {
   w.Put<int32_t>(head_dim_);
   w.Put<int32_t>(options_.page_size);
   w.Put<double>(options_.rho);
-  PutVector(&w, page_min_);
-  PutVector(&w, page_max_);
+  const size_t shared = static_cast<size_t>(n_base_pages_) * head_dim_;
+  std::vector<float> mn(base_->min.begin(), base_->min.begin() + shared);
+  std::vector<float> mx(base_->max.begin(), base_->max.begin() + shared);
+  mn.insert(mn.end(), page_min_.begin(), page_min_.end());
+  mx.insert(mx.end(), page_max_.begin(), page_max_.end());
+  PutVector(&w, mn);
+  PutVector(&w, mx);
   return Status::OK();
+}
+
+void QuestSelector::Share() {
+  auto pages = std::make_shared<Pages>();
+  const size_t shared = static_cast<size_t>(n_base_pages_) * head_dim_;
+  pages->min.assign(base_->min.begin(), base_->min.begin() + shared);
+  pages->max.assign(base_->max.begin(), base_->max.begin() + shared);
+  pages->min.insert(pages->min.end(), page_min_.begin(), page_min_.end());
+  pages->max.insert(pages->max.end(), page_max_.begin(), page_max_.end());
+  n_base_pages_ = static_cast<int64_t>(pages->min.size()) / head_dim_;
+  base_ = std::move(pages);
+  page_min_ = {};
+  page_max_ = {};
 }
 
 StatusOr<std::unique_ptr<QuestSelector>> QuestSelector::Load(std::string_view bytes) {
@@ -159,6 +186,7 @@ StatusOr<std::unique_ptr<QuestSelector>> QuestSelector::Load(std::string_view by
     return DataLossError("quest: truncated or oversized artifact");
   }
   sel->n_tokens_ = n;
+  sel->Share();
   return sel;
 }
 
@@ -167,6 +195,12 @@ std::unique_ptr<Selector> QuestSelector::Clone() const {
 }
 
 uint64_t QuestSelector::MemoryBytes() const {
+  return sizeof(*this) + (page_min_.capacity() + page_max_.capacity() + base_->min.size() +
+                           base_->max.size()) *
+                              sizeof(float);
+}
+
+uint64_t QuestSelector::SessionBytes() const {
   return sizeof(*this) + (page_min_.capacity() + page_max_.capacity()) * sizeof(float);
 }
 

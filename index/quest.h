@@ -46,8 +46,11 @@ class QuestSelector final : public Selector {
   Status Serialize(std::string* out) const override;
   std::unique_ptr<Selector> Clone() const override;
   uint64_t MemoryBytes() const override;
+  uint64_t SessionBytes() const override;
 
-  int64_t n_pages() const { return static_cast<int64_t>(page_min_.size()) / head_dim_; }
+  int64_t n_pages() const {
+    return n_base_pages_ + static_cast<int64_t>(page_min_.size()) / head_dim_;
+  }
   // U(page) for query q (head_dim floats).
   float PageScore(const float* q, int64_t page) const;
   const QuestOptions& options() const { return options_; }
@@ -59,8 +62,25 @@ class QuestSelector final : public Selector {
   int64_t n_tokens_ = 0;
   int head_dim_;
   QuestOptions options_;
-  std::vector<float> page_min_;  // n_pages * d
-  std::vector<float> page_max_;  // n_pages * d
+  // Pages [0, n_base_pages_) come from the tables shared by clones; the
+  // pages after them (appended, or the partial last page once a token joins
+  // it) are this instance's own.
+  struct Pages {
+    std::vector<float> min, max;  // n * d each
+  };
+  void Share();  // moves the own pages into fresh shared tables
+  const float* PageMin(int64_t page) const {
+    return page < n_base_pages_ ? base_->min.data() + page * head_dim_
+                                : page_min_.data() + (page - n_base_pages_) * head_dim_;
+  }
+  const float* PageMax(int64_t page) const {
+    return page < n_base_pages_ ? base_->max.data() + page * head_dim_
+                                : page_max_.data() + (page - n_base_pages_) * head_dim_;
+  }
+  std::shared_ptr<const Pages> base_ = std::make_shared<const Pages>();
+  int64_t n_base_pages_ = 0;
+  std::vector<float> page_min_;  // own pages * d
+  std::vector<float> page_max_;  // own pages * d
 };
 
 StatusOr<QuestOptions> ParseQuestParams(const MethodParams& params);

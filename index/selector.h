@@ -10,7 +10,9 @@
 // borrowed for the duration of the call only.
 // Thread-safety: a Selector is NOT safe for concurrent mutation; Select() may
 // mutate per-session state (search-period schedules, LFPS tables). Use one
-// instance per session (Clone() is cheap relative to a rebuild), or guard it.
+// instance per session (Clone(): csa, tactic and quest clones share their
+// immutable tables, so a clone costs SessionBytes()), or guard it. Clones
+// sharing tables may be used on different threads.
 #pragma once
 
 #include <cstdint>
@@ -136,6 +138,12 @@ class Selector {
 
   // In-memory size of the index tables, in bytes.
   virtual uint64_t MemoryBytes() const = 0;
+
+  // Bytes this instance holds that its Clone()s do not share with it: the
+  // per-session state (schedules, appended tokens, overlays). Methods whose
+  // clones share their tables (csa, tactic, quest) count only their own
+  // part. Default: MemoryBytes() (nothing shared).
+  virtual uint64_t SessionBytes() const { return MemoryBytes(); }
 };
 
 // Builds the selector `method` from prefill data.

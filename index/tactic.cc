@@ -200,21 +200,22 @@ Status TacticSelector::AddClusters(const float* keys, int64_t n, int32_t first_i
   std::vector<int64_t> count(k + 1, 0);
   for (int64_t i = 0; i < n; ++i) ++count[km.assign[i] + 1];
   // Drop empty clusters; keep CSR order = centroid order.
-  const int64_t base = static_cast<int64_t>(members_.size());
+  Clusters& cl = MutableClusters();
+  const int64_t base = static_cast<int64_t>(cl.members.size());
   std::vector<int64_t> start(k, 0);
   int64_t acc = base;
   for (int64_t c = 0; c < k; ++c) {
     start[c] = acc;
     acc += count[c + 1];
   }
-  members_.resize(base + n);
+  cl.members.resize(base + n);
   std::vector<int64_t> fill = start;
   for (int64_t i = 0; i < n; ++i)
-    members_[fill[km.assign[i]]++] = first_id + static_cast<int32_t>(i);
+    cl.members[fill[km.assign[i]]++] = first_id + static_cast<int32_t>(i);
   for (int64_t c = 0; c < k; ++c) {
     if (count[c + 1] == 0) continue;
-    centroids_.insert(centroids_.end(), km.centroids.row(c).data(), km.centroids.row(c).data() + d);
-    offsets_.push_back(start[c] + count[c + 1]);
+    cl.centroids.insert(cl.centroids.end(), km.centroids.row(c).data(), km.centroids.row(c).data() + d);
+    cl.offsets.push_back(start[c] + count[c + 1]);
   }
   n_ranked_ += n;
   return Status::OK();
@@ -259,7 +260,7 @@ void TacticSelector::RankTokens(const float* q, std::vector<int32_t>* order,
   const int64_t C = n_clusters();
   const int d = head_dim_;
   Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>> cent(
-      centroids_.data(), C, d);
+      cl_->centroids.data(), C, d);
   Eigen::Map<const Eigen::VectorXf> qv(q, d);
   Eigen::VectorXf score = cent * qv;
   std::vector<int32_t> rank(C);
@@ -272,7 +273,7 @@ void TacticSelector::RankTokens(const float* q, std::vector<int32_t>* order,
   cluster_end->clear();
   cluster_end->reserve(C);
   for (int32_t c : rank) {
-    order->insert(order->end(), members_.begin() + offsets_[c], members_.begin() + offsets_[c + 1]);
+    order->insert(order->end(), cl_->members.begin() + cl_->offsets[c], cl_->members.begin() + cl_->offsets[c + 1]);
     cluster_end->push_back(static_cast<int64_t>(order->size()));
   }
 }
@@ -458,9 +459,9 @@ Status TacticSelector::Serialize(std::string* out) const {
   w.Put<int64_t>(n_sink_);
   w.Put<int64_t>(n_ranked_);
   w.Put<int64_t>(n_clusters());
-  PutVector(&w, centroids_);
-  PutVector(&w, offsets_);
-  PutVector(&w, members_);
+  PutVector(&w, cl_->centroids);
+  PutVector(&w, cl_->offsets);
+  PutVector(&w, cl_->members);
   PutVector(&w, tail_keys_);
   return Status::OK();
 }
@@ -498,33 +499,51 @@ StatusOr<std::unique_ptr<TacticSelector>> TacticSelector::Load(std::string_view 
   const size_t need = nc * d * sizeof(float) + (nc + 1) * sizeof(int64_t) +
                       static_cast<size_t>(sel->n_ranked_) * sizeof(int32_t) + tail * sizeof(float);
   if (r.remaining() != need) return DataLossError("tactic: artifact size does not match header");
-  sel->centroids_.resize(nc * d);
-  sel->offsets_.resize(nc + 1);
-  sel->members_.resize(sel->n_ranked_);
+  auto cl = std::make_shared<Clusters>();
+  cl->centroids.resize(nc * d);
+  cl->offsets.resize(nc + 1);
+  cl->members.resize(sel->n_ranked_);
   sel->tail_keys_.resize(tail);
-  if (!GetVector(&r, &sel->centroids_) || !GetVector(&r, &sel->offsets_) ||
-      !GetVector(&r, &sel->members_) || !GetVector(&r, &sel->tail_keys_)) {
+  if (!GetVector(&r, &cl->centroids) || !GetVector(&r, &cl->offsets) ||
+      !GetVector(&r, &cl->members) || !GetVector(&r, &sel->tail_keys_)) {
     return DataLossError("tactic: truncated artifact");
   }
-  if (sel->offsets_.front() != 0 || sel->offsets_.back() != sel->n_ranked_ ||
-      !std::is_sorted(sel->offsets_.begin(), sel->offsets_.end())) {
+  if (cl->offsets.front() != 0 || cl->offsets.back() != sel->n_ranked_ ||
+      !std::is_sorted(cl->offsets.begin(), cl->offsets.end())) {
     return DataLossError("tactic: corrupt cluster offsets");
   }
-  for (int32_t id : sel->members_) {
+  for (int32_t id : cl->members) {
     if (id < sel->n_sink_ || id >= clustered_end) {
       return DataLossError("tactic: corrupt member id");
     }
   }
+  sel->cl_ = std::move(cl);
   return sel;
+}
+
+TacticSelector::Clusters& TacticSelector::MutableClusters() {
+  // A clone shares the clusters until it adds its own.
+  if (cl_.use_count() != 1) cl_ = std::make_shared<Clusters>(*cl_);
+  return *cl_;
 }
 
 std::unique_ptr<Selector> TacticSelector::Clone() const {
   return std::unique_ptr<Selector>(new TacticSelector(*this));
 }
 
+uint64_t TacticSelector::SessionBytes() const {
+  uint64_t own = sizeof(*this) + tail_keys_.capacity() * sizeof(float);
+  for (const auto& e : last_) own += sizeof(e);
+  if (cl_.use_count() == 1) {
+    own += cl_->centroids.capacity() * sizeof(float) + cl_->offsets.capacity() * sizeof(int64_t) +
+           cl_->members.capacity() * sizeof(int32_t);
+  }
+  return own;
+}
+
 uint64_t TacticSelector::MemoryBytes() const {
-  return sizeof(*this) + centroids_.capacity() * sizeof(float) +
-         offsets_.capacity() * sizeof(int64_t) + members_.capacity() * sizeof(int32_t) +
+  return sizeof(*this) + cl_->centroids.capacity() * sizeof(float) +
+         cl_->offsets.capacity() * sizeof(int64_t) + cl_->members.capacity() * sizeof(int32_t) +
          tail_keys_.capacity() * sizeof(float);
 }
 

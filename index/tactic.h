@@ -117,18 +117,21 @@ class TacticSelector final : public Selector {
   Status Append(const float* key, const float* value, const float* queries) override;
   Status Serialize(std::string* out) const override;
   std::unique_ptr<Selector> Clone() const override;
+  // Own state, plus the clusters once this instance copied them.
+  uint64_t SessionBytes() const override;
   uint64_t MemoryBytes() const override;
 
   const TacticOptions& options() const { return options_; }
   // Changes the target P (a retrieval knob; the clusters stay). InvalidArgument
   // unless 0 < P <= 1.
   Status SetTarget(double target);
-  int64_t n_clusters() const { return static_cast<int64_t>(offsets_.size()) - 1; }
+  int64_t n_clusters() const { return static_cast<int64_t>(cl_->offsets.size()) - 1; }
   // Cluster c in [0, n_clusters()): its centroid (head_dim floats) and its
   // member token ids.
-  const float* centroid(int64_t c) const { return centroids_.data() + c * head_dim_; }
+  const float* centroid(int64_t c) const { return cl_->centroids.data() + c * head_dim_; }
   std::vector<int32_t> members(int64_t c) const {
-    return std::vector<int32_t>(members_.begin() + offsets_[c], members_.begin() + offsets_[c + 1]);
+    return std::vector<int32_t>(cl_->members.begin() + cl_->offsets[c],
+                                cl_->members.begin() + cl_->offsets[c + 1]);
   }
   int64_t n_ranked() const { return n_ranked_; }
   int64_t n_sink() const { return n_sink_; }
@@ -150,9 +153,15 @@ class TacticSelector final : public Selector {
   int64_t n_tokens_ = 0;
   int head_dim_ = 0;
   TacticOptions options_;
-  std::vector<float> centroids_;        // n_clusters * d
-  std::vector<int64_t> offsets_ = {0};  // n_clusters + 1 (CSR)
-  std::vector<int32_t> members_;        // n_ranked token ids
+  // The clusters: shared by clones (copied by the first AddClusters of an
+  // instance that shares them; Select never writes them).
+  struct Clusters {
+    std::vector<float> centroids;        // n_clusters * d
+    std::vector<int64_t> offsets = {0};  // n_clusters + 1 (CSR)
+    std::vector<int32_t> members;        // n_ranked token ids
+  };
+  Clusters& MutableClusters();
+  std::shared_ptr<Clusters> cl_ = std::make_shared<Clusters>();
   int64_t n_sink_ = 0;                  // sinks: tokens 0 .. n_sink_-1
   int64_t n_ranked_ = 0;                // tokens in clusters: n_sink_ .. n_sink_+n_ranked_-1
   std::vector<float> tail_keys_;        // keys of tokens n_sink_+n_ranked_ .. n_tokens_-1

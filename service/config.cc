@@ -24,6 +24,9 @@ std::string ServerConfig::ToToml() const {
      << "prefill-chunk = " << prefill_chunk << "\n"
      << "max-context-tokens = " << max_context_tokens << "\n"
      << "max-sessions = " << max_sessions << "\n"
+     << "session-memory-mb = " << session_memory_mb << "\n"
+     << "max-appended-tokens = " << max_appended_tokens << "\n"
+     << "page-cache-mb = " << page_cache_mb << "\n"
      << "session-idle-timeout-s = " << session_idle_timeout_s << "\n"
      << "session-open-timeout-s = " << session_open_timeout_s << "\n"
      << "max-message-bytes = " << max_message_bytes << "\n"
@@ -92,6 +95,17 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
                  "Longest context to build/ingest (0 = the model's max_position_embeddings)")
       ->capture_default_str();
   app.add_option("--max-sessions", c.max_sessions, "Open decode sessions allowed")
+      ->capture_default_str();
+  app.add_option("--session-memory-mb", c.session_memory_mb,
+                 "Memory budget for decode sessions and their loaded indexes, MiB (0 = unlimited)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
+      ->capture_default_str();
+  app.add_option("--max-appended-tokens", c.max_appended_tokens,
+                 "Tokens one decode session may append (0 = unlimited)")
+      ->capture_default_str();
+  app.add_option("--page-cache-mb", c.page_cache_mb,
+                 "Decoded-page cache shared by decode sessions, MiB (0 = off)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 30))
       ->capture_default_str();
   app.add_option("--session-open-timeout-s", c.session_open_timeout_s,
                  "Cancel Decode streams that open no session within N s")

@@ -58,6 +58,19 @@ struct ServerConfig {
 
   // --- Sessions ---
   uint32_t max_sessions = 256;
+  // Budget for decode-session memory, MiB: the loaded index tables (once
+  // per context and method, shared by its sessions) plus every session's
+  // own state (appended tokens, overlays, schedules). An Open or Append past
+  // it is RESOURCE_EXHAUSTED with the numbers. 0 = unlimited. Default: 4096.
+  uint64_t session_memory_mb = 4096;
+  // Tokens one session may append (a session may ask for fewer with the
+  // Open param max_appended_tokens); the next Append is
+  // FAILED_PRECONDITION. 0 = unlimited. Default: 8192.
+  uint64_t max_appended_tokens = 8192;
+  // Decoded-page cache shared by all sessions (exact-scoring methods
+  // gather the same stored keys each step), MiB, LRU. 0 disables it.
+  // Default: 256.
+  uint64_t page_cache_mb = 256;
   // A session with no message for this long is closed, seconds.
   uint32_t session_idle_timeout_s = 300;
   // A Decode stream that has not opened a session this long after it

@@ -148,7 +148,12 @@ class DecodeStreamHandler {
                                              "Server time per decode layer-step")),
         bytes_read_(ctx->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                             "Stored page bytes read for decode sessions")),
-        sessions_gauge_(ctx->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions")) {}
+        sessions_gauge_(ctx->metrics.GetGauge("ctxcache_open_sessions", "Open decode sessions")) {
+    ctx->metrics
+        .GetGauge("ctxcache_session_memory_budget_bytes",
+                  "The session memory budget (--session-memory-mb; 0 = unlimited)")
+        ->Set(static_cast<double>(ctx->session_memory.budget()));
+  }
   ~DecodeStreamHandler() {
     if (session_) sessions_gauge_->Set(ctx_->open_sessions.load() - 1);
   }
@@ -204,8 +209,13 @@ class DecodeStreamHandler {
                                                             auth::Action::kRead));
     ASSIGN_OR_RETURN(QuotaGuard quota, ctx_->quotas->AdmitSession(principal_.tenant));
     std::map<std::string, std::string> params(open.params().begin(), open.params().end());
-    ASSIGN_OR_RETURN(
-        session_, DecodeSession::Open(std::move(reader), open.method(), params, open.want_pages()));
+    DecodeSessionOptions options;
+    options.indexes = &ctx_->indexes;
+    options.pages = &ctx_->pages;
+    options.budget = &ctx_->session_memory;
+    options.max_appended_tokens = ctx_->config.max_appended_tokens;
+    ASSIGN_OR_RETURN(session_, DecodeSession::Open(std::move(reader), open.method(), params,
+                                                   open.want_pages(), options));
     session_quota_ = std::move(quota);
     sessions_gauge_->Set(ctx_->open_sessions.load());
     out->set_session_id(open.context_id() + "/" + stream_name_);

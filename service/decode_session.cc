@@ -13,6 +13,16 @@ Status ReaderPageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t
   missing_.clear();
   for (uint32_t b : blocks) {
     if (out->count(b)) continue;
+    if (shared_ != nullptr) {
+      session::PageRef page = shared_->Find({context_key_, static_cast<uint32_t>(layer),
+                                              static_cast<uint32_t>(kv_head), b});
+      if (page != nullptr) {
+        (*out)[b] = std::move(page);
+      } else {
+        missing_.push_back(b);
+      }
+      continue;
+    }
     auto hit = cache_.find(Key(layer, kv_head, b));
     if (hit != cache_.end()) {
       (*out)[b] = hit->second;
@@ -34,6 +44,13 @@ Status ReaderPageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t
     page->v.resize(page->k.size());
     ConvertToFloat(batch_.dtype, batch_.K(i), page->k.data(), page->k.size());
     ConvertToFloat(batch_.dtype, batch_.V(i), page->v.data(), page->v.size());
+    if (shared_ != nullptr) {
+      shared_->Insert({context_key_, static_cast<uint32_t>(layer), static_cast<uint32_t>(kv_head),
+                       batch_.blocks[i]},
+                      page);
+      (*out)[batch_.blocks[i]] = std::move(page);
+      continue;
+    }
     if (cache_bytes_ + page->bytes() > cache_budget_) {
       cache_.clear();
       cache_bytes_ = 0;
@@ -47,12 +64,16 @@ Status ReaderPageFetcher::Fetch(int layer, int kv_head, std::span<const uint32_t
   return Status::OK();
 }
 
-DecodeSession::~DecodeSession() = default;
+DecodeSession::~DecodeSession() {
+  core_.reset();
+  if (budget_ != nullptr) budget_->Release(charged_);
+}
 
 StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
     std::unique_ptr<storage::ContextReader> reader, const std::string& method,
-    const std::map<std::string, std::string>& params, bool want_pages) {
-  ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(method));
+    const std::map<std::string, std::string>& params, bool want_pages,
+    const DecodeSessionOptions& options) {
+  RETURN_IF_ERROR(index::FindMethodInfo(method).status());
   std::unique_ptr<DecodeSession> s(new DecodeSession());
   const v1::ContextManifest& m = reader->manifest();
   s->method_ = method;
@@ -65,33 +86,52 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
   shape.page_size = static_cast<int>(m.block_tokens());
   shape.n_stored = static_cast<int64_t>(m.n_tokens());
   RETURN_IF_ERROR(shape.Validate().WithContext("context manifest"));
-  ASSIGN_OR_RETURN(auto session_params,
-                   index::SessionParams::Parse(method, params, shape.page_size));
-  std::vector<std::unique_ptr<index::Selector>> selectors;
-  for (int layer = 0; layer < shape.n_layers; ++layer) {
-    for (int h = 0; h < shape.n_kv_heads; ++h) {
-      auto bytes = reader->ReadArtifact(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
-                                        info->artifact_kind);
-      if (!bytes.ok()) {
-        if (bytes.status().code() == StatusCode::kNotFound) {
-          return FailedPreconditionError("context was built without the '" + method +
-                                         "' index; rebuild it with that index method");
-        }
-        return bytes.status();
-      }
-      auto sel = index::LoadSelector(method, *bytes);
-      if (!sel.ok()) {
-        return sel.status().WithContext("loading the " + method + " index of layer " +
-                                        std::to_string(layer) + " kv head " + std::to_string(h));
-      }
-      selectors.push_back(std::move(sel).value());
+  // The session's own limit, within the server's.
+  std::map<std::string, std::string> selection_params = params;
+  s->max_appended_ = options.max_appended_tokens;
+  if (auto it = selection_params.find("max_appended_tokens"); it != selection_params.end()) {
+    uint64_t v = 0;
+    const std::string& text = it->second;
+    const bool digits = !text.empty() && text.size() <= 12 &&
+                        text.find_first_not_of("0123456789") == std::string::npos;
+    if (digits) v = std::stoull(text);
+    if (!digits || v == 0 || (options.max_appended_tokens != 0 && v > options.max_appended_tokens)) {
+      return InvalidArgumentError(
+          "params.max_appended_tokens must be an integer in [1, " +
+          (options.max_appended_tokens != 0 ? std::to_string(options.max_appended_tokens)
+                                            : std::string("2^40")) +
+          "] (the server's --max-appended-tokens)");
     }
+    s->max_appended_ = v;
+    selection_params.erase(it);
+  }
+  ASSIGN_OR_RETURN(auto session_params,
+                   index::SessionParams::Parse(method, selection_params, shape.page_size));
+  std::vector<std::unique_ptr<index::Selector>> selectors;
+  if (options.indexes != nullptr) {
+    ASSIGN_OR_RETURN(s->index_, options.indexes->Get(*reader, method));
+    selectors.reserve(s->index_->selectors.size());
+    for (const auto& proto : s->index_->selectors) selectors.push_back(proto->Clone());
+  } else {
+    ASSIGN_OR_RETURN(selectors, LoadContextIndex(*reader, method));
   }
   s->reader_ = std::move(reader);
-  s->fetcher_ = std::make_unique<ReaderPageFetcher>(s->reader_.get());
+  s->fetcher_ = options.pages != nullptr
+                    ? std::make_unique<ReaderPageFetcher>(s->reader_.get(), *options.pages)
+                    : std::make_unique<ReaderPageFetcher>(s->reader_.get());
   ASSIGN_OR_RETURN(s->core_, session::SparseSession::Create(shape, session_params,
                                                             std::move(selectors),
                                                             s->fetcher_.get()));
+  // A first estimate of one appended token: its K and V in every layer.
+  s->kv_bytes_ = 2 * sizeof(float) * static_cast<uint64_t>(shape.n_layers) *
+                 static_cast<uint64_t>(shape.n_kv_heads) * static_cast<uint64_t>(shape.head_dim);
+  s->token_bytes_ = s->kv_bytes_;
+  if (options.budget != nullptr) {
+    const uint64_t own = s->memory_bytes();
+    RETURN_IF_ERROR(options.budget->Reserve(own, "opening a " + method + " session"));
+    s->budget_ = options.budget;
+    s->charged_ = own;
+  }
   return s;
 }
 
@@ -141,7 +181,34 @@ Status DecodeSession::Step(uint32_t layer, const float* queries, SessionStep* ou
 }
 
 Status DecodeSession::Append(const float* k, const float* v, const float* q) {
-  return core_->Append(k, v, q);
+  if (max_appended_ != 0 && n_appended_ >= max_appended_) {
+    return FailedPreconditionError("the session has appended " + std::to_string(n_appended_) +
+                                   " tokens, its limit max_appended_tokens=" +
+                                   std::to_string(max_appended_) +
+                                   " (--max-appended-tokens, or the session param); open a new "
+                                   "session or extend the context");
+  }
+  if (budget_ != nullptr) {
+    // Admit the token at the size of the last one, then charge what it took.
+    RETURN_IF_ERROR(budget_->Reserve(token_bytes_, "appending a token"));
+    budget_->Release(token_bytes_);
+  }
+  RETURN_IF_ERROR(core_->Append(k, v, q));
+  ++n_appended_;
+  Recharge();
+  return Status::OK();
+}
+
+void DecodeSession::Recharge() {
+  const uint64_t now = memory_bytes();
+  if (budget_ == nullptr) return;
+  if (now > charged_) {
+    token_bytes_ = std::max<uint64_t>(kv_bytes_, now - charged_);
+    budget_->Charge(now - charged_);
+  } else {
+    budget_->Release(charged_ - now);
+  }
+  charged_ = now;
 }
 
 }  // namespace ctxcache::service

@@ -16,6 +16,7 @@
 #include "service/metrics.h"
 #include "service/model_registry.h"
 #include "service/quotas.h"
+#include "service/session_memory.h"
 #include "storage/store.h"
 
 namespace ctxcache::service {
@@ -44,6 +45,14 @@ struct ServiceContext {
   // Set when SIGTERM drain starts; new sessions/builds get UNAVAILABLE.
   std::atomic<bool> draining{false};
   std::atomic<uint32_t> open_sessions{0};
+  // Decode sessions' memory (service/session_memory.h).
+  MemoryBudget session_memory{
+      config.session_memory_mb << 20,
+      metrics.GetGauge("ctxcache_session_memory_bytes",
+                       "Bytes accounted to decode sessions: loaded index tables (once per "
+                       "context and method) plus each session's own state")};
+  SharedIndexCache indexes{&session_memory};
+  SharedPageCache pages{config.page_cache_mb << 20};
 };
 
 }  // namespace ctxcache::service

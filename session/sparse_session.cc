@@ -151,6 +151,18 @@ StatusOr<std::unique_ptr<SparseSession>> SparseSession::CreateBorrowed(
   return s;
 }
 
+uint64_t SparseSession::MemoryBytes() const {
+  uint64_t bytes = sizeof(*this) + selectors_.capacity() * sizeof(void*) +
+                   owned_.capacity() * sizeof(void*) + n_appended_.capacity() * sizeof(int64_t) +
+                   keys_.size() * (sizeof(KeySourceImpl) + sizeof(void*));
+  for (const auto& s : owned_) bytes += s->SessionBytes();
+  for (size_t i = 0; i < app_k_.size(); ++i) {
+    bytes += 2 * sizeof(std::vector<float>) +
+             (app_k_[i].capacity() + app_v_[i].capacity()) * sizeof(float);
+  }
+  return bytes;
+}
+
 std::string_view SparseSession::method() const { return selectors_[0]->method(); }
 
 Status SparseSession::CheckHead(int layer, int kv_head) const {

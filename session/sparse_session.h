@@ -159,6 +159,10 @@ class SparseSession {
     return app_v_[Slot(layer, kv_head)];
   }
   int64_t n_appended(int layer) const { return n_appended_[layer]; }
+  // Bytes this session holds on its own: the owned selectors' per-session
+  // state (Selector::SessionBytes; tables shared with other clones are not
+  // counted), the appended K/V and the session's bookkeeping.
+  uint64_t MemoryBytes() const;
   index::Selector* selector(int layer, int kv_head) const {
     return selectors_[Slot(layer, kv_head)];
   }

@@ -806,5 +806,90 @@ TEST(CsaTest, BadParametersAreInvalidArgument) {
   EXPECT_EQ(LoadSelector("csa", "garbage").status().code(), StatusCode::kInvalidArgument);
 }
 
+// Issue #19 finding 1: clones share the immutable tables, and a clone's
+// appended tokens live in its own overlay. Selections over base + overlay
+// equal those of a selector whose lists hold the appended tokens in its base
+// tables (the serialized form loaded back), for every missing-score rule.
+TEST(CsaTest, ClonesShareTablesAndAppendOverlayMatchesRewrittenLists) {
+  Data data = MakeData(700, 17);
+  for (const char* missing : {"zero", "min", "mean"}) {
+    CsaOptions o = SmallOptions();
+    o.fixed_L = 120;
+    o.compact = false;  // plain: the loaded lists are bit-exact
+    o.impute_min = std::string(missing) == "min";
+    o.impute_tail_mean = std::string(missing) == "mean";
+    Data first = data;
+    first.n = 500;
+    first.keys.resize(500 * kD);
+    auto built = CsaSelector::Build(first.prefill(), o);
+    ASSERT_TRUE(built.ok());
+    std::unique_ptr<Selector> a = (*built)->Clone();
+    std::unique_ptr<Selector> b = (*built)->Clone();
+    auto* ca = static_cast<CsaSelector*>(a.get());
+    auto* cb = static_cast<CsaSelector*>(b.get());
+    EXPECT_TRUE(ca->SharesTablesWith(**built));
+    // Base lists are sorted worst first (the overlay relies on it), built or
+    // loaded from either form.
+    std::string compact_bytes;
+    (*built)->SerializeCompact(&compact_bytes);
+    auto from_compact = CsaSelector::Load(compact_bytes);
+    ASSERT_TRUE(from_compact.ok());
+    for (const CsaSelector* s : {built->get(), from_compact->get()}) {
+      for (int b = 0; b < o.m; ++b) {
+        for (int j = 0; j < o.C; ++j) {
+          const int32_t* ids = s->list_ids(b, j);
+          const uint16_t* sc = s->list_scores(b, j);
+          for (int64_t e = 1; e < s->L(); ++e) {
+            const float prev = HalfToFloat(sc[e - 1]), cur = HalfToFloat(sc[e]);
+            ASSERT_TRUE(cur > prev || (cur == prev && ids[e] < ids[e - 1])) << b << "," << j;
+          }
+        }
+      }
+    }
+    EXPECT_TRUE(cb->SharesTablesWith(*ca));
+    // A clone's own state is small next to the tables.
+    EXPECT_LT(ca->SessionBytes() * 20, ca->TableBytes());
+    for (int64_t i = 500; i < 700; ++i) {
+      ASSERT_TRUE(a->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
+    }
+    // The other clone and the original do not see a's tokens.
+    EXPECT_EQ(b->n_tokens(), 500);
+    EXPECT_TRUE(cb->SharesTablesWith(*ca));
+    std::string bytes, bytes_b, bytes_built;
+    ASSERT_TRUE(a->Serialize(&bytes).ok());
+    ASSERT_TRUE(b->Serialize(&bytes_b).ok());
+    ASSERT_TRUE((*built)->Serialize(&bytes_built).ok());
+    EXPECT_EQ(bytes_b, bytes_built);
+    auto loaded = LoadSelector("csa", bytes);
+    ASSERT_TRUE(loaded.ok());
+    EXPECT_EQ((*loaded)->n_tokens(), 700);
+    // Overlay bytes grow with the appended tokens only.
+    EXPECT_GT(ca->SessionBytes(), cb->SessionBytes());
+    SelectInput in;
+    in.n_queries = kG;
+    in.want_log_normalizer = true;
+    for (int step = 0; step < 8; ++step) {
+      in.queries = data.decode.data() + (step % 4) * kD;
+      in.budget = step % 2 ? 0 : 90;
+      Selection x, y;
+      ASSERT_TRUE(a->Select(in, &x, nullptr).ok());
+      ASSERT_TRUE((*loaded)->Select(in, &y, nullptr).ok());
+      EXPECT_EQ(x.per_head, y.per_head) << missing << " step " << step;
+      EXPECT_EQ(x.per_head_logits, y.per_head_logits) << missing << " step " << step;
+      EXPECT_EQ(x.per_head_log_normalizer, y.per_head_log_normalizer) << missing;
+    }
+    // A clone of a clone carries the overlay (deep copy) and still shares.
+    std::unique_ptr<Selector> a2 = a->Clone();
+    EXPECT_TRUE(static_cast<CsaSelector*>(a2.get())->SharesTablesWith(*ca));
+    std::string bytes2;
+    ASSERT_TRUE(a2->Serialize(&bytes2).ok());
+    EXPECT_EQ(bytes2, bytes);
+    ASSERT_TRUE(a2->Append(data.keys.data(), nullptr, nullptr).ok());
+    std::string after;
+    ASSERT_TRUE(a->Serialize(&after).ok());
+    EXPECT_EQ(after, bytes);
+  }
+}
+
 }  // namespace
 }  // namespace ctxcache::index

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <memory>
+#include <random>
+#include <vector>
 #include <set>
 #include <string>
 
@@ -72,6 +75,64 @@ TEST(MethodsTest, CsaResolvesEveryOptionAndClampsCOnlyWhenNotRequested) {
   auto tactic = FindMethodInfo("tactic");
   ASSERT_TRUE(tactic.ok());
   EXPECT_EQ(*(*tactic)->resolve({{"k", "v"}}, 90, 360), (MethodParams{{"k", "v"}}));
+}
+
+// Issue #19 finding 1: sessions clone one loaded selector. For every
+// method, appending to a clone leaves the original and its other clones as
+// they were, and the clone selects what a selector loaded from its own
+// serialized form (appended tokens in its tables) selects.
+TEST(MethodsTest, ClonesAreIndependentAndAppendsMatchTheirSerializedForm) {
+  const int d = 32, g = 2;
+  const int64_t n = 600, extra = 90;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> keys((n + extra) * d), values((n + extra) * d), queries(g * n * d);
+  for (float& x : keys) x = nd(rng);
+  for (float& x : values) x = nd(rng);
+  for (float& x : queries) x = nd(rng);
+  HeadPrefill p;
+  p.n_tokens = n;
+  p.head_dim = d;
+  p.group_size = g;
+  p.keys = keys.data();
+  p.values = values.data();
+  p.n_queries = n;
+  p.queries = queries.data();
+  for (const MethodInfo& m : Methods()) {
+    SCOPED_TRACE(std::string(m.name));
+    MethodParams params;
+    if (m.name == "csa") params = {{"m", "4"}, {"C", "16"}, {"format", "plain"}};
+    if (m.name == "tactic") params = {{"recluster", "64"}};
+    auto built = BuildSelector(m.name, p, params);
+    ASSERT_TRUE(built.ok()) << built.status().ToString();
+    std::string before;
+    ASSERT_TRUE((*built)->Serialize(&before).ok());
+    std::unique_ptr<Selector> a = (*built)->Clone(), b = (*built)->Clone();
+    for (int64_t i = n; i < n + extra; ++i) {
+      ASSERT_TRUE(a->Append(keys.data() + i * d, values.data() + i * d, queries.data()).ok());
+    }
+    std::string after_orig, after_b, bytes_a;
+    ASSERT_TRUE((*built)->Serialize(&after_orig).ok());
+    ASSERT_TRUE(b->Serialize(&after_b).ok());
+    EXPECT_EQ(after_orig, before);
+    EXPECT_EQ(after_b, before);
+    EXPECT_EQ(b->n_tokens(), n);
+    ASSERT_TRUE(a->Serialize(&bytes_a).ok());
+    auto loaded = LoadSelector(m.name, bytes_a);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_EQ((*loaded)->n_tokens(), n + extra);
+    ArrayKeySource ks(keys.data(), n + extra, d);
+    SelectInput in;
+    in.n_queries = g;
+    in.keys = &ks;
+    for (int step = 0; step < 3; ++step) {
+      in.queries = queries.data() + static_cast<int64_t>(step) * 97 * g * d;
+      Selection x, y;
+      ASSERT_TRUE(a->Select(in, &x, nullptr).ok());
+      ASSERT_TRUE((*loaded)->Select(in, &y, nullptr).ok());
+      EXPECT_EQ(x.per_head, y.per_head) << "step " << step;
+    }
+  }
 }
 
 }  // namespace

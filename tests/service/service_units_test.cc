@@ -351,5 +351,82 @@ TEST_F(SessionStoreTest, ReaderPageFetcherReadsEachPageOnceWithinItsBudget) {
   for (uint32_t blk : blocks) EXPECT_EQ(a.at(blk)->k, first.at(blk)->k);
 }
 
+// Issue #19 finding 1: the sessions of a context load its index once and
+// share it, share one decoded-page cache, and account their memory; the
+// index and the bytes go away with the last session.
+TEST_F(SessionStoreTest, SessionsShareTheLoadedIndexAndThePageCacheAndAccountMemory) {
+  auto manifest = Ingest();
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  auto id = storage::ContextId::FromBytes(manifest->context_id());
+  ASSERT_TRUE(id.ok());
+  MemoryBudget budget(64 << 20, nullptr);
+  SharedIndexCache indexes(&budget);
+  SharedPageCache pages(16 << 20);
+  DecodeSessionOptions options;
+  options.indexes = &indexes;
+  options.pages = &pages;
+  options.budget = &budget;
+  options.max_appended_tokens = 3;
+  auto open = [&](const std::string& method) {
+    auto reader = store_->OpenReader(*id);
+    EXPECT_TRUE(reader.ok());
+    return DecodeSession::Open(std::move(reader).value(), method, {}, /*want_pages=*/true,
+                               options);
+  };
+  {
+    auto a = open("csa");
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    const uint64_t after_first = budget.used();
+    EXPECT_EQ(indexes.loaded_count(), 1u);
+    EXPECT_GT(indexes.loaded_bytes(), 0u);
+    auto b = open("csa");
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ(indexes.loaded_count(), 1u);  // loaded once
+    // The second session costs only its own state.
+    EXPECT_EQ(budget.used() - after_first, (*b)->memory_bytes());
+    EXPECT_LT((*b)->memory_bytes(), indexes.loaded_bytes());
+    // Appends are charged, and capped by max_appended_tokens.
+    std::vector<float> k(size_t{kL} * kKV * kD, 0.25f), v(k.size(), -0.5f);
+    const uint64_t before = budget.used();
+    for (int t = 0; t < 3; ++t) ASSERT_TRUE((*a)->Append(k.data(), v.data(), nullptr).ok());
+    EXPECT_GT(budget.used(), before);
+    Status over = (*a)->Append(k.data(), v.data(), nullptr);
+    EXPECT_EQ(over.code(), StatusCode::kFailedPrecondition);
+    EXPECT_NE(over.message().find("max_appended_tokens=3"), std::string::npos) << over.message();
+    // b does not see a's tokens.
+    EXPECT_EQ((*a)->n_tokens(), kN + 3);
+    EXPECT_EQ((*b)->n_tokens(), kN);
+    // One decoded-page cache: a page b's fetcher read is a hit for a new one.
+    auto r1 = store_->OpenReader(*id);
+    auto r2 = store_->OpenReader(*id);
+    ASSERT_TRUE(r1.ok() && r2.ok());
+    ReaderPageFetcher f1(r1->get(), pages), f2(r2->get(), pages);
+    session::PageMap p1, p2;
+    const std::vector<uint32_t> blocks = {0, 3};
+    ASSERT_TRUE(f1.Fetch(1, 0, blocks, &p1).ok());
+    EXPECT_GT(f1.bytes_read(), 0u);
+    ASSERT_TRUE(f2.Fetch(1, 0, blocks, &p2).ok());
+    EXPECT_EQ(f2.bytes_read(), 0u);
+    EXPECT_EQ(p1.at(3).get(), p2.at(3).get());
+    EXPECT_GT(pages.bytes(), 0u);
+    // Another method is another index.
+    auto c = open("oracle");
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(indexes.loaded_count(), 2u);
+  }
+  EXPECT_EQ(indexes.loaded_count(), 0u);  // freed with the last session
+  EXPECT_EQ(budget.used(), 0u);
+  // A budget the index does not fit: RESOURCE_EXHAUSTED with the numbers.
+  MemoryBudget tiny(1024, nullptr);
+  SharedIndexCache tiny_indexes(&tiny);
+  options.indexes = &tiny_indexes;
+  options.budget = &tiny;
+  auto refused = open("csa");
+  ASSERT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("of budget 1024 bytes"), std::string::npos)
+      << refused.status().message();
+  EXPECT_EQ(tiny.used(), 0u);
+}
+
 }  // namespace
 }  // namespace ctxcache::service

@@ -6,7 +6,11 @@
 #      ctxcached with that host's grpcio / protobuf;
 #   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash);
 #   4. python/bench/hf_decode.py: HF transformers prefill + ingest + sparse
-#      decode through ctxcached, against dense and the C++ worker.
+#      decode through ctxcached, against dense and the C++ worker;
+#   5. cluster_bench (needs the install stage first, and a pack made with
+#      CTXCACHE_PACK_ETCD=1): bench/cluster/cluster_scaling.py, 1/2/3 nodes
+#      pinned to 2 cores each, the C++ load generator on the rest
+#      (CTXCACHE_CLUSTER_BENCH_ARGS adds flags).
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -32,7 +36,8 @@ stage() {  # stage NAME SECONDS CMD...; CTXCACHE_GPU_STAGES=a,b runs only those
 WORK="$(mktemp -d /tmp/ctxcache-gpu-XXXXXX)"
 tar -xJf .pack/ctxcache-server.tar.xz -C "$WORK"
 mkdir -p "$WORK/bin"
-for b in ctxcached ctxcache; do  # wrappers named like the binaries, for the tests
+for b in ctxcached ctxcache ctxcache-cluster-load; do  # wrappers named like the binaries
+  [ -x "$WORK/ctxcache/bin/$b" ] || continue
   printf '#!/usr/bin/env bash\nexec %s/ctxcache/bin/%s.sh "$@"\n' "$WORK" "$b" >"$WORK/bin/$b"
   chmod +x "$WORK/bin/$b"
 done
@@ -75,4 +80,8 @@ stage hf_decode 500 bash -c "
   rc=\$?
   kill -TERM \$pid; wait \$pid
   exit \$rc" _ "$PROMPT"
+stage cluster_bench 900 bash -c "
+  CTXCACHE_ETCD_BIN='$WORK/ctxcache/bin/etcd' PYTHONPATH='$WORK/site' \
+    python3 bench/cluster/cluster_scaling.py --bin-dir '$WORK/bin' --model-dir tests/data/golden \
+    --out '$OUT/cluster_bench.json' \${CTXCACHE_CLUSTER_BENCH_ARGS:-}"
 exit $status

@@ -7,7 +7,11 @@
 #   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash);
 #   4. python/bench/hf_decode.py: HF transformers prefill + ingest + sparse
 #      decode through ctxcached, against dense and the C++ worker;
-#   5. cluster_bench (needs the install stage first, and a pack made with
+#   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, dense with the
+#      KV loaded from ctxcached against sparse with a 10% GPU page pool, on
+#      the reference model and on the Llama-3-8B shape (random weights,
+#      CTXCACHE_E2E_LAYERS layers, default 8).
+#   6. cluster_bench (needs the install stage first, and a pack made with
 #      CTXCACHE_PACK_ETCD=1): bench/cluster/cluster_scaling.py, 1/2/3 nodes
 #      pinned to 2 cores each, the C++ load generator on the rest
 #      (CTXCACHE_CLUSTER_BENCH_ARGS adds flags).
@@ -80,6 +84,25 @@ stage hf_decode 500 bash -c "
   rc=\$?
   kill -TERM \$pid; wait \$pid
   exit \$rc" _ "$PROMPT"
+# 5. End to end at 32K (python/bench/gpu_e2e.py), one server for both models.
+stage gpu_e2e 560 bash -c "
+  '$WORK/bin/ctxcached' --data-dir '$WORK/data-e2e' --listen 127.0.0.1:0 --port-file '$WORK/ports-e2e' \
+    --metrics-listen '' --model-dir models --default-model ctxcache-ref --max-context-tokens 140000 \
+    >'$WORK/server-e2e.log' 2>&1 &
+  pid=\$!
+  for i in \$(seq 1 100); do [ -s '$WORK/ports-e2e' ] && break; sleep 0.2; done
+  addr=127.0.0.1:\$(head -1 '$WORK/ports-e2e' | tr -dc 0-9)
+  cat tests/data/demo/*.txt >'$WORK/long.txt'
+  '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref --file '$WORK/long.txt' \
+    >'$WORK/long.json' &&
+  PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model models/ctxcache-ref \
+    --tokens-json '$WORK/long.json' --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_ref.json' &&
+  PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model llama8b \
+    --layers \${CTXCACHE_E2E_LAYERS:-8} --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_llama8b.json'
+  rc=\$?
+  kill -TERM \$pid; wait \$pid
+  exit \$rc"
+# 6. Cluster read scaling (bench/cluster/cluster_scaling.py).
 stage cluster_bench 900 bash -c "
   CTXCACHE_ETCD_BIN='$WORK/ctxcache/bin/etcd' PYTHONPATH='$WORK/site' \
     python3 bench/cluster/cluster_scaling.py --bin-dir '$WORK/bin' --model-dir tests/data/golden \

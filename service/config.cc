@@ -154,6 +154,9 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   app.add_option("--fault-throw-in-rpc-for-testing", c.fault_throw_in_rpc,
                  "TESTING ONLY: this RPC's handler throws (must become INTERNAL)")
       ->group("");
+  app.add_option("--fault-slow-open-ms-for-testing", c.fault_slow_open_ms,
+                 "TESTING ONLY: every session Open sleeps this long first")
+      ->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

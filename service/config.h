@@ -139,6 +139,9 @@ struct ServerConfig {
   // Makes the named RPC throw from its handler, so tests can prove no
   // exception escapes a handler. Never set in production.
   std::string fault_throw_in_rpc;
+  // Sleeps this long in every session Open before loading the session, so
+  // tests can stand in for a slow index load. Never set in production.
+  int fault_slow_open_ms = 0;
 
   // --- Logging ---
   // trace|debug|info|warn|error|off

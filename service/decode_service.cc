@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <thread>
 
 #include "auth/principal.h"
 #include "common/crc32c.h"
@@ -195,6 +196,9 @@ class DecodeStreamHandler {
   }
 
   Status OpenReserved(const v1::OpenSession& open, v1::SessionOpened* out) {
+    if (ctx_->config.fault_slow_open_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ctx_->config.fault_slow_open_ms));
+    }
     ASSIGN_OR_RETURN(storage::ContextId id, ParseContextId(open.context_id()));
     ASSIGN_OR_RETURN(auto reader, AccessControl::OpenReader(ctx_->store.get(), principal_, id,
                                                             auth::Action::kRead));
@@ -336,6 +340,9 @@ grpc::Status DecodeServiceImpl::Decode(
                                 rpc.principal());
     v1::DecodeRequest req;
     bool have_first = stream->Read(&req);
+    // The Open deadline covers the Open's arrival, not the index loading it
+    // starts (a long context's tables take longer than the deadline).
+    if (have_first && req.has_open()) key->opened = true;
     if (have_first && req.has_open()) {
       // A session on a context stored elsewhere in the cluster: proxy it.
       auto id = storage::ContextId::FromHex(req.open().context_id());
@@ -355,6 +362,7 @@ grpc::Status DecodeServiceImpl::Decode(
     }
     for (bool more = have_first; more; more = stream->Read(&req)) {
       key->last_activity_ms = NowMs();
+      if (req.has_open()) key->opened = true;
       if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
         stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
         continue;
@@ -362,7 +370,6 @@ grpc::Status DecodeServiceImpl::Decode(
       if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
         return rpc.Finish(grpc::Status::OK);  // closed
       }
-      if (handler.has_session()) key->opened = true;
     }
     if (context->IsCancelled()) {
       return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle"));

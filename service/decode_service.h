@@ -40,7 +40,7 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
     grpc::ServerContext* context;
     std::atomic<int64_t> last_activity_ms;
     int64_t started_ms = 0;
-    std::atomic<bool> opened{false};  // a session was opened on it
+    std::atomic<bool> opened{false};  // an Open arrived on it
   };
   void ReaperLoop();
 

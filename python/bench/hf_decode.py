@@ -89,7 +89,10 @@ def main() -> int:
         method_tokens = {}
         for method in a.methods.split(","):
             log(f"decode with {method}")
-            out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced)
+            # append=False: the server selects over the stored context, like
+            # the client-side cores compared with it below.
+            out = hf.generate(c, model, info, first, a.n_new, method=method, forced=forced,
+                              append=False)
             method_tokens[method] = out.tokens
             agree = float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)]))
             kl = [kl_div(p, q) for p, q in zip(dense_tf.logits, out.logits)]
@@ -114,7 +117,8 @@ def main() -> int:
                 import pstats
                 prof = cProfile.Profile()
                 prof.enable()
-            out = hf.generate_client(c, model, info, first, a.n_new, forced=forced, selection=sel)
+            out = hf.generate_client(c, model, info, first, a.n_new, forced=forced, selection=sel,
+                                     append=False)
             if a.profile and sel == "torch":
                 prof.disable()
                 text = io.StringIO()
@@ -137,6 +141,15 @@ def main() -> int:
                 "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s)}
             log(f"{name}: {res[name]}")
             save()
+        log("decode with csa, server-side selection, generated tokens appended")
+        out = hf.generate(c, model, info, first, a.n_new, method="csa", forced=forced)
+        res["csa_append"] = {
+            "agreement": float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)])),
+            "mean_kl": float(np.mean([kl_div(x, y) for x, y in zip(dense_tf.logits, out.logits)])),
+            "appended_tokens": out.appended_tokens,
+            "step_ms_p50": 1e3 * statistics.median(out.step_s)}
+        log(f"csa_append: {res['csa_append']}")
+        save()
         log("native HF decode")
         # Native HF decoding over its own cache (SDPA), for context.
         cache = pre.cache

@@ -143,11 +143,53 @@ def crc32c(data: Buffer, crc: int = 0) -> int:
     return out
 
 
-def crc32c_many(buffers: "List[Buffer]") -> np.ndarray:
+_TORCH_MIN_BYTES = 4 << 20  # crc32c_many moves larger batches to a GPU when there is one
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _rows_torch(torch, mat: np.ndarray) -> np.ndarray:
+    """Raw registers (init 0xFFFFFFFF) after feeding each row of mat [m,
+    main] (main a multiple of _STRIPE): the stripe lock step on the GPU, in
+    int64 holding 32-bit values (torch has no uint32 arithmetic)."""
+    dev = torch.device("cuda")
+    m, main = mat.shape
+    n_stripes = main // _STRIPE
+    total = 1 << (n_stripes - 1).bit_length()
+    rows = torch.from_numpy(mat).to(dev, non_blocking=True).view(m, n_stripes, _STRIPE)
+    cols = torch.zeros(_STRIPE, m, total, dtype=torch.int64, device=dev)
+    cols[:, :, total - n_stripes:] = rows.permute(2, 0, 1)
+    cols = cols.view(_STRIPE, m * total)
+    r = torch.zeros(m, total, dtype=torch.int64, device=dev)
+    r[:, total - n_stripes] = 0xFFFFFFFF
+    r = r.view(-1)
+    t = torch.from_numpy(_TABLE_NP.astype(np.int64)).to(dev)
+    for j in range(_STRIPE):
+        r = t[(r ^ cols[j]) & 0xFF] ^ (r >> 8)
+    r = r.view(m, total)
+    length = _STRIPE
+    while r.shape[1] > 1:
+        tabs = torch.from_numpy(_byte_tables(length).astype(np.int64)).to(dev)
+        a = r[:, 0::2]
+        r = (tabs[0][a & 0xFF] ^ tabs[1][(a >> 8) & 0xFF] ^ tabs[2][(a >> 16) & 0xFF]
+             ^ tabs[3][a >> 24] ^ r[:, 1::2])
+        length *= 2
+    return r[:, 0].cpu().numpy().astype(np.uint32)
+
+
+def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
     """CRC-32C of each buffer (from 0), as uint32 values: many small buffers
     (decode pages, a few KB each) in one pass. Buffers of equal length go
     through the stripe lock step together, so the cost is ~256 numpy steps
-    per distinct length instead of a Python loop over every byte."""
+    per distinct length instead of a Python loop over every byte. With
+    ``gpu`` and torch seeing a CUDA device, groups of more than 4 MiB take
+    the same steps on the GPU (numpy does ~40 MB/s on many pages)."""
     out = np.zeros(len(buffers), dtype=np.uint32)
     flats = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) if isinstance(b, np.ndarray)
              else np.frombuffer(b, dtype=np.uint8) for b in buffers]
@@ -164,6 +206,15 @@ def crc32c_many(buffers: "List[Buffer]") -> np.ndarray:
         total = 1 << (n_stripes - 1).bit_length()
         m = len(idx)
         mat = np.stack([flats[i][:main] for i in idx])  # [m, main]
+        torch = _torch_cuda() if gpu and mat.nbytes >= _TORCH_MIN_BYTES else None
+        if torch is not None:
+            raw = _rows_torch(torch, mat)
+            for k, i in enumerate(idx):
+                v = int(~raw[k] & np.uint32(0xFFFFFFFF))
+                if main < n:
+                    v = crc32c_py(flats[i][main:].tobytes(), v)
+                out[i] = v
+            continue
         cols = np.zeros((_STRIPE, m, total), dtype=np.uint8)
         cols[:, :, total - n_stripes:] = mat.reshape(m, n_stripes, _STRIPE).transpose(2, 0, 1)
         cols = cols.reshape(_STRIPE, m * total)

@@ -404,6 +404,63 @@ def test_torch_session_core_agrees_with_the_exact_core(client: ctxcache.Client, 
         assert r["worst_jaccard"] >= 0.95, (ctx.name, r)
 
 
+def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Client,
+                                                           synthetic) -> None:
+    # The HF client-side steps (ctxcache.torch.hf): the exact core's and the
+    # torch core's selections, their pages read through a small GpuPagePool
+    # (so pages are evicted and fetched again), attention over them plus two
+    # decoded tokens; both equal attention over the same rows taken from the
+    # context's full KV.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch import hf
+    from ctxcache.torch.gpu_session import TorchCsaSession
+
+    ctx = synthetic["compact"]
+    m = ctx.model
+    g = m.n_q_heads // m.n_kv_heads
+    arts = client.fetch_index(ctx.context_id, "csa")
+    n_pages = (ctx.n_tokens + B - 1) // B
+    full = {}
+    for layer in range(m.n_layers):
+        pages = client.fetch_pages(ctx.context_id, [(layer, h, list(range(n_pages)))
+                                                    for h in range(m.n_kv_heads)])
+        for h in range(m.n_kv_heads):
+            rows = [p for p in pages if p.kv_head == h]
+            full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
+                                torch.as_tensor(np.concatenate([p.v for p in rows])))
+    budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
+    decoders = {
+        "exact": hf._Decoder(selector=CsaSession(arts, n_q_heads=m.n_q_heads), n_layers=2),
+        "torch": hf._Decoder(planner=TorchCsaSession(arts, n_q_heads=m.n_q_heads),
+                             n_layers=2)}
+    for dec in decoders.values():
+        dec.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    rng = np.random.default_rng(41)
+    reference = CsaSession(arts, n_q_heads=m.n_q_heads)
+    for step in range(3):
+        for layer in range(m.n_layers):
+            q = torch.as_tensor(_queries(rng, m.n_q_heads, m.head_dim, step))
+            dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+            dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+            want = torch.zeros(m.n_q_heads, m.head_dim)
+            for h, st in enumerate(reference.step(layer, q.numpy(), as_torch=False)):
+                fk, fv = full[(layer, h)]
+                for j in range(g):
+                    ids = torch.as_tensor(np.asarray(st.per_q_head[j], dtype=np.int64))
+                    k = torch.cat([fk[ids], dk[h]])
+                    v = torch.cat([fv[ids], dv[h]])
+                    w = torch.softmax(k @ q[h * g + j] * 0.125, dim=0)
+                    want[h * g + j] = w @ v
+            for name, dec in decoders.items():
+                step_fn = hf._client_step if name == "exact" else hf._planned_step
+                k, v, mask = step_fn(dec, layer, q)
+                got = hf.attend(q, k, v, mask, dk, dv, 0.125)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    for dec in decoders.values():
+        assert dec.pool.misses > 40 and dec.pool.hits > 0  # evicted and re-fetched
+        assert dec.bytes_received == dec.pool.bytes_fetched
+
+
 def test_selection_details_and_torch_inputs(client: ctxcache.Client, synthetic) -> None:
     ctx = synthetic["plain"]
     raw = client.fetch_index(ctx.context_id, "csa", layers=[1], kv_heads=[0])[(1, 0)]

@@ -132,3 +132,18 @@ def test_crc32c_many_matches_one_at_a_time() -> None:
     bufs = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
     assert [int(x) for x in crc32c_many(bufs)] == [crc32c(b) for b in bufs]
     assert int(crc32c_many([b"123456789"])[0]) == 0xE3069283
+
+
+def test_crc32c_many_on_the_gpu_matches_the_cpu() -> None:
+    # Groups over 4 MiB take the lock step on the GPU when there is one.
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ctxcache.crc32c import crc32c_many
+    rng = np.random.default_rng(8)
+    sizes = [4096] * 1500 + [4000] * 1100 + [9] * 2
+    bufs = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
+    bufs[5] = bytes(4096)
+    gpu = crc32c_many(bufs)
+    cpu = crc32c_many(bufs, gpu=False)
+    assert gpu.tolist() == cpu.tolist()

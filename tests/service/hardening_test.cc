@@ -349,6 +349,32 @@ TEST_F(HardeningTest, Finding2_IdleDecodeStreamsAreClosedAndTheirThreadsReturn) 
   EXPECT_TRUE(st->Finish().ok());
 }
 
+// Finding 2, its deadline: it covers the Open's arrival, not the session
+// load the Open starts. An Open whose load outlasted the deadline (a long
+// context's tables; here a test delay) was cancelled mid-load.
+TEST_F(HardeningTest, Finding2_OpenDeadlineDoesNotCancelASlowLoad) {
+  Start({"--session-open-timeout-s", "1", "--fault-slow-open-ms-for-testing", "2500"});
+  v1::BuildProgress built;
+  ASSERT_TRUE(Build(Tokens(16, 8), &built).ok());
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  auto st = decode_->Decode(&ctx);
+  v1::DecodeRequest open;
+  open.mutable_open()->set_context_id(built.context().context_id());
+  open.mutable_open()->set_method("streaming");
+  ASSERT_TRUE(st->Write(open));
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(st->Read(&resp));
+  EXPECT_TRUE(resp.has_opened()) << resp.DebugString();
+  v1::DecodeRequest close;
+  close.mutable_close();
+  ASSERT_TRUE(st->Write(close));
+  ASSERT_TRUE(st->Read(&resp));
+  EXPECT_TRUE(resp.has_closed());
+  st->WritesDone();
+  EXPECT_TRUE(st->Finish().ok());
+}
+
 // Finding 11: RSS stayed near its peak after sessions closed (glibc keeps
 // freed memory); the reaper now trims once streams close.
 TEST_F(HardeningTest, Finding11_MemoryIsReturnedAfterSessionsClose) {

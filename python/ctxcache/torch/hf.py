@@ -16,14 +16,17 @@ each layer the function sends the post-RoPE queries to a ctxcache decode
 session (server-side selection, ``Session.step``), gets the selected
 context tokens' K/V from the pages, and attends, per query head, over its
 selected context tokens plus every token generated so far (those live in the
-model's own decode cache, dense, on the GPU; they are not appended to the
-session, so the stored index covers the context only). ``method="full"``
+model's own decode cache, dense, on the GPU). After each step the input
+token's K/V/Q of every layer go back to the session with Append
+(``append=True``, the default), as the C++ worker does, so the session's
+indexes keep up; the session's selections of appended tokens are not used
+(the worker already holds them). ``method="full"``
 selects every context token: it must decode exactly like dense attention
 over the same KV, which ``generate_dense`` computes with the same attention
 code (``attend``) over the prefill cache.
 
 Needs torch and, for the model parts, transformers (>= 4.48, the attention
-interface); ``attend`` and ``gather_selected`` need torch only.
+interface); ``attend``, ``gather_selected`` and ``GpuPagePool`` need torch only.
 """
 from __future__ import annotations
 
@@ -36,66 +39,89 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["attend", "gather_selected", "model_spec", "prefill", "prefill_and_ingest",
+__all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
            "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
            "PrefillResult"]
 
 
 # ---------------------------------------------------------------- attention --
 
-def attend(q: torch.Tensor, ctx_k: Sequence[torch.Tensor], ctx_v: Sequence[torch.Tensor],
-           ctx_mask: Optional[Sequence[Optional[torch.Tensor]]], dec_k: torch.Tensor,
-           dec_v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One decode token's attention, one matmul per kv head.
+def pad_heads(rows: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per kv head ``[n_h, d]`` rows as one zero-padded ``[H, N, d]`` tensor
+    (N = the longest) and its ``[H, N]`` bool validity."""
+    n = max((int(r.shape[0]) for r in rows), default=0)
+    d = int(rows[0].shape[1])
+    out = rows[0].new_zeros(len(rows), n, d)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool, device=rows[0].device)
+    for h, r in enumerate(rows):
+        out[h, :r.shape[0]] = r
+        valid[h, :r.shape[0]] = True
+    return out, valid
+
+
+def attend(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+           ctx_mask: Optional[torch.Tensor], dec_k: torch.Tensor, dec_v: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """One decode token's attention for every kv head at once, in float32.
 
     Args:
         q: ``[n_q_heads, d]`` post-RoPE queries.
-        ctx_k, ctx_v: per kv head, the ``[n_h, d]`` K/V of the context tokens
-            its group of query heads attends to (the union of their
-            selections, or all).
-        ctx_mask: per kv head, ``[g, n_h]`` bool: which of those rows each
-            query head of the group selected (None = all rows, for every head).
+        ctx_k, ctx_v: ``[n_kv_heads, N, d]``: per kv head the K/V rows of the
+            context tokens its group of query heads may attend (the union of
+            their selections padded to N rows, or all tokens).
+        ctx_mask: ``[n_kv_heads, g, N]`` bool: the rows each query head of the
+            group attends (padding rows False); None = every row, every head.
         dec_k, dec_v: ``[n_kv_heads, t, d]`` K/V of the decoded tokens so far
             (including the current one), attended by every head of the group.
         scale: the softmax scale (1/sqrt(d) unless the model says otherwise).
 
     Returns:
-        ``[n_q_heads, d]`` in float32: per query head, softmax over its
-        selected context rows and the decoded tokens.
+        ``[n_q_heads, d]`` float32: per query head, softmax over its context
+        rows and the decoded tokens.
     """
-    n_q, n_kv = q.shape[0], dec_k.shape[0]
+    n_q, d = q.shape
+    n_kv = dec_k.shape[0]
     g = n_q // n_kv
-    out = torch.empty(n_q, q.shape[1], dtype=torch.float32, device=q.device)
-    qf = q.float()
-    for h in range(n_kv):
-        n_ctx = ctx_k[h].shape[0]
-        k = torch.cat([ctx_k[h].float(), dec_k[h].float()], dim=0)
-        v = torch.cat([ctx_v[h].float(), dec_v[h].float()], dim=0)
-        logits = (qf[h * g:(h + 1) * g] @ k.T) * scale  # [g, n_ctx + t]
-        mask = ctx_mask[h] if ctx_mask is not None else None
-        if mask is not None and n_ctx:
-            logits[:, :n_ctx].masked_fill_(~mask, float("-inf"))
-        out[h * g:(h + 1) * g] = torch.softmax(logits, dim=-1) @ v
-    return out
+    n_ctx = ctx_k.shape[1]
+    k = torch.cat([ctx_k.float(), dec_k.float()], dim=1)  # [H, N + t, d]
+    v = torch.cat([ctx_v.float(), dec_v.float()], dim=1)
+    logits = torch.einsum("hgd,hnd->hgn", q.float().view(n_kv, g, d), k) * scale
+    if ctx_mask is not None and n_ctx:
+        logits[:, :, :n_ctx].masked_fill_(~ctx_mask, float("-inf"))
+    out = torch.einsum("hgn,hnd->hgd", torch.softmax(logits, dim=-1), v)
+    return out.reshape(n_q, d)
 
 
-def gather_selected(step: Any, n_q_heads: int, device: Any, dtype: Any) -> tuple:
-    """From a :class:`ctxcache.StepResult` (server-side selection): per kv
-    head the K/V rows of the union of its query heads' selections and the
-    ``[g, n_h]`` mask of each query head's own rows, on ``device``."""
+def gather_selected(step: Any, n_q_heads: int, device: Any, dtype: Any,
+                    n_context: Optional[int] = None) -> tuple:
+    """From a :class:`ctxcache.StepResult` (server-side selection): the
+    ``[H, N, d]`` K and V of the union of each kv head's query heads'
+    selections (padded) and the ``[H, g, N]`` mask of each query head's own
+    rows, on ``device``. ``n_context``: keep only ids below it (the stored
+    context; a worker attends its appended tokens from its own cache)."""
     ks: List[torch.Tensor] = []
     vs: List[torch.Tensor] = []
-    masks: List[torch.Tensor] = []
+    masks: List[np.ndarray] = []
     g = n_q_heads // len(step.heads)
     for head in step.heads:
         union = np.asarray(head.ids)
+        keep = slice(None) if n_context is None else union < int(n_context)
+        union = union[keep]
         mask = np.zeros((g, union.size), dtype=bool)
         for j in range(g):
-            mask[j, np.searchsorted(union, np.asarray(head.per_q_head[j]))] = True
-        ks.append(torch.as_tensor(np.asarray(head.k)).to(device=device, dtype=dtype))
-        vs.append(torch.as_tensor(np.asarray(head.v)).to(device=device, dtype=dtype))
-        masks.append(torch.as_tensor(mask).to(device))
-    return ks, vs, masks
+            mine = np.asarray(head.per_q_head[j])
+            if n_context is not None:
+                mine = mine[mine < int(n_context)]
+            mask[j, np.searchsorted(union, mine)] = True
+        ks.append(torch.as_tensor(np.asarray(head.k)[keep]).to(device=device, dtype=dtype))
+        vs.append(torch.as_tensor(np.asarray(head.v)[keep]).to(device=device, dtype=dtype))
+        masks.append(mask)
+    k, valid = pad_heads(ks)
+    v, _ = pad_heads(vs)
+    m = np.zeros((len(masks), g, k.shape[1]), dtype=bool)
+    for h, mk in enumerate(masks):
+        m[h, :, :mk.shape[1]] = mk
+    return k, v, torch.as_tensor(m).to(device)
 
 
 # ------------------------------------------------------------------ models --
@@ -212,82 +238,158 @@ class GenerateResult:
     logits: List[torch.Tensor] = field(default_factory=list)  # per step, float32 CPU
     step_s: List[float] = field(default_factory=list)
     bytes_received: int = 0
+    appended_tokens: int = 0  # tokens the session received with Append
+    pool_hits: int = 0        # generate_client: pages found in / fetched into the pool
+    pool_misses: int = 0
+    ttft_s: float = 0.0       # generate_client: index fetch + set-up + first step
 
 
 class GpuPagePool:
-    """Stored KV pages of one context on the GPU, by (layer, kv head, block),
-    least recently used first out, under a byte budget. ``ensure`` fetches
-    the missing pages of a layer in one FetchPages call.
+    """Stored KV pages of one context on the GPU, in a fixed number of slots
+    under a byte budget; least recently used out. The slot map, the pages of
+    the slots and their last-use stamps are device tensors, so a layer-step
+    looks its pages up without host-side loops; the missing ones come in one
+    FetchPages call (crc-checked by the client) and one host-to-device copy.
+
+    >>> pool = GpuPagePool(client, info, "cuda", budget_bytes=1 << 30)
+    >>> slots = pool.lookup(layer, pages, valid)  # [H, P] page ids -> slots
+    >>> k = pool.k[slots]                         # [H, P, block, d], in place
 
     Attributes: hits, misses (pages), bytes_fetched.
     """
 
-    def __init__(self, client: Any, context_id: str, block: int, head_dim: int, device: Any,
-                 budget_bytes: int = 1 << 30, dtype: Any = torch.bfloat16) -> None:
-        per_page = 2 * block * head_dim * torch.tensor([], dtype=dtype).element_size()
+    def __init__(self, client: Any, info: Any, device: Any, budget_bytes: int = 1 << 30,
+                 dtype: Any = torch.bfloat16) -> None:
+        self.client, self.context_id = client, info.context_id
+        self.block = int(info.block_tokens) or 16
+        d = int(info.model.head_dim)
+        self.n_layers, self.n_kv_heads = int(info.model.n_layers), int(info.model.n_kv_heads)
+        self.n_pages = (int(info.n_tokens) + self.block - 1) // self.block
+        per_page = 2 * self.block * d * torch.tensor([], dtype=dtype).element_size()
         n_slots = max(1, int(budget_bytes) // per_page)
-        self.client, self.context_id, self.block = client, context_id, block
-        self.k = torch.zeros(n_slots, block, head_dim, dtype=dtype, device=device)
+        dev = torch.device(device)
+        self.k = torch.zeros(n_slots, self.block, d, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
-        self._slot: "OrderedDict[Tuple[int, int, int], int]" = OrderedDict()
-        self._free = list(range(n_slots))
+        i64 = dict(dtype=torch.int64, device=dev)
+        # (layer, kv head, page) -> slot or -1; slot -> flat page key or -1;
+        # slot -> the lookup that last used it (-1: free).
+        self._slot_of = torch.full((self.n_layers * self.n_kv_heads * self.n_pages,), -1, **i64)
+        self._page_of = torch.full((n_slots,), -1, **i64)
+        self._stamp = torch.full((n_slots,), -1, **i64)
+        self._clock = 0
         self.hits = self.misses = self.bytes_fetched = 0
 
     @property
     def n_slots(self) -> int:
         return self.k.shape[0]
 
-    def ensure(self, layer: int, blocks_by_head: Dict[int, Sequence[int]]) -> Dict[int, torch.Tensor]:
-        """The slots of each kv head's ``blocks`` (in that order), fetching the
-        missing pages. A layer needing more pages than the pool holds is a
-        ValueError (raise the budget)."""
-        need = sum(len(b) for b in blocks_by_head.values())
+    def _key(self, layer: int, kv_head: Any, page: Any) -> Any:
+        return (layer * self.n_kv_heads + kv_head) * self.n_pages + page
+
+    def holds(self, layer: int, kv_head: int, page: int) -> bool:
+        """Whether the page is in the pool."""
+        return int(self._slot_of[self._key(layer, kv_head, page)]) >= 0
+
+    def lookup(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The slots ``[H, P]`` of kv head h's pages ``pages[h]`` (int64 page
+        ids, ``valid`` marks the real entries; the rest map to slot 0),
+        fetching the missing pages. A layer-step needing more pages than the
+        pool holds is a ValueError (raise the budget)."""
+        dev = self.k.device
+        pages = pages.to(dev)
+        valid = valid.to(dev)
+        h = torch.arange(pages.shape[0], device=dev).view(-1, 1)
+        keys = self._key(layer, h, pages.clamp(0, max(0, self.n_pages - 1)))
+        need = int(valid.sum())
         if need > self.n_slots:
             raise ValueError(f"GpuPagePool: a layer-step needs {need} pages, the pool holds "
                              f"{self.n_slots}; raise budget_bytes")
-        keep = {(layer, h, int(b)) for h, bl in blocks_by_head.items() for b in bl}
-        missing: Dict[int, List[int]] = {}
-        for key in keep:
-            if key in self._slot:
-                self._slot.move_to_end(key)
-                self.hits += 1
-            else:
-                missing.setdefault(key[1], []).append(key[2])
-        if missing:
-            tables = [(layer, h, sorted(bl)) for h, bl in missing.items()]
-            pages = self.client.fetch_pages(self.context_id, tables, dtype="raw", as_torch=True)
-            for p in pages:
-                key = (layer, int(p.kv_head), int(p.block))
-                if self._free:
-                    slot = self._free.pop()
-                else:  # evict the least recently used page not needed now
-                    victim = next(k for k in self._slot if k not in keep)
-                    slot = self._slot.pop(victim)
-                n = int(p.n_tokens)
-                self.k[slot, :n].copy_(p.k.view(n, -1), non_blocking=True)
-                self.v[slot, :n].copy_(p.v.view(n, -1), non_blocking=True)
-                self._slot[key] = slot
-                self.misses += 1
-                self.bytes_fetched += 2 * p.k.numel() * p.k.element_size()
-        dev = self.k.device
-        return {h: torch.tensor([self._slot[(layer, h, int(b))] for b in bl], dtype=torch.long,
-                                device=dev)
-                for h, bl in blocks_by_head.items()}
+        self._clock += 1
+        slots = self._slot_of[keys]
+        miss = valid & (slots < 0)
+        self._stamp[slots[valid & ~miss]] = self._clock
+        miss_keys = keys[miss]  # row-major: by kv head, then position
+        n_miss = int(miss_keys.numel())
+        self.hits += need - n_miss
+        if n_miss:
+            self._fill(layer, miss_keys)
+            slots = self._slot_of[keys]
+        return torch.where(valid, slots, torch.zeros_like(slots))
+
+    def _fill(self, layer: int, miss_keys: torch.Tensor) -> None:
+        n_miss = int(miss_keys.numel())
+        host = miss_keys.cpu().tolist()
+        by_head: Dict[int, List[int]] = {}
+        for key in host:
+            by_head.setdefault((key // self.n_pages) % self.n_kv_heads, []).append(
+                key % self.n_pages)
+        fetched = self.client.fetch_pages(
+            self.context_id, [(layer, hh, sorted(b)) for hh, b in sorted(by_head.items())],
+            dtype="raw", as_torch=True)
+        if len(fetched) != n_miss:
+            raise RuntimeError(f"GpuPagePool: asked for {n_miss} pages, got {len(fetched)}")
+        # Victims: free slots first, then the least recently used; the slots
+        # this lookup uses carry the newest stamp, and need <= n_slots.
+        victims = torch.topk(self._stamp, n_miss, largest=False).indices
+        old = self._page_of[victims]
+        self._slot_of[old[old >= 0]] = -1
+        d = self.k.shape[-1]
+        k_host = torch.zeros(n_miss, self.block, d, dtype=self.k.dtype)
+        v_host = torch.zeros_like(k_host)
+        new_keys = []
+        for i, p in enumerate(fetched):
+            n = int(p.n_tokens)
+            k_host[i, :n] = p.k.view(n, d)
+            v_host[i, :n] = p.v.view(n, d)
+            new_keys.append(self._key(layer, int(p.kv_head), int(p.block)))
+            self.bytes_fetched += 2 * p.k.numel() * p.k.element_size()
+        self.k[victims] = k_host.to(self.k.device, non_blocking=True)
+        self.v[victims] = v_host.to(self.v.device, non_blocking=True)
+        new = torch.tensor(new_keys, dtype=torch.int64, device=self.k.device)
+        self._page_of[victims] = new
+        self._slot_of[new] = victims
+        self._stamp[victims] = self._clock
+        self.misses += n_miss
+
+    def gather(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
+        """``[H, P * block, d]`` K and V of the pages (looked up, fetched
+        where missing), page after page; padding entries read slot 0."""
+        slots = self.lookup(layer, pages, valid)
+        hh, pp = slots.shape
+        return (self.k[slots].reshape(hh, pp * self.block, -1),
+                self.v[slots].reshape(hh, pp * self.block, -1))
+
+
+def _pad_pages(by_head: Sequence[Sequence[int]], device: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per kv head page lists as ``[H, P]`` int64 ids and validity."""
+    p = max((len(b) for b in by_head), default=0)
+    pages = torch.zeros(len(by_head), p, dtype=torch.int64)
+    valid = torch.zeros(len(by_head), p, dtype=torch.bool)
+    for h, b in enumerate(by_head):
+        pages[h, :len(b)] = torch.as_tensor(list(b), dtype=torch.int64)
+        valid[h, :len(b)] = True
+    return pages.to(device), valid.to(device)
 
 
 class _Decoder:
     """The state the registered attention function reads: the session (or
-    the client-side selector and page pool, or the dense context KV)."""
+    the client-side selector and page pool, or the dense context KV), and
+    the session that receives the generated tokens (``appender``)."""
 
     def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
                  selector: Any = None, pool: Optional[GpuPagePool] = None,
-                 planner: Any = None) -> None:
+                 planner: Any = None, appender: Any = None, n_context: int = 0,
+                 n_layers: int = 0) -> None:
         self.session = session
         self.dense_kv = dense_kv
         self.selector = selector  # numpy CsaSession
         self.planner = planner    # TorchCsaSession
         self.pool = pool
+        self.appender = appender  # a Session: Append per generated token
+        self.n_context = n_context
+        self.queries: List[Optional[torch.Tensor]] = [None] * n_layers
         self.bytes_received = 0
+        self.appended = 0  # the appender's n_tokens after the last Append
 
 
 _ACTIVE: List[_Decoder] = []
@@ -303,19 +405,31 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     q = query[0, :, 0, :]  # [n_q, d]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     n_q = q.shape[0]
+    if dec.appender is not None:
+        dec.queries[layer] = q
     if dec.session is not None:
         step = dec.session.step(layer, q.float().cpu().numpy())
         dec.bytes_received += step.bytes_received
-        ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32)
+        ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32, dec.n_context)
     elif dec.selector is not None:
         ks, vs, masks = _client_step(dec, layer, q)
     elif dec.planner is not None:
         ks, vs, masks = _planned_step(dec, layer, q)
     else:
-        k_all, v_all = dec.dense_kv[layer]  # [n_kv, n, d] on the device
-        ks, vs, masks = list(k_all), list(v_all), None
+        ks, vs = dec.dense_kv[layer]  # [n_kv, n, d] on the device
+        masks = None
     out = attend(q, ks, vs, masks, key[0], value[0], scale)  # [n_q, d]
     return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
+
+
+def _pool_kv(dec: _Decoder, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """``[H, P * block, d]`` K and V of each kv head's pages from the GPU
+    page pool (which fetches the missing ones); adds the fetched bytes to
+    the decoder's count."""
+    before = dec.pool.bytes_fetched
+    k, v = dec.pool.gather(layer, pages, valid)
+    dec.bytes_received += dec.pool.bytes_fetched - before
+    return k, v
 
 
 def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
@@ -323,47 +437,36 @@ def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     pipeline) and the selected pages from the GPU page pool."""
     b = dec.pool.block
     steps = dec.selector.step(layer, q.float().cpu().numpy(), as_torch=False)
-    ks, vs = _pool_kv(dec, layer, {h: [int(x) for x in st.pages] for h, st in enumerate(steps)})
-    masks = []
-    for st in steps:
-        pages = np.asarray(st.pages, dtype=np.int64)
-        mask = np.zeros((len(st.per_q_head), pages.size * b), dtype=bool)
+    by_head = [[int(x) for x in st.pages] for st in steps]
+    pages, valid = _pad_pages(by_head, q.device)
+    k, v = _pool_kv(dec, layer, pages, valid)
+    mask = np.zeros((len(steps), len(steps[0].per_q_head), k.shape[1]), dtype=bool)
+    for h, st in enumerate(steps):
+        pg = np.asarray(st.pages, dtype=np.int64)
         for j, ids in enumerate(st.per_q_head):
             ids = np.asarray(ids, dtype=np.int64)
-            mask[j, np.searchsorted(pages, ids // b) * b + ids % b] = True
-        masks.append(torch.as_tensor(mask).to(q.device))
-    return ks, vs, masks
+            mask[h, j, np.searchsorted(pg, ids // b) * b + ids % b] = True
+    return k, v, torch.as_tensor(mask).to(q.device)
 
 
 def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     """Client-side csa selection as tensor ops on the device
-    (ctxcache.torch.gpu_session) and the selected pages from the GPU page
-    pool; one device-to-host copy per layer (the page ids, for the pool)."""
+    (ctxcache.torch.gpu_session) and the selected pages read from the GPU
+    page pool; host syncs: the page count and the pool's miss list."""
     plan = dec.planner.step(layer, q)
-    n_kv = plan.pages.shape[0]
-    pages = [plan.page_ids(h) for h in range(n_kv)]
-    host = torch.cat(pages).cpu().tolist()
-    by_head, at = {}, 0
-    for h in range(n_kv):
-        by_head[h] = host[at:at + pages[h].numel()]
-        at += pages[h].numel()
-    ks, vs = _pool_kv(dec, layer, by_head)
-    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, page]
-    masks = [tok[h][:, pages[h]].reshape(tok.shape[1], -1) for h in range(n_kv)]
-    return ks, vs, masks
-
-
-def _pool_kv(dec: _Decoder, layer: int, by_head: Dict[int, List[int]]) -> tuple:
-    """Per kv head (in key order), the K and V rows of its pages in the given
-    order, from the GPU page pool, which fetches the missing ones; adds the
-    fetched bytes to the decoder's count."""
-    pool = dec.pool
-    before = pool.bytes_fetched
-    slots = pool.ensure(layer, by_head)
-    dec.bytes_received += pool.bytes_fetched - before
-    d = pool.k.shape[-1]
-    return ([pool.k[slots[h]].reshape(-1, d) for h in sorted(by_head)],
-            [pool.v[slots[h]].reshape(-1, d) for h in sorted(by_head)])
+    h, n_pages = plan.pages.shape
+    counts = plan.pages.sum(dim=1)
+    p = int(counts.max())
+    # Each head's pages ascending, first: a stable sort of the page flags.
+    pages = torch.sort(plan.pages.to(torch.int8), dim=1, descending=True,
+                       stable=True).indices[:, :p]
+    valid = torch.arange(p, device=q.device).view(1, -1) < counts.view(-1, 1)
+    k, v = _pool_kv(dec, layer, pages, valid)
+    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, block]
+    g, b = tok.shape[1], tok.shape[3]
+    mask = tok.gather(2, pages.view(h, 1, p, 1).expand(h, g, p, b))
+    mask = mask & valid.view(h, 1, p, 1)
+    return k, v, mask.reshape(h, g, p * b)
 
 
 def _register() -> None:
@@ -386,6 +489,7 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
     res = GenerateResult()
     cache = DynamicCache()  # the generated tokens only
     token = int(first_token)
+    n_layers = len(_layers(model))
     try:
         for i in range(n_new):
             if dev.type == "cuda":
@@ -396,13 +500,19 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
                         cache_position=torch.tensor([i], device=dev), past_key_values=cache,
                         use_cache=True)
             logits = out.logits[0, -1].float()
-            token = int(torch.argmax(logits))
-            next_input = int(forced[i]) if forced is not None else token
+            if dec.appender is not None:  # the input token's K/V/Q go back to the session
+                kv = [_cache_kv(cache, l) for l in range(n_layers)]
+                dec.appended = dec.appender.append(
+                    torch.stack([k[0, :, -1] for k, _ in kv]),
+                    torch.stack([v[0, :, -1] for _, v in kv]),
+                    torch.stack([dec.queries[l] for l in range(n_layers)]), token_id=token)
+            next_token = int(torch.argmax(logits))
+            next_input = int(forced[i]) if forced is not None else next_token
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             res.step_s.append(time.perf_counter() - t0)
             res.logits.append(logits.cpu())
-            res.tokens.append(token)
+            res.tokens.append(next_token)
             token = next_input
     finally:
         _ACTIVE.pop()
@@ -410,25 +520,32 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
         for layer in _layers(model):
             layer.self_attn.config._attn_implementation = previous
     res.bytes_received = dec.bytes_received
+    res.appended_tokens = dec.appended - position if dec.appender is not None else 0
     return res
 
 
 def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
              method: str = "csa", params: Optional[Dict[str, Any]] = None,
-             forced: Optional[Sequence[int]] = None) -> GenerateResult:
+             forced: Optional[Sequence[int]] = None, append: bool = True) -> GenerateResult:
     """Greedy decoding of ``n_new`` tokens after the context ``info``
     (``first_token`` goes at position ``info.n_tokens``), with ``method``'s
     selection done by ctxcache (a server-side session) at every layer-step.
     ``forced``: teacher forcing, step i+1 is fed forced[i] (the argmax is
-    still what ``tokens`` records), for agreement measurements."""
+    still what ``tokens`` records), for agreement measurements.
+    ``append``: stream each step's input token (K/V/Q of every layer) back
+    to the session with Append, so its indexes keep up; its selections of
+    appended tokens are ignored (they are attended from the model's cache)."""
     with client.open_session(info.context_id, method=method, params=params or {}) as s:
-        return _decode(model, _Decoder(session=s), first_token, int(info.n_tokens), n_new, forced)
+        dec = _Decoder(session=s, appender=s if append else None,
+                       n_context=int(info.n_tokens), n_layers=int(info.model.n_layers))
+        return _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
 
 
 def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
                     params: Optional[Dict[str, Any]] = None,
                     forced: Optional[Sequence[int]] = None,
-                    pool_bytes: int = 1 << 30, selection: str = "torch") -> GenerateResult:
+                    pool_bytes: int = 1 << 30, selection: str = "torch",
+                    append: bool = True) -> GenerateResult:
     """As :func:`generate` with csa, but selecting on the client and reading
     pages from a :class:`GpuPagePool` that fetches only pages it does not
     hold: no round trip per layer-step once the pool is warm.
@@ -438,24 +555,40 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     sums in another order than the server's, so a near-tie may resolve
     differently); ``"exact"`` runs the numpy copy of the C++ core
     (``ctxcache.torch.selection.CsaSession``: the server's selections
-    exactly, on the CPU)."""
+    exactly, on the CPU). Both select over the stored context.
+    append: the generated tokens go to a server session (csa) with Append,
+    one round trip per token, as a worker that shares its tokens does.
+    The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (index
+    fetch + session set-up + the first step)."""
     dev = next(model.parameters()).device
+    t0 = time.perf_counter()
     arts = client.fetch_index(info.context_id, "csa")
     n_q = int(info.model.n_q_heads)
+    n_layers = int(info.model.n_layers)
     if selection == "torch":
         from ctxcache.torch.gpu_session import TorchCsaSession
         dec = _Decoder(planner=TorchCsaSession(arts, n_q_heads=n_q, params=params or {},
-                                               device=dev))
+                                               device=dev), n_layers=n_layers)
     elif selection == "exact":
         from ctxcache.torch.selection import CsaSession
-        dec = _Decoder(selector=CsaSession(arts, n_q_heads=n_q, params=params or {}))
+        dec = _Decoder(selector=CsaSession(arts, n_q_heads=n_q, params=params or {}),
+                       n_layers=n_layers)
     else:
         raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
-    pool = GpuPagePool(client, info.context_id, int(info.block_tokens) or 16,
-                       int(info.model.head_dim), dev, pool_bytes)
+    dec.n_context = int(info.n_tokens)
+    pool = GpuPagePool(client, info, dev, pool_bytes)
     dec.pool = pool
-    res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
-    res.pool_hits, res.pool_misses = pool.hits, pool.misses  # type: ignore[attr-defined]
+    setup_s = time.perf_counter() - t0
+    session = client.open_session(info.context_id, method="csa", params=params or {}) \
+        if append else None
+    try:
+        dec.appender = session
+        res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
+    finally:
+        if session is not None:
+            session.close()
+    res.pool_hits, res.pool_misses = pool.hits, pool.misses
+    res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
     return res
 
 

@@ -1,0 +1,218 @@
+"""End-to-end decode on the GPU against a running ctxcached, for a long
+context: (a) dense with the whole KV loaded from ctxcache onto the GPU
+against (b) sparse csa with a GPU page pool of a fraction of the context's
+pages that fetches its misses from ctxcached (the scripts/gpu-suite.sh stage
+gpu_e2e).
+
+1. Loads the model: an HF LLaMA-family checkpoint (``--model PATH``), or
+   ``--model llama8b``: the Llama-3-8B shape (32 q / 8 kv heads, d 128,
+   hidden 4096, MLP 14336, vocab 128256) with random bf16 weights and
+   ``--layers`` layers (the 32-layer store of a long context would not fit
+   this bench's time; say how many in the table).
+2. Prefills ``--tokens`` context tokens with HF (the ``--tokens-json``
+   document, repeated to length, or random ids for llama8b) and ingests
+   the post-RoPE K/V/Q (csa built server-side): prefill and ingest seconds,
+   ingest tokens/s.
+3. (a) dense: FetchPages of every page of every layer, the K/V placed in an
+   HF cache on the GPU, then ``--n-new`` greedy steps with the model's own
+   SDPA attention. TTFT = the fetch + the first step.
+4. (b) sparse: ``hf.generate_client`` (FetchIndex csa, the session core as
+   tensor ops on the GPU, pages through ``GpuPagePool`` sized to
+   ``--pool-frac`` of the context's pages, generated tokens appended to a
+   server session), teacher-forced on (a)'s tokens. TTFT = index fetch +
+   set-up + the first step.
+Peak GPU memory is measured per phase (torch.cuda.max_memory_allocated,
+reset before each) and given with and without the weights. Prints and
+writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def load_model(name: str, layers: int, dev: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    if name != "llama8b":
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).to(dev).eval()
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256,
+                      max_position_embeddings=131072, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def context_tokens(a, vocab: int) -> list:
+    if a.tokens_json:
+        doc = [int(x) for x in json.load(open(a.tokens_json))]
+        reps = (a.tokens + 1 + len(doc) - 1) // len(doc)
+        return (doc * reps)[:a.tokens + 1]
+    rng = np.random.default_rng(7)
+    return [int(x) for x in rng.integers(3, vocab, size=a.tokens + 1)]
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+@torch.no_grad()
+def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str) -> dict:
+    """(a): the whole KV fetched into an HF cache, then native decoding."""
+    from transformers import DynamicCache
+
+    m = info.model
+    n, b = int(info.n_tokens), int(info.block_tokens) or 16
+    n_pages = (n + b - 1) // b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    fetched = 0
+    for layer in range(int(m.n_layers)):
+        pages = client.fetch_pages(info.context_id,
+                                   [(layer, h, list(range(n_pages))) for h in range(m.n_kv_heads)],
+                                   dtype="raw", as_torch=True)
+        k = torch.empty(int(m.n_kv_heads), n, int(m.head_dim), dtype=torch.bfloat16)
+        v = torch.empty_like(k)
+        for p in pages:
+            t = int(p.n_tokens)
+            k[p.kv_head, p.block * b:p.block * b + t] = p.k.view(t, -1)
+            v[p.kv_head, p.block * b:p.block * b + t] = p.v.view(t, -1)
+            fetched += 2 * p.k.numel() * p.k.element_size()
+        cache.update(k[None].to(dev, non_blocking=True), v[None].to(dev, non_blocking=True),
+                     layer)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    tokens, steps = [], []
+    tok = torch.tensor([[first]], device=dev)
+    for i in range(n_new):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[n + i]], device=dev))
+        nxt = int(torch.argmax(out.logits[0, -1]))
+        torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t)
+        tokens.append(nxt)
+        tok = torch.tensor([[nxt]], device=dev)
+    del cache
+    return {"tokens": tokens, "load_kv_s": load_s, "bytes_loaded": fetched,
+            "ttft_s": load_s + steps[0], "step_ms_p50": 1e3 * statistics.median(steps),
+            "tokens_per_s": n_new / sum(steps)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", default="models/ctxcache-ref",
+                    help="an HF checkpoint directory, or llama8b (random weights)")
+    ap.add_argument("--layers", type=int, default=8, help="llama8b: layers")
+    ap.add_argument("--tokens", type=int, default=32768, help="context tokens")
+    ap.add_argument("--tokens-json", default="", help="a document's token ids (repeated)")
+    ap.add_argument("--n-new", type=int, default=32)
+    ap.add_argument("--pool-frac", type=float, default=0.10,
+                    help="(b)'s page pool: this share of the context's pages")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    import ctxcache
+    from ctxcache.torch import hf
+
+    dev = "cuda"
+    log(f"loading {a.model}")
+    model = load_model(a.model, a.layers, dev)
+    cfg = model.config
+    weights = torch.cuda.memory_allocated()
+    ids = context_tokens(a, cfg.vocab_size)
+    context, first = ids[:-1], ids[-1]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "model": a.model, "layers": cfg.num_hidden_layers,
+           "shape": {"n_q_heads": cfg.num_attention_heads,
+                     "n_kv_heads": cfg.num_key_value_heads,
+                     "head_dim": getattr(cfg, "head_dim", None)
+                     or cfg.hidden_size // cfg.num_attention_heads},
+           "n_context": len(context), "n_new": a.n_new, "pool_frac": a.pool_frac,
+           "weights_gib": weights / 2**30}
+
+    def save() -> None:
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    with ctxcache.Client(a.server, timeout=900) as c:
+        log(f"prefill + ingest of {len(context)} tokens")
+        info, pre = hf.prefill_and_ingest(c, model, context, indexes=["csa"],
+                                          name="gpu-e2e")
+        res["prefill_s"] = pre.seconds
+        res["ingest_s"] = pre.ingest_s
+        res["ingest_tokens_per_s"] = len(context) / pre.ingest_s
+        res["ttft_prefill_ingest_s"] = pre.seconds + pre.ingest_s
+        kv_bytes = 2 * sum(k.numel() * 2 for k in pre.k)
+        res["kv_gib"] = kv_bytes / 2**30
+        del pre
+        torch.cuda.empty_cache()
+        log(f"ingested in {res['ingest_s']:.1f} s; (a) dense with the KV from ctxcache")
+        save()
+
+        torch.cuda.reset_peak_memory_stats()
+        dense = dense_from_ctxcache(c, model, info, first, a.n_new, dev)
+        dense["peak_gib"] = peak_gib()
+        dense["peak_gib_minus_weights"] = dense["peak_gib"] - weights / 2**30
+        res["dense"] = {k: v for k, v in dense.items() if k != "tokens"}
+        log(f"dense: {res['dense']}")
+        save()
+        torch.cuda.empty_cache()
+
+        n_pages_total = cfg.num_hidden_layers * cfg.num_key_value_heads * (
+            (len(context) + 15) // 16)
+        page_bytes = 2 * 16 * res["shape"]["head_dim"] * 2
+        pool_bytes = int(a.pool_frac * n_pages_total) * page_bytes
+        for append in (True, False):
+            torch.cuda.reset_peak_memory_stats()
+            out = hf.generate_client(c, model, info, first, a.n_new, forced=dense["tokens"],
+                                     pool_bytes=pool_bytes, selection="torch", append=append)
+            name = "sparse" if append else "sparse_no_append"
+            res[name] = {
+                "append": append, "ttft_s": out.ttft_s,
+                "step_ms_p50": 1e3 * statistics.median(out.step_s),
+                "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s),
+                "tokens_per_s": a.n_new / sum(out.step_s),
+                "agreement_with_dense": float(np.mean([x == y for x, y in
+                                                       zip(out.tokens, dense["tokens"])])),
+                "pool_pages": int(a.pool_frac * n_pages_total), "pool_gib": pool_bytes / 2**30,
+                "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
+                "bytes_fetched_per_step": out.bytes_received / a.n_new,
+                "appended_tokens": out.appended_tokens,
+                "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30}
+            log(f"{name}: {res[name]}")
+            save()
+            torch.cuda.empty_cache()
+        res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
+                                                     res["dense"]["tokens_per_s"])
+        res["ratio_ttft_dense_vs_sparse"] = res["dense"]["ttft_s"] / res["sparse"]["ttft_s"]
+        c.evict(info.context_id)
+    print(json.dumps(res, indent=1))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

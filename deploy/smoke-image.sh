@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the images for real with podman and brings them up (docs/deploy.md,
-# "Tested"): opt-in, ~20 min on 2 cores for the first build (ctest
+# "Tested"): opt-in, 11-17 min on 2 cores when the image must be compiled (ctest
 # image_smoke with -DCTXCACHE_IMAGE_SMOKE=ON; not in the default suite).
 #   1. a debian:12 base image from Debian's archive, if podman has none:
 #      mmdebstrap --variant=minbase bookworm with this host's apt sources
@@ -76,7 +76,7 @@ if [ "${CTXCACHE_SMOKE_NO_BUILD:-0}" = 1 ]; then
   podman image exists ctxcache:local && podman image exists ctxcache-etcd:local ||
     { echo "smoke-image: CTXCACHE_SMOKE_NO_BUILD=1 but the images are missing" >&2; exit 1; }
 else
-  log "building ctxcache:local (compiles the project; ~20 min on 2 cores the first time)"
+  log "building ctxcache:local (compiles the project; 11-17 min on 2 cores)"
   build "$work/src/deploy/Dockerfile" localhost/ctxcache:local "$work/src"
   build "$work/src/deploy/etcd.Dockerfile" localhost/ctxcache-etcd:local "$work/src/deploy"
 fi

@@ -40,7 +40,9 @@ StatusOr<std::unique_ptr<ClusterNode>> ClusterNode::Start(ClusterOptions options
   std::unique_ptr<ClusterNode> node(new ClusterNode(std::move(options), store, std::move(etcd)));
   RETURN_IF_ERROR(node->Register().WithContext("joining cluster " + node->options_.uri.cluster));
   // The first view before serving, so routing works from the first call.
+  ASSIGN_OR_RETURN(node->mirror_, EtcdMirror::Start(node->etcd_.get(), {node->Key(""), 200}));
   RETURN_IF_ERROR(node->Refresh());
+  node->etcd_ok_ = true;
   node->loops_.emplace_back([n = node.get()] { n->KeepAliveLoop(); });
   node->loops_.emplace_back([n = node.get()] { n->RefreshLoop(); });
   node->loops_.emplace_back([n = node.get()] { n->RebalanceLoop(); });
@@ -72,6 +74,7 @@ void ClusterNode::Stop() {
     stop_ = true;
   }
   stop_cv_.notify_all();
+  if (mirror_) mirror_->Stop();  // wakes the refresh loop
   for (auto& t : loops_) t.join();
   loops_.clear();
   copies_.reset();  // waits for running copies
@@ -140,22 +143,31 @@ void ClusterNode::KeepAliveLoop() {
 }
 
 void ClusterNode::RefreshLoop() {
-  while (!WaitStop(options_.refresh_interval_ms)) {
-    Status s = Refresh();
-    etcd_ok_ = s.ok();
-    if (!s.ok()) {
-      spdlog::warn("cluster: refresh: {} (serving with the last view)", s.ToString());
-      continue;
+  uint64_t seen = mirror_->version();
+  bool was_ok = true;
+  // A burst of changes (a build publishing, a node's holder keys) is
+  // applied in passes at least this far apart.
+  constexpr int64_t kMinPassMs = 50;
+  while (!WaitStop(kMinPassMs)) {
+    seen = mirror_->WaitChange(seen, options_.refresh_interval_ms);
+    {
+      std::lock_guard lock(stop_mu_);
+      if (stop_) return;
     }
-    ApplyLifecycle();
+    bool ok = mirror_->connected();
+    etcd_ok_ = ok;
+    if (!ok && was_ok) spdlog::warn("cluster: etcd watch down; serving with the last view");
+    was_ok = ok;
+    Refresh().IgnoreError();
+    if (ok) ApplyLifecycle();
   }
 }
 
 Status ClusterNode::Refresh() {
-  ASSIGN_OR_RETURN(auto kvs, etcd_->GetPrefix(Key("")));
+  const EtcdMirror::Map kvs = mirror_->Snapshot();
   View v;
   const std::string root = Key("");
-  for (const auto& kv : kvs) {
+  for (const auto& [key, kv] : kvs) {
     std::string rest = kv.key.substr(root.size());
     auto slash = rest.find('/');
     if (slash == std::string::npos) continue;
@@ -370,16 +382,13 @@ Status ClusterNode::PublishReady(const v1::ContextManifest& m) {
   ASSIGN_OR_RETURN(bool created, etcd_->PutIfAbsent(Key("contexts/" + hex), j.dump()));
   (void)created;
   RETURN_IF_ERROR(RegisterHolder(id));
-  Status refreshed = Refresh();
-  if (!refreshed.ok()) return refreshed.WithContext("publishing " + hex);
-
-  auto owners = Owners(id);
+  // The holders now, read from etcd (the watched view may be a few ms
+  // behind the put above).
+  const std::string holders_prefix = Key("holders/" + hex + "/");
+  ASSIGN_OR_RETURN(auto held_kvs, etcd_->GetPrefix(holders_prefix));
   std::set<std::string> held;
-  {
-    std::lock_guard lock(mu_);
-    auto it = view_.holders.find(hex);
-    if (it != view_.holders.end()) held = it->second;
-  }
+  for (const auto& kv : held_kvs) held.insert(kv.key.substr(holders_prefix.size()));
+  auto owners = Owners(id);
   held.insert(self_.node_id);
   struct Shared {
     std::mutex mu;

@@ -11,12 +11,15 @@
 // A node whose lease expires is out, and so are its holder keys, so the
 // live copies of a context are its holder keys.
 //
-// Background work: a keep-alive loop (re-registering after a lease loss), a
-// refresh loop (every refresh_interval_ms: reads the cluster prefix, applies
-// pins/expiry/sharing/evictions to local copies, publishes local contexts
-// that etcd does not know, drops surplus copies once every owner holds one),
-// and a rebalancer loop that campaigns for the election and, while leader,
-// asks owners lacking a copy to pull it from a live holder.
+// Background work: a watch of the cluster prefix (EtcdMirror: a node that
+// leaves, a holder key put, a pin recorded are in this node's view at watch
+// latency), a keep-alive loop (re-registering after a lease loss), a
+// refresh loop (on every change of the mirror, and at least every
+// refresh_interval_ms: rebuilds the view, applies pins/expiry/sharing/
+// evictions to local copies, publishes local contexts that etcd does not
+// know, drops surplus copies once every owner holds one), and a rebalancer
+// loop that campaigns for the election and, while leader, asks owners
+// lacking a copy to pull it from a live holder.
 //
 // Thread-safety: safe for concurrent use without external synchronization.
 // The Store must outlive the ClusterNode.
@@ -34,6 +37,7 @@
 #include <vector>
 
 #include "cluster/etcd_client.h"
+#include "cluster/etcd_mirror.h"
 #include "cluster/placement.h"
 #include "cluster/replication.h"
 #include "common/status.h"
@@ -60,7 +64,9 @@ struct ClusterOptions {
   uint32_t min_replicas = 2;
   // etcd lease TTL, seconds: a node silent this long is out. Default: 10.
   int64_t lease_ttl_s = 10;
-  // Period of the refresh loop and of rebalancer passes, ms. Default: 1000.
+  // Longest wait of the refresh loop between two passes (it also runs on
+  // every membership/lifecycle change seen by the watch), and period of
+  // rebalancer passes, ms. Default: 1000.
   int64_t refresh_interval_ms = 1000;
   // Deadline of one context copy, ms. Default: 10 minutes.
   int64_t copy_timeout_ms = 600'000;
@@ -94,7 +100,7 @@ class ClusterNode {
   const ClusterOptions& options() const { return options_; }
   PeerChannels* peers() { return &peers_; }
 
-  // Live nodes (from the last refresh), ordered by node id.
+  // Live nodes (as of the last change seen by the watch), ordered by node id.
   std::vector<NodeInfo> LiveNodes() const;
   // The context's owners among the live nodes, first owner first.
   std::vector<NodeInfo> Owners(const storage::ContextId& id) const;
@@ -151,6 +157,7 @@ class ClusterNode {
   ClusterOptions options_;
   storage::Store* store_;
   std::unique_ptr<EtcdClient> etcd_;
+  std::unique_ptr<EtcdMirror> mirror_;  // /<cluster>/, set by Start()
   PeerChannels peers_;
   NodeInfo self_;
 

@@ -97,6 +97,7 @@ struct EtcdClient::Impl {
     std::unique_ptr<etcdserverpb::KV::Stub> kv;
     std::unique_ptr<etcdserverpb::Lease::Stub> lease;
     std::unique_ptr<v3electionpb::Election::Stub> election;
+    std::unique_ptr<etcdserverpb::Watch::Stub> watch;
   };
   Options options;
   std::vector<Endpoint> endpoints;
@@ -141,10 +142,16 @@ StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const Options& options
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    // Detects a dead etcd under a long-lived watch stream. etcd's default
+    // --grpc-keepalive-min-time is 5 s: pinging more often gets the
+    // connection closed (too_many_pings).
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10'000);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5'000);
     e.channel = grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
     e.kv = etcdserverpb::KV::NewStub(e.channel);
     e.lease = etcdserverpb::Lease::NewStub(e.channel);
     e.election = v3electionpb::Election::NewStub(e.channel);
+    e.watch = etcdserverpb::Watch::NewStub(e.channel);
     impl->endpoints.push_back(std::move(e));
   }
   return std::unique_ptr<EtcdClient>(new EtcdClient(std::move(impl)));
@@ -245,7 +252,8 @@ StatusOr<EtcdKeyValue> EtcdClient::Get(const std::string& key) {
   return EtcdKeyValue{kv.key(), kv.value(), kv.lease(), kv.mod_revision()};
 }
 
-StatusOr<std::vector<EtcdKeyValue>> EtcdClient::GetPrefix(const std::string& prefix) {
+StatusOr<std::vector<EtcdKeyValue>> EtcdClient::GetPrefix(const std::string& prefix,
+                                                          int64_t* revision) {
   etcdserverpb::RangeRequest req;
   req.set_key(prefix);
   req.set_range_end(PrefixEnd(prefix));
@@ -254,6 +262,7 @@ StatusOr<std::vector<EtcdKeyValue>> EtcdClient::GetPrefix(const std::string& pre
       impl_->options.rpc_timeout_ms,
       [&](Impl::Endpoint& e, grpc::ClientContext* ctx) { return e.kv->Range(ctx, req, &resp); });
   if (!s.ok()) return FromGrpc(s, "Range");
+  if (revision) *revision = resp.header().revision();
   std::vector<EtcdKeyValue> out;
   out.reserve(resp.kvs_size());
   for (const auto& kv : resp.kvs()) {
@@ -283,6 +292,77 @@ Status EtcdClient::DeletePrefix(const std::string& prefix) {
         return e.kv->DeleteRange(ctx, req, &resp);
       });
   return s.ok() ? Status::OK() : FromGrpc(s, "DeleteRange");
+}
+
+void EtcdWatchCanceller::Cancel() {
+  std::lock_guard lock(mu_);
+  cancelled_ = true;
+  if (cancel_) cancel_();
+}
+
+bool EtcdWatchCanceller::cancelled() const {
+  std::lock_guard lock(mu_);
+  return cancelled_;
+}
+
+Status EtcdClient::Watch(const std::string& prefix, int64_t start_revision,
+                         EtcdWatchCanceller* canceller,
+                         const std::function<void(const EtcdWatchBatch&)>& on_batch) {
+  size_t i = impl_->current.load() % impl_->endpoints.size();
+  Impl::Endpoint& e = impl_->endpoints[i];
+  grpc::ClientContext ctx;
+  {
+    std::lock_guard lock(canceller->mu_);
+    if (canceller->cancelled_) return Status::OK();
+    canceller->cancel_ = [&ctx] { ctx.TryCancel(); };
+  }
+  auto stream = e.watch->Watch(&ctx);
+  etcdserverpb::WatchRequest req;
+  auto* create = req.mutable_create_request();
+  create->set_key(prefix);
+  create->set_range_end(PrefixEnd(prefix));
+  create->set_start_revision(start_revision);
+  Status result = UnavailableError("etcd Watch " + e.addr + ": stream closed");
+  if (stream->Write(req)) {
+    etcdserverpb::WatchResponse resp;
+    while (stream->Read(&resp)) {
+      if (resp.compact_revision() > 0) {
+        result = OutOfRangeError("etcd Watch: revision " + std::to_string(start_revision) +
+                                 " compacted (compact revision " +
+                                 std::to_string(resp.compact_revision()) + ")");
+        break;
+      }
+      if (resp.canceled()) {
+        result = UnavailableError("etcd Watch canceled by the server: " + resp.cancel_reason());
+        break;
+      }
+      EtcdWatchBatch batch;
+      batch.revision = resp.header().revision();
+      batch.created = resp.created();
+      batch.events.reserve(resp.events_size());
+      for (const auto& ev : resp.events()) {
+        EtcdWatchBatch::Event out;
+        out.deleted = ev.type() == mvccpb::Event::DELETE;
+        out.kv = {ev.kv().key(), ev.kv().value(), ev.kv().lease(), ev.kv().mod_revision()};
+        batch.events.push_back(std::move(out));
+      }
+      on_batch(batch);
+    }
+  }
+  ctx.TryCancel();
+  grpc::Status fin = stream->Finish();
+  {
+    std::lock_guard lock(canceller->mu_);
+    canceller->cancel_ = nullptr;
+    if (canceller->cancelled_) return Status::OK();
+  }
+  if (result.code() == StatusCode::kUnavailable) {
+    if (!fin.ok() && fin.error_code() != grpc::StatusCode::CANCELLED) {
+      result = FromGrpc(fin, "Watch");
+    }
+    impl_->current.compare_exchange_strong(i, i + 1);
+  }
+  return result;
 }
 
 StatusOr<std::string> EtcdClient::Campaign(const std::string& election, int64_t lease,

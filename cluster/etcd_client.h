@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,32 @@ struct EtcdKeyValue {
   std::string value;
   int64_t lease = 0;
   int64_t mod_revision = 0;
+};
+
+// One WatchResponse of a prefix watch: the events of one or more revisions,
+// in order, and the store revision they bring the watcher to.
+struct EtcdWatchBatch {
+  struct Event {
+    bool deleted = false;  // DELETE (kv.value empty) or PUT
+    EtcdKeyValue kv;
+  };
+  int64_t revision = 0;
+  bool created = false;  // the stream's first response: the watch is live
+  std::vector<Event> events;
+};
+
+// Ends a running EtcdClient::Watch from another thread. Cancel() is final:
+// a Watch started after it returns at once.
+class EtcdWatchCanceller {
+ public:
+  void Cancel();
+  bool cancelled() const;
+
+ private:
+  friend class EtcdClient;
+  mutable std::mutex mu_;
+  std::function<void()> cancel_;  // guarded by mu_; set while a stream is open
+  bool cancelled_ = false;        // guarded by mu_
 };
 
 class EtcdClient {
@@ -55,10 +83,24 @@ class EtcdClient {
   StatusOr<bool> PutIfAbsent(const std::string& key, const std::string& value, int64_t lease = 0);
   // NOT_FOUND if absent.
   StatusOr<EtcdKeyValue> Get(const std::string& key);
-  // All keys with this prefix, ordered by key.
-  StatusOr<std::vector<EtcdKeyValue>> GetPrefix(const std::string& prefix);
+  // All keys with this prefix, ordered by key; *revision (if given) is the
+  // store revision the read saw.
+  StatusOr<std::vector<EtcdKeyValue>> GetPrefix(const std::string& prefix,
+                                                int64_t* revision = nullptr);
   Status Delete(const std::string& key);
   Status DeletePrefix(const std::string& prefix);
+
+  // Watches every key with `prefix` from `start_revision` (events with a
+  // revision >= start_revision; 0 = from now), calling on_batch for each
+  // response, on this thread, until the stream ends. Returns OK once
+  // `canceller` is cancelled; OUT_OF_RANGE naming the compact revision if
+  // start_revision was compacted (re-list, then watch again); UNAVAILABLE
+  // when the stream breaks (etcd gone: the next call tries the next
+  // endpoint). No deadline: a dead peer is detected by gRPC keep-alive
+  // pings (10 s).
+  Status Watch(const std::string& prefix, int64_t start_revision,
+               EtcdWatchCanceller* canceller,
+               const std::function<void(const EtcdWatchBatch&)>& on_batch);
 
   // v3election: waits up to wait_ms to become leader of `election` with
   // `value` under `lease` (DEADLINE_EXCEEDED if not elected by then; the

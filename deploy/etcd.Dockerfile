@@ -3,8 +3,8 @@
 FROM debian:12
 RUN apt-get update && apt-get install -y --no-install-recommends etcd-server \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10002 --home-dir /var/lib/etcd etcd \
  && mkdir -p /var/lib/etcd && chown etcd:etcd /var/lib/etcd
+# (the package creates the system user etcd, home /var/lib/etcd)
 USER etcd
 EXPOSE 2379
 ENTRYPOINT ["/usr/bin/etcd", "--data-dir", "/var/lib/etcd", \

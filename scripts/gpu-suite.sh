@@ -11,6 +11,10 @@
 #      KV loaded from ctxcached against sparse with a 10% GPU page pool, on
 #      the reference model and on the Llama-3-8B shape (random weights,
 #      CTXCACHE_E2E_LAYERS layers, default 8).
+#   6. cluster_bench (needs the install stage first, and a pack made with
+#      CTXCACHE_PACK_ETCD=1): bench/cluster/cluster_scaling.py, 1/2/3 nodes
+#      pinned to 2 cores each, the C++ load generator on the rest
+#      (CTXCACHE_CLUSTER_BENCH_ARGS adds flags).
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -36,7 +40,8 @@ stage() {  # stage NAME SECONDS CMD...; CTXCACHE_GPU_STAGES=a,b runs only those
 WORK="$(mktemp -d /tmp/ctxcache-gpu-XXXXXX)"
 tar -xJf .pack/ctxcache-server.tar.xz -C "$WORK"
 mkdir -p "$WORK/bin"
-for b in ctxcached ctxcache; do  # wrappers named like the binaries, for the tests
+for b in ctxcached ctxcache ctxcache-cluster-load; do  # wrappers named like the binaries
+  [ -x "$WORK/ctxcache/bin/$b" ] || continue
   printf '#!/usr/bin/env bash\nexec %s/ctxcache/bin/%s.sh "$@"\n' "$WORK" "$b" >"$WORK/bin/$b"
   chmod +x "$WORK/bin/$b"
 done
@@ -97,4 +102,9 @@ stage gpu_e2e 560 bash -c "
   rc=\$?
   kill -TERM \$pid; wait \$pid
   exit \$rc"
+# 6. Cluster read scaling (bench/cluster/cluster_scaling.py).
+stage cluster_bench 900 bash -c "
+  CTXCACHE_ETCD_BIN='$WORK/ctxcache/bin/etcd' PYTHONPATH='$WORK/site' \
+    python3 bench/cluster/cluster_scaling.py --bin-dir '$WORK/bin' --model-dir tests/data/golden \
+    --out '$OUT/cluster_bench.json' \${CTXCACHE_CLUSTER_BENCH_ARGS:-}"
 exit $status

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Packs ctxcached and the ctxcache CLI with their shared-library closure into
+# Packs ctxcached, the ctxcache CLI and (when built: -DCTXCACHE_BUILD_BENCH=ON)
+# the cluster load generator ctxcache-cluster-load with their shared-library
+# closure into
 # .pack/ctxcache-server.tar.xz (gitignored), to carry to a machine without
 # this build, e.g. the GPU machine (Ubuntu 24.04). glibc (libc, libm,
 # libpthread, libdl, librt, ld-linux, ...), libstdc++ and libgcc_s are left
@@ -7,7 +9,11 @@
 # compatible. The sentencepiece plugin goes to lib/, where the binaries look
 # for it (model/tokenizer.cc). Run it there with
 #   tar xJf ctxcache-server.tar.xz && ctxcache/bin/ctxcached.sh --help
-# Usage: scripts/pack-server.sh [BUILD_DIR] [OUT_DIR]
+# With CTXCACHE_PACK_ETCD=1 it also carries this host's etcd server binary
+# (Debian's etcd-server, static Go, ~5.7 MB xz) as ctxcache/bin/etcd, for the
+# cluster bench (scripts/gpu-suite.sh stage cluster_bench) on a host without
+# etcd; $CTXCACHE_ETCD_BIN overrides /usr/bin/etcd.
+# Usage: [CTXCACHE_PACK_ETCD=1] scripts/pack-server.sh [BUILD_DIR] [OUT_DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${1:-$root/build}"
@@ -16,17 +22,24 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 pkg="$tmp/ctxcache"
 mkdir -p "$pkg/bin" "$pkg/lib" "$out"
-cp "$build/bin/ctxcached" "$build/bin/ctxcache" "$pkg/bin/"
+bins=(ctxcached ctxcache)
+[ -x "$build/bin/ctxcache-cluster-load" ] && bins+=(ctxcache-cluster-load)
+for b in "${bins[@]}"; do cp "$build/bin/$b" "$pkg/bin/"; done
 cp "$build/lib/libctxcache_spm.so" "$pkg/lib/"
+if [ "${CTXCACHE_PACK_ETCD:-0}" = 1 ]; then
+  etcd="${CTXCACHE_ETCD_BIN:-/usr/bin/etcd}"
+  [ -x "$etcd" ] || { echo "pack-server: $etcd missing (apt-get install etcd-server)" >&2; exit 1; }
+  cp "$etcd" "$pkg/bin/etcd"
+fi
 host_provided='^(libc|libm|libmvec|libpthread|libdl|librt|libresolv|libutil|libanl|libnsl|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
-for f in "$pkg/bin/ctxcached" "$pkg/bin/ctxcache" "$pkg/lib/libctxcache_spm.so"; do
+for f in "${bins[@]/#/$pkg/bin/}" "$pkg/lib/libctxcache_spm.so"; do
   ldd "$f" | awk '/=> \// {print $3}'
 done | sort -u | while read -r lib; do
   name="$(basename "$lib")"
   if [[ "$name" =~ $host_provided ]]; then continue; fi
   cp -L "$lib" "$pkg/lib/$name"
 done
-for b in ctxcached ctxcache; do
+for b in "${bins[@]}"; do
   cat >"$pkg/bin/$b.sh" <<WRAP
 #!/usr/bin/env bash
 here="\$(cd "\$(dirname "\$0")" && pwd)"
@@ -35,7 +48,7 @@ exec "\$here/$b" "\$@"
 WRAP
   chmod +x "$pkg/bin/$b.sh"
 done
-strip --strip-unneeded "$pkg/bin/ctxcached" "$pkg/bin/ctxcache" "$pkg"/lib/*.so* 2>/dev/null || true
+strip --strip-unneeded "${bins[@]/#/$pkg/bin/}" "$pkg"/lib/*.so* 2>/dev/null || true
 tar -C "$tmp" -cf - ctxcache | xz -9e -T0 >"$out/ctxcache-server.tar.xz.tmp"
 mv -f "$out/ctxcache-server.tar.xz.tmp" "$out/ctxcache-server.tar.xz"
-echo "pack-server: $(du -h "$out/ctxcache-server.tar.xz" | cut -f1) $out/ctxcache-server.tar.xz ($(ls "$pkg/lib" | wc -l) libraries)"
+echo "pack-server: $(du -h "$out/ctxcache-server.tar.xz" | cut -f1) $out/ctxcache-server.tar.xz ($(ls "$pkg/bin" | grep -cv '\.sh$') binaries, $(ls "$pkg/lib" | wc -l) libraries)"

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "cluster/etcd_client.h"
+#include "cluster/etcd_mirror.h"
 #include "cluster/placement.h"
 
 namespace ctxcache::client::internal {
@@ -87,37 +88,30 @@ class RoutingClient final : public Client {
                 std::unique_ptr<cluster::EtcdClient> etcd)
       : options_(std::move(options)), uri_(std::move(uri)), etcd_(std::move(etcd)) {}
 
-  // Live nodes, cached for a second (refresh: read etcd now).
-  StatusOr<std::vector<NodeInfo>> Nodes(bool refresh) {
-    std::lock_guard lock(mu_);
-    auto now = std::chrono::steady_clock::now();
-    if (refresh || nodes_.empty() || now - nodes_at_ > std::chrono::seconds(1)) {
-      const std::string prefix = "/" + uri_.cluster + "/nodes/";
-      ASSIGN_OR_RETURN(auto kvs, etcd_->GetPrefix(prefix));
-      std::vector<NodeInfo> nodes;
-      for (const auto& kv : kvs) {
-        NodeInfo n;
-        n.node_id = kv.key.substr(prefix.size());
-        n.address = JsonString(kv.value, "addr");
-        n.zone = JsonString(kv.value, "zone");
-        if (!n.address.empty()) nodes.push_back(std::move(n));
-      }
-      nodes_ = std::move(nodes);
-      nodes_at_ = now;
-    }
-    if (nodes_.empty()) return UnavailableError("cluster " + uri_.cluster + ": no live node");
-    return nodes_;
+  // Lists /<cluster>/ and starts watching it.
+  Status StartWatch() {
+    ASSIGN_OR_RETURN(mirror_,
+                     cluster::EtcdMirror::Start(etcd_.get(), {"/" + uri_.cluster + "/", 200}));
+    return Status::OK();
+  }
+
+  // Live nodes, as the watch of the cluster prefix last saw them.
+  StatusOr<std::vector<NodeInfo>> Nodes() {
+    auto v = CurrentView();
+    if (v->nodes.empty()) return UnavailableError("cluster " + uri_.cluster + ": no live node");
+    return v->nodes;
   }
 
   // Holders (owners first), then the other owners, then every live node.
   StatusOr<std::vector<NodeInfo>> Candidates(const std::string& context_id) {
-    ASSIGN_OR_RETURN(auto nodes, Nodes(false));
-    const std::string prefix = "/" + uri_.cluster + "/holders/" + context_id + "/";
-    ASSIGN_OR_RETURN(auto kvs, etcd_->GetPrefix(prefix));
-    std::set<std::string> held;
-    for (const auto& kv : kvs) held.insert(kv.key.substr(prefix.size()));
-    auto owners = cluster::OwnersOf(context_id, nodes, options_.cluster_replicas);
+    auto v = CurrentView();
+    if (v->nodes.empty()) return UnavailableError("cluster " + uri_.cluster + ": no live node");
+    static const std::set<std::string> kNone;
+    auto h = v->holders.find(context_id);
+    const std::set<std::string>& held = h == v->holders.end() ? kNone : h->second;
+    auto owners = cluster::OwnersOf(context_id, v->nodes, options_.cluster_replicas);
     std::vector<NodeInfo> order;
+    order.reserve(v->nodes.size());
     auto add = [&](const NodeInfo& n) {
       if (std::none_of(order.begin(), order.end(),
                        [&](const NodeInfo& x) { return x.node_id == n.node_id; })) {
@@ -127,11 +121,11 @@ class RoutingClient final : public Client {
     for (const auto& o : owners) {
       if (held.count(o.node_id)) add(o);
     }
-    for (const auto& n : nodes) {
+    for (const auto& n : v->nodes) {
       if (held.count(n.node_id)) add(n);
     }
     for (const auto& o : owners) add(o);
-    for (const auto& n : nodes) add(n);
+    for (const auto& n : v->nodes) add(n);
     return order;
   }
 
@@ -159,7 +153,6 @@ class RoutingClient final : public Client {
       if (r.ok() || r.status().code() != StatusCode::kUnavailable) return r;
       last = r.status();
     }
-    Nodes(true).status().IgnoreError();
     return last;
   }
   template <typename T, typename Fn>
@@ -169,7 +162,7 @@ class RoutingClient final : public Client {
   }
   template <typename T, typename Fn>
   StatusOr<T> OnAny(Fn fn) {
-    ASSIGN_OR_RETURN(auto nodes, Nodes(false));
+    ASSIGN_OR_RETURN(auto nodes, Nodes());
     std::rotate(nodes.begin(), nodes.begin() + (next_++ % nodes.size()), nodes.end());
     return Route<T>(nodes, fn);
   }
@@ -237,10 +230,57 @@ class RoutingClient final : public Client {
   ClientOptions options_;
   cluster::ClusterUri uri_;
   std::unique_ptr<cluster::EtcdClient> etcd_;
+  // Live nodes and the live holders of each context, derived from the
+  // mirror at one version.
+  struct View {
+    std::vector<NodeInfo> nodes;                            // by node id
+    std::map<std::string, std::set<std::string>> holders;  // ctx hex -> node ids
+  };
+  std::shared_ptr<const View> CurrentView() {
+    const uint64_t want = mirror_->version();
+    {
+      std::lock_guard lock(view_mu_);
+      if (view_ && view_version_ == want) return view_;
+    }
+    uint64_t version = 0;
+    const auto kvs = mirror_->Snapshot(&version);
+    auto v = std::make_shared<View>();
+    const std::string nodes_prefix = "/" + uri_.cluster + "/nodes/";
+    const std::string holders_prefix = "/" + uri_.cluster + "/holders/";
+    std::set<std::string> live;
+    for (auto it = kvs.lower_bound(nodes_prefix);
+         it != kvs.end() && it->first.compare(0, nodes_prefix.size(), nodes_prefix) == 0; ++it) {
+      NodeInfo n;
+      n.node_id = it->first.substr(nodes_prefix.size());
+      n.address = JsonString(it->second.value, "addr");
+      n.zone = JsonString(it->second.value, "zone");
+      if (n.address.empty()) continue;
+      live.insert(n.node_id);
+      v->nodes.push_back(std::move(n));
+    }
+    for (auto it = kvs.lower_bound(holders_prefix);
+         it != kvs.end() && it->first.compare(0, holders_prefix.size(), holders_prefix) == 0;
+         ++it) {
+      std::string rest = it->first.substr(holders_prefix.size());
+      auto slash = rest.find('/');
+      if (slash == std::string::npos) continue;
+      std::string node = rest.substr(slash + 1);
+      if (live.count(node)) v->holders[rest.substr(0, slash)].insert(std::move(node));
+    }
+    std::lock_guard lock(view_mu_);
+    if (!view_ || version >= view_version_) {
+      view_ = std::move(v);
+      view_version_ = version;
+    }
+    return view_;
+  }
+
   std::mutex mu_;
-  std::vector<NodeInfo> nodes_;                             // guarded by mu_
-  std::chrono::steady_clock::time_point nodes_at_;          // guarded by mu_
   std::map<std::string, std::unique_ptr<Client>> clients_;  // guarded by mu_
+  std::mutex view_mu_;
+  std::shared_ptr<const View> view_;  // guarded by view_mu_
+  uint64_t view_version_ = 0;         // guarded by view_mu_
+  std::unique_ptr<cluster::EtcdMirror> mirror_;  // after etcd_: stopped first
   std::atomic<size_t> next_{0};
 
   friend class FailoverSession;
@@ -249,7 +289,6 @@ class RoutingClient final : public Client {
 Status FailoverSession::Reopen(const std::string& skip) {
   if (session_) session_->Close().IgnoreError();
   session_.reset();
-  if (!skip.empty()) client_->Nodes(true).status().IgnoreError();
   ASSIGN_OR_RETURN(auto nodes, client_->Candidates(options_.context_id));
   Status last = UnavailableError("no live node holds " + options_.context_id);
   for (const auto& n : nodes) {
@@ -288,7 +327,8 @@ StatusOr<std::unique_ptr<Client>> ConnectCluster(const ClientOptions& options) {
   eo.rpc_timeout_ms = static_cast<int64_t>(std::min(options.timeout_s, 5.0) * 1000);
   ASSIGN_OR_RETURN(auto etcd, cluster::EtcdClient::Connect(eo));
   auto client = std::make_unique<RoutingClient>(options, uri, std::move(etcd));
-  RETURN_IF_ERROR(client->Nodes(true).status());
+  RETURN_IF_ERROR(client->StartWatch());
+  RETURN_IF_ERROR(client->Nodes().status());
   return std::unique_ptr<Client>(std::move(client));
 }
 

@@ -1,5 +1,7 @@
 // The SDK's routing client: Client::Connect with an etcd:// server address
-// (docs/cluster.md). Reads live nodes and holders from etcd, sends each call
+// (docs/cluster.md). Keeps live nodes and holders from a watch of the
+// cluster's etcd prefix (cluster/etcd_mirror.h: no etcd call per request;
+// a node that leaves is out of the routing at watch latency), sends each call
 // on a context to a holder (owners first, rendezvous placement as the
 // nodes compute it), builds to any live node, and retries UNAVAILABLE on the
 // next candidate. Its decode sessions fail over mid-session: on UNAVAILABLE

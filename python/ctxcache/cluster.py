@@ -1,10 +1,13 @@
 """Routing client for a ctxcached cluster (docs/cluster.md).
 
 ``ClusterClient("etcd://host:port[,host:port...]/<cluster>")`` (or
-``ctxcache.Client`` given such an address) reads the cluster's membership
-from etcd through etcd's JSON gateway (``POST /v3/kv/range`` on the client
-port; no etcd Python package needed), refreshed every ``refresh_s`` seconds
-and after every failover, and routes each call:
+``ctxcache.Client`` given such an address) keeps the cluster's membership
+and holders from a watch of its etcd prefix through etcd's JSON gateway
+(``POST /v3/kv/range``, then ``POST /v3/watch`` from the next revision, on
+the client port; no etcd Python package needed): a node that leaves is out
+of the routing at watch latency. A broken watch (etcd away, an endpoint
+lost, the revision compacted, ``idle_relist_s`` without a message) lists the
+prefix again and watches from there. It routes each call:
 
 * calls naming a context go to a live node holding it, the owners first
   (rendezvous hashing, the same rule as cluster/placement.h), then any live
@@ -25,7 +28,6 @@ import hashlib
 import itertools
 import json
 import threading
-import time
 import urllib.request
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
@@ -147,41 +149,159 @@ class _Membership:
         return [k[len(root):] for k, _ in self._range(root)]
 
 
+class _Watch:
+    """Every key under /<cluster>/, kept by list + watch (a daemon thread).
+    Holds no reference to its ClusterClient, so that can be collected; the
+    client's close() (or collection) stops it."""
+
+    def __init__(self, membership: _Membership, idle_relist_s: float) -> None:
+        self._m = membership
+        self._prefix = f"/{membership.cluster}/"
+        self._idle = idle_relist_s
+        self._cv = threading.Condition()
+        self._kvs: Dict[str, str] = {}
+        self.version = 0
+        self.listed = False
+        self._stop = threading.Event()
+        self._response: Any = None
+        threading.Thread(target=self._loop, name="ctxcache-etcd-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        r = self._response
+        if r is not None:
+            try:  # unblocks the reader
+                r.fp.raw._sock.shutdown(2)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001
+                pass
+
+    def snapshot(self, timeout: float) -> Dict[str, str]:
+        """The keys now; waits up to timeout for the first list."""
+        with self._cv:
+            if not self.listed:
+                self._cv.wait_for(lambda: self.listed, timeout)
+            if not self.listed:
+                raise errors.Unavailable(f"etcd {self._m.endpoints}: cluster not listed yet")
+            return dict(self._kvs)
+
+    def _post(self, ep: str, path: str, body: dict, timeout: Optional[float]) -> Any:
+        req = urllib.request.Request(f"http://{ep}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
+    def _loop(self) -> None:
+        eps = self._m.endpoints
+        i = 0
+        while not self._stop.is_set():
+            ep = eps[i % len(eps)]
+            try:
+                body = {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix))}
+                with self._post(ep, "/v3/kv/range", body, self._m.timeout) as r:
+                    data = json.loads(r.read())
+                rev = int(data["header"]["revision"])
+                kvs = {base64.b64decode(kv["key"]).decode():
+                       base64.b64decode(kv.get("value", "")).decode()
+                       for kv in data.get("kvs", [])}
+                with self._cv:
+                    self._kvs = kvs
+                    self.version += 1
+                    self.listed = True
+                    self._cv.notify_all()
+                body = {"create_request": dict(body, start_revision=rev + 1)}
+                self._response = self._post(ep, "/v3/watch", body, self._idle)
+                with self._response as r:
+                    for line in r:
+                        if self._stop.is_set():
+                            return
+                        res = json.loads(line).get("result", {})
+                        if res.get("canceled") or int(res.get("compact_revision", 0) or 0):
+                            break  # re-list
+                        evs = res.get("events", [])
+                        if not evs:
+                            continue
+                        with self._cv:
+                            for ev in evs:
+                                k = base64.b64decode(ev["kv"]["key"]).decode()
+                                if ev.get("type") == "DELETE":
+                                    self._kvs.pop(k, None)
+                                else:
+                                    self._kvs[k] = base64.b64decode(
+                                        ev["kv"].get("value", "")).decode()
+                            self.version += 1
+                            self._cv.notify_all()
+            except (OSError, ValueError, KeyError):
+                i += 1  # etcd away or idle past idle_relist_s: next endpoint, re-list
+                self._stop.wait(0.2)
+            finally:
+                self._response = None
+
+
 class ClusterClient:
     """A :class:`ctxcache.Client` over a cluster; same methods. Args as
     Client's (passed to every node's Client), plus ``replicas`` (R, to
-    compute owners; default 2) and ``refresh_s`` (membership cache age)."""
+    compute owners; default 2) and ``idle_relist_s`` (a watch silent this
+    long is replaced by a fresh list + watch; default 30)."""
 
-    def __init__(self, address: str, replicas: int = 2, refresh_s: float = 1.0,
+    def __init__(self, address: str, replicas: int = 2, idle_relist_s: float = 30.0,
                  **client_kwargs: Any) -> None:
         endpoints, self.cluster = parse_cluster_uri(address)
         self.address = address
         self.replicas = int(replicas)
-        self.refresh_s = float(refresh_s)
         self._kwargs = dict(client_kwargs)
         self.timeout = float(self._kwargs.get("timeout", 30.0))
         self._membership = _Membership(endpoints, self.cluster, min(self.timeout, 5.0))
         self._lock = threading.Lock()
         self._clients: Dict[str, Any] = {}
-        self._nodes: List[NodeInfo] = []
-        self._nodes_at = 0.0
         self._rr = itertools.count()
+        self._watch = _Watch(self._membership, float(idle_relist_s))
+        self._view: Tuple[int, List[NodeInfo], Dict[str, set]] = (-1, [], {})
+
+    def __del__(self) -> None:
+        w = getattr(self, "_watch", None)
+        if w is not None:
+            w.stop()
 
     # ---------------------------------------------------------- membership --
 
+    def _current(self) -> Tuple[List[NodeInfo], Dict[str, set]]:
+        """Live nodes and each context's live holders, from the watch."""
+        w = self._watch
+        if self._view[0] == w.version:
+            return self._view[1], self._view[2]
+        version = w.version
+        kvs = w.snapshot(self._membership.timeout)
+        nodes_root = f"/{self.cluster}/nodes/"
+        holders_root = f"/{self.cluster}/holders/"
+        nodes: List[NodeInfo] = []
+        holders: Dict[str, set] = {}
+        for k, v in kvs.items():
+            if k.startswith(nodes_root):
+                try:
+                    j = json.loads(v)
+                except ValueError:
+                    continue
+                if j.get("addr"):
+                    nodes.append(NodeInfo((k[len(nodes_root):], j["addr"], j.get("zone", ""))))
+            elif k.startswith(holders_root):
+                ctx, _, node = k[len(holders_root):].partition("/")
+                holders.setdefault(ctx, set()).add(node)
+        nodes.sort()
+        live = {n.node_id for n in nodes}
+        holders = {c: h & live for c, h in holders.items()}
+        self._view = (version, nodes, holders)
+        return nodes, holders
+
     def nodes(self, refresh: bool = False) -> List[NodeInfo]:
-        """Live nodes (cached for refresh_s)."""
-        with self._lock:
-            if refresh or not self._nodes or time.monotonic() - self._nodes_at > self.refresh_s:
-                self._nodes = self._membership.nodes()
-                self._nodes_at = time.monotonic()
-            return list(self._nodes)
+        """Live nodes, as the watch saw them last (refresh: read etcd now)."""
+        if refresh:
+            return self._membership.nodes()
+        return list(self._current()[0])
 
     def candidates(self, context_id: str) -> List[NodeInfo]:
         """Live nodes for a call on context_id: holders (owners first), then
         the other live nodes."""
-        nodes = self.nodes()
-        held = set(self._membership.holders(context_id))
+        nodes, holders = self._current()
+        held = holders.get(context_id, set())
         owners = owners_of(context_id, nodes, self.replicas)
         order = ([n for n in owners if n.node_id in held] +
                  [n for n in nodes if n.node_id in held] + owners + nodes)
@@ -203,6 +323,7 @@ class ClusterClient:
             return c
 
     def close(self) -> None:
+        self._watch.stop()
         with self._lock:
             for c in self._clients.values():
                 c.close()
@@ -229,7 +350,6 @@ class ClusterClient:
                 return fn(self.client_for(n.address))
             except errors.Unavailable as e:
                 last = e
-        self.nodes(refresh=True)
         raise last  # type: ignore[misc]
 
     def _any(self, fn: Callable[[Any], T]) -> T:
@@ -331,7 +451,6 @@ class FailoverSession:
                 return fn(self._session)
             except (errors.Unavailable, errors.Cancelled):
                 self.failovers += 1
-                self._cluster.nodes(refresh=True)
                 self._reopen()
         return fn(self._session)
 

@@ -47,6 +47,8 @@ class Etcd:
         self.peer_port = free_port()
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = os.path.join(workdir, "etcd.log")
+        # Command prefix (e.g. ["taskset", "-c", "6-15"]); default none.
+        self.prefix: List[str] = []
 
     @property
     def endpoint(self) -> str:
@@ -55,7 +57,7 @@ class Etcd:
     def start(self) -> "Etcd":
         url_c = f"http://127.0.0.1:{self.client_port}"
         url_p = f"http://127.0.0.1:{self.peer_port}"
-        args = [self.binary, "--name", "test", "--data-dir", os.path.join(self.workdir, "etcd"),
+        args = [*self.prefix, self.binary, "--name", "test", "--data-dir", os.path.join(self.workdir, "etcd"),
                 "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
                 "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
                 "--initial-cluster", f"test={url_p}", "--log-level", "warn"]

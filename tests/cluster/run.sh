@@ -4,7 +4,8 @@
 # installed without any index, then pytest with a real etcd (Debian's
 # etcd-server, /usr/bin/etcd) and real ctxcached processes on loopback.
 #   usage: tests/cluster/run.sh SOURCE_DIR BUILD_DIR [pytest args...]
-#   default pytest args: -m "not long" (ctest cluster); ctest cluster_long: -m long
+#   default pytest args: -m "not long and not load" (ctest cluster);
+#   ctest cluster_long: -m long; ctest cluster_load: -m load
 set -euo pipefail
 src="$(cd "$1" && pwd)"
 build="$(mkdir -p "$2" && cd "$2" && pwd)"
@@ -27,5 +28,5 @@ rm -rf "$pkg/build" "$pkg/ctxcache.egg-info"
 export CTXCACHE_PROTO_DIR="$src/proto"
 "$venv/bin/python" -m pip install --quiet --no-index --no-build-isolation --no-cache-dir "$pkg"
 cd "$src/tests/cluster"
-if [ $# -eq 0 ]; then set -- -m "not long"; fi
+if [ $# -eq 0 ]; then set -- -m "not long and not load"; fi
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -1,12 +1,14 @@
 // The C++ SDK against a real cluster: Client::Connect("etcd://...") routes
 // calls to holders, and a decode session survives SIGKILL of the node serving
-// it with identical selections. Run by tests/cluster/test_sdk.py, which
+// it with identical selections; the watched view sees a node leave within a
+// second. Run by tests/cluster/test_sdk.py, which
 // starts etcd and the nodes and passes:
 //   CTXCACHE_CLUSTER_URI  etcd://127.0.0.1:<port>/<cluster>
 //   CTXCACHE_CLUSTER_PIDS node_id=pid,... (the test kills the serving node)
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <random>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "cluster/etcd_client.h"
+#include "cluster/etcd_mirror.h"
 #include "cluster/placement.h"
 #include "ctxcache/client.h"
 
@@ -140,6 +143,52 @@ TEST(SdkClusterTest, RoutesAndFailsOverMidSessionWithIdenticalSelections) {
   EXPECT_EQ(*got, *reference);
   (*session)->Close().IgnoreError();
   std::printf("killed %s mid-session; selections identical\n", serving.c_str());
+}
+
+// The watch the routing client (and every node) keeps of the cluster prefix
+// sees a node leave within a second of its lease's revocation (what a clean
+// shutdown does), whatever the lease TTL.
+TEST(SdkClusterTest, WatchSeesALeaseRevocationWithinASecond) {
+  const std::string uri = Env("CTXCACHE_CLUSTER_URI");
+  ASSERT_FALSE(uri.empty()) << "run by tests/cluster/test_sdk.py";
+  auto parsed = cluster::ParseClusterUri(uri);
+  ASSERT_TRUE(parsed.ok());
+  cluster::EtcdClient::Options eo;
+  eo.endpoints = parsed->endpoints;
+  auto etcd = cluster::EtcdClient::Connect(eo);
+  ASSERT_TRUE(etcd.ok());
+  const std::string prefix = "/" + parsed->cluster + "/";
+  auto mirror = cluster::EtcdMirror::Start(etcd->get(), {prefix, 200});
+  ASSERT_TRUE(mirror.ok()) << mirror.status().ToString();
+  // A live node (the other test may have killed one).
+  auto pids = Pids();
+  std::string key;
+  int64_t lease = 0;
+  for (const auto& [k, kv] : (*mirror)->Snapshot()) {
+    if (k.rfind(prefix + "nodes/", 0) != 0) continue;
+    std::string node = k.substr(prefix.size() + 6);
+    if (pids.count(node) && kill(pids[node], 0) == 0) {
+      key = k;
+      lease = kv.lease;
+      break;
+    }
+  }
+  ASSERT_FALSE(key.empty());
+  ASSERT_NE(lease, 0);
+  uint64_t seen = (*mirror)->version();
+  auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE((*etcd)->RevokeLease(lease).ok());
+  bool gone = false;
+  while (!gone && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
+    seen = (*mirror)->WaitChange(seen, 100);
+    gone = (*mirror)->Snapshot().count(key) == 0;
+  }
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(gone);
+  EXPECT_LT(s, 1.0) << key << " left the mirror after " << s << " s";
+  EXPECT_TRUE((*mirror)->connected());
+  std::printf("%s left the watched view %.1f ms after its lease was revoked\n", key.c_str(),
+              s * 1e3);
 }
 
 }  // namespace

@@ -88,7 +88,17 @@ watch() {
   done
   grep -v Warning $W/train.log | tail -3 | cut -c1-400
   progress
-  if [ -f $W/run/DONE ]; then echo "training DONE: call finish"; else
+  if [ -f $W/run/DONE ]; then
+    # The machine goes back 30 s after a call ends: if the next call comes
+    # late, everything in $W is lost (run 2 lost its weights this way). Save
+    # the final checkpoint now, in pieces under the 16 MiB limit of $OUT, and
+    # finish in this call when there is time for it (~3 minutes).
+    if [ -n "${OUT:-}" ] && [ -d $W/run/final ]; then
+      tar -C $W/run -cf - final log.jsonl | xz -T0 | split -b 15M - $OUT/final.tar.xz.part-
+      echo "final checkpoint saved to \$OUT/final.tar.xz.part-* (cat | xz -d | tar x)"
+    fi
+    if [ $(( $(date +%s) - T0 )) -lt ${FINISH_BEFORE:-380} ]; then do_finish; exit 0; fi
+    echo "training DONE: call finish"; else
     echo "training still running after $(( $(date +%s) - T0 )) s: call watch again"; fi
 }
 start_training() {

@@ -87,7 +87,7 @@ stage hf_decode 500 bash -c "
 # 5. End to end at 32K (python/bench/gpu_e2e.py), one server for both models.
 stage gpu_e2e 560 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data-e2e' --listen 127.0.0.1:0 --port-file '$WORK/ports-e2e' \
-    --metrics-listen '' --model-dir models --default-model ctxcache-ref --max-context-tokens 140000 \
+    --metrics-listen '' --model-dir models --default-model ctxcache-ref --max-context-tokens 140000 --session-memory-mb 65536 \
     >'$WORK/server-e2e.log' 2>&1 &
   pid=\$!
   for i in \$(seq 1 100); do [ -s '$WORK/ports-e2e' ] && break; sleep 0.2; done

@@ -44,8 +44,6 @@ inline float Half(uint16_t h) {
 #endif
 }
 
-inline float RoundToHalf(float x) { return Half(FloatToHalf(x)); }
-
 // Heap order: the root is the worst entry (lowest score; among equal scores
 // the highest id), so "a beats b" is score_a > score_b or a tie with id_a < id_b.
 inline bool Beats(float sa, int32_t ia, float sb, int32_t ib) {

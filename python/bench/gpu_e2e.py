@@ -181,9 +181,10 @@ def main() -> int:
         save()
         torch.cuda.empty_cache()
 
+        block = int(info.block_tokens) or 16
         n_pages_total = cfg.num_hidden_layers * cfg.num_key_value_heads * (
-            (len(context) + 15) // 16)
-        page_bytes = 2 * 16 * res["shape"]["head_dim"] * 2
+            (len(context) + block - 1) // block)
+        page_bytes = 2 * block * res["shape"]["head_dim"] * 2  # K and V, bf16
         pool_bytes = int(a.pool_frac * n_pages_total) * page_bytes
         for append in (True, False):
             torch.cuda.reset_peak_memory_stats()

@@ -24,6 +24,13 @@
 namespace ctxcache::client {
 namespace {
 
+// A client of the etcd behind a parsed cluster URI.
+StatusOr<std::unique_ptr<cluster::EtcdClient>> ConnectEtcd(const cluster::ClusterUri& uri) {
+  cluster::EtcdClient::Options eo;
+  eo.endpoints = uri.endpoints;
+  return cluster::EtcdClient::Connect(eo);
+}
+
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
   return v ? v : "";
@@ -104,9 +111,7 @@ TEST(SdkClusterTest, RoutesAndFailsOverMidSessionWithIdenticalSelections) {
   // The node a routed session opens on: the first owner holding the context.
   auto parsed = cluster::ParseClusterUri(uri);
   ASSERT_TRUE(parsed.ok());
-  cluster::EtcdClient::Options eo;
-  eo.endpoints = parsed->endpoints;
-  auto etcd = cluster::EtcdClient::Connect(eo);
+  auto etcd = ConnectEtcd(*parsed);
   ASSERT_TRUE(etcd.ok());
   std::vector<cluster::NodeInfo> nodes;
   auto kvs = (*etcd)->GetPrefix("/" + parsed->cluster + "/nodes/");
@@ -153,9 +158,7 @@ TEST(SdkClusterTest, WatchSeesALeaseRevocationWithinASecond) {
   ASSERT_FALSE(uri.empty()) << "run by tests/cluster/test_sdk.py";
   auto parsed = cluster::ParseClusterUri(uri);
   ASSERT_TRUE(parsed.ok());
-  cluster::EtcdClient::Options eo;
-  eo.endpoints = parsed->endpoints;
-  auto etcd = cluster::EtcdClient::Connect(eo);
+  auto etcd = ConnectEtcd(*parsed);
   ASSERT_TRUE(etcd.ok());
   const std::string prefix = "/" + parsed->cluster + "/";
   auto mirror = cluster::EtcdMirror::Start(etcd->get(), {prefix, 200});

@@ -10,6 +10,11 @@
 #           ~STOP_AT seconds. BENCH=1 adds the throughput bench (~1 min).
 #   watch:  watch the training until DONE or ~STOP_AT seconds (training goes on
 #           between calls while the machine is warm).
+#   tune:   continued training (v2 run 3): unpack the shipped models/ctxcache-ref,
+#           prep the data with TUNE_TASK_ARGS (new task seed), no smoke test
+#           (the recipe ran in run 2; --init-from is covered by the CPU ctest
+#           train_cpu_smoke), train from those weights with TUNE_ARGS in the
+#           background, watch. Then watch / finish as after prep.
 #   resume: the training process is gone (crash, out of memory) but $W/run has a
 #           checkpoint: restart it with --resume, then watch.
 #   finish: wait for DONE, evaluate (perplexity 1K..32K, sinks, task accuracy by
@@ -58,6 +63,13 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
+  # Run 3 (tune): 10 more minutes from v2 run 2's weights at a lower peak
+  # lr, 60% of the time at >= 16K, 70% task rows, tasks from a new seed.
+  TUNE_ARGS=${TUNE_ARGS:-"--minutes 10 --phases 4096:32,8192:16,16384:8,32768:4 \
+    --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7 --answer-weight 20 --lr 6e-4 \
+    --warmup 50 --init-from models/ctxcache-ref"}
+  TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
+    --tasks-per-length 4096,4096,3072,1536 --task-seed 2"}
   EVAL_TASK_ARGS="--eval-per-cell 2"
   EVAL_ARGS=""
   SMOKE_EVAL="--eval-tokens 40000 --task-limit 10"
@@ -140,6 +152,16 @@ do_prep() {
   start_training
   watch
 }
+do_tune() {
+  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+  bash scripts/unpack-models.sh
+  $PY model/train/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
+    $TUNE_TASK_ARGS --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
+  rm -rf $W/run
+  TRAIN_ARGS="$TUNE_ARGS"
+  start_training
+  watch
+}
 do_finish() {
   while [ ! -f $W/run/DONE ]; do
     kill -0 $(cat $W/train.pid) 2>/dev/null || { tail -30 $W/train.log; exit 1; }
@@ -175,6 +197,7 @@ do_finish() {
 }
 case "$1" in
 prep) do_prep ;;
+tune) do_tune ;;
 watch) watch ;;
 resume)
   if kill -0 $(cat $W/train.pid) 2>/dev/null; then echo "still running"; else start_training; fi

@@ -358,6 +358,19 @@ def cmd_train(a):
         g.set_state(c["gen"])
         state = c["state"]
         print(json.dumps({"resumed": state}), flush=True)
+    elif a.init_from:
+        # Continued training: the weights of a saved model (HF layout, e.g.
+        # models/ctxcache-ref), a fresh optimizer and schedule. The model
+        # flags (--hidden, --layers, ...) must describe the same shapes.
+        init = llama.from_pretrained(a.init_from)
+        mine = model.state_dict()
+        src = init.state_dict()
+        bad = [k for k in mine if k not in src or src[k].shape != mine[k].shape]
+        if bad:
+            raise SystemExit(f"--init-from {a.init_from}: shapes differ from the model flags "
+                             f"at {bad[:3]}")
+        model.load_state_dict({k: src[k].to(mine[k].dtype) for k in mine})
+        print(json.dumps({"init_from": a.init_from}), flush=True)
     batcher = Batcher(a, a.data, g)
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     hstream = np.concatenate([held[k] for k in held.files]).astype(np.int64)
@@ -669,6 +682,8 @@ def main():
     p.add_argument("--val-every", type=int, default=200)
     p.add_argument("--val-seq", type=int, default=8192)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from", default="",
+                   help="start from this saved model's weights (not with a checkpoint in --run)")
     p.add_argument("--chunk-seconds", type=float, default=0,
                    help="stop (checkpointed) after this many seconds of this call; 0 = run out")
     p.add_argument("--shard-bytes", type=int, default=15_000_000)

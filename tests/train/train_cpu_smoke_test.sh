@@ -35,9 +35,24 @@ test -f "$work/run/DONE"
 $T eval --device cpu --data "$work/data" --model "$work/run/final" --run "$work/run" \
   --out "$work/eval" --ppl-lengths 256,512 --eval-tokens 2048 --sink-len 256 --tok "$tok" \
   --task-limit 4
+# Continued training (--init-from, v2 run 3): a fresh run from the saved
+# final weights starts at the trained model's loss, not at a random init's.
+$T train $M --data "$work/data" --run "$work/tune" --steps 2 --phases 1024:4 --phase-frac 1 \
+  --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1 --init-from "$work/run/final"
+$T train $M --data "$work/data" --run "$work/scratch" --steps 2 --phases 1024:4 --phase-frac 1 \
+  --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1
 "$py" - "$work" <<'PY'
 import json, os, sys
 w = sys.argv[1]
+first = lambda r: json.loads(open(os.path.join(w, r, "log.jsonl")).readline())
+tune, scratch = first("tune"), first("scratch")
+trained = [json.loads(l) for l in open(os.path.join(w, "run", "log.jsonl"))]
+trained = [r["val_loss"] for r in trained if "val_loss" in r][-1]
+# lr 1e-9: the loaded weights (bf16) unchanged; the run logs val every 4 steps.
+assert abs(tune["val_loss"] - trained) < 0.1, (tune, trained)
+assert tune["val_loss"] < scratch["val_loss"], (tune, scratch)
+print("init-from: val loss", round(tune["val_loss"], 3), "= trained", round(trained, 3),
+      "; from a random init", round(scratch["val_loss"], 3))
 s = json.load(open(os.path.join(w, "run", "summary.json")))
 e = json.load(open(os.path.join(w, "eval", "eval.json")))
 log = [json.loads(l) for l in open(os.path.join(w, "run", "log.jsonl"))]

@@ -4,8 +4,12 @@ budget, one line per method (full attention as a horizontal line), for all
 tasks and for the far needles (depth <= 0.25).
 
 Usage: python3 bench/plot_tasks.py RESULT.json [more.json ...] --out docs/img/tasks_accuracy.png
+         [--table]
 Each input is a file whose last line is the bench's JSON; several inputs are
-merged by summing the correct/total counts of each group.
+merged by summing the correct/total counts of each group (the shards of
+`ctxcache-bench tasks --shard I/N`, or runs at different lengths). --table
+prints the merged accuracies as a markdown table (method@budget x all, far,
+near, families, lengths, and the accuracy relative to full).
 """
 import argparse
 import json
@@ -30,13 +34,44 @@ def load(paths):
     return merged
 
 
+def table(acc):
+    """Markdown: one row per configuration (full first, then by method and
+    budget), a column per group, and all/full (the share of full's accuracy)."""
+    groups = set()
+    for v in acc.values():
+        groups |= set(v["groups"])
+    fams = sorted(g for g in groups if g.startswith("family:"))
+    lens = sorted((g for g in groups if g.startswith("length:")), key=lambda g: int(g[7:]))
+    cols = ["all", "depth:far", "depth:near"] + fams + lens
+    names = [c.replace("family:", "").replace("depth:", "").replace("length:", "") for c in cols]
+    order = sorted(acc, key=lambda k: (acc[k]["budget"] > 0, acc[k]["method"], acc[k]["budget"]))
+    full = acc.get("full", {}).get("groups", {}).get("all")
+    full_acc = full["correct"] / full["total"] if full and full["total"] else None
+    lines = ["| method@budget | " + " | ".join(names) + " | all / full |",
+             "| --- |" + " --- |" * (len(cols) + 1)]
+    for k in order:
+        g = acc[k]["groups"]
+        cells = [f"{g[c]['correct'] / g[c]['total']:.3f}" if c in g and g[c]["total"] else "-"
+                 for c in cols]
+        a = g.get("all")
+        rel = (f"{(a['correct'] / a['total']) / full_acc:.3f}"
+               if a and a["total"] and full_acc else "-")
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {rel} |")
+    n = full["total"] if full else max(v["groups"]["all"]["total"] for v in acc.values())
+    lines.append(f"\n({n} tasks; far = depth <= 0.25, near = depth >= 0.75)")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("inputs", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default="")
+    ap.add_argument("--table", action="store_true", help="print a markdown table")
     a = ap.parse_args()
     acc = load(a.inputs)
+    if a.table:
+        print(table(acc))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, group, name in ((axes[0], "all", "all tasks"), (axes[1], "depth:far", "far needles")):
         methods = sorted({v["method"] for v in acc.values() if v["budget"] > 0})

@@ -26,7 +26,7 @@
 //
 // Usage: ctxcache-bench tasks --tasks FILE.jsonl [--model DIR]
 //          [--methods full,oracle,csa,tactic,quest,streaming,lfps]
-//          [--budgets 0.02,0.05,0.10] [--limit N]
+//          [--budgets 0.02,0.05,0.10] [--limit N] [--shard I/N] [--out FILE]
 //          [--expect-full-min X] [--expect-far-gap G]
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -106,6 +106,20 @@ StatusOr<std::vector<TaskSpec>> ReadTasks(const std::string& path, int limit) {
   }
   if (out.empty()) return InvalidArgumentError("--tasks: no tasks in " + path);
   return out;
+}
+
+// Writes `text` to path.tmp and renames it over `path`.
+Status WriteFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    f << text;
+    if (!f.flush()) return InternalError("cannot write " + tmp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return InternalError("cannot rename " + tmp + " to " + path + ": " + ec.message());
+  return Status::OK();
 }
 
 // One (method, budget) configuration; budget 0 = full attention.
@@ -321,6 +335,14 @@ int RunTasks(int argc, char** argv) {
   app.add_option("--methods", methods_arg, "Comma-separated methods");
   app.add_option("--budgets", budgets_arg, "Comma-separated page budgets, fractions in (0, 1]");
   app.add_option("--limit", limit, "Only the first N tasks (0 = all)");
+  std::string shard_arg;
+  app.add_option("--shard", shard_arg,
+                 "I/N: only tasks I, I+N, I+2N, ... of the file (0-based), to run N processes "
+                 "side by side; bench/plot_tasks.py merges their outputs");
+  std::string out_path;
+  app.add_option("--out", out_path,
+                 "Also write the JSON here, rewritten after every task (a run cut short keeps "
+                 "its results)");
   app.add_option("--expect-full-min", expect_full_min, "Fail (exit 3) below this full accuracy");
   app.add_option("--expect-far-gap", expect_far_gap,
                  "Fail (exit 3) unless full - streaming >= this on far needles, every budget");
@@ -335,6 +357,24 @@ int RunTasks(int argc, char** argv) {
   if (!tasks.ok()) {
     std::cerr << "ctxcache-bench tasks: " << tasks.status().ToString() << "\n";
     return 2;
+  }
+  if (!shard_arg.empty()) {
+    int shard = -1, shards = 0;
+    char tail = 0;
+    if (std::sscanf(shard_arg.c_str(), "%d/%d%c", &shard, &shards, &tail) != 2 || shards < 1 ||
+        shard < 0 || shard >= shards) {
+      std::cerr << "ctxcache-bench tasks: --shard: expected I/N with 0 <= I < N, got '"
+                << shard_arg << "'\n";
+      return 2;
+    }
+    std::vector<TaskSpec> mine;
+    for (size_t i = shard; i < tasks->size(); i += shards) mine.push_back(std::move((*tasks)[i]));
+    if (mine.empty()) {
+      std::cerr << "ctxcache-bench tasks: --shard " << shard_arg << ": no tasks (the file has "
+                << tasks->size() << ")\n";
+      return 2;
+    }
+    *tasks = std::move(mine);
   }
   std::vector<Config> configs;
   std::vector<double> budgets;
@@ -365,6 +405,30 @@ int RunTasks(int argc, char** argv) {
   std::map<std::string, Tally> tallies;
   Json results = Json::array();
   double build_s = 0, decode_s = 0;
+  // The JSON of the tasks scored so far (the aggregates and per-task results).
+  auto summary = [&]() {
+    Json out;
+    out["bench"] = "tasks";
+    out["model"] = mp.filename().string();
+    out["tasks_file"] = tasks_path;
+    out["shard"] = shard_arg;
+    out["n_tasks"] = results.size();
+    out["n_tasks_planned"] = tasks->size();
+    out["build_s"] = build_s;
+    out["decode_s"] = decode_s;
+    out["budgets"] = budgets;
+    for (const Config& c : configs) {
+      Json a = Json::object();
+      for (const auto& [g, ct] : tallies[c.Label()].groups) {
+        a[g] = {{"correct", ct.first},
+                {"total", ct.second},
+                {"accuracy", static_cast<double>(ct.first) / ct.second}};
+      }
+      out["accuracy"][c.Label()] = {{"method", c.method}, {"budget", c.budget}, {"groups", a}};
+    }
+    out["tasks"] = results;
+    return out;
+  };
   for (const TaskSpec& task : *tasks) {
     Json tj;
     if (Status st = ScoreTask(**model, client.get(), proto_req, task, configs, &tallies, &tj,
@@ -374,6 +438,12 @@ int RunTasks(int argc, char** argv) {
       return 1;
     }
     results.push_back(tj);
+    if (!out_path.empty()) {  // after every task, so a run cut short keeps what it scored
+      if (Status st = WriteFileAtomically(out_path, summary().dump() + "\n"); !st.ok()) {
+        std::cerr << "ctxcache-bench tasks: --out: " << st.ToString() << "\n";
+        return 1;
+      }
+    }
     std::cerr << "task " << results.size() << "/" << tasks->size() << " " << task.family << " "
               << task.length << " depth " << task.depth << ": full "
               << (tj["results"].contains("full") ? tj["results"]["full"]["correct"].dump() : "-")
@@ -387,24 +457,7 @@ int RunTasks(int argc, char** argv) {
     }
   }
   PrintTable(configs, tallies, columns);
-  Json out;
-  out["bench"] = "tasks";
-  out["model"] = mp.filename().string();
-  out["tasks_file"] = tasks_path;
-  out["n_tasks"] = tasks->size();
-  out["build_s"] = build_s;
-  out["decode_s"] = decode_s;
-  out["budgets"] = budgets;
-  for (const Config& c : configs) {
-    Json a;
-    for (const auto& [g, ct] : tallies[c.Label()].groups) {
-      a[g] = {{"correct", ct.first},
-              {"total", ct.second},
-              {"accuracy", static_cast<double>(ct.first) / ct.second}};
-    }
-    out["accuracy"][c.Label()] = {{"method", c.method}, {"budget", c.budget}, {"groups", a}};
-  }
-  out["tasks"] = results;
+  Json out = summary();
   const std::vector<std::string> failures =
       CheckExpectations(tallies, budgets, expect_full_min, expect_far_gap);
   out["check_failures"] = failures;

@@ -15,6 +15,13 @@
 #      CTXCACHE_PACK_ETCD=1): bench/cluster/cluster_scaling.py, 1/2/3 nodes
 #      pinned to 2 cores each, the C++ load generator on the rest
 #      (CTXCACHE_CLUSTER_BENCH_ARGS adds flags).
+#   7. tasks (needs a pack made with CTXCACHE_PACK_BENCH=1): the long-context
+#      task suite (ctxcache-bench tasks, docs/benchmarks.md "Long-context
+#      tasks") on the host's CPUs, CTXCACHE_TASKS_SHARDS (default 8) processes
+#      side by side, each with its own ctxcached, on CTXCACHE_TASKS_FILE (JSONL
+#      from model/train/longctx_tasks.py, carried; default build/tasks/tasks.jsonl);
+#      CTXCACHE_TASKS_SECONDS (default 540) bounds it, and each shard's JSON
+#      ($OUT/tasks-I.json) holds every task it finished.
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -40,7 +47,7 @@ stage() {  # stage NAME SECONDS CMD...; CTXCACHE_GPU_STAGES=a,b runs only those
 WORK="$(mktemp -d /tmp/ctxcache-gpu-XXXXXX)"
 tar -xJf .pack/ctxcache-server.tar.xz -C "$WORK"
 mkdir -p "$WORK/bin"
-for b in ctxcached ctxcache ctxcache-cluster-load; do  # wrappers named like the binaries
+for b in ctxcached ctxcache ctxcache-cluster-load ctxcache-bench; do  # wrappers named like the binaries
   [ -x "$WORK/ctxcache/bin/$b" ] || continue
   printf '#!/usr/bin/env bash\nexec %s/ctxcache/bin/%s.sh "$@"\n' "$WORK" "$b" >"$WORK/bin/$b"
   chmod +x "$WORK/bin/$b"
@@ -107,4 +114,16 @@ stage cluster_bench 900 bash -c "
   CTXCACHE_ETCD_BIN='$WORK/ctxcache/bin/etcd' PYTHONPATH='$WORK/site' \
     python3 bench/cluster/cluster_scaling.py --bin-dir '$WORK/bin' --model-dir tests/data/golden \
     --out '$OUT/cluster_bench.json' \${CTXCACHE_CLUSTER_BENCH_ARGS:-}"
+# 7. The task suite on the host's CPUs, sharded (bench/plot_tasks.py merges).
+stage tasks "${CTXCACHE_TASKS_SECONDS:-540}" bash -c "
+  n=\${CTXCACHE_TASKS_SHARDS:-8}
+  trap 'kill \$(jobs -p) 2>/dev/null; exit 124' TERM
+  for i in \$(seq 0 \$((n - 1))); do
+    '$WORK/bin/ctxcache-bench' tasks --tasks \${CTXCACHE_TASKS_FILE:-build/tasks/tasks.jsonl} \
+      --shard \$i/\$n --out '$OUT'/tasks-\$i.json \${CTXCACHE_TASKS_ARGS:-} \
+      >'$OUT'/tasks-\$i.txt 2>'$OUT'/tasks-\$i.err &
+  done
+  rc=0
+  for j in \$(jobs -p); do wait \$j || rc=1; done
+  exit \$rc"
 exit $status

@@ -24,6 +24,9 @@ pkg="$tmp/ctxcache"
 mkdir -p "$pkg/bin" "$pkg/lib" "$out"
 bins=(ctxcached ctxcache)
 [ -x "$build/bin/ctxcache-cluster-load" ] && bins+=(ctxcache-cluster-load)
+# CTXCACHE_PACK_BENCH=1: also ctxcache-bench (the service benches run on the
+# GPU machine's CPUs, e.g. the task suite; it starts bin/ctxcached beside it).
+[ "${CTXCACHE_PACK_BENCH:-0}" = 1 ] && bins+=(ctxcache-bench)
 for b in "${bins[@]}"; do cp "$build/bin/$b" "$pkg/bin/"; done
 cp "$build/lib/libctxcache_spm.so" "$pkg/lib/"
 if [ "${CTXCACHE_PACK_ETCD:-0}" = 1 ]; then

@@ -27,6 +27,7 @@
 // Usage: ctxcache-bench tasks --tasks FILE.jsonl [--model DIR]
 //          [--methods full,oracle,csa,tactic,quest,streaming,lfps]
 //          [--budgets 0.02,0.05,0.10] [--limit N] [--shard I/N] [--out FILE]
+//          [--session-params k=v,...] [--index-params METHOD:k=v,...]...
 //          [--expect-full-min X] [--expect-far-gap G]
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -126,6 +127,7 @@ Status WriteFileAtomically(const std::string& path, const std::string& text) {
 struct Config {
   std::string method;
   double budget = 0;
+  std::map<std::string, std::string> extra;  // --session-params (sparse methods)
   std::string Label() const {
     if (budget <= 0) return method;
     char b[32];
@@ -151,6 +153,7 @@ StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
   if (config.budget > 0) {
     const std::string b = std::to_string(config.budget);
     go.session.params = {{"rho", b}, {"page_fraction", b}};
+    for (const auto& [k, v] : config.extra) go.session.params[k] = v;
   }
   go.session.mode = client::SelectMode::kServer;
   go.max_new_tokens = static_cast<int>(task.answer_ids.size());
@@ -262,9 +265,36 @@ Status ScoreTask(const model::Model& model, client::Client* client,
 
 // The (method, budget) configurations of --methods and --budgets (full
 // once), and the indexes a build must add for them (methods not always built).
+// "k=v,k=v" -> map; InvalidArgument naming `flag` on a malformed pair.
+StatusOr<std::map<std::string, std::string>> ParseKeyValues(const std::string& flag,
+                                                             const std::string& arg) {
+  std::map<std::string, std::string> out;
+  for (const auto& kv : SplitList(arg)) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == kv.size()) {
+      return InvalidArgumentError(flag + ": expected k=v[,k=v...], got '" + kv + "'");
+    }
+    out[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return out;
+}
+
 Status ParseConfigs(const std::string& methods_arg, const std::string& budgets_arg,
+                    const std::string& session_params_arg,
+                    const std::vector<std::string>& index_params_args,
                     std::vector<Config>* configs, std::vector<double>* budgets,
                     v1::BuildContextRequest* build_req) {
+  ASSIGN_OR_RETURN(auto extra, ParseKeyValues("--session-params", session_params_arg));
+  std::map<std::string, std::map<std::string, std::string>> index_params;
+  for (const auto& a : index_params_args) {
+    const size_t colon = a.find(':');
+    if (colon == std::string::npos || colon == 0) {
+      return InvalidArgumentError("--index-params: expected METHOD:k=v[,k=v...], got '" + a +
+                                  "'");
+    }
+    ASSIGN_OR_RETURN(index_params[a.substr(0, colon)],
+                     ParseKeyValues("--index-params", a.substr(colon + 1)));
+  }
   for (const auto& b : SplitList(budgets_arg)) {
     char* end = nullptr;
     const double v = std::strtod(b.c_str(), &end);
@@ -278,11 +308,23 @@ Status ParseConfigs(const std::string& methods_arg, const std::string& budgets_a
     auto info = index::FindMethodInfo(m);
     if (!info.ok()) return info.status().WithContext("--methods");
     if (m == "full") {
-      configs->push_back({m, 0});
+      configs->push_back({m, 0, {}});
       continue;
     }
-    if (!(*info)->always_built) build_req->add_indexes()->set_method(m);
-    for (double b : *budgets) configs->push_back({m, b});
+    auto ip = index_params.find(m);
+    if (!(*info)->always_built || ip != index_params.end()) {
+      v1::IndexSpec* spec = build_req->add_indexes();
+      spec->set_method(m);
+      if (ip != index_params.end()) {
+        for (const auto& [k, v] : ip->second) (*spec->mutable_params())[k] = v;
+        index_params.erase(ip);
+      }
+    }
+    for (double b : *budgets) configs->push_back({m, b, extra});
+  }
+  if (!index_params.empty()) {
+    return InvalidArgumentError("--index-params: method '" + index_params.begin()->first +
+                                "' is not in --methods");
   }
   if (configs->empty()) return InvalidArgumentError("--methods: no method given");
   return Status::OK();
@@ -307,7 +349,7 @@ std::vector<std::string> CheckExpectations(std::map<std::string, Tally>& tallies
   if (expect_far_gap >= 0) {
     const double full_far = tallies.count("full") ? tallies["full"].Accuracy("depth:far") : -1;
     for (double b : budgets) {
-      const std::string label = Config{"streaming", b}.Label();
+      const std::string label = Config{"streaming", b, {}}.Label();
       const double st = tallies.count(label) ? tallies[label].Accuracy("depth:far") : -1;
       if (full_far < 0 || st < 0 || full_far - st < expect_far_gap) {
         failures.push_back(std::string("far needles: full ")
@@ -339,6 +381,14 @@ int RunTasks(int argc, char** argv) {
   app.add_option("--shard", shard_arg,
                  "I/N: only tasks I, I+N, I+2N, ... of the file (0-based), to run N processes "
                  "side by side; bench/plot_tasks.py merges their outputs");
+  std::string session_params_arg;
+  std::vector<std::string> index_params_args;
+  app.add_option("--session-params", session_params_arg,
+                 "k=v,...: extra session params for every sparse method (docs/api.md), e.g. "
+                 "page_fraction=1 or subgroup=1");
+  app.add_option("--index-params", index_params_args,
+                 "METHOD:k=v,...: build params of one method's index (repeatable), e.g. "
+                 "csa:C=200,alpha=0.4,tau=4");
   std::string out_path;
   app.add_option("--out", out_path,
                  "Also write the JSON here, rewritten after every task (a run cut short keeps "
@@ -379,7 +429,8 @@ int RunTasks(int argc, char** argv) {
   std::vector<Config> configs;
   std::vector<double> budgets;
   v1::BuildContextRequest proto_req;
-  if (Status st = ParseConfigs(methods_arg, budgets_arg, &configs, &budgets, &proto_req);
+  if (Status st = ParseConfigs(methods_arg, budgets_arg, session_params_arg, index_params_args,
+                               &configs, &budgets, &proto_req);
       !st.ok()) {
     std::cerr << "ctxcache-bench tasks: " << st.ToString() << "\n";
     return 2;
@@ -412,6 +463,8 @@ int RunTasks(int argc, char** argv) {
     out["model"] = mp.filename().string();
     out["tasks_file"] = tasks_path;
     out["shard"] = shard_arg;
+    out["session_params"] = session_params_arg;
+    out["index_params"] = index_params_args;
     out["n_tasks"] = results.size();
     out["n_tasks_planned"] = tasks->size();
     out["build_s"] = build_s;

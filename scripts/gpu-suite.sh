@@ -20,8 +20,8 @@
 #      tasks") on the host's CPUs, CTXCACHE_TASKS_SHARDS (default 8) processes
 #      side by side, each with its own ctxcached, on CTXCACHE_TASKS_FILE (JSONL
 #      from model/train/longctx_tasks.py, carried; default build/tasks/tasks.jsonl);
-#      CTXCACHE_TASKS_SECONDS (default 540) bounds it, and each shard's JSON
-#      ($OUT/tasks-I.json) holds every task it finished.
+#      CTXCACHE_TASKS_SECONDS (default 540) bounds it. $OUT/tasks.tgz holds
+#      each shard's JSON (tasks-I.json, every task it finished) and log.
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -117,13 +117,17 @@ stage cluster_bench 900 bash -c "
 # 7. The task suite on the host's CPUs, sharded (bench/plot_tasks.py merges).
 stage tasks "${CTXCACHE_TASKS_SECONDS:-540}" bash -c "
   n=\${CTXCACHE_TASKS_SHARDS:-8}
-  trap 'kill \$(jobs -p) 2>/dev/null; exit 124' TERM
+  d='$WORK/tasks'
+  mkdir -p \$d
+  pack() { tar czf '$OUT/tasks.tgz' -C \$d .; }  # one file: the device returns few files
+  trap 'kill \$(jobs -p) 2>/dev/null; sleep 1; pack; exit 124' TERM
   for i in \$(seq 0 \$((n - 1))); do
     '$WORK/bin/ctxcache-bench' tasks --tasks \${CTXCACHE_TASKS_FILE:-build/tasks/tasks.jsonl} \
-      --shard \$i/\$n --out '$OUT'/tasks-\$i.json \${CTXCACHE_TASKS_ARGS:-} \
-      >'$OUT'/tasks-\$i.txt 2>'$OUT'/tasks-\$i.err &
+      --shard \$i/\$n --out \$d/tasks-\$i.json \${CTXCACHE_TASKS_ARGS:-} \
+      >\$d/tasks-\$i.txt 2>\$d/tasks-\$i.err &
   done
   rc=0
   for j in \$(jobs -p); do wait \$j || rc=1; done
+  pack
   exit \$rc"
 exit $status

@@ -1,4 +1,6 @@
-"""Parsers for the csa index artifacts ``CSAP`` (plain) and ``CSAC`` (compact).
+"""Parsers for the index artifacts that client-side selection reads: csa's
+``CSAP`` (plain) and ``CSAC`` (compact), and ``QST1`` (quest), ``STR1``
+(streaming) and ``ORCL`` (oracle).
 
 The bytes are those :meth:`ctxcache.Client.fetch_index` returns for method
 ``"csa"``: one artifact per (layer, kv head), the serialized
@@ -34,7 +36,9 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
-           "CSA_FORMAT_VERSION", "CSA_HEADER_BYTES"]
+           "CSA_FORMAT_VERSION", "CSA_HEADER_BYTES", "QuestArtifact", "StreamingArtifact",
+           "OracleArtifact", "parse_quest_artifact", "parse_streaming_artifact",
+           "parse_oracle_artifact"]
 
 CSA_FORMAT_VERSION = 2  # the newest version this parser (and the C++ build) reads
 CSA_PLAIN_VERSION = 1  # CSAP has only version 1
@@ -403,3 +407,135 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
                        n_tokens=n_tokens, n_built=n_built, L=L, centroids=centroids,
                        key_mean=key_mean, tail_mean=tail_mean, ids=ids, scores=scores,
                        lo=lo, hi=hi, q=q, book=book, id_coding=id_coding)
+
+
+# --------------------------------------------------------------------------
+# Quest (QST1), StreamingLLM (STR1) and oracle (ORCL) artifacts.
+
+
+@dataclass
+class QuestArtifact:
+    """A parsed ``QST1`` artifact (``index::QuestSelector``).
+
+    page_size: tokens per Quest page (the index's own parameter, not the
+        store's page size); ``P = ceil(n_tokens / page_size)`` pages.
+    page_min, page_max: float32 [P, d], the element-wise minimum and maximum
+        of each page's keys (the last page may be partial).
+    """
+
+    magic: str
+    version: int
+    n_tokens: int
+    head_dim: int
+    page_size: int
+    rho: float
+    page_min: np.ndarray
+    page_max: np.ndarray
+
+
+@dataclass
+class StreamingArtifact:
+    """A parsed ``STR1`` artifact (``index::StreamingSelector``)."""
+
+    magic: str
+    version: int
+    n_tokens: int
+    head_dim: int
+    n_sink: int
+    rho: float
+
+
+@dataclass
+class OracleArtifact:
+    """A parsed ``ORCL`` artifact (``index::OracleSelector``): the shape only;
+    the oracle scores the context's keys, which the caller supplies."""
+
+    magic: str
+    version: int
+    n_tokens: int
+    head_dim: int
+    rho: float
+
+
+def _header(buf: bytes, magic: bytes, what: str) -> int:
+    """Checks magic and version 1 like ``ByteReader::GetHeader``; returns the
+    version."""
+    if len(buf) < 8 or buf[:4] != magic:
+        got = buf[:4] if len(buf) >= 4 else f"an artifact of {len(buf)} bytes"
+        raise ValueError(f"{what}: bad magic {got!r}, expected {magic.decode()!r}")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version != 1:
+        raise ValueError(f"{what}: unsupported format version {version}, this parser reads 1")
+    return version
+
+
+def parse_quest_artifact(data: bytes) -> QuestArtifact:
+    """Parses one ``QST1`` artifact (docs/storage-format.md, "Quest").
+
+    Raises ValueError naming the problem for the cases ``QuestSelector::Load``
+    rejects: a bad magic or version, a truncated header, page <= 0, rho
+    outside (0, 1], n_tokens outside [0, 2^31 - 2], d outside [1, 4096], a
+    size other than 32 + 8 * P * d; and non-finite page bounds.
+    """
+    buf = bytes(data)
+    version = _header(buf, b"QST1", "quest")
+    if len(buf) < 32:
+        raise ValueError(f"quest artifact: truncated header ({len(buf)} bytes, expected >= 32)")
+    n, d, page, rho = struct.unpack_from("<qiid", buf, 8)
+    if page <= 0:
+        raise ValueError(f"quest artifact: corrupt page size {page}, expected > 0")
+    if not (0 < rho <= 1):
+        raise ValueError(f"quest artifact: corrupt rho {rho}, expected in (0, 1]")
+    if not (0 <= n < 2**31 - 1 and 1 <= d <= 4096):
+        raise ValueError(f"quest artifact: corrupt header (n_tokens={n}, d={d}); expected "
+                         "n_tokens in [0, 2^31 - 2], d in [1, 4096]")
+    p = (n + page - 1) // page
+    want = 32 + 8 * p * d
+    if len(buf) < want:
+        raise ValueError(f"quest artifact: truncated ({len(buf)} bytes, expected {want} for "
+                         f"{p} pages of dim {d})")
+    if len(buf) > want:
+        raise ValueError(f"quest artifact: trailing bytes ({len(buf) - want} after the page "
+                         "bounds)")
+    mn = np.frombuffer(buf, dtype="<f4", count=p * d, offset=32).astype(np.float32)
+    mx = np.frombuffer(buf, dtype="<f4", count=p * d, offset=32 + 4 * p * d).astype(np.float32)
+    if not (np.isfinite(mn).all() and np.isfinite(mx).all()):
+        raise ValueError("quest artifact: bad page bounds (not finite)")
+    return QuestArtifact(magic="QST1", version=version, n_tokens=int(n), head_dim=int(d),
+                         page_size=int(page), rho=float(rho), page_min=mn.reshape(p, d),
+                         page_max=mx.reshape(p, d))
+
+
+def parse_streaming_artifact(data: bytes) -> StreamingArtifact:
+    """Parses one ``STR1`` artifact (exactly 32 bytes). ValueError for a bad
+    magic or version, any other length, n_tokens < 0, d <= 0, sink < 0 or
+    rho outside (0, 1] (``StreamingSelector::Load``)."""
+    buf = bytes(data)
+    version = _header(buf, b"STR1", "streaming")
+    if len(buf) != 32:
+        raise ValueError(f"streaming artifact: truncated or oversized ({len(buf)} bytes, "
+                         "expected 32)")
+    n, d, sink, rho = struct.unpack_from("<qiid", buf, 8)
+    if n < 0 or d <= 0 or sink < 0 or not (0 < rho <= 1):
+        raise ValueError(f"streaming artifact: corrupt fields (n_tokens={n}, d={d}, "
+                         f"sink={sink}, rho={rho})")
+    return StreamingArtifact(magic="STR1", version=version, n_tokens=int(n), head_dim=int(d),
+                             n_sink=int(sink), rho=float(rho))
+
+
+def parse_oracle_artifact(data: bytes) -> OracleArtifact:
+    """Parses one ``ORCL`` artifact (28 bytes; like ``LoadOracleSelector``,
+    trailing bytes are not rejected). ValueError for a bad magic or version,
+    truncation, n_tokens outside [1, 2^31 - 1], d outside [1, 4096] or rho
+    outside (0, 1]."""
+    buf = bytes(data)
+    version = _header(buf, b"ORCL", "oracle")
+    if len(buf) < 28:
+        raise ValueError(f"oracle artifact: truncated ({len(buf)} bytes, expected 28)")
+    n, d, rho = struct.unpack_from("<qid", buf, 8)
+    if not (1 <= n <= 2**31 - 1 and 1 <= d <= 4096):
+        raise ValueError(f"oracle artifact: corrupt n_tokens/head_dim (n_tokens={n}, d={d})")
+    if not (0 < rho <= 1):
+        raise ValueError(f"oracle artifact: corrupt rho {rho}, expected in (0, 1]")
+    return OracleArtifact(magic="ORCL", version=version, n_tokens=int(n), head_dim=int(d),
+                          rho=float(rho))

@@ -76,10 +76,15 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ctxcache.torch.artifacts import CsaArtifact, CsaOptions, fma_f32, parse_csa_artifact
+from ctxcache.torch.artifacts import (CsaArtifact, CsaOptions, OracleArtifact, QuestArtifact,
+                                      StreamingArtifact, fma_f32, parse_csa_artifact,
+                                      parse_oracle_artifact, parse_quest_artifact,
+                                      parse_streaming_artifact)
 
 __all__ = [
-    "CsaIndex", "CsaSelection", "CsaSession", "HeadStep", "PageTable", "SessionParams",
+    "ClientSession", "CsaIndex", "CsaSelection", "CsaSession", "HeadStep", "METHODS",
+    "OracleIndex", "PageTable", "QuestIndex", "SessionParams", "StreamingIndex", "make_index",
+    "oracle_scores", "quest_page_scores",
     "build_page_tables", "cap_selected_pages", "eigen_gemv", "eigen_squared_norm",
     "expand_to_table_pages", "page_budget", "session_step", "token_budget",
 ]
@@ -199,6 +204,22 @@ def _to_numpy(x: Any, dtype=_F32) -> np.ndarray:
             x = x.float()
         x = x.numpy()
     return np.ascontiguousarray(np.asarray(x), dtype=dtype)
+
+
+def _check_select_input(method: str, queries: Any, head_dim: int, budget: int) -> np.ndarray:
+    """``ValidateSelectInput``: queries [G, d] float32 with 1 <= G <= 1024, all
+    finite, and budget >= 0; returns the queries as a float32 numpy array."""
+    q = _to_numpy(queries)
+    if q.ndim != 2 or q.shape[1] != head_dim:
+        raise ValueError(f"{method}: queries have shape {list(q.shape)}, expected "
+                         f"[G, {head_dim}]")
+    if not (1 <= q.shape[0] <= 1024):
+        raise ValueError(f"{method}: {q.shape[0]} query rows, expected 1..1024")
+    if not np.isfinite(q).all():
+        raise ValueError(f"{method}: queries have NaN/Inf")
+    if budget < 0:
+        raise ValueError(f"{method}: budget={budget}, expected >= 0 (0 = rho * n)")
+    return q
 
 
 def _budget_for(budget: int, rho: float, n: int) -> int:
@@ -335,16 +356,7 @@ class CsaIndex:
         head's group, post-RoPE, float32); ``budget`` tokens per q head (0 =
         ``ceil(rho * n)`` with the artifact's rho; a session passes
         :meth:`SessionParams.token_budget`)."""
-        q = _to_numpy(queries)
-        if q.ndim != 2 or q.shape[1] != self.head_dim:
-            raise ValueError(f"csa: queries have shape {list(q.shape)}, expected "
-                             f"[G, {self.head_dim}]")
-        if not (1 <= q.shape[0] <= 1024):
-            raise ValueError(f"csa: {q.shape[0]} query rows, expected 1..1024")
-        if not np.isfinite(q).all():
-            raise ValueError("csa: queries have NaN/Inf")
-        if budget < 0:
-            raise ValueError(f"csa: budget={budget}, expected >= 0 (0 = rho * n)")
+        q = _check_select_input("csa", queries, self.head_dim, budget)
         g = q.shape[0]
         o = self.options
         if (o.period > 1 and 0 < self._steps_since_search < o.period
@@ -369,6 +381,202 @@ class CsaIndex:
         merged = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, np.int32)
         return CsaSelection(per_head=per_head, per_head_logits=logits,
                             merged=merged.astype(np.int32))
+
+
+# --------------------------------------------------------------------------
+# Stage 1 for the other methods: streaming, quest and oracle.
+
+
+def _selection(per_head: List[np.ndarray], logits: List[np.ndarray]) -> CsaSelection:
+    merged = np.unique(np.concatenate(per_head)) if per_head else np.zeros(0, np.int32)
+    return CsaSelection(per_head=per_head, per_head_logits=logits,
+                        merged=merged.astype(np.int32))
+
+
+def _length_budget(budget: int, rho: float, n: int) -> int:
+    """The streaming and quest budget: ``budget`` (or ``ceil(rho * n)`` when
+    0), at most n (no lower clamp, unlike ``BudgetFor``)."""
+    k = budget if budget > 0 else int(math.ceil(rho * float(n)))
+    return min(k, n)
+
+
+class StreamingIndex:
+    """``index::StreamingSelector`` of one (layer, kv head), from its ``STR1``
+    artifact: every q head selects the first ``min(n_sink, k)`` tokens and
+    the last ``k - that`` (k = the budget, at most n). No logits (the page cap
+    ranks pages by selected-token count)."""
+
+    method = "streaming"
+
+    def __init__(self, artifact: Union[StreamingArtifact, bytes, bytearray, memoryview]) -> None:
+        if not isinstance(artifact, StreamingArtifact):
+            artifact = parse_streaming_artifact(artifact)
+        self.artifact = artifact
+        self.n_tokens, self.head_dim = artifact.n_tokens, artifact.head_dim
+        self.n_sink, self.rho = artifact.n_sink, artifact.rho
+
+    def reset(self) -> None:
+        """No state (for the session interface)."""
+
+    def ids(self, budget: int) -> np.ndarray:
+        """The selected ids (int32, ascending) for ``budget`` tokens."""
+        n = self.n_tokens
+        k = _length_budget(budget, self.rho, n)
+        n_sink = min(self.n_sink, k)
+        recent_start = max(n_sink, n - (k - n_sink))
+        return np.concatenate([np.arange(n_sink), np.arange(recent_start, n)]).astype(np.int32)
+
+    def select(self, queries: Any, budget: int = 0) -> CsaSelection:
+        """``StreamingSelector::Select`` (queries checked, otherwise unused)."""
+        q = _check_select_input("streaming", queries, self.head_dim, budget)
+        ids = self.ids(budget)
+        return _selection([ids.copy() for _ in range(q.shape[0])], [])
+
+
+def quest_page_scores(q: np.ndarray, page_min: np.ndarray, page_max: np.ndarray) -> np.ndarray:
+    """``QuestSelector::PageScore`` for queries [G, d] and pages [P, d] ->
+    [G, P] float32: ``s += max(q[j] * min[j], q[j] * max[j])`` for j = 0..d-1
+    in order, each product and sum rounded to float32 (the compiled loop does
+    not reassociate and cannot fuse across the max)."""
+    q = np.asarray(q, dtype=_F32)
+    s = np.zeros((q.shape[0], page_min.shape[0]), dtype=_F32)
+    for j in range(q.shape[1]):
+        qj = q[:, j:j + 1]
+        s = s + np.maximum(qj * page_min[None, :, j], qj * page_max[None, :, j])
+    return s
+
+
+class QuestIndex:
+    """``index::QuestSelector`` of one (layer, kv head), from its ``QST1``
+    artifact. Per q head: every Quest page's upper bound of q.k
+    (:func:`quest_page_scores`); pages in descending bound order (ties: the
+    lower page, ``std::stable_sort``) are taken while the budget lasts: a page
+    that would overflow it is skipped unless it is the first; the walk stops
+    once the taken tokens reach the budget. The selection is every token of
+    the taken pages. No logits (the page cap ranks pages by count)."""
+
+    method = "quest"
+
+    def __init__(self, artifact: Union[QuestArtifact, bytes, bytearray, memoryview]) -> None:
+        if not isinstance(artifact, QuestArtifact):
+            artifact = parse_quest_artifact(artifact)
+        self.artifact = artifact
+        self.n_tokens, self.head_dim = artifact.n_tokens, artifact.head_dim
+        self.page_size, self.rho = artifact.page_size, artifact.rho
+        self.page_min, self.page_max = artifact.page_min, artifact.page_max
+
+    def reset(self) -> None:
+        """No state (for the session interface)."""
+
+    def select(self, queries: Any, budget: int = 0) -> CsaSelection:
+        """``QuestSelector::Select`` for queries [G, d]."""
+        q = _check_select_input("quest", queries, self.head_dim, budget)
+        n, b = self.n_tokens, self.page_size
+        k = _length_budget(budget, self.rho, n)
+        score = quest_page_scores(q, self.page_min, self.page_max)
+        per_head = []
+        for h in range(q.shape[0]):
+            order = np.argsort(-score[h], kind="stable")  # descending, ties: lower page
+            pages: List[int] = []
+            taken = 0
+            for p in order.tolist():
+                length = min(b, n - p * b)
+                if pages and taken + length > k:
+                    continue
+                pages.append(p)
+                taken += length
+                if taken >= k:
+                    break
+            pages.sort()
+            ids = [np.arange(p * b, min(n, (p + 1) * b)) for p in pages]
+            per_head.append(np.concatenate(ids).astype(np.int32) if ids
+                            else np.zeros(0, np.int32))
+        return _selection(per_head, [])
+
+
+ORACLE_KEY_CHUNK = 4096  # ScoreAllKeys gathers and scores the keys in chunks of this many
+
+
+def oracle_scores(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """q.k of queries [G, d] against keys [n, d] -> [G, n] float32, as a
+    server session's oracle computes them: ``ScoreAllKeys`` over a page
+    fetcher's keys, ``K * q`` per chunk of :data:`ORACLE_KEY_CHUNK` rows in
+    Eigen's GEMV order (:func:`eigen_gemv`)."""
+    q = np.asarray(q, dtype=_F32)
+    n = keys.shape[0]
+    out = np.empty((q.shape[0], n), dtype=_F32)
+    for start in range(0, n, ORACLE_KEY_CHUNK):
+        chunk = keys[start:start + ORACLE_KEY_CHUNK]
+        for h in range(q.shape[0]):
+            out[h, start:start + chunk.shape[0]] = eigen_gemv(chunk, q[h])
+    return out
+
+
+class OracleIndex:
+    """``index::OracleSelector`` of one (layer, kv head): the exact top-k of
+    q.k over every key (ties: the lower id), logits ``q.k * (1 / sqrt(d))``
+    in float32 (the page cap ranks pages by their estimated mass).
+
+    The ``ORCL`` artifact holds the shape only: the keys [n, d] are the
+    context's stored keys as a server session reads them (bf16 widened to
+    float32; ``Client.fetch_pages``)."""
+
+    method = "oracle"
+
+    def __init__(self, artifact: Union[OracleArtifact, bytes, bytearray, memoryview],
+                 keys: Any) -> None:
+        if not isinstance(artifact, OracleArtifact):
+            artifact = parse_oracle_artifact(artifact)
+        self.artifact = artifact
+        self.n_tokens, self.head_dim, self.rho = artifact.n_tokens, artifact.head_dim, artifact.rho
+        k = _to_numpy(keys)
+        if k.shape != (self.n_tokens, self.head_dim):
+            raise ValueError(f"oracle: keys have shape {list(k.shape)}, expected "
+                             f"[{self.n_tokens}, {self.head_dim}]")
+        if not np.isfinite(k).all():
+            raise ValueError("oracle: keys have NaN/Inf")
+        self.keys = k
+
+    def reset(self) -> None:
+        """No state (for the session interface)."""
+
+    def select(self, queries: Any, budget: int = 0) -> CsaSelection:
+        """``OracleSelector::Select`` for queries [G, d]."""
+        q = _check_select_input("oracle", queries, self.head_dim, budget)
+        k = _budget_for(budget, self.rho, self.n_tokens)
+        scores = oracle_scores(q, self.keys)
+        inv = _F32(_F32(1.0) / np.sqrt(_F32(self.head_dim)))
+        per_head, logits = [], []
+        for h in range(q.shape[0]):
+            ids = _top_k_by_id(scores[h], k)
+            per_head.append(ids.astype(np.int32))
+            logits.append((scores[h, ids] * inv).astype(_F32))
+        return _selection(per_head, logits)
+
+
+Index = Union[CsaIndex, StreamingIndex, QuestIndex, OracleIndex]
+METHODS = ("csa", "quest", "streaming", "oracle")  # the methods with a client-side index
+
+
+def make_index(method: str, artifact: Any, keys: Any = None) -> Index:
+    """The client-side index of ``method`` from its artifact (bytes as
+    ``Client.fetch_index`` returns them, or parsed); ``keys`` [n, d] for
+    oracle. ValueError for another method."""
+    if method == "csa":
+        return artifact if isinstance(artifact, CsaIndex) else CsaIndex(artifact)
+    if method == "streaming":
+        return artifact if isinstance(artifact, StreamingIndex) else StreamingIndex(artifact)
+    if method == "quest":
+        return artifact if isinstance(artifact, QuestIndex) else QuestIndex(artifact)
+    if method == "oracle":
+        if isinstance(artifact, OracleIndex):
+            return artifact
+        if keys is None:
+            raise ValueError("oracle: needs the context's keys (keys=[n_tokens, head_dim] per "
+                             "layer and kv head)")
+        return OracleIndex(artifact, keys)
+    raise ValueError(f"method '{method}' has no client-side selection; expected one of "
+                     f"{', '.join(METHODS)}")
 
 
 # --------------------------------------------------------------------------
@@ -605,14 +813,16 @@ def _torch_like(queries: Any) -> Any:
     return queries if type(queries).__module__.startswith("torch") else None
 
 
-def session_step(index: CsaIndex, queries: Any,
+def session_step(index: Any, queries: Any,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  as_torch: Optional[bool] = None) -> HeadStep:
     """One layer-step of one kv head: ``SparseSession::PlanHeadWith`` with the
-    csa selector, for a session with no appended tokens.
+    index's selector, for a session with no appended tokens.
 
     Args:
-        index: the kv head's :class:`CsaIndex` (its schedule state advances).
+        index: the kv head's index (:class:`CsaIndex`, :class:`QuestIndex`,
+            :class:`StreamingIndex` or :class:`OracleIndex`; a csa search
+            schedule advances).
         queries: [G, d] post-RoPE queries of the kv head's q heads.
         params: a :class:`SessionParams`, or the session params dict (as given
             to ``Client.open_session``).
@@ -645,39 +855,68 @@ def session_step(index: CsaIndex, queries: Any,
     return HeadStep(per_q_head=per_q_head, tables=tables, pages=pages, selection=sel)
 
 
-class CsaSession:
-    """Client-side selection over a whole context: one :class:`CsaIndex` per
-    (layer, kv head) and the session params, planning a layer like a
-    server-side ``Session.step`` (same selections, same page tables), before
-    any append.
+def _layer_head_keys(keys: Any, layer: int, kv_head: int) -> Any:
+    """keys[(layer, kv_head)] of a mapping, else keys[layer][kv_head] (an
+    array or tensor [n_layers, n_kv_heads, n, d], or nested lists)."""
+    if isinstance(keys, Mapping):
+        return keys[(layer, kv_head)]
+    return keys[layer][kv_head]
 
-    >>> arts = client.fetch_index(ctx.context_id, "csa")
-    >>> sel = CsaSession(arts, n_q_heads=ctx.model.n_q_heads, params={"rho": 0.05})
+
+class ClientSession:
+    """Client-side selection over a whole context: one index per (layer, kv
+    head) of ``method`` (csa, quest, streaming or oracle; :func:`make_index`)
+    and the session params, planning a layer like a server-side
+    ``Session.step`` of that method (same selections, same page tables),
+    before any append.
+
+    >>> arts = client.fetch_index(ctx.context_id, "quest")
+    >>> sel = ClientSession(arts, n_q_heads=ctx.model.n_q_heads, method="quest")
     >>> steps = sel.step(layer, queries)       # [n_q_heads, d] -> one HeadStep per kv head
     >>> client.fetch_pages(ctx.context_id, sel.page_tables(layer, steps))
+
+    ``keys`` (oracle only): the context's keys per (layer, kv head), [n, d]
+    each, as a mapping ``{(layer, kv_head): keys}`` or indexable
+    ``keys[layer][kv_head]``.
     """
 
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
-                 params: Union[SessionParams, Mapping[str, Any], None] = None) -> None:
+                 params: Union[SessionParams, Mapping[str, Any], None] = None,
+                 method: str = "csa", keys: Any = None) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method '{method}' has no client-side selection; expected one "
+                             f"of {', '.join(METHODS)}")
         if not artifacts:
-            raise ValueError("CsaSession: no artifacts")
-        self.params = params if isinstance(params, SessionParams) else SessionParams.parse(params)
-        self.indexes: Dict[Tuple[int, int], CsaIndex] = {
-            (int(l), int(h)): a if isinstance(a, CsaIndex) else CsaIndex(a)
+            raise ValueError(f"{type(self).__name__}: no artifacts")
+        if method == "oracle" and keys is None:
+            raise ValueError("oracle: needs the context's keys (keys=[n_tokens, head_dim] per "
+                             "layer and kv head)")
+        self.method = method
+        self.params = (params if isinstance(params, SessionParams)
+                       else SessionParams.parse(params, method=method))
+        self.indexes: Dict[Tuple[int, int], Index] = {
+            (int(l), int(h)): make_index(method, a, None if keys is None
+                                         else _layer_head_keys(keys, int(l), int(h)))
             for (l, h), a in artifacts.items()}
         self.n_layers = 1 + max(l for l, _ in self.indexes)
         self.n_kv_heads = 1 + max(h for _, h in self.indexes)
         missing = [(l, h) for l in range(self.n_layers) for h in range(self.n_kv_heads)
                    if (l, h) not in self.indexes]
         if missing:
-            raise ValueError(f"CsaSession: no artifact for (layer, kv head) {missing[0]}")
+            raise ValueError(f"{type(self).__name__}: no artifact for (layer, kv head) "
+                             f"{missing[0]}")
         if n_q_heads % self.n_kv_heads:
-            raise ValueError(f"CsaSession: n_q_heads {n_q_heads} is not a multiple of "
-                             f"n_kv_heads {self.n_kv_heads}")
+            raise ValueError(f"{type(self).__name__}: n_q_heads {n_q_heads} is not a multiple "
+                             f"of n_kv_heads {self.n_kv_heads}")
         self.n_q_heads = n_q_heads
         self.group_size = n_q_heads // self.n_kv_heads
         first = self.indexes[(0, 0)]
         self.n_tokens, self.head_dim = first.n_tokens, first.head_dim
+        for key, ix in self.indexes.items():
+            if (ix.n_tokens, ix.head_dim) != (self.n_tokens, self.head_dim):
+                raise ValueError(f"{type(self).__name__}: (layer, kv head) {key} covers "
+                                 f"{ix.n_tokens} tokens of dim {ix.head_dim}, expected "
+                                 f"{self.n_tokens} of dim {self.head_dim}")
 
     def step(self, layer: int, queries: Any, as_torch: Optional[bool] = None) -> List[HeadStep]:
         """Plans ``layer`` for queries [n_q_heads, d]: one :class:`HeadStep`
@@ -700,3 +939,15 @@ class CsaSession:
             pages = s.pages.tolist() if hasattr(s.pages, "tolist") else list(s.pages)
             out.append((layer, h, [int(p) for p in pages]))
         return out
+
+
+class CsaSession(ClientSession):
+    """:class:`ClientSession` with method csa.
+
+    >>> arts = client.fetch_index(ctx.context_id, "csa")
+    >>> sel = CsaSession(arts, n_q_heads=ctx.model.n_q_heads, params={"rho": 0.05})
+    """
+
+    def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                 params: Union[SessionParams, Mapping[str, Any], None] = None) -> None:
+        super().__init__(artifacts, n_q_heads, params, method="csa")

@@ -1,0 +1,334 @@
+"""Client-side selection for quest, streaming and oracle against a real
+ctxcached: the numpy copies of the C++ selectors (ctxcache.torch.selection)
+and the torch session core (ctxcache.torch.gpu_session, on every available
+device) give the server-side session's selections and page tables.
+
+Contexts: two demo documents (tests/data/demo) built as text by a real
+ctxcached with the golden llama3 (2 layers, 4 q / 2 kv heads, head_dim 32),
+their token counts not a multiple of the page size (a partial last page); the
+second with a Quest page of 12 tokens (not the store's 16). Plus the
+synthetic model of test_selection.py (16 q / 2 kv heads, d 128: two
+subgroups of 4 q heads).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+import ctxcache
+from ctxcache.torch.artifacts import (parse_oracle_artifact, parse_quest_artifact,
+                                      parse_streaming_artifact)
+from ctxcache.torch.selection import (ClientSession, OracleIndex, QuestIndex, SessionParams,
+                                      StreamingIndex, quest_page_scores, session_step)
+from conftest import REPO
+
+B = 16
+DEMO = REPO + "/tests/data/demo/"
+SYN_LAYERS, SYN_NQ, SYN_NKV, SYN_D, SYN_T = 2, 16, 2, 128, 1001
+
+PARAMS = [
+    {},  # rho 0.05, page cap 5% ranked by count (mass for oracle), whole pages
+    {"rho": 0.12},
+    {"budget": 37},  # token-level: no page cap, no widening
+    {"rho": 0.03, "subgroup": 1, "recent_blocks": 2},
+    {"rho": 0.2, "page_fraction": 0.1, "whole_pages": 0, "subgroup": 3},
+]
+PARAM_IDS = [",".join(f"{k}={v}" for k, v in p.items()) or "defaults" for p in PARAMS]
+
+
+def _demo_tokens(name: str, n: int) -> List[int]:
+    """The first n bytes of a demo document as token ids (byte + 1: the
+    golden llama3 ships no tokenizer; its vocabulary has 512 ids)."""
+    with open(DEMO + name, "rb") as f:
+        return [b + 1 for b in f.read()[:n]]
+
+
+@pytest.fixture(scope="module")
+def demo_contexts(client: ctxcache.Client) -> List[ctxcache.pb.ContextInfo]:
+    out = []
+    for name, n, page in (("document.txt", 601, 16), ("vim_help.txt", 777, 12)):
+        info = client.build(tokens=_demo_tokens(name, n), name=f"gpusel-{name}",
+                            indexes=[("quest", {"page": str(page)})]).context
+        assert info.n_tokens % B != 0 and info.n_tokens > 300, info.n_tokens
+        out.append(info)
+    return out
+
+
+@pytest.fixture(scope="module")
+def synthetic(client: ctxcache.Client) -> ctxcache.pb.ContextInfo:
+    rng = np.random.default_rng(17)
+    layers = []
+    for _ in range(SYN_LAYERS):
+        offset = rng.standard_normal((1, 1, SYN_D)).astype(np.float32)
+        k = (rng.standard_normal((SYN_NKV, SYN_T, SYN_D)) + 2 * offset).astype(np.float32)
+        v = rng.standard_normal((SYN_NKV, SYN_T, SYN_D)).astype(np.float32)
+        q = rng.standard_normal((SYN_NQ, SYN_T, SYN_D)).astype(np.float32)
+        layers.append((k, v, q))
+    spec = {"name": "gpusel-synthetic", "n_layers": SYN_LAYERS, "n_q_heads": SYN_NQ,
+            "n_kv_heads": SYN_NKV, "head_dim": SYN_D, "rope": {"theta": 10000.0},
+            "kv_dtype": "bf16", "fingerprint": b"ctxcache-pytest-gpusel"}
+    return client.ingest(spec, list(range(5, 5 + SYN_T)), layers,
+                         indexes=[("quest", {"page": "16"})], name="gpusel-synthetic")
+
+
+def _contexts(demo_contexts, synthetic) -> List[ctxcache.pb.ContextInfo]:
+    return [*demo_contexts, synthetic]
+
+
+def context_keys(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo) -> np.ndarray:
+    """[n_layers, n_kv_heads, n, d] float32: the stored keys (bf16 widened),
+    what a server session's oracle scores."""
+    m = ctx.model
+    n_pages = (ctx.n_tokens + B - 1) // B
+    out = np.zeros((m.n_layers, m.n_kv_heads, ctx.n_tokens, m.head_dim), dtype=np.float32)
+    for layer in range(m.n_layers):
+        pages = client.fetch_pages(ctx.context_id, [(layer, h, list(range(n_pages)))
+                                                    for h in range(m.n_kv_heads)])
+        for p in pages:
+            out[layer, p.kv_head, p.block * B:p.block * B + p.n_tokens] = p.k
+    return out
+
+
+def _queries(rng: np.random.Generator, n_q: int, d: int, i: int) -> np.ndarray:
+    q = rng.standard_normal((n_q, d)) * 10.0 ** rng.uniform(-1.5, 1.5)
+    if i % 3 == 1:
+        q[:, : d // 2] = 0
+    if i % 3 == 2:
+        q = q.astype(np.float16)  # coarse values: tied scores
+    return q.astype(np.float32)
+
+
+def _session(client, ctx, method: str, params: dict, keys=None) -> ClientSession:
+    arts = client.fetch_index(ctx.context_id, method)
+    return ClientSession(arts, n_q_heads=ctx.model.n_q_heads, params=params, method=method,
+                         keys=keys)
+
+
+def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, seed: int,
+                         keys=None, devices=()) -> int:
+    """n_steps steps of every layer through a server session, the numpy
+    ClientSession and a torch session per device; asserts identical
+    per-q-head tokens, page tables and pages. Returns layer-steps compared."""
+    m = ctx.model
+    g = m.n_q_heads // m.n_kv_heads
+    mine = _session(client, ctx, method, params, keys)
+    torch_sessions = {}
+    if devices:
+        import torch
+        from ctxcache.torch.gpu_session import torch_session
+
+        arts = client.fetch_index(ctx.context_id, method)
+        for dev in devices:
+            tkeys = None if keys is None else torch.as_tensor(keys, device=dev)
+            torch_sessions[dev] = torch_session(method, arts, n_q_heads=m.n_q_heads,
+                                                params=params, device=dev, keys=tkeys)
+    rng = np.random.default_rng(seed)
+    compared = 0
+    with client.open_session(ctx.context_id, method, params) as s:
+        for i in range(n_steps):
+            for layer in range(m.n_layers):
+                q = _queries(rng, m.n_q_heads, m.head_dim, i)
+                r = s.step(layer, q)
+                steps = mine.step(layer, q)
+                where = f"{ctx.name} {method} {params} step {i} layer {layer}"
+                for qh in range(m.n_q_heads):
+                    got = steps[qh // g].per_q_head[qh % g]
+                    assert got.tolist() == r.selections[qh].tolist(), f"{where} q head {qh}"
+                want_tables = sorted(r.page_tables)
+                got_tables = sorted((h, t.subgroup, t.pages.tolist())
+                                    for h, st in enumerate(steps) for t in st.tables)
+                assert got_tables == want_tables, where
+                for h, head in enumerate(r.heads):
+                    assert steps[h].pages.tolist() == head.blocks, f"{where} kv head {h}"
+                for dev, ts in torch_sessions.items():
+                    import torch
+
+                    plan = ts.step(layer, torch.from_numpy(q).to(dev))
+                    for qh in range(m.n_q_heads):
+                        got = torch.nonzero(plan.token_mask[qh // g, qh % g])[:, 0].cpu()
+                        assert got.tolist() == r.selections[qh].tolist(), \
+                            f"{where} {dev} q head {qh}"
+                    tables = sorted(
+                        (h, sgi, torch.nonzero(plan.table_pages[h, sgi])[:, 0].cpu().tolist())
+                        for h in range(m.n_kv_heads) for sgi in range(plan.table_pages.shape[1]))
+                    assert tables == want_tables, f"{where} {dev}"
+                    for h, head in enumerate(r.heads):
+                        assert plan.page_ids(h).cpu().tolist() == head.blocks, f"{where} {dev}"
+                compared += 1
+    return compared
+
+
+def _torch_devices() -> List[str]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+# ------------------------------------------------------------------ parsers --
+
+
+def test_parse_quest_streaming_oracle_artifacts(client, demo_contexts) -> None:
+    for ctx, page in zip(demo_contexts, (16, 12)):
+        n, d = ctx.n_tokens, ctx.model.head_dim
+        arts = client.fetch_index(ctx.context_id, "quest")
+        assert sorted(arts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        keys = context_keys(client, ctx)
+        for (layer, h), raw in arts.items():
+            a = parse_quest_artifact(raw)
+            p = (n + page - 1) // page
+            assert (a.magic, a.version, a.n_tokens, a.head_dim, a.page_size, a.rho) == \
+                ("QST1", 1, n, d, page, 0.05)
+            assert len(raw) == 32 + 8 * p * d
+            # The bounds are the min/max of each page's stored keys (built
+            # from the same bf16-rounded keys the store holds).
+            k = keys[layer, h]
+            want_min = np.stack([k[i * page:(i + 1) * page].min(0) for i in range(p)])
+            want_max = np.stack([k[i * page:(i + 1) * page].max(0) for i in range(p)])
+            np.testing.assert_array_equal(a.page_min, want_min)
+            np.testing.assert_array_equal(a.page_max, want_max)
+        for (layer, h), raw in client.fetch_index(ctx.context_id, "streaming").items():
+            a = parse_streaming_artifact(raw)
+            assert (a.magic, a.n_tokens, a.head_dim, a.n_sink, a.rho) == ("STR1", n, d, 4, 0.05)
+        for (layer, h), raw in client.fetch_index(ctx.context_id, "oracle").items():
+            a = parse_oracle_artifact(raw)
+            assert (a.magic, a.n_tokens, a.head_dim, a.rho) == ("ORCL", n, d, 0.05)
+
+
+def test_parse_rejects_bad_quest_streaming_oracle(client, demo_contexts) -> None:
+    ctx = demo_contexts[1]
+    q = client.fetch_index(ctx.context_id, "quest", layers=[0], kv_heads=[0])[(0, 0)]
+    s = client.fetch_index(ctx.context_id, "streaming", layers=[0], kv_heads=[0])[(0, 0)]
+    o = client.fetch_index(ctx.context_id, "oracle", layers=[0], kv_heads=[0])[(0, 0)]
+    with pytest.raises(ValueError, match="quest: bad magic"):
+        parse_quest_artifact(s)
+    with pytest.raises(ValueError, match="quest: bad magic"):
+        parse_quest_artifact(q[:3])
+    with pytest.raises(ValueError, match="unsupported format version 2"):
+        parse_quest_artifact(q[:4] + struct.pack("<I", 2) + q[8:])
+    with pytest.raises(ValueError, match="truncated header"):
+        parse_quest_artifact(q[:31])
+    for cut in (32, len(q) - 4):
+        with pytest.raises(ValueError, match="quest artifact: truncated"):
+            parse_quest_artifact(q[:cut])
+    with pytest.raises(ValueError, match="trailing bytes"):
+        parse_quest_artifact(q + b"\0\0\0\0")
+    with pytest.raises(ValueError, match="corrupt page size 0"):
+        parse_quest_artifact(q[:20] + struct.pack("<i", 0) + q[24:])
+    with pytest.raises(ValueError, match="corrupt rho"):
+        parse_quest_artifact(q[:24] + struct.pack("<d", 1.5) + q[32:])
+    with pytest.raises(ValueError, match="corrupt header"):
+        parse_quest_artifact(q[:16] + struct.pack("<i", 4097) + q[20:])
+    # One page bound of a different page count: the size no longer matches.
+    with pytest.raises(ValueError, match="quest artifact: truncated"):
+        parse_quest_artifact(q[:8] + struct.pack("<q", ctx.n_tokens + 12) + q[16:])
+    with pytest.raises(ValueError, match="not finite"):
+        parse_quest_artifact(q[:32] + struct.pack("<f", float("nan")) + q[36:])
+    with pytest.raises(ValueError, match="truncated or oversized"):
+        parse_streaming_artifact(s + b"\0")
+    with pytest.raises(ValueError, match="streaming artifact: corrupt fields"):
+        parse_streaming_artifact(s[:20] + struct.pack("<i", -1) + s[24:])
+    with pytest.raises(ValueError, match="oracle artifact: truncated"):
+        parse_oracle_artifact(o[:27])
+    with pytest.raises(ValueError, match="corrupt n_tokens/head_dim"):
+        parse_oracle_artifact(o[:8] + struct.pack("<q", 0) + o[16:])
+    with pytest.raises(ValueError, match="oracle artifact: corrupt rho"):
+        parse_oracle_artifact(o[:20] + struct.pack("<d", 0.0))
+    parse_oracle_artifact(o + b"\0")  # like the loader: trailing bytes are not checked
+
+
+# ----------------------------------------------------- numpy selectors, details --
+
+
+def test_streaming_and_quest_select_details(client, demo_contexts) -> None:
+    ctx = demo_contexts[1]  # Quest page 12
+    n, d = ctx.n_tokens, ctx.model.head_dim
+    st = StreamingIndex(client.fetch_index(ctx.context_id, "streaming")[(0, 0)])
+    q = np.random.default_rng(3).standard_normal((2, d)).astype(np.float32)
+    sel = st.select(q, budget=50)
+    want = list(range(4)) + list(range(n - 46, n))
+    assert all(h.tolist() == want for h in sel.per_head) and sel.per_head_logits == []
+    assert st.select(q, budget=3).per_head[0].tolist() == [0, 1, 2]
+    assert st.select(q, budget=n + 5).per_head[0].tolist() == list(range(n))
+    assert st.select(q).per_head[0].size == int(np.ceil(0.05 * n))  # 0 = the artifact's rho
+    qi = QuestIndex(client.fetch_index(ctx.context_id, "quest")[(1, 1)])
+    scores = quest_page_scores(q, qi.page_min, qi.page_max)
+    # The upper bound holds for every key of each page.
+    keys = context_keys(client, ctx)[1, 1]
+    dots = keys.astype(np.float64) @ q.T.astype(np.float64)  # [n, G]
+    for p in range(scores.shape[1]):
+        assert (dots[p * 12:(p + 1) * 12].max(0) <= scores[:, p] + 1e-3).all()
+    last = (n - 1) // 12
+    for budget in (1, 12, 13, 30, 100, n):
+        sel = qi.select(q, budget=budget)
+        for h, ids in enumerate(sel.per_head):
+            pages = sorted(set((ids // 12).tolist()))
+            assert ids.tolist() == [t for p in pages for t in range(p * 12, min(n, p * 12 + 12))]
+            full = [p for p in pages if p != last]
+            # The best-bound pages that fit, the first one always.
+            order = np.argsort(-scores[h], kind="stable").tolist()
+            assert order[0] in pages
+            if budget >= 12:
+                assert len(full) * 12 <= budget
+                assert [p for p in order if p != last][:len(full)] == sorted(
+                    full, key=order.index)
+            assert ids.size >= min(budget, 12 if order[0] != last else n - last * 12)
+
+
+def test_quest_ties_go_to_the_lower_page(client, demo_contexts) -> None:
+    # Zero queries bound every page by 0: the lowest pages win the ties.
+    ctx = demo_contexts[0]
+    qi = QuestIndex(client.fetch_index(ctx.context_id, "quest")[(0, 0)])
+    n = ctx.n_tokens
+    r = n % 16  # the partial last page
+    z = np.zeros((2, ctx.model.head_dim), np.float32)
+    # Pages 0 and 1 (32 tokens); page 2 would overflow 40 and is skipped, so
+    # is every later full page, and the partial page too (32 + r > 40).
+    assert qi.select(z, budget=40).per_head[0].tolist() == list(range(32))
+    # With 32 + r the partial last page fits after the skipped full pages.
+    assert qi.select(z, budget=32 + r).per_head[1].tolist() == \
+        list(range(32)) + list(range(n - r, n))
+    assert qi.select(z, budget=48).per_head[0].tolist() == list(range(48))
+    o = OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(0, 0)],
+                    context_keys(client, ctx)[0, 0])
+    sel = o.select(np.zeros((2, ctx.model.head_dim), np.float32), budget=40)
+    assert sel.per_head[1].tolist() == list(range(40))  # all scores 0: the lowest ids
+
+
+def test_oracle_select_is_the_exact_top_k(client, demo_contexts) -> None:
+    ctx = demo_contexts[0]
+    keys = context_keys(client, ctx)
+    o = OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(1, 0)], keys[1, 0])
+    q = np.random.default_rng(4).standard_normal((2, ctx.model.head_dim)).astype(np.float32)
+    sel = o.select(q, budget=60)
+    for h in range(2):
+        s = keys[1, 0].astype(np.float64) @ q[h].astype(np.float64)
+        assert sel.per_head[h].tolist() == sorted(np.argsort(-s, kind="stable")[:60].tolist())
+        np.testing.assert_allclose(sel.per_head_logits[h],
+                                   s[sel.per_head[h]] / np.sqrt(ctx.model.head_dim), rtol=1e-5)
+    with pytest.raises(ValueError, match="oracle: keys have shape"):
+        OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(1, 0)], keys[1, 0, :-1])
+    with pytest.raises(ValueError, match="oracle: needs the context's keys"):
+        _session(client, ctx, "oracle", {})
+    with pytest.raises(ValueError, match="method 'tactic' has no client-side selection"):
+        ClientSession(client.fetch_index(ctx.context_id, "streaming"), n_q_heads=4,
+                      method="tactic")
+
+
+# --------------------------------------------- sessions against the server --
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=PARAM_IDS)
+@pytest.mark.parametrize("method", ["streaming", "quest", "oracle"])
+def test_client_sessions_match_server(client, demo_contexts, synthetic, method: str,
+                                      params: dict) -> None:
+    devices = _torch_devices()
+    for i, ctx in enumerate(_contexts(demo_contexts, synthetic)):
+        keys = context_keys(client, ctx) if method == "oracle" else None
+        steps = 2 if ctx is synthetic else 4
+        assert _compare_with_server(client, ctx, method, params, n_steps=steps, seed=50 + i,
+                                    keys=keys, devices=devices) == steps * ctx.model.n_layers

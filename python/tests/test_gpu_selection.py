@@ -332,3 +332,32 @@ def test_client_sessions_match_server(client, demo_contexts, synthetic, method: 
         steps = 2 if ctx is synthetic else 4
         assert _compare_with_server(client, ctx, method, params, n_steps=steps, seed=50 + i,
                                     keys=keys, devices=devices) == steps * ctx.model.n_layers
+
+
+def test_torch_quest_page_walk_equals_the_loop() -> None:
+    # quest_take_pages (closed form, tensor ops) against the C++ loop
+    # (quest_take_pages_exact) for every budget, with the partial last page
+    # anywhere in the order, ties included.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch.gpu_session import quest_take_pages
+    from ctxcache.torch.selection import quest_take_pages_exact
+
+    rng = np.random.default_rng(12)
+    cases = 0
+    for n, page in ((601, 16), (777, 12), (64, 16), (65, 16), (7, 16), (100, 1), (50, 7)):
+        p = (n + page - 1) // page
+        scores = rng.standard_normal((12, p)).astype(np.float32)
+        scores[1] = 0  # all tied: the lowest pages
+        scores[2] = np.round(scores[2])  # many ties
+        for i in range(3, 12):  # the last page at position i - 3 of the order
+            scores[i, -1] = np.sort(scores[i, :-1])[::-1][min(i - 3, p - 2)] + 1e-3 \
+                if p > 1 else 0
+        budgets = sorted(set(list(range(1, min(n, 3 * page + 3) + 1)) +
+                             list(range(1, n + 1, max(1, n // 23))) + [n, n + 5]))
+        for k in budgets:
+            got = quest_take_pages(torch.from_numpy(scores), n, page, k)
+            for h in range(scores.shape[0]):
+                want = quest_take_pages_exact(scores[h], n, page, k)
+                assert torch.nonzero(got[h])[:, 0].tolist() == want, (n, page, k, h)
+                cases += 1
+    assert cases > 3000

@@ -36,9 +36,12 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ctxcache.torch.selection import CsaIndex, CsaSession, SessionParams, page_budget
+from ctxcache.torch.selection import (ClientSession, CsaIndex, CsaSession, SessionParams,
+                                      _budget_for, page_budget)
 
-__all__ = ["LayerPlan", "TorchCsaSession"]
+__all__ = ["LayerPlan", "TORCH_SESSIONS", "TorchCsaSession", "TorchOracleSession",
+           "TorchQuestSession", "TorchStreamingSession", "quest_page_scores_torch",
+           "quest_take_pages", "torch_session"]
 
 
 @dataclass
@@ -106,7 +109,110 @@ def _top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     return above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= need))
 
 
-class TorchCsaSession:
+class _TorchPlanner:
+    """Stages 2-4 of the session core on a torch device, shared by every
+    method's torch session; a subclass supplies stage 1 (:meth:`_select`)."""
+
+    method = ""
+
+    def __init__(self, exact: ClientSession, device: Any) -> None:
+        # The exact session parses and checks the artifacts and params (one
+        # code path for both); the torch sessions keep their indexes' tables.
+        self.exact = exact
+        self.params = exact.params
+        self.n_layers, self.n_kv_heads = exact.n_layers, exact.n_kv_heads
+        self.n_q_heads, self.group_size = exact.n_q_heads, exact.group_size
+        self.n_tokens, self.head_dim = exact.n_tokens, exact.head_dim
+        self.device = torch.device(device)
+        b = self.params.page_size
+        self.n_pages = (self.n_tokens + b - 1) // b
+
+    def _indexes(self, layer: int) -> List[Any]:
+        return [self.exact.indexes[(layer, h)] for h in range(self.n_kv_heads)]
+
+    def reset(self) -> None:
+        """Forgets any search schedule (csa's ``period`` > 1)."""
+
+    def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Stage 1: the selection mask [H, G, n] and the logit estimates
+        [H, G, n] (None: the page cap ranks pages by selected-token count)."""
+        raise NotImplementedError
+
+    def by_page(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] -> [..., n_pages, page_size], zero/False padded."""
+        b = self.params.page_size
+        pad = self.n_pages * b - x.shape[-1]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, pad))
+        return x.view(*x.shape[:-1], self.n_pages, b)
+
+    def _cap(self, sel: torch.Tensor, logits: Optional[torch.Tensor]) -> torch.Tensor:
+        p = self.params
+        n_pages = self.n_pages
+        count = self.by_page(sel.to(torch.int32)).sum(dim=(1, 3))        # [H, n_pages]
+        if logits is not None:
+            lg = torch.where(sel, logits, torch.full_like(logits, -math.inf)).double()
+            mx = lg.max(dim=-1, keepdim=True).values
+            e = torch.where(sel, torch.exp(lg - mx), torch.zeros_like(lg))
+            z = e.sum(dim=-1, keepdim=True)
+            share = torch.where(z > 0, e / torch.where(z > 0, z, torch.ones_like(z)),
+                                torch.zeros_like(e))
+            rank = self.by_page(share).sum(dim=(1, 3))                   # [H, n_pages]
+        else:
+            rank = count.double()
+        keep = torch.zeros(n_pages, dtype=torch.bool, device=sel.device)
+        if n_pages:
+            keep[0] = True
+        keep[max(0, n_pages - 1 - p.recent_blocks):] = True
+        cand = ~keep & (count > 0)
+        # Rank desc, ties to the later page: a stable sort over reversed pages.
+        key = torch.where(cand, rank, torch.full_like(rank, -math.inf)).flip(-1)
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        top = (n_pages - 1 - order)[:, :page_budget(p.page_fraction, self.n_tokens,
+                                                    p.page_size)]
+        chosen = torch.zeros_like(cand)
+        chosen.scatter_(1, top, True)
+        keep_pages = (chosen & cand) | keep                                 # [H, n_pages]
+        tok_keep = keep_pages.unsqueeze(-1).expand(-1, -1, p.page_size).reshape(
+            keep_pages.shape[0], -1)[:, :self.n_tokens]
+        return sel & tok_keep.unsqueeze(1)
+
+    def _plan(self, sel: torch.Tensor, logits: Optional[torch.Tensor]) -> LayerPlan:
+        """Stages 2-4 for a layer's selection."""
+        p = self.params
+        mask = self._cap(sel, logits) if p.page_fraction > 0 else sel
+        # Stage 3: per subgroup, the union of its heads' pages plus the recent ones.
+        h, g = self.n_kv_heads, self.group_size
+        sg = min(p.subgroup, g)
+        n_sub = (g + sg - 1) // sg
+        head_pages = self.by_page(mask).any(dim=-1)                      # [H, G, n_pages]
+        if n_sub * sg != g:
+            head_pages = torch.nn.functional.pad(head_pages, (0, 0, 0, n_sub * sg - g))
+        tables = head_pages.view(h, n_sub, sg, self.n_pages).any(dim=2)     # [H, S, n_pages]
+        tables[:, :, max(0, self.n_pages - 1 - p.recent_blocks):] = True
+        if p.whole_pages:  # stage 4: every token of the subgroup's pages
+            sub_of = torch.arange(g, device=sel.device) // sg
+            tok = tables[:, sub_of].unsqueeze(-1).expand(-1, -1, -1, p.page_size)
+            mask = tok.reshape(h, g, -1)[:, :, :self.n_tokens]
+        return LayerPlan(token_mask=mask, table_pages=tables, pages=tables.any(dim=1),
+                         selected=sel)
+
+    def step(self, layer: int, queries: torch.Tensor) -> LayerPlan:
+        """Plans ``layer`` for queries [n_q_heads, d] (any float dtype; used
+        as float32 on the session's device)."""
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"step.layer {layer} out of range [0, {self.n_layers})")
+        if tuple(queries.shape) != (self.n_q_heads, self.head_dim):
+            raise ValueError(f"queries have shape {list(queries.shape)}, expected "
+                             f"[{self.n_q_heads}, {self.head_dim}]")
+        q = queries.to(self.device, torch.float32)
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError(f"{self.method}: queries have NaN/Inf")
+        sel, logits = self._select(layer, q)
+        return self._plan(sel, logits)
+
+
+class TorchCsaSession(_TorchPlanner):
     """Client-side csa selection for a whole context on a torch device.
 
     >>> arts = client.fetch_index(ctx.context_id, "csa")
@@ -115,27 +221,28 @@ class TorchCsaSession:
     >>> plan.page_ids(0)                    # kv head 0's pages, ascending
     """
 
+    method = "csa"
+
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  device: Any = "cpu") -> None:
-        # The exact session parses and checks the artifacts and params (one
-        # code path for both); this class keeps only its indexes' tables.
-        exact = CsaSession(artifacts, n_q_heads=n_q_heads, params=params)
-        self.params = exact.params
-        self.n_layers, self.n_kv_heads = exact.n_layers, exact.n_kv_heads
-        self.n_q_heads, self.group_size = exact.n_q_heads, exact.group_size
-        indexes = exact.indexes
-        self.device = torch.device(device)
-        self.layers = [_Layer([indexes[(l, h)] for h in range(self.n_kv_heads)], self.device)
-                       for l in range(self.n_layers)]
-        self.n_tokens, self.head_dim = self.layers[0].n, self.layers[0].d
-        b = self.params.page_size
-        self.n_pages = (self.n_tokens + b - 1) // b
+        super().__init__(CsaSession(artifacts, n_q_heads=n_q_heads, params=params), device)
+        self.layers = [_Layer(self._indexes(l), self.device) for l in range(self.n_layers)]
 
     def reset(self) -> None:
-        """Forgets the search schedules (``period`` > 1)."""
         for lay in self.layers:
             lay.last, lay.since_search = None, 0
+
+    def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        lay = self.layers[layer]
+        period = lay.o.period
+        if period > 1 and lay.last is not None and 0 < lay.since_search < period:
+            lay.since_search += 1
+            return lay.last, None  # reused: pages ranked by count, like the core
+        sel, logits = self._search(lay, q, self.params.token_budget(self.n_tokens))
+        if period > 1:
+            lay.last, lay.since_search = sel, 1
+        return sel, logits
 
     # ---------------------------------------------------------------- stage 1
     def _search(self, lay: _Layer, q: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,80 +294,178 @@ class TorchCsaSession:
             to_logit = (norms.sum(dim=-1) / m).view(h * g, 1) / math.sqrt(lay.d)
         return sel.view(h, g, n), (acc * to_logit).view(h, g, n)
 
-    # ------------------------------------------------------------ stages 2-4
-    def by_page(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] -> [..., n_pages, page_size], zero/False padded."""
-        b = self.params.page_size
-        pad = self.n_pages * b - x.shape[-1]
-        if pad:
-            x = torch.nn.functional.pad(x, (0, pad))
-        return x.view(*x.shape[:-1], self.n_pages, b)
 
-    def _cap(self, sel: torch.Tensor, logits: Optional[torch.Tensor]) -> torch.Tensor:
-        p = self.params
-        n_pages = self.n_pages
-        count = self.by_page(sel.to(torch.int32)).sum(dim=(1, 3))        # [H, n_pages]
-        if logits is not None:
-            lg = torch.where(sel, logits, torch.full_like(logits, -math.inf)).double()
-            mx = lg.max(dim=-1, keepdim=True).values
-            e = torch.where(sel, torch.exp(lg - mx), torch.zeros_like(lg))
-            z = e.sum(dim=-1, keepdim=True)
-            share = torch.where(z > 0, e / torch.where(z > 0, z, torch.ones_like(z)),
-                                torch.zeros_like(e))
-            rank = self.by_page(share).sum(dim=(1, 3))                   # [H, n_pages]
-        else:
-            rank = count.double()
-        keep = torch.zeros(n_pages, dtype=torch.bool, device=sel.device)
-        if n_pages:
-            keep[0] = True
-        keep[max(0, n_pages - 1 - p.recent_blocks):] = True
-        cand = ~keep & (count > 0)
-        # Rank desc, ties to the later page: a stable sort over reversed pages.
-        key = torch.where(cand, rank, torch.full_like(rank, -math.inf)).flip(-1)
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-        top = (n_pages - 1 - order)[:, :page_budget(p.page_fraction, self.n_tokens,
-                                                    p.page_size)]
-        chosen = torch.zeros_like(cand)
-        chosen.scatter_(1, top, True)
-        keep_pages = (chosen & cand) | keep                                 # [H, n_pages]
-        tok_keep = keep_pages.unsqueeze(-1).expand(-1, -1, p.page_size).reshape(
-            keep_pages.shape[0], -1)[:, :self.n_tokens]
-        return sel & tok_keep.unsqueeze(1)
+def _token_mask(page_mask: torch.Tensor, page_size: int, n: int) -> torch.Tensor:
+    """[..., P] page flags -> [..., n] token flags (every token of a page)."""
+    return page_mask.unsqueeze(-1).expand(*page_mask.shape, page_size).reshape(
+        *page_mask.shape[:-1], -1)[..., :n]
 
-    def step(self, layer: int, queries: torch.Tensor) -> LayerPlan:
-        """Plans ``layer`` for queries [n_q_heads, d] (any float dtype; used
-        as float32 on the session's device)."""
-        if not 0 <= layer < self.n_layers:
-            raise ValueError(f"step.layer {layer} out of range [0, {self.n_layers})")
-        if tuple(queries.shape) != (self.n_q_heads, self.head_dim):
-            raise ValueError(f"queries have shape {list(queries.shape)}, expected "
-                             f"[{self.n_q_heads}, {self.head_dim}]")
-        q = queries.to(self.device, torch.float32)
-        if not bool(torch.isfinite(q).all()):
-            raise ValueError("csa: queries have NaN/Inf")
-        lay = self.layers[layer]
-        p = self.params
-        period = lay.o.period
-        if period > 1 and lay.last is not None and 0 < lay.since_search < period:
-            sel, logits = lay.last, None  # reused: pages ranked by count, like the core
-            lay.since_search += 1
-        else:
-            sel, logits = self._search(lay, q, p.token_budget(self.n_tokens))
-            if period > 1:
-                lay.last, lay.since_search = sel, 1
-        mask = self._cap(sel, logits) if p.page_fraction > 0 else sel
-        # Stage 3: per subgroup, the union of its heads' pages plus the recent ones.
+
+class TorchStreamingSession(_TorchPlanner):
+    """Client-side streaming selection (``StreamingSelector``) on a torch
+    device: every q head selects the first ``min(sinks, k)`` tokens and the
+    last ``k - that`` of the budget k. Exact (no arithmetic)."""
+
+    method = "streaming"
+
+    def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                 params: Union[SessionParams, Mapping[str, Any], None] = None,
+                 device: Any = "cpu") -> None:
+        super().__init__(ClientSession(artifacts, n_q_heads, params, method="streaming"),
+                         device)
+        k = self.params.token_budget(self.n_tokens)
+        self.masks = []  # per layer [H, n]: the same for every step
+        for layer in range(self.n_layers):
+            m = torch.zeros(self.n_kv_heads, self.n_tokens, dtype=torch.bool)
+            for h, ix in enumerate(self._indexes(layer)):
+                m[h, torch.as_tensor(ix.ids(k).astype(np.int64))] = True
+            self.masks.append(m.to(self.device))
+
+    def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        m = self.masks[layer]
+        return m.unsqueeze(1).expand(-1, self.group_size, -1), None
+
+
+def quest_page_scores_torch(q: torch.Tensor, page_min: torch.Tensor,
+                            page_max: torch.Tensor) -> torch.Tensor:
+    """``QuestSelector::PageScore`` for q [H, G, d] and bounds [H, P, d] ->
+    [H, G, P] float32, summed over d in order like the compiled loop (each
+    product, max and sum an elementwise float32 op, so the result is the
+    C++ one bit for bit): d small kernels per call."""
+    s = torch.zeros(q.shape[0], q.shape[1], page_min.shape[1], dtype=torch.float32,
+                    device=q.device)
+    for j in range(q.shape[-1]):
+        qj = q[:, :, j:j + 1]                                   # [H, G, 1]
+        s = s + torch.maximum(qj * page_min[:, None, :, j], qj * page_max[:, None, :, j])
+    return s
+
+
+def quest_take_pages(scores: torch.Tensor, n: int, page: int, budget: int) -> torch.Tensor:
+    """The Quest pages ``QuestSelector::Select`` takes, as a mask [..., P],
+    from the page bounds [..., P] and the token budget (at most n).
+
+    The C++ walks the pages by descending bound (ties: the lower page) and
+    takes each one that fits the budget (the first always) until the budget
+    is reached. All pages hold ``page`` tokens except the last (r tokens), so
+    the walk has a closed form: with k = budget, F = k // page and ip the
+    last page's position in the order, if ip < max(1, F) the last page is
+    taken with the first ``(k - r) // page`` other pages (none when r >= k);
+    else the first ``max(1, F)`` other pages are taken, and the last page
+    too when F >= 1 and F * page + r <= k.
+    """
+    n_pages = scores.shape[-1]
+    k = min(budget, n)
+    r = n - (n_pages - 1) * page
+    f_ = k // page
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    is_last = order == n_pages - 1
+    ip = is_last.to(torch.int64).argmax(dim=-1, keepdim=True)          # [..., 1]
+    early = ip < max(1, f_)
+    f_early = (k - r) // page if k > r else 0
+    f_late = max(1, f_)
+    last_late = f_ >= 1 and f_ * page + r <= k
+    f = torch.where(early, torch.full_like(ip, f_early), torch.full_like(ip, f_late))
+    rank = torch.cumsum((~is_last).to(torch.int64), dim=-1) - 1       # rank among the others
+    take_last = early | last_late
+    take = (~is_last & (rank < f)) | (is_last & take_last)
+    mask = torch.zeros_like(take)
+    return mask.scatter_(-1, order, take)
+
+
+class TorchQuestSession(_TorchPlanner):
+    """Client-side Quest selection (``QuestSelector``) on a torch device: the
+    page bounds of :func:`quest_page_scores_torch`, the pages of
+    :func:`quest_take_pages`, every token of them. Exact: the same
+    selections as the C++ selector (float32 elementwise ops in its order)."""
+
+    method = "quest"
+
+    def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                 params: Union[SessionParams, Mapping[str, Any], None] = None,
+                 device: Any = "cpu") -> None:
+        super().__init__(ClientSession(artifacts, n_q_heads, params, method="quest"), device)
+        self.bounds = []  # per layer: (page size, min [H, P, d], max [H, P, d])
+        for layer in range(self.n_layers):
+            ixs = self._indexes(layer)
+            if len({ix.page_size for ix in ixs}) != 1:
+                raise ValueError(f"TorchQuestSession: the kv heads of layer {layer} have "
+                                 "different Quest page sizes")
+            mn = torch.as_tensor(np.stack([ix.page_min for ix in ixs]), device=self.device)
+            mx = torch.as_tensor(np.stack([ix.page_max for ix in ixs]), device=self.device)
+            self.bounds.append((ixs[0].page_size, mn, mx))
+
+    def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        page, mn, mx = self.bounds[layer]
         h, g = self.n_kv_heads, self.group_size
-        sg = min(p.subgroup, g)
-        n_sub = (g + sg - 1) // sg
-        head_pages = self.by_page(mask).any(dim=-1)                      # [H, G, n_pages]
-        if n_sub * sg != g:
-            head_pages = torch.nn.functional.pad(head_pages, (0, 0, 0, n_sub * sg - g))
-        tables = head_pages.view(h, n_sub, sg, self.n_pages).any(dim=2)     # [H, S, n_pages]
-        tables[:, :, max(0, self.n_pages - 1 - p.recent_blocks):] = True
-        if p.whole_pages:  # stage 4: every token of the subgroup's pages
-            sub_of = torch.arange(g, device=q.device) // sg
-            tok = tables[:, sub_of].unsqueeze(-1).expand(-1, -1, -1, p.page_size)
-            mask = tok.reshape(h, g, -1)[:, :, :self.n_tokens]
-        return LayerPlan(token_mask=mask, table_pages=tables, pages=tables.any(dim=1),
-                         selected=sel)
+        scores = quest_page_scores_torch(q.view(h, g, self.head_dim), mn, mx)
+        pages = quest_take_pages(scores, self.n_tokens, page,
+                                 self.params.token_budget(self.n_tokens))
+        return _token_mask(pages, page, self.n_tokens), None
+
+
+class TorchOracleSession(_TorchPlanner):
+    """Client-side oracle selection (``OracleSelector``) on a torch device:
+    the top k of q.k over every key (ties: the lower id), logits q.k / sqrt(d)
+    for the page cap's mass ranking.
+
+    keys: the context's stored keys as a tensor [n_layers, n_kv_heads, n, d]
+    (or a mapping ``{(layer, kv_head): [n, d]}``), bf16 or float32; held on
+    the session's device as float32.
+
+    Not bit-exact: q.k is a batched matmul (another summation order than the
+    C++ GEMV), so keys whose scores tie or nearly tie at the budget's edge
+    may be chosen differently; python/tests/test_gpu_selection.py checks it
+    against the server and the numpy core on real contexts.
+    """
+
+    method = "oracle"
+
+    def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                 keys: Any, params: Union[SessionParams, Mapping[str, Any], None] = None,
+                 device: Any = "cpu") -> None:
+        if keys is None:
+            raise ValueError("oracle: needs the context's keys (keys=[n_layers, n_kv_heads, "
+                             "n_tokens, head_dim])")
+        dev = torch.device(device)
+        if isinstance(keys, Mapping):
+            n_layers = 1 + max(l for l, _ in keys)
+            n_kv = 1 + max(h for _, h in keys)
+            keys = torch.stack([torch.stack([torch.as_tensor(keys[(l, h)]) for h in range(n_kv)])
+                                for l in range(n_layers)])
+        keys = torch.as_tensor(keys).to(dev, torch.float32)
+        # The exact session checks the artifacts and every (layer, kv head)'s
+        # key shape; it shares the keys on the CPU only when they are there.
+        super().__init__(ClientSession(artifacts, n_q_heads, params, method="oracle",
+                                       keys=keys.cpu() if dev.type != "cpu" else keys), dev)
+        if tuple(keys.shape) != (self.n_layers, self.n_kv_heads, self.n_tokens, self.head_dim):
+            raise ValueError(f"oracle: keys have shape {list(keys.shape)}, expected "
+                             f"[{self.n_layers}, {self.n_kv_heads}, {self.n_tokens}, "
+                             f"{self.head_dim}]")
+        self.keys = keys
+        rho = self.exact.indexes[(0, 0)].rho
+        self.k = _budget_for(self.params.token_budget(self.n_tokens), rho, self.n_tokens)
+        self.inv = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+
+    def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h, g = self.n_kv_heads, self.group_size
+        scores = torch.einsum("hgd,hnd->hgn", q.view(h, g, self.head_dim), self.keys[layer])
+        return _top_k_mask(scores, self.k), scores * self.inv
+
+
+TORCH_SESSIONS = {"csa": TorchCsaSession, "quest": TorchQuestSession,
+                  "streaming": TorchStreamingSession, "oracle": TorchOracleSession}
+
+
+def torch_session(method: str, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
+                  params: Union[SessionParams, Mapping[str, Any], None] = None,
+                  device: Any = "cpu", keys: Any = None) -> _TorchPlanner:
+    """The torch session of ``method`` (csa, quest, streaming or oracle; keys
+    for oracle only). ValueError for a method without one."""
+    if method not in TORCH_SESSIONS:
+        raise ValueError(f"method '{method}' has no torch session; expected one of "
+                         f"{', '.join(TORCH_SESSIONS)}")
+    if method == "oracle":
+        return TorchOracleSession(artifacts, n_q_heads, keys, params=params, device=device)
+    if keys is not None:
+        raise ValueError(f"keys are for method oracle, not {method}")
+    return TORCH_SESSIONS[method](artifacts, n_q_heads, params=params, device=device)

@@ -84,7 +84,7 @@ from ctxcache.torch.artifacts import (CsaArtifact, CsaOptions, OracleArtifact, Q
 __all__ = [
     "ClientSession", "CsaIndex", "CsaSelection", "CsaSession", "HeadStep", "METHODS",
     "OracleIndex", "PageTable", "QuestIndex", "SessionParams", "StreamingIndex", "make_index",
-    "oracle_scores", "quest_page_scores",
+    "oracle_scores", "quest_page_scores", "quest_take_pages_exact",
     "build_page_tables", "cap_selected_pages", "eigen_gemv", "eigen_squared_norm",
     "expand_to_table_pages", "page_budget", "session_step", "token_budget",
 ]
@@ -446,6 +446,26 @@ def quest_page_scores(q: np.ndarray, page_min: np.ndarray, page_max: np.ndarray)
     return s
 
 
+def quest_take_pages_exact(scores: np.ndarray, n: int, page: int, budget: int) -> List[int]:
+    """The pages ``QuestSelector::Select`` takes for one q head (ascending),
+    from the page bounds [P]: in descending bound order (ties: the lower
+    page, ``std::stable_sort``), each page that fits the budget (at most n)
+    is taken (the first always) until the taken tokens reach it."""
+    k = min(budget, n)
+    order = np.argsort(-scores, kind="stable")
+    pages: List[int] = []
+    taken = 0
+    for p in order.tolist():
+        length = min(page, n - p * page)
+        if pages and taken + length > k:
+            continue
+        pages.append(p)
+        taken += length
+        if taken >= k:
+            break
+    return sorted(pages)
+
+
 class QuestIndex:
     """``index::QuestSelector`` of one (layer, kv head), from its ``QST1``
     artifact. Per q head: every Quest page's upper bound of q.k
@@ -476,19 +496,8 @@ class QuestIndex:
         score = quest_page_scores(q, self.page_min, self.page_max)
         per_head = []
         for h in range(q.shape[0]):
-            order = np.argsort(-score[h], kind="stable")  # descending, ties: lower page
-            pages: List[int] = []
-            taken = 0
-            for p in order.tolist():
-                length = min(b, n - p * b)
-                if pages and taken + length > k:
-                    continue
-                pages.append(p)
-                taken += length
-                if taken >= k:
-                    break
-            pages.sort()
-            ids = [np.arange(p * b, min(n, (p + 1) * b)) for p in pages]
+            ids = [np.arange(p * b, min(n, (p + 1) * b))
+                   for p in quest_take_pages_exact(score[h], n, b, k)]
             per_head.append(np.concatenate(ids).astype(np.int32) if ids
                             else np.zeros(0, np.int32))
         return _selection(per_head, [])

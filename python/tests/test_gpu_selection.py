@@ -127,6 +127,13 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
                                                 params=params, device=dev, keys=tkeys)
     rng = np.random.default_rng(seed)
     compared = 0
+    # Streaming and Quest are exact on every device (no arithmetic, or
+    # float32 elementwise ops in the C++ order); oracle's q.k is a matmul
+    # whose summation order depends on the device and its BLAS: near-ties at
+    # the budget's edge may differ (identical on Debian's torch 1.13 CPU).
+    exact_torch = method != "oracle"
+    identical = {dev: 0 for dev in torch_sessions}
+    worst = {dev: 1.0 for dev in torch_sessions}
     with client.open_session(ctx.context_id, method, params) as s:
         for i in range(n_steps):
             for layer in range(m.n_layers):
@@ -147,17 +154,25 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
                     import torch
 
                     plan = ts.step(layer, torch.from_numpy(q).to(dev))
+                    same = True
                     for qh in range(m.n_q_heads):
                         got = torch.nonzero(plan.token_mask[qh // g, qh % g])[:, 0].cpu()
-                        assert got.tolist() == r.selections[qh].tolist(), \
-                            f"{where} {dev} q head {qh}"
+                        a, b = set(got.tolist()), set(r.selections[qh].tolist())
+                        worst[dev] = min(worst[dev], len(a & b) / max(1, len(a | b)))
+                        same &= got.tolist() == r.selections[qh].tolist()
                     tables = sorted(
                         (h, sgi, torch.nonzero(plan.table_pages[h, sgi])[:, 0].cpu().tolist())
                         for h in range(m.n_kv_heads) for sgi in range(plan.table_pages.shape[1]))
-                    assert tables == want_tables, f"{where} {dev}"
-                    for h, head in enumerate(r.heads):
-                        assert plan.page_ids(h).cpu().tolist() == head.blocks, f"{where} {dev}"
+                    same &= tables == want_tables
+                    same &= all(plan.page_ids(h).cpu().tolist() == head.blocks
+                                for h, head in enumerate(r.heads))
+                    if exact_torch:
+                        assert same, f"{where} {dev}"
+                    identical[dev] += same
                 compared += 1
+    for dev in torch_sessions:
+        assert identical[dev] >= compared - 1 and worst[dev] >= 0.9, \
+            (ctx.name, method, params, dev, identical[dev], compared, worst[dev])
     return compared
 
 
@@ -297,6 +312,19 @@ def test_quest_ties_go_to_the_lower_page(client, demo_contexts) -> None:
                     context_keys(client, ctx)[0, 0])
     sel = o.select(np.zeros((2, ctx.model.head_dim), np.float32), budget=40)
     assert sel.per_head[1].tolist() == list(range(40))  # all scores 0: the lowest ids
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch.gpu_session import torch_session
+
+    keys = torch.as_tensor(context_keys(client, ctx))
+    zq = torch.zeros(ctx.model.n_q_heads, ctx.model.head_dim)
+    for dev in _torch_devices():
+        for method, want in (("quest", list(range(32))), ("oracle", list(range(40)))):
+            ts = torch_session(method, client.fetch_index(ctx.context_id, method),
+                               n_q_heads=ctx.model.n_q_heads, params={"budget": 40},
+                               device=dev, keys=keys.to(dev) if method == "oracle" else None)
+            plan = ts.step(0, zq.to(dev))
+            assert torch.nonzero(plan.token_mask[0, 0])[:, 0].cpu().tolist() == want, (method,
+                                                                                       dev)
 
 
 def test_oracle_select_is_the_exact_top_k(client, demo_contexts) -> None:

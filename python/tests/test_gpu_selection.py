@@ -389,3 +389,82 @@ def test_torch_quest_page_walk_equals_the_loop() -> None:
                 assert torch.nonzero(got[h])[:, 0].tolist() == want, (n, page, k, h)
                 cases += 1
     assert cases > 3000
+
+
+@pytest.mark.parametrize("method", ["streaming", "quest", "oracle"])
+def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthetic,
+                                                  method: str) -> None:
+    # What generate_client(method=..., selection="torch" / "exact") runs per
+    # layer-step: the torch session (hf._planned_step) and the numpy session
+    # (hf._client_step), pages read through a small GpuPagePool, attention over
+    # them plus two decoded tokens; both equal attention over the rows the
+    # server's session selects, taken from the context's full KV.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch import hf
+    from ctxcache.torch.gpu_session import torch_session
+
+    ctx = synthetic
+    m = ctx.model
+    g = m.n_q_heads // m.n_kv_heads
+    keys = hf.fetch_context_keys(client, ctx)
+    assert torch.equal(keys, torch.as_tensor(context_keys(client, ctx)))
+    arts = client.fetch_index(ctx.context_id, method)
+    n_pages = (ctx.n_tokens + B - 1) // B
+    full = {}
+    for layer in range(m.n_layers):
+        pages = client.fetch_pages(ctx.context_id, [(layer, h, list(range(n_pages)))
+                                                    for h in range(m.n_kv_heads)])
+        for h in range(m.n_kv_heads):
+            rows = sorted((p for p in pages if p.kv_head == h), key=lambda p: p.block)
+            full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
+                                torch.as_tensor(np.concatenate([p.v for p in rows])))
+    okeys = keys if method == "oracle" else None
+    decoders = {
+        "exact": hf._Decoder(selector=ClientSession(arts, n_q_heads=m.n_q_heads, method=method,
+                                                    keys=okeys), n_layers=2),
+        "torch": hf._Decoder(planner=torch_session(method, arts, n_q_heads=m.n_q_heads,
+                                                   keys=okeys), n_layers=2)}
+    budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
+    for dec in decoders.values():
+        dec.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    rng = np.random.default_rng(43)
+    with client.open_session(ctx.context_id, method, {}) as s:
+        for step in range(3):
+            for layer in range(m.n_layers):
+                q = torch.as_tensor(_queries(rng, m.n_q_heads, m.head_dim, step))
+                dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+                dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+                r = s.step(layer, q.numpy())
+                want = torch.zeros(m.n_q_heads, m.head_dim)
+                for qh in range(m.n_q_heads):
+                    fk, fv = full[(layer, qh // g)]
+                    ids = torch.as_tensor(np.asarray(r.selections[qh], dtype=np.int64))
+                    k = torch.cat([fk[ids], dk[qh // g]])
+                    v = torch.cat([fv[ids], dv[qh // g]])
+                    w = torch.softmax(k @ q[qh] * 0.125, dim=0)
+                    want[qh] = w @ v
+                for name, dec in decoders.items():
+                    step_fn = hf._client_step if name == "exact" else hf._planned_step
+                    k, v, mask = step_fn(dec, layer, q)
+                    got = hf.attend(q, k, v, mask, dk, dv, 0.125)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                               msg=f"{method} {name}")
+    for dec in decoders.values():
+        # streaming's pages are the same every step: no evictions needed.
+        assert dec.pool.misses > (0 if method == "streaming" else 40) and dec.pool.hits > 0
+        assert dec.bytes_received == dec.pool.bytes_fetched
+
+
+def test_generate_client_rejects_methods_without_a_client_side_session(client,
+                                                                       synthetic) -> None:
+    pytest.importorskip("torch")
+    from ctxcache.torch import hf
+
+    for selection in ("torch", "exact"):
+        with pytest.raises(ValueError, match="method 'tactic' has no client-side selection"):
+            hf.generate_client(client, None, synthetic, 1, 1, selection=selection,
+                               method="tactic")
+    with pytest.raises(ValueError, match="selection 'gpu', expected 'torch' or 'exact'"):
+        hf.generate_client(client, None, synthetic, 1, 1, selection="gpu", method="quest")
+    with pytest.raises(ValueError, match="keys are for method oracle, not quest"):
+        hf.generate_client(client, None, synthetic, 1, 1, method="quest", keys=object())

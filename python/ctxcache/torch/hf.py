@@ -382,8 +382,8 @@ class _Decoder:
                  n_layers: int = 0) -> None:
         self.session = session
         self.dense_kv = dense_kv
-        self.selector = selector  # numpy CsaSession
-        self.planner = planner    # TorchCsaSession
+        self.selector = selector  # numpy ClientSession (any client-side method)
+        self.planner = planner    # a torch session (gpu_session.torch_session)
         self.pool = pool
         self.appender = appender  # a Session: Append per generated token
         self.n_context = n_context
@@ -433,7 +433,7 @@ def _pool_kv(dec: _Decoder, layer: int, pages: torch.Tensor, valid: torch.Tensor
 
 
 def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
-    """Client-side csa selection (ctxcache.torch.selection, the server's
+    """Client-side selection (ctxcache.torch.selection, the server's
     pipeline) and the selected pages from the GPU page pool."""
     b = dec.pool.block
     steps = dec.selector.step(layer, q.float().cpu().numpy(), as_torch=False)
@@ -450,7 +450,7 @@ def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
 
 
 def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
-    """Client-side csa selection as tensor ops on the device
+    """Client-side selection as tensor ops on the device
     (ctxcache.torch.gpu_session) and the selected pages read from the GPU
     page pool; host syncs: the page count and the pool's miss list."""
     plan = dec.planner.step(layer, q)
@@ -541,45 +541,82 @@ def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *
         return _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
 
 
+def fetch_context_keys(client: Any, info: Any, device: Any = "cpu") -> torch.Tensor:
+    """The context's stored keys, ``[n_layers, n_kv_heads, n_tokens, d]``
+    float32 on ``device`` (bf16 widened exactly), read with
+    ``Client.fetch_pages``: what the oracle scores (the whole KV's keys pass
+    through the host once)."""
+    m = info.model
+    n = int(info.n_tokens)
+    b = int(getattr(info, "block_tokens", 0) or 16)
+    n_pages = (n + b - 1) // b
+    out = torch.zeros(int(m.n_layers), int(m.n_kv_heads), n, int(m.head_dim),
+                      dtype=torch.float32)
+    for layer in range(int(m.n_layers)):
+        pages = client.fetch_pages(info.context_id, [(layer, h, list(range(n_pages)))
+                                                     for h in range(int(m.n_kv_heads))])
+        for p in pages:
+            out[layer, p.kv_head, p.block * b:p.block * b + p.n_tokens] = torch.as_tensor(p.k)
+    return out.to(device)
+
+
 def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
                     params: Optional[Dict[str, Any]] = None,
                     forced: Optional[Sequence[int]] = None,
                     pool_bytes: int = 1 << 30, selection: str = "torch",
-                    append: bool = True) -> GenerateResult:
-    """As :func:`generate` with csa, but selecting on the client and reading
-    pages from a :class:`GpuPagePool` that fetches only pages it does not
-    hold: no round trip per layer-step once the pool is warm.
+                    append: bool = True, method: str = "csa",
+                    keys: Optional[torch.Tensor] = None) -> GenerateResult:
+    """As :func:`generate`, but selecting on the client and reading pages
+    from a :class:`GpuPagePool` that fetches only pages it does not hold: no
+    round trip per layer-step once the pool is warm.
 
+    method: ``csa``, ``quest``, ``streaming`` or ``oracle`` (the methods with
+    a client-side selection; ValueError for another), selected from the
+    artifacts FetchIndex returns for it. ``oracle`` scores every stored key:
+    ``keys`` ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
+    :func:`fetch_context_keys`, so the keys are resident on the device).
     selection: ``"torch"`` runs the session core as tensor ops on the
-    model's device (``ctxcache.torch.gpu_session.TorchCsaSession``; float
-    sums in another order than the server's, so a near-tie may resolve
-    differently); ``"exact"`` runs the numpy copy of the C++ core
-    (``ctxcache.torch.selection.CsaSession``: the server's selections
+    model's device (``ctxcache.torch.gpu_session.torch_session``; csa's and
+    oracle's float sums run in another order than the server's, so a
+    near-tie may resolve differently; quest and streaming are exact);
+    ``"exact"`` runs the numpy copy of the C++ core
+    (``ctxcache.torch.selection.ClientSession``: the server's selections
     exactly, on the CPU). Both select over the stored context.
-    append: the generated tokens go to a server session (csa) with Append,
-    one round trip per token, as a worker that shares its tokens does.
+    append: the generated tokens go to a server session of ``method`` with
+    Append, one round trip per token, as a worker that shares its tokens does.
     The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (index
     fetch + session set-up + the first step)."""
+    from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
+    from ctxcache.torch.selection import METHODS, ClientSession
+
+    if selection not in ("torch", "exact"):
+        raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
+    known = TORCH_SESSIONS if selection == "torch" else METHODS
+    if method not in known:
+        raise ValueError(f"method '{method}' has no client-side selection "
+                         f"(selection='{selection}'); expected one of {', '.join(known)}")
+    if keys is not None and method != "oracle":
+        raise ValueError(f"keys are for method oracle, not {method}")
     dev = next(model.parameters()).device
     t0 = time.perf_counter()
-    arts = client.fetch_index(info.context_id, "csa")
+    arts = client.fetch_index(info.context_id, method)
     n_q = int(info.model.n_q_heads)
     n_layers = int(info.model.n_layers)
+    if method == "oracle" and keys is None:
+        keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
     if selection == "torch":
-        from ctxcache.torch.gpu_session import TorchCsaSession
-        dec = _Decoder(planner=TorchCsaSession(arts, n_q_heads=n_q, params=params or {},
-                                               device=dev), n_layers=n_layers)
-    elif selection == "exact":
-        from ctxcache.torch.selection import CsaSession
-        dec = _Decoder(selector=CsaSession(arts, n_q_heads=n_q, params=params or {}),
-                       n_layers=n_layers)
+        dec = _Decoder(planner=torch_session(method, arts, n_q_heads=n_q, params=params or {},
+                                             device=dev, keys=keys), n_layers=n_layers)
     else:
-        raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
+        dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
+                                              method=method,
+                                              keys=None if keys is None else keys.cpu()),
+                       n_layers=n_layers)
     dec.n_context = int(info.n_tokens)
     pool = GpuPagePool(client, info, dev, pool_bytes)
     dec.pool = pool
     setup_s = time.perf_counter() - t0
-    session = client.open_session(info.context_id, method="csa", params=params or {}) \
+    session = client.open_session(info.context_id, method=method, params=params or {}) \
         if append else None
     try:
         dec.appender = session

@@ -1,31 +1,48 @@
-"""The csa session core in torch: a whole layer's selection, page cap and
-page tables as tensor ops on the queries' device (the GPU in a decode worker).
+"""The session core in torch: a whole layer's selection, page cap and page
+tables as tensor ops on the queries' device (the GPU in a decode worker), for
+csa, quest, streaming and oracle.
 
 :mod:`ctxcache.torch.selection` is the exact reference: numpy, following the
 compiled C++ core operation for operation, one (layer, kv head) at a time.
 This module runs the same four stages (docs/architecture.md, "Decode path:
 one session core") for every kv head of a layer at once, with the selection
-of each q head held as a dense token mask:
+of each q head held as a dense token mask. :func:`torch_session` makes the
+session of a method; all of them share stages 2-4 and return a
+:class:`LayerPlan` from ``step(layer, queries)``.
 
-1. select (``CsaSelector::Select``): per q head and subspace the nearest
-   centroid, or the top ``tau`` by similarity (ties: lower index) when the
-   best cosine is below ``backoff_cos``; ``w * score + bias`` of every entry
-   of the chosen lists scatter-added into a float32 accumulator per q head;
-   the sinks and the recent window forced in; the top of the rest up to the
-   token budget, ties to the lower id.
+1. select, per method:
+
+   * csa (:class:`TorchCsaSession`, ``CsaSelector::Select``): per q head and
+     subspace the nearest centroid, or the top ``tau`` by similarity (ties:
+     lower index) when the best cosine is below ``backoff_cos``; ``w * score +
+     bias`` of every entry of the chosen lists scatter-added into a float32
+     accumulator per q head; the sinks and the recent window forced in; the
+     top of the rest up to the token budget, ties to the lower id.
+   * quest (:class:`TorchQuestSession`): the page bounds summed over d in the
+     C++ order (d elementwise steps), the page walk in closed form
+     (:func:`quest_take_pages`). No logits.
+   * streaming (:class:`TorchStreamingSession`): a fixed mask per layer.
+     No logits.
+   * oracle (:class:`TorchOracleSession`): q.k against the context's keys,
+     which the caller passes as a tensor (they stay on the device), top k with
+     ties to the lower id; logits q.k / sqrt(d).
 2. page cap (``CapSelectedPages``): pages ranked by estimated softmax mass
-   (float64; by selected-token count when a search period reused the last
-   selection), ties to the later page; page 0 and the last ``recent_blocks +
-   1`` pages always kept.
+   (float64; by selected-token count without logits: quest, streaming, or a
+   csa step that reused the last selection), ties to the later page; page 0
+   and the last ``recent_blocks + 1`` pages always kept.
 3. block-union page tables per subgroup of q heads (``BuildPageTables``).
 4. whole-page widening (``ExpandToTablePages``).
 
-Not bit-exact: the float32 sums run in another order than the C++ loops
-(scatter-add, fused or unfused multiply-add, the device's exp), so a token
-whose accumulated score ties or nearly ties the budget's boundary may be
-chosen differently. python/tests/test_gpu_session.py bounds the difference
-against the numpy reference on real artifacts. Like the numpy reference, it
-covers the stored context only (a session that has appended no tokens).
+Exactness. Streaming and quest give the C++ selections bit for bit on any
+device (no arithmetic, or float32 elementwise ops in the C++ order). csa and
+oracle are not bit-exact: their float32 sums run in another order than the
+C++ loops (scatter-add, matmul, fused or unfused multiply-add, the device's
+exp; TF32 matmuls, if enabled, change oracle's scores further), so a token
+whose score ties or nearly ties the budget's boundary may be chosen
+differently. python/tests/test_selection.py (csa) and test_gpu_selection.py
+(quest, streaming, oracle) check them against the numpy reference and a real
+server on real artifacts. Like the numpy reference, this covers the stored
+context only (a session that has appended no tokens).
 """
 from __future__ import annotations
 

@@ -1,12 +1,28 @@
-"""Client-side csa page selection: a Python copy of the C++ sparse-session core.
+"""Client-side page selection: a Python copy of the C++ sparse-session core
+for csa, quest, streaming and oracle.
 
-A GPU worker can select its pages itself from the csa index artifacts
+A GPU worker can select its pages itself from the index artifacts
 (:meth:`ctxcache.Client.fetch_index`), with the same result as a server-side
-session (:meth:`ctxcache.Client.open_session`), token for token and page for
-page. One layer-step of one kv head (``session::SparseSession::PlanHeadWith``,
-docs/architecture.md, "Decode path: one session core"):
+session (:meth:`ctxcache.Client.open_session`) of the same method, token for
+token and page for page. One layer-step of one kv head
+(``session::SparseSession::PlanHeadWith``, docs/architecture.md, "Decode
+path: one session core"):
 
-1. select: :meth:`CsaIndex.select` = ``index::CsaSelector::Select``: per q
+1. select, by the method's index (:func:`make_index`):
+
+   * :class:`StreamingIndex` = ``StreamingSelector::Select``: the first
+     ``min(sink, k)`` tokens and the last ``k - that`` (k = the token budget,
+     at most n). No logits.
+   * :class:`QuestIndex` = ``QuestSelector::Select``: per q head, each Quest
+     page's bound ``sum_j max(q_j min_j, q_j max_j)`` (float32, in order);
+     pages by descending bound (ties: the lower page) taken while they fit
+     the budget (the first always), every token of them. No logits.
+   * :class:`OracleIndex` = ``OracleSelector::Select``: the top k of q.k
+     over the context's keys (which the caller supplies: the ``ORCL``
+     artifact holds no keys), ties to the lower id, computed like a server
+     session (Eigen's GEMV order over chunks of 4096 keys); logits
+     ``q.k / sqrt(d)`` in float32.
+   * :class:`CsaIndex` = ``index::CsaSelector::Select``: per q
    head and subspace the nearest centroid (cosine), or the top ``tau`` ones
    when the best cosine is below ``backoff_cos``; the lists of those centroids
    add ``w * score`` to each listed token (``w = ||q^b||`` with
@@ -24,11 +40,16 @@ docs/architecture.md, "Decode path: one session core"):
    pages (``index::ExpandToTablePages``).
 
 :func:`session_step` runs the four stages (``SessionParams::PageStep`` after
-the selection) for one kv head; :class:`CsaSession` holds every (layer, kv
-head) of a context and plans a whole layer like ``Session.step`` does.
+the selection) for one kv head; :class:`ClientSession` holds every (layer, kv
+head) of a context for one method and plans a whole layer like
+``Session.step`` does (:class:`CsaSession` is its csa form). The page cap
+ranks pages by estimated mass where the selector gives logits (csa, oracle),
+else by selected-token count (quest, streaming, and csa steps that reuse a
+search).
 
 Limitation: the session must have appended no tokens. The C++ selectors
-insert every appended key into their lists (``CsaSelector::Append``) and the
+add every appended key (``CsaSelector::Append`` inserts it into its lists,
+Quest widens its last page's bounds, streaming's window moves) and the
 session pages then reach into the appended K/V; this module covers the stored
 context only (``n_tokens`` = the artifact's), i.e. the steps a session runs
 before its first ``append``.
@@ -54,10 +75,17 @@ operation:
   codebook entries, version 1's values dequantized with the loader's fused
   multiply-add (:mod:`ctxcache.torch.artifacts`).
 
-Checked by python/tests/test_selection.py: identical selections and page
-tables against a real ctxcached, and bit-identical logit estimates, selections
-and page tables against the build's compiled core (a small harness linked to
-its ``libctxcache_index.a``). Not covered by that check: a context with C = 1
+Quest's bounds and oracle's dot products are float32 too: Quest's sum runs
+in the compiled loop's order (each product, max and sum rounded; GCC neither
+reassociates nor fuses it), oracle's in Eigen's GEMV order
+(:func:`eigen_gemv`, per chunk of :data:`ORACLE_KEY_CHUNK` keys as
+``ScoreAllKeys`` gathers them).
+
+Checked by python/tests/test_selection.py (csa) and test_gpu_selection.py
+(quest, streaming, oracle): identical selections and page tables against a
+real ctxcached, and (csa) bit-identical logit estimates, selections and page
+tables against the build's compiled core (a small harness linked to its
+``libctxcache_index.a``). Not covered by that check: a context with C = 1
 centroid and ``weights=proj`` (Eigen inlines that 1-row product as a dot
 product; emulated like the norm's reduction), and a build with other flags
 (``CTXCACHE_NATIVE`` selects other packet sizes; another compiler or Eigen

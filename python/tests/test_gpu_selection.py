@@ -36,6 +36,9 @@ PARAMS = [
     {"rho": 0.03, "subgroup": 1, "recent_blocks": 2},
     {"rho": 0.2, "page_fraction": 0.1, "whole_pages": 0, "subgroup": 3},
 ]
+# (document, tokens, Quest page): partial last pages (601, 777 tokens), a
+# Quest page that is not the store's (12), and whole pages only (640).
+DEMO_SPECS = [("document.txt", 601, 16), ("vim_help.txt", 777, 12), ("r_admin.txt", 640, 16)]
 PARAM_IDS = [",".join(f"{k}={v}" for k, v in p.items()) or "defaults" for p in PARAMS]
 
 
@@ -49,10 +52,10 @@ def _demo_tokens(name: str, n: int) -> List[int]:
 @pytest.fixture(scope="module")
 def demo_contexts(client: ctxcache.Client) -> List[ctxcache.pb.ContextInfo]:
     out = []
-    for name, n, page in (("document.txt", 601, 16), ("vim_help.txt", 777, 12)):
+    for name, n, page in DEMO_SPECS:
         info = client.build(tokens=_demo_tokens(name, n), name=f"gpusel-{name}",
                             indexes=[("quest", {"page": str(page)})]).context
-        assert info.n_tokens % B != 0 and info.n_tokens > 300, info.n_tokens
+        assert info.n_tokens == n
         out.append(info)
     return out
 
@@ -188,7 +191,7 @@ def _torch_devices() -> List[str]:
 
 
 def test_parse_quest_streaming_oracle_artifacts(client, demo_contexts) -> None:
-    for ctx, page in zip(demo_contexts, (16, 12)):
+    for ctx, (_, _, page) in zip(demo_contexts, DEMO_SPECS):
         n, d = ctx.n_tokens, ctx.model.head_dim
         arts = client.fetch_index(ctx.context_id, "quest")
         assert sorted(arts) == [(0, 0), (0, 1), (1, 0), (1, 1)]

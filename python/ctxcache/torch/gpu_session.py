@@ -161,7 +161,7 @@ class _TorchPlanner:
         pad = self.n_pages * b - x.shape[-1]
         if pad:
             x = torch.nn.functional.pad(x, (0, pad))
-        return x.view(*x.shape[:-1], self.n_pages, b)
+        return x.reshape(*x.shape[:-1], self.n_pages, b)
 
     def _cap(self, sel: torch.Tensor, logits: Optional[torch.Tensor]) -> torch.Tensor:
         p = self.params
@@ -340,7 +340,7 @@ class TorchStreamingSession(_TorchPlanner):
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         m = self.masks[layer]
-        return m.unsqueeze(1).expand(-1, self.group_size, -1), None
+        return m.unsqueeze(1).expand(-1, self.group_size, -1).contiguous(), None
 
 
 def quest_page_scores_torch(q: torch.Tensor, page_min: torch.Tensor,

@@ -471,3 +471,44 @@ def test_generate_client_rejects_methods_without_a_client_side_session(client,
         hf.generate_client(client, None, synthetic, 1, 1, selection="gpu", method="quest")
     with pytest.raises(ValueError, match="keys are for method oracle, not quest"):
         hf.generate_client(client, None, synthetic, 1, 1, method="quest", keys=object())
+
+
+def test_oracle_over_more_than_one_key_chunk_matches_server(client) -> None:
+    # 4097 keys: a server session scores them in chunks of 4096
+    # (ScoreAllKeys over the page fetcher), the last chunk a single key,
+    # which Eigen computes as a dot product (another order than its GEMV).
+    n, n_q, n_kv, d = 4097, 4, 2, 128
+    rng = np.random.default_rng(23)
+    layers = []
+    for _ in range(1):
+        k = rng.standard_normal((n_kv, n, d)).astype(np.float32)
+        k[:, n - 2:] = 4 * k[:, :1]  # keys 4095 and 4096: equal, the largest for q ~ k[0]
+        v = rng.standard_normal((n_kv, n, d)).astype(np.float32)
+        q = rng.standard_normal((n_q, n, d)).astype(np.float32)
+        layers.append((k, v, q))
+    spec = {"name": "gpusel-chunks", "n_layers": 1, "n_q_heads": n_q, "n_kv_heads": n_kv,
+            "head_dim": d, "rope": {"theta": 10000.0}, "kv_dtype": "bf16",
+            "fingerprint": b"ctxcache-pytest-gpusel-chunks"}
+    ctx = client.ingest(spec, list(range(3, 3 + n)), layers, indexes=[("quest", {})],
+                        name="gpusel-chunks")
+    keys = context_keys(client, ctx)
+    assert np.array_equal(keys[0, :, n - 1], keys[0, :, n - 2])
+    for params in ({"budget": 50}, {"rho": 0.02}):
+        assert _compare_with_server(client, ctx, "oracle", params, n_steps=3, seed=61,
+                                    keys=keys, devices=_torch_devices()) == 3
+    # Budget 1 picks key 4095 or 4096, whichever q.k rounds higher (4095 on
+    # a tie): the two equal keys are scored in different chunks, in
+    # different orders, so only the server's chunking reproduces the choice.
+    mine = _session(client, ctx, "oracle", {"budget": 1}, keys)
+    picks = set()
+    with client.open_session(ctx.context_id, "oracle", {"budget": 1}) as s:
+        for i in range(12):
+            q = (keys[0, np.arange(n_q) // 2, 0] +
+                 0.3 * rng.standard_normal((n_q, d))).astype(np.float32)
+            r = s.step(0, q)
+            steps = mine.step(0, q)
+            for qh in range(n_q):
+                want = r.selections[qh].tolist()
+                assert steps[qh // 2].per_q_head[qh % 2].tolist() == want, (i, qh)
+                picks.add(want[0])
+    assert picks == {n - 2, n - 1}, picks  # both happen: the order matters

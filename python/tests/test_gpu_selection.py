@@ -125,7 +125,8 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
 
         arts = client.fetch_index(ctx.context_id, method)
         for dev in devices:
-            tkeys = None if keys is None else torch.as_tensor(keys, device=dev)
+            # bf16 keys (as stored; exact) stay bf16 on the device.
+            tkeys = None if keys is None else torch.as_tensor(keys).to(dev, torch.bfloat16)
             torch_sessions[dev] = torch_session(method, arts, n_q_heads=m.n_q_heads,
                                                 params=params, device=dev, keys=tkeys)
     rng = np.random.default_rng(seed)

@@ -426,8 +426,9 @@ class TorchOracleSession(_TorchPlanner):
     for the page cap's mass ranking.
 
     keys: the context's stored keys as a tensor [n_layers, n_kv_heads, n, d]
-    (or a mapping ``{(layer, kv_head): [n, d]}``), bf16 or float32; held on
-    the session's device as float32.
+    (or a mapping ``{(layer, kv_head): [n, d]}``); held on the session's
+    device in their dtype (bf16 and fp16 are exact in float32; others become
+    float32), one layer widened to float32 per step.
 
     Not bit-exact: q.k is a batched matmul (another summation order than the
     C++ GEMV), so keys whose scores tie or nearly tie at the budget's edge
@@ -449,7 +450,10 @@ class TorchOracleSession(_TorchPlanner):
             n_kv = 1 + max(h for _, h in keys)
             keys = torch.stack([torch.stack([torch.as_tensor(keys[(l, h)]) for h in range(n_kv)])
                                 for l in range(n_layers)])
-        keys = torch.as_tensor(keys).to(dev, torch.float32)
+        keys = torch.as_tensor(keys)
+        if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            keys = keys.float()
+        keys = keys.to(dev)  # bf16/fp16 stay so (exact in float32): half the memory
         # The exact session checks the artifacts and every (layer, kv head)'s
         # key shape; it shares the keys on the CPU only when they are there.
         super().__init__(ClientSession(artifacts, n_q_heads, params, method="oracle",
@@ -465,7 +469,8 @@ class TorchOracleSession(_TorchPlanner):
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         h, g = self.n_kv_heads, self.group_size
-        scores = torch.einsum("hgd,hnd->hgn", q.view(h, g, self.head_dim), self.keys[layer])
+        scores = torch.einsum("hgd,hnd->hgn", q.view(h, g, self.head_dim),
+                              self.keys[layer].float())
         return _top_k_mask(scores, self.k), scores * self.inv
 
 

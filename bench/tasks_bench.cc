@@ -47,6 +47,7 @@
 #include "client/worker/decode_worker.h"
 #include "ctxcache/client.h"
 #include "index/methods.h"
+#include "index/selector.h"
 #include "model/model.h"
 
 namespace ctxcache::bench {
@@ -265,35 +266,23 @@ Status ScoreTask(const model::Model& model, client::Client* client,
 
 // The (method, budget) configurations of --methods and --budgets (full
 // once), and the indexes a build must add for them (methods not always built).
-// "k=v,k=v" -> map; InvalidArgument naming `flag` on a malformed pair.
-StatusOr<std::map<std::string, std::string>> ParseKeyValues(const std::string& flag,
-                                                             const std::string& arg) {
-  std::map<std::string, std::string> out;
-  for (const auto& kv : SplitList(arg)) {
-    const size_t eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0 || eq + 1 == kv.size()) {
-      return InvalidArgumentError(flag + ": expected k=v[,k=v...], got '" + kv + "'");
-    }
-    out[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return out;
-}
-
 Status ParseConfigs(const std::string& methods_arg, const std::string& budgets_arg,
                     const std::string& session_params_arg,
                     const std::vector<std::string>& index_params_args,
                     std::vector<Config>* configs, std::vector<double>* budgets,
                     v1::BuildContextRequest* build_req) {
-  ASSIGN_OR_RETURN(auto extra, ParseKeyValues("--session-params", session_params_arg));
-  std::map<std::string, std::map<std::string, std::string>> index_params;
+  auto extra = index::ParseParams(session_params_arg);
+  if (!extra.ok()) return extra.status().WithContext("--session-params");
+  std::map<std::string, index::MethodParams> index_params;
   for (const auto& a : index_params_args) {
     const size_t colon = a.find(':');
     if (colon == std::string::npos || colon == 0) {
       return InvalidArgumentError("--index-params: expected METHOD:k=v[,k=v...], got '" + a +
                                   "'");
     }
-    ASSIGN_OR_RETURN(index_params[a.substr(0, colon)],
-                     ParseKeyValues("--index-params", a.substr(colon + 1)));
+    auto p = index::ParseParams(std::string_view(a).substr(colon + 1));
+    if (!p.ok()) return p.status().WithContext("--index-params");
+    index_params[a.substr(0, colon)] = *std::move(p);
   }
   for (const auto& b : SplitList(budgets_arg)) {
     char* end = nullptr;
@@ -320,7 +309,7 @@ Status ParseConfigs(const std::string& methods_arg, const std::string& budgets_a
         index_params.erase(ip);
       }
     }
-    for (double b : *budgets) configs->push_back({m, b, extra});
+    for (double b : *budgets) configs->push_back({m, b, *extra});
   }
   if (!index_params.empty()) {
     return InvalidArgumentError("--index-params: method '" + index_params.begin()->first +

@@ -183,6 +183,34 @@ def client(server: Server) -> Iterator[ctxcache.Client]:
         yield c
 
 
+def session_queries(rng: np.random.Generator, n_q: int, d: int, i: int) -> np.ndarray:
+    """Step i's [n_q, d] float32 queries for selection cross-checks: random
+    scale; every third step half the sub-queries zero (skipped), every third
+    fp16-rounded (coarse values: many exactly tied sums)."""
+    q = rng.standard_normal((n_q, d)) * 10.0 ** rng.uniform(-1.5, 1.5)
+    if i % 3 == 1:
+        q[:, : d // 2] = 0
+    if i % 3 == 2:
+        q = q.astype(np.float16)
+    return q.astype(np.float32)
+
+
+def assert_steps_match_server(steps, r, group: int, where: str) -> list:
+    """A client-side layer-step (one HeadStep per kv head) equals the server
+    session's step r: per-q-head tokens, page tables and fetched pages.
+    Returns the server's sorted page tables."""
+    for qh in range(len(r.selections)):
+        got = steps[qh // group].per_q_head[qh % group]
+        assert got.tolist() == r.selections[qh].tolist(), f"{where} q head {qh}"
+    want_tables = sorted(r.page_tables)
+    got_tables = sorted((h, t.subgroup, t.pages.tolist())
+                        for h, st in enumerate(steps) for t in st.tables)
+    assert got_tables == want_tables, where
+    for h, head in enumerate(r.heads):
+        assert steps[h].pages.tolist() == head.blocks, f"{where} kv head {h}"
+    return want_tables
+
+
 def random_tokens(n: int, seed: int, vocab: int = 512) -> List[int]:
     """Like tests/service/service_test.cc: random ids with repetitive structure."""
     rng = np.random.default_rng(seed)

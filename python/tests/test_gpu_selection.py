@@ -23,7 +23,7 @@ from ctxcache.torch.artifacts import (parse_oracle_artifact, parse_quest_artifac
                                       parse_streaming_artifact)
 from ctxcache.torch.selection import (ClientSession, OracleIndex, QuestIndex, SessionParams,
                                       StreamingIndex, quest_page_scores, session_step)
-from conftest import REPO
+from conftest import REPO, assert_steps_match_server, session_queries
 
 B = 16
 DEMO = REPO + "/tests/data/demo/"
@@ -95,15 +95,6 @@ def context_keys(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo) -> np.nd
     return out
 
 
-def _queries(rng: np.random.Generator, n_q: int, d: int, i: int) -> np.ndarray:
-    q = rng.standard_normal((n_q, d)) * 10.0 ** rng.uniform(-1.5, 1.5)
-    if i % 3 == 1:
-        q[:, : d // 2] = 0
-    if i % 3 == 2:
-        q = q.astype(np.float16)  # coarse values: tied scores
-    return q.astype(np.float32)
-
-
 def _session(client, ctx, method: str, params: dict, keys=None) -> ClientSession:
     arts = client.fetch_index(ctx.context_id, method)
     return ClientSession(arts, n_q_heads=ctx.model.n_q_heads, params=params, method=method,
@@ -141,19 +132,11 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
     with client.open_session(ctx.context_id, method, params) as s:
         for i in range(n_steps):
             for layer in range(m.n_layers):
-                q = _queries(rng, m.n_q_heads, m.head_dim, i)
+                q = session_queries(rng, m.n_q_heads, m.head_dim, i)
                 r = s.step(layer, q)
                 steps = mine.step(layer, q)
                 where = f"{ctx.name} {method} {params} step {i} layer {layer}"
-                for qh in range(m.n_q_heads):
-                    got = steps[qh // g].per_q_head[qh % g]
-                    assert got.tolist() == r.selections[qh].tolist(), f"{where} q head {qh}"
-                want_tables = sorted(r.page_tables)
-                got_tables = sorted((h, t.subgroup, t.pages.tolist())
-                                    for h, st in enumerate(steps) for t in st.tables)
-                assert got_tables == want_tables, where
-                for h, head in enumerate(r.heads):
-                    assert steps[h].pages.tolist() == head.blocks, f"{where} kv head {h}"
+                want_tables = assert_steps_match_server(steps, r, g, where)
                 for dev, ts in torch_sessions.items():
                     import torch
 
@@ -435,7 +418,7 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
     with client.open_session(ctx.context_id, method, {}) as s:
         for step in range(3):
             for layer in range(m.n_layers):
-                q = torch.as_tensor(_queries(rng, m.n_q_heads, m.head_dim, step))
+                q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
                 dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
                 dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
                 r = s.step(layer, q.numpy())

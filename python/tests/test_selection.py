@@ -30,7 +30,7 @@ import ctxcache
 from ctxcache.torch.artifacts import CSA_HEADER_BYTES, fma_f32, parse_csa_artifact
 from ctxcache.torch.selection import (CsaIndex, CsaSession, SessionParams, eigen_gemv,
                                       eigen_squared_norm, session_step)
-from conftest import REPO, random_tokens
+from conftest import REPO, assert_steps_match_server, random_tokens, session_queries
 
 B = 16
 SYN_LAYERS, SYN_NQ, SYN_NKV, SYN_D, SYN_T = 2, 16, 2, 128, 1100
@@ -279,15 +279,6 @@ PARAMS = [
 ]
 
 
-def _queries(rng: np.random.Generator, n_q: int, d: int, i: int) -> np.ndarray:
-    q = rng.standard_normal((n_q, d)) * 10.0 ** rng.uniform(-1.5, 1.5)
-    if i % 3 == 1:
-        q[:, : d // 2] = 0  # zero sub-queries are skipped
-    if i % 3 == 2:
-        q = q.astype(np.float16)  # coarse values: many exactly tied list sums
-    return q.astype(np.float32)
-
-
 def _compare_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo, params: dict,
                      n_steps: int, seed: int) -> int:
     """Runs n_steps steps of every layer through a server session and through
@@ -304,19 +295,10 @@ def _compare_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo, para
     with client.open_session(ctx.context_id, "csa", params) as s:
         for i in range(n_steps):
             for layer in range(m.n_layers):
-                q = _queries(rng, m.n_q_heads, m.head_dim, i)
+                q = session_queries(rng, m.n_q_heads, m.head_dim, i)
                 r = s.step(layer, q)
                 steps = mine.step(layer, q)
-                where = f"{params} step {i} layer {layer}"
-                for qh in range(m.n_q_heads):
-                    got = steps[qh // g].per_q_head[qh % g]
-                    assert got.tolist() == r.selections[qh].tolist(), f"{where} q head {qh}"
-                want_tables = sorted(r.page_tables)
-                got_tables = sorted((h, t.subgroup, t.pages.tolist())
-                                    for h, st in enumerate(steps) for t in st.tables)
-                assert got_tables == want_tables, where
-                for h, head in enumerate(r.heads):
-                    assert steps[h].pages.tolist() == head.blocks, f"{where} kv head {h}"
+                assert_steps_match_server(steps, r, g, f"{params} step {i} layer {layer}")
                 compared += 1
     return compared
 
@@ -358,7 +340,7 @@ def _compare_torch_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo
     worst = 1.0
     for i in range(n_steps):
         for layer in range(m.n_layers):
-            q = _queries(rng, m.n_q_heads, m.head_dim, i)
+            q = session_queries(rng, m.n_q_heads, m.head_dim, i)
             want = exact.step(layer, q, as_torch=False)
             plan = mine.step(layer, torch.from_numpy(q).to(device))
             for h, st in enumerate(want):
@@ -394,7 +376,7 @@ def test_torch_session_core_agrees_with_the_exact_core(client: ctxcache.Client, 
                                                        params: dict, device: str) -> None:
     # Backoff, missing=min, period 2 (llama_compact); G = 8 with two
     # subgroups (synthetic); zero sub-queries and fp16-coarse queries with
-    # many tied sums (_queries). Ties at the budget's edge may resolve
+    # many tied sums (session_queries). Ties at the budget's edge may resolve
     # differently (float sums in another order), nothing else.
     for ctx, seed in ((llama_plain, 31), (llama_compact, 32), (synthetic["plain"], 33),
                       (synthetic["compact"], 34)):
@@ -439,7 +421,7 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
     reference = CsaSession(arts, n_q_heads=m.n_q_heads)
     for step in range(3):
         for layer in range(m.n_layers):
-            q = torch.as_tensor(_queries(rng, m.n_q_heads, m.head_dim, step))
+            q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
             dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
             dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
             want = torch.zeros(m.n_q_heads, m.head_dim)
@@ -597,7 +579,7 @@ def test_select_and_page_step_bit_exact_against_the_core(core_harness: str, clie
         g = ctx.model.n_q_heads // ctx.model.n_kv_heads
         for (layer, kv), raw in sorted(client.fetch_index(ctx.context_id, "csa").items()):
             for params in PARAMS:
-                queries = [_queries(rng, g, ctx.model.head_dim, i) for i in range(8)]
+                queries = [session_queries(rng, g, ctx.model.head_dim, i) for i in range(8)]
                 want = _run_core(core_harness, raw, queries, params, tmp_path)
                 index = CsaIndex(raw)  # one selector per run, like the harness
                 assert len(want) == len(queries)

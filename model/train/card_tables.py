@@ -9,6 +9,10 @@ import json
 import sys
 
 
+def length_label(n):
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def frac(c):
     return f"{c[0]}/{c[1]} ({c[0] / c[1]:.0%})" if c[1] else "-"
 
@@ -18,7 +22,7 @@ def main():
     print("| context | windows | perplexity | last 512 positions | unigram, same tokens |")
     print("| --- | --- | --- | --- | --- |")
     for n, p in sorted(e["perplexity"].items(), key=lambda kv: int(kv[0])):
-        print(f"| {int(n) // 1024}K | {p['windows']} | {p['ppl']:.2f} | {p['ppl_last512']:.2f} | "
+        print(f"| {length_label(int(n))} | {p['windows']} | {p['ppl']:.2f} | {p['ppl_last512']:.2f} | "
               f"{p['unigram_ppl_same_tokens']:.1f} |")
     print()
     s = e["attention_sinks"]
@@ -31,7 +35,7 @@ def main():
     by = e["tasks"]["by"]
     fams = sorted({k.split(":")[1] for k in by if k.startswith("family:") and "/" not in k})
     lens = sorted({int(k.split(":")[1]) for k in by if k.startswith("length:")})
-    print("| family | " + " | ".join(f"{n // 1024}K" for n in lens) + " | all |")
+    print("| family | " + " | ".join(length_label(n) for n in lens) + " | all |")
     print("| --- |" + " --- |" * (len(lens) + 1))
     for f in fams:
         cells = [frac(by.get(f"family:{f}/length:{n}", [0, 0])) for n in lens]

@@ -35,6 +35,11 @@ test -f "$work/run/DONE"
 $T eval --device cpu --data "$work/data" --model "$work/run/final" --run "$work/run" \
   --out "$work/eval" --ppl-lengths 256,512 --eval-tokens 2048 --sink-len 256 --tok "$tok" \
   --task-limit 4
+# The model card's tables from that eval.json (model/train/card_tables.py).
+"$py" "$root/model/train/card_tables.py" "$work/eval/eval.json" > "$work/card.md"
+grep -q '^| 256 | ' "$work/card.md"   # perplexity at the eval's lengths
+grep -q '^| 1 | ' "$work/card.md"     # attention sinks of layer 1 (2 layers)
+grep -q '^| all | ' "$work/card.md"   # task accuracy by length
 # Continued training (--init-from, v2 run 3): a fresh run from the saved
 # final weights starts at the trained model's loss, not at a random init's.
 $T train $M --data "$work/data" --run "$work/tune" --steps 2 --phases 1024:4 --phase-frac 1 \

@@ -121,6 +121,7 @@ class Case:
         self.paged = None
         self.lists32 = {}
         self.exact_select = True
+        self.select_algo = "search"  # kernels.select_top_pages algo
         self.sel_buf = None
         self.fbins = torch.zeros(rows * self.p, device=device, dtype=torch.float32)
 
@@ -166,7 +167,8 @@ class Case:
         kernels.csa_score_pages(self.q.view(rows, self.g, self.d), self.cent,
                                 self.lists32[lists.data_ptr()], scores, self.fbins)
         kernels.select_top_pages(self.fbins.view(rows, self.p), self.kp, n_recent=2, reset=True,
-                                 out=self.sel_buf, exact=self.exact_select)
+                                 out=self.sel_buf, exact=self.exact_select,
+                                 algo=self.select_algo)
         self.sel = self.sel_buf.view(-1)
         return self.sel
 
@@ -247,6 +249,40 @@ def self_check(device):
     return checks
 
 
+def select_sweep(iters):
+    """Top-k alone (kernels.select_top_pages), both algorithms, exact and bf16
+    ranking, by rows (batch * kv heads) and pages per row: µs per call."""
+    out = []
+    for rows in (8, 64):
+        for p in (2048, 8192, 16384):
+            k = int(math.ceil(0.05 * p)) + 3
+            g = torch.Generator(device="cuda").manual_seed(rows + p)
+            scores = torch.randn(rows, p, device="cuda", generator=g)
+            sel = torch.empty(rows, k, dtype=torch.int64, device="cuda")
+            row = {"rows": rows, "pages": p, "k": k}
+            want = None
+            for algo in ("search", "radix"):
+                for exact in (True, False):
+                    kernels.select_top_pages(scores, k, n_recent=2, out=sel, exact=exact, algo=algo)
+                    got = sel.sort(dim=1).values
+                    if exact:  # both algorithms pick the same pages
+                        if want is None:
+                            want = got.clone()
+                        assert torch.equal(want, got), f"{algo} differs at rows {rows} p {p}"
+                    row[f"{algo}_{'exact' if exact else 'bf16'}_us"] = time_graph(
+                        lambda: kernels.select_top_pages(scores, k, n_recent=2, out=sel,
+                                                         exact=exact, algo=algo), iters)
+            if p == 8192:  # warps per row's program (default 16 at this length)
+                for algo in ("search", "radix"):
+                    for warps in (4, 8, 32):
+                        row[f"{algo}_exact_{warps}warps_us"] = time_graph(
+                            lambda: kernels.select_top_pages(scores, k, n_recent=2, out=sel,
+                                                             algo=algo, num_warps=warps), iters)
+            out.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return out
+
+
 def profile(args):
     """Per-op CUDA time of one sparse step (csa_page and csa_token) and the
     top-k alternatives, at the largest length and each batch."""
@@ -255,7 +291,7 @@ def profile(args):
     out = {}
     n = max(args.lengths)
     for batch in args.batches:
-        case = Case(n, batch, alpha=args.alpha, rho=args.rho, device="cuda")
+        case = Case(n, batch, m=args.m, c=args.c, alpha=args.alpha, rho=args.rho, device="cuda")
         for top in ("topk", "sort"):
             case.top_method = top
             out[f"b{batch}_{top}_select_page_us"] = time_graph(
@@ -294,14 +330,18 @@ def run(args):
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "shape": {"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "dtype": "bf16",
-                  "page_tokens": PAGE, "m": 8, "C": 128, "alpha": args.alpha, "rho": args.rho},
+                  "page_tokens": PAGE, "m": args.m, "C": args.c, "alpha": args.alpha,
+                  "rho": args.rho},
         "self_check": self_check(device),
         "rows": [],
     }
+    if kernels is not None and not args.no_sweep:
+        result["select_sweep"] = select_sweep(args.iters)
     for n in args.lengths:
         for batch in args.batches:
             torch.cuda.empty_cache()
-            case = Case(n, batch, alpha=args.alpha, rho=args.rho, device=device)
+            case = Case(n, batch, m=args.m, c=args.c, alpha=args.alpha, rho=args.rho,
+                        device=device)
             row = {"n_tokens": n, "batch": batch, "pages_selected_per_kv_head": case.kp,
                    "pages_per_kv_head": case.p}
             with sdpa_backend_ctx():
@@ -309,12 +349,18 @@ def run(args):
                 variants = [("csa_token", "topk", case.tok_bins, case.tok_scores),
                             ("csa_page", "topk", case.page_bins, case.page_scores)]
                 if kernels is not None:
-                    variants += [("csa_token_fused", "fused", case.tok_bins, case.tok_scores),
-                                 ("csa_page_fused", "fused", case.page_bins, case.page_scores),
-                                 ("csa_page_fused_bf16rank", "fused16", case.page_bins,
-                                  case.page_scores)]
+                    for algo, suffix in (("search", ""), ("radix", "_radix")):
+                        variants += [
+                            ("csa_token_fused" + suffix, "fused", case.tok_bins, case.tok_scores),
+                            ("csa_page_fused" + suffix, "fused", case.page_bins, case.page_scores),
+                            ("csa_page_fused" + suffix + "_bf16rank", "fused16", case.page_bins,
+                             case.page_scores)]
+                if args.variants:
+                    keep = set(args.variants.split(","))
+                    variants = [v for v in variants if v[0] in keep]
                 for name, top, lists, scores in variants:
                     case.exact_select = top != "fused16"
+                    case.select_algo = "radix" if "_radix" in name else "search"
                     top = "fused" if top == "fused16" else top
                     case.top_method = top
                     attend = case.paged_attention if top == "fused" else case.sparse_attention
@@ -329,7 +375,8 @@ def run(args):
                     period4_us = time_graph(
                         lambda: (case.select(lists, scores), attend(), attend(), attend(),
                                  attend()), args.iters) / 4
-                    entries = batch * 8 * 8 * (case.lt if name.startswith("csa_token") else case.lp)
+                    entries = batch * 8 * case.m * (case.lt if name.startswith("csa_token")
+                                                     else case.lp)
                     row[name] = {
                         "total_us": total_us, "select_us": sel_us, "gather_attention_us": attn_us,
                         "speedup_vs_dense": row["dense_us"] / total_us,
@@ -351,9 +398,16 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--alpha", type=float, default=0.25)
+    ap.add_argument("--m", type=int, default=8, help="csa subspaces")
+    ap.add_argument("--c", type=int, default=128, help="csa centroids per subspace")
+    ap.add_argument("--variants", default="",
+                    help="comma list of workloads to time (default: all), e.g. "
+                         "csa_page_fused,csa_page_fused_radix")
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="skip the top-k sweep (select_top_pages alone, both algorithms)")
     ap.add_argument("--profile", action="store_true",
                     help="per-op CUDA times of one step at the largest length instead")
     args = ap.parse_args()

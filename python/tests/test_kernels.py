@@ -48,31 +48,39 @@ def score_cases(rows: int, p: int):
 @pytest.mark.parametrize("rows,p,k", [(8, 8192, 413), (2, 20000, 1001), (64, 4096, 200),
                                       (3, 300, 300), (1, 1000, 1)])
 @pytest.mark.parametrize("exact", [True, False])
-def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact) -> None:
+@pytest.mark.parametrize("algo", ["radix", "search"])
+def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact, algo) -> None:
     out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
     for name, scores in score_cases(rows, p):
         n_recent = min(2, k - 1)
         want = reference_top_pages(scores, k, n_recent, 32 if exact else 16)
         x = scores.clone()
-        got = kernels.select_top_pages(x, k, n_recent=n_recent, reset=True, out=out, exact=exact)
+        got = kernels.select_top_pages(x, k, n_recent=n_recent, reset=True, out=out, exact=exact,
+                                       algo=algo)
         assert [set(r.tolist()) for r in got] == want, name
         assert torch.count_nonzero(x) == 0, "reset leaves the bins zeroed"
 
 
-def test_top_pages_is_graph_capturable() -> None:
+@pytest.mark.parametrize("algo", ["radix", "search"])
+def test_top_pages_is_graph_capturable(algo) -> None:
     rows, p, k = 8, 8192, 413
     static = torch.rand(rows, p, device=DEV)
     out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
-    kernels.select_top_pages(static.clone(), k, out=out)  # compile outside the capture
+    kernels.select_top_pages(static.clone(), k, out=out, algo=algo)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.select_top_pages(static, k, out=out)
+        kernels.select_top_pages(static, k, out=out, algo=algo)
     for seed in range(3):
         fresh = torch.rand(rows, p, device=DEV, generator=torch.Generator(DEV).manual_seed(seed))
         static.copy_(fresh)
         graph.replay()
         torch.cuda.synchronize()
         assert [set(r.tolist()) for r in out] == reference_top_pages(fresh, k, 0, 32)
+
+
+def test_top_pages_rejects_an_unknown_algo() -> None:
+    with pytest.raises(ValueError, match="algo"):
+        kernels.select_top_pages(torch.rand(1, 64, device=DEV), 4, algo="bitonic")
 
 
 def test_paged_attention_equals_sdpa_over_the_gathered_pages() -> None:

@@ -1,10 +1,14 @@
 """Triton kernels of the GPU sparse decode path.
 
 select_top_pages  exact per-row top-k of page scores (ties: lower page first),
-                  one program per row: a FAN-ary search on the order-
-                  preserving integer image of the float scores, then a
-                  prefix-sum compaction. Replaces torch.topk, whose single-block radix
-                  select dominated the selection at 8-64 rows of 8K pages.
+                  one program per row on the order-preserving integer image
+                  of the float scores, then a prefix-sum compaction. Two
+                  ways to find the k-th largest key (SELECT_ALGO): "radix",
+                  one 256-bin histogram per 8-bit digit (4 rounds exact, 2
+                  at bf16 ranking), or "search", a FAN-ary search over the
+                  key range (17 / 9 steps). Replaces torch.topk, whose
+                  single-block radix select dominated the selection at 8-64
+                  rows of 8K pages.
 paged_decode_attention
                   flash-decoding over the selected pages read in place from
                   the page pool (no gather copy): each program attends the G
@@ -33,6 +37,11 @@ SELECT_WARPS = int(os.environ.get("CTXCACHE_SELECT_WARPS", "0"))
 # 4 measured fastest on an H100 (8 and 16 rows of 8K pages): the compares
 # grow with FAN faster than the steps shrink.
 SELECT_FAN = int(os.environ.get("CTXCACHE_SELECT_FAN", "4"))
+# How select_top_pages finds the k-th largest key: "radix" or "search"
+# (override: CTXCACHE_SELECT_ALGO).
+SELECT_ALGO = os.environ.get("CTXCACHE_SELECT_ALGO", "radix")
+# Bits per radix digit: 256-bin histograms (tl.histogram needs >= 32 bins).
+RADIX_BITS = 8
 
 
 @triton.jit
@@ -129,14 +138,75 @@ def _select_top_pages_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr
     pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
     tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
 
+@triton.jit
+def _select_top_pages_radix_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr,
+                                   KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr,
+                                   KEY_SIGN: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < P
+    x = tl.load(x_ptr + row * P + offs, mask=valid, other=0.0)
+    # The sink page and the N_RECENT last pages are always taken.
+    x = tl.where(valid & ((offs == 0) | (offs >= P - N_RECENT)), float("inf"), x)
+    if RESET:  # leave the bins zeroed for the next step
+        tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order-preserving image
+    key = key >> (32 - KEY_BITS)  # arithmetic: the top KEY_BITS bits, signed
+    # Unsigned order-preserving image in [0, 2^KEY_BITS): flip the sign bit.
+    u = ((key & KEY_MASK) ^ KEY_SIGN).to(tl.uint32, bitcast=True)
+    NB: tl.constexpr = 1 << DIGIT_BITS
+    ROUNDS: tl.constexpr = KEY_BITS // DIGIT_BITS
+    bins = tl.arange(0, NB)
+    # Most significant digit first: histogram the candidates' digit, find the
+    # bin that holds the k-th largest, keep only that bin's candidates.
+    # krem = rank of the k-th largest among the n_cand remaining candidates;
+    # every key above the candidates' bin [lo, hi] is taken. A round runs only
+    # while n_cand > krem: once they are equal every candidate is taken and
+    # their order does not matter (usually after 3 of the 4 exact rounds).
+    # Non-candidates are counted into bin 0 and subtracted (no histogram
+    # mask: older Triton has none).
+    cand = valid
+    n_cand = P + tl.zeros([], tl.int32)  # tensors, not constexprs (K = 1 is specialized)
+    krem = K + tl.zeros([], tl.int32)
+    prefix = tl.zeros([], tl.uint32)
+    hi = ~tl.zeros([], tl.uint32)
+    for r in tl.static_range(ROUNDS):
+        shift = KEY_BITS - DIGIT_BITS * (r + 1)
+        if n_cand > krem:
+            d = tl.where(cand, ((u >> shift) & (NB - 1)).to(tl.int32), 0)
+            h = tl.histogram(d, NB)
+            h = h - tl.where(bins == 0, BLOCK - n_cand, 0)
+            above = n_cand - tl.cumsum(h, axis=0)  # candidates in higher bins
+            hit = (above < krem) & (above + h >= krem)
+            b = tl.max(tl.where(hit, bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(hit, above, 0), axis=0)
+            n_cand = tl.sum(tl.where(hit, h, 0), axis=0)
+            prefix = (prefix << DIGIT_BITS) | b.to(tl.uint32)
+            hi = (prefix << shift) | tl.full([], (1 << shift) - 1, tl.uint32)
+            cand = cand & (d == b)
+    # Take every key above the bin and the first krem candidates in page order.
+    gt = (u > hi) & valid
+    both = tl.cumsum(gt.to(tl.int64) + (cand.to(tl.int64) << 32), axis=0)
+    total_gt = K - krem
+    gt_rank = both & 0xFFFFFFFF
+    eq_rank = both >> 32
+    take = gt | (cand & (eq_rank <= krem))
+    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
+    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+
 
 def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: bool = False,
-                     out: torch.Tensor = None, exact: bool = True) -> torch.Tensor:
+                     out: torch.Tensor = None, exact: bool = True,
+                     algo: str = "", num_warps: int = 0) -> torch.Tensor:
     """Global ids (row * P + page) of the k best pages of each row: [R, k].
 
     Page 0 and the n_recent last pages of each row count as +inf (always
     taken). reset: zero `scores` after reading it (the next step's bins).
     exact False: rank by bf16-rounded scores (ties by page order), faster.
+    algo: "radix" or "search" (the same pages); "" = SELECT_ALGO.
+    num_warps: warps per row's program; 0 = SELECT_WARPS, else by row length.
     """
     assert scores.dim() == 2 and scores.is_contiguous() and scores.dtype == torch.float32
     rows, p = scores.shape
@@ -145,12 +215,22 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
         out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
     block = triton.next_power_of_2(p)
     key_bits = 32 if exact else 16
+    algo = algo or SELECT_ALGO
+    warps = num_warps or SELECT_WARPS or (16 if block >= 4096 else 4)
+    if algo == "radix":
+        _select_top_pages_radix_kernel[(rows,)](
+            scores, out, p, k, n_recent, RESET=reset, KEY_BITS=key_bits,
+            KEY_MASK=-1 if key_bits == 32 else (1 << key_bits) - 1,
+            KEY_SIGN=-2**31 if key_bits == 32 else 1 << (key_bits - 1),
+            DIGIT_BITS=RADIX_BITS, BLOCK=max(block, 1 << RADIX_BITS), num_warps=warps)
+        return out
+    if algo != "search":
+        raise ValueError(f"algo: expected 'radix' or 'search', got {algo!r}")
     fan_bits = SELECT_FAN.bit_length() - 1
     steps = (key_bits + fan_bits - 1) // fan_bits + 1
     _select_top_pages_kernel[(rows,)](scores, out, p, k, n_recent, RESET=reset,
                                       KEY_BITS=key_bits, FAN=SELECT_FAN, STEPS=steps,
-                                      BLOCK=block,
-                                      num_warps=SELECT_WARPS or (16 if block >= 4096 else 4))
+                                      BLOCK=block, num_warps=warps)
     return out
 
 

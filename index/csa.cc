@@ -25,13 +25,44 @@ namespace ctxcache::index {
 namespace {
 
 // CSAP is version 1. CSAC version 1: 8-bit scores in [lo, hi], delta-varint
-// ids; version 2 (written): per-list 4-bit score codebooks, ids as a bitmap or
-// delta varints, whichever is smaller (docs/storage-format.md).
+// ids; version 2: per-list 4-bit score codebooks, ids as a bitmap or delta
+// varints, whichever is smaller; version 3 (written): as 2, with Elias-Fano
+// ids as a third choice (docs/storage-format.md).
 constexpr uint32_t kPlainVersion = 1;
-constexpr uint32_t kCompactVersion = 2;
+constexpr uint32_t kCompactVersion = 3;
 constexpr int kCompactScoreBits = 4;
 constexpr uint8_t kIdsVarint = 0;
 constexpr uint8_t kIdsBitmap = 1;
+constexpr uint8_t kIdsEliasFano = 2;  // version >= 3
+
+// Elias-Fano coding of L strictly increasing ids in [0, n): with k low bits,
+// the low parts packed (L * k bits), then an upper bitmap of L + ((n - 1) >> k)
+// + 1 bits where entry e sets bit (id_e >> k) + e. Bits are little-endian
+// (bit i is byte i / 8, bit i % 8).
+struct EliasFanoShape {
+  int k = 0;
+  uint64_t low_bytes = 0, upper_bits = 0, upper_bytes = 0;
+  uint64_t bytes() const { return 1 + low_bytes + upper_bytes; }  // + the k byte
+};
+
+EliasFanoShape EliasFanoFor(int k, int64_t L, int64_t n) {
+  EliasFanoShape s;
+  s.k = k;
+  s.low_bytes = (static_cast<uint64_t>(L) * k + 7) / 8;
+  s.upper_bits = static_cast<uint64_t>(L) + (static_cast<uint64_t>(n - 1) >> k) + 1;
+  s.upper_bytes = (s.upper_bits + 7) / 8;
+  return s;
+}
+
+// The k that minimizes the coded size (the smaller k on ties).
+EliasFanoShape BestEliasFano(int64_t L, int64_t n) {
+  EliasFanoShape best = EliasFanoFor(0, L, n);
+  for (int k = 1; k <= 31; ++k) {
+    const EliasFanoShape s = EliasFanoFor(k, L, n);
+    if (s.bytes() < best.bytes()) best = s;
+  }
+  return best;
+}
 constexpr size_t kEntryBytes = sizeof(int32_t) + sizeof(uint16_t);
 
 using StridedMap = Eigen::Map<const RowMatrixXf, 0, Eigen::OuterStride<>>;
@@ -297,7 +328,7 @@ Status CheckOptions(const CsaOptions& o) {
   auto bad = [](const std::string& field, const std::string& msg) {
     return InvalidArgumentError("csa: " + field + " " + msg);
   };
-  if (o.m < 1) return bad("m=" + std::to_string(o.m), "expected >= 1");
+  if (o.m < 0) return bad("m=" + std::to_string(o.m), "expected >= 0 (0 = by head_dim)");
   if (o.C < 1) return bad("C=" + std::to_string(o.C), "expected >= 1");
   if (!(o.alpha > 0 && o.alpha <= 1))
     return bad("alpha=" + std::to_string(o.alpha), "expected in (0, 1]");
@@ -321,7 +352,7 @@ Status CheckOptions(const CsaOptions& o) {
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   CsaOptions o;
   ParamReader pr("csa", params);
-  ASSIGN_OR_RETURN(int64_t m, pr.Int("m", o.m, 1, 4096));
+  ASSIGN_OR_RETURN(int64_t m, pr.Int("m", o.m, 0, 4096));
   ASSIGN_OR_RETURN(int64_t C, pr.Int("C", o.C, 1, 1 << 20));
   ASSIGN_OR_RETURN(o.alpha, pr.Ratio("alpha", o.alpha));
   ASSIGN_OR_RETURN(o.fixed_L, pr.Int("L", o.fixed_L, 0, INT32_MAX));
@@ -367,11 +398,22 @@ StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   return o;
 }
 
+int CsaSubspaces(int m, int head_dim) {
+  if (m > 0) return m;
+  int best = 1;
+  for (int s = 1; s <= std::min(16, head_dim / 4); ++s) {
+    if (head_dim % s == 0) best = s;
+  }
+  return best;
+}
+
 StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
-                                                          const CsaOptions& o) {
-  RETURN_IF_ERROR(CheckOptions(o));
+                                                          const CsaOptions& options) {
+  RETURN_IF_ERROR(CheckOptions(options));
   RETURN_IF_ERROR(ValidatePrefill("csa", p, /*need_queries=*/true, /*need_values=*/false));
   const int d = p.head_dim;
+  CsaOptions o = options;
+  o.m = CsaSubspaces(o.m, d);
   if (d % o.m != 0) {
     return InvalidArgumentError("csa: m=" + std::to_string(o.m) +
                                 " does not divide head_dim=" + std::to_string(d));
@@ -971,6 +1013,8 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   std::vector<uint16_t> book(levels);
   std::vector<float> book_f(levels);
   std::vector<uint8_t> bitmap((n_tokens_ + 7) / 8);
+  const EliasFanoShape ef = BestEliasFano(L_, n_tokens_);
+  std::vector<uint8_t> ef_buf(ef.low_bytes + ef.upper_bytes);
   std::vector<uint8_t> packed((L_ * kCompactScoreBits + 7) / 8);
   std::vector<int32_t> view_ids;
   std::vector<uint16_t> view_sc;
@@ -990,12 +1034,31 @@ void CsaSelector::SerializeCompact(std::string* out) const {
       }
       seen[wi] = 0;
     }
-    // Ids: a bitmap over n_tokens or delta varints, whichever is smaller.
+    // Ids: a bitmap over n_tokens, delta varints or Elias-Fano, whichever is
+    // smallest (ties: bitmap, then varints).
     uint64_t varint_bytes = 0;
     for (int64_t e = 0, prev = -1; e < L_; prev = list[e].first, ++e) {
       varint_bytes += VarintSize(static_cast<uint64_t>(list[e].first - prev));
     }
-    if (bitmap.size() < varint_bytes) {
+    if (ef.bytes() < std::min<uint64_t>(bitmap.size(), varint_bytes)) {
+      w.Put<uint8_t>(kIdsEliasFano);
+      w.Put<uint8_t>(static_cast<uint8_t>(ef.k));
+      std::fill(ef_buf.begin(), ef_buf.end(), 0);
+      uint8_t* low = ef_buf.data();
+      uint8_t* upper = low + ef.low_bytes;
+      const uint32_t low_mask = ef.k == 0 ? 0u : (~0u >> (32 - ef.k));
+      for (int64_t e = 0; e < L_; ++e) {
+        const uint32_t id = static_cast<uint32_t>(list[e].first);
+        const uint64_t at = static_cast<uint64_t>(e) * ef.k;
+        const uint32_t lo = id & low_mask;
+        for (int b = 0; b < ef.k; ++b) {  // k <= 31 bits, usually 2-4
+          if ((lo >> b) & 1u) low[(at + b) >> 3] |= static_cast<uint8_t>(1u << ((at + b) & 7));
+        }
+        const uint64_t u = (static_cast<uint64_t>(id) >> ef.k) + static_cast<uint64_t>(e);
+        upper[u >> 3] |= static_cast<uint8_t>(1u << (u & 7));
+      }
+      w.PutArray(ef_buf.data(), ef_buf.size());
+    } else if (bitmap.size() < varint_bytes) {
       w.Put<uint8_t>(kIdsBitmap);
       std::fill(bitmap.begin(), bitmap.end(), 0);
       for (const auto& [id, h] : list) bitmap[id >> 3] |= static_cast<uint8_t>(1u << (id & 7));
@@ -1041,7 +1104,7 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
                               &version, "csa"));
   auto loss = [](const std::string& what) { return DataLossError("csa artifact: " + what); };
   if (!GetOptions(&r, &options_)) return loss("truncated options");
-  if (!CheckOptions(options_).ok()) return loss("corrupt options");
+  if (!CheckOptions(options_).ok() || options_.m < 1) return loss("corrupt options");
   if (!r.Get(&d_) || !r.Get(&n_tokens_) || !r.Get(&n_built_) || !r.Get(&L_)) {
     return loss("truncated header");
   }
@@ -1092,7 +1155,7 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     std::vector<uint16_t> book(levels);
     // Sized on first use, after the bytes for it are known to be there: a
     // corrupt n_tokens must not allocate.
-    std::vector<uint8_t> bitmap;
+    std::vector<uint8_t> bitmap, ef_buf;
     const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
     std::vector<uint8_t> packed((L_ * bits + 7) / 8);
     for (int64_t l = 0; l < n_lists; ++l) {
@@ -1124,6 +1187,32 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
           prev += static_cast<int64_t>(delta);
           ids[e] = static_cast<int32_t>(prev);
         }
+      } else if (coding == kIdsEliasFano && version >= 3) {
+        uint8_t k = 0;
+        if (!r.Get(&k) || k > 31) return loss("bad Elias-Fano low bits");
+        const EliasFanoShape ef = EliasFanoFor(k, L_, n_tokens_);
+        if (r.remaining() < ef.low_bytes + ef.upper_bytes) return loss("truncated Elias-Fano ids");
+        ef_buf.resize(ef.low_bytes + ef.upper_bytes);
+        if (!r.GetArray(ef_buf.data(), ef_buf.size())) return loss("truncated Elias-Fano ids");
+        const uint8_t* low = ef_buf.data();
+        const uint8_t* upper = low + ef.low_bytes;
+        int64_t e = 0, prev = -1;
+        for (uint64_t byte = 0; byte < ef.upper_bytes; ++byte) {
+          for (uint32_t v = upper[byte]; v != 0; v &= v - 1) {
+            const uint64_t bit = byte * 8 + static_cast<uint64_t>(__builtin_ctz(v));
+            if (bit >= ef.upper_bits || e >= L_) return loss("bad Elias-Fano ids");
+            uint64_t lo = 0;
+            const uint64_t at = static_cast<uint64_t>(e) * k;
+            for (int b = 0; b < k; ++b) {
+              lo |= static_cast<uint64_t>((low[(at + b) >> 3] >> ((at + b) & 7)) & 1u) << b;
+            }
+            const int64_t id = static_cast<int64_t>(((bit - static_cast<uint64_t>(e)) << k) | lo);
+            if (id <= prev || id >= n_tokens_) return loss("bad Elias-Fano ids");
+            ids[e++] = static_cast<int32_t>(id);
+            prev = id;
+          }
+        }
+        if (e != L_) return loss("bad Elias-Fano ids");
       } else {
         return loss("bad list id coding");
       }

@@ -32,7 +32,7 @@
 // as binary min-heaps, worst entry at the root).
 //
 // Method parameters ("csa"):
-//   m=8 C=128 alpha=0.25 L=0 (fixed L; 0 = alpha*N) query_cap=4096
+//   m=0 (by head_dim) C=128 alpha=0.125 L=0 (fixed L; 0 = alpha*N) query_cap=4096
 //   iters=8 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
 //   weights=norm|uniform|proj missing=zero|min|mean period=1
 //   schedule=<rho>/<period> (preset; overrides rho and period)
@@ -83,12 +83,18 @@
 namespace ctxcache::index {
 
 struct CsaOptions {
-  // Subspaces; must divide head_dim. Default: 8.
-  int m = 8;
+  // Subspaces; must divide head_dim. 0 = chosen by head_dim at build
+  // (CsaSubspaces: 16 subspaces of 4 dims at d 64, of 8 dims at d 128); a
+  // built or loaded selector always holds the resolved m. The paper's 8 lost
+  // most retrieval tasks at 5% of pages (docs/algorithms.md, "Subspaces").
+  // Default: 0.
+  int m = 0;
   // Centroids per subspace; <= n_tokens and <= pooled query rows. Default: 128.
   int C = 128;
-  // List length L = ceil(alpha * N) when fixed_L == 0. In (0, 1]. Default: 0.25.
-  double alpha = 0.25;
+  // List length L = ceil(alpha * N) when fixed_L == 0. In (0, 1]. With m 16
+  // and alpha 0.125 a step reads as many list entries as the paper's m 8,
+  // alpha 0.25. Default: 0.125.
+  double alpha = 0.125;
   // Fixed list length, overriding alpha when > 0 (clamped to N). Default: 0.
   int64_t fixed_L = 0;
   // Pooled prefill query rows used for k-means (deterministic subsample; 32
@@ -144,6 +150,10 @@ struct CsaOptions {
 // Parses "csa" MethodParams into options (InvalidArgument on bad values).
 // Absent keys keep CsaOptions' defaults.
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params);
+// The subspaces a build uses: m when m > 0, else the largest divisor of
+// head_dim that is <= min(16, head_dim / 4) (at least 1).
+int CsaSubspaces(int m, int head_dim);
+
 // Every option as params: ParseCsaOptions(CsaOptionsToParams(o)) == o.
 MethodParams CsaOptionsToParams(const CsaOptions& o);
 

@@ -419,8 +419,11 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
         for step in range(3):
             for layer in range(m.n_layers):
                 q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
-                dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
-                dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+                # Appended K/V from the step's seeded numpy stream (a global
+                # torch RNG made the data, and so the rounding, depend on
+                # which tests ran before).
+                dk = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
+                dv = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
                 r = s.step(layer, q.numpy())
                 want = torch.zeros(m.n_q_heads, m.head_dim)
                 for qh in range(m.n_q_heads):
@@ -434,7 +437,9 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
                     step_fn = hf._client_step if name == "exact" else hf._planned_step
                     k, v, mask = step_fn(dec, layer, q)
                     got = hf.attend(q, k, v, mask, dk, dv, 0.125)
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                    # float32 attention summed in another order differs by up
+                    # to ~2e-5 here; a different page or mask differs by ~1e-1.
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
                                                msg=f"{method} {name}")
     for dec in decoders.values():
         # streaming's pages are the same every step: no evictions needed.

@@ -48,10 +48,11 @@ def llama_plain(client: ctxcache.Client) -> ctxcache.pb.ContextInfo:
 
 @pytest.fixture(scope="module")
 def llama_compact(client: ctxcache.Client) -> ctxcache.pb.ContextInfo:
-    """777 tokens, compact format, non-default retrieval options (backoff to 3
-    centroids below cosine 0.5, missing=min, a search period of 2)."""
+    """777 tokens, compact format, alpha 0.25 (bitmap ids), non-default
+    retrieval options (backoff to 3 centroids below cosine 0.5, missing=min, a
+    search period of 2)."""
     return client.build(tokens=random_tokens(777, 902), name="sel-compact",
-                        indexes=[("csa", {"format": "compact", "tau": "3",
+                        indexes=[("csa", {"format": "compact", "alpha": "0.25", "tau": "3",
                                           "backoff_cos": "0.5", "missing": "min",
                                           "period": "2", "R": "20", "sinks": "2"})]).context
 
@@ -90,7 +91,7 @@ def synthetic(client: ctxcache.Client) -> Dict[str, ctxcache.pb.ContextInfo]:
 def _check_common(a, ctx: ctxcache.pb.ContextInfo) -> None:
     o = a.options
     m, C, d = o.m, o.C, ctx.model.head_dim
-    assert a.version == (2 if a.compact else 1) and a.head_dim == d
+    assert a.version == (3 if a.compact else 1) and a.head_dim == d
     assert a.n_tokens == a.n_built == ctx.n_tokens
     assert a.L == math.ceil(o.alpha * ctx.n_tokens)
     assert a.centroids.shape == (m, C, d // m) and a.centroids.dtype == np.float32
@@ -113,10 +114,10 @@ def test_parse_plain_artifact(client: ctxcache.Client, llama_plain) -> None:
         a = parse_csa_artifact(raw)
         o = a.options
         assert a.magic == "CSAP" and not a.compact and not o.compact
-        # The defaults of a served context (index/csa.h CsaOptions).
+        # The defaults of a served context (index/csa.h CsaOptions; m by head_dim 32).
         assert (o.m, o.C, o.alpha, o.fixed_L, o.iters, o.seed, o.rho, o.recent, o.sinks,
                 o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center) == \
-            (8, 128, 0.25, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
+            (8, 128, 0.125, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
         _check_common(a, llama_plain)
         m, C, d, L = o.m, o.C, a.head_dim, a.L
         assert len(raw) == CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L
@@ -140,10 +141,10 @@ def test_parse_compact_artifact(client: ctxcache.Client, llama_compact) -> None:
             (3, 0.5, "min", 2, 20, 2)
         _check_common(a, llama_compact)
         assert (np.diff(a.ids, axis=2) > 0).all()  # ascending ids
-        assert a.version == 2 and a.lo is None and a.hi is None
+        assert a.version == 3 and a.lo is None and a.hi is None
         levels = min(16, a.L)
         assert a.q.shape == a.ids.shape and a.book.shape == (o.m, o.C, levels)
-        assert a.id_coding.shape == (o.m, o.C) and set(np.unique(a.id_coding)) <= {0, 1}
+        assert a.id_coding.shape == (o.m, o.C) and set(np.unique(a.id_coding)) <= {0, 1, 2}
         assert (a.q < levels).all() and (np.diff(a.book.astype(np.float32), axis=2) >= 0).all()
         # Scores are the codebook entries of their 4-bit codes.
         want = np.take_along_axis(a.book, a.q.astype(np.int64), axis=2)
@@ -160,6 +161,9 @@ def test_plain_and_compact_hold_the_same_tables(client: ctxcache.Client, synthet
         assert (p.magic, c.magic) == ("CSAP", "CSAC")
         _check_common(p, synthetic["plain"])
         _check_common(c, synthetic["compact"])
+        # Default options: m 16 (d 128), alpha 0.125: Elias-Fano ids (coding 2).
+        assert (c.options.m, c.options.alpha) == (16, 0.125)
+        assert (c.id_coding == 2).all()
         assert len(compact[key]) < len(plain[key]) / 3
         assert np.array_equal(p.centroids, c.centroids)
         assert np.array_equal(p.key_mean, c.key_mean)
@@ -215,6 +219,32 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
     flipped = bytes([compact[lists_at + 2] ^ 1])
     with pytest.raises(ValueError, match="bad list bitmap"):  # one id more or less
         parse_csa_artifact(compact[:lists_at + 2] + flipped + compact[lists_at + 3:])
+
+
+def test_parse_rejects_bad_elias_fano_ids(client: ctxcache.Client, synthetic) -> None:
+    raw = client.fetch_index(synthetic["compact"].context_id, "csa", layers=[0],
+                             kv_heads=[0])[(0, 0)]
+    a = parse_csa_artifact(raw)
+    lists_at = CSA_HEADER_BYTES + 4 * a.C * a.head_dim + 4 * a.head_dim + 4 * a.m * a.C
+    assert raw[lists_at] == 4 and raw[lists_at + 1] == 2  # bits, then list 0: Elias-Fano
+    k_at = lists_at + 2
+    k = raw[k_at]
+    upper_at = k_at + 1 + (a.L * k + 7) // 8
+    upper_bits = a.L + ((a.n_tokens - 1) >> k) + 1
+    with pytest.raises(ValueError, match="bad Elias-Fano low bits"):
+        parse_csa_artifact(raw[:k_at] + bytes([32]) + raw[k_at + 1:])
+    bits = np.unpackbits(np.frombuffer(raw, np.uint8, (upper_bits + 7) // 8, upper_at),
+                         bitorder="little")
+    clear = int(np.flatnonzero(bits[:upper_bits] == 0)[0])  # one id more than L
+    extra = bytearray(raw)
+    extra[upper_at + clear // 8] |= 1 << (clear % 8)
+    with pytest.raises(ValueError, match="bad Elias-Fano ids"):
+        parse_csa_artifact(bytes(extra))
+    with pytest.raises(ValueError, match="truncated"):
+        parse_csa_artifact(raw[:upper_at + 1])
+    # A version 2 artifact cannot hold coding 2.
+    with pytest.raises(ValueError, match="bad list id coding"):
+        parse_csa_artifact(raw[:4] + struct.pack("<I", 2) + raw[8:])
 
 
 # ------------------------------------------------- float32 emulation helpers --

@@ -63,6 +63,7 @@ CsaOptions SmallOptions() {
   CsaOptions o;
   o.m = 4;
   o.C = 16;
+  o.alpha = 0.25;
   o.kmeans_iters = 5;
   return o;
 }
@@ -484,12 +485,13 @@ TEST(CsaTest, CompactV1ArtifactsStillLoadAsDequantizedPlain) {
   }
 }
 
-// Version 2 (written): the same ids; 4-bit codebook scores: at most 16
+// Version 3 (written): the same ids; 4-bit codebook scores: at most 16
 // distinct values per list, each score's error below a sixteenth of the
-// list's range on average; both id codings round trip.
+// list's range on average; the three id codings round trip.
 TEST(CsaTest, CompactV2KeepsIdsAndQuantizesScoresToACodebook) {
   Data data = MakeData(512, 7);
-  for (int64_t fixed_L : {int64_t{0}, int64_t{8}}) {  // L = 128: bitmap ids; L = 8: varints
+  // L = 128: bitmap ids; L = 8: varints; L = 32: Elias-Fano.
+  for (int64_t fixed_L : {int64_t{0}, int64_t{8}, int64_t{32}}) {
     CsaOptions o = SmallOptions();
     o.fixed_L = fixed_L;
     auto s = CsaSelector::Build(data.prefill(), o);
@@ -497,7 +499,7 @@ TEST(CsaTest, CompactV2KeepsIdsAndQuantizesScoresToACodebook) {
     std::string compact, plain;
     ASSERT_TRUE((*s)->Serialize(&compact).ok());
     (*s)->SerializePlain(&plain);
-    ASSERT_EQ(compact.substr(0, 8), std::string("CSAC\x02\0\0\0", 8));
+    ASSERT_EQ(compact.substr(0, 8), std::string("CSAC\x03\0\0\0", 8));
     // 1 byte per entry against 6, plus a codebook per list (min(16, L) fp16).
     EXPECT_LT(compact.size() * (fixed_L == 0 ? 3 : 1), plain.size()) << "L=" << (*s)->L();
     auto loaded = CsaSelector::Load(compact);
@@ -589,17 +591,19 @@ TEST(CsaTest, CompactV2SizeAgainstKvBytes) {
     const double ratio = (*s)->CompactBytesPerToken() / kv_bytes_per_token;
     EXPECT_LE(ratio, d == 128 ? 1.0 : 1.5) << "d=" << d;
     EXPECT_GT(ratio, 0.25) << "d=" << d;  // about 1 byte per entry
+    std::printf("csa compact v3, defaults, d=%d: %.3fx the bf16 K+V bytes\n", d, ratio);
   }
 }
 
 // Found by fuzz/fuzz_index_csa: a compact list id delta near 2^64 wrapped the
 // running id (signed overflow) and loaded negative ids; it is DATA_LOSS, in
-// version 1 and in version 2's varint id coding. A version 2 bitmap with the
-// wrong number of ids is DATA_LOSS too.
+// version 1 and in version 2's varint id coding. A bitmap with the wrong
+// number of ids, and Elias-Fano ids with a bad k, an extra upper bit or
+// truncated, are DATA_LOSS too.
 TEST(CsaTest, CompactIdDeltaOverflowIsDataLoss) {
   Data data = MakeData(512, 7);
   CsaOptions o = SmallOptions();
-  for (int64_t fixed_L : {int64_t{0}, int64_t{8}}) {
+  for (int64_t fixed_L : {int64_t{0}, int64_t{8}, int64_t{32}}) {
     o.fixed_L = fixed_L;
     auto s = CsaSelector::Build(data.prefill(), o);
     ASSERT_TRUE(s.ok());
@@ -624,8 +628,38 @@ TEST(CsaTest, CompactIdDeltaOverflowIsDataLoss) {
     overflow(CompactV1(**s), prefix + 8);
     std::string v2;
     (*s)->SerializeCompact(&v2);
-    // Version 2: the score-bits byte, then the first list's id coding byte.
+    // Version 3: the score-bits byte, then the first list's id coding byte.
     const uint8_t coding = static_cast<uint8_t>(v2[prefix + 1]);
+    auto data_loss = [](const std::string& bytes) {
+      auto loaded = CsaSelector::Load(bytes);
+      EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss) << loaded.status().ToString();
+    };
+    if (fixed_L == 32) {
+      // 32 of 512 ids: Elias-Fano (k = 3: 12 low bytes + 12 upper bytes + k)
+      // is smaller than 32 varints and a 64-byte bitmap.
+      ASSERT_EQ(coding, 2);
+      const size_t k_at = prefix + 2;
+      const int k = static_cast<uint8_t>(v2[k_at]);
+      ASSERT_EQ(k, 3);
+      const size_t upper_at = k_at + 1 + (32 * k + 7) / 8;
+      const size_t upper_bits = 32 + (511 >> k) + 1;
+      const size_t last = upper_at + (upper_bits - 1) / 8;
+      std::string bad = v2;
+      bad[k_at] = 32;  // k > 31
+      data_loss(bad);
+      // An extra set bit in the upper bitmap: one id more than L.
+      bad = v2;
+      size_t clear = upper_at * 8;
+      while ((static_cast<uint8_t>(bad[clear / 8]) >> (clear % 8)) & 1) ++clear;
+      ASSERT_LT(clear, upper_at * 8 + upper_bits);
+      bad[clear / 8] = static_cast<char>(bad[clear / 8] | (1 << (clear % 8)));
+      data_loss(bad);
+      bad = v2;
+      for (size_t i = upper_at; i <= last; ++i) bad[i] = 0;  // no ids at all
+      data_loss(bad);
+      data_loss(v2.substr(0, upper_at));  // truncated in the ids
+      continue;
+    }
     if (fixed_L == 8) {
       ASSERT_EQ(coding, 0);  // 8 varints are smaller than a 64-byte bitmap
       overflow(v2, prefix + 2);
@@ -733,6 +767,32 @@ TEST(CsaTest, SearchPeriodReusesSelection) {
   }
 }
 
+// m = 0 (the default) picks the subspaces by head_dim: the largest divisor
+// <= min(16, d / 4); the built selector, its params and its artifact carry the
+// resolved m, and an explicit m is kept.
+TEST(CsaTest, DefaultSubspacesFollowHeadDim) {
+  EXPECT_EQ(CsaSubspaces(0, 128), 16);
+  EXPECT_EQ(CsaSubspaces(0, 64), 16);
+  EXPECT_EQ(CsaSubspaces(0, 32), 8);
+  EXPECT_EQ(CsaSubspaces(0, 16), 4);
+  EXPECT_EQ(CsaSubspaces(0, 33), 3);
+  EXPECT_EQ(CsaSubspaces(0, 4), 1);
+  EXPECT_EQ(CsaSubspaces(0, 2), 1);
+  EXPECT_EQ(CsaSubspaces(8, 64), 8);
+  EXPECT_EQ(CsaOptions{}.m, 0);
+  Data data = MakeData(512, 3);  // head_dim kD
+  CsaOptions o = SmallOptions();
+  o.m = 0;
+  auto s = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ((*s)->m(), CsaSubspaces(0, kD));
+  std::string bytes;
+  ASSERT_TRUE((*s)->Serialize(&bytes).ok());
+  auto loaded = CsaSelector::Load(bytes);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->m(), CsaSubspaces(0, kD));
+}
+
 TEST(CsaTest, BadParametersAreInvalidArgument) {
   Data data = MakeData(512, 9);
   const struct {
@@ -740,7 +800,7 @@ TEST(CsaTest, BadParametersAreInvalidArgument) {
     const char* expect;  // substring of the message
   } cases[] = {
       {"m=5", "does not divide"},
-      {"m=0", "'m'"},
+      {"m=-1", "'m'"},
       {"C=600", "exceeds n_tokens"},
       {"C=300", "pooled query rows"},
       {"rho=0", "(0, 1]"},

@@ -150,7 +150,7 @@ TEST(CheckReusableTest, SameResolvedParamsReuseOthersNameTheFix) {
     (*ip->mutable_params())[k] = v;
   }
   EXPECT_TRUE(CheckReusable(m, {IndexRequest{"csa", {}}}, 4).ok());
-  EXPECT_TRUE(CheckReusable(m, {IndexRequest{"csa", {{"alpha", "0.25"}}}}, 4).ok());
+  EXPECT_TRUE(CheckReusable(m, {IndexRequest{"csa", {{"alpha", "0.125"}}}}, 4).ok());
   Status other = CheckReusable(m, {IndexRequest{"csa", {{"alpha", "0.3"}}}}, 4);
   EXPECT_EQ(other.code(), StatusCode::kAlreadyExists);
   EXPECT_NE(other.message().find("evict"), std::string::npos) << other.ToString();

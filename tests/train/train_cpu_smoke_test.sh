@@ -51,9 +51,11 @@ import json, os, sys
 w = sys.argv[1]
 first = lambda r: json.loads(open(os.path.join(w, r, "log.jsonl")).readline())
 tune, scratch = first("tune"), first("scratch")
-trained = [json.loads(l) for l in open(os.path.join(w, "run", "log.jsonl"))]
-trained = [r["val_loss"] for r in trained if "val_loss" in r][-1]
-# lr 1e-9: the loaded weights (bf16) unchanged; the run logs val every 4 steps.
+# The saved final weights' validation loss (summary.json). Not the log's last
+# val_loss: it is logged every 4 steps, and a time-budgeted run on a loaded
+# machine may stop before step 4.
+trained = json.load(open(os.path.join(w, "run", "summary.json")))["final_val_loss"]
+# lr 1e-9: the loaded weights (bf16) unchanged.
 assert abs(tune["val_loss"] - trained) < 0.1, (tune, trained)
 assert tune["val_loss"] < scratch["val_loss"], (tune, scratch)
 print("init-from: val loss", round(tune["val_loss"], 3), "= trained", round(trained, 3),

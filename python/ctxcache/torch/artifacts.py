@@ -40,7 +40,7 @@ __all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
            "OracleArtifact", "parse_quest_artifact", "parse_streaming_artifact",
            "parse_oracle_artifact"]
 
-CSA_FORMAT_VERSION = 2  # the newest version this parser (and the C++ build) reads
+CSA_FORMAT_VERSION = 3  # the newest version this parser (and the C++ build) reads
 CSA_PLAIN_VERSION = 1  # CSAP has only version 1
 CSA_HEADER_BYTES = 118  # magic, version, options and shape fields; the arrays follow
 
@@ -57,9 +57,9 @@ class CsaOptions:
     """``index::CsaOptions`` as serialized (build settings and the default
     retrieval settings, which a server-side session uses as they are)."""
 
-    m: int = 8                    # subspaces
+    m: int = 0                    # subspaces (serialized: resolved, >= 1)
     C: int = 128                  # centroids per subspace
-    alpha: float = 0.25           # L = ceil(alpha * N) unless fixed_L > 0
+    alpha: float = 0.125          # L = ceil(alpha * N) unless fixed_L > 0
     fixed_L: int = 0              # the `L` param
     query_cap: int = 4096
     iters: int = 8                # k-means iterations
@@ -118,7 +118,7 @@ class CsaArtifact:
 
     Attributes:
         magic: ``"CSAP"`` or ``"CSAC"``.
-        version: the format version (CSAP: 1; CSAC: 1 or 2).
+        version: the format version (CSAP: 1; CSAC: 1, 2 or 3).
         options: the serialized :class:`CsaOptions`.
         head_dim: d. ``sub_dim`` = d / m.
         n_tokens: tokens covered (appended ones included).
@@ -132,10 +132,10 @@ class CsaArtifact:
         lo, hi: ``CSAC`` version 1 only: float32 ``[m, C]`` score range of each list.
         q: ``CSAC`` only: uint8 ``[m, C, L]`` quantized scores (ascending-id
             order): 8-bit codes (version 1) or 4-bit codebook indices (version 2).
-        book: ``CSAC`` version 2 only: float16 ``[m, C, min(16, L)]``: each
+        book: ``CSAC`` version >= 2 only: float16 ``[m, C, min(16, L)]``: each
             list's codebook (ascending).
-        id_coding: ``CSAC`` version 2 only: uint8 ``[m, C]``: 0 = delta
-            varints, 1 = bitmap.
+        id_coding: ``CSAC`` version >= 2 only: uint8 ``[m, C]``: 0 = delta
+            varints, 1 = bitmap, 2 = Elias-Fano (version 3).
     """
 
     magic: str
@@ -229,17 +229,50 @@ def _list_ids(buf: bytes, pos: int, L: int, n_tokens: int):
     return ids.astype(np.int32), pos + int(used.size)
 
 
-_SCORE_BITS = 4  # CSAC version 2: bits per score code
-_IDS_VARINT, _IDS_BITMAP = 0, 1
+_SCORE_BITS = 4  # CSAC version >= 2: bits per score code
+_IDS_VARINT, _IDS_BITMAP, _IDS_ELIAS_FANO = 0, 1, 2
 
 
-def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int):
-    """The lists of a ``CSAC`` version 2 artifact from `pos`: per list an id
-    coding byte (0: L delta varints, 1: a bitmap of ceil(n_tokens / 8) bytes,
-    bit i of byte i // 8 least significant first), min(16, L) fp16 codebook
-    entries, then ceil(L / 2) bytes of 4-bit codes (entry e in the low nibble
-    of byte e // 2 when e is even, the high nibble when odd), in ascending-id
-    order. Returns (ids, scores, codes, book, id_coding, new position)."""
+def _elias_fano_ids(buf: bytes, pos: int, L: int, n_tokens: int):
+    """Decodes one list's Elias-Fano ids at `pos` (after the coding byte): a
+    byte k <= 31, then L k-bit low parts packed little-endian (entry e at bits
+    [e*k, (e+1)*k)), then an upper bitmap of L + ((n_tokens - 1) >> k) + 1 bits
+    where entry e sets bit (id_e >> k) + e. Returns (int32 ids [L], new pos)."""
+    if pos + 1 > len(buf):
+        raise _fail("truncated Elias-Fano ids")
+    k = buf[pos]
+    pos += 1
+    if k > 31:
+        raise _fail("bad Elias-Fano low bits")
+    low_bytes = (L * k + 7) // 8
+    upper_bits = L + ((n_tokens - 1) >> k) + 1
+    upper_bytes = (upper_bits + 7) // 8
+    if pos + low_bytes + upper_bytes > len(buf):
+        raise _fail("truncated Elias-Fano ids")
+    raw = np.frombuffer(buf, dtype=np.uint8, count=low_bytes + upper_bytes, offset=pos)
+    pos += low_bytes + upper_bytes
+    low = np.zeros(L, dtype=np.int64)
+    if k:
+        bits = np.unpackbits(raw[:low_bytes], bitorder="little")[:L * k].reshape(L, k)
+        low = (bits.astype(np.int64) << np.arange(k, dtype=np.int64)).sum(axis=1)
+    set_bits = np.flatnonzero(np.unpackbits(raw[low_bytes:], bitorder="little"))
+    if set_bits.size != L or (set_bits.size and set_bits[-1] >= upper_bits):
+        raise _fail("bad Elias-Fano ids")
+    ids = ((set_bits - np.arange(L, dtype=np.int64)) << k) | low
+    if (ids >= n_tokens).any() or (np.diff(ids) <= 0).any():
+        raise _fail("bad Elias-Fano ids")
+    return ids.astype(np.int32), pos
+
+
+def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int,
+                   version: int = 2):
+    """The lists of a ``CSAC`` version 2 or 3 artifact from `pos`: per list an
+    id coding byte (0: L delta varints, 1: a bitmap of ceil(n_tokens / 8)
+    bytes, bit i of byte i // 8 least significant first, 2 (version 3):
+    Elias-Fano, :func:`_elias_fano_ids`), min(16, L) fp16 codebook entries,
+    then ceil(L / 2) bytes of 4-bit codes (entry e in the low nibble of byte
+    e // 2 when e is even, the high nibble when odd), in ascending-id order.
+    Returns (ids, scores, codes, book, id_coding, new position)."""
     levels = min(1 << _SCORE_BITS, L)
     code_bytes = (L * _SCORE_BITS + 7) // 8
     bitmap_bytes = (n_tokens + 7) // 8
@@ -264,6 +297,8 @@ def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int):
             ids[li] = set_ids
         elif coding == _IDS_VARINT:
             ids[li], pos = _list_ids(buf, pos, L, n_tokens)
+        elif coding == _IDS_ELIAS_FANO and version >= 3:
+            ids[li], pos = _elias_fano_ids(buf, pos, L, n_tokens)
         else:
             raise _fail("bad list id coding")
         id_coding[li] = coding
@@ -358,7 +393,8 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
     elif n_lists * L > len(buf) - pos:  # every entry takes >= 1 byte
         raise _fail("truncated lists")
     if v2:
-        ids, scores, q, book, id_coding, pos = _read_v2_lists(buf, pos, n_lists, L, n_tokens)
+        ids, scores, q, book, id_coding, pos = _read_v2_lists(buf, pos, n_lists, L, n_tokens,
+                                                               version)
         ids = ids.reshape(m, C, L)
         scores = scores.reshape(m, C, L)
         q = q.reshape(m, C, L)

@@ -57,6 +57,13 @@ class HardeningTest : public ::testing::Test {
     return r->Finish();
   }
 
+  // A csa index with L = N/4 (alpha 0.25, the default before session 6): the
+  // memory figures of the tests below assume its size, not the defaults'.
+  static void AddCsa(v1::BuildContextRequest* req) {
+    v1::IndexSpec* spec = req->add_indexes();
+    spec->set_method("csa");
+    (*spec->mutable_params())["alpha"] = "0.25";
+  }
   static v1::BuildContextRequest Tokens(int n, uint32_t seed = 1) {
     v1::BuildContextRequest req;
     for (int i = 0; i < n; ++i) req.mutable_tokens()->add_ids((i * 7 + seed * 13) % 500 + 3);
@@ -420,7 +427,7 @@ class SessionStream {
 TEST_F(HardeningTest, Finding1_SessionsShareImmutableIndexState) {
   Start({"--max-context-tokens", "65536", "--max-appended-tokens", "4"});
   v1::BuildContextRequest req = Tokens(8000, 5);
-  req.add_indexes()->set_method("csa");
+  AddCsa(&req);
   v1::BuildProgress built;
   ASSERT_TRUE(Build(req, &built).ok());
   const v1::ContextInfo& info = built.context();
@@ -475,8 +482,8 @@ TEST_F(HardeningTest, Finding1_SessionsShareImmutableIndexState) {
 TEST_F(HardeningTest, Finding1_OpenPastTheSessionMemoryBudgetIsResourceExhaustedWithNumbers) {
   Start({"--max-context-tokens", "65536", "--session-memory-mb", "56"});
   v1::BuildContextRequest small_req = Tokens(2000, 8), big_req = Tokens(8000, 9);
-  small_req.add_indexes()->set_method("csa");
-  big_req.add_indexes()->set_method("csa");
+  AddCsa(&small_req);
+  AddCsa(&big_req);
   v1::BuildProgress small, big;
   ASSERT_TRUE(Build(small_req, &small).ok());
   ASSERT_TRUE(Build(big_req, &big).ok());
@@ -523,7 +530,7 @@ TEST_F(HardeningTest, Finding2_OpenDeadlineDoesNotCancelASlowLoad) {
 TEST_F(HardeningTest, Finding11_MemoryIsReturnedAfterSessionsClose) {
   Start({"--max-context-tokens", "65536"});
   v1::BuildContextRequest req = Tokens(8000, 3);
-  req.add_indexes()->set_method("csa");
+  AddCsa(&req);
   v1::BuildProgress built;
   ASSERT_TRUE(Build(req, &built).ok());
   const v1::ContextInfo& info = built.context();

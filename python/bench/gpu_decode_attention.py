@@ -261,7 +261,7 @@ def select_sweep(iters):
             sel = torch.empty(rows, k, dtype=torch.int64, device="cuda")
             row = {"rows": rows, "pages": p, "k": k}
             want = None
-            for algo in ("search", "radix"):
+            for algo in ("search", "radix", "split"):
                 for exact in (True, False):
                     kernels.select_top_pages(scores, k, n_recent=2, out=sel, exact=exact, algo=algo)
                     got = sel.sort(dim=1).values
@@ -349,7 +349,7 @@ def run(args):
                 variants = [("csa_token", "topk", case.tok_bins, case.tok_scores),
                             ("csa_page", "topk", case.page_bins, case.page_scores)]
                 if kernels is not None:
-                    for algo, suffix in (("search", ""), ("radix", "_radix")):
+                    for algo, suffix in (("search", ""), ("radix", "_radix"), ("split", "_split")):
                         variants += [
                             ("csa_token_fused" + suffix, "fused", case.tok_bins, case.tok_scores),
                             ("csa_page_fused" + suffix, "fused", case.page_bins, case.page_scores),
@@ -360,7 +360,8 @@ def run(args):
                     variants = [v for v in variants if v[0] in keep]
                 for name, top, lists, scores in variants:
                     case.exact_select = top != "fused16"
-                    case.select_algo = "radix" if "_radix" in name else "search"
+                    case.select_algo = ("radix" if "_radix" in name else
+                                        "split" if "_split" in name else "search")
                     top = "fused" if top == "fused16" else top
                     case.top_method = top
                     attend = case.paged_attention if top == "fused" else case.sparse_attention

@@ -48,7 +48,7 @@ def score_cases(rows: int, p: int):
 @pytest.mark.parametrize("rows,p,k", [(8, 8192, 413), (2, 20000, 1001), (64, 4096, 200),
                                       (3, 300, 300), (1, 1000, 1)])
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("algo", ["radix", "search"])
+@pytest.mark.parametrize("algo", ["split", "radix", "search"])
 def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact, algo) -> None:
     out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
     for name, scores in score_cases(rows, p):
@@ -61,7 +61,7 @@ def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact, 
         assert torch.count_nonzero(x) == 0, "reset leaves the bins zeroed"
 
 
-@pytest.mark.parametrize("algo", ["radix", "search"])
+@pytest.mark.parametrize("algo", ["split", "radix", "search"])
 def test_top_pages_is_graph_capturable(algo) -> None:
     rows, p, k = 8, 8192, 413
     static = torch.rand(rows, p, device=DEV)

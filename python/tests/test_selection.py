@@ -452,8 +452,9 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
     for step in range(3):
         for layer in range(m.n_layers):
             q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
-            dk = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
-            dv = torch.randn(m.n_kv_heads, 2, m.head_dim, dtype=torch.float64).float()
+            # Seeded (a global torch RNG made the rounding depend on test order).
+            dk = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
+            dv = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
             want = torch.zeros(m.n_q_heads, m.head_dim)
             for h, st in enumerate(reference.step(layer, q.numpy(), as_torch=False)):
                 fk, fv = full[(layer, h)]
@@ -467,7 +468,9 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
                 step_fn = hf._client_step if name == "exact" else hf._planned_step
                 k, v, mask = step_fn(dec, layer, q)
                 got = hf.attend(q, k, v, mask, dk, dv, 0.125)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+                # float32 attention summed in another order differs by up to
+                # ~2e-5; a different page or mask differs by ~1e-1.
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
     for dec in decoders.values():
         assert dec.pool.misses > 40 and dec.pool.hits > 0  # evicted and re-fetched
         assert dec.bytes_received == dec.pool.bytes_fetched

@@ -1,12 +1,14 @@
 """Triton kernels of the GPU sparse decode path.
 
 select_top_pages  exact per-row top-k of page scores (ties: lower page first),
-                  one program per row on the order-preserving integer image
-                  of the float scores, then a prefix-sum compaction. Two
-                  ways to find the k-th largest key (SELECT_ALGO): "radix",
-                  one 256-bin histogram per 8-bit digit (4 rounds exact, 2
-                  at bf16 ranking), or "search", a FAN-ary search over the
-                  key range (17 / 9 steps). Replaces torch.topk, whose
+                  on the order-preserving integer image of the float
+                  scores, then a prefix-sum compaction. Three ways to find
+                  the k-th largest key (SELECT_ALGO): "radix", one program
+                  per row, one 256-bin histogram per 8-bit digit (at most 4
+                  rounds exact, 2 at bf16 ranking); "split", the same with
+                  each row spread over up to 16 programs that meet at
+                  atomic-counter barriers (faster from ~16K pages per row);
+                  or "search", a FAN-ary search over the key range. Replaces torch.topk, whose
                   single-block radix select dominated the selection at 8-64
                   rows of 8K pages.
 paged_decode_attention
@@ -197,6 +199,102 @@ def _select_top_pages_radix_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.con
     tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
 
 
+@triton.jit
+def _select_top_pages_split_kernel(x_ptr, out_ptr, ws_ptr, P, K, N_RECENT, CHUNK,
+                                   S: tl.constexpr, SP: tl.constexpr, RESET: tl.constexpr,
+                                   KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr,
+                                   KEY_SIGN: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    # The radix select of _select_top_pages_radix_kernel with each row split
+    # over S programs (CHUNK keys each): per round every program adds its
+    # chunk's histogram into the row's global one, the S programs meet at a
+    # barrier (an atomic counter they spin on; all R * S programs must be
+    # resident at once, which the caller ensures), and each reads the summed
+    # histogram and takes the same decision. A last barrier exchanges the
+    # chunks' counts for the output offsets. ws (int32, zeroed by the caller
+    # before each call): [R, ROUNDS + 1] counters | [R, ROUNDS, NB]
+    # histograms | [R, S, 2] chunk counts.
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    n_rows = tl.num_programs(0)
+    NB: tl.constexpr = 1 << DIGIT_BITS
+    ROUNDS: tl.constexpr = KEY_BITS // DIGIT_BITS
+    sync = ws_ptr + row * (ROUNDS + 1)
+    hist = ws_ptr + n_rows * (ROUNDS + 1) + row * (ROUNDS * NB)
+    cnts = ws_ptr + n_rows * (ROUNDS + 1) + n_rows * (ROUNDS * NB) + row * (S * 2)
+    lane = tl.arange(0, BLOCK)
+    offs = s * CHUNK + lane
+    valid = (lane < CHUNK) & (offs < P)
+    x = tl.load(x_ptr + row * P + offs, mask=valid, other=0.0)
+    x = tl.where(valid & ((offs == 0) | (offs >= P - N_RECENT)), float("inf"), x)
+    if RESET:
+        tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = key >> (32 - KEY_BITS)
+    u = ((key & KEY_MASK) ^ KEY_SIGN).to(tl.uint32, bitcast=True)
+    bins = tl.arange(0, NB)
+    cand = valid
+    n_cand = P + tl.zeros([], tl.int32)  # candidates of the whole row
+    krem = K + tl.zeros([], tl.int32)
+    prefix = tl.zeros([], tl.uint32)
+    hi = ~tl.zeros([], tl.uint32)
+    for r in tl.static_range(ROUNDS):
+        shift = KEY_BITS - DIGIT_BITS * (r + 1)
+        if n_cand > krem:  # the same values in every program of the row
+            d = tl.where(cand, ((u >> shift) & (NB - 1)).to(tl.int32), 0)
+            h = tl.histogram(d, NB)
+            local_n = tl.sum(cand.to(tl.int32), axis=0)
+            h = h - tl.where(bins == 0, BLOCK - local_n, 0)
+            tl.atomic_add(hist + r * NB + bins, h)
+            tl.debug_barrier()  # every thread's adds issued before the arrival
+            arrived = tl.atomic_add(sync + r, 1) + 1
+            while arrived < S:
+                arrived = tl.atomic_add(sync + r, 0)
+            gh = tl.atomic_add(hist + r * NB + bins, tl.zeros([NB], tl.int32))
+            above = n_cand - tl.cumsum(gh, axis=0)
+            hit = (above < krem) & (above + gh >= krem)
+            b = tl.max(tl.where(hit, bins, -1), axis=0)
+            krem = krem - tl.sum(tl.where(hit, above, 0), axis=0)
+            n_cand = tl.sum(tl.where(hit, gh, 0), axis=0)
+            prefix = (prefix << DIGIT_BITS) | b.to(tl.uint32)
+            hi = (prefix << shift) | tl.full([], (1 << shift) - 1, tl.uint32)
+            cand = cand & (d == b)
+    gt = (u > hi) & valid
+    tl.atomic_add(cnts + s * 2, tl.sum(gt.to(tl.int32), axis=0))
+    tl.atomic_add(cnts + s * 2 + 1, tl.sum(cand.to(tl.int32), axis=0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sync + ROUNDS, 1) + 1
+    while arrived < S:
+        arrived = tl.atomic_add(sync + ROUNDS, 0)
+    so = tl.arange(0, SP)
+    before = (so < s) & (so < S)
+    c_gt = tl.atomic_add(cnts + so * 2, tl.zeros([SP], tl.int32), mask=so < S)
+    c_eq = tl.atomic_add(cnts + so * 2 + 1, tl.zeros([SP], tl.int32), mask=so < S)
+    gt_before = tl.sum(tl.where(before, c_gt, 0), axis=0).to(tl.int64)
+    eq_before = tl.sum(tl.where(before, c_eq, 0), axis=0).to(tl.int64)
+    both = tl.cumsum(gt.to(tl.int64) + (cand.to(tl.int64) << 32), axis=0)
+    total_gt = K - krem
+    gt_rank = gt_before + (both & 0xFFFFFFFF)
+    eq_rank = eq_before + (both >> 32)
+    take = gt | (cand & (eq_rank <= krem))
+    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
+    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+
+
+_split_workspaces = {}
+
+
+def _split_programs(rows: int, p: int, device) -> int:
+    """Programs per row for algo "split": as many as keep every program of
+    the grid resident (<= one per SM) and chunks of >= 256 keys; 1 = none."""
+    sm = torch.cuda.get_device_properties(device).multi_processor_count
+    s = 1
+    while s * 2 <= 16 and rows * s * 2 <= sm and p // (s * 2) >= 256:
+        s *= 2
+    return s
+
+
 def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: bool = False,
                      out: torch.Tensor = None, exact: bool = True,
                      algo: str = "", num_warps: int = 0) -> torch.Tensor:
@@ -205,7 +303,9 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
     Page 0 and the n_recent last pages of each row count as +inf (always
     taken). reset: zero `scores` after reading it (the next step's bins).
     exact False: rank by bf16-rounded scores (ties by page order), faster.
-    algo: "radix" or "search" (the same pages); "" = SELECT_ALGO.
+    algo: "split", "radix" or "search" (the same pages); "" = SELECT_ALGO.
+        "split" spreads each row over several programs that meet at grid
+        barriers (radix when the grid would not fit one program per SM).
     num_warps: warps per row's program; 0 = SELECT_WARPS, else by row length.
     """
     assert scores.dim() == 2 and scores.is_contiguous() and scores.dtype == torch.float32
@@ -217,6 +317,29 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
     key_bits = 32 if exact else 16
     algo = algo or SELECT_ALGO
     warps = num_warps or SELECT_WARPS or (16 if block >= 4096 else 4)
+    if algo == "split":
+        n_split = _split_programs(rows, p, scores.device)
+        if n_split == 1:
+            algo = "radix"
+        else:
+            chunk = (p + n_split - 1) // n_split
+            cblock = max(triton.next_power_of_2(chunk), 1 << RADIX_BITS)
+            rounds = key_bits // RADIX_BITS
+            size = rows * (rounds + 1) + rows * rounds * (1 << RADIX_BITS) + rows * n_split * 2
+            ws_key = (scores.device, size)
+            ws = _split_workspaces.get(ws_key)
+            if ws is None:
+                ws = _split_workspaces[ws_key] = torch.empty(size, dtype=torch.int32,
+                                                             device=scores.device)
+            ws.zero_()
+            _select_top_pages_split_kernel[(rows, n_split)](
+                scores, out, ws, p, k, n_recent, chunk, S=n_split,
+                SP=max(2, triton.next_power_of_2(n_split)), RESET=reset, KEY_BITS=key_bits,
+                KEY_MASK=-1 if key_bits == 32 else (1 << key_bits) - 1,
+                KEY_SIGN=-2**31 if key_bits == 32 else 1 << (key_bits - 1),
+                DIGIT_BITS=RADIX_BITS, BLOCK=cblock,
+                num_warps=num_warps or (4 if cblock <= 1024 else 8 if cblock <= 2048 else 16))
+            return out
     if algo == "radix":
         _select_top_pages_radix_kernel[(rows,)](
             scores, out, p, k, n_recent, RESET=reset, KEY_BITS=key_bits,
@@ -225,7 +348,7 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
             DIGIT_BITS=RADIX_BITS, BLOCK=max(block, 1 << RADIX_BITS), num_warps=warps)
         return out
     if algo != "search":
-        raise ValueError(f"algo: expected 'radix' or 'search', got {algo!r}")
+        raise ValueError(f"algo: expected 'split', 'radix' or 'search', got {algo!r}")
     fan_bits = SELECT_FAN.bit_length() - 1
     steps = (key_bits + fan_bits - 1) // fan_bits + 1
     _select_top_pages_kernel[(rows,)](scores, out, p, k, n_recent, RESET=reset,

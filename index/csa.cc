@@ -1046,17 +1046,20 @@ void CsaSelector::SerializeCompact(std::string* out) const {
       std::fill(ef_buf.begin(), ef_buf.end(), 0);
       uint8_t* low = ef_buf.data();
       uint8_t* upper = low + ef.low_bytes;
-      const uint32_t low_mask = ef.k == 0 ? 0u : (~0u >> (32 - ef.k));
+      const uint64_t low_mask = (uint64_t{1} << ef.k) - 1;
+      uint64_t acc = 0;  // low parts not yet written, < 8 + 31 bits
+      int acc_bits = 0;
+      size_t out = 0;
       for (int64_t e = 0; e < L_; ++e) {
         const uint32_t id = static_cast<uint32_t>(list[e].first);
-        const uint64_t at = static_cast<uint64_t>(e) * ef.k;
-        const uint32_t lo = id & low_mask;
-        for (int b = 0; b < ef.k; ++b) {  // k <= 31 bits, usually 2-4
-          if ((lo >> b) & 1u) low[(at + b) >> 3] |= static_cast<uint8_t>(1u << ((at + b) & 7));
+        acc |= (id & low_mask) << acc_bits;
+        for (acc_bits += ef.k; acc_bits >= 8; acc_bits -= 8, acc >>= 8) {
+          low[out++] = static_cast<uint8_t>(acc);
         }
         const uint64_t u = (static_cast<uint64_t>(id) >> ef.k) + static_cast<uint64_t>(e);
         upper[u >> 3] |= static_cast<uint8_t>(1u << (u & 7));
       }
+      if (acc_bits > 0) low[out] = static_cast<uint8_t>(acc);
       w.PutArray(ef_buf.data(), ef_buf.size());
     } else if (bitmap.size() < varint_bytes) {
       w.Put<uint8_t>(kIdsBitmap);
@@ -1201,11 +1204,13 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
           for (uint32_t v = upper[byte]; v != 0; v &= v - 1) {
             const uint64_t bit = byte * 8 + static_cast<uint64_t>(__builtin_ctz(v));
             if (bit >= ef.upper_bits || e >= L_) return loss("bad Elias-Fano ids");
-            uint64_t lo = 0;
+            // Entry e's k low bits start at bit e * k: up to 5 bytes.
             const uint64_t at = static_cast<uint64_t>(e) * k;
-            for (int b = 0; b < k; ++b) {
-              lo |= static_cast<uint64_t>((low[(at + b) >> 3] >> ((at + b) & 7)) & 1u) << b;
-            }
+            uint64_t window = 0;
+            const uint64_t first = at >> 3;
+            const uint64_t last = std::min<uint64_t>(first + 5, ef.low_bytes);
+            for (uint64_t i = first; i < last; ++i) window |= uint64_t{low[i]} << (8 * (i - first));
+            const uint64_t lo = (window >> (at & 7)) & ((uint64_t{1} << k) - 1);
             const int64_t id = static_cast<int64_t>(((bit - static_cast<uint64_t>(e)) << k) | lo);
             if (id <= prev || id >= n_tokens_) return loss("bad Elias-Fano ids");
             ids[e++] = static_cast<int32_t>(id);

@@ -25,11 +25,12 @@ struct MethodInfo {
   using BuildFn = StatusOr<std::unique_ptr<Selector>> (*)(const HeadPrefill&, const MethodParams&);
   using LoadFn = StatusOr<std::unique_ptr<Selector>> (*)(std::string_view);
   // The parameters a build over n_keys keys with n_query_rows pooled query
-  // rows (all q heads of the group) actually uses, from the requested ones:
-  // defaults that depend on the context filled in. InvalidArgument for bad
-  // requested params.
+  // rows (all q heads of the group) of a model with head_dim actually uses,
+  // from the requested ones: defaults that depend on the context or the
+  // model filled in (csa's C and m; head_dim 0 = unknown, m left as
+  // requested). InvalidArgument for bad requested params.
   using ResolveFn = StatusOr<MethodParams> (*)(const MethodParams& requested, int64_t n_keys,
-                                              int64_t n_query_rows);
+                                              int64_t n_query_rows, int head_dim);
 
   std::string_view name;
   // Kind byte of the method's artifact in the `index` column family key.

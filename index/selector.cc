@@ -17,15 +17,17 @@
 namespace ctxcache::index {
 namespace {
 
-StatusOr<MethodParams> ResolveAsRequested(const MethodParams& requested, int64_t, int64_t) {
+StatusOr<MethodParams> ResolveAsRequested(const MethodParams& requested, int64_t, int64_t, int) {
   return requested;
 }
 
 // CSA: every option spelled out (so the manifest records what was built),
-// with C clamped to the keys and query rows when not requested.
+// with C clamped to the keys and query rows when not requested, and m = 0
+// resolved for head_dim (CsaSubspaces) when it is known.
 StatusOr<MethodParams> ResolveCsa(const MethodParams& requested, int64_t n_keys,
-                                  int64_t n_query_rows) {
+                                  int64_t n_query_rows, int head_dim) {
   ASSIGN_OR_RETURN(CsaOptions o, ParseCsaOptions(requested));
+  if (head_dim > 0) o.m = CsaSubspaces(o.m, head_dim);
   if (requested.find("C") == requested.end()) {
     o.C = static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>({o.C, n_keys, n_query_rows})));

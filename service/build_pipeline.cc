@@ -167,9 +167,9 @@ Status LoadParentKv(storage::Store* store, const storage::ContextId& parent,
 // The params a build of `req` uses on n_keys keys and n_rows query rows
 // (the method's own defaults, filled in by the registry).
 StatusOr<index::MethodParams> ResolvedParams(const IndexRequest& req, int64_t n_keys,
-                                             int64_t n_rows) {
+                                             int64_t n_rows, int head_dim) {
   ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(req.method));
-  return info->resolve(req.params, n_keys, n_rows);
+  return info->resolve(req.params, n_keys, n_rows, head_dim);
 }
 
 // Builds, serializes and writes the `req` artifact of (layer, kv head).
@@ -177,7 +177,8 @@ Status BuildArtifact(storage::ContextWriter* writer, int layer, int kv_head,
                      const IndexRequest& req, const index::HeadPrefill& hp) {
   ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(req.method));
   ASSIGN_OR_RETURN(index::MethodParams params,
-                   info->resolve(req.params, hp.n_tokens, hp.n_queries * hp.group_size));
+                   info->resolve(req.params, hp.n_tokens, hp.n_queries * hp.group_size,
+                                 hp.head_dim));
   ASSIGN_OR_RETURN(std::unique_ptr<index::Selector> sel, info->build(hp, params));
   std::string bytes;
   RETURN_IF_ERROR(sel->Serialize(&bytes));
@@ -259,7 +260,8 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
     v1::IndexParams ip;
     ip.set_method(r.method);
     ASSIGN_OR_RETURN(index::MethodParams resolved,
-                     ResolvedParams(r, n, static_cast<int64_t>(pos0.size()) * shape.group_size));
+                     ResolvedParams(r, n, static_cast<int64_t>(pos0.size()) * shape.group_size,
+                                    shape.head_dim));
     for (const auto& [key, val] : resolved) {
       (*ip.mutable_params())[key] = val;
     }
@@ -287,7 +289,8 @@ Status CheckReusable(const v1::ContextManifest& existing,
   const int64_t n = static_cast<int64_t>(existing.n_tokens());
   for (const IndexRequest& r : requested) {
     ASSIGN_OR_RETURN(const index::MethodParams want,
-                     ResolvedParams(r, n, n * std::max(1, group_size)));
+                     ResolvedParams(r, n, n * std::max(1, group_size),
+                                    static_cast<int>(existing.model().head_dim())));
     bool found = false;
     for (const auto& ip : existing.index_params()) {
       if (ip.method() != r.method) continue;

@@ -56,17 +56,21 @@ TEST(MethodsTest, FlagsAndLookup) {
 TEST(MethodsTest, CsaResolvesEveryOptionAndClampsCOnlyWhenNotRequested) {
   auto csa = FindMethodInfo("csa");
   ASSERT_TRUE(csa.ok());
-  auto big = (*csa)->resolve({}, 10000, 40000);
+  auto big = (*csa)->resolve({}, 10000, 40000, /*head_dim=*/0);
   ASSERT_TRUE(big.ok());
-  EXPECT_EQ(*big, CsaOptionsToParams(CsaOptions{}));
-  auto small = (*csa)->resolve({}, 90, 360);
+  EXPECT_EQ(*big, CsaOptionsToParams(CsaOptions{}));  // m stays 0: head_dim unknown
+  auto small = (*csa)->resolve({}, 90, 360, 64);
   ASSERT_TRUE(small.ok());
   EXPECT_EQ(small->at("C"), "90");
-  auto asked = (*csa)->resolve({{"C", "64"}, {"alpha", "0.5"}}, 90, 360);
+  // m = 0 resolves for the model's head_dim (what the build uses); an asked m is kept.
+  EXPECT_EQ(small->at("m"), "16");
+  EXPECT_EQ((*csa)->resolve({}, 90, 360, 32)->at("m"), "8");
+  auto asked = (*csa)->resolve({{"C", "64"}, {"alpha", "0.5"}, {"m", "4"}}, 90, 360, 64);
   ASSERT_TRUE(asked.ok());
   EXPECT_EQ(asked->at("C"), "64");
   EXPECT_EQ(asked->at("alpha"), "0.5");
-  EXPECT_EQ((*csa)->resolve({{"bogus", "1"}}, 90, 360).status().code(),
+  EXPECT_EQ(asked->at("m"), "4");
+  EXPECT_EQ((*csa)->resolve({{"bogus", "1"}}, 90, 360, 64).status().code(),
             StatusCode::kInvalidArgument);
   // An extended context re-derives C from its own size, keeps the rest.
   MethodParams child = ParamsForExtend(**csa, *small);
@@ -74,7 +78,7 @@ TEST(MethodsTest, CsaResolvesEveryOptionAndClampsCOnlyWhenNotRequested) {
   EXPECT_EQ(child.at("alpha"), small->at("alpha"));
   auto tactic = FindMethodInfo("tactic");
   ASSERT_TRUE(tactic.ok());
-  EXPECT_EQ(*(*tactic)->resolve({{"k", "v"}}, 90, 360), (MethodParams{{"k", "v"}}));
+  EXPECT_EQ(*(*tactic)->resolve({{"k", "v"}}, 90, 360, 64), (MethodParams{{"k", "v"}}));
 }
 
 // Issue #19 finding 1: sessions clone one loaded selector. For every

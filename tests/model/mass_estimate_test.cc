@@ -141,7 +141,7 @@ class MassEstimateTest : public ::testing::Test {
         hp.n_queries = first_step_row_;
         hp.query_positions = pos.data();
         hp.queries = q.data();
-        auto resolved = (*info)->resolve({}, n_, hp.n_queries * G);
+        auto resolved = (*info)->resolve({}, n_, hp.n_queries * G, hp.head_dim);
         ASSERT_TRUE(resolved.ok()) << resolved.status().ToString();
         auto sel = (*info)->build(hp, *resolved);
         ASSERT_TRUE(sel.ok()) << sel.status().ToString();

@@ -325,7 +325,8 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
 }
 
 // index/ owns method defaults: a context built with no index params stores
-// exactly CsaOptions' documented defaults (C is clamped only below 128 keys).
+// exactly CsaOptions' documented defaults (C is clamped only below 128 keys),
+// with m resolved for the model's head_dim (what the build used).
 TEST_F(ServiceTest, DefaultCsaParamsAreCsaOptionsDefaults) {
   auto done = Build(RandomTokens(700, 9));
   ASSERT_TRUE(done.ok()) << done.status().ToString();
@@ -335,7 +336,9 @@ TEST_F(ServiceTest, DefaultCsaParamsAreCsaOptionsDefaults) {
   }
   ASSERT_NE(csa, nullptr);
   const index::MethodParams stored(csa->params().begin(), csa->params().end());
-  EXPECT_EQ(stored, index::CsaOptionsToParams(index::CsaOptions{}));
+  index::CsaOptions defaults;
+  defaults.m = index::CsaSubspaces(0, static_cast<int>(done->context().model().head_dim()));
+  EXPECT_EQ(stored, index::CsaOptionsToParams(defaults));
   auto parsed = index::ParseCsaOptions(stored);
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
   EXPECT_TRUE(parsed->norm_weights);

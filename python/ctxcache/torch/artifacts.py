@@ -12,7 +12,8 @@ The bytes are those :meth:`ctxcache.Client.fetch_index` returns for method
 >>> a.centroids.shape, a.ids.shape            # [m, C, d/m], [m, C, L]
 
 After parsing, ``scores`` are exactly the fp16 scores the C++ loader holds:
-the stored ones for ``CSAP``; for ``CSAC`` version 2 (written today) each
+the stored ones for ``CSAP``; for ``CSAC`` versions 2
+and 3 (3 written today: Elias-Fano list ids as a third id coding) each
 list's fp16 codebook entry of its 4-bit code; for ``CSAC`` version 1 (older
 stored contexts) the dequantized ``fp16(fma(q, step, lo))`` (the compiled
 loader fuses ``lo + q * step`` into one fused multiply-add, so that is what is

@@ -85,9 +85,8 @@ namespace ctxcache::index {
 struct CsaOptions {
   // Subspaces; must divide head_dim. 0 = chosen by head_dim at build
   // (CsaSubspaces: 16 subspaces of 4 dims at d 64, of 8 dims at d 128); a
-  // built or loaded selector always holds the resolved m. The paper's 8 lost
-  // most retrieval tasks at 5% of pages (docs/algorithms.md, "Subspaces").
-  // Default: 0.
+  // built or loaded selector always holds the resolved m. Why not the
+  // paper's 8: docs/algorithms.md, "Session 6". Default: 0.
   int m = 0;
   // Centroids per subspace; <= n_tokens and <= pooled query rows. Default: 128.
   int C = 128;

@@ -158,6 +158,21 @@ TEST(CheckReusableTest, SameResolvedParamsReuseOthersNameTheFix) {
             StatusCode::kAlreadyExists);
   EXPECT_EQ(CheckReusable(m, {IndexRequest{"csa", {{"bogus", "1"}}}}, 4).code(),
             StatusCode::kInvalidArgument);
+  // A context of a head_dim 64 model stores the m its build resolved (16):
+  // default params and an explicit m=16 reuse it, another m does not.
+  v1::ContextManifest d64 = m;
+  d64.mutable_model()->set_head_dim(64);
+  index::CsaOptions built;
+  built.m = index::CsaSubspaces(0, 64);
+  ASSERT_EQ(built.m, 16);
+  d64.mutable_index_params(0)->clear_params();
+  for (const auto& [k, v] : index::CsaOptionsToParams(built)) {
+    (*d64.mutable_index_params(0)->mutable_params())[k] = v;
+  }
+  EXPECT_TRUE(CheckReusable(d64, {IndexRequest{"csa", {}}}, 4).ok());
+  EXPECT_TRUE(CheckReusable(d64, {IndexRequest{"csa", {{"m", "16"}}}}, 4).ok());
+  EXPECT_EQ(CheckReusable(d64, {IndexRequest{"csa", {{"m", "8"}}}}, 4).code(),
+            StatusCode::kAlreadyExists);
 }
 
 // ------------------------------------------- IngestBuilder, DecodeSession --

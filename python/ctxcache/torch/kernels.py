@@ -25,6 +25,7 @@ Shapes (R = batch * n_kv_heads rows, P pages per row, B = 16 tokens/page):
 Import needs triton and a CUDA device. The exact session pipeline (csa
 selection, page cap, page tables) is ctxcache.torch.selection, in numpy.
 """
+import functools
 import math
 import os
 
@@ -285,10 +286,15 @@ def _select_top_pages_split_kernel(x_ptr, out_ptr, ws_ptr, P, K, N_RECENT, CHUNK
 _split_workspaces = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_programs(rows: int, p: int, device) -> int:
     """Programs per row for algo "split": as many as keep every program of
     the grid resident (<= one per SM) and chunks of >= 256 keys; 1 = none."""
-    sm = torch.cuda.get_device_properties(device).multi_processor_count
+    sm = _sm_count(device)
     s = 1
     while s * 2 <= 16 and rows * s * 2 <= sm and p // (s * 2) >= 256:
         s *= 2
@@ -425,7 +431,7 @@ class PagedDecodeAttention:
     def __init__(self, rows: int, group: int, head_dim: int, kp: int, device, dtype,
                  page: int = 16, sm_count: int = 0):
         self.rows, self.g, self.d, self.kp, self.page = rows, group, head_dim, kp, page
-        sm = sm_count or torch.cuda.get_device_properties(device).multi_processor_count
+        sm = sm_count or _sm_count(device)
         self.ppb = 4 if kp >= 4 else 1  # pages per inner block (64 tokens)
         want = max(1, (2 * sm + rows - 1) // rows)
         self.splits = max(1, min(want, (kp + self.ppb - 1) // self.ppb))

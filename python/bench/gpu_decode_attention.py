@@ -119,6 +119,7 @@ class Case:
         self.sel = None  # pages picked by the last select (global rows)
         self.top_method = "topk"  # or "sort", "triton", "fused"
         self.paged = None
+        self.paged_geometry = None
         self.lists32 = {}
         self.exact_select = True
         self.select_algo = "search"  # kernels.select_top_pages algo
@@ -172,11 +173,16 @@ class Case:
         self.sel = self.sel_buf.view(-1)
         return self.sel
 
-    def paged_attention(self):
-        """Attention over the selected pages read in place (Triton)."""
-        if self.paged is None:
+    def paged_attention(self, geometry=None):
+        """Attention over the selected pages read in place (Triton); geometry:
+        PagedDecodeAttention's (programs_per_sm, pages_per_block)."""
+        if self.paged is None or geometry != self.paged_geometry:
+            self.paged_geometry = geometry
             self.paged = kernels.PagedDecodeAttention(self.b * self.hkv, self.g, self.d, self.kp,
-                                                      self.q.device, self.q.dtype)
+                                                      self.q.device, self.q.dtype,
+                                                      **dict(zip(("programs_per_sm",
+                                                                  "pages_per_block"),
+                                                                 geometry or ())))
         out = self.paged(self.q.view(self.b * self.hkv, self.g, self.d),
                          self.k.view(-1, self.d), self.v.view(-1, self.d),
                          self.sel.view(self.b * self.hkv, self.kp))
@@ -283,6 +289,41 @@ def select_sweep(iters):
     return out
 
 
+def radix_sweep(args):
+    """The radix top-k alone over real csa page scores (csa_score_pages of the
+    bench's lists) at the largest length, batch 1 and 8: digit width x warps,
+    exact and bf16 ranking; µs per call. Every setting must pick the pages of
+    the 8-bit default."""
+    n = max(args.lengths)
+    out = []
+    for batch in args.batches:
+        case = Case(n, batch, m=args.m, c=args.c, alpha=args.alpha, rho=args.rho, device="cuda")
+        rows = batch * case.hkv
+        bins = torch.zeros(rows * case.p, device="cuda")
+        kernels.csa_score_pages(case.q.view(rows, case.g, case.d), case.cent,
+                                case.page_bins.to(torch.int32), case.page_scores, bins)
+        bins = bins.view(rows, case.p)
+        sel = torch.empty(rows, case.kp, dtype=torch.int64, device="cuda")
+        row = {"n_tokens": n, "batch": batch, "k": case.kp}
+        for exact in (True, False):
+            tag = "exact" if exact else "bf16"
+            want = kernels.select_top_pages(bins, case.kp, n_recent=2, exact=exact, algo="radix",
+                                            radix_bits=8).sort(dim=1).values
+            for bits in (5, 6, 7, 8):
+                for warps in (8, 16, 32):
+                    def call():
+                        kernels.select_top_pages(bins, case.kp, n_recent=2, out=sel, exact=exact,
+                                                 algo="radix", num_warps=warps, radix_bits=bits)
+                    call()
+                    assert torch.equal(sel.sort(dim=1).values, want), (bits, warps, exact)
+                    row[f"{tag}_{bits}bit_{warps}w_us"] = time_graph(call, args.iters)
+        out.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
 def profile(args):
     """Per-op CUDA time of one sparse step (csa_page and csa_token) and the
     top-k alternatives, at the largest length and each batch."""
@@ -296,20 +337,25 @@ def profile(args):
             case.top_method = top
             out[f"b{batch}_{top}_select_page_us"] = time_graph(
                 lambda: case.select(case.page_bins, case.page_scores), args.iters)
-        for name, top, lists, scores in (("csa_page", "topk", case.page_bins, case.page_scores),
-                                         ("csa_page_fused", "fused", case.page_bins,
-                                          case.page_scores)):
-            case.top_method = top
-            attend = case.paged_attention if top == "fused" else case.sparse_attention
+        lists, scores = case.page_bins, case.page_scores
+        for name, top, exact in (("csa_page", "topk", True), ("csa_page_fused_radix", "fused", True),
+                                 ("csa_page_fused_radix_bf16rank", "fused", False),
+                                 ("dense", "dense", True)):
+            case.top_method, case.exact_select, case.select_algo = top, exact, "radix"
+
+            def step():
+                if top == "dense":
+                    return case.dense()
+                case.select(lists, scores)
+                return case.paged_attention() if top == "fused" else case.sparse_attention()
+
             with sdpa_backend_ctx():
                 for _ in range(3):
-                    case.select(lists, scores)
-                    attend()
+                    step()
                 torch.cuda.synchronize()
                 with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
-                        case.select(lists, scores)
-                        attend()
+                        step()
                     torch.cuda.synchronize()
             rows = []
             for e in prof.key_averages():
@@ -337,6 +383,11 @@ def run(args):
     }
     if kernels is not None and not args.no_sweep:
         result["select_sweep"] = select_sweep(args.iters)
+    if kernels is not None and args.radix_sweep:
+        result["radix_sweep"] = radix_sweep(args)
+    if kernels is not None and args.radix_bits:
+        kernels.RADIX_BITS = args.radix_bits
+        result["shape"]["radix_bits"] = args.radix_bits
     for n in args.lengths:
         for batch in args.batches:
             torch.cuda.empty_cache()
@@ -386,6 +437,13 @@ def run(args):
                         "period4_us": period4_us,
                         "period4_speedup": row["dense_us"] / period4_us,
                     }
+            if kernels is not None and args.attn_sweep:
+                # PagedDecodeAttention's split geometry over the last selection.
+                sweep = {}
+                for geo in ((2, 4), (1, 4), (4, 4), (4, 2), (8, 2), (8, 1)):
+                    sweep[f"{geo[0]}per_sm_{geo[1]}ppb"] = time_graph(
+                        lambda: case.paged_attention(geo), args.iters)
+                row["attention_geometry_us"] = sweep
             result["rows"].append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
             del case
@@ -407,6 +465,12 @@ def main():
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default="")
+    ap.add_argument("--radix-sweep", action="store_true",
+                    help="time the radix top-k by digit width and warps on real csa scores")
+    ap.add_argument("--radix-bits", type=int, default=0,
+                    help="digit width of the radix top-k in the timed steps (0: kernels' default)")
+    ap.add_argument("--attn-sweep", action="store_true",
+                    help="also time the paged attention's split geometries")
     ap.add_argument("--no-sweep", action="store_true",
                     help="skip the top-k sweep (select_top_pages alone, both algorithms)")
     ap.add_argument("--profile", action="store_true",

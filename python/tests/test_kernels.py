@@ -61,6 +61,25 @@ def test_top_pages_are_the_reference_top_k_with_ties_by_page(rows, p, k, exact, 
         assert torch.count_nonzero(x) == 0, "reset leaves the bins zeroed"
 
 
+@pytest.mark.parametrize("rows,p,k", [(8, 8192, 413), (2, 20000, 1001), (3, 300, 300)])
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("algo", ["split", "radix"])
+@pytest.mark.parametrize("radix_bits", [5, 6, 7])
+def test_every_radix_digit_width_picks_the_reference_pages(rows, p, k, exact, algo,
+                                                           radix_bits) -> None:
+    out = torch.empty(rows, k, dtype=torch.int64, device=DEV)
+    for name, scores in score_cases(rows, p):
+        want = reference_top_pages(scores, k, 2, 32 if exact else 16)
+        got = kernels.select_top_pages(scores.clone(), k, n_recent=2, out=out, exact=exact,
+                                       algo=algo, radix_bits=radix_bits)
+        assert [set(r.tolist()) for r in got] == want, name
+
+
+def test_top_pages_rejects_a_radix_digit_width_out_of_range() -> None:
+    with pytest.raises(ValueError, match="radix_bits"):
+        kernels.select_top_pages(torch.rand(1, 64, device=DEV), 4, algo="radix", radix_bits=4)
+
+
 @pytest.mark.parametrize("algo", ["split", "radix", "search"])
 def test_top_pages_is_graph_capturable(algo) -> None:
     rows, p, k = 8, 8192, 413
@@ -119,3 +138,53 @@ def test_csa_score_pages_equals_the_torch_score_add() -> None:
     want = torch.zeros(rows * p, device=DEV)
     want.scatter_add_(0, ids[lid].view(-1), (sc[lid].float() * w.view(-1, 1)).view(-1))
     torch.testing.assert_close(bins, want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("programs_per_sm,pages_per_block", [(1, 4), (4, 2), (8, 1)])
+def test_paged_attention_split_geometry_does_not_change_the_result(programs_per_sm,
+                                                                    pages_per_block) -> None:
+    g = torch.Generator(device=DEV).manual_seed(4)
+    rows, group, d, page, p, kp = 8, 4, 128, 16, 2048, 413
+    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
+                         for r in range(rows)])
+    want = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)(
+        q, k, v, pages).float().clone()
+    got = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16,
+                                       programs_per_sm=programs_per_sm,
+                                       pages_per_block=pages_per_block)(q, k, v, pages).float()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows,kp", [(8, 413), (2, 3)])
+def test_paged_attention_is_right_on_every_call_and_in_a_graph(rows, kp) -> None:
+    # The split partials and the output are buffers of the instance, reused
+    # by every call: repeated calls and graph replays stay right.
+    g = torch.Generator(device=DEV).manual_seed(6)
+    group, d, page, p = 4, 128, 16, 1024
+    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
+                         for r in range(rows)])
+    tok = (pages.view(rows, kp, 1) * page + torch.arange(page, device=DEV)).view(rows, -1)
+    ks, vs = k[tok].float(), v[tok].float()
+
+    def want(q):
+        w = torch.softmax(q.float() @ ks.transpose(1, 2) / math.sqrt(d), dim=-1)
+        return w @ vs
+
+    attn = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)
+    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    for _ in range(3):
+        q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g))
+        torch.testing.assert_close(attn(q, k, v, pages).float(), want(q), rtol=2e-2, atol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn(q, k, v, pages)
+    for _ in range(3):
+        q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want(q), rtol=2e-2, atol=2e-2)

@@ -1,21 +1,26 @@
 """Triton kernels of the GPU sparse decode path.
 
+csa_score_pages   csa's score-add: per (row, subspace) the nearest centroid of
+                  the pooled group query, its list's entries added to page bins.
 select_top_pages  exact per-row top-k of page scores (ties: lower page first),
                   on the order-preserving integer image of the float
                   scores, then a prefix-sum compaction. Three ways to find
                   the k-th largest key (SELECT_ALGO): "radix", one program
-                  per row, one 256-bin histogram per 8-bit digit (at most 4
-                  rounds exact, 2 at bf16 ranking); "split", the same with
+                  per row, one histogram per digit of RADIX_BITS bits, most
+                  significant first, stopping once the bin holding the k-th
+                  key is taken whole; "split", the same with
                   each row spread over up to 16 programs that meet at
                   atomic-counter barriers (faster from ~16K pages per row);
                   or "search", a FAN-ary search over the key range. Replaces torch.topk, whose
                   single-block radix select dominated the selection at 8-64
                   rows of 8K pages.
-paged_decode_attention
+PagedDecodeAttention
                   flash-decoding over the selected pages read in place from
                   the page pool (no gather copy): each program attends the G
                   q heads of one kv head over a split of its pages with an
-                  online softmax; a second kernel combines the splits.
+                  online softmax; a second kernel combines the splits
+                  (folding it into the last split to finish, by an arrival
+                  counter, was measured slower: docs/benchmarks.md).
 
 Shapes (R = batch * n_kv_heads rows, P pages per row, B = 16 tokens/page):
   scores  [R, P] float32
@@ -43,17 +48,21 @@ SELECT_FAN = int(os.environ.get("CTXCACHE_SELECT_FAN", "4"))
 # How select_top_pages finds the k-th largest key: "radix" or "search"
 # (override: CTXCACHE_SELECT_ALGO).
 SELECT_ALGO = os.environ.get("CTXCACHE_SELECT_ALGO", "radix")
-# Bits per radix digit: 256-bin histograms (tl.histogram needs >= 32 bins).
-RADIX_BITS = 8
+# Bits per radix digit, 5 to 8 (tl.histogram needs >= 32 bins). Its cost per
+# key grows with the bins (~log2(bins) + bins / 32 * (log2(bins) + 1) ops per
+# thread), so narrow digits win despite more rounds: 5 measured fastest on an
+# H100 (docs/benchmarks.md). Override: CTXCACHE_RADIX_BITS.
+RADIX_BITS = int(os.environ.get("CTXCACHE_RADIX_BITS", "5"))
 
 
 @triton.jit
-def _csa_score_pages_kernel(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, L, per_split,
-                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                            C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr):
-    r = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
+def _csa_score_add(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, r, b, split, L, per_split,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                   C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr):
+    """Row r, subspace b: nearest centroid of the group's pooled sub-query,
+    then w_b * score of list entries [split * per_split, +per_split) added
+    to their page bins. The adds are relaxed (fire-and-forget reductions):
+    whoever reads the bins is ordered after them by the kernel boundary."""
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, DS)
     qs = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + b * DS + offs_s[None, :],
@@ -70,7 +79,15 @@ def _csa_score_pages_kernel(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, L, per_s
         ok = offs < l_end
         ids = tl.load(ids_ptr + base + offs, mask=ok, other=0)
         sc = tl.load(sc_ptr + base + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.atomic_add(bins_ptr + ids, sc * w, mask=ok)
+        tl.atomic_add(bins_ptr + ids, sc * w, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _csa_score_pages_kernel(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, L, per_split,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                            C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr):
+    _csa_score_add(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, tl.program_id(0),
+                   tl.program_id(1), tl.program_id(2), L, per_split, G, GP, D, M, C, DS, BL)
 
 
 def csa_score_pages(q: torch.Tensor, centroids: torch.Tensor, list_bins: torch.Tensor,
@@ -82,15 +99,31 @@ def csa_score_pages(q: torch.Tensor, centroids: torch.Tensor, list_bins: torch.T
     program per (row, subspace): nearest centroid of the pooled group query,
     then w_b * score of each list entry atomically added to its page bin.
     """
-    rows, g, d = q.shape
+    rows, g, m, c, ds, n_list, splits = _csa_grid(q, centroids, list_bins)
+    _csa_score_pages_kernel[(rows, m, splits)](q, centroids, list_bins, list_scores, bins,
+                                               n_list, CSA_PER_SPLIT, G=g,
+                                               GP=max(2, triton.next_power_of_2(g)), D=q.shape[2], M=m, C=c, DS=ds, BL=1024, num_warps=4)
+
+
+# List entries per score-add program: long lists spread over more SMs.
+CSA_PER_SPLIT = 512
+
+
+def _csa_grid(q, centroids, list_bins):
+    rows, g, _ = q.shape
     _, m, c, ds = centroids.shape
     n_list = list_bins.shape[1]
-    per_split = 512  # list entries per program: long lists spread over more SMs
-    splits = (n_list + per_split - 1) // per_split
-    _csa_score_pages_kernel[(rows, m, splits)](q, centroids, list_bins, list_scores, bins,
-                                               n_list, per_split, G=g,
-                                               GP=max(2, triton.next_power_of_2(g)), D=d, M=m,
-                                               C=c, DS=ds, BL=1024, num_warps=4)
+    return rows, g, m, c, ds, n_list, (n_list + CSA_PER_SPLIT - 1) // CSA_PER_SPLIT
+
+
+def _key_params(exact: bool, digit_bits: int) -> dict:
+    """Constexprs of the radix kernels: rank by all 32 bits, or by the top 16
+    (bf16 precision); digits of digit_bits bits."""
+    if not 5 <= digit_bits <= 8:
+        raise ValueError(f"radix_bits: expected 5 to 8, got {digit_bits}")
+    key_bits = 32 if exact else 16
+    return dict(KEY_BITS=key_bits, KEY_MASK=-1 if exact else (1 << key_bits) - 1,
+                KEY_SIGN=-2**31 if exact else 1 << (key_bits - 1), DIGIT_BITS=digit_bits)
 
 
 @triton.jit
@@ -129,75 +162,104 @@ def _select_top_pages_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr
         lo = new_lo
     lo = lo.to(tl.int32)
     gt = (key > lo) & valid
-    eq = (key == lo) & valid
-    # One scan for both prefix counts: > in the low 32 bits, == in the high.
-    both = tl.cumsum(gt.to(tl.int64) + (eq.to(tl.int64) << 32), axis=0)
-    total_gt = tl.sum(gt.to(tl.int32), axis=0)
-    gt_rank = both & 0xFFFFFFFF
-    eq_rank = both >> 32
-    take_eq = eq & (eq_rank <= K - total_gt)
-    take = gt | take_eq
-    # Output slot: the strictly greater ones first, then the ties taken.
-    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
-    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+    _radix_store(out_ptr, row, P, K, offs, gt, (key == lo) & valid,
+                 K - tl.sum(gt.to(tl.int32), axis=0), 0, 0)
+
 
 @triton.jit
-def _select_top_pages_radix_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr,
-                                   KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr,
-                                   KEY_SIGN: tl.constexpr, DIGIT_BITS: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    valid = offs < P
+def _radix_keys(x_ptr, row, P, offs, valid, N_RECENT, RESET: tl.constexpr,
+                KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr, KEY_SIGN: tl.constexpr):
+    """Unsigned order-preserving keys in [0, 2^KEY_BITS) of a row's scores at
+    `offs` (the top KEY_BITS bits of each float). Page 0 and the N_RECENT
+    last pages count as +inf."""
     x = tl.load(x_ptr + row * P + offs, mask=valid, other=0.0)
-    # The sink page and the N_RECENT last pages are always taken.
     x = tl.where(valid & ((offs == 0) | (offs >= P - N_RECENT)), float("inf"), x)
     if RESET:  # leave the bins zeroed for the next step
-        tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
+        tl.store(x_ptr + row * P + offs, tl.zeros_like(x), mask=valid)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order-preserving image
     key = key >> (32 - KEY_BITS)  # arithmetic: the top KEY_BITS bits, signed
-    # Unsigned order-preserving image in [0, 2^KEY_BITS): flip the sign bit.
-    u = ((key & KEY_MASK) ^ KEY_SIGN).to(tl.uint32, bitcast=True)
-    NB: tl.constexpr = 1 << DIGIT_BITS
-    ROUNDS: tl.constexpr = KEY_BITS // DIGIT_BITS
+    return ((key & KEY_MASK) ^ KEY_SIGN).to(tl.uint32, bitcast=True)  # flip the sign bit
+
+
+@triton.jit
+def _radix_digits(u, cand, n_local, SHIFT: tl.constexpr, NB: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """The candidates' digit at SHIFT (non-candidates: 0) and its histogram
+    over the candidates only (they are counted into bin 0 and subtracted: no
+    histogram mask in older Triton). n_local = candidates in `cand`."""
+    d = tl.where(cand, ((u >> SHIFT) & (NB - 1)).to(tl.int32), 0)
+    h = tl.histogram(d, NB)
+    return d, h - tl.where(tl.arange(0, NB) == 0, BLOCK - n_local, 0)
+
+
+@triton.jit
+def _radix_pick(h, n_cand, krem, NB: tl.constexpr):
+    """The bin holding the krem-th largest of n_cand candidates (histogram h):
+    (bin, krem within that bin, candidates in that bin). Exactly one bin
+    hits; its three numbers come out of one packed reduction."""
     bins = tl.arange(0, NB)
+    above = n_cand - tl.cumsum(h, axis=0)  # candidates in higher bins
+    hit = (above < krem) & (above + h >= krem)
+    packed = tl.sum(tl.where(hit, (above.to(tl.int64) << 40) | (h.to(tl.int64) << 20) |
+                             bins.to(tl.int64), 0), axis=0)
+    b = (packed & 0xFFFFF).to(tl.int32)
+    return b, krem - (packed >> 40).to(tl.int32), ((packed >> 20) & 0xFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _radix_store(out_ptr, row, P, K, offs, gt, cand, krem, gt_before, eq_before):
+    """Writes the row's K pages: every key above the candidates' bin (`gt`),
+    then the first krem candidates in page order; gt_before / eq_before =
+    such keys at lower offsets in other programs of the row."""
+    # One scan for both prefix counts (P < 65536): > in the low 16 bits.
+    both = tl.cumsum(gt.to(tl.uint32) + (cand.to(tl.uint32) << 16), axis=0)
+    gt_rank = gt_before + (both & 0xFFFF).to(tl.int32)
+    eq_rank = eq_before + (both >> 16).to(tl.int32)
+    take = gt | (cand & (eq_rank <= krem))
+    pos = tl.where(gt, gt_rank - 1, (K - krem) + eq_rank - 1)
+    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+
+
+@triton.jit
+def _radix_select_row(x_ptr, out_ptr, row, P, K, N_RECENT, RESET: tl.constexpr,
+                      KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr, KEY_SIGN: tl.constexpr,
+                      DIGIT_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program's exact top-K of row `row` (BLOCK >= P keys)."""
+    offs = tl.arange(0, BLOCK)
+    valid = offs < P
+    u = _radix_keys(x_ptr, row, P, offs, valid, N_RECENT, RESET, KEY_BITS, KEY_MASK, KEY_SIGN)
+    NB: tl.constexpr = 1 << DIGIT_BITS
+    ROUNDS: tl.constexpr = (KEY_BITS + DIGIT_BITS - 1) // DIGIT_BITS
     # Most significant digit first: histogram the candidates' digit, find the
     # bin that holds the k-th largest, keep only that bin's candidates.
     # krem = rank of the k-th largest among the n_cand remaining candidates;
-    # every key above the candidates' bin [lo, hi] is taken. A round runs only
-    # while n_cand > krem: once they are equal every candidate is taken and
-    # their order does not matter (usually after 3 of the 4 exact rounds).
-    # Non-candidates are counted into bin 0 and subtracted (no histogram
-    # mask: older Triton has none).
+    # every key above the candidates' bin (u > hi) is taken. A round runs
+    # only while n_cand > krem: once they are equal every candidate is taken
+    # and their order does not matter.
     cand = valid
     n_cand = P + tl.zeros([], tl.int32)  # tensors, not constexprs (K = 1 is specialized)
     krem = K + tl.zeros([], tl.int32)
     prefix = tl.zeros([], tl.uint32)
     hi = ~tl.zeros([], tl.uint32)
     for r in tl.static_range(ROUNDS):
-        shift = KEY_BITS - DIGIT_BITS * (r + 1)
+        shift = DIGIT_BITS * (ROUNDS - 1 - r)  # the first digit takes the remainder bits
         if n_cand > krem:
-            d = tl.where(cand, ((u >> shift) & (NB - 1)).to(tl.int32), 0)
-            h = tl.histogram(d, NB)
-            h = h - tl.where(bins == 0, BLOCK - n_cand, 0)
-            above = n_cand - tl.cumsum(h, axis=0)  # candidates in higher bins
-            hit = (above < krem) & (above + h >= krem)
-            b = tl.max(tl.where(hit, bins, -1), axis=0)
-            krem = krem - tl.sum(tl.where(hit, above, 0), axis=0)
-            n_cand = tl.sum(tl.where(hit, h, 0), axis=0)
+            d, h = _radix_digits(u, cand, n_cand, shift, NB, BLOCK)
+            b, krem, n_cand = _radix_pick(h, n_cand, krem, NB)
             prefix = (prefix << DIGIT_BITS) | b.to(tl.uint32)
             hi = (prefix << shift) | tl.full([], (1 << shift) - 1, tl.uint32)
             cand = cand & (d == b)
-    # Take every key above the bin and the first krem candidates in page order.
-    gt = (u > hi) & valid
-    both = tl.cumsum(gt.to(tl.int64) + (cand.to(tl.int64) << 32), axis=0)
-    total_gt = K - krem
-    gt_rank = both & 0xFFFFFFFF
-    eq_rank = both >> 32
-    take = gt | (cand & (eq_rank <= krem))
-    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
-    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+    _radix_store(out_ptr, row, P, K, offs, (u > hi) & valid, cand, krem, 0, 0)
+
+
+@triton.jit
+def _select_top_pages_radix_kernel(x_ptr, out_ptr, P, K, N_RECENT, RESET: tl.constexpr,
+                                   KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr,
+                                   KEY_SIGN: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    _radix_select_row(x_ptr, out_ptr, tl.program_id(0), P, K, N_RECENT, RESET, KEY_BITS,
+                      KEY_MASK, KEY_SIGN, DIGIT_BITS, BLOCK)
 
 
 @triton.jit
@@ -206,34 +268,27 @@ def _select_top_pages_split_kernel(x_ptr, out_ptr, ws_ptr, P, K, N_RECENT, CHUNK
                                    KEY_BITS: tl.constexpr, KEY_MASK: tl.constexpr,
                                    KEY_SIGN: tl.constexpr, DIGIT_BITS: tl.constexpr,
                                    BLOCK: tl.constexpr):
-    # The radix select of _select_top_pages_radix_kernel with each row split
-    # over S programs (CHUNK keys each): per round every program adds its
-    # chunk's histogram into the row's global one, the S programs meet at a
-    # barrier (an atomic counter they spin on; all R * S programs must be
-    # resident at once, which the caller ensures), and each reads the summed
-    # histogram and takes the same decision. A last barrier exchanges the
-    # chunks' counts for the output offsets. ws (int32, zeroed by the caller
-    # before each call): [R, ROUNDS + 1] counters | [R, ROUNDS, NB]
-    # histograms | [R, S, 2] chunk counts.
+    # The radix select of _radix_select_row with each row split over S
+    # programs (CHUNK keys each): per round every program adds its chunk's
+    # histogram into the row's global one, the S programs meet at a barrier
+    # (an atomic counter they spin on; all R * S programs must be resident at
+    # once, which the caller ensures), and each reads the summed histogram
+    # and takes the same decision. A last barrier exchanges the chunks'
+    # counts for the output offsets. ws (int32, zeroed by the caller before
+    # each call): [R, ROUNDS + 1] counters | [R, ROUNDS, NB] histograms |
+    # [R, S, 2] chunk counts.
     row = tl.program_id(0)
     s = tl.program_id(1)
     n_rows = tl.num_programs(0)
     NB: tl.constexpr = 1 << DIGIT_BITS
-    ROUNDS: tl.constexpr = KEY_BITS // DIGIT_BITS
+    ROUNDS: tl.constexpr = (KEY_BITS + DIGIT_BITS - 1) // DIGIT_BITS
     sync = ws_ptr + row * (ROUNDS + 1)
     hist = ws_ptr + n_rows * (ROUNDS + 1) + row * (ROUNDS * NB)
     cnts = ws_ptr + n_rows * (ROUNDS + 1) + n_rows * (ROUNDS * NB) + row * (S * 2)
     lane = tl.arange(0, BLOCK)
     offs = s * CHUNK + lane
     valid = (lane < CHUNK) & (offs < P)
-    x = tl.load(x_ptr + row * P + offs, mask=valid, other=0.0)
-    x = tl.where(valid & ((offs == 0) | (offs >= P - N_RECENT)), float("inf"), x)
-    if RESET:
-        tl.store(x_ptr + row * P + offs, tl.zeros([BLOCK], tl.float32), mask=valid)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = key >> (32 - KEY_BITS)
-    u = ((key & KEY_MASK) ^ KEY_SIGN).to(tl.uint32, bitcast=True)
+    u = _radix_keys(x_ptr, row, P, offs, valid, N_RECENT, RESET, KEY_BITS, KEY_MASK, KEY_SIGN)
     bins = tl.arange(0, NB)
     cand = valid
     n_cand = P + tl.zeros([], tl.int32)  # candidates of the whole row
@@ -241,23 +296,16 @@ def _select_top_pages_split_kernel(x_ptr, out_ptr, ws_ptr, P, K, N_RECENT, CHUNK
     prefix = tl.zeros([], tl.uint32)
     hi = ~tl.zeros([], tl.uint32)
     for r in tl.static_range(ROUNDS):
-        shift = KEY_BITS - DIGIT_BITS * (r + 1)
+        shift = DIGIT_BITS * (ROUNDS - 1 - r)  # the first digit takes the remainder bits
         if n_cand > krem:  # the same values in every program of the row
-            d = tl.where(cand, ((u >> shift) & (NB - 1)).to(tl.int32), 0)
-            h = tl.histogram(d, NB)
-            local_n = tl.sum(cand.to(tl.int32), axis=0)
-            h = h - tl.where(bins == 0, BLOCK - local_n, 0)
+            d, h = _radix_digits(u, cand, tl.sum(cand.to(tl.int32), axis=0), shift, NB, BLOCK)
             tl.atomic_add(hist + r * NB + bins, h)
             tl.debug_barrier()  # every thread's adds issued before the arrival
             arrived = tl.atomic_add(sync + r, 1) + 1
             while arrived < S:
                 arrived = tl.atomic_add(sync + r, 0)
             gh = tl.atomic_add(hist + r * NB + bins, tl.zeros([NB], tl.int32))
-            above = n_cand - tl.cumsum(gh, axis=0)
-            hit = (above < krem) & (above + gh >= krem)
-            b = tl.max(tl.where(hit, bins, -1), axis=0)
-            krem = krem - tl.sum(tl.where(hit, above, 0), axis=0)
-            n_cand = tl.sum(tl.where(hit, gh, 0), axis=0)
+            b, krem, n_cand = _radix_pick(gh, n_cand, krem, NB)
             prefix = (prefix << DIGIT_BITS) | b.to(tl.uint32)
             hi = (prefix << shift) | tl.full([], (1 << shift) - 1, tl.uint32)
             cand = cand & (d == b)
@@ -272,15 +320,9 @@ def _select_top_pages_split_kernel(x_ptr, out_ptr, ws_ptr, P, K, N_RECENT, CHUNK
     before = (so < s) & (so < S)
     c_gt = tl.atomic_add(cnts + so * 2, tl.zeros([SP], tl.int32), mask=so < S)
     c_eq = tl.atomic_add(cnts + so * 2 + 1, tl.zeros([SP], tl.int32), mask=so < S)
-    gt_before = tl.sum(tl.where(before, c_gt, 0), axis=0).to(tl.int64)
-    eq_before = tl.sum(tl.where(before, c_eq, 0), axis=0).to(tl.int64)
-    both = tl.cumsum(gt.to(tl.int64) + (cand.to(tl.int64) << 32), axis=0)
-    total_gt = K - krem
-    gt_rank = gt_before + (both & 0xFFFFFFFF)
-    eq_rank = eq_before + (both >> 32)
-    take = gt | (cand & (eq_rank <= krem))
-    pos = tl.where(gt, gt_rank - 1, total_gt + eq_rank - 1)
-    tl.store(out_ptr + row * K + pos, (row * P + offs).to(tl.int64), mask=take)
+    _radix_store(out_ptr, row, P, K, offs, gt, cand, krem,
+                 tl.sum(tl.where(before, c_gt, 0), axis=0),
+                 tl.sum(tl.where(before, c_eq, 0), axis=0))
 
 
 _split_workspaces = {}
@@ -303,7 +345,7 @@ def _split_programs(rows: int, p: int, device) -> int:
 
 def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: bool = False,
                      out: torch.Tensor = None, exact: bool = True,
-                     algo: str = "", num_warps: int = 0) -> torch.Tensor:
+                     algo: str = "", num_warps: int = 0, radix_bits: int = 0) -> torch.Tensor:
     """Global ids (row * P + page) of the k best pages of each row: [R, k].
 
     Page 0 and the n_recent last pages of each row count as +inf (always
@@ -313,6 +355,7 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
         "split" spreads each row over several programs that meet at grid
         barriers (radix when the grid would not fit one program per SM).
     num_warps: warps per row's program; 0 = SELECT_WARPS, else by row length.
+    radix_bits: bits per digit of "radix" and "split", 5 to 8; 0 = RADIX_BITS.
     """
     assert scores.dim() == 2 and scores.is_contiguous() and scores.dtype == torch.float32
     rows, p = scores.shape
@@ -322,6 +365,7 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
     block = triton.next_power_of_2(p)
     key_bits = 32 if exact else 16
     algo = algo or SELECT_ALGO
+    digit_bits = radix_bits or RADIX_BITS
     warps = num_warps or SELECT_WARPS or (16 if block >= 4096 else 4)
     if algo == "split":
         n_split = _split_programs(rows, p, scores.device)
@@ -329,9 +373,9 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
             algo = "radix"
         else:
             chunk = (p + n_split - 1) // n_split
-            cblock = max(triton.next_power_of_2(chunk), 1 << RADIX_BITS)
-            rounds = key_bits // RADIX_BITS
-            size = rows * (rounds + 1) + rows * rounds * (1 << RADIX_BITS) + rows * n_split * 2
+            cblock = max(triton.next_power_of_2(chunk), 1 << digit_bits)
+            rounds = (key_bits + digit_bits - 1) // digit_bits
+            size = rows * (rounds + 1) + rows * rounds * (1 << digit_bits) + rows * n_split * 2
             ws_key = (scores.device, size)
             ws = _split_workspaces.get(ws_key)
             if ws is None:
@@ -340,18 +384,14 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
             ws.zero_()
             _select_top_pages_split_kernel[(rows, n_split)](
                 scores, out, ws, p, k, n_recent, chunk, S=n_split,
-                SP=max(2, triton.next_power_of_2(n_split)), RESET=reset, KEY_BITS=key_bits,
-                KEY_MASK=-1 if key_bits == 32 else (1 << key_bits) - 1,
-                KEY_SIGN=-2**31 if key_bits == 32 else 1 << (key_bits - 1),
-                DIGIT_BITS=RADIX_BITS, BLOCK=cblock,
+                SP=max(2, triton.next_power_of_2(n_split)), RESET=reset, BLOCK=cblock,
+                **_key_params(exact, digit_bits),
                 num_warps=num_warps or (4 if cblock <= 1024 else 8 if cblock <= 2048 else 16))
             return out
     if algo == "radix":
         _select_top_pages_radix_kernel[(rows,)](
-            scores, out, p, k, n_recent, RESET=reset, KEY_BITS=key_bits,
-            KEY_MASK=-1 if key_bits == 32 else (1 << key_bits) - 1,
-            KEY_SIGN=-2**31 if key_bits == 32 else 1 << (key_bits - 1),
-            DIGIT_BITS=RADIX_BITS, BLOCK=max(block, 1 << RADIX_BITS), num_warps=warps)
+            scores, out, p, k, n_recent, RESET=reset, BLOCK=max(block, 1 << digit_bits),
+            num_warps=warps, **_key_params(exact, digit_bits))
         return out
     if algo != "search":
         raise ValueError(f"algo: expected 'split', 'radix' or 'search', got {algo!r}")
@@ -424,16 +464,22 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, S, G: tl.constexpr, D: tl.co
 class PagedDecodeAttention:
     """Attention of the G q heads of each row over its selected pages, in place.
 
-    Buffers for the split partials are allocated once per shape, so a call
-    allocates nothing and can be captured in a CUDA graph.
+    Buffers for the split partials and the output are allocated once per
+    shape, so a call allocates nothing and can be captured in a CUDA graph.
+    One call at a time per instance (the buffers are shared); the returned
+    tensor is overwritten by the next call.
     """
 
     def __init__(self, rows: int, group: int, head_dim: int, kp: int, device, dtype,
-                 page: int = 16, sm_count: int = 0):
+                 page: int = 16, sm_count: int = 0, programs_per_sm: int = 2,
+                 pages_per_block: int = 4):
+        """programs_per_sm: split each row's pages so that about this many
+        programs per SM run (Default: 2); pages_per_block: pages per inner
+        step of a program (Default: 4, 64 tokens)."""
         self.rows, self.g, self.d, self.kp, self.page = rows, group, head_dim, kp, page
         sm = sm_count or _sm_count(device)
-        self.ppb = 4 if kp >= 4 else 1  # pages per inner block (64 tokens)
-        want = max(1, (2 * sm + rows - 1) // rows)
+        self.ppb = pages_per_block if kp >= pages_per_block else 1
+        want = max(1, (programs_per_sm * sm + rows - 1) // rows)
         self.splits = max(1, min(want, (kp + self.ppb - 1) // self.ppb))
         self.per_split = (kp + self.splits - 1) // self.splits
         self.per_split = ((self.per_split + self.ppb - 1) // self.ppb) * self.ppb

@@ -338,7 +338,8 @@ def profile(args):
             out[f"b{batch}_{top}_select_page_us"] = time_graph(
                 lambda: case.select(case.page_bins, case.page_scores), args.iters)
         lists, scores = case.page_bins, case.page_scores
-        for name, top, exact in (("csa_page", "topk", True), ("csa_page_fused_radix", "fused", True),
+        for name, top, exact in (("csa_page", "topk", True),
+                                 ("csa_page_fused_radix", "fused", True),
                                  ("csa_page_fused_radix_bf16rank", "fused", False),
                                  ("dense", "dense", True)):
             case.top_method, case.exact_select, case.select_algo = top, exact, "radix"
@@ -378,6 +379,7 @@ def run(args):
         "shape": {"n_q_heads": 32, "n_kv_heads": 8, "head_dim": 128, "dtype": "bf16",
                   "page_tokens": PAGE, "m": args.m, "C": args.c, "alpha": args.alpha,
                   "rho": args.rho},
+        "pdl": getattr(kernels, "PDL", None),  # programmatic dependent launch setting
         "self_check": self_check(device),
         "rows": [],
     }

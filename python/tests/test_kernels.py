@@ -75,6 +75,16 @@ def test_every_radix_digit_width_picks_the_reference_pages(rows, p, k, exact, al
         assert [set(r.tolist()) for r in got] == want, name
 
 
+def test_an_unknown_dependent_launch_setting_is_refused() -> None:
+    saved = kernels.PDL
+    try:
+        kernels.PDL = "yes"
+        with pytest.raises(ValueError, match="CTXCACHE_PDL"):
+            kernels.select_top_pages(torch.rand(1, 64, device=DEV), 4)
+    finally:
+        kernels.PDL = saved
+
+
 def test_top_pages_rejects_a_radix_digit_width_out_of_range() -> None:
     with pytest.raises(ValueError, match="radix_bits"):
         kernels.select_top_pages(torch.rand(1, 64, device=DEV), 4, algo="radix", radix_bits=4)
@@ -188,3 +198,51 @@ def test_paged_attention_is_right_on_every_call_and_in_a_graph(rows, kp) -> None
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want(q), rtol=2e-2, atol=2e-2)
+
+
+def test_a_decode_step_in_a_graph_is_the_same_with_and_without_dependent_launch() -> None:
+    # score-add -> top-k (resetting the bins) -> paged attention -> combine,
+    # captured once with programmatic dependent launch (each kernel waits on
+    # the GPU for the one before) and once without: every replay must agree.
+    g = torch.Generator(device=DEV).manual_seed(8)
+    rows, group, d, m, c, p, lst, k, page = 8, 4, 128, 16, 32, 2048, 256, 106, 16
+    cent = torch.nn.functional.normalize(
+        torch.randn(rows, m, c, d // m, device=DEV, generator=g), dim=-1).to(torch.bfloat16)
+    ids = (torch.randint(0, p, (rows, m, c, lst), device=DEV, generator=g) +
+           (torch.arange(rows, device=DEV) * p).view(rows, 1, 1, 1)).view(-1, lst).to(torch.int32)
+    sc = torch.rand(rows * m * c, lst, device=DEV, generator=g).to(torch.float16)
+    kpool = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    vpool = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    saved = kernels.PDL
+    steps = {}
+    try:
+        for pdl in (False, True):
+            kernels.PDL = "1" if pdl else "0"
+            bins = torch.zeros(rows * p, device=DEV)
+            sel = torch.empty(rows, k, dtype=torch.int64, device=DEV)
+            attn = kernels.PagedDecodeAttention(rows, group, d, k, DEV, torch.bfloat16)
+
+            def step():
+                kernels.csa_score_pages(q, cent, ids, sc, bins)
+                kernels.select_top_pages(bins.view(rows, p), k, n_recent=2, reset=True, out=sel)
+                return attn(q, kpool, vpool, sel)
+
+            step()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            steps[pdl] = (graph, sel, out, bins)
+        for seed in range(4):
+            q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16,
+                                generator=torch.Generator(DEV).manual_seed(100 + seed)))
+            got = {}
+            for pdl, (graph, sel, out, bins) in steps.items():
+                graph.replay()
+                torch.cuda.synchronize()
+                got[pdl] = ([set(r.tolist()) for r in sel], out.float().clone())
+                assert torch.count_nonzero(bins) == 0
+            assert got[True][0] == got[False][0], seed
+            torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-2, atol=1e-2)
+    finally:
+        kernels.PDL = saved

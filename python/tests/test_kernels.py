@@ -112,20 +112,35 @@ def test_top_pages_rejects_an_unknown_algo() -> None:
         kernels.select_top_pages(torch.rand(1, 64, device=DEV), 4, algo="bitonic")
 
 
-def test_paged_attention_equals_sdpa_over_the_gathered_pages() -> None:
-    g = torch.Generator(device=DEV).manual_seed(3)
-    rows, group, d, page, p, kp = 4, 4, 128, 16, 512, 37
-    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+PAGE, GROUP, HEAD_DIM = 16, 4, 128
+
+
+def paged_inputs(seed: int, rows: int, p: int, kp: int):
+    """A bf16 page pool of rows x p pages (k, v [rows*p*PAGE, HEAD_DIM]),
+    queries [rows, GROUP, HEAD_DIM] and kp distinct pages per row (global ids)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    k = torch.randn(rows * p * PAGE, HEAD_DIM, device=DEV, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(rows * p * PAGE, HEAD_DIM, device=DEV, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(rows, GROUP, HEAD_DIM, device=DEV, dtype=torch.bfloat16, generator=g)
     pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
                          for r in range(rows)])
-    attn = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)
-    got = attn(q, k, v, pages).float()
-    tok = (pages.view(rows, kp, 1) * page + torch.arange(page, device=DEV)).view(rows, -1)
-    ks, vs = k[tok].float(), v[tok].float()  # [rows, kp*page, d]
-    w = torch.softmax(q.float() @ ks.transpose(1, 2) / math.sqrt(d), dim=-1)
-    torch.testing.assert_close(got, w @ vs, rtol=2e-2, atol=2e-2)
+    return q, k, v, pages
+
+
+def gathered_attention(q, k, v, pages):
+    """fp32 softmax attention of each row's queries over its pages' tokens."""
+    rows, kp = pages.shape
+    tok = (pages.view(rows, kp, 1) * PAGE + torch.arange(PAGE, device=DEV)).view(rows, -1)
+    ks, vs = k[tok].float(), v[tok].float()  # [rows, kp*PAGE, d]
+    w = torch.softmax(q.float() @ ks.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+    return w @ vs
+
+
+def test_paged_attention_equals_sdpa_over_the_gathered_pages() -> None:
+    q, k, v, pages = paged_inputs(3, rows=4, p=512, kp=37)
+    attn = kernels.PagedDecodeAttention(4, GROUP, HEAD_DIM, 37, DEV, torch.bfloat16)
+    torch.testing.assert_close(attn(q, k, v, pages).float(), gathered_attention(q, k, v, pages),
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_csa_score_pages_equals_the_torch_score_add() -> None:
@@ -153,16 +168,11 @@ def test_csa_score_pages_equals_the_torch_score_add() -> None:
 @pytest.mark.parametrize("programs_per_sm,pages_per_block", [(1, 4), (4, 2), (8, 1)])
 def test_paged_attention_split_geometry_does_not_change_the_result(programs_per_sm,
                                                                     pages_per_block) -> None:
-    g = torch.Generator(device=DEV).manual_seed(4)
-    rows, group, d, page, p, kp = 8, 4, 128, 16, 2048, 413
-    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
-                         for r in range(rows)])
-    want = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)(
+    rows, kp = 8, 413
+    q, k, v, pages = paged_inputs(4, rows=rows, p=2048, kp=kp)
+    want = kernels.PagedDecodeAttention(rows, GROUP, HEAD_DIM, kp, DEV, torch.bfloat16)(
         q, k, v, pages).float().clone()
-    got = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16,
+    got = kernels.PagedDecodeAttention(rows, GROUP, HEAD_DIM, kp, DEV, torch.bfloat16,
                                        programs_per_sm=programs_per_sm,
                                        pages_per_block=pages_per_block)(q, k, v, pages).float()
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
@@ -172,32 +182,22 @@ def test_paged_attention_split_geometry_does_not_change_the_result(programs_per_
 def test_paged_attention_is_right_on_every_call_and_in_a_graph(rows, kp) -> None:
     # The split partials and the output are buffers of the instance, reused
     # by every call: repeated calls and graph replays stay right.
-    g = torch.Generator(device=DEV).manual_seed(6)
-    group, d, page, p = 4, 128, 16, 1024
-    k = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    v = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    pages = torch.stack([torch.randperm(p, device=DEV, generator=g)[:kp] + r * p
-                         for r in range(rows)])
-    tok = (pages.view(rows, kp, 1) * page + torch.arange(page, device=DEV)).view(rows, -1)
-    ks, vs = k[tok].float(), v[tok].float()
-
-    def want(q):
-        w = torch.softmax(q.float() @ ks.transpose(1, 2) / math.sqrt(d), dim=-1)
-        return w @ vs
-
-    attn = kernels.PagedDecodeAttention(rows, group, d, kp, DEV, torch.bfloat16)
-    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    q, k, v, pages = paged_inputs(6, rows=rows, p=1024, kp=kp)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    attn = kernels.PagedDecodeAttention(rows, GROUP, HEAD_DIM, kp, DEV, torch.bfloat16)
     for _ in range(3):
-        q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g))
-        torch.testing.assert_close(attn(q, k, v, pages).float(), want(q), rtol=2e-2, atol=2e-2)
+        q.copy_(torch.randn(rows, GROUP, HEAD_DIM, device=DEV, dtype=torch.bfloat16, generator=g))
+        torch.testing.assert_close(attn(q, k, v, pages).float(), gathered_attention(q, k, v, pages),
+                                   rtol=2e-2, atol=2e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = attn(q, k, v, pages)
     for _ in range(3):
-        q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g))
+        q.copy_(torch.randn(rows, GROUP, HEAD_DIM, device=DEV, dtype=torch.bfloat16, generator=g))
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), want(q), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.float(), gathered_attention(q, k, v, pages),
+                                   rtol=2e-2, atol=2e-2)
 
 
 def test_a_decode_step_in_a_graph_is_the_same_with_and_without_dependent_launch() -> None:

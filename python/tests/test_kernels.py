@@ -75,6 +75,21 @@ def test_every_radix_digit_width_picks_the_reference_pages(rows, p, k, exact, al
         assert [set(r.tolist()) for r in got] == want, name
 
 
+def test_dependent_launch_auto_is_on_only_up_to_pdl_auto_rows() -> None:
+    saved = kernels.PDL
+    capable = torch.cuda.get_device_capability()[0] >= 9
+    try:
+        kernels.PDL = "auto"
+        assert kernels._pdl(DEV, kernels.PDL_AUTO_ROWS) == capable
+        assert not kernels._pdl(DEV, kernels.PDL_AUTO_ROWS + 1)
+        kernels.PDL = "1"
+        assert kernels._pdl(DEV, 10 * kernels.PDL_AUTO_ROWS) == capable
+        kernels.PDL = "0"
+        assert not kernels._pdl(DEV, 1)
+    finally:
+        kernels.PDL = saved
+
+
 def test_an_unknown_dependent_launch_setting_is_refused() -> None:
     saved = kernels.PDL
     try:
@@ -204,16 +219,15 @@ def test_a_decode_step_in_a_graph_is_the_same_with_and_without_dependent_launch(
     # score-add -> top-k (resetting the bins) -> paged attention -> combine,
     # captured once with programmatic dependent launch (each kernel waits on
     # the GPU for the one before) and once without: every replay must agree.
-    g = torch.Generator(device=DEV).manual_seed(8)
-    rows, group, d, m, c, p, lst, k, page = 8, 4, 128, 16, 32, 2048, 256, 106, 16
+    rows, m, c, p, lst, k = 8, 16, 32, 2048, 256, 106
+    q, kpool, vpool, _ = paged_inputs(8, rows=rows, p=p, kp=k)
+    g = torch.Generator(device=DEV).manual_seed(9)
     cent = torch.nn.functional.normalize(
-        torch.randn(rows, m, c, d // m, device=DEV, generator=g), dim=-1).to(torch.bfloat16)
+        torch.randn(rows, m, c, HEAD_DIM // m, device=DEV, generator=g),
+        dim=-1).to(torch.bfloat16)
     ids = (torch.randint(0, p, (rows, m, c, lst), device=DEV, generator=g) +
            (torch.arange(rows, device=DEV) * p).view(rows, 1, 1, 1)).view(-1, lst).to(torch.int32)
     sc = torch.rand(rows * m * c, lst, device=DEV, generator=g).to(torch.float16)
-    kpool = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    vpool = torch.randn(rows * p * page, d, device=DEV, dtype=torch.bfloat16, generator=g)
-    q = torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16, generator=g)
     saved = kernels.PDL
     steps = {}
     try:
@@ -221,7 +235,7 @@ def test_a_decode_step_in_a_graph_is_the_same_with_and_without_dependent_launch(
             kernels.PDL = "1" if pdl else "0"
             bins = torch.zeros(rows * p, device=DEV)
             sel = torch.empty(rows, k, dtype=torch.int64, device=DEV)
-            attn = kernels.PagedDecodeAttention(rows, group, d, k, DEV, torch.bfloat16)
+            attn = kernels.PagedDecodeAttention(rows, GROUP, HEAD_DIM, k, DEV, torch.bfloat16)
 
             def step():
                 kernels.csa_score_pages(q, cent, ids, sc, bins)
@@ -234,7 +248,7 @@ def test_a_decode_step_in_a_graph_is_the_same_with_and_without_dependent_launch(
                 out = step()
             steps[pdl] = (graph, sel, out, bins)
         for seed in range(4):
-            q.copy_(torch.randn(rows, group, d, device=DEV, dtype=torch.bfloat16,
+            q.copy_(torch.randn(rows, GROUP, HEAD_DIM, device=DEV, dtype=torch.bfloat16,
                                 generator=torch.Generator(DEV).manual_seed(100 + seed)))
             got = {}
             for pdl, (graph, sel, out, bins) in steps.items():

@@ -3,14 +3,17 @@
 #   1. the server bundle (.pack/ctxcache-server.tar.xz from scripts/pack-server.sh,
 #      carried) starts on that host and answers health;
 #   2. the Python package installs and its tests pass against the bundled
-#      ctxcached with that host's grpcio / protobuf;
+#      ctxcached with that host's grpcio / protobuf (CTXCACHE_PYTEST_ARGS:
+#      which tests, relative to python/; default all);
 #   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash);
 #   4. python/bench/hf_decode.py: HF transformers prefill + ingest + sparse
 #      decode through ctxcached, against dense and the C++ worker;
 #   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, dense with the
 #      KV loaded from ctxcached against sparse with a 10% GPU page pool, on
 #      the reference model and on the Llama-3-8B shape (random weights,
-#      CTXCACHE_E2E_LAYERS layers, default 8).
+#      CTXCACHE_E2E_LAYERS layers, default 8). CTXCACHE_E2E_MODELS=ref or
+#      llama8b runs one of them; CTXCACHE_E2E_ARGS adds flags to both (e.g.
+#      --profile-steps 8: a torch.profiler + cProfile breakdown, *-profile.json).
 #   6. cluster_bench (needs the install stage first, and a pack made with
 #      CTXCACHE_PACK_ETCD=1): bench/cluster/cluster_scaling.py, 1/2/3 nodes
 #      pinned to 2 cores each, the C++ load generator on the rest
@@ -65,7 +68,7 @@ stage install 120 bash -c "
   python3 -m pip install -q --no-index --no-build-isolation --no-deps --target '$WORK/site' ./python &&
   PYTHONPATH='$WORK/site' python3 -c 'import ctxcache, grpc, google.protobuf as p; print(ctxcache.__file__, grpc.__version__, p.__version__)'"
 stage python_tests 400 bash -c "
-  cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' CTXCACHE_HF_TESTS=1 python3 -m pytest tests -q -p no:cacheprovider \
+  cd python && PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' CTXCACHE_HF_TESTS=1 python3 -m pytest \${CTXCACHE_PYTEST_ARGS:-tests} -q -p no:cacheprovider \
     --model-dir ../tests/data/golden"
 stage gpu_decode_attention 400 python3 python/bench/gpu_decode_attention.py \
   --out "$OUT/gpu_decode_attention.json"
@@ -101,12 +104,18 @@ stage gpu_e2e 560 bash -c "
   addr=127.0.0.1:\$(head -1 '$WORK/ports-e2e' | tr -dc 0-9)
   cat tests/data/demo/*.txt >'$WORK/long.txt'
   '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref --file '$WORK/long.txt' \
-    >'$WORK/long.json' &&
-  PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model models/ctxcache-ref \
-    --tokens-json '$WORK/long.json' --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_ref.json' &&
-  PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model llama8b \
-    --layers \${CTXCACHE_E2E_LAYERS:-8} --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_llama8b.json'
+    >'$WORK/long.json'
   rc=\$?
+  case \",\${CTXCACHE_E2E_MODELS:-ref,llama8b},\" in *,ref,*)
+    PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model models/ctxcache-ref \
+      --tokens-json '$WORK/long.json' --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_ref.json' \
+      --profile-out '$OUT/gpu_e2e_ref-profile.json' \${CTXCACHE_E2E_ARGS:-} || rc=1;;
+  esac
+  case \",\${CTXCACHE_E2E_MODELS:-ref,llama8b},\" in *,llama8b,*)
+    PYTHONPATH='$WORK/site' python3 python/bench/gpu_e2e.py --server \$addr --model llama8b \
+      --layers \${CTXCACHE_E2E_LAYERS:-8} --tokens \${CTXCACHE_E2E_TOKENS:-32768} --out '$OUT/gpu_e2e_llama8b.json' \
+      --profile-out '$OUT/gpu_e2e_llama8b-profile.json' \${CTXCACHE_E2E_ARGS:-} || rc=1;;
+  esac
   kill -TERM \$pid; wait \$pid
   exit \$rc"
 # 6. Cluster read scaling (bench/cluster/cluster_scaling.py).

@@ -46,10 +46,12 @@ def log(msg: str) -> None:
 def load_model(name: str, layers: int, dev: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     if name != "llama8b":
-        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).to(dev).eval()
+        return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16,
+                                                    attn_implementation="sdpa").to(dev).eval()
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                       num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256,
-                      max_position_embeddings=131072, rms_norm_eps=1e-5)
+                      max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      attn_implementation="sdpa")
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -75,8 +77,8 @@ def peak_gib() -> float:
 
 
 @torch.no_grad()
-def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str) -> dict:
-    """(a): the whole KV fetched into an HF cache, then native decoding."""
+def load_dense_cache(client, model, info, dev: str):
+    """The whole KV fetched into an HF cache on the GPU: (cache, seconds, bytes)."""
     from transformers import DynamicCache
 
     m = info.model
@@ -100,23 +102,75 @@ def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str) -
         cache.update(k[None].to(dev, non_blocking=True), v[None].to(dev, non_blocking=True),
                      layer)
     torch.cuda.synchronize()
-    load_s = time.perf_counter() - t0
+    return cache, time.perf_counter() - t0, fetched
+
+
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+
+
+@torch.no_grad()
+def dense_steps(model, cache, first: int, position: int, n_new: int, dev: str,
+                backend: str = "flash"):
+    """Greedy steps with the model's own (SDPA) attention over ``cache``,
+    restricted to one SDPA ``backend`` (flash: FlashAttention-2; without the
+    restriction torch 2.11 picks cuDNN on an H100, which builds a new graph
+    for every new KV length, ~5 ms per layer-step): (tokens, per-step seconds)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
+        return _dense_steps(model, cache, first, position, n_new, dev)
+
+
+def _dense_steps(model, cache, first: int, position: int, n_new: int, dev: str):
     tokens, steps = [], []
     tok = torch.tensor([[first]], device=dev)
     for i in range(n_new):
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = model(input_ids=tok, past_key_values=cache, use_cache=True,
-                    position_ids=torch.tensor([[n + i]], device=dev))
+                    position_ids=torch.tensor([[position + i]], device=dev))
         nxt = int(torch.argmax(out.logits[0, -1]))
         torch.cuda.synchronize()
         steps.append(time.perf_counter() - t)
         tokens.append(nxt)
         tok = torch.tensor([[nxt]], device=dev)
+    return tokens, steps
+
+
+def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str,
+                        backend: str = "flash") -> dict:
+    """(a): the whole KV fetched into an HF cache, then native decoding."""
+    cache, load_s, fetched = load_dense_cache(client, model, info, dev)
+    tokens, steps = dense_steps(model, cache, first, int(info.n_tokens), n_new, dev, backend)
     del cache
-    return {"tokens": tokens, "load_kv_s": load_s, "bytes_loaded": fetched,
+    return {"tokens": tokens, "load_kv_s": load_s, "bytes_loaded": fetched, "sdpa": backend,
             "ttft_s": load_s + steps[0], "step_ms_p50": 1e3 * statistics.median(steps),
             "tokens_per_s": n_new / sum(steps)}
+
+
+def profile_of(fn) -> dict:
+    """fn() under torch.profiler (CPU + CUDA; the ctxcache.* ranges of
+    ctxcache.torch.hf) and, in a second run, under cProfile: the top rows."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    text = io.StringIO()
+    pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(50)
+    return {"torch_by_cpu_total": ka.table(sort_by="cpu_time_total", row_limit=50),
+            "torch_by_device_total": ka.table(sort_by="cuda_time_total", row_limit=30),
+            "cprofile_cumulative": text.getvalue()}
 
 
 def main() -> int:
@@ -131,6 +185,12 @@ def main() -> int:
     ap.add_argument("--pool-frac", type=float, default=0.10,
                     help="(b)'s page pool: this share of the context's pages")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the timed runs, this many steps of (a) and of (b) under "
+                         "torch.profiler and cProfile, written to --profile-out")
+    ap.add_argument("--profile-out", default="e2e-profile.json")
+    ap.add_argument("--dense-sdpa", default="flash", choices=sorted(SDPA_BACKENDS),
+                    help="(a)'s SDPA backend")
     a = ap.parse_args()
 
     import ctxcache
@@ -173,7 +233,7 @@ def main() -> int:
         save()
 
         torch.cuda.reset_peak_memory_stats()
-        dense = dense_from_ctxcache(c, model, info, first, a.n_new, dev)
+        dense = dense_from_ctxcache(c, model, info, first, a.n_new, dev, a.dense_sdpa)
         dense["peak_gib"] = peak_gib()
         dense["peak_gib_minus_weights"] = dense["peak_gib"] - weights / 2**30
         res["dense"] = {k: v for k, v in dense.items() if k != "tokens"}
@@ -209,6 +269,24 @@ def main() -> int:
         res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
                                                      res["dense"]["tokens_per_s"])
         res["ratio_ttft_dense_vs_sparse"] = res["dense"]["ttft_s"] / res["sparse"]["ttft_s"]
+        if a.profile_steps:
+            log(f"profiling {a.profile_steps} steps of (a) and (b)")
+            k = a.profile_steps
+            prof = {}
+            cache, _, _ = load_dense_cache(c, model, info, dev)
+            pos = [len(context)]
+
+            def dense_run():
+                dense_steps(model, cache, first, pos[0], k, dev, a.dense_sdpa)
+                pos[0] += k
+            prof["dense"] = profile_of(dense_run)
+            del cache
+            torch.cuda.empty_cache()
+            prof["sparse"] = profile_of(lambda: hf.generate_client(
+                c, model, info, first, k, forced=dense["tokens"], pool_bytes=pool_bytes,
+                selection="torch", append=True))
+            with open(a.profile_out, "w") as f:
+                json.dump(prof, f, indent=1)
         c.evict(info.context_id)
     print(json.dumps(res, indent=1))
     save()

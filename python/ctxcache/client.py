@@ -746,14 +746,22 @@ class Client:
         """
         if as_torch and not _t.torch_available():
             raise ImportError("as_torch=True needs torch")
+        raw = self.fetch_wire_pages(context_id, tables)
+        check_page_crcs(raw, rpc="FetchPages")  # one batched pass, not a loop per page
+        return [decode_page(p, dtype, as_torch, rpc="FetchPages", crc_checked=True) for p in raw]
+
+    def fetch_wire_pages(self, context_id: str, tables: Iterable[Any]) -> List["pb.Page"]:
+        """FetchPages without decoding: the wire ``Page`` messages in the
+        order the server sent them, **crc32c not checked**. For callers that
+        move many pages in bulk and check the crcs themselves where the bytes
+        land (``ctxcache.torch.hf.GpuPagePool`` checks them on the GPU), or
+        with :func:`check_page_crcs`; ``tables`` as in :meth:`fetch_pages`."""
         req = pb.FetchPagesRequest(context_id=context_id, tables=[_page_table(t) for t in tables])
 
         def consume(stream: Iterator["pb.PageBatch"]) -> List["pb.Page"]:
             return [p for batch in stream for p in batch.pages]
 
-        raw = self._stream("FetchPages", self._decode.FetchPages, req, consume)
-        check_page_crcs(raw, rpc="FetchPages")  # one batched pass, not a loop per page
-        return [decode_page(p, dtype, as_torch, rpc="FetchPages", crc_checked=True) for p in raw]
+        return self._stream("FetchPages", self._decode.FetchPages, req, consume)
 
     def open_session(self, context_id: str, method: str = "csa",
                      params: Optional[Mapping[str, Any]] = None, *, as_torch: bool = False,

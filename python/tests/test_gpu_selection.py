@@ -501,3 +501,52 @@ def test_oracle_over_more_than_one_key_chunk_matches_server(client) -> None:
                 assert steps[qh // 2].per_q_head[qh % 2].tolist() == want, (i, qh)
                 picks.add(want[0])
     assert picks == {n - 2, n - 1}, picks  # both happen: the order matters
+
+
+def test_cuda_graphs_need_a_cuda_session(client, synthetic) -> None:
+    pytest.importorskip("torch")
+    from ctxcache.torch.gpu_session import torch_session
+
+    arts = client.fetch_index(synthetic.context_id, "streaming")
+    with pytest.raises(ValueError, match="not CUDA"):
+        torch_session("streaming", arts, n_q_heads=SYN_NQ, device="cpu", cuda_graphs=True)
+
+
+def test_cuda_graph_sessions_equal_eager(client) -> None:
+    # One CUDA graph per layer (what generate_client uses on a GPU) gives the
+    # eager session's plans, step after step, for every method; csa with a
+    # search period stays eager (its selection keeps host state).
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from ctxcache.torch.gpu_session import torch_session
+
+    info = client.build(tokens=_demo_tokens("document.txt", 611), name="gpusel-graphs",
+                        indexes=["csa", ("quest", {"page": "16"})]).context
+    periodic = client.build(tokens=_demo_tokens("document.txt", 599), name="gpusel-graphs-p2",
+                            indexes=[("csa", {"period": "2"})]).context
+    keys = torch.as_tensor(context_keys(client, info))
+    m = info.model
+    rng = np.random.default_rng(5)
+    for method, ctx in (("csa", info), ("quest", info), ("streaming", info),
+                        ("oracle", info), ("csa", periodic)):
+        arts = client.fetch_index(ctx.context_id, method)
+        k = keys if method == "oracle" else None
+        eager = torch_session(method, arts, m.n_q_heads, device="cuda", keys=k)
+        graphed = torch_session(method, arts, m.n_q_heads, device="cuda", keys=k,
+                                cuda_graphs=True)
+        for step in range(4):
+            for layer in range(m.n_layers):
+                q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
+                a, b = eager.step(layer, q), graphed.step(layer, q)
+                for f in ("selected", "token_mask", "table_pages", "pages"):
+                    x, y = getattr(a, f), getattr(b, f)
+                    if method == "csa":
+                        # scatter-add's float atomics sum in any order on a
+                        # GPU (eager or graphed): a near-tie at the budget's
+                        # edge may flip a few tokens, never a whole selection.
+                        assert (x != y).float().mean() <= 0.01, (method, step, layer, f)
+                    else:
+                        assert torch.equal(x, y), (method, step, layer, f)
+        want = 0 if ctx is periodic else m.n_layers
+        assert len(graphed._graphs) == want, (method, ctx.name)

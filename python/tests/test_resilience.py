@@ -74,6 +74,17 @@ def test_corrupt_pages_are_data_loss(make_server) -> None:
                 s.step(0, np.full((4, 32), 0.3, np.float32))
         # Index artifacts are not corrupted by this fault: their crc holds.
         assert len(c.fetch_index(ctx.context_id, "csa")) == 4
+        # A GPU page pool checks its bulk fills (on the device when it is a
+        # GPU) and keeps nothing of a bad batch.
+        torch = pytest.importorskip("torch")
+        from ctxcache.torch import hf
+
+        for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+            pool = hf.GpuPagePool(c, ctx, dev, budget_bytes=8 * 2 * 16 * 32 * 2)
+            pages = torch.tensor([[0, 1], [2, 3]])
+            with pytest.raises(ctxcache.DataLoss, match="crc32c"):
+                pool.lookup(0, pages, torch.ones(2, 2, dtype=torch.bool))
+            assert pool.misses == 0 and not pool.holds(0, 0, 0) and not pool.holds(0, 1, 3)
 
 
 def test_sigterm_stops_the_server_cleanly(make_server) -> None:

@@ -1,4 +1,5 @@
-"""Server-less tests: crc32c, tensor conversion, error mapping, page decoding."""
+"""Server-less tests: crc32c, tensor conversion, error mapping, page decoding,
+CSAC index artifact lists."""
 from __future__ import annotations
 
 import grpc
@@ -147,3 +148,137 @@ def test_crc32c_many_on_the_gpu_matches_the_cpu() -> None:
     gpu = crc32c_many(bufs)
     cpu = crc32c_many(bufs, gpu=False)
     assert gpu.tolist() == cpu.tolist()
+
+
+# ------------------------------------------------------ CSAC list decoding --
+
+
+def _csac_lists(rng: np.random.Generator, n_tokens: int, L: int, m: int, C: int,
+                codings: list) -> tuple:
+    """A CSAC version 3 artifact built here (docs/storage-format.md), its
+    lists' contents and, per list, the offsets of its coding byte, ids,
+    codebook and codes. `codings`: per list 0 (varints), 1 (bitmap) or
+    ("ef", k)."""
+    from ctxcache.torch import artifacts as art
+
+    d = 2 * m
+    fields = (m, C, 0.125, L, 4096, 8, 1, 42, 0.05, 32, 4, 1, 0.3, 1, 0, 0, 0, 1, 1,
+              d, n_tokens, n_tokens, L)
+    out = bytearray(b"CSAC" + (3).to_bytes(4, "little") + art._FIELDS.pack(*fields))
+    out += rng.standard_normal(C * d + d + m * C).astype("<f4").tobytes()
+    out.append(4)  # score bits
+    levels = min(16, L)
+    want, at = [], []
+    for coding in codings:
+        ids = np.sort(rng.choice(n_tokens, size=L, replace=False))
+        book = np.sort(rng.standard_normal(levels)).astype(np.float16)
+        codes = rng.integers(0, levels, size=L).astype(np.uint8)
+        start = len(out)
+        if coding == 0:
+            out.append(0)
+            for delta in np.diff(ids, prepend=-1).tolist():
+                while delta >= 0x80:
+                    out.append(delta & 0x7F | 0x80)
+                    delta >>= 7
+                out.append(delta)
+        elif coding == 1:
+            bits = np.zeros(8 * ((n_tokens + 7) // 8), dtype=np.uint8)
+            bits[ids] = 1
+            out += bytes([1]) + np.packbits(bits, bitorder="little").tobytes()
+        else:
+            k = coding[1]
+            low = (ids[:, None] >> np.arange(k)) & 1
+            low = np.concatenate([low.ravel(), np.zeros(-L * k % 8, dtype=low.dtype)])
+            upper = np.zeros(8 * ((L + ((n_tokens - 1) >> k) + 1 + 7) // 8), dtype=np.uint8)
+            upper[(ids >> k) + np.arange(L)] = 1
+            out += bytes([2, k]) + np.packbits(low.astype(np.uint8), bitorder="little").tobytes()
+            out += np.packbits(upper, bitorder="little").tobytes()
+        book_at = len(out)
+        out += book.astype("<f2").tobytes()
+        nib = np.zeros(2 * ((L + 1) // 2), dtype=np.uint8)
+        nib[:L] = codes
+        out += (nib[0::2] | nib[1::2] << 4).tobytes()
+        want.append((2 if isinstance(coding, tuple) else coding, ids, book, codes))
+        at.append({"start": start, "ids": start + 1, "book": book_at,  # ids: from the k byte
+                   "codes": book_at + 2 * levels})
+    return bytes(out), want, at
+
+
+@pytest.mark.parametrize("chunk", [None, (1, 1), (3000, 40)])
+def test_csac_lists_decode_every_id_coding(chunk, monkeypatch: pytest.MonkeyPatch) -> None:
+    art = pytest.importorskip("ctxcache.torch.artifacts")
+    if chunk is not None:  # lists decoded together: bitmap bits, codes
+        monkeypatch.setattr(art, "_CHUNK_BITS", chunk[0])
+        monkeypatch.setattr(art, "_CHUNK_CODES", chunk[1])
+    rng = np.random.default_rng(5)
+    cases = [  # n_tokens (not a multiple of 8), L (odd, <16 and even), id codings
+        (203, 17, [0, 1, ("ef", 0), ("ef", 1), ("ef", 2), ("ef", 3), 0, ("ef", 2),
+                   ("ef", 5), 1, ("ef", 9), ("ef", 2)]),
+        (1001, 5, [("ef", 31), ("ef", 17), ("ef", 26), 0, 1, ("ef", 7), ("ef", 7), 1]),
+        (50, 50, [1, 0, ("ef", 0), ("ef", 1)]),
+        (4000, 400, [("ef", 3)] * 6 + [1, ("ef", 3), 0, ("ef", 4)] + [("ef", 3)] * 6),
+    ]
+    for n_tokens, L, codings in cases:
+        m = 2
+        raw, want, _ = _csac_lists(rng, n_tokens, L, m, len(codings) // m, codings)
+        a = art.parse_csa_artifact(raw)
+        assert a.ids.dtype == np.int32 and a.scores.dtype == np.float16 and a.q.dtype == np.uint8
+        assert a.id_coding.ravel().tolist() == [w[0] for w in want]
+        for li, (_, ids, book, codes) in enumerate(want):
+            b, j = divmod(li, a.C)
+            assert np.array_equal(a.ids[b, j], ids)
+            assert np.array_equal(a.book[b, j].view(np.uint16), book.view(np.uint16))
+            assert np.array_equal(a.q[b, j], codes)
+            assert np.array_equal(a.scores[b, j].view(np.uint16), book[codes].view(np.uint16))
+
+
+def test_csac_lists_reject_corrupt_lists_in_stream_order() -> None:
+    art = pytest.importorskip("ctxcache.torch.artifacts")
+    rng = np.random.default_rng(6)
+    n_tokens, L = 203, 5  # 5 codebook levels: codes 5..15 are bad
+    codings = [("ef", 2), 0, 1, ("ef", 2), ("ef", 3), 0, 1, ("ef", 2), ("ef", 2), 0]
+    raw, _, at = _csac_lists(rng, n_tokens, L, 2, 5, codings)
+    art.parse_csa_artifact(raw)
+
+    def ef(li, low, upper):  # Elias-Fano list li (k = 2) with these low and upper bytes
+        upper_bytes = (L + ((n_tokens - 1) >> 2) + 1 + 7) // 8  # 56 bits
+        assert len(low) == 2 and len(upper) <= upper_bytes
+        return [(at[li]["ids"] + 1 + i, v) for i, v in
+                enumerate(low + upper + [0] * (upper_bytes - len(upper)))]
+
+    nan = np.float16(np.nan).view(np.uint16).tobytes()
+    bad = [  # (list, message, (offset, new byte) edits)
+        (0, "bad Elias-Fano ids", ef(0, [0, 0], [0x1F])),  # 5 ids 0: not increasing
+        (1, "bad list ids \\(zero delta\\)", [(at[1]["ids"], 1), (at[1]["ids"] + 1, 0)]),
+        (2, "bad list bitmap", [(at[2]["ids"] + n_tokens // 8, 0xF8)]),  # bits >= n_tokens
+        (3, "bad Elias-Fano ids", [(at[3]["ids"] + 4, 0xFF)]),  # upper byte 1: more bits
+        (4, "bad Elias-Fano low bits", [(at[4]["ids"], 32)]),
+        (5, "bad list id coding", [(at[5]["start"], 7)]),
+        (6, "bad score codebook", [(at[6]["book"] + 2, nan[0]), (at[6]["book"] + 3, nan[1])]),
+        (7, "bad score code", [(at[7]["codes"] + 1, 0x70)]),
+        # Ids 0, 1, 2, 3 and, the last upper bit set, one >= n_tokens.
+        (8, "bad Elias-Fano ids", ef(8, [0xE4, 0], [0x0F, 0, 0, 0, 0, 0, 0x80])),
+        (9, "bad list ids \\(id >= n_tokens=203\\)", [(at[9]["ids"] + e, 0x7F) for e in range(5)]),
+    ]
+    for i, (li, message, edits) in enumerate(bad):
+        corrupt = bytearray(raw)
+        for off, value in edits:
+            corrupt[off] = value
+        with pytest.raises(ValueError, match=message):
+            art.parse_csa_artifact(bytes(corrupt))
+        # Neither corrupt later lists nor a truncated last list change the message.
+        for _, _, later in bad[i + 1:]:
+            for off, value in later:
+                corrupt[off] = value
+        with pytest.raises(ValueError, match=message):
+            art.parse_csa_artifact(bytes(corrupt))
+        if li + 1 < len(at):
+            with pytest.raises(ValueError, match=message):
+                art.parse_csa_artifact(bytes(corrupt[:-1]))
+    for cut, message in ((at[8]["start"], "truncated lists"),
+                         (at[8]["ids"] + 3, "truncated Elias-Fano ids"),
+                         (at[9]["ids"] + 2, "truncated varint"),
+                         (at[9]["book"] + 1, "truncated score codebook"),
+                         (len(raw) - 1, "truncated scores")):
+        with pytest.raises(ValueError, match=message):
+            art.parse_csa_artifact(raw[:cut])

@@ -265,6 +265,135 @@ def _elias_fano_ids(buf: bytes, pos: int, L: int, n_tokens: int):
     return ids.astype(np.int32), pos
 
 
+def _read_v2_list(buf: bytes, pos: int, li: int, L: int, n_tokens: int, version: int,
+                  ids: np.ndarray, codes: np.ndarray, book: np.ndarray,
+                  id_coding: np.ndarray) -> int:
+    """Decodes list `li` of a ``CSAC`` version 2 or 3 artifact at `pos` (its
+    id coding byte; the layout: :func:`_read_v2_lists`) into row `li` of the
+    arrays, checking every field in stream order. Returns the new position."""
+    levels = book.shape[1]
+    code_bytes = (L * _SCORE_BITS + 7) // 8
+    if pos + 1 > len(buf):
+        raise _fail("truncated lists")
+    coding = buf[pos]
+    pos += 1
+    if coding == _IDS_BITMAP:
+        bitmap_bytes = (n_tokens + 7) // 8
+        if pos + bitmap_bytes > len(buf):
+            raise _fail("truncated list bitmap")
+        bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=bitmap_bytes,
+                                           offset=pos), bitorder="little")
+        pos += bitmap_bytes
+        set_ids = np.flatnonzero(bits)
+        if set_ids.size != L or (set_ids.size and set_ids[-1] >= n_tokens):
+            raise _fail("bad list bitmap")
+        ids[li] = set_ids
+    elif coding == _IDS_VARINT:
+        ids[li], pos = _list_ids(buf, pos, L, n_tokens)
+    elif coding == _IDS_ELIAS_FANO and version >= 3:
+        ids[li], pos = _elias_fano_ids(buf, pos, L, n_tokens)
+    else:
+        raise _fail("bad list id coding")
+    id_coding[li] = coding
+    if pos + 2 * levels > len(buf):
+        raise _fail("truncated score codebook")
+    book[li] = np.frombuffer(buf, dtype="<f2", count=levels, offset=pos)
+    pos += 2 * levels
+    if not np.isfinite(book[li]).all():
+        raise _fail("bad score codebook")
+    if pos + code_bytes > len(buf):
+        raise _fail("truncated scores")
+    packed = np.frombuffer(buf, dtype=np.uint8, count=code_bytes, offset=pos)
+    pos += code_bytes
+    nib = np.empty(2 * code_bytes, dtype=np.uint8)
+    nib[0::2] = packed & 0x0F
+    nib[1::2] = packed >> 4
+    codes[li] = nib[:L]
+    if (codes[li] >= levels).any():
+        raise _fail("bad score code")
+    return pos
+
+
+# Batched decoding of many lists at once (_read_v2_lists) goes in chunks of
+# lists small enough for the temporaries to stay in cache: about this many
+# unpacked bitmap bits (bytes, as numpy bools), and this many score codes.
+_CHUNK_BITS = 1 << 20
+_CHUNK_CODES = 1 << 19
+
+
+def _rows(arr: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """``arr[at[i]:at[i] + width]`` for every i as an [len(at), width] array: a
+    view when `at` is evenly spaced (lists of one size back to back), else a
+    copy. Every row must lie inside `arr`."""
+    n = at.size
+    if n == 0 or width == 0:
+        return np.zeros((n, width), dtype=np.uint8)
+    step = int(at[1] - at[0]) if n > 1 else 1
+    if step > 0 and (n == 1 or (np.diff(at) == step).all()):
+        return np.lib.stride_tricks.as_strided(arr[int(at[0]):], shape=(n, width),
+                                               strides=(step, 1), writeable=False)
+    return arr[at[:, None] + np.arange(width, dtype=np.int64)]
+
+
+def _set_bits(rows: np.ndarray, L: int, limit: int, dtype=np.int32):
+    """The set bits of each row of `rows` (uint8 [n, B], bit i of a row is bit
+    i % 8 of byte i // 8). A row is good when it has exactly L set bits, all
+    below `limit` (<= 8 B; `dtype` must hold limit - 1). Returns (good: bool
+    [n], `dtype` [n_good, L]: the ascending bit positions of the good rows)."""
+    n, width = rows.shape
+    bits = np.unpackbits(rows, axis=1, bitorder="little").view(np.bool_)
+    flat = np.flatnonzero(bits)
+    base = np.arange(n, dtype=np.int64) * (8 * width)
+    # When there are n L set bits in all, row r has exactly L if entries
+    # r L and r L + L - 1 of `flat` (its first and last) are in it.
+    if (flat.size == n * L and (flat[::L] >= base).all()
+            and (flat[L - 1::L] - base < limit).all()):
+        pos = np.empty((n, L), dtype=dtype)
+        np.subtract(flat.reshape(n, L), base[:, None], out=pos, casting="unsafe")
+        return np.ones(n, dtype=bool), pos
+    count = np.count_nonzero(bits, axis=1)
+    last = flat[np.maximum(np.cumsum(count) - 1, 0)] - base if flat.size else base
+    good = (count == L) & (last < limit)
+    if not good.any():
+        return good, np.empty((0, L), dtype=dtype)
+    return good, _set_bits(rows[good], L, limit, dtype)[1]
+
+
+def _low_bits(rows: np.ndarray, L: int, k: int) -> np.ndarray:
+    """The L k-bit fields packed little-endian in each row of `rows` (uint8
+    [n, >= ceil(L k / 8)]; field e at bits [e k, (e + 1) k)), 0 < k <= 31.
+    Returns [n, L] uint8 (k <= 8), uint16 (k <= 16) or int32."""
+    n = rows.shape[0]
+    if 8 % k == 0:  # whole fields per byte
+        per = 8 // k
+        used = (L + per - 1) // per
+        out = np.empty((n, used, per), dtype=np.uint8)
+        for j in range(per):
+            np.right_shift(rows[:, :used], np.uint8(j * k), out=out[:, :, j])
+        out &= np.uint8((1 << k) - 1)
+        return out.reshape(n, used * per)[:, :L]
+    groups = (L + 7) // 8  # 8 fields fill k bytes
+    g = np.zeros((n, groups * k), dtype=np.uint8)
+    used = min(rows.shape[1], groups * k)
+    g[:, :used] = rows[:, :used]
+    g = g.reshape(n, groups, k)
+    window = np.uint16 if k <= 9 else np.uint32 if k <= 25 else np.uint64
+    out = np.empty((n, groups, 8), dtype=np.uint8 if k <= 8 else np.uint16 if k <= 16
+                   else np.int32)
+    for j in range(8):  # field j of each group
+        at = j * k
+        first, last = at >> 3, (at + k - 1) >> 3
+        if first == last:  # within one byte
+            v = g[:, :, first] >> np.uint8(at & 7)
+            out[:, :, j] = v & np.uint8((1 << k) - 1)
+            continue
+        w = g[:, :, first].astype(window)
+        for b in range(1, last - first + 1):
+            w |= g[:, :, first + b].astype(window) << window(8 * b)
+        out[:, :, j] = (w >> window(at & 7)) & window((1 << k) - 1)
+    return out.reshape(n, groups * 8)[:, :L]
+
+
 def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int,
                    version: int = 2):
     """The lists of a ``CSAC`` version 2 or 3 artifact from `pos`: per list an
@@ -273,54 +402,145 @@ def _read_v2_lists(buf: bytes, pos: int, n_lists: int, L: int, n_tokens: int,
     Elias-Fano, :func:`_elias_fano_ids`), min(16, L) fp16 codebook entries,
     then ceil(L / 2) bytes of 4-bit codes (entry e in the low nibble of byte
     e // 2 when e is even, the high nibble when odd), in ascending-id order.
-    Returns (ids, scores, codes, book, id_coding, new position)."""
+    Returns (ids, scores, codes, book, id_coding, new position).
+
+    Decoding is batched: one pass over the lists finds where each starts (it
+    reads the coding and Elias-Fano k bytes; varint ids are decoded there, as
+    their length is that of the varints), then the bitmap and Elias-Fano ids
+    (by k), codebooks and codes of many lists are decoded together. From the
+    first list that is not well-formed on, lists are decoded one at a time by
+    :func:`_read_v2_list`, which raises the error of the sequential checks."""
     levels = min(1 << _SCORE_BITS, L)
     code_bytes = (L * _SCORE_BITS + 7) // 8
     bitmap_bytes = (n_tokens + 7) // 8
     ids = np.empty((n_lists, L), dtype=np.int32)
     codes = np.empty((n_lists, L), dtype=np.uint8)
     book = np.empty((n_lists, levels), dtype=np.float16)
-    id_coding = np.empty(n_lists, dtype=np.uint8)
+    id_coding = np.zeros(n_lists, dtype=np.uint8)
+    size = len(buf)
+    tail = 2 * levels + code_bytes  # codebook and codes
+    # Pass 1: each list's start, id coding and codebook offset; it stops at
+    # the first list whose fields do not fit or whose coding (or k) is bad.
+    starts = [0] * n_lists
+    book_at = [0] * n_lists
+    groups = {}  # (coding, k) -> ([list], [offset of its ids after the coding and k bytes])
+    ef_bytes = {}
+    stop = n_lists
     for li in range(n_lists):
-        if pos + 1 > len(buf):
-            raise _fail("truncated lists")
+        starts[li] = pos
+        if pos + 1 > size:
+            stop = li
+            break
         coding = buf[pos]
-        pos += 1
-        if coding == _IDS_BITMAP:
-            if pos + bitmap_bytes > len(buf):
-                raise _fail("truncated list bitmap")
-            bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8, count=bitmap_bytes,
-                                               offset=pos), bitorder="little")
-            pos += bitmap_bytes
-            set_ids = np.flatnonzero(bits)
-            if set_ids.size != L or (set_ids.size and set_ids[-1] >= n_tokens):
-                raise _fail("bad list bitmap")
-            ids[li] = set_ids
+        at = pos + 1
+        if coding == _IDS_ELIAS_FANO and version >= 3:
+            if at + 1 > size or buf[at] > 31:
+                stop = li
+                break
+            k = buf[at]
+            at += 1
+            nbytes = ef_bytes.get(k)
+            if nbytes is None:
+                nbytes = ef_bytes[k] = ((L * k + 7) // 8
+                                        + (L + ((n_tokens - 1) >> k) + 1 + 7) // 8)
+            key = (coding, k)
+        elif coding == _IDS_BITMAP:
+            nbytes, key = bitmap_bytes, (coding, 0)
         elif coding == _IDS_VARINT:
-            ids[li], pos = _list_ids(buf, pos, L, n_tokens)
-        elif coding == _IDS_ELIAS_FANO and version >= 3:
-            ids[li], pos = _elias_fano_ids(buf, pos, L, n_tokens)
+            try:
+                ids[li], end = _list_ids(buf, at, L, n_tokens)
+            except ValueError:
+                stop = li
+                break
+            nbytes, key = end - at, None
         else:
-            raise _fail("bad list id coding")
+            stop = li
+            break
+        if at + nbytes + tail > size:
+            stop = li
+            break
         id_coding[li] = coding
-        if pos + 2 * levels > len(buf):
-            raise _fail("truncated score codebook")
-        book[li] = np.frombuffer(buf, dtype="<f2", count=levels, offset=pos)
-        pos += 2 * levels
-        if not np.isfinite(book[li]).all():
-            raise _fail("bad score codebook")
-        if pos + code_bytes > len(buf):
-            raise _fail("truncated scores")
-        packed = np.frombuffer(buf, dtype=np.uint8, count=code_bytes, offset=pos)
-        pos += code_bytes
-        nib = np.empty(2 * code_bytes, dtype=np.uint8)
-        nib[0::2] = packed & 0x0F
-        nib[1::2] = packed >> 4
-        codes[li] = nib[:L]
-        if (codes[li] >= levels).any():
-            raise _fail("bad score code")
-    scores = np.take_along_axis(book, codes.astype(np.int64), axis=1).astype(np.float16)
-    return ids, scores, codes, book, id_coding, pos
+        if key is not None:
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = ([], [])
+            group[0].append(li)
+            group[1].append(at)
+        book_at[li] = at + nbytes
+        pos = at + nbytes + tail
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    bad = np.zeros(n_lists, dtype=bool)  # lists before `stop` that fail a check
+    for (coding, k), (lists, offsets) in groups.items():
+        lists = np.array(lists, dtype=np.int64)
+        offsets = np.array(offsets, dtype=np.int64)
+        if coding == _IDS_BITMAP:
+            low_bytes, width, limit = 0, bitmap_bytes, n_tokens
+        else:
+            low_bytes = (L * k + 7) // 8
+            limit = L + ((n_tokens - 1) >> k) + 1  # upper bits
+            width = low_bytes + (limit + 7) // 8
+        # Positions and ids are computed in int32 unless they may not fit
+        # (with a corrupt upper part, ids reach n_tokens - 1 + 2^(k + 1)).
+        wide = limit > 2**31 - 1 or (coding != _IDS_BITMAP and n_tokens + (2 << k) > 2**31 - 1)
+        dtype = np.int64 if wide else np.int32
+        entry = np.arange(L, dtype=dtype)
+        step = max(1, _CHUNK_BITS // (8 * (width - low_bytes) + 1))
+        for c0 in range(0, lists.size, step):
+            li = lists[c0:c0 + step]
+            rows = _rows(arr, offsets[c0:c0 + step], width)
+            good, got = _set_bits(rows[:, low_bytes:], L, limit, dtype)
+            if coding != _IDS_BITMAP:
+                if not good.all():
+                    rows = rows[good]
+                got -= entry  # the high parts
+                if k:
+                    got <<= k
+                    got |= _low_bits(rows[:, :low_bytes], L, k)
+                ok = got[:, -1] < n_tokens
+                if L > 1:
+                    ok &= (got[:, 1:] > got[:, :-1]).all(axis=1)
+                if not ok.all():
+                    good[good] = ok
+                    got = got[ok]
+            bad[li[~good]] = True
+            ids[li[good]] = got
+    # Codebooks, codes and scores of lists [0, stop). Scores are looked up a
+    # byte (two codes) at a time in a per-list table of 256 fp16 pairs.
+    book_at = np.array(book_at[:stop], dtype=np.int64)
+    scores = np.empty((n_lists, 2 * code_bytes), dtype=np.float16)
+    nibble = np.arange(256)  # a byte's two codes: nibble & 15, nibble >> 4
+    step = max(1, _CHUNK_CODES // L)
+    for c0 in range(0, stop, step):
+        c1 = min(stop, c0 + step)
+        rows = _rows(arr, book_at[c0:c1], tail)
+        b = np.ascontiguousarray(rows[:, :2 * levels]).view("<f2")
+        book[c0:c1] = b
+        bad[c0:c1] |= ~np.isfinite(b).all(axis=1)
+        packed = rows[:, 2 * levels:]
+        nib = np.empty((c1 - c0, code_bytes, 2), dtype=np.uint8)
+        np.bitwise_and(packed, 0x0F, out=nib[:, :, 0])
+        np.right_shift(packed, 4, out=nib[:, :, 1])
+        codes[c0:c1] = nib.reshape(c1 - c0, 2 * code_bytes)[:, :L]
+        h = book[c0:c1].view(np.uint16)
+        if levels < 1 << _SCORE_BITS:
+            bad[c0:c1] |= (codes[c0:c1] >= levels).any(axis=1)
+            h = np.pad(h, ((0, 0), (0, (1 << _SCORE_BITS) - levels)))
+        pairs = np.empty((c1 - c0, 256, 2), dtype=np.uint16)  # [list, byte, nibble]
+        pairs[:, :, 0] = h[:, nibble & 0x0F]
+        pairs[:, :, 1] = h[:, nibble >> 4]
+        at = packed.astype(np.intp)
+        at += (np.arange(c1 - c0, dtype=np.intp) * 256)[:, None]
+        # Moves 4-byte pairs (two fp16 scores) as they are, whatever the byte order.
+        np.take(pairs.view(np.uint32).ravel(), at, out=scores[c0:c1].view(np.uint32),
+                mode="clip")
+    first = int(np.argmax(bad)) if bad[:stop].any() else stop
+    if first < n_lists:
+        pos = starts[first]
+        for li in range(first, n_lists):
+            pos = _read_v2_list(buf, pos, li, L, n_tokens, version, ids, codes, book, id_coding)
+        scores[first:, :L] = np.take_along_axis(book[first:], codes[first:].astype(np.intp),
+                                                axis=1)
+    return ids, np.ascontiguousarray(scores[:, :L]), codes, book, id_coding, pos
 
 
 def parse_csa_artifact(data: bytes) -> CsaArtifact:

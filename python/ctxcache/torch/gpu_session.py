@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -99,7 +99,7 @@ class _Layer:
         self.cent = torch.as_tensor(np.stack([ix._centroids for ix in indexes]),
                                     dtype=torch.float32, device=device)  # [H, m, C, ds]
         ids = np.stack([ix._ids for ix in indexes]).reshape(h * self.m * self.C, self.L)
-        self.ids = torch.as_tensor(ids.astype(np.int64), device=device)
+        self.ids = torch.as_tensor(ids.astype(np.int32), device=device)  # widened per step
         sc = np.stack([ix._scores for ix in indexes]).reshape(h * self.m * self.C, self.L)
         self.scores = torch.as_tensor(sc, dtype=torch.float32, device=device)
         if self.o.impute_tail_mean:
@@ -143,6 +143,43 @@ class _TorchPlanner:
         self.device = torch.device(device)
         b = self.params.page_size
         self.n_pages = (self.n_tokens + b - 1) // b
+        # layer -> (CUDA graph, its query buffer, its LayerPlan); None: eager.
+        self._graphs: Optional[Dict[int, Tuple[Any, torch.Tensor, LayerPlan]]] = None
+
+    def use_cuda_graphs(self, on: bool = True) -> None:
+        """Runs each layer's stages 1-4 as one CUDA graph (captured at the
+        layer's first step; ~100 kernel launches of host time become one
+        replay). Same results as eager. Contract: the LayerPlan a step returns
+        is the graph's output buffers, overwritten by the next step of the
+        same layer (copy what must outlive it). Layers whose selection keeps
+        host state (csa with ``period`` > 1) stay eager. ValueError unless the
+        session is on a CUDA device."""
+        if on and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graphs: the session is on {self.device}, not CUDA")
+        self._graphs = {} if on else None
+
+    def _graphable(self, layer: int) -> bool:
+        """Whether ``layer``'s stage 1 is a pure function of the queries."""
+        return True
+
+    def _graph_step(self, layer: int, q: torch.Tensor) -> LayerPlan:
+        assert self._graphs is not None
+        entry = self._graphs.get(layer)
+        if entry is None:
+            static_q = q.clone()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up off the capture (lazy inits)
+                self._plan(*self._select(layer, static_q))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                plan = self._plan(*self._select(layer, static_q))
+            entry = self._graphs[layer] = (graph, static_q, plan)
+        graph, static_q, plan = entry
+        static_q.copy_(q)
+        graph.replay()
+        return plan
 
     def _indexes(self, layer: int) -> List[Any]:
         return [self.exact.indexes[(layer, h)] for h in range(self.n_kv_heads)]
@@ -179,7 +216,7 @@ class _TorchPlanner:
             rank = count.double()
         keep = torch.zeros(n_pages, dtype=torch.bool, device=sel.device)
         if n_pages:
-            keep[0] = True
+            keep[:1] = True  # a slice fill: no host-to-device copy (CUDA graphs)
         keep[max(0, n_pages - 1 - p.recent_blocks):] = True
         cand = ~keep & (count > 0)
         # Rank desc, ties to the later page: a stable sort over reversed pages.
@@ -225,6 +262,8 @@ class _TorchPlanner:
         q = queries.to(self.device, torch.float32)
         if not bool(torch.isfinite(q).all()):
             raise ValueError(f"{self.method}: queries have NaN/Inf")
+        if self._graphs is not None and self._graphable(layer):
+            return self._graph_step(layer, q)
         sel, logits = self._select(layer, q)
         return self._plan(sel, logits)
 
@@ -249,6 +288,9 @@ class TorchCsaSession(_TorchPlanner):
     def reset(self) -> None:
         for lay in self.layers:
             lay.last, lay.since_search = None, 0
+
+    def _graphable(self, layer: int) -> bool:
+        return self.layers[layer].o.period <= 1
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         lay = self.layers[layer]
@@ -296,7 +338,7 @@ class TorchCsaSession(_TorchPlanner):
         bias = -wj.reshape(-1) * lay.missing[lid]
         vals = lay.scores[lid] * wj.reshape(-1, 1) + bias.view(-1, 1)
         acc = torch.zeros(h * g, n, dtype=torch.float32, device=q.device)
-        acc.scatter_add_(1, lay.ids[lid].view(h * g, -1), vals.view(h * g, -1))
+        acc.scatter_add_(1, lay.ids[lid].view(h * g, -1).long(), vals.view(h * g, -1))
         n_sinks = min(o.sinks, n)
         recent_start = max(n_sinks, n - o.recent)
         forced = torch.zeros(n, dtype=torch.bool, device=q.device)
@@ -480,14 +522,20 @@ TORCH_SESSIONS = {"csa": TorchCsaSession, "quest": TorchQuestSession,
 
 def torch_session(method: str, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                   params: Union[SessionParams, Mapping[str, Any], None] = None,
-                  device: Any = "cpu", keys: Any = None) -> _TorchPlanner:
+                  device: Any = "cpu", keys: Any = None,
+                  cuda_graphs: bool = False) -> _TorchPlanner:
     """The torch session of ``method`` (csa, quest, streaming or oracle; keys
-    for oracle only). ValueError for a method without one."""
+    for oracle only). ValueError for a method without one. ``cuda_graphs``:
+    see :meth:`_TorchPlanner.use_cuda_graphs` (CUDA devices only)."""
     if method not in TORCH_SESSIONS:
         raise ValueError(f"method '{method}' has no torch session; expected one of "
                          f"{', '.join(TORCH_SESSIONS)}")
     if method == "oracle":
-        return TorchOracleSession(artifacts, n_q_heads, keys, params=params, device=device)
-    if keys is not None:
+        sess = TorchOracleSession(artifacts, n_q_heads, keys, params=params, device=device)
+    elif keys is not None:
         raise ValueError(f"keys are for method oracle, not {method}")
-    return TORCH_SESSIONS[method](artifacts, n_q_heads, params=params, device=device)
+    else:
+        sess = TORCH_SESSIONS[method](artifacts, n_q_heads, params=params, device=device)
+    if cuda_graphs:
+        sess.use_cuda_graphs()
+    return sess

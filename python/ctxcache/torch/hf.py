@@ -46,6 +46,12 @@ __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "p
 
 # ---------------------------------------------------------------- attention --
 
+def _stage(name: str) -> Any:
+    """A named range in torch.profiler traces (a no-op cost of ~1 us when
+    no profiler runs): python/bench/gpu_e2e.py --profile-steps."""
+    return torch.autograd.profiler.record_function(name)
+
+
 def pad_heads(rows: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per kv head ``[n_h, d]`` rows as one zero-padded ``[H, N, d]`` tensor
     (N = the longest) and its ``[H, N]`` bool validity."""
@@ -312,7 +318,8 @@ class GpuPagePool:
         n_miss = int(miss_keys.numel())
         self.hits += need - n_miss
         if n_miss:
-            self._fill(layer, miss_keys)
+            with _stage("ctxcache.pool_fill"):
+                self._fill(layer, miss_keys)
             slots = self._slot_of[keys]
         return torch.where(valid, slots, torch.zeros_like(slots))
 
@@ -323,33 +330,74 @@ class GpuPagePool:
         for key in host:
             by_head.setdefault((key // self.n_pages) % self.n_kv_heads, []).append(
                 key % self.n_pages)
-        fetched = self.client.fetch_pages(
-            self.context_id, [(layer, hh, sorted(b)) for hh, b in sorted(by_head.items())],
-            dtype="raw", as_torch=True)
-        if len(fetched) != n_miss:
-            raise RuntimeError(f"GpuPagePool: asked for {n_miss} pages, got {len(fetched)}")
+        wire = self.client.fetch_wire_pages(
+            self.context_id, [(layer, hh, sorted(b)) for hh, b in sorted(by_head.items())])
+        if len(wire) != n_miss:
+            raise RuntimeError(f"GpuPagePool: asked for {n_miss} pages, got {len(wire)}")
+        kv = self._checked_rows(wire)  # [n_miss, 2, block, d] on the device
         # Victims: free slots first, then the least recently used; the slots
         # this lookup uses carry the newest stamp, and need <= n_slots.
         victims = torch.topk(self._stamp, n_miss, largest=False).indices
         old = self._page_of[victims]
         self._slot_of[old[old >= 0]] = -1
-        d = self.k.shape[-1]
-        k_host = torch.zeros(n_miss, self.block, d, dtype=self.k.dtype)
-        v_host = torch.zeros_like(k_host)
-        new_keys = []
-        for i, p in enumerate(fetched):
-            n = int(p.n_tokens)
-            k_host[i, :n] = p.k.view(n, d)
-            v_host[i, :n] = p.v.view(n, d)
-            new_keys.append(self._key(layer, int(p.kv_head), int(p.block)))
-            self.bytes_fetched += 2 * p.k.numel() * p.k.element_size()
-        self.k[victims] = k_host.to(self.k.device, non_blocking=True)
-        self.v[victims] = v_host.to(self.v.device, non_blocking=True)
-        new = torch.tensor(new_keys, dtype=torch.int64, device=self.k.device)
+        self.k[victims] = kv[:, 0]
+        self.v[victims] = kv[:, 1]
+        new = torch.tensor([self._key(layer, int(p.kv_head), int(p.block)) for p in wire],
+                           dtype=torch.int64, device=self.k.device)
         self._page_of[victims] = new
         self._slot_of[new] = victims
         self._stamp[victims] = self._clock
         self.misses += n_miss
+        self.bytes_fetched += sum(len(p.k) + len(p.v) for p in wire)
+
+    def _checked_rows(self, wire: Sequence[Any]) -> torch.Tensor:
+        """The K and V of wire pages as ``[n, 2, block, d]`` in the pool's
+        dtype on its device (a partial page zero-padded), each page's crc32c
+        checked: on the device for full pages when it is a GPU (one bulk copy,
+        ``crc32c_rows_torch``), else on the host. DataLoss for a bad crc, size
+        or dtype."""
+        from ctxcache import errors
+        from ctxcache import tensors as _t
+        from ctxcache.client import check_page_crcs
+
+        dev = self.k.device
+        n, (b, d) = len(wire), self.k.shape[1:]
+        wdt = int(wire[0].dtype)
+        item = _t._ITEMSIZE.get(wdt)
+        if item is None or any(int(p.dtype) != wdt for p in wire):
+            raise errors.DataLoss("GpuPagePool: pages of unknown or mixed dtypes",
+                                  rpc="FetchPages")
+        page_bytes = b * d * item
+        for p in wire:
+            if not (0 < p.n_tokens <= b and len(p.k) == len(p.v) == p.n_tokens * d * item):
+                raise errors.DataLoss(f"page of layer {p.layer}, kv head {p.kv_head}, block "
+                                      f"{p.block} has the wrong size", rpc="FetchPages")
+        full = all(p.n_tokens == b for p in wire)
+        if full:  # each row is exactly the page's k || v: its crc is the page's
+            blob = bytearray(b"".join(x for p in wire for x in (p.k, p.v)))
+            rows = torch.frombuffer(blob, dtype=torch.uint8).view(n, 2 * page_bytes)
+        else:
+            rows = torch.zeros(n, 2 * page_bytes, dtype=torch.uint8)
+            for i, p in enumerate(wire):
+                rows[i, :len(p.k)] = torch.frombuffer(bytearray(p.k), dtype=torch.uint8)
+                rows[i, page_bytes:page_bytes + len(p.v)] = torch.frombuffer(
+                    bytearray(p.v), dtype=torch.uint8)
+        rows = rows.to(dev)
+        if full and dev.type == "cuda":
+            from ctxcache.crc32c import crc32c_rows_torch
+
+            want = torch.tensor([p.crc32c for p in wire], dtype=torch.int64, device=dev)
+            bad = torch.nonzero(crc32c_rows_torch(rows) != want)
+            if bad.numel():
+                p = wire[int(bad[0, 0])]
+                raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head "
+                                      f"{p.kv_head}, block {p.block}): the page was corrupted "
+                                      "in transit", rpc="FetchPages")
+        else:
+            check_page_crcs(wire, rpc="FetchPages")
+        tdt = {_t._st.DTYPE_BF16: torch.bfloat16, _t._st.DTYPE_F16: torch.float16,
+               _t._st.DTYPE_F32: torch.float32}[wdt]
+        return rows.view(tdt).view(n, 2, b, d).to(self.k.dtype)
 
     def gather(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
         """``[H, P * block, d]`` K and V of the pages (looked up, fetched
@@ -418,7 +466,8 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     else:
         ks, vs = dec.dense_kv[layer]  # [n_kv, n, d] on the device
         masks = None
-    out = attend(q, ks, vs, masks, key[0], value[0], scale)  # [n_q, d]
+    with _stage("ctxcache.attend"):
+        out = attend(q, ks, vs, masks, key[0], value[0], scale)  # [n_q, d]
     return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
 
 
@@ -427,7 +476,8 @@ def _pool_kv(dec: _Decoder, layer: int, pages: torch.Tensor, valid: torch.Tensor
     page pool (which fetches the missing ones); adds the fetched bytes to
     the decoder's count."""
     before = dec.pool.bytes_fetched
-    k, v = dec.pool.gather(layer, pages, valid)
+    with _stage("ctxcache.pool"):
+        k, v = dec.pool.gather(layer, pages, valid)
     dec.bytes_received += dec.pool.bytes_fetched - before
     return k, v
 
@@ -453,7 +503,8 @@ def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     """Client-side selection as tensor ops on the device
     (ctxcache.torch.gpu_session) and the selected pages read from the GPU
     page pool; host syncs: the page count and the pool's miss list."""
-    plan = dec.planner.step(layer, q)
+    with _stage("ctxcache.plan"):
+        plan = dec.planner.step(layer, q)
     h, n_pages = plan.pages.shape
     counts = plan.pages.sum(dim=1)
     p = int(counts.max())
@@ -501,11 +552,12 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
                         use_cache=True)
             logits = out.logits[0, -1].float()
             if dec.appender is not None:  # the input token's K/V/Q go back to the session
-                kv = [_cache_kv(cache, l) for l in range(n_layers)]
-                dec.appended = dec.appender.append(
-                    torch.stack([k[0, :, -1] for k, _ in kv]),
-                    torch.stack([v[0, :, -1] for _, v in kv]),
-                    torch.stack([dec.queries[l] for l in range(n_layers)]), token_id=token)
+                with _stage("ctxcache.append"):
+                    kv = [_cache_kv(cache, l) for l in range(n_layers)]
+                    dec.appended = dec.appender.append(
+                        torch.stack([k[0, :, -1] for k, _ in kv]),
+                        torch.stack([v[0, :, -1] for _, v in kv]),
+                        torch.stack([dec.queries[l] for l in range(n_layers)]), token_id=token)
             next_token = int(torch.argmax(logits))
             next_input = int(forced[i]) if forced is not None else next_token
             if dev.type == "cuda":
@@ -576,7 +628,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     ``keys`` ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
     :func:`fetch_context_keys`, so the keys are resident on the device).
     selection: ``"torch"`` runs the session core as tensor ops on the
-    model's device (``ctxcache.torch.gpu_session.torch_session``; csa's and
+    model's device (``ctxcache.torch.gpu_session.torch_session``, one CUDA
+    graph per layer on a GPU; csa's and
     oracle's float sums run in another order than the server's, so a
     near-tie may resolve differently; quest and streaming are exact);
     ``"exact"`` runs the numpy copy of the C++ core
@@ -606,7 +659,9 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
         keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
     if selection == "torch":
         dec = _Decoder(planner=torch_session(method, arts, n_q_heads=n_q, params=params or {},
-                                             device=dev, keys=keys), n_layers=n_layers)
+                                             device=dev, keys=keys,
+                                             cuda_graphs=dev.type == "cuda"),
+                       n_layers=n_layers)
     else:
         dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
                                               method=method,

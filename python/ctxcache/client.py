@@ -708,20 +708,25 @@ class Client:
         def consume(stream: Iterator["pb.IndexChunk"]) -> Dict[Tuple[int, int], bytes]:
             parts: Dict[Tuple[int, int], List[bytes]] = {}
             out: Dict[Tuple[int, int], bytes] = {}
+            last: Dict[Tuple[int, int], "pb.IndexChunk"] = {}
             for c in stream:
                 key = (c.layer, c.kv_head)
                 parts.setdefault(key, []).append(c.data)
                 if c.chunk_index + 1 == c.n_chunks:
-                    data = b"".join(parts.pop(key))
-                    if len(data) != c.total_bytes or crc32c(data) != c.crc32c:
-                        raise errors.DataLoss(
-                            f"index artifact crc32c mismatch (layer {c.layer}, kv head "
-                            f"{c.kv_head}, method {c.method}: {len(data)} of {c.total_bytes} "
-                            f"bytes)", rpc="FetchIndex")
-                    out[key] = data
+                    out[key] = b"".join(parts.pop(key))
+                    last[key] = c
             if parts:
                 raise errors.DataLoss(f"index stream ended inside artifacts {sorted(parts)}",
                                       rpc="FetchIndex")
+            # Every artifact's crc in one batched pass (on a GPU when torch sees one).
+            got = crc32c_many(list(out.values()))
+            for (key, data), crc in zip(out.items(), got):
+                c = last[key]
+                if len(data) != c.total_bytes or int(crc) != c.crc32c:
+                    raise errors.DataLoss(
+                        f"index artifact crc32c mismatch (layer {c.layer}, kv head "
+                        f"{c.kv_head}, method {c.method}: {len(data)} of {c.total_bytes} "
+                        f"bytes)", rpc="FetchIndex")
             return out
 
         return self._stream("FetchIndex", self._decode.FetchIndex, req, consume)

@@ -284,19 +284,60 @@ def _torch_cuda():
     return torch if torch.cuda.is_available() else None
 
 
+# Buffers of at least _BLOCK bytes go to the device as _BLOCK-byte rows (one
+# row length for every buffer: one cached B_k, whatever the buffers' sizes),
+# at most _BLOCK_ROWS rows per product; their CRCs are chained on the host.
+_BLOCK = 64 << 10
+_BLOCK_ROWS = 256
+
+
+def _crc32c_blocked(torch, flats: "List[np.ndarray]", device) -> List[int]:
+    """CRC-32C of each buffer (each at least _BLOCK bytes): its whole
+    _BLOCK-byte blocks by crc32c_rows_torch on ``device``, chained with
+    R <- Z(R) ^ raw(block) (Z: _BLOCK zero bytes, raw = crc ^ crc of zeros),
+    then the tail on the host."""
+    counts = [f.size // _BLOCK for f in flats]
+    where = [(b, k) for b, c in enumerate(counts) for k in range(c)]
+    block_crc = np.empty(len(where), dtype=np.uint32)
+    for lo in range(0, len(where), _BLOCK_ROWS):
+        part = where[lo:lo + _BLOCK_ROWS]
+        mat = np.stack([flats[b][k * _BLOCK:(k + 1) * _BLOCK] for b, k in part])
+        block_crc[lo:lo + len(part)] = crc32c_rows_torch(
+            torch.from_numpy(mat).to(device)).cpu().numpy()
+    tabs = _byte_tables(_BLOCK)
+    zero = _zero_row_crc(_BLOCK)
+    out, pos = [], 0
+    for f, c in zip(flats, counts):
+        r = 0xFFFFFFFF
+        for v in block_crc[pos:pos + c].tolist():
+            r = int(tabs[0][r & 0xFF] ^ tabs[1][(r >> 8) & 0xFF] ^ tabs[2][(r >> 16) & 0xFF]
+                    ^ tabs[3][r >> 24]) ^ v ^ zero
+        pos += c
+        out.append(crc32c(f[c * _BLOCK:], ~r & 0xFFFFFFFF) if f.size > c * _BLOCK
+                   else ~r & 0xFFFFFFFF)
+    return out
+
+
 def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
     """CRC-32C of each buffer (from 0), as uint32 values: many small buffers
     (decode pages, a few KB each) in one pass. Buffers of equal length go
     through the stripe lock step together, so the cost is ~256 numpy steps
     per distinct length instead of a Python loop over every byte. With
     ``gpu`` and torch seeing a CUDA device, groups of at least 64 KiB go to
-    crc32c_rows_torch on the GPU instead (see _TORCH_MIN_BYTES)."""
+    crc32c_rows_torch on the GPU instead (see _TORCH_MIN_BYTES), and so do
+    the whole 64 KiB blocks of buffers of 64 KiB or more (index artifacts:
+    one row length for all of them, chained on the host)."""
     out = np.zeros(len(buffers), dtype=np.uint32)
     flats = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) if isinstance(b, np.ndarray)
              else np.frombuffer(b, dtype=np.uint8) for b in buffers]
+    big = [i for i, f in enumerate(flats) if f.size >= _BLOCK]
+    torch = _torch_cuda() if gpu and big else None
+    if torch is not None:
+        out[big] = _crc32c_blocked(torch, [flats[i] for i in big], "cuda")
     groups: Dict[int, List[int]] = {}
     for i, f in enumerate(flats):
-        groups.setdefault(f.size, []).append(i)
+        if torch is None or f.size < _BLOCK:
+            groups.setdefault(f.size, []).append(i)
     for n, idx in groups.items():
         torch = _torch_cuda() if gpu and n * len(idx) >= _TORCH_MIN_BYTES else None
         if torch is not None:

@@ -116,3 +116,19 @@ def test_crc32c_many_on_cuda_matches_cpu() -> None:
     sizes = [4096] * 42 + [4000] * 30 + [65536] * 2 + [9] * 3 + [300]
     bufs = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in sizes]
     assert crc32c_many(bufs).tolist() == crc32c_many(bufs, gpu=False).tolist()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_large_buffers_go_in_chained_blocks(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What crc32c_many does on a GPU with buffers of 64 KiB or more (index
+    # artifacts): their whole blocks as rows of one length, several products
+    # (a small row cap here), the block CRCs chained on the host, the tail
+    # continued on the host.
+    monkeypatch.setattr(crcmod, "_BLOCK_ROWS", 3)
+    rng = np.random.default_rng(12)
+    block = crcmod._BLOCK
+    sizes = [block, 2 * block + 1, 3 * block + 20000, 5 * block - 1, block + 255]
+    flats = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+    flats[1][:] = 0
+    got = crcmod._crc32c_blocked(torch, flats, device)
+    assert got == [crc32c(f.tobytes()) for f in flats]

@@ -98,8 +98,10 @@ class _Layer:
         h = len(indexes)
         self.cent = torch.as_tensor(np.stack([ix._centroids for ix in indexes]),
                                     dtype=torch.float32, device=device)  # [H, m, C, ds]
-        ids = np.stack([ix._ids for ix in indexes]).reshape(h * self.m * self.C, self.L)
-        self.ids = torch.as_tensor(ids.astype(np.int32), device=device)  # widened per step
+        # The artifacts' int32 ids (CsaIndex keeps an int64 copy for numpy),
+        # widened per step for scatter_add_.
+        ids = np.stack([ix.artifact.ids for ix in indexes]).reshape(h * self.m * self.C, self.L)
+        self.ids = torch.as_tensor(ids.astype(np.int32, copy=False), device=device)
         sc = np.stack([ix._scores for ix in indexes]).reshape(h * self.m * self.C, self.L)
         self.scores = torch.as_tensor(sc, dtype=torch.float32, device=device)
         if self.o.impute_tail_mean:

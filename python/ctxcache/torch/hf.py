@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -541,6 +542,10 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
     cache = DynamicCache()  # the generated tokens only
     token = int(first_token)
     n_layers = len(_layers(model))
+    # Append runs on a worker thread, one in flight: a step does not wait for
+    # its round trip; the next step (or the end) collects it and its errors.
+    appends = ThreadPoolExecutor(max_workers=1) if dec.appender is not None else None
+    pending: Optional[Future] = None
     try:
         for i in range(n_new):
             if dev.type == "cuda":
@@ -554,10 +559,12 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
             if dec.appender is not None:  # the input token's K/V/Q go back to the session
                 with _stage("ctxcache.append"):
                     kv = [_cache_kv(cache, l) for l in range(n_layers)]
-                    dec.appended = dec.appender.append(
-                        torch.stack([k[0, :, -1] for k, _ in kv]),
-                        torch.stack([v[0, :, -1] for _, v in kv]),
-                        torch.stack([dec.queries[l] for l in range(n_layers)]), token_id=token)
+                    rows = (torch.stack([k[0, :, -1] for k, _ in kv]),
+                            torch.stack([v[0, :, -1] for _, v in kv]),
+                            torch.stack([dec.queries[l] for l in range(n_layers)]))
+                    if pending is not None:
+                        dec.appended = pending.result()
+                    pending = appends.submit(dec.appender.append, *rows, token_id=token)
             next_token = int(torch.argmax(logits))
             next_input = int(forced[i]) if forced is not None else next_token
             if dev.type == "cuda":
@@ -566,7 +573,11 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
             res.logits.append(logits.cpu())
             res.tokens.append(next_token)
             token = next_input
+        if pending is not None:
+            dec.appended = pending.result()
     finally:
+        if appends is not None:
+            appends.shutdown(wait=True)
         _ACTIVE.pop()
         model.config._attn_implementation = previous
         for layer in _layers(model):
@@ -586,7 +597,9 @@ def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *
     still what ``tokens`` records), for agreement measurements.
     ``append``: stream each step's input token (K/V/Q of every layer) back
     to the session with Append, so its indexes keep up; its selections of
-    appended tokens are ignored (they are attended from the model's cache)."""
+    appended tokens are ignored (they are attended from the model's cache).
+    Appends run on a worker thread, at most one in flight (a step does not
+    wait for its round trip); an Append's error is raised at the next step."""
     with client.open_session(info.context_id, method=method, params=params or {}) as s:
         dec = _Decoder(session=s, appender=s if append else None,
                        n_context=int(info.n_tokens), n_layers=int(info.model.n_layers))
@@ -636,9 +649,12 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     (``ctxcache.torch.selection.ClientSession``: the server's selections
     exactly, on the CPU). Both select over the stored context.
     append: the generated tokens go to a server session of ``method`` with
-    Append, one round trip per token, as a worker that shares its tokens does.
-    The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (index
-    fetch + session set-up + the first step)."""
+    Append, one round trip per token (on a worker thread, one in flight), as
+    a worker that shares its tokens does; the server opens that session while
+    the client sets up.
+    The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (from the
+    call to the first token: index fetch, set-up, the Append session's open,
+    the first step)."""
     from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
     from ctxcache.torch.selection import METHODS, ClientSession
 
@@ -652,31 +668,38 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
         raise ValueError(f"keys are for method oracle, not {method}")
     dev = next(model.parameters()).device
     t0 = time.perf_counter()
-    arts = client.fetch_index(info.context_id, method)
-    n_q = int(info.model.n_q_heads)
-    n_layers = int(info.model.n_layers)
-    if method == "oracle" and keys is None:
-        keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
-    if selection == "torch":
-        dec = _Decoder(planner=torch_session(method, arts, n_q_heads=n_q, params=params or {},
-                                             device=dev, keys=keys,
-                                             cuda_graphs=dev.type == "cuda"),
-                       n_layers=n_layers)
-    else:
-        dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
-                                              method=method,
-                                              keys=None if keys is None else keys.cpu()),
-                       n_layers=n_layers)
-    dec.n_context = int(info.n_tokens)
-    pool = GpuPagePool(client, info, dev, pool_bytes)
-    dec.pool = pool
-    setup_s = time.perf_counter() - t0
-    session = client.open_session(info.context_id, method=method, params=params or {}) \
-        if append else None
+    opener = ThreadPoolExecutor(max_workers=1)
+    # The server opens the Append session while the client sets up.
+    opening = opener.submit(client.open_session, info.context_id, method=method,
+                            params=params or {}) if append else None
+    session = None
     try:
+        arts = client.fetch_index(info.context_id, method)
+        n_q = int(info.model.n_q_heads)
+        n_layers = int(info.model.n_layers)
+        if method == "oracle" and keys is None:
+            keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
+        if selection == "torch":
+            dec = _Decoder(planner=torch_session(method, arts, n_q_heads=n_q,
+                                                 params=params or {}, device=dev, keys=keys,
+                                                 cuda_graphs=dev.type == "cuda"),
+                           n_layers=n_layers)
+        else:
+            dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
+                                                  method=method,
+                                                  keys=None if keys is None else keys.cpu()),
+                           n_layers=n_layers)
+        dec.n_context = int(info.n_tokens)
+        pool = GpuPagePool(client, info, dev, pool_bytes)
+        dec.pool = pool
+        session = opening.result() if opening is not None else None
+        setup_s = time.perf_counter() - t0
         dec.appender = session
         res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
     finally:
+        if opening is not None and session is None and opening.exception() is None:
+            opening.result().close()  # set-up failed after the session opened
+        opener.shutdown(wait=True)
         if session is not None:
             session.close()
     res.pool_hits, res.pool_misses = pool.hits, pool.misses

@@ -99,6 +99,8 @@ the queries' device when given torch queries.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -931,10 +933,22 @@ class ClientSession:
         self.method = method
         self.params = (params if isinstance(params, SessionParams)
                        else SessionParams.parse(params, method=method))
+        def index_of(item: Tuple[Tuple[int, int], Any]) -> Index:
+            (l, h), a = item
+            return make_index(method, a, None if keys is None
+                              else _layer_head_keys(keys, int(l), int(h)))
+
+        # Artifacts parse side by side (numpy drops the GIL in its bulk ops);
+        # the first bad one in key order raises, as a loop would.
+        items = list(artifacts.items())
+        workers = min(len(items), os.cpu_count() or 1, 16)
+        if workers > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                parsed = list(pool.map(index_of, items))
+        else:
+            parsed = [index_of(it) for it in items]
         self.indexes: Dict[Tuple[int, int], Index] = {
-            (int(l), int(h)): make_index(method, a, None if keys is None
-                                         else _layer_head_keys(keys, int(l), int(h)))
-            for (l, h), a in artifacts.items()}
+            (int(l), int(h)): ix for ((l, h), _), ix in zip(items, parsed)}
         self.n_layers = 1 + max(l for l, _ in self.indexes)
         self.n_kv_heads = 1 + max(h for _, h in self.indexes)
         missing = [(l, h) for l in range(self.n_layers) for h in range(self.n_kv_heads)

@@ -13,6 +13,10 @@
 //   recall_at_5pct, attn_mass, output_error for csa uniform, csa norm, csa
 //                            compact (loaded from the compact artifact),
 //                            faiss and oracle
+//   csa_pages                page-level selection at 5% of the pages: the
+//                            session core's token-then-pages ranking, page
+//                            bins (the GPU kernels' ranking), pooled page
+//                            bins and oracle pages, as attention mass
 //   index_bytes_per_token plain / compact, kv_bytes_per_token (K+V bf16)
 // With --method M other than csa, M is built through BuildSelector with
 // --params and measured with the same fields (method_*), next to exact and
@@ -123,6 +127,118 @@ StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Referenc
   r.bytes_touched /= w.n_eval_queries();
   r.entries_touched /= w.n_eval_queries();
   return r;
+}
+
+// Page-level selection (16-token pages) at a budget of 5% of the pages, per
+// q head; each method's score is the true attention mass of every token of
+// its pages (ExactAttention::Mass), averaged over the evaluation queries:
+//   token_then_pages  csa's token selection at 5% of the tokens, its pages
+//                     ranked by the estimated softmax mass of their selected
+//                     tokens (the session core's page cap);
+//   page_bins         every token's csa estimate summed per page, the top
+//                     pages (csa_score_pages over token-level lists, the GPU
+//                     decode kernels' ranking);
+//   page_bins_pooled  page_bins for the mean query of the GQA group, one page
+//                     set per kv head (the GPU kernels' pooling);
+//   page_softmax_bins (and _pooled) per page the sum of exp(estimate - max)
+//                     over all its tokens: the estimated softmax mass, no
+//                     token top-k first;
+//   oracle_pages      the pages of most true attention mass (the ceiling).
+// No sink or recent pages are forced, so the four rank the same budget.
+constexpr int64_t kPage = 16;
+
+std::vector<int32_t> TopPages(const std::vector<double>& score, int64_t budget) {
+  std::vector<int32_t> order(score.size());
+  std::iota(order.begin(), order.end(), 0);
+  budget = std::min<int64_t>(budget, static_cast<int64_t>(order.size()));
+  std::partial_sort(order.begin(), order.begin() + budget, order.end(), [&](int32_t a, int32_t b) {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  });
+  order.resize(budget);
+  return order;
+}
+
+std::vector<int32_t> PageTokens(std::vector<int32_t> pages, int64_t n) {
+  std::sort(pages.begin(), pages.end());
+  std::vector<int32_t> ids;
+  for (int32_t p : pages) {
+    for (int64_t t = p * kPage; t < std::min<int64_t>(n, (p + 1) * kPage); ++t) {
+      ids.push_back(static_cast<int32_t>(t));
+    }
+  }
+  return ids;
+}
+
+// csa's estimate (logit) of every token for one query, per page: the sum
+// (softmax = false) or the sum of exp(logit - max), the page's estimated
+// softmax mass (softmax = true).
+StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t n,
+                                       bool softmax) {
+  SelectInput in;
+  in.queries = q;
+  in.n_queries = 1;
+  in.budget = n;  // every token: per_head_logits holds every estimate
+  Selection out;
+  RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
+  std::vector<double> bins((n + kPage - 1) / kPage, 0.0);
+  const auto& ids = out.per_head[0];
+  const auto& lg = out.per_head_logits[0];
+  const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    bins[ids[i] / kPage] += softmax ? std::exp(static_cast<double>(lg[i]) - mx) : lg[i];
+  }
+  return bins;
+}
+
+StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& ref, int64_t k) {
+  const int64_t n = w.n, n_pages = (n + kPage - 1) / kPage;
+  const int64_t budget = std::max<int64_t>(1, (n_pages + 19) / 20);
+  double token_pages = 0, bins = 0, pooled = 0, oracle = 0, soft = 0, soft_pooled = 0;
+  std::vector<float> mean(w.d);
+  for (int row = 0; row < w.n_eval_rows(); ++row) {
+    const float* group = w.EvalQ(row);
+    std::fill(mean.begin(), mean.end(), 0.0f);
+    for (int g = 0; g < w.G; ++g) {
+      for (int j = 0; j < w.d; ++j) mean[j] += group[g * w.d + j] / w.G;
+    }
+    ASSIGN_OR_RETURN(std::vector<double> pooled_bins, PageBins(csa, mean.data(), n, false));
+    const std::vector<int32_t> pooled_ids = PageTokens(TopPages(pooled_bins, budget), n);
+    ASSIGN_OR_RETURN(std::vector<double> pooled_soft, PageBins(csa, mean.data(), n, true));
+    const std::vector<int32_t> pooled_soft_ids = PageTokens(TopPages(pooled_soft, budget), n);
+    for (int g = 0; g < w.G; ++g) {
+      const int i = row * w.G + g;
+      const ExactAttention& e = ref.exact[i];
+      // token_then_pages
+      SelectInput in;
+      in.queries = w.Q(i);
+      in.n_queries = 1;
+      in.budget = k;
+      Selection out;
+      RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
+      const auto& ids = out.per_head[0];
+      const auto& lg = out.per_head_logits[0];
+      std::vector<double> mass(n_pages, 0.0);
+      const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
+      for (size_t t = 0; t < ids.size(); ++t) mass[ids[t] / kPage] += std::exp(lg[t] - mx);
+      token_pages += e.Mass(PageTokens(TopPages(mass, budget), n));
+      ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, w.Q(i), n, false));
+      bins += e.Mass(PageTokens(TopPages(b, budget), n));
+      pooled += e.Mass(pooled_ids);
+      ASSIGN_OR_RETURN(std::vector<double> sb, PageBins(csa, w.Q(i), n, true));
+      soft += e.Mass(PageTokens(TopPages(sb, budget), n));
+      soft_pooled += e.Mass(pooled_soft_ids);
+      std::vector<double> truth(n_pages, 0.0);
+      for (int64_t t = 0; t < n; ++t) truth[t / kPage] += e.probs()[t];
+      oracle += e.Mass(PageTokens(TopPages(truth, budget), n));
+    }
+  }
+  const double q = w.n_eval_queries();
+  return Json{{"page_tokens", kPage},         {"page_budget", budget},
+              {"n_pages", n_pages},           {"token_then_pages_mass", token_pages / q},
+              {"page_bins_mass", bins / q},   {"page_bins_pooled_mass", pooled / q},
+              {"page_softmax_bins_mass", soft / q},
+              {"page_softmax_bins_pooled_mass", soft_pooled / q},
+              {"oracle_pages_mass", oracle / q}};
 }
 
 // OpenMP threads of libfaiss: 1, so FAISS and CSA both run on one core.
@@ -260,6 +376,10 @@ StatusOr<Json> RunOne(const Workload& w, const std::string& method, const Method
   r["csa_entries_touched"] = u.entries_touched;
   r["csa_uniform"] = Fidelity(u.fid);
   r["csa_norm"] = Fidelity(nw.fid);
+  {
+    RETURN_IF_ERROR(csa->SetRetrievalOptions(opts));  // the built options (weights=norm)
+    ASSIGN_OR_RETURN(r["csa_pages"], PageLevel(csa.get(), w, ref, k));
+  }
   // One call for the whole GQA group (union over G heads).
   {
     RETURN_IF_ERROR(csa->SetRetrievalOptions(uniform));

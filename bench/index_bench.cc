@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -143,6 +144,7 @@ StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Referenc
 //   page_softmax_bins (and _pooled) per page the sum of exp(estimate - max)
 //                     over all its tokens: the estimated softmax mass, no
 //                     token top-k first;
+//   page_max_bins     (and _pooled) per page its best token estimate;
 //   oracle_pages      the pages of most true attention mass (the ceiling).
 // No sink or recent pages are forced, so the four rank the same budget.
 constexpr int64_t kPage = 16;
@@ -169,23 +171,31 @@ std::vector<int32_t> PageTokens(std::vector<int32_t> pages, int64_t n) {
   return ids;
 }
 
-// csa's estimate (logit) of every token for one query, per page: the sum
-// (softmax = false) or the sum of exp(logit - max), the page's estimated
-// softmax mass (softmax = true).
-StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t n,
-                                       bool softmax) {
+// How PageBins folds a page's token estimates (logits) into its score.
+enum class Fold { kSum, kSoftmax, kMax };
+
+// csa's estimate (logit) of every token for one query, folded per page: the
+// sum, the sum of exp(logit - max) (the page's estimated softmax mass), or
+// the largest (what a page-level list's best-key score stands for).
+StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t n, Fold fold) {
   SelectInput in;
   in.queries = q;
   in.n_queries = 1;
   in.budget = n;  // every token: per_head_logits holds every estimate
   Selection out;
   RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
-  std::vector<double> bins((n + kPage - 1) / kPage, 0.0);
   const auto& ids = out.per_head[0];
   const auto& lg = out.per_head_logits[0];
+  std::vector<double> bins((n + kPage - 1) / kPage,
+                           fold == Fold::kMax ? -std::numeric_limits<double>::infinity() : 0.0);
   const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
   for (size_t i = 0; i < ids.size(); ++i) {
-    bins[ids[i] / kPage] += softmax ? std::exp(static_cast<double>(lg[i]) - mx) : lg[i];
+    double& b = bins[ids[i] / kPage];
+    switch (fold) {
+      case Fold::kSum: b += lg[i]; break;
+      case Fold::kSoftmax: b += std::exp(static_cast<double>(lg[i]) - mx); break;
+      case Fold::kMax: b = std::max(b, static_cast<double>(lg[i])); break;
+    }
   }
   return bins;
 }
@@ -194,6 +204,7 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
   const int64_t n = w.n, n_pages = (n + kPage - 1) / kPage;
   const int64_t budget = std::max<int64_t>(1, (n_pages + 19) / 20);
   double token_pages = 0, bins = 0, pooled = 0, oracle = 0, soft = 0, soft_pooled = 0;
+  double maxb = 0, max_pooled = 0;
   std::vector<float> mean(w.d);
   for (int row = 0; row < w.n_eval_rows(); ++row) {
     const float* group = w.EvalQ(row);
@@ -201,10 +212,13 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
     for (int g = 0; g < w.G; ++g) {
       for (int j = 0; j < w.d; ++j) mean[j] += group[g * w.d + j] / w.G;
     }
-    ASSIGN_OR_RETURN(std::vector<double> pooled_bins, PageBins(csa, mean.data(), n, false));
-    const std::vector<int32_t> pooled_ids = PageTokens(TopPages(pooled_bins, budget), n);
-    ASSIGN_OR_RETURN(std::vector<double> pooled_soft, PageBins(csa, mean.data(), n, true));
-    const std::vector<int32_t> pooled_soft_ids = PageTokens(TopPages(pooled_soft, budget), n);
+    auto pooled_pages = [&](Fold f) -> StatusOr<std::vector<int32_t>> {
+      ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, mean.data(), n, f));
+      return PageTokens(TopPages(b, budget), n);
+    };
+    ASSIGN_OR_RETURN(const std::vector<int32_t> pooled_ids, pooled_pages(Fold::kSum));
+    ASSIGN_OR_RETURN(const std::vector<int32_t> pooled_soft_ids, pooled_pages(Fold::kSoftmax));
+    ASSIGN_OR_RETURN(const std::vector<int32_t> pooled_max_ids, pooled_pages(Fold::kMax));
     for (int g = 0; g < w.G; ++g) {
       const int i = row * w.G + g;
       const ExactAttention& e = ref.exact[i];
@@ -221,12 +235,19 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
       const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
       for (size_t t = 0; t < ids.size(); ++t) mass[ids[t] / kPage] += std::exp(lg[t] - mx);
       token_pages += e.Mass(PageTokens(TopPages(mass, budget), n));
-      ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, w.Q(i), n, false));
-      bins += e.Mass(PageTokens(TopPages(b, budget), n));
+      auto own_mass = [&](Fold f) -> StatusOr<double> {
+        ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, w.Q(i), n, f));
+        return e.Mass(PageTokens(TopPages(b, budget), n));
+      };
+      ASSIGN_OR_RETURN(double m_sum, own_mass(Fold::kSum));
+      ASSIGN_OR_RETURN(double m_soft, own_mass(Fold::kSoftmax));
+      ASSIGN_OR_RETURN(double m_max, own_mass(Fold::kMax));
+      bins += m_sum;
+      soft += m_soft;
+      maxb += m_max;
       pooled += e.Mass(pooled_ids);
-      ASSIGN_OR_RETURN(std::vector<double> sb, PageBins(csa, w.Q(i), n, true));
-      soft += e.Mass(PageTokens(TopPages(sb, budget), n));
       soft_pooled += e.Mass(pooled_soft_ids);
+      max_pooled += e.Mass(pooled_max_ids);
       std::vector<double> truth(n_pages, 0.0);
       for (int64_t t = 0; t < n; ++t) truth[t / kPage] += e.probs()[t];
       oracle += e.Mass(PageTokens(TopPages(truth, budget), n));
@@ -238,6 +259,8 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
               {"page_bins_mass", bins / q},   {"page_bins_pooled_mass", pooled / q},
               {"page_softmax_bins_mass", soft / q},
               {"page_softmax_bins_pooled_mass", soft_pooled / q},
+              {"page_max_bins_mass", maxb / q},
+              {"page_max_bins_pooled_mass", max_pooled / q},
               {"oracle_pages_mass", oracle / q}};
 }
 

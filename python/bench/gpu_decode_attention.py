@@ -13,6 +13,11 @@ Workloads (all captured in a CUDA graph, timed with CUDA events, median of
               their scores), then attention over the selected pages.
   csa_page    the same from page-level lists (top alpha*P pages per centroid,
               scored by their best key): 16x fewer entries touched.
+  csa_token_softmax_qhead_radix  the session core's ranking instead (no
+              pooling; per q head, token bins, per-page logsumexp, top pages
+              per q head, each q head attending its own pages): the ranking
+              that keeps the session core's attention mass (docs/benchmarks.md,
+              "what the GPU kernels' page ranking costs").
 
 Selection, per sequence and kv head (the work of the group's 4 q heads is
 shared, as the block-union page tables share pages):
@@ -129,6 +134,8 @@ class Case:
     def select(self, lists, scores):
         if self.top_method == "fused":
             return self.select_fused(lists, scores)
+        if self.top_method == "qhead":
+            return self.select_softmax_qhead(scores)
         rows, m, c, ds = self.b * self.hkv, self.m, self.c, self.ds
         qg = self.q.view(self.b, self.hkv, self.g, self.d).float().mean(dim=2)
         qs = qg.reshape(rows, m, ds)
@@ -172,6 +179,42 @@ class Case:
                                  algo=self.select_algo)
         self.sel = self.sel_buf.view(-1)
         return self.sel
+
+    def select_softmax_qhead(self, scores):
+        """The session core's page ranking on the GPU: per q head (no pooling)
+        every list entry's w_b * score into per-token bins, per page the
+        logsumexp of its tokens' logit estimates (the page's estimated softmax
+        mass, up to a per-row constant), the top pages per q head. Token-level
+        lists with token ids (`tok_local`), shared by a kv head's q heads."""
+        rows = self.b * self.hkv
+        r4 = rows * self.g
+        dev = self.q.device
+        if getattr(self, "tok_local", None) is None:
+            gen = torch.Generator(device=dev).manual_seed(1)
+            self.tok_local = torch.randint(0, self.n, (rows * self.m * self.c, self.lt),
+                                           device=dev, generator=gen).to(torch.int32)
+            self.tbins = torch.zeros(r4 * self.n, device=dev, dtype=torch.float32)
+            qrow = torch.arange(r4, device=dev)
+            self.q_page_off = ((qrow - qrow // self.g) * self.p).view(r4, 1)
+            self.sel_q = torch.empty(r4, self.kp, dtype=torch.int64, device=dev)
+        kernels.csa_score_pages(self.q.view(r4, 1, self.d), self.cent, self.tok_local, scores,
+                                self.tbins, list_div=self.g, bin_stride=self.n)
+        pscore = torch.logsumexp(self.tbins.view(r4, self.p, PAGE) / math.sqrt(self.d), dim=-1)
+        self.tbins.zero_()
+        kernels.select_top_pages(pscore, self.kp, n_recent=2, reset=False, out=self.sel_q,
+                                 exact=self.exact_select, algo=self.select_algo)
+        self.sel = (self.sel_q - self.q_page_off).view(-1)  # q-head rows -> kv-head pages
+        return self.sel
+
+    def paged_attention_qhead(self):
+        """Each q head over its own pages (G = 1 rows), read in place."""
+        r4 = self.b * self.hq
+        if getattr(self, "paged_q", None) is None:
+            self.paged_q = kernels.PagedDecodeAttention(r4, 1, self.d, self.kp, self.q.device,
+                                                        self.q.dtype)
+        out = self.paged_q(self.q.view(r4, 1, self.d), self.k.view(-1, self.d),
+                           self.v.view(-1, self.d), self.sel.view(r4, self.kp))
+        return out.view(self.b, self.hq, 1, self.d)
 
     def paged_attention(self, geometry=None):
         """Attention over the selected pages read in place (Triton); geometry:
@@ -408,6 +451,8 @@ def run(args):
                             ("csa_page_fused" + suffix, "fused", case.page_bins, case.page_scores),
                             ("csa_page_fused" + suffix + "_bf16rank", "fused16", case.page_bins,
                              case.page_scores)]
+                    variants.append(("csa_token_softmax_qhead_radix", "qhead", None,
+                                     case.tok_scores))
                 if args.variants:
                     keep = set(args.variants.split(","))
                     variants = [v for v in variants if v[0] in keep]
@@ -417,7 +462,9 @@ def run(args):
                                         "split" if "_split" in name else "search")
                     top = "fused" if top == "fused16" else top
                     case.top_method = top
-                    attend = case.paged_attention if top == "fused" else case.sparse_attention
+                    attend = (case.paged_attention if top == "fused" else
+                              case.paged_attention_qhead if top == "qhead" else
+                              case.sparse_attention)
                     case.select(lists, scores)
                     sel_us = time_graph(lambda: case.select(lists, scores), args.iters)
                     attn_us = time_graph(attend, args.iters)
@@ -431,6 +478,8 @@ def run(args):
                                  attend()), args.iters) / 4
                     entries = batch * 8 * case.m * (case.lt if name.startswith("csa_token")
                                                      else case.lp)
+                    if top == "qhead":
+                        entries *= case.g  # each q head gathers its own lists
                     row[name] = {
                         "total_us": total_us, "select_us": sel_us, "gather_attention_us": attn_us,
                         "speedup_vs_dense": row["dense_us"] / total_us,

@@ -180,6 +180,35 @@ def test_csa_score_pages_equals_the_torch_score_add() -> None:
     torch.testing.assert_close(bins, want, rtol=1e-4, atol=1e-3)
 
 
+def test_csa_score_pages_into_token_bins_per_q_head() -> None:
+    # Each q head its own row (no pooling), its kv head's centroids and lists
+    # (list_div), token ids binned per row (bin_stride): the per-q-head
+    # estimates the softmax page ranking needs.
+    g = torch.Generator(device=DEV).manual_seed(6)
+    rows, group, d, m, c, n, lst = 2, 4, 128, 8, 64, 1024, 300
+    ds = d // m
+    q = torch.randn(rows * group, 1, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    cent = torch.nn.functional.normalize(
+        torch.randn(rows, m, c, ds, device=DEV, generator=g), dim=-1).to(torch.bfloat16)
+    ids = torch.randint(0, n, (rows * m * c, lst), device=DEV, generator=g)
+    sc = torch.randn(rows * m * c, lst, device=DEV, dtype=torch.float16, generator=g)
+    bins = torch.zeros(rows * group * n, device=DEV)
+    kernels.csa_score_pages(q, cent, ids.to(torch.int32), sc, bins, list_div=group,
+                            bin_stride=n)
+    qs = q.float().view(rows * group, m, ds)
+    w = qs.norm(dim=-1)
+    kv = torch.arange(rows * group, device=DEV) // group
+    j = torch.einsum("rmd,rmcd->rmc", qs, cent.float()[kv]).argmax(dim=-1)
+    lid = ((kv.view(-1, 1) * m + torch.arange(m, device=DEV).view(1, m)) * c + j).view(-1)
+    want = torch.zeros(rows * group, n, device=DEV)
+    want.scatter_add_(1, ids[lid].view(rows * group, -1),
+                      (sc[lid].float() * w.view(-1, 1)).view(rows * group, -1))
+    torch.testing.assert_close(bins.view(rows * group, n), want, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="list_div"):
+        kernels.csa_score_pages(q, cent, ids.to(torch.int32), sc, bins, list_div=3,
+                                bin_stride=n)
+
+
 @pytest.mark.parametrize("programs_per_sm,pages_per_block", [(1, 4), (4, 2), (8, 1)])
 def test_paged_attention_split_geometry_does_not_change_the_result(programs_per_sm,
                                                                     pages_per_block) -> None:

@@ -41,7 +41,8 @@ TEST(IndexBenchTest, PageLevelMassIsReportedAndBoundedByTheOracle) {
   EXPECT_GT(oracle, 0.0);
   EXPECT_LE(oracle, 1.0 + 1e-9);
   for (const char* f : {"token_then_pages_mass", "page_bins_mass", "page_bins_pooled_mass",
-                        "page_softmax_bins_mass", "page_softmax_bins_pooled_mass"}) {
+                        "page_softmax_bins_mass", "page_softmax_bins_pooled_mass",
+                        "page_max_bins_mass", "page_max_bins_pooled_mass"}) {
     ASSERT_TRUE(pages.contains(f)) << f << " missing in " << last;
     const double m = pages[f].get<double>();
     EXPECT_GT(m, 0.0) << f;

@@ -102,12 +102,15 @@ def _gdc_enter(GDC: tl.constexpr):
 
 @triton.jit
 def _csa_score_add(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, r, b, split, L, per_split,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                   C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr, GDC: tl.constexpr):
+                   bin_stride, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   M: tl.constexpr, C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr,
+                   GDC: tl.constexpr, LIST_DIV: tl.constexpr):
     """Row r, subspace b: nearest centroid of the group's pooled sub-query,
     then w_b * score of list entries [split * per_split, +per_split) added
-    to their page bins. The adds are relaxed (fire-and-forget reductions):
-    whoever reads the bins is ordered after them by the kernel boundary."""
+    to bins[r * bin_stride + id]. The centroids and lists are row
+    r // LIST_DIV's (LIST_DIV q-head rows share a kv head's index). The adds
+    are relaxed (fire-and-forget reductions): whoever reads the bins is
+    ordered after them by the kernel boundary."""
     offs_g = tl.arange(0, GP)
     offs_s = tl.arange(0, DS)
     qs = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + b * DS + offs_s[None, :],
@@ -115,45 +118,59 @@ def _csa_score_add(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, r, b, split, L, p
     qv = tl.sum(qs, axis=0) / G  # the group's pooled sub-query
     w = tl.sqrt(tl.sum(qv * qv, axis=0))  # norm weight w_b = ||q^b||
     offs_c = tl.arange(0, C)
-    cent = tl.load(cent_ptr + ((r * M + b) * C + offs_c[:, None]) * DS + offs_s[None, :])
+    lr = r // LIST_DIV
+    cent = tl.load(cent_ptr + ((lr * M + b) * C + offs_c[:, None]) * DS + offs_s[None, :])
     j = tl.argmax(tl.sum(cent.to(tl.float32) * qv[None, :], axis=1), axis=0)  # best cosine
     _gdc_trigger(GDC)  # many waves at larger batches: trigger late
-    base = ((r * M + b) * C + j).to(tl.int64) * L
+    base = ((lr * M + b) * C + j).to(tl.int64) * L
+    row_bins = bins_ptr + r.to(tl.int64) * bin_stride
     l_end = tl.minimum(split * per_split + per_split, L)
     for l0 in range(split * per_split, l_end, BL):
         offs = l0 + tl.arange(0, BL)
         ok = offs < l_end
         ids = tl.load(ids_ptr + base + offs, mask=ok, other=0)
         sc = tl.load(sc_ptr + base + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.atomic_add(bins_ptr + ids, sc * w, mask=ok, sem="relaxed")
+        tl.atomic_add(row_bins + ids, sc * w, mask=ok, sem="relaxed")
 
 
 @triton.jit
 def _csa_score_pages_kernel(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, L, per_split,
-                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                            C: tl.constexpr, DS: tl.constexpr, BL: tl.constexpr,
-                            GDC: tl.constexpr):
+                            bin_stride, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                            M: tl.constexpr, C: tl.constexpr, DS: tl.constexpr,
+                            BL: tl.constexpr, GDC: tl.constexpr, LIST_DIV: tl.constexpr):
     _gdc_wait(GDC)
     _csa_score_add(q_ptr, cent_ptr, ids_ptr, sc_ptr, bins_ptr, tl.program_id(0),
-                   tl.program_id(1), tl.program_id(2), L, per_split, G, GP, D, M, C, DS, BL, GDC)
+                   tl.program_id(1), tl.program_id(2), L, per_split, bin_stride, G, GP, D, M,
+                   C, DS, BL, GDC, LIST_DIV)
 
 
 def csa_score_pages(q: torch.Tensor, centroids: torch.Tensor, list_bins: torch.Tensor,
-                    list_scores: torch.Tensor, bins: torch.Tensor) -> None:
-    """Adds every row's CSA page scores into `bins` (zero on entry).
+                    list_scores: torch.Tensor, bins: torch.Tensor, list_div: int = 1,
+                    bin_stride: int = 0) -> None:
+    """Adds every row's CSA scores into `bins` (zero on entry).
 
-    q [R, G, D]; centroids [R, M, C, DS] unit rows; list_bins [R*M*C, L] int32
-    global bin ids; list_scores [R*M*C, L] fp16; bins [R * P] float32. One
-    program per (row, subspace): nearest centroid of the pooled group query,
-    then w_b * score of each list entry atomically added to its page bin.
+    q [R, G, D]; centroids [R / list_div, M, C, DS] unit rows; list_bins
+    [R / list_div * M * C, L] int32 bin ids; list_scores [same] fp16; bins
+    float32. One program per (row, subspace): nearest centroid of the pooled
+    group query, then w_b * score of each list entry atomically added to
+    bins[row * bin_stride + id].
+
+    Page bins per kv head (the default): list ids are global page bins
+    (row * P + page), bin_stride 0, list_div 1. Token bins per q head: q
+    [R * G, 1, D] (each q head its own row), list_div G (a kv head's lists
+    serve its G q heads), list ids are token ids, bin_stride N.
     """
     rows, g, m, c, ds, n_list, splits = _csa_grid(q, centroids, list_bins)
+    if list_div < 1 or rows % list_div or centroids.shape[0] * list_div != rows:
+        raise ValueError(f"csa_score_pages: {rows} rows, {centroids.shape[0]} centroid rows "
+                         f"and list_div {list_div} do not match")
     pdl = _pdl(q.device, rows)
     _csa_score_pages_kernel[(rows, m, splits)](q, centroids, list_bins, list_scores, bins,
-                                               n_list, CSA_PER_SPLIT, G=g,
+                                               n_list, CSA_PER_SPLIT, bin_stride, G=g,
                                                GP=max(2, triton.next_power_of_2(g)),
                                                D=q.shape[2], M=m, C=c, DS=ds, BL=1024,
-                                               num_warps=4, GDC=pdl, launch_pdl=pdl)
+                                               num_warps=4, GDC=pdl, launch_pdl=pdl,
+                                               LIST_DIV=list_div)
 
 
 # List entries per score-add program: long lists spread over more SMs.

@@ -173,3 +173,18 @@ def test_gpu_page_pool_fetches_only_missing_pages_and_evicts_lru(make_server) ->
         assert torch.equal(k[1, :16], ref[2].k.view(16, d))
         with pytest.raises(ValueError):
             lookup(0, {0: list(range(7))})
+        # load_all: every page of every (layer, kv head), then lookups only hit.
+        with pytest.raises(ValueError, match="load_all"):
+            pool.load_all()
+        m = info.model
+        n_pages = (info.n_tokens + 15) // 16
+        full = hf.GpuPagePool(c, info, "cpu",
+                              budget_bytes=m.n_layers * m.n_kv_heads * n_pages * 2 * 16 * d * 2)
+        full.load_all()
+        assert full.misses == m.n_layers * m.n_kv_heads * n_pages and full.hits == 0
+        assert full.holds(m.n_layers - 1, m.n_kv_heads - 1, n_pages - 1)
+        pages, valid = hf._pad_pages([[0, 7], [24]], "cpu")
+        k, _ = full.gather(1, pages, valid)
+        assert full.misses == m.n_layers * m.n_kv_heads * n_pages and full.hits == 3
+        ref = c.fetch_pages(info.context_id, [(1, 0, [7])], dtype="raw", as_torch=True)
+        assert torch.equal(k[0, 16:32], ref[0].k.view(16, d))

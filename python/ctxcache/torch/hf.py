@@ -400,6 +400,20 @@ class GpuPagePool:
                _t._st.DTYPE_F32: torch.float32}[wdt]
         return rows.view(tdt).view(n, 2, b, d).to(self.k.dtype)
 
+    def load_all(self) -> None:
+        """Fetches every page of the context into the pool, a layer per
+        FetchPages (a worker keeping a hot context resident: every later
+        lookup hits). ValueError when the pool cannot hold them all. Counts
+        as misses and fetched bytes like any fill."""
+        total = self.n_layers * self.n_kv_heads * self.n_pages
+        if total > self.n_slots:
+            raise ValueError(f"GpuPagePool.load_all: the context has {total} pages, the pool "
+                             f"holds {self.n_slots}; raise budget_bytes")
+        pages = torch.arange(self.n_pages, device=self.k.device).repeat(self.n_kv_heads, 1)
+        valid = torch.ones_like(pages, dtype=torch.bool)
+        for layer in range(self.n_layers):
+            self.lookup(layer, pages, valid)
+
     def gather(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
         """``[H, P * block, d]`` K and V of the pages (looked up, fetched
         where missing), page after page; padding entries read slot 0."""
@@ -630,7 +644,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                     forced: Optional[Sequence[int]] = None,
                     pool_bytes: int = 1 << 30, selection: str = "torch",
                     append: bool = True, method: str = "csa",
-                    keys: Optional[torch.Tensor] = None) -> GenerateResult:
+                    keys: Optional[torch.Tensor] = None,
+                    warm_pool: bool = False) -> GenerateResult:
     """As :func:`generate`, but selecting on the client and reading pages
     from a :class:`GpuPagePool` that fetches only pages it does not hold: no
     round trip per layer-step once the pool is warm.
@@ -652,6 +667,10 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     Append, one round trip per token (on a worker thread, one in flight), as
     a worker that shares its tokens does; the server opens that session while
     the client sets up.
+    warm_pool: load every page of the context into the pool before the first
+    step (:meth:`GpuPagePool.load_all`; the pool must hold them all), as a
+    worker keeping a hot context resident; the load counts in ``ttft_s`` and
+    in the pool's misses.
     The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (from the
     call to the first token: index fetch, set-up, the Append session's open,
     the first step)."""
@@ -691,6 +710,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                            n_layers=n_layers)
         dec.n_context = int(info.n_tokens)
         pool = GpuPagePool(client, info, dev, pool_bytes)
+        if warm_pool:
+            pool.load_all()
         dec.pool = pool
         session = opening.result() if opening is not None else None
         setup_s = time.perf_counter() - t0

@@ -848,13 +848,18 @@ uint32_t NearestLevel(const float* book, int levels, float v) {
   return static_cast<uint32_t>(best);
 }
 
+// The order-preserving 16-bit image of fp16 bits h (negatives' bits
+// inverted, positives' sign bit set): a < b as halves iff image(a) < image(b)
+// (+0 and -0 apart).
+uint16_t HalfOrderKey(uint16_t h) {
+  return (h & 0x8000u) ? static_cast<uint16_t>(~h) : static_cast<uint16_t>(h | 0x8000u);
+}
+
 // The n fp16 values h ascending, as floats, by a two-pass LSD radix sort of
-// their order-preserving 16-bit images (negatives' bits inverted, positives'
-// sign bit set). `keys` and `tmp` hold n entries each.
+// their HalfOrderKey images; those sorted images are left in `keys`. `keys`
+// and `tmp` hold n entries each.
 void SortHalves(const uint16_t* h, int64_t n, uint16_t* keys, uint16_t* tmp, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    keys[i] = (h[i] & 0x8000u) ? static_cast<uint16_t>(~h[i]) : static_cast<uint16_t>(h[i] | 0x8000u);
-  }
+  for (int64_t i = 0; i < n; ++i) keys[i] = HalfOrderKey(h[i]);
   for (int shift = 0; shift < 16; shift += 8) {
     int64_t count[257] = {};
     for (int64_t i = 0; i < n; ++i) ++count[((keys[i] >> shift) & 0xFF) + 1];
@@ -886,28 +891,67 @@ void ScoreCodebook(const float* sorted, int64_t n, int levels, uint16_t* book) {
   }
   std::vector<double> sum(levels);
   std::vector<int64_t> count(levels);
+  // Whether score x is strictly nearer to level g + 1 than to level g.
+  auto nearer_next = [&](float x, int g) {
+    return std::abs(x - level[g + 1]) < std::abs(x - level[g]);
+  };
+  // The scores are fp16 values (multiples of 2^-24): while n * max|score| <
+  // 2^29 every partial sum of them is exact in a double, so a run's sum is
+  // a difference of two prefix sums, bit for bit the sum the walk below
+  // accumulates, and each run's end is found by binary search instead of a
+  // test per score (nearer_next is monotone in x over ascending scores).
+  const double max_abs = n > 0 ? std::max(std::abs(sorted[0]), std::abs(sorted[n - 1])) : 0.0;
+  const bool exact_prefix = static_cast<double>(n) * max_abs < 536870912.0;  // 2^29
+  std::vector<double> prefix;
+  if (exact_prefix) {
+    prefix.resize(n + 1);
+    prefix[0] = 0;
+    for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + sorted[i];
+  }
   for (int it = 0; it < 8; ++it) {
     std::fill(sum.begin(), sum.end(), 0.0);
     std::fill(count.begin(), count.end(), 0);
     // Levels ascend, scores ascend: the nearest level only moves up, so each
-    // level's scores are one run, summed in a register.
+    // level's scores are one run.
     int g = 0;
-    double run = 0;
-    int64_t run_n = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      while (g + 1 < levels &&
-             std::abs(sorted[i] - level[g + 1]) < std::abs(sorted[i] - level[g])) {
-        sum[g] = run;
-        count[g] = run_n;
-        run = 0;
-        run_n = 0;
-        ++g;
+    if (exact_prefix) {
+      for (int64_t i = 0;;) {
+        int64_t j = n;  // the first score of [i, n) nearer to level g + 1
+        if (g + 1 < levels) {
+          int64_t lo = i, hi = n;
+          while (lo < hi) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            if (nearer_next(sorted[mid], g)) {
+              hi = mid;
+            } else {
+              lo = mid + 1;
+            }
+          }
+          j = lo;
+        }
+        sum[g] = prefix[j] - prefix[i];
+        count[g] = j - i;
+        if (j == n) break;
+        while (g + 1 < levels && nearer_next(sorted[j], g)) ++g;
+        i = j;
       }
-      run += sorted[i];
-      ++run_n;
+    } else {  // the walk, summed in a register
+      double run = 0;
+      int64_t run_n = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        while (g + 1 < levels && nearer_next(sorted[i], g)) {
+          sum[g] = run;
+          count[g] = run_n;
+          run = 0;
+          run_n = 0;
+          ++g;
+        }
+        run += sorted[i];
+        ++run_n;
+      }
+      sum[g] = run;
+      count[g] = run_n;
     }
-    sum[g] = run;
-    count[g] = run_n;
     for (int k = 0; k < levels; ++k) {
       if (count[k] > 0) level[k] = sum[k] / static_cast<double>(count[k]);
     }
@@ -1012,6 +1056,7 @@ void CsaSelector::SerializeCompact(std::string* out) const {
   std::vector<float> sorted(L_);
   std::vector<uint16_t> book(levels);
   std::vector<float> book_f(levels);
+  std::vector<uint16_t> thresholds(levels);
   std::vector<uint8_t> bitmap((n_tokens_ + 7) / 8);
   const EliasFanoShape ef = BestEliasFano(L_, n_tokens_);
   std::vector<uint8_t> ef_buf(ef.low_bytes + ef.upper_bytes);
@@ -1079,9 +1124,32 @@ void CsaSelector::SerializeCompact(std::string* out) const {
     ScoreCodebook(sorted.data(), L_, levels, book.data());
     for (int i = 0; i < levels; ++i) book_f[i] = Half(book[i]);
     w.PutArray(book.data(), book.size());
+    // NearestLevel is non-decreasing in the score, so over the ascending
+    // scores each code is one run: its first score, found by binary search,
+    // gives a threshold on the order-preserving 16-bit image (`keys`, from
+    // SortHalves), and an entry's code is the number of thresholds at or
+    // below its image.
+    int n_thr = 0;
+    int64_t lo = 0;
+    for (int c = 1; c < levels; ++c) {
+      int64_t a = lo, b = L_;  // the first sorted score whose code is >= c
+      while (a < b) {
+        const int64_t mid = a + (b - a) / 2;
+        if (NearestLevel(book_f.data(), levels, sorted[mid]) >= static_cast<uint32_t>(c)) {
+          b = mid;
+        } else {
+          a = mid + 1;
+        }
+      }
+      if (a == L_) break;
+      thresholds[n_thr++] = keys[a];
+      lo = a;
+    }
     std::fill(packed.begin(), packed.end(), 0);
     for (int64_t e = 0; e < L_; ++e) {
-      const uint32_t code = NearestLevel(book_f.data(), levels, Half(list[e].second));
+      const uint16_t key = HalfOrderKey(list[e].second);
+      uint32_t code = 0;
+      for (int t = 0; t < n_thr; ++t) code += key >= thresholds[t] ? 1 : 0;
       packed[e >> 1] |= static_cast<uint8_t>(code << (4 * (e & 1)));
     }
     w.PutArray(packed.data(), packed.size());

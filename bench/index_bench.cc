@@ -51,6 +51,7 @@
 #include "index/csa.h"
 #include "index/metrics.h"
 #include "index/oracle.h"
+#include "index/page_table.h"
 #include "index/selector.h"
 #include "index/synthetic.h"
 #include "index/topk.h"
@@ -146,8 +147,8 @@ StatusOr<MethodRun> RunSelector(Selector* sel, const Workload& w, const Referenc
 //                     token top-k first;
 //   page_max_bins     (and _pooled) per page its best token estimate;
 //   oracle_pages      the pages of most true attention mass (the ceiling).
-// No sink or recent pages are forced, so the four rank the same budget.
-constexpr int64_t kPage = 16;
+// No sink or recent pages are forced, so all of them rank the same budget.
+constexpr int kPage = 16;
 
 std::vector<int32_t> TopPages(const std::vector<double>& score, int64_t budget) {
   std::vector<int32_t> order(score.size());
@@ -160,32 +161,26 @@ std::vector<int32_t> TopPages(const std::vector<double>& score, int64_t budget) 
   return order;
 }
 
-std::vector<int32_t> PageTokens(std::vector<int32_t> pages, int64_t n) {
+// Every token id of the pages, ascending.
+std::vector<int32_t> PageTokenIds(std::vector<int32_t> pages, int64_t n) {
   std::sort(pages.begin(), pages.end());
   std::vector<int32_t> ids;
   for (int32_t p : pages) {
-    for (int64_t t = p * kPage; t < std::min<int64_t>(n, (p + 1) * kPage); ++t) {
+    for (int64_t t = int64_t{p} * kPage; t < std::min<int64_t>(n, (int64_t{p} + 1) * kPage); ++t) {
       ids.push_back(static_cast<int32_t>(t));
     }
   }
   return ids;
 }
 
-// How PageBins folds a page's token estimates (logits) into its score.
+// How a page's token estimates (logits) fold into its score: the sum, the
+// sum of exp(logit - max) (the page's estimated softmax mass), or the
+// largest (what a page-level list's best-key score stands for).
 enum class Fold { kSum, kSoftmax, kMax };
 
-// csa's estimate (logit) of every token for one query, folded per page: the
-// sum, the sum of exp(logit - max) (the page's estimated softmax mass), or
-// the largest (what a page-level list's best-key score stands for).
-StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t n, Fold fold) {
-  SelectInput in;
-  in.queries = q;
-  in.n_queries = 1;
-  in.budget = n;  // every token: per_head_logits holds every estimate
-  Selection out;
-  RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
-  const auto& ids = out.per_head[0];
-  const auto& lg = out.per_head_logits[0];
+// Per page of a context of n tokens, the fold of the logits of `ids`.
+std::vector<double> FoldPages(const std::vector<int32_t>& ids, const std::vector<float>& lg,
+                              int64_t n, Fold fold) {
   std::vector<double> bins((n + kPage - 1) / kPage,
                            fold == Fold::kMax ? -std::numeric_limits<double>::infinity() : 0.0);
   const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
@@ -200,9 +195,27 @@ StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t
   return bins;
 }
 
+// csa's selection for one query at a token budget, with its logit estimates.
+StatusOr<Selection> SelectOne(CsaSelector* csa, const float* q, int64_t budget) {
+  SelectInput in;
+  in.queries = q;
+  in.n_queries = 1;
+  in.budget = budget;
+  Selection out;
+  RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
+  return out;
+}
+
+// csa's estimate of every token for one query, folded per page.
+StatusOr<std::vector<double>> PageBins(CsaSelector* csa, const float* q, int64_t n, Fold fold) {
+  // Budget n: every token selected, so per_head_logits holds every estimate.
+  ASSIGN_OR_RETURN(Selection out, SelectOne(csa, q, n));
+  return FoldPages(out.per_head[0], out.per_head_logits[0], n, fold);
+}
+
 StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& ref, int64_t k) {
   const int64_t n = w.n, n_pages = (n + kPage - 1) / kPage;
-  const int64_t budget = std::max<int64_t>(1, (n_pages + 19) / 20);
+  const int64_t budget = PageBudget(0.05, n, kPage);
   double token_pages = 0, bins = 0, pooled = 0, oracle = 0, soft = 0, soft_pooled = 0;
   double maxb = 0, max_pooled = 0;
   std::vector<float> mean(w.d);
@@ -214,7 +227,7 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
     }
     auto pooled_pages = [&](Fold f) -> StatusOr<std::vector<int32_t>> {
       ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, mean.data(), n, f));
-      return PageTokens(TopPages(b, budget), n);
+      return PageTokenIds(TopPages(b, budget), n);
     };
     ASSIGN_OR_RETURN(const std::vector<int32_t> pooled_ids, pooled_pages(Fold::kSum));
     ASSIGN_OR_RETURN(const std::vector<int32_t> pooled_soft_ids, pooled_pages(Fold::kSoftmax));
@@ -222,22 +235,14 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
     for (int g = 0; g < w.G; ++g) {
       const int i = row * w.G + g;
       const ExactAttention& e = ref.exact[i];
-      // token_then_pages
-      SelectInput in;
-      in.queries = w.Q(i);
-      in.n_queries = 1;
-      in.budget = k;
-      Selection out;
-      RETURN_IF_ERROR(csa->Select(in, &out, nullptr));
-      const auto& ids = out.per_head[0];
-      const auto& lg = out.per_head_logits[0];
-      std::vector<double> mass(n_pages, 0.0);
-      const float mx = lg.empty() ? 0.0f : *std::max_element(lg.begin(), lg.end());
-      for (size_t t = 0; t < ids.size(); ++t) mass[ids[t] / kPage] += std::exp(lg[t] - mx);
-      token_pages += e.Mass(PageTokens(TopPages(mass, budget), n));
+      // token_then_pages: the selected tokens' estimated mass per page.
+      ASSIGN_OR_RETURN(Selection out, SelectOne(csa, w.Q(i), k));
+      token_pages += e.Mass(PageTokenIds(
+          TopPages(FoldPages(out.per_head[0], out.per_head_logits[0], n, Fold::kSoftmax), budget),
+          n));
       auto own_mass = [&](Fold f) -> StatusOr<double> {
         ASSIGN_OR_RETURN(std::vector<double> b, PageBins(csa, w.Q(i), n, f));
-        return e.Mass(PageTokens(TopPages(b, budget), n));
+        return e.Mass(PageTokenIds(TopPages(b, budget), n));
       };
       ASSIGN_OR_RETURN(double m_sum, own_mass(Fold::kSum));
       ASSIGN_OR_RETURN(double m_soft, own_mass(Fold::kSoftmax));
@@ -250,7 +255,7 @@ StatusOr<Json> PageLevel(CsaSelector* csa, const Workload& w, const Reference& r
       max_pooled += e.Mass(pooled_max_ids);
       std::vector<double> truth(n_pages, 0.0);
       for (int64_t t = 0; t < n; ++t) truth[t / kPage] += e.probs()[t];
-      oracle += e.Mass(PageTokens(TopPages(truth, budget), n));
+      oracle += e.Mass(PageTokenIds(TopPages(truth, budget), n));
     }
   }
   const double q = w.n_eval_queries();

@@ -254,9 +254,10 @@ def main() -> int:
         runs = [(True, False), (False, False)] + ([(False, True)] if a.warm_pool else [])
         for append, warm in runs:
             torch.cuda.reset_peak_memory_stats()
+            pages = n_pages_total if warm else int(a.pool_frac * n_pages_total)
             out = hf.generate_client(c, model, info, first, a.n_new, forced=dense["tokens"],
-                                     pool_bytes=n_pages_total * page_bytes if warm else pool_bytes,
-                                     selection="torch", append=append, warm_pool=warm)
+                                     pool_bytes=pages * page_bytes, selection="torch",
+                                     append=append, warm_pool=warm)
             name = "sparse_warm" if warm else "sparse" if append else "sparse_no_append"
             res[name] = {
                 "append": append, "ttft_s": out.ttft_s,
@@ -265,8 +266,7 @@ def main() -> int:
                 "tokens_per_s": a.n_new / sum(out.step_s),
                 "agreement_with_dense": float(np.mean([x == y for x, y in
                                                        zip(out.tokens, dense["tokens"])])),
-                "pool_pages": n_pages_total if warm else int(a.pool_frac * n_pages_total),
-                "pool_gib": (n_pages_total * page_bytes if warm else pool_bytes) / 2**30,
+                "pool_pages": pages, "pool_gib": pages * page_bytes / 2**30,
                 "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
                 # sparse_warm: the load's misses excluded
                 "pool_misses_while_decoding": out.pool_misses - (n_pages_total if warm else 0),

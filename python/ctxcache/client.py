@@ -824,6 +824,12 @@ def _page_table(t: Any) -> "pb.PageTable":
     return pb.PageTable(layer=int(layer), kv_head=int(kv_head), blocks=[int(b) for b in blocks])
 
 
+def page_crc_error(p: "pb.Page", rpc: str = "") -> "errors.DataLoss":
+    """The :class:`ctxcache.DataLoss` for a wire page whose crc32c does not match."""
+    return errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
+                           f"block {p.block}): the page was corrupted in transit", rpc=rpc)
+
+
 def check_page_crcs(pages: Sequence["pb.Page"], rpc: str = "") -> None:
     """Checks the crc32c of many wire pages in one pass (crc32c_many);
     :class:`ctxcache.DataLoss` naming the first bad one."""
@@ -832,8 +838,7 @@ def check_page_crcs(pages: Sequence["pb.Page"], rpc: str = "") -> None:
     got = crc32c_many([p.k + p.v for p in pages])
     for p, c in zip(pages, got):
         if int(c) != p.crc32c:
-            raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
-                                  f"block {p.block}): the page was corrupted in transit", rpc=rpc)
+            raise page_crc_error(p, rpc)
 
 
 def decode_page(p: "pb.Page", dtype: str = "float32", as_torch: bool = False,
@@ -842,8 +847,7 @@ def decode_page(p: "pb.Page", dtype: str = "float32", as_torch: bool = False,
     (unless the caller did, with :func:`check_page_crcs`) and size
     (:class:`ctxcache.DataLoss`)."""
     if not crc_checked and crc32c(p.v, crc32c(p.k)) != p.crc32c:
-        raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
-                              f"block {p.block}): the page was corrupted in transit", rpc=rpc)
+        raise page_crc_error(p, rpc)
     size = _t._ITEMSIZE.get(p.dtype)
     if size is None:
         raise errors.DataLoss(f"page of block {p.block} has unknown dtype {p.dtype}", rpc=rpc)

@@ -106,6 +106,13 @@ def _byte_tables(n: int) -> np.ndarray:
     return tabs
 
 
+def _zeros_after(n: int, x):
+    """Z_n(x) through _byte_tables(n): x a register (int) or uint32 array."""
+    tabs = _byte_tables(n)
+    return (tabs[0][x & 0xFF] ^ tabs[1][(x >> 8) & 0xFF] ^ tabs[2][(x >> 16) & 0xFF]
+            ^ tabs[3][x >> 24])
+
+
 _STRIPE = 256          # bytes per stripe (a power of two)
 _MIN_VECTOR = 16384    # below this the plain loop is faster
 
@@ -125,10 +132,7 @@ def _stripes(flat: np.ndarray, init: int) -> int:
         r = t[(r ^ cols[j]) & 0xFF] ^ (r >> 8)
     length = _STRIPE
     while r.size > 1:
-        tabs = _byte_tables(length)
-        a = r[0::2]
-        r = (tabs[0][a & 0xFF] ^ tabs[1][(a >> 8) & 0xFF] ^ tabs[2][(a >> 16) & 0xFF]
-             ^ tabs[3][a >> 24] ^ r[1::2])
+        r = _zeros_after(length, r[0::2]) ^ r[1::2]
         length *= 2
     return int(r[0])
 
@@ -192,9 +196,7 @@ def _shift_matrix_np(k: int) -> np.ndarray:
     ops = np.array([1 << t for t in range(32)], dtype=np.uint32)[None]  # ops[s] = Z_{sC}
     length = _ROW_CHUNK
     while ops.shape[0] < k:  # doubling: Z_{(s + 2^p)C} = Z_{2^p C} o Z_{sC}
-        tabs = _byte_tables(length)
-        ops = np.concatenate([ops, tabs[0][ops & 0xFF] ^ tabs[1][(ops >> 8) & 0xFF]
-                              ^ tabs[2][(ops >> 16) & 0xFF] ^ tabs[3][ops >> 24]])
+        ops = np.concatenate([ops, _zeros_after(length, ops)])
         length *= 2
     return _register_bits(ops[:k][::-1].reshape(-1))
 
@@ -304,14 +306,12 @@ def _crc32c_blocked(torch, flats: "List[np.ndarray]", device) -> List[int]:
         mat = np.stack([flats[b][k * _BLOCK:(k + 1) * _BLOCK] for b, k in part])
         block_crc[lo:lo + len(part)] = crc32c_rows_torch(
             torch.from_numpy(mat).to(device)).cpu().numpy()
-    tabs = _byte_tables(_BLOCK)
     zero = _zero_row_crc(_BLOCK)
     out, pos = [], 0
     for f, c in zip(flats, counts):
         r = 0xFFFFFFFF
         for v in block_crc[pos:pos + c].tolist():
-            r = int(tabs[0][r & 0xFF] ^ tabs[1][(r >> 8) & 0xFF] ^ tabs[2][(r >> 16) & 0xFF]
-                    ^ tabs[3][r >> 24]) ^ v ^ zero
+            r = int(_zeros_after(_BLOCK, r)) ^ v ^ zero
         pos += c
         out.append(crc32c(f[c * _BLOCK:], ~r & 0xFFFFFFFF) if f.size > c * _BLOCK
                    else ~r & 0xFFFFFFFF)
@@ -331,12 +331,12 @@ def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
     flats = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) if isinstance(b, np.ndarray)
              else np.frombuffer(b, dtype=np.uint8) for b in buffers]
     big = [i for i, f in enumerate(flats) if f.size >= _BLOCK]
-    torch = _torch_cuda() if gpu and big else None
-    if torch is not None:
-        out[big] = _crc32c_blocked(torch, [flats[i] for i in big], "cuda")
+    blocked = _torch_cuda() if gpu and big else None
+    if blocked is not None:
+        out[big] = _crc32c_blocked(blocked, [flats[i] for i in big], "cuda")
     groups: Dict[int, List[int]] = {}
     for i, f in enumerate(flats):
-        if torch is None or f.size < _BLOCK:
+        if blocked is None or f.size < _BLOCK:
             groups.setdefault(f.size, []).append(i)
     for n, idx in groups.items():
         torch = _torch_cuda() if gpu and n * len(idx) >= _TORCH_MIN_BYTES else None
@@ -365,10 +365,7 @@ def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
         r = r.reshape(m, total)
         length = _STRIPE
         while r.shape[1] > 1:
-            tabs = _byte_tables(length)
-            a = r[:, 0::2]
-            r = (tabs[0][a & 0xFF] ^ tabs[1][(a >> 8) & 0xFF] ^ tabs[2][(a >> 16) & 0xFF]
-                 ^ tabs[3][a >> 24] ^ r[:, 1::2])
+            r = _zeros_after(length, r[:, 0::2]) ^ r[:, 1::2]
             length *= 2
         vals = ~r[:, 0] & np.uint32(0xFFFFFFFF)
         for k, i in enumerate(idx):

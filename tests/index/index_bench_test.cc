@@ -4,32 +4,22 @@
 // the most massive pages by construction.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
+
+#include "tests/common/bench_json.h"
 
 namespace {
 
 TEST(IndexBenchTest, PageLevelMassIsReportedAndBoundedByTheOracle) {
   const char* bin_dir = std::getenv("CTXCACHE_BIN_DIR");
   ASSERT_NE(bin_dir, nullptr) << "CTXCACHE_BIN_DIR not set (run through ctest)";
-  const std::string cmd =
-      std::string(bin_dir) + "/ctxcache-bench index --n 4096 --queries 4 --no-faiss 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  ASSERT_EQ(pclose(p), 0) << out;
-  std::istringstream lines(out);
-  std::string line, last;
-  while (std::getline(lines, line)) {
-    if (!line.empty()) last = line;
-  }
-  auto j = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
+  const auto bench = ctxcache::testing::RunBench(
+      std::string(bin_dir) + "/ctxcache-bench index --n 4096 --queries 4 --no-faiss 2>/dev/null");
+  ASSERT_EQ(bench.status, 0) << bench.output;
+  const std::string& last = bench.last_line;
+  const nlohmann::json& j = bench.json;
   ASSERT_TRUE(j.is_object()) << last;
   const auto& run = j["runs"][0];
   ASSERT_TRUE(run.contains("csa_pages")) << last;

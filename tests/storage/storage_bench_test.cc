@@ -2,12 +2,11 @@
 // every field the storage issues (#3, #16) ask for.
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 
+#include "tests/common/bench_json.h"
 #include "tests/storage/test_util.h"
 
 namespace {
@@ -16,21 +15,12 @@ TEST(StorageBenchTest, QuickRunReportsEveryField) {
   const char* bin_dir = std::getenv("CTXCACHE_BIN_DIR");
   ASSERT_NE(bin_dir, nullptr) << "CTXCACHE_BIN_DIR not set (run through ctest)";
   ctxcache::storage::testing::TempDir dir;
-  std::string cmd = std::string(bin_dir) + "/ctxcache-bench storage --quick --dir " + dir.path();
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  int rc = pclose(p);
-  ASSERT_EQ(rc, 0) << out;
-  std::istringstream lines(out);
-  std::string line, last;
-  while (std::getline(lines, line)) {
-    if (!line.empty()) last = line;
-  }
-  auto j = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
+  const auto run = ctxcache::testing::RunBench(std::string(bin_dir) +
+                                               "/ctxcache-bench storage --quick --dir " +
+                                               dir.path());
+  ASSERT_EQ(run.status, 0) << run.output;
+  const std::string& last = run.last_line;
+  const nlohmann::json& j = run.json;
   ASSERT_TRUE(j.is_object()) << last;
   for (const char* f :
        {"write_gbps", "read_warm_gbps", "read_cold_gbps", "read_p50_us", "read_p99_us",

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -48,8 +47,9 @@ __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "p
 # ---------------------------------------------------------------- attention --
 
 def _stage(name: str) -> Any:
-    """A named range in torch.profiler traces (a no-op cost of ~1 us when
-    no profiler runs): python/bench/gpu_e2e.py --profile-steps."""
+    """A named range in torch.profiler traces (python/bench/gpu_e2e.py
+    --profile-steps); without a profiler it is one dispatcher call, four per
+    layer-step."""
     return torch.autograd.profiler.record_function(name)
 
 
@@ -359,7 +359,7 @@ class GpuPagePool:
         or dtype."""
         from ctxcache import errors
         from ctxcache import tensors as _t
-        from ctxcache.client import check_page_crcs
+        from ctxcache.client import check_page_crcs, page_crc_error
 
         dev = self.k.device
         n, (b, d) = len(wire), self.k.shape[1:]
@@ -390,10 +390,7 @@ class GpuPagePool:
             want = torch.tensor([p.crc32c for p in wire], dtype=torch.int64, device=dev)
             bad = torch.nonzero(crc32c_rows_torch(rows) != want)
             if bad.numel():
-                p = wire[int(bad[0, 0])]
-                raise errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head "
-                                      f"{p.kv_head}, block {p.block}): the page was corrupted "
-                                      "in transit", rpc="FetchPages")
+                raise page_crc_error(wire[int(bad[0, 0])], rpc="FetchPages")
         else:
             check_page_crcs(wire, rpc="FetchPages")
         tdt = {_t._st.DTYPE_BF16: torch.bfloat16, _t._st.DTYPE_F16: torch.float16,

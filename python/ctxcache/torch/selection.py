@@ -933,6 +933,7 @@ class ClientSession:
         self.method = method
         self.params = (params if isinstance(params, SessionParams)
                        else SessionParams.parse(params, method=method))
+
         def index_of(item: Tuple[Tuple[int, int], Any]) -> Index:
             (l, h), a = item
             return make_index(method, a, None if keys is None

@@ -22,7 +22,9 @@ gpu_e2e).
    server session), teacher-forced on (a)'s tokens. TTFT = index fetch +
    set-up + the first step. ``--warm-pool`` adds sparse_warm: a pool that
    holds the whole context, loaded before the first step (no misses while
-   decoding; the load counts in its TTFT).
+   decoding; the load counts in its TTFT). ``--prefetch`` adds
+   sparse_prefetch: (b) with speculative next-layer prefetch
+   (``generate_client(prefetch=True)``).
 Peak GPU memory is measured per phase (torch.cuda.max_memory_allocated,
 reset before each) and given with and without the weights. Prints and
 writes JSON.
@@ -193,6 +195,8 @@ def main() -> int:
     ap.add_argument("--profile-out", default="e2e-profile.json")
     ap.add_argument("--dense-sdpa", default="flash", choices=sorted(SDPA_BACKENDS),
                     help="(a)'s SDPA backend")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="also run sparse_prefetch: (b) with speculative next-layer prefetch")
     ap.add_argument("--warm-pool", action="store_true",
                     help="also (b) with a pool holding the whole context, loaded before the "
                          "first step (sparse_warm: no misses while decoding)")
@@ -251,25 +255,34 @@ def main() -> int:
             (len(context) + block - 1) // block)
         page_bytes = 2 * block * res["shape"]["head_dim"] * 2  # K and V, bf16
         pool_bytes = int(a.pool_frac * n_pages_total) * page_bytes
-        runs = [(True, False), (False, False)] + ([(False, True)] if a.warm_pool else [])
-        for append, warm in runs:
+        # (name, append, warm pool, prefetch)
+        runs = [("sparse", True, False, False), ("sparse_no_append", False, False, False)]
+        if a.prefetch:
+            runs.append(("sparse_prefetch", True, False, True))
+        if a.warm_pool:
+            runs.append(("sparse_warm", False, True, False))
+        for name, append, warm, prefetch in runs:
             torch.cuda.reset_peak_memory_stats()
             pages = n_pages_total if warm else int(a.pool_frac * n_pages_total)
             out = hf.generate_client(c, model, info, first, a.n_new, forced=dense["tokens"],
                                      pool_bytes=pages * page_bytes, selection="torch",
-                                     append=append, warm_pool=warm)
-            name = "sparse_warm" if warm else "sparse" if append else "sparse_no_append"
+                                     append=append, warm_pool=warm, prefetch=prefetch)
             res[name] = {
-                "append": append, "ttft_s": out.ttft_s,
+                "append": append, "prefetch": prefetch, "ttft_s": out.ttft_s,
                 "step_ms_p50": 1e3 * statistics.median(out.step_s),
                 "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s),
                 "tokens_per_s": a.n_new / sum(out.step_s),
                 "agreement_with_dense": float(np.mean([x == y for x, y in
                                                        zip(out.tokens, dense["tokens"])])),
                 "pool_pages": pages, "pool_gib": pages * page_bytes / 2**30,
-                "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses),
+                "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses +
+                                                      out.prefetch_hits),
                 # sparse_warm: the load's misses excluded
                 "pool_misses_while_decoding": out.pool_misses - (n_pages_total if warm else 0),
+                # missing pages a prefetch had brought (not in pool_misses)
+                "pool_prefetch_hits": out.prefetch_hits,
+                "prefetch_coverage": out.prefetch_hits / max(1, out.prefetch_hits +
+                                                             out.pool_misses),
                 "bytes_fetched_per_step": out.bytes_received / a.n_new,
                 "appended_tokens": out.appended_tokens,
                 "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30}

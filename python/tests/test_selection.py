@@ -441,12 +441,11 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
             full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
                                 torch.as_tensor(np.concatenate([p.v for p in rows])))
     budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
-    decoders = {
-        "exact": hf._Decoder(selector=CsaSession(arts, n_q_heads=m.n_q_heads), n_layers=2),
-        "torch": hf._Decoder(planner=TorchCsaSession(arts, n_q_heads=m.n_q_heads),
-                             n_layers=2)}
-    for dec in decoders.values():
-        dec.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    exact = hf._Decoder(selector=CsaSession(arts, n_q_heads=m.n_q_heads), n_layers=2)
+    exact.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    pooled = hf.PooledAttention(TorchCsaSession(arts, n_q_heads=m.n_q_heads),
+                                hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
+                                capacity=2)
     rng = np.random.default_rng(41)
     reference = CsaSession(arts, n_q_heads=m.n_q_heads)
     for step in range(3):
@@ -464,16 +463,16 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
                     v = torch.cat([fv[ids], dv[h]])
                     w = torch.softmax(k @ q[h * g + j] * 0.125, dim=0)
                     want[h * g + j] = w @ v
-            for name, dec in decoders.items():
-                step_fn = hf._client_step if name == "exact" else hf._planned_step
-                k, v, mask = step_fn(dec, layer, q)
-                got = hf.attend(q, k, v, mask, dk, dv, 0.125)
+            k, v, mask = hf._client_step(exact, layer, q)
+            got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
+                   "torch": pooled(layer, q, dk[None], dv[None], 0.125)}
+            for name, x in got.items():
                 # float32 attention summed in another order differs by up to
                 # ~2e-5; a different page or mask differs by ~1e-1.
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=name)
-    for dec in decoders.values():
-        assert dec.pool.misses > 40 and dec.pool.hits > 0  # evicted and re-fetched
-        assert dec.bytes_received == dec.pool.bytes_fetched
+                torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4, msg=name)
+    for pool in (exact.pool, pooled.pool):
+        assert pool.misses > 40 and pool.hits > 0  # evicted and re-fetched
+    assert exact.bytes_received == exact.pool.bytes_fetched
 
 
 def test_selection_details_and_torch_inputs(client: ctxcache.Client, synthetic) -> None:

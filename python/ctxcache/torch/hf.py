@@ -31,6 +31,7 @@ interface); ``attend``, ``gather_selected`` and ``GpuPagePool`` need torch only.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import torch
 
 __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
            "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
-           "PrefillResult"]
+           "PooledAttention", "PrefillResult", "max_step_pages"]
 
 
 # ---------------------------------------------------------------- attention --
@@ -68,7 +69,7 @@ def pad_heads(rows: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]
 
 def attend(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
            ctx_mask: Optional[torch.Tensor], dec_k: torch.Tensor, dec_v: torch.Tensor,
-           scale: float) -> torch.Tensor:
+           scale: float, dec_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode token's attention for every kv head at once, in float32.
 
     Args:
@@ -81,6 +82,8 @@ def attend(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
         dec_k, dec_v: ``[n_kv_heads, t, d]`` K/V of the decoded tokens so far
             (including the current one), attended by every head of the group.
         scale: the softmax scale (1/sqrt(d) unless the model says otherwise).
+        dec_valid: ``[t]`` bool, the rows of ``dec_k``/``dec_v`` that hold
+            decoded tokens (a fixed-size buffer); None = every row.
 
     Returns:
         ``[n_q_heads, d]`` float32: per query head, softmax over its context
@@ -95,6 +98,8 @@ def attend(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     logits = torch.einsum("hgd,hnd->hgn", q.float().view(n_kv, g, d), k) * scale
     if ctx_mask is not None and n_ctx:
         logits[:, :, :n_ctx].masked_fill_(~ctx_mask, float("-inf"))
+    if dec_valid is not None:
+        logits[:, :, n_ctx:].masked_fill_(~dec_valid, float("-inf"))
     out = torch.einsum("hgn,hnd->hgd", torch.softmax(logits, dim=-1), v)
     return out.reshape(n_q, d)
 
@@ -248,6 +253,7 @@ class GenerateResult:
     appended_tokens: int = 0  # tokens the session received with Append
     pool_hits: int = 0        # generate_client: pages found in / fetched into the pool
     pool_misses: int = 0
+    prefetch_hits: int = 0    # generate_client(prefetch=True): missing pages a prefetch brought
     ttft_s: float = 0.0       # generate_client: index fetch + set-up + first step
 
 
@@ -262,7 +268,9 @@ class GpuPagePool:
     >>> slots = pool.lookup(layer, pages, valid)  # [H, P] page ids -> slots
     >>> k = pool.k[slots]                         # [H, P, block, d], in place
 
-    Attributes: hits, misses (pages), bytes_fetched.
+    Attributes: hits, misses (pages fetched on a step's path), prefetch_hits
+    (missing pages a prefetch had brought), bytes_fetched (prefetches
+    included).
     """
 
     def __init__(self, client: Any, info: Any, device: Any, budget_bytes: int = 1 << 30,
@@ -282,9 +290,12 @@ class GpuPagePool:
         # slot -> the lookup that last used it (-1: free).
         self._slot_of = torch.full((self.n_layers * self.n_kv_heads * self.n_pages,), -1, **i64)
         self._page_of = torch.full((n_slots,), -1, **i64)
-        self._stamp = torch.full((n_slots,), -1, **i64)
-        self._clock = 0
-        self.hits = self.misses = self.bytes_fetched = 0
+        # One stamp past the slots: probe() writes the stamps of non-hits
+        # there (fixed shapes, no host sync).
+        self._stamp = torch.full((n_slots + 1,), -1, **i64)
+        self._clock = torch.zeros(1, **i64)  # on the device: probe() may run in a CUDA graph
+        self.hits = self.misses = self.bytes_fetched = self.prefetch_hits = 0
+        self._count_lock = threading.Lock()
 
     @property
     def n_slots(self) -> int:
@@ -302,54 +313,111 @@ class GpuPagePool:
         ids, ``valid`` marks the real entries; the rest map to slot 0),
         fetching the missing pages. A layer-step needing more pages than the
         pool holds is a ValueError (raise the budget)."""
-        dev = self.k.device
-        pages = pages.to(dev)
-        valid = valid.to(dev)
-        h = torch.arange(pages.shape[0], device=dev).view(-1, 1)
-        keys = self._key(layer, h, pages.clamp(0, max(0, self.n_pages - 1)))
+        pages = pages.to(self.k.device)
+        valid = valid.to(self.k.device)
         need = int(valid.sum())
         if need > self.n_slots:
             raise ValueError(f"GpuPagePool: a layer-step needs {need} pages, the pool holds "
                              f"{self.n_slots}; raise budget_bytes")
-        self._clock += 1
+        keys, miss = self.probe(layer, pages, valid)
+        self.hits += need - self.fill(layer, keys, miss)
+        return self.slots(keys, valid)
+
+    def probe(self, layer: int, pages: torch.Tensor,
+              valid: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The first half of :meth:`lookup`, without a host sync (it can be
+        captured in a CUDA graph): the pages' keys ``[H, P]`` and which of
+        the valid ones are missing; the pages present are stamped as used
+        now. Contract: at most ``n_slots`` valid pages (the caller checks),
+        then :meth:`fill` with the result before the next probe, and the
+        hits counted by the caller."""
+        keys, slots, miss = self._peek(layer, pages, valid)
+        self._clock.add_(1)
+        used = torch.where(valid & ~miss, slots, torch.full_like(slots, self.n_slots))
+        self._stamp.index_put_((used.view(-1),), self._clock.expand(used.numel()))
+        return keys, miss
+
+    def _peek(self, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
+        """Keys, slots and misses of ``[H, P]`` pages; changes nothing."""
+        h = torch.arange(pages.shape[0], device=pages.device).view(-1, 1)
+        keys = self._key(layer, h, pages.clamp(0, max(0, self.n_pages - 1)))
         slots = self._slot_of[keys]
-        miss = valid & (slots < 0)
-        self._stamp[slots[valid & ~miss]] = self._clock
-        miss_keys = keys[miss]  # row-major: by kv head, then position
-        n_miss = int(miss_keys.numel())
-        self.hits += need - n_miss
-        if n_miss:
-            with _stage("ctxcache.pool_fill"):
-                self._fill(layer, miss_keys)
-            slots = self._slot_of[keys]
+        return keys, slots, valid & (slots < 0)
+
+    def fill(self, layer: int, keys: torch.Tensor, miss: torch.Tensor,
+             ready: Optional[Dict[int, Any]] = None) -> int:
+        """Brings in the pages :meth:`probe` found missing (one host sync to
+        list them): those in ``ready`` (flat key -> wire page, e.g. from a
+        prefetch; the rest of it is dropped) as they are, the others with one
+        FetchPages; one install for all. Returns how many were fetched here
+        (counted in ``misses``; the ready ones in ``prefetch_hits``)."""
+        want = keys[miss].tolist()  # row-major: by kv head, then position
+        if not want:
+            return 0
+        ready = ready or {}
+        rest = [k for k in want if k not in ready]
+        with _stage("ctxcache.pool_fill"):
+            wire = self.fetch(layer, rest) if rest else []
+            got = {self._key(int(p.layer), int(p.kv_head), int(p.block)): p for p in wire}
+            if len(wire) != len(rest) or any(k not in got for k in rest):
+                raise RuntimeError(f"GpuPagePool: asked for {len(rest)} pages, got "
+                                   f"{len(wire)} others")
+            self.install([ready[k] if k in ready else got[k] for k in want])
+        self.misses += len(rest)
+        self.prefetch_hits += len(want) - len(rest)
+        return len(rest)
+
+    def slots(self, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The slots of probed (and filled) keys; invalid entries read slot 0."""
+        slots = self._slot_of[keys]
         return torch.where(valid, slots, torch.zeros_like(slots))
 
-    def _fill(self, layer: int, miss_keys: torch.Tensor) -> None:
-        n_miss = int(miss_keys.numel())
-        host = miss_keys.cpu().tolist()
+    def fetch(self, layer: int, keys: Sequence[int]) -> List[Any]:
+        """FetchPages of the pages with these flat keys (all of ``layer``),
+        as wire pages, crcs unchecked: the network half of a fill, which
+        touches no pool state (a prefetch runs it on a worker thread)."""
         by_head: Dict[int, List[int]] = {}
-        for key in host:
+        for key in keys:
             by_head.setdefault((key // self.n_pages) % self.n_kv_heads, []).append(
                 key % self.n_pages)
         wire = self.client.fetch_wire_pages(
             self.context_id, [(layer, hh, sorted(b)) for hh, b in sorted(by_head.items())])
-        if len(wire) != n_miss:
-            raise RuntimeError(f"GpuPagePool: asked for {n_miss} pages, got {len(wire)}")
-        kv = self._checked_rows(wire)  # [n_miss, 2, block, d] on the device
-        # Victims: free slots first, then the least recently used; the slots
-        # this lookup uses carry the newest stamp, and need <= n_slots.
-        victims = torch.topk(self._stamp, n_miss, largest=False).indices
+        with self._count_lock:  # a prefetch fetches on a worker thread
+            self.bytes_fetched += sum(len(p.k) + len(p.v) for p in wire)
+        return wire
+
+    def install(self, wire: Sequence[Any]) -> None:
+        """Puts fetched wire pages into slots (crc-checked, nothing kept of a
+        bad batch): free slots first, then the least recently used.
+        Contract: none of the pages is in the pool, and the pages the current
+        layer-step uses carry the newest stamp (so they are not evicted)."""
+        n = len(wire)
+        if not n:
+            return
+        if n > self.n_slots:
+            raise ValueError(f"GpuPagePool: {n} pages to install, the pool holds {self.n_slots}")
+        keys = []
+        for p in wire:
+            if not (p.layer < self.n_layers and p.kv_head < self.n_kv_heads and
+                    p.block < self.n_pages):
+                from ctxcache import errors
+                raise errors.DataLoss(f"FetchPages sent layer {p.layer}, kv head {p.kv_head}, "
+                                      f"block {p.block}: out of the context's range",
+                                      rpc="FetchPages")
+            keys.append(self._key(int(p.layer), int(p.kv_head), int(p.block)))
+        if len(set(keys)) != n:
+            from ctxcache import errors
+            raise errors.DataLoss("FetchPages sent a page twice", rpc="FetchPages")
+        kv = self._checked_rows(wire)  # [n, 2, block, d] on the device
+        victims = torch.topk(self._stamp[:self.n_slots], n, largest=False).indices
         old = self._page_of[victims]
         self._slot_of[old[old >= 0]] = -1
         self.k[victims] = kv[:, 0]
         self.v[victims] = kv[:, 1]
-        new = torch.tensor([self._key(layer, int(p.kv_head), int(p.block)) for p in wire],
-                           dtype=torch.int64, device=self.k.device)
+        new = torch.tensor(keys, dtype=torch.int64, device=self.k.device)
         self._page_of[victims] = new
         self._slot_of[new] = victims
         self._stamp[victims] = self._clock
-        self.misses += n_miss
-        self.bytes_fetched += sum(len(p.k) + len(p.v) for p in wire)
 
     def _checked_rows(self, wire: Sequence[Any]) -> torch.Tensor:
         """The K and V of wire pages as ``[n, 2, block, d]`` in the pool's
@@ -438,12 +506,13 @@ class _Decoder:
 
     def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
                  selector: Any = None, pool: Optional[GpuPagePool] = None,
-                 planner: Any = None, appender: Any = None, n_context: int = 0,
-                 n_layers: int = 0) -> None:
+                 appender: Any = None, n_context: int = 0, n_layers: int = 0,
+                 pooled: Optional["PooledAttention"] = None) -> None:
         self.session = session
         self.dense_kv = dense_kv
         self.selector = selector  # numpy ClientSession (any client-side method)
-        self.planner = planner    # a torch session (gpu_session.torch_session)
+        self.pooled = pooled      # a torch session's PooledAttention over a page pool
+        self.prefetch = False     # speculative next-layer prefetch into it (_prefetch_hooks)
         self.pool = pool
         self.appender = appender  # a Session: Append per generated token
         self.n_context = n_context
@@ -473,8 +542,11 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32, dec.n_context)
     elif dec.selector is not None:
         ks, vs, masks = _client_step(dec, layer, q)
-    elif dec.planner is not None:
-        ks, vs, masks = _planned_step(dec, layer, q)
+    elif dec.pooled is not None:
+        before = dec.pooled.pool.bytes_fetched
+        out = dec.pooled(layer, q, key, value, scale)
+        dec.bytes_received += dec.pooled.pool.bytes_fetched - before
+        return out.to(query.dtype)[None, None], None
     else:
         ks, vs = dec.dense_kv[layer]  # [n_kv, n, d] on the device
         masks = None
@@ -511,30 +583,293 @@ def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
     return k, v, torch.as_tensor(mask).to(q.device)
 
 
-def _planned_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
-    """Client-side selection as tensor ops on the device
-    (ctxcache.torch.gpu_session) and the selected pages read from the GPU
-    page pool; host syncs: the page count and the pool's miss list."""
-    with _stage("ctxcache.plan"):
-        plan = dec.planner.step(layer, q)
-    h, n_pages = plan.pages.shape
-    counts = plan.pages.sum(dim=1)
-    p = int(counts.max())
-    # Each head's pages ascending, first: a stable sort of the page flags.
-    pages = torch.sort(plan.pages.to(torch.int8), dim=1, descending=True,
-                       stable=True).indices[:, :p]
-    valid = torch.arange(p, device=q.device).view(1, -1) < counts.view(-1, 1)
-    k, v = _pool_kv(dec, layer, pages, valid)
-    tok = dec.planner.by_page(plan.token_mask)  # [H, G, n_pages, block]
-    g, b = tok.shape[1], tok.shape[3]
-    mask = tok.gather(2, pages.view(h, 1, p, 1).expand(h, g, p, b))
-    mask = mask & valid.view(h, 1, p, 1)
-    return k, v, mask.reshape(h, g, p * b)
+def max_step_pages(planner: Any) -> int:
+    """The most pages one kv head's layer-step of ``planner`` (a torch
+    session) can use: the page cap's budget, page 0 and the last
+    ``recent_blocks + 1`` pages (``_TorchPlanner._cap``); every page when
+    the session has no page cap."""
+    from ctxcache.torch.selection import page_budget
+
+    p = planner.params
+    if p.page_fraction <= 0:
+        return planner.n_pages
+    return min(planner.n_pages,
+               page_budget(p.page_fraction, planner.n_tokens, p.page_size) + p.recent_blocks + 2)
+
+
+class PooledAttention:
+    """The client-side decode path of :func:`generate_client` with a torch
+    session: per layer-step the session core (stages 1-4), the page pool's
+    lookup and the attention over the selected pages plus the decoded tokens,
+    all at fixed shapes (``max_step_pages`` pages per kv head, a decoded-token
+    buffer of ``capacity`` rows), so that on a GPU a layer-step is two CUDA
+    graph replays and one host sync: the miss count, read after the
+    attention was queued. A step with misses fetches them
+    (:meth:`GpuPagePool.fill`) and replays the attention. Without
+    ``cuda_graphs`` the same code runs eagerly (CPU, or csa with a search
+    period, whose selection keeps host state).
+
+    >>> pa = PooledAttention(planner, pool, capacity=64, cuda_graphs=True)
+    >>> out = pa(layer, q, key, value, scale)   # [n_q, d] float32
+
+    ValueError when the pool cannot hold one layer-step's pages
+    (``n_kv_heads * max_step_pages``) or for non-finite queries.
+    """
+
+    def __init__(self, planner: Any, pool: GpuPagePool, capacity: int = 64,
+                 cuda_graphs: bool = False) -> None:
+        self.planner, self.pool = planner, pool
+        self.p_max = max_step_pages(planner)
+        self.h, self.g = planner.n_kv_heads, planner.group_size
+        if self.h * self.p_max > pool.n_slots:
+            raise ValueError(f"PooledAttention: a layer-step may need {self.h * self.p_max} "
+                             f"pages, the pool holds {pool.n_slots}; raise its budget_bytes")
+        if planner.params.page_size != pool.block:
+            raise ValueError(f"PooledAttention: session pages of {planner.params.page_size} "
+                             f"tokens, the pool's of {pool.block}")
+        if cuda_graphs and planner.device.type != "cuda":
+            raise ValueError(f"PooledAttention: cuda_graphs on {planner.device}, not CUDA")
+        self.device = planner.device
+        self.use_graphs = cuda_graphs
+        self.capacity = max(1, int(capacity))
+        self.q = torch.zeros(planner.n_q_heads, planner.head_dim, dtype=torch.float32,
+                             device=self.device)
+        self.dec_k: Optional[torch.Tensor] = None  # [H, capacity, d], the model's dtype
+        self.dec_v: Optional[torch.Tensor] = None
+        self.dec_len = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.scale: Optional[float] = None
+        # layer -> (front outputs, out buffer, graph A, graph B) once captured
+        self._layers: Dict[int, Any] = {}
+        # Speculative prefetch (prefetch()): predicted queries, per layer the
+        # prediction's (keys, misses) outputs and graph, the fetches in flight.
+        self.q_pred = torch.zeros_like(self.q)
+        self._pred: Dict[int, Any] = {}
+        self._pending: Dict[int, Future] = {}
+        self._fetcher: Optional[ThreadPoolExecutor] = None
+        self.prefetch_requests = self.prefetch_failures = 0
+
+    def _pages(self, layer: int, q: torch.Tensor) -> tuple:
+        """Stages 1-4 for queries q: the plan, each kv head's pages ascending
+        in ``p_max`` entries, their validity and the heads' page counts."""
+        plan = self.planner._plan(*self.planner._select(layer, q))
+        counts = plan.pages.sum(dim=1)                                  # [H]
+        # Each head's pages ascending, first: a stable sort of the page flags.
+        pages = torch.sort(plan.pages.to(torch.int8), dim=1, descending=True,
+                           stable=True).indices[:, :self.p_max]
+        valid = torch.arange(self.p_max, device=q.device).view(1, -1) < counts.view(-1, 1)
+        return plan, pages, valid, counts
+
+    # Stage A: plan, the fixed-size page list, the pool probe, the masks.
+    def _front(self, layer: int) -> Dict[str, torch.Tensor]:
+        planner, q = self.planner, self.q
+        plan, pages, valid, counts = self._pages(layer, q)
+        keys, miss = self.pool.probe(layer, pages, valid)
+        tok = planner.by_page(plan.token_mask)                           # [H, G, n_pages, b]
+        b = tok.shape[3]
+        mask = tok.gather(2, pages.view(self.h, 1, -1, 1).expand(self.h, self.g, -1, b))
+        mask = (mask & valid.view(self.h, 1, -1, 1)).reshape(self.h, self.g, -1)
+        status = torch.stack([valid.sum(), miss.sum(), (~torch.isfinite(q)).any().long(),
+                              (counts > self.p_max).any().long()])
+        return {"keys": keys, "miss": miss, "valid": valid, "mask": mask, "status": status}
+
+    # Stage B: attention over the pool's pages plus the decoded tokens.
+    def _back(self, front: Dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        slots = self.pool.slots(front["keys"], front["valid"])
+        hh, pp = slots.shape
+        k = self.pool.k[slots].reshape(hh, pp * self.pool.block, -1)
+        v = self.pool.v[slots].reshape(hh, pp * self.pool.block, -1)
+        dec_valid = torch.arange(self.capacity, device=self.device) < self.dec_len
+        out.copy_(attend(self.q, k, v, front["mask"], self.dec_k, self.dec_v, self.scale,
+                         dec_valid))
+
+    def _entry(self, layer: int) -> Any:
+        entry = self._layers.get(layer)
+        if entry is not None:
+            return entry
+        if not (self.use_graphs and self.planner._graphable(layer)):
+            return None
+        out = torch.zeros_like(self.q)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the capture (lazy inits)
+            self._back(self._front(layer), out)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(ga):
+            front = self._front(layer)
+        with torch.cuda.graph(gb, pool=ga.pool()):
+            self._back(front, out)
+        entry = self._layers[layer] = (front, out, ga, gb)
+        return entry
+
+    def _reserve(self, key: torch.Tensor) -> None:
+        t = key.shape[2]
+        if self.dec_k is not None and t <= self.capacity and self.dec_k.dtype == key.dtype:
+            return
+        if self.dec_k is not None and t > self.capacity:
+            self.capacity = max(t, 2 * self.capacity)
+        self.capacity = max(self.capacity, t)
+        shape = (self.h, self.capacity, key.shape[3])
+        self.dec_k = torch.zeros(shape, dtype=key.dtype, device=self.device)
+        self.dec_v = torch.zeros_like(self.dec_k)
+        self._layers.clear()  # the graphs read the old buffers: capture again
+
+    def _predict(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        _, pages, valid, _ = self._pages(layer, self.q_pred)
+        keys, _, miss = self.pool._peek(layer, pages, valid)
+        return keys, miss
+
+    def prefetch(self, layer: int, q: torch.Tensor) -> None:
+        """Speculative fill: plans ``layer`` for predicted queries ``q``
+        ``[n_q, d]`` and fetches the pages that plan misses on a worker
+        thread (one FetchPages). The next step of ``layer`` uses those of
+        them it misses (``GpuPagePool.fill``'s ``ready``; the pool's state
+        is then what it would be without the prefetch) and drops the rest.
+        Changes no pool or session state now (one host sync: the miss list).
+        At most one in flight per layer (another request for it is ignored).
+        A failed prefetch RPC is counted in ``prefetch_failures``, never
+        raised: the step fetches what it misses itself (a corrupt page is
+        the step's DataLoss, as if it had fetched it)."""
+        if layer in self._pending or not 0 <= layer < self.planner.n_layers:
+            return
+        if not self.planner._graphable(layer):
+            return  # a csa search period: predicting would advance its schedule
+        self.q_pred.copy_(q)
+        if self.use_graphs:
+            entry = self._pred.get(layer)
+            if entry is None:
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self._predict(layer)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    keys, miss = self._predict(layer)
+                entry = self._pred[layer] = (graph, keys, miss)
+            graph, keys, miss = entry
+            graph.replay()
+        else:
+            keys, miss = self._predict(layer)
+        with _stage("ctxcache.prefetch_plan"):
+            want = keys[miss].tolist()
+        if not want:
+            return
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(max_workers=1)
+        self.prefetch_requests += 1
+        self._pending[layer] = self._fetcher.submit(self.pool.fetch, layer, want)
+
+    def _take_prefetch(self, layer: int, wait: bool) -> Dict[int, Any]:
+        """The pages of ``layer``'s prefetch by flat key ({} when none, when
+        it failed, or without ``wait`` when it is still in flight)."""
+        fut = self._pending.pop(layer, None)
+        if fut is None or not (wait or fut.done()):
+            return {}
+        from ctxcache import errors
+        try:
+            with _stage("ctxcache.prefetch_wait"):
+                wire = fut.result()
+        except errors.Error:
+            self.prefetch_failures += 1
+            return {}
+        pool = self.pool
+        return {pool._key(int(p.layer), int(p.kv_head), int(p.block)): p for p in wire
+                if p.layer == layer and p.kv_head < pool.n_kv_heads and p.block < pool.n_pages}
+
+    def close(self) -> None:
+        """Waits for the prefetches in flight (their pages are dropped)."""
+        for fut in self._pending.values():
+            fut.exception()
+        self._pending.clear()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
+            self._fetcher = None
+
+    def __call__(self, layer: int, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """Attention of one decode token at ``layer``: ``q`` ``[n_q, d]``
+        post-RoPE, ``key``/``value`` ``[1, H, t, d]`` the decoded tokens so
+        far (the current one last); returns ``[n_q, d]`` float32, a buffer
+        the next step of the layer overwrites."""
+        if not 0 <= layer < self.planner.n_layers:
+            raise ValueError(f"step.layer {layer} out of range [0, {self.planner.n_layers})")
+        if tuple(q.shape) != (self.planner.n_q_heads, self.planner.head_dim):
+            raise ValueError(f"queries have shape {list(q.shape)}, expected "
+                             f"[{self.planner.n_q_heads}, {self.planner.head_dim}]")
+        if self.scale is None:
+            self.scale = float(scale)
+        elif float(scale) != self.scale:
+            raise ValueError(f"PooledAttention: scale {scale}, the session's is {self.scale}")
+        self._reserve(key)
+        t = key.shape[2]
+        self.q.copy_(q)
+        self.dec_k[:, :t].copy_(key[0])
+        self.dec_v[:, :t].copy_(value[0])
+        self.dec_len.fill_(t)
+        entry = self._entry(layer)
+        if entry is None:  # eager
+            front, out = self._front(layer), torch.zeros_like(self.q)
+            self._back(front, out)
+            replay_back = lambda: self._back(front, out)  # noqa: E731
+        else:
+            front, out, ga, gb = entry
+            with _stage("ctxcache.replay"):
+                ga.replay()
+                gb.replay()
+            replay_back = gb.replay
+        with _stage("ctxcache.sync"):
+            need, n_miss, nonfinite, overflow = front["status"].tolist()
+        if nonfinite:
+            raise ValueError(f"{self.planner.method}: queries have NaN/Inf")
+        if overflow:
+            raise RuntimeError(f"PooledAttention: a kv head selected more than {self.p_max} "
+                               "pages (max_step_pages is wrong)")
+        if n_miss:
+            ready = self._take_prefetch(layer, wait=True)
+            with _stage("ctxcache.pool"):
+                self.pool.fill(layer, front["keys"], front["miss"], ready)
+            replay_back()
+        else:
+            self._take_prefetch(layer, wait=False)  # not needed: dropped
+        self.pool.hits += need - n_miss
+        return out
 
 
 def _register() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register("ctxcache", _ctxcache_attention)
+
+
+def _prefetch_hooks(model: Any, pooled: PooledAttention) -> List[Any]:
+    """Speculative next-layer prefetch, InfiniGen-style: at the start of
+    decoder layer l, layer l+1's queries are predicted from layer l's input
+    (the residual stream changes little across a layer) through layer l+1's
+    input norm, q projection and RoPE, and ``pooled.prefetch(l + 1, ...)``
+    fetches the pages that prediction misses while layer l runs. Returns the
+    hook handles (LLaMA-family decoder layers: ``input_layernorm``,
+    ``self_attn.q_proj``, ``position_embeddings`` passed to the layer)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    layers = _layers(model)
+
+    def make(l: int) -> Any:
+        nxt = layers[l + 1]
+
+        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+            x = args[0] if args else kwargs.get("hidden_states")
+            pe = kwargs.get("position_embeddings")
+            if x is None or pe is None or x.shape[:2] != (1, 1):
+                return
+            attn = nxt.self_attn
+            with _stage("ctxcache.predict"):
+                q = attn.q_proj(nxt.input_layernorm(x)).view(1, 1, -1, attn.head_dim)
+                q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), *pe)
+                pooled.prefetch(l + 1, q[0, :, 0, :])
+        return hook
+
+    return [layers[l].register_forward_pre_hook(make(l), with_kwargs=True)
+            for l in range(len(layers) - 1)]
 
 
 @torch.no_grad()
@@ -549,6 +884,7 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
     for layer in _layers(model):
         layer.self_attn.config._attn_implementation = "ctxcache"
     _ACTIVE.append(dec)
+    hooks = _prefetch_hooks(model, dec.pooled) if dec.pooled is not None and dec.prefetch else []
     res = GenerateResult()
     cache = DynamicCache()  # the generated tokens only
     token = int(first_token)
@@ -587,6 +923,8 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
         if pending is not None:
             dec.appended = pending.result()
     finally:
+        for hook in hooks:
+            hook.remove()
         if appends is not None:
             appends.shutdown(wait=True)
         _ACTIVE.pop()
@@ -642,7 +980,7 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                     pool_bytes: int = 1 << 30, selection: str = "torch",
                     append: bool = True, method: str = "csa",
                     keys: Optional[torch.Tensor] = None,
-                    warm_pool: bool = False) -> GenerateResult:
+                    warm_pool: bool = False, prefetch: bool = False) -> GenerateResult:
     """As :func:`generate`, but selecting on the client and reading pages
     from a :class:`GpuPagePool` that fetches only pages it does not hold: no
     round trip per layer-step once the pool is warm.
@@ -653,10 +991,11 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     ``keys`` ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
     :func:`fetch_context_keys`, so the keys are resident on the device).
     selection: ``"torch"`` runs the session core as tensor ops on the
-    model's device (``ctxcache.torch.gpu_session.torch_session``, one CUDA
-    graph per layer on a GPU; csa's and
+    model's device (``ctxcache.torch.gpu_session.torch_session``) with the
+    pool lookup and the attention (:class:`PooledAttention`: on a GPU two
+    CUDA graph replays and one host sync per layer-step); csa's and
     oracle's float sums run in another order than the server's, so a
-    near-tie may resolve differently; quest and streaming are exact);
+    near-tie may resolve differently; quest and streaming are exact;
     ``"exact"`` runs the numpy copy of the C++ core
     (``ctxcache.torch.selection.ClientSession``: the server's selections
     exactly, on the CPU). Both select over the stored context.
@@ -668,6 +1007,9 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     step (:meth:`GpuPagePool.load_all`; the pool must hold them all), as a
     worker keeping a hot context resident; the load counts in ``ttft_s`` and
     in the pool's misses.
+    prefetch: speculative next-layer prefetch (``selection="torch"``; see
+    :func:`_prefetch_hooks`): each layer's likely misses are fetched while
+    the layer before it runs; ``prefetch_hits`` in the result.
     The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (from the
     call to the first token: index fetch, set-up, the Append session's open,
     the first step)."""
@@ -682,6 +1024,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                          f"(selection='{selection}'); expected one of {', '.join(known)}")
     if keys is not None and method != "oracle":
         raise ValueError(f"keys are for method oracle, not {method}")
+    if prefetch and selection != "torch":
+        raise ValueError(f"prefetch needs selection='torch', not '{selection}'")
     dev = next(model.parameters()).device
     t0 = time.perf_counter()
     opener = ThreadPoolExecutor(max_workers=1)
@@ -689,16 +1033,19 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     opening = opener.submit(client.open_session, info.context_id, method=method,
                             params=params or {}) if append else None
     session = None
+    dec: Optional[_Decoder] = None
     try:
         arts = client.fetch_index(info.context_id, method)
         n_q = int(info.model.n_q_heads)
         n_layers = int(info.model.n_layers)
         if method == "oracle" and keys is None:
             keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
+        pool = GpuPagePool(client, info, dev, pool_bytes)
         if selection == "torch":
-            dec = _Decoder(planner=torch_session(method, arts, n_q_heads=n_q,
-                                                 params=params or {}, device=dev, keys=keys,
-                                                 cuda_graphs=dev.type == "cuda"),
+            planner = torch_session(method, arts, n_q_heads=n_q, params=params or {},
+                                    device=dev, keys=keys)
+            dec = _Decoder(pooled=PooledAttention(planner, pool, capacity=n_new,
+                                                  cuda_graphs=dev.type == "cuda"),
                            n_layers=n_layers)
         else:
             dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
@@ -706,7 +1053,7 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                                                   keys=None if keys is None else keys.cpu()),
                            n_layers=n_layers)
         dec.n_context = int(info.n_tokens)
-        pool = GpuPagePool(client, info, dev, pool_bytes)
+        dec.prefetch = prefetch
         if warm_pool:
             pool.load_all()
         dec.pool = pool
@@ -715,12 +1062,15 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
         dec.appender = session
         res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
     finally:
+        if dec is not None and dec.pooled is not None:
+            dec.pooled.close()
         if opening is not None and session is None and opening.exception() is None:
             opening.result().close()  # set-up failed after the session opened
         opener.shutdown(wait=True)
         if session is not None:
             session.close()
     res.pool_hits, res.pool_misses = pool.hits, pool.misses
+    res.prefetch_hits = pool.prefetch_hits
     res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
     return res
 

@@ -308,6 +308,10 @@ def main() -> int:
             prof["sparse"] = profile_of(lambda: hf.generate_client(
                 c, model, info, first, k, forced=dense["tokens"], pool_bytes=pool_bytes,
                 selection="torch", append=True))
+            if a.prefetch:
+                prof["sparse_prefetch"] = profile_of(lambda: hf.generate_client(
+                    c, model, info, first, k, forced=dense["tokens"], pool_bytes=pool_bytes,
+                    selection="torch", append=True, prefetch=True))
             with open(a.profile_out, "w") as f:
                 json.dump(prof, f, indent=1)
         c.evict(info.context_id)

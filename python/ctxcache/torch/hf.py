@@ -296,6 +296,8 @@ class GpuPagePool:
         self._clock = torch.zeros(1, **i64)  # on the device: probe() may run in a CUDA graph
         self.hits = self.misses = self.bytes_fetched = self.prefetch_hits = 0
         self._count_lock = threading.Lock()
+        self._host: Optional[torch.Tensor] = None  # _staging's pinned buffer
+        self._staged: Any = None                   # its last copy's event
 
     @property
     def n_slots(self) -> int:
@@ -419,6 +421,18 @@ class GpuPagePool:
         self._slot_of[new] = victims
         self._stamp[victims] = self._clock
 
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer of at least ``nbytes`` for fills: pinned and
+        reused on a GPU (after the last copy out of it finished)."""
+        if self.k.device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self._host is None or self._host.numel() < nbytes:
+            self._host = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        self._staged.synchronize()
+        return self._host
+
     def _checked_rows(self, wire: Sequence[Any]) -> torch.Tensor:
         """The K and V of wire pages as ``[n, 2, block, d]`` in the pool's
         dtype on its device (a partial page zero-padded), each page's crc32c
@@ -442,23 +456,32 @@ class GpuPagePool:
                 raise errors.DataLoss(f"page of layer {p.layer}, kv head {p.kv_head}, block "
                                       f"{p.block} has the wrong size", rpc="FetchPages")
         full = all(p.n_tokens == b for p in wire)
-        if full:  # each row is exactly the page's k || v: its crc is the page's
-            blob = bytearray(b"".join(x for p in wire for x in (p.k, p.v)))
-            rows = torch.frombuffer(blob, dtype=torch.uint8).view(n, 2 * page_bytes)
-        else:
-            rows = torch.zeros(n, 2 * page_bytes, dtype=torch.uint8)
-            for i, p in enumerate(wire):
-                rows[i, :len(p.k)] = torch.frombuffer(bytearray(p.k), dtype=torch.uint8)
-                rows[i, page_bytes:page_bytes + len(p.v)] = torch.frombuffer(
-                    bytearray(p.v), dtype=torch.uint8)
-        rows = rows.to(dev)
-        if full and dev.type == "cuda":
+        # One host buffer (pinned on a GPU, reused) holds the rows, each a
+        # page's k || v zero-padded, then the crcs: one copy to the device.
+        row = 2 * page_bytes
+        off = (n * row + 7) // 8 * 8  # the crcs, 8-byte aligned
+        host = self._staging(off + 8 * n)
+        view = host.numpy()
+        rows_np = view[:n * row].reshape(n, row)
+        for i, p in enumerate(wire):
+            nk = len(p.k)
+            rows_np[i, :nk] = np.frombuffer(p.k, dtype=np.uint8)
+            rows_np[i, page_bytes:page_bytes + nk] = np.frombuffer(p.v, dtype=np.uint8)
+            if nk < page_bytes:
+                rows_np[i, nk:page_bytes] = 0
+                rows_np[i, page_bytes + nk:] = 0
+        view[off:off + 8 * n].view(np.int64)[:] = [p.crc32c for p in wire]
+        on_gpu = dev.type == "cuda"
+        blob = host[:off + 8 * n].to(dev, non_blocking=on_gpu)
+        if on_gpu:
+            self._staged.record()  # the buffer is reused once this copy is done
+        rows = blob[:n * row].view(n, row)
+        if full and on_gpu:  # each row is exactly the page's k || v: its crc is the page's
             from ctxcache.crc32c import crc32c_rows_torch
 
-            want = torch.tensor([p.crc32c for p in wire], dtype=torch.int64, device=dev)
-            bad = torch.nonzero(crc32c_rows_torch(rows) != want)
-            if bad.numel():
-                raise page_crc_error(wire[int(bad[0, 0])], rpc="FetchPages")
+            bad = crc32c_rows_torch(rows) != blob[off:].view(torch.int64)
+            if bool(bad.any()):
+                raise page_crc_error(wire[int(torch.nonzero(bad)[0, 0])], rpc="FetchPages")
         else:
             check_page_crcs(wire, rpc="FetchPages")
         tdt = {_t._st.DTYPE_BF16: torch.bfloat16, _t._st.DTYPE_F16: torch.float16,

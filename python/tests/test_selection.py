@@ -416,6 +416,32 @@ def test_torch_session_core_agrees_with_the_exact_core(client: ctxcache.Client, 
         assert r["worst_jaccard"] >= 0.95, (ctx.name, r)
 
 
+def test_torch_csa_tables_int16_and_int32_ids_plan_alike(client: ctxcache.Client, llama_compact,
+                                                         monkeypatch) -> None:
+    # The device tables hold list ids as int16 (offset) up to
+    # INT16_ID_TOKENS tokens, int32 beyond, and scores as the artifacts'
+    # float16: both id widths give the same plans.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch import gpu_session
+
+    ctx = llama_compact
+    m = ctx.model
+    arts = client.fetch_index(ctx.context_id, "csa")
+    narrow = gpu_session.TorchCsaSession(arts, n_q_heads=m.n_q_heads)
+    monkeypatch.setattr(gpu_session, "INT16_ID_TOKENS", 0)
+    wide = gpu_session.TorchCsaSession(arts, n_q_heads=m.n_q_heads)
+    assert narrow.layers[0].ids.dtype == torch.int16 and narrow.layers[0].id_offset == 32768
+    assert wide.layers[0].ids.dtype == torch.int32 and wide.layers[0].id_offset == 0
+    assert narrow.layers[0].scores.dtype == torch.float16
+    rng = np.random.default_rng(5)
+    for step in range(3):
+        for layer in range(m.n_layers):
+            q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
+            a, b = narrow.step(layer, q), wide.step(layer, q)
+            for f in ("selected", "token_mask", "pages"):
+                assert torch.equal(getattr(a, f), getattr(b, f)), (step, layer, f)
+
+
 def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Client,
                                                            synthetic) -> None:
     # The HF client-side steps (ctxcache.torch.hf): the exact core's and the

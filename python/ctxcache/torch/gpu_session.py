@@ -82,6 +82,11 @@ class LayerPlan:
         return torch.nonzero(self.pages[kv_head])[:, 0]
 
 
+# csa list ids are held as int16 (offset by -32768) on the device for
+# contexts of up to this many tokens, int32 beyond.
+INT16_ID_TOKENS = 1 << 16
+
+
 class _Layer:
     """The csa tables of every kv head of one layer, stacked on a device."""
 
@@ -98,12 +103,22 @@ class _Layer:
         h = len(indexes)
         self.cent = torch.as_tensor(np.stack([ix._centroids for ix in indexes]),
                                     dtype=torch.float32, device=device)  # [H, m, C, ds]
-        # The artifacts' int32 ids (CsaIndex keeps an int64 copy for numpy),
-        # widened per step for scatter_add_.
+        # On the device a list entry takes 4 bytes up to 65,536 tokens: the
+        # id as int16 minus 32768 (id_offset), else int32, widened per step
+        # for scatter_add_; the score as the artifacts' float16 (every
+        # format's scores are fp16 values: widened exactly per step).
         ids = np.stack([ix.artifact.ids for ix in indexes]).reshape(h * self.m * self.C, self.L)
-        self.ids = torch.as_tensor(ids.astype(np.int32, copy=False), device=device)
-        sc = np.stack([ix._scores for ix in indexes]).reshape(h * self.m * self.C, self.L)
-        self.scores = torch.as_tensor(sc, dtype=torch.float32, device=device)
+        if self.n <= INT16_ID_TOKENS:
+            self.id_offset = 1 << 15
+            ids = (ids.astype(np.int32) - self.id_offset).astype(np.int16)
+        else:
+            self.id_offset = 0
+            ids = ids.astype(np.int32, copy=False)
+        self.ids = torch.as_tensor(ids, device=device)
+        sc = np.stack([ix.artifact.scores for ix in indexes]).reshape(h * self.m * self.C, self.L)
+        if sc.dtype != np.float16:
+            raise ValueError(f"TorchCsaSession: list scores of dtype {sc.dtype}, expected float16")
+        self.scores = torch.as_tensor(sc, device=device)
         if self.o.impute_tail_mean:
             miss = np.stack([ix._tail_mean for ix in indexes])
         elif self.o.impute_min:
@@ -338,9 +353,12 @@ class TorchCsaSession(_TorchPlanner):
                 torch.arange(m, device=q.device).view(1, 1, m, 1)) * c
         lid = (base + chosen).reshape(-1)                         # lists, [H*G*m*J]
         bias = -wj.reshape(-1) * lay.missing[lid]
-        vals = lay.scores[lid] * wj.reshape(-1, 1) + bias.view(-1, 1)
+        vals = lay.scores[lid].float() * wj.reshape(-1, 1) + bias.view(-1, 1)
+        ids = lay.ids[lid].view(h * g, -1).long()
+        if lay.id_offset:
+            ids = ids + lay.id_offset
         acc = torch.zeros(h * g, n, dtype=torch.float32, device=q.device)
-        acc.scatter_add_(1, lay.ids[lid].view(h * g, -1).long(), vals.view(h * g, -1))
+        acc.scatter_add_(1, ids, vals.view(h * g, -1))
         n_sinks = min(o.sinks, n)
         recent_start = max(n_sinks, n - o.recent)
         forced = torch.zeros(n, dtype=torch.bool, device=q.device)

@@ -64,7 +64,7 @@ class FullAttention final : public AttentionProvider {
  private:
   const ModelSpec& spec_;
   KvCache* cache_;
-  std::vector<float> kbuf_, vbuf_, scores_;
+  AlignedFloats kbuf_, vbuf_, scores_;
 };
 
 // A session::PageFetcher over a KvCache (not owned), e.g. the prefill's: the

@@ -36,9 +36,10 @@ Status Embed(const Model& m, const int32_t* tokens, int64_t n, int64_t pos0, flo
 using AttentionFn = std::function<Status(int layer, int64_t pos0, int64_t n, const float* q,
                                          const float* k, const float* v, float* out)>;
 
-// Scratch buffers reused across layers and calls.
+// Scratch buffers reused across layers and calls, aligned for Eigen's
+// packets (AlignedFloats, model.h).
 struct Workspace {
-  std::vector<float> norm, q, k, v, attn, proj, gate, up;
+  AlignedFloats norm, q, k, v, attn, proj, gate, up;
   void Resize(const ModelSpec& s, int64_t n);
 };
 

@@ -19,6 +19,7 @@
 // Thread-safety: a loaded Model is immutable and safe for concurrent use.
 #pragma once
 
+#include <Eigen/Core>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -29,6 +30,14 @@
 #include "common/thread_pool.h"
 
 namespace ctxcache::model {
+
+// Float buffers that Eigen expressions write, aligned for its packets. An
+// elementwise Eigen expression over an unaligned Map computes its first
+// elements with the scalar functions (std::exp) and the rest with the packet
+// ones (a different exp), so with plain std::vector storage the results
+// would depend on where the heap put the buffer: the same text prefilled
+// twice stored different KV (SiLU in the MLP), and decode's softmax varied.
+using AlignedFloats = std::vector<float, Eigen::aligned_allocator<float>>;
 
 struct RopeParams {
   double theta = 10000.0;        // rope_theta

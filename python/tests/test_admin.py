@@ -118,6 +118,31 @@ def test_get_list_pin_evict_stats(client: ctxcache.Client) -> None:
     assert "llama3" in after.models and after.version and after.uptime_s > 0
 
 
+def test_the_same_tokens_built_again_store_the_same_bytes(client: ctxcache.Client) -> None:
+    # Rebuilding evicted text must store the same KV pages and index
+    # artifacts bit for bit: the prefill's results once depended on where
+    # the heap put its buffers (Eigen's elementwise exp; model.h
+    # AlignedFloats), and rebuilds on one server differed in a few values.
+    import hashlib
+
+    tokens = random_tokens(1500, 77)
+    seen = set()
+    for _ in range(3):
+        info = client.build(tokens=tokens, indexes=["csa"]).context
+        n_pages = (info.n_tokens + 15) // 16
+        h = hashlib.sha256()
+        for layer in range(info.model.n_layers):
+            for p in client.fetch_wire_pages(info.context_id, [
+                    (layer, kv, list(range(n_pages))) for kv in range(info.model.n_kv_heads)]):
+                h.update(p.k)
+                h.update(p.v)
+        for key, blob in sorted(client.fetch_index(info.context_id, "csa").items()):
+            h.update(blob)
+        seen.add(h.hexdigest())
+        assert client.evict(info.context_id).evicted
+    assert len(seen) == 1
+
+
 @pytest.mark.parametrize("call,cls", [
     (lambda c: c.get("00112233445566778899aabbccddeeff"), ctxcache.NotFound),
     (lambda c: c.get("xyz"), ctxcache.InvalidArgument),

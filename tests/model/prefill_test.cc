@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "model/decode.h"
+#include "model/forward.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
 #include "model/trace_sink.h"
@@ -321,6 +322,25 @@ TEST_P(SlidingWindowTest, OneLayerSeesOnlyTheWindow) {
 
 // Windows inside one attention tile and across tiles (1024 keys).
 INSTANTIATE_TEST_SUITE_P(Windows, SlidingWindowTest, ::testing::Values(8, 1100));
+
+// The same text prefilled twice must store the same KV bit for bit, whatever
+// addresses its buffers got: the buffers Eigen's elementwise expressions
+// write (SiLU's exp) must be aligned for its packets (model.h, AlignedFloats).
+TEST(ForwardDeterminismTest, WorkspaceBuffersAreAlignedForEigenPackets) {
+  ModelSpec s;
+  s.n_q_heads = 6;
+  s.n_kv_heads = 2;
+  s.head_dim = 20;
+  s.hidden = 123;
+  s.intermediate = 333;
+  internal::Workspace ws;
+  for (int64_t n : {1, 3, 17, 200}) {
+    ws.Resize(s, n);
+    for (const auto* b : {&ws.norm, &ws.q, &ws.k, &ws.v, &ws.attn, &ws.proj, &ws.gate, &ws.up}) {
+      EXPECT_EQ(0u, reinterpret_cast<uintptr_t>(b->data()) % EIGEN_MAX_ALIGN_BYTES) << n;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace ctxcache::model

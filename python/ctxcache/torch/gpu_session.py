@@ -57,8 +57,8 @@ from ctxcache.torch.selection import (ClientSession, CsaIndex, CsaSession, Sessi
                                       _budget_for, page_budget)
 
 __all__ = ["LayerPlan", "TORCH_SESSIONS", "TorchCsaSession", "TorchOracleSession",
-           "TorchQuestSession", "TorchStreamingSession", "quest_page_scores_torch",
-           "quest_take_pages", "torch_session"]
+           "TorchQuestSession", "TorchStreamingSession", "capture_graph",
+           "quest_page_scores_torch", "quest_take_pages", "torch_session"]
 
 
 @dataclass
@@ -131,6 +131,22 @@ class _Layer:
         self.since_search = 0
 
 
+def capture_graph(device: Any, fn: Any, pool: Any = None) -> Tuple[Any, Any]:
+    """Runs ``fn()`` once on a side stream (lazy initializations stay out of
+    the capture), then captures ``fn()`` as a CUDA graph (in the memory
+    ``pool`` of another graph, if given). Returns the graph and the captured
+    call's outputs: buffers that each replay rewrites, not yet written."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 def _top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """Rows' k largest entries as a mask, ties to the lower index."""
     n = x.shape[-1]
@@ -184,14 +200,8 @@ class _TorchPlanner:
         entry = self._graphs.get(layer)
         if entry is None:
             static_q = q.clone()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up off the capture (lazy inits)
-                self._plan(*self._select(layer, static_q))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                plan = self._plan(*self._select(layer, static_q))
+            graph, plan = capture_graph(self.device,
+                                        lambda: self._plan(*self._select(layer, static_q)))
             entry = self._graphs[layer] = (graph, static_q, plan)
         graph, static_q, plan = entry
         static_q.copy_(q)

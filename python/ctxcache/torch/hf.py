@@ -711,17 +711,12 @@ class PooledAttention:
             return entry
         if not (self.use_graphs and self.planner._graphable(layer)):
             return None
+        from ctxcache.torch.gpu_session import capture_graph
+
         out = torch.zeros_like(self.q)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the capture (lazy inits)
-            self._back(self._front(layer), out)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        ga, gb = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(ga):
-            front = self._front(layer)
-        with torch.cuda.graph(gb, pool=ga.pool()):
-            self._back(front, out)
+        ga, front = capture_graph(self.device, lambda: self._front(layer))
+        ga.replay()  # B's warm-up reads A's outputs
+        gb, _ = capture_graph(self.device, lambda: self._back(front, out), pool=ga.pool())
         entry = self._layers[layer] = (front, out, ga, gb)
         return entry
 
@@ -761,14 +756,9 @@ class PooledAttention:
         if self.use_graphs:
             entry = self._pred.get(layer)
             if entry is None:
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self._predict(layer)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    keys, miss = self._predict(layer)
+                from ctxcache.torch.gpu_session import capture_graph
+
+                graph, (keys, miss) = capture_graph(self.device, lambda: self._predict(layer))
                 entry = self._pred[layer] = (graph, keys, miss)
             graph, keys, miss = entry
             graph.replay()

@@ -32,6 +32,7 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -288,6 +289,8 @@ def main() -> int:
                 "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30}
             log(f"{name}: {res[name]}")
             save()
+            del out
+            gc.collect()  # the run's graphs and tables (reference cycles) before the next peak
             torch.cuda.empty_cache()
         res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
                                                      res["dense"]["tokens_per_s"])

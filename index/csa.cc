@@ -1229,6 +1229,10 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
     std::vector<uint8_t> bitmap, ef_buf;
     const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
     std::vector<uint8_t> packed((L_ * bits + 7) / 8);
+    std::vector<uint8_t> codes(static_cast<size_t>(L_));
+    std::vector<int32_t> id_copy;
+    std::vector<int> code_rank(levels);
+    std::vector<int64_t> rank_start(levels + 1);
     for (int64_t l = 0; l < n_lists; ++l) {
       int32_t* ids = t->ids.data() + l * L_;
       uint8_t coding = 0;
@@ -1276,8 +1280,13 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
             const uint64_t at = static_cast<uint64_t>(e) * k;
             uint64_t window = 0;
             const uint64_t first = at >> 3;
-            const uint64_t last = std::min<uint64_t>(first + 5, ef.low_bytes);
-            for (uint64_t i = first; i < last; ++i) window |= uint64_t{low[i]} << (8 * (i - first));
+            if (first + 8 <= ef.low_bytes) {
+              static_assert(std::endian::native == std::endian::little);
+              std::memcpy(&window, low + first, 8);  // the bytes are little-endian
+            } else {
+              const uint64_t last = std::min<uint64_t>(first + 5, ef.low_bytes);
+              for (uint64_t i = first; i < last; ++i) window |= uint64_t{low[i]} << (8 * (i - first));
+            }
             const uint64_t lo = (window >> (at & 7)) & ((uint64_t{1} << k) - 1);
             const int64_t id = static_cast<int64_t>(((bit - static_cast<uint64_t>(e)) << k) | lo);
             if (id <= prev || id >= n_tokens_) return loss("bad Elias-Fano ids");
@@ -1294,14 +1303,30 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
         if (!std::isfinite(Half(h))) return loss("bad score codebook");
       }
       if (!r.GetArray(packed.data(), packed.size())) return loss("truncated scores");
-      uint16_t* sc = t->scores.data() + l * L_;
+      // Worst entry first (SortWorstFirst's order) straight from the codes:
+      // a counting sort over the codebook values' ranks (equal values, +0
+      // and -0 included, share a rank), each rank's entries by descending
+      // id (the ids arrive ascending).
+      for (int c = 0; c < levels; ++c) {
+        int rank = 0;
+        for (int o = 0; o < levels; ++o) rank += Half(book[o]) < Half(book[c]);
+        code_rank[c] = rank;
+      }
+      std::fill(rank_start.begin(), rank_start.end(), 0);
       for (int64_t e = 0; e < L_; ++e) {
         const int code = (packed[e >> 1] >> (4 * (e & 1))) & 0xf;
         if (code >= levels) return loss("bad score code");
-        sc[e] = book[code];
+        codes[e] = static_cast<uint8_t>(code);
+        ++rank_start[code_rank[code] + 1];
       }
-      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
-                     /*ids_ascending=*/true, &sort_a, &sort_b);
+      for (int k = 0; k < levels; ++k) rank_start[k + 1] += rank_start[k];
+      id_copy.assign(ids, ids + L_);
+      uint16_t* sc = t->scores.data() + l * L_;
+      for (int64_t e = L_ - 1; e >= 0; --e) {
+        const int64_t at = rank_start[code_rank[codes[e]]]++;
+        ids[at] = id_copy[e];
+        sc[at] = book[codes[e]];
+      }
     }
   } else {
     std::vector<uint8_t> q(L_);

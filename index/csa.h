@@ -76,6 +76,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/large_buffer.h"
 #include "index/kmeans.h"
 #include "index/selector.h"
 #include "index/topk.h"
@@ -217,8 +218,10 @@ class CsaSelector final : public Selector {
     std::vector<float> centroids;  // m * C * sub_dim
     std::vector<float> key_mean;   // d: subtracted from keys before scoring (zeros if !center)
     std::vector<float> tail_mean;  // m * C: mean build score of keys outside each list
-    std::vector<int32_t> ids;      // m * C * L, each list a heap (worst entry first)
-    std::vector<uint16_t> scores;  // m * C * L (fp16)
+    // The lists: nearly all of the tables' bytes, freed to the OS with the
+    // last clone (LargeVector, common/large_buffer.h).
+    LargeVector<int32_t> ids;      // m * C * L, each list a heap (worst entry first)
+    LargeVector<uint16_t> scores;  // m * C * L (fp16)
   };
   // One list's appended state. Base lists are kept sorted worst first (a
   // sorted array is also a heap with the worst entry at the root), so the

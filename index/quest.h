@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/large_buffer.h"
 #include "index/selector.h"
 
 namespace ctxcache::index {
@@ -66,7 +67,7 @@ class QuestSelector final : public Selector {
   // pages after them (appended, or the partial last page once a token joins
   // it) are this instance's own.
   struct Pages {
-    std::vector<float> min, max;  // n * d each
+    LargeVector<float> min, max;  // n * d each (common/large_buffer.h: freed to the OS)
   };
   void Share();  // moves the own pages into fresh shared tables
   const float* PageMin(int64_t page) const {

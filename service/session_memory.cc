@@ -4,6 +4,7 @@
 
 #include <functional>
 
+#include "common/thread_pool.h"
 #include "index/methods.h"
 #include "service/metrics.h"
 
@@ -54,24 +55,37 @@ StatusOr<std::vector<std::unique_ptr<index::Selector>>> LoadContextIndex(
     const storage::ContextReader& reader, const std::string& method) {
   ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(method));
   const v1::ContextManifest& m = reader.manifest();
-  std::vector<std::unique_ptr<index::Selector>> selectors;
-  for (uint32_t layer = 0; layer < m.model().n_layers(); ++layer) {
-    for (uint32_t h = 0; h < m.model().n_kv_heads(); ++h) {
-      auto bytes = reader.ReadArtifact(layer, h, info->artifact_kind);
-      if (!bytes.ok()) {
-        if (bytes.status().code() == StatusCode::kNotFound) {
-          return FailedPreconditionError("context was built without the '" + method +
-                                         "' index; rebuild it with that index method");
-        }
-        return bytes.status();
+  const uint32_t n_heads = m.model().n_kv_heads();
+  const size_t n = size_t{m.model().n_layers()} * n_heads;
+  std::vector<std::unique_ptr<index::Selector>> selectors(n);
+  std::vector<Status> failed(n);
+  // One (layer, kv head) per task: reading and parsing the artifacts (the
+  // compact csa lists) is nearly all of a first session open, and the
+  // reader's const methods are safe concurrently.
+  auto load = [&](size_t i) -> Status {
+    const uint32_t layer = static_cast<uint32_t>(i / n_heads);
+    const uint32_t h = static_cast<uint32_t>(i % n_heads);
+    auto bytes = reader.ReadArtifact(layer, h, info->artifact_kind);
+    if (!bytes.ok()) {
+      if (bytes.status().code() == StatusCode::kNotFound) {
+        return FailedPreconditionError("context was built without the '" + method +
+                                       "' index; rebuild it with that index method");
       }
-      auto sel = index::LoadSelector(method, *bytes);
-      if (!sel.ok()) {
-        return sel.status().WithContext("loading the " + method + " index of layer " +
-                                        std::to_string(layer) + " kv head " + std::to_string(h));
-      }
-      selectors.push_back(std::move(sel).value());
+      return bytes.status();
     }
+    auto sel = index::LoadSelector(method, *bytes);
+    if (!sel.ok()) {
+      return sel.status().WithContext("loading the " + method + " index of layer " +
+                                      std::to_string(layer) + " kv head " + std::to_string(h));
+    }
+    selectors[i] = std::move(sel).value();
+    return Status::OK();
+  };
+  ThreadPool::Default()->ParallelFor(n, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) failed[i] = load(i);
+  });
+  for (const Status& s : failed) {
+    if (!s.ok()) return s;  // the first (layer, kv head) that failed
   }
   return selectors;
 }

@@ -526,6 +526,40 @@ TEST(CsaTest, CompactV2KeepsIdsAndQuantizesScoresToACodebook) {
   }
 }
 
+// A loaded compact list is in the order Build writes (worst entry first:
+// ascending score, among equal scores the higher id first), which the
+// streaming insert's heap and the append overlay rely on; the loader places
+// the entries by a counting sort over the codebook ranks, not a sort. Every
+// id coding (bitmap, varints, Elias-Fano), and with ties in plenty (4-bit
+// scores).
+TEST(CsaTest, CompactListsLoadWorstEntryFirst) {
+  Data data = MakeData(512, 7);
+  for (int64_t fixed_L : {int64_t{0}, int64_t{8}, int64_t{32}}) {
+    CsaOptions o = SmallOptions();
+    o.fixed_L = fixed_L;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    ASSERT_TRUE(s.ok());
+    std::string compact;
+    ASSERT_TRUE((*s)->Serialize(&compact).ok());
+    auto loaded = CsaSelector::Load(compact);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    int64_t ties = 0;
+    for (int b = 0; b < o.m; ++b) {
+      for (int j = 0; j < o.C; ++j) {
+        const int32_t* ids = (*loaded)->list_ids(b, j);
+        const uint16_t* sc = (*loaded)->list_scores(b, j);
+        for (int64_t e = 1; e < (*loaded)->L(); ++e) {
+          const float prev = HalfToFloat(sc[e - 1]), cur = HalfToFloat(sc[e]);
+          ASSERT_TRUE(prev < cur || (prev == cur && ids[e - 1] > ids[e]))
+              << "L " << fixed_L << " list " << b << "," << j << " entry " << e;
+          ties += prev == cur;
+        }
+      }
+    }
+    EXPECT_GT(ties, 0) << "L " << fixed_L;
+  }
+}
+
 // The compact tables select what the built ones select: recall against the
 // exact top-K of the decode queries within 0.02 of the unquantized tables.
 TEST(CsaTest, CompactV2RecallEqualsBuiltTables) {

@@ -70,8 +70,10 @@ struct LoadedIndex {
 };
 
 // Reads and loads every (layer, kv head) artifact of `method` from the
-// reader's context. FailedPrecondition when the context lacks the index;
-// DataLoss (with the layer and head) for an artifact that does not load.
+// reader's context, in parallel on ThreadPool::Default(). FailedPrecondition
+// when the context lacks the index; DataLoss (with the layer and head) for
+// an artifact that does not load (the first failing one in layer, head
+// order).
 StatusOr<std::vector<std::unique_ptr<index::Selector>>> LoadContextIndex(
     const storage::ContextReader& reader, const std::string& method);
 

@@ -263,6 +263,9 @@ def main() -> int:
         if a.warm_pool:
             runs.append(("sparse_warm", False, True, False))
         for name, append, warm, prefetch in runs:
+            gc.collect()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             pages = n_pages_total if warm else int(a.pool_frac * n_pages_total)
             out = hf.generate_client(c, model, info, first, a.n_new, forced=dense["tokens"],
@@ -286,12 +289,17 @@ def main() -> int:
                                                              out.pool_misses),
                 "bytes_fetched_per_step": out.bytes_received / a.n_new,
                 "appended_tokens": out.appended_tokens,
-                "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30}
+                "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30,
+                # the run's own peak: over what was allocated when it started
+                "peak_gib_over_start": peak_gib() - before / 2**30}
             log(f"{name}: {res[name]}")
             save()
             del out
             gc.collect()  # the run's graphs and tables (reference cycles) before the next peak
             torch.cuda.empty_cache()
+            # What the run left allocated (0 unless something outlives generate_client).
+            res[name]["gib_left_allocated"] = (torch.cuda.memory_allocated() - before) / 2**30
+            save()
         res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
                                                      res["dense"]["tokens_per_s"])
         res["ratio_ttft_dense_vs_sparse"] = res["dense"]["ttft_s"] / res["sparse"]["ttft_s"]

@@ -706,3 +706,42 @@ def test_pooled_attention_prefetch_brings_the_missing_pages(client, synthetic,
     assert guess.pool.bytes_fetched > plain.pool.bytes_fetched  # the dropped pages
     exact.close()
     guess.close()
+
+
+def test_pooled_attention_graphs_leave_no_device_memory(client) -> None:
+    # A generate_client call's CUDA graphs, tables and pool are freed with it:
+    # device memory returns to where it was (graphs warmed up on a side
+    # stream kept their warm-up's temporaries allocated, ~0.5 GiB per call at
+    # 16K tokens).
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import gc
+
+    from ctxcache.torch import hf
+    from ctxcache.torch.gpu_session import torch_session
+
+    info = client.build(tokens=_demo_tokens("document.txt", 1500), name="gpusel-leak",
+                        indexes=["csa"]).context
+    m = info.model
+    arts = client.fetch_index(info.context_id, "csa")
+    rng = np.random.default_rng(3)
+    qs = [torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, 0)).cuda()
+          for _ in range(m.n_layers)]
+    dk = torch.zeros(1, m.n_kv_heads, 1, m.head_dim, dtype=torch.bfloat16, device="cuda")
+
+    def run() -> int:
+        pa = hf.PooledAttention(torch_session("csa", arts, m.n_q_heads, device="cuda"),
+                                hf.GpuPagePool(client, info, "cuda", budget_bytes=1 << 22),
+                                capacity=2, cuda_graphs=True)
+        for layer in range(m.n_layers):
+            pa(layer, qs[layer], dk, dk, 0.125)
+        assert len(pa._layers) == m.n_layers
+        pa.close()
+        del pa
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    first = run()  # includes one-time caches (kernels' workspaces)
+    assert run() == first and run() == first

@@ -36,6 +36,7 @@
 
 #include "bench/bench_registry.h"
 #include "bench/bench_server.h"
+#include "common/percentile.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 
 namespace ctxcache::bench {
@@ -161,6 +162,9 @@ int RunSessions(int argc, char** argv) {
     }
   };
   long rss1 = 0;
+  // Open round trips: the first loads the context's csa index, later ones
+  // share it (the baseline for the load's cost).
+  std::vector<double> open_s;
   for (int i = 0; i < n_sessions && error.empty(); ++i) {
     Session s;
     s.ctx = std::make_unique<grpc::ClientContext>();
@@ -169,10 +173,13 @@ int RunSessions(int argc, char** argv) {
     open.mutable_open()->set_context_id(info.context_id());
     open.mutable_open()->set_method("csa");
     v1::DecodeResponse resp;
+    const auto t_open = std::chrono::steady_clock::now();
     if (!s.stream->Write(open) || !s.stream->Read(&resp) || !resp.has_opened()) {
       error = "open " + std::to_string(i + 1) + ": " + resp.error().message();
       break;
     }
+    open_s.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_open).count());
     step_all(s.stream.get());
     sessions.push_back(std::move(s));
     const int n = i + 1;
@@ -196,6 +203,8 @@ int RunSessions(int argc, char** argv) {
       {"rss_all_mib", rssN / 1024.0},
       {"per_session_after_first_kib",
        n_sessions > 1 ? static_cast<double>(rssN - rss1) / (n_sessions - 1) : 0.0},
+      {"first_open_s", open_s.front()},
+      {"later_open_s_p50", Percentile(std::vector<double>(open_s.begin() + 1, open_s.end()), 0.5)},
       {"curve", curve}};
 
   // --- appended tokens ---

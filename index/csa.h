@@ -55,7 +55,7 @@
 // Sharing (issue #19): the tables (centroids, means, lists) are immutable
 // once built or loaded and are shared by Clone()s through a
 // shared_ptr<const>; a clone costs a few hundred bytes. The lists are kept
-// sorted worst entry first (Build writes them so; Load sorts them), which is
+// sorted worst entry first (Build writes them so; Load places them so), which is
 // also a valid heap. Per-instance state is the retrieval options, the
 // search-period schedule and an overlay of the tokens appended to this
 // instance: per list the appended entries it holds (8 bytes each) and how

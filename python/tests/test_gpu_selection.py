@@ -460,6 +460,9 @@ def test_generate_client_rejects_methods_without_a_client_side_session(client,
         hf.generate_client(client, None, synthetic, 1, 1, selection="gpu", method="quest")
     with pytest.raises(ValueError, match="keys are for method oracle, not quest"):
         hf.generate_client(client, None, synthetic, 1, 1, method="quest", keys=object())
+    with pytest.raises(ValueError, match="prefetch needs selection='torch', not 'exact'"):
+        hf.generate_client(client, None, synthetic, 1, 1, method="quest", selection="exact",
+                           prefetch=True)
 
 
 def test_oracle_over_more_than_one_key_chunk_matches_server(client) -> None:

@@ -127,6 +127,12 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
         same = sum(a == b for a, b in zip(torch_csa.tokens, csa.tokens))
         assert same >= 15, (torch_csa.tokens, csa.tokens)
         assert torch_csa.bytes_received < full.bytes_received
+        # Speculative next-layer prefetch (the decoder layers' pre-hooks):
+        # some missed pages come from it, and the decoding is the same.
+        pre = hf.generate_client(c, model, info, ids[-1], 16, selection="torch",
+                                 forced=csa.tokens, append=False, prefetch=True)
+        assert pre.prefetch_hits > 0
+        assert sum(a == b for a, b in zip(pre.tokens, csa.tokens)) >= 15, pre.tokens
 
 
 def test_gpu_page_pool_fetches_only_missing_pages_and_evicts_lru(make_server) -> None:

@@ -137,10 +137,9 @@ def capture_graph(device: Any, fn: Any, pool: Any = None) -> Tuple[Any, Any]:
     of another graph, if given). Returns the graph and the captured call's
     outputs: buffers that each replay rewrites, not yet written.
 
-    The warm-up runs on the current stream: warmed up on a side stream made
-    for it, the run's temporaries stayed allocated after the graphs and the
-    session were gone (~0.5 GiB per generate_client call at 16K tokens on the
-    H100, in torch's memory snapshot)."""
+    The warm-up runs on the current stream: on a side stream made for it,
+    its temporaries stayed allocated after the graphs and their owner were
+    gone (docs/benchmarks.md, "GPU memory left behind")."""
     fn()
     torch.cuda.current_stream(device).synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -360,7 +360,7 @@ class GpuPagePool:
         rest = [k for k in want if k not in ready]
         with _stage("ctxcache.pool_fill"):
             wire = self.fetch(layer, rest) if rest else []
-            got = {self._key(int(p.layer), int(p.kv_head), int(p.block)): p for p in wire}
+            got = {self.wire_key(p): p for p in wire}
             if len(wire) != len(rest) or any(k not in got for k in rest):
                 raise RuntimeError(f"GpuPagePool: asked for {len(rest)} pages, got "
                                    f"{len(wire)} others")
@@ -373,6 +373,14 @@ class GpuPagePool:
         """The slots of probed (and filled) keys; invalid entries read slot 0."""
         slots = self._slot_of[keys]
         return torch.where(valid, slots, torch.zeros_like(slots))
+
+    def wire_key(self, page: Any) -> Optional[int]:
+        """The flat key of a wire page, None when its layer, kv head or
+        block is outside the context."""
+        if not (page.layer < self.n_layers and page.kv_head < self.n_kv_heads and
+                page.block < self.n_pages):
+            return None
+        return self._key(int(page.layer), int(page.kv_head), int(page.block))
 
     def fetch(self, layer: int, keys: Sequence[int]) -> List[Any]:
         """FetchPages of the pages with these flat keys (all of ``layer``),
@@ -398,17 +406,17 @@ class GpuPagePool:
             return
         if n > self.n_slots:
             raise ValueError(f"GpuPagePool: {n} pages to install, the pool holds {self.n_slots}")
+        from ctxcache import errors
+
         keys = []
         for p in wire:
-            if not (p.layer < self.n_layers and p.kv_head < self.n_kv_heads and
-                    p.block < self.n_pages):
-                from ctxcache import errors
+            key = self.wire_key(p)
+            if key is None:
                 raise errors.DataLoss(f"FetchPages sent layer {p.layer}, kv head {p.kv_head}, "
                                       f"block {p.block}: out of the context's range",
                                       rpc="FetchPages")
-            keys.append(self._key(int(p.layer), int(p.kv_head), int(p.block)))
+            keys.append(key)
         if len(set(keys)) != n:
-            from ctxcache import errors
             raise errors.DataLoss("FetchPages sent a page twice", rpc="FetchPages")
         kv = self._checked_rows(wire)  # [n, 2, block, d] on the device
         victims = torch.topk(self._stamp[:self.n_slots], n, largest=False).indices
@@ -786,9 +794,8 @@ class PooledAttention:
         except errors.Error:
             self.prefetch_failures += 1
             return {}
-        pool = self.pool
-        return {pool._key(int(p.layer), int(p.kv_head), int(p.block)): p for p in wire
-                if p.layer == layer and p.kv_head < pool.n_kv_heads and p.block < pool.n_pages}
+        return {self.pool.wire_key(p): p for p in wire
+                if p.layer == layer and self.pool.wire_key(p) is not None}
 
     def close(self) -> None:
         """Waits for the prefetches in flight (their pages are dropped)."""
@@ -1069,7 +1076,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
         dec.prefetch = prefetch
         if warm_pool:
             pool.load_all()
-        dec.pool = pool
+        if dec.pooled is None:
+            dec.pool = pool  # the exact selection's steps read it (PooledAttention holds its own)
         session = opening.result() if opening is not None else None
         setup_s = time.perf_counter() - t0
         dec.appender = session

@@ -24,12 +24,19 @@
 namespace ctxcache::index {
 namespace {
 
-// CSAP is version 1. CSAC version 1: 8-bit scores in [lo, hi], delta-varint
+// CSAP version 1: no key sketch; version 2 (written): the sketch section
+// follows the lists. CSAC version 1: 8-bit scores in [lo, hi], delta-varint
 // ids; version 2: per-list 4-bit score codebooks, ids as a bitmap or delta
-// varints, whichever is smaller; version 3 (written): as 2, with Elias-Fano
-// ids as a third choice (docs/storage-format.md).
-constexpr uint32_t kPlainVersion = 1;
-constexpr uint32_t kCompactVersion = 3;
+// varints, whichever is smaller; version 3: as 2, with Elias-Fano ids as a
+// third choice; version 4 (written): as 3, then the sketch section
+// (docs/storage-format.md).
+constexpr uint32_t kPlainVersion = 2;
+constexpr uint32_t kCompactVersion = 4;
+constexpr uint32_t kPlainSketchVersion = 2;
+constexpr uint32_t kCompactSketchVersion = 4;
+constexpr uint8_t kSketchBits = 8;
+constexpr int kSketchMaxCode = 127;
+constexpr int kSketchQueryMaxCode = 2047;
 constexpr int kCompactScoreBits = 4;
 constexpr uint8_t kIdsVarint = 0;
 constexpr uint8_t kIdsBitmap = 1;
@@ -135,6 +142,10 @@ struct SearchScratch {
   std::vector<int> order;            // C (backoff ranking)
   std::vector<int32_t> topk_ids;
   TopKScratch topk;
+  std::vector<int32_t> cand;     // rerank candidates (ascending ids)
+  std::vector<float> cand_r;     // their sketch scores
+  std::vector<float> forced_r;   // the forced tokens' sketch scores
+  std::vector<int16_t> sketch_q;  // the query's int16 codes
 };
 SearchScratch& Scratch() {
   static thread_local SearchScratch scratch;
@@ -207,6 +218,53 @@ double SumAsDouble(const float* x, int64_t n) {
   total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
   for (; i < n; ++i) total += x[i];
+  return total;
+}
+
+// The 8-bit sketch of one key: x = key - mean, scale = fp16(max|x| / 127),
+// code_j = clamp(round(x_j / scale), -127, 127) (all 0 when the scale is 0).
+void SketchKey(const float* key, const float* mean, int d, int8_t* code, uint16_t* scale) {
+  float mx = 0;
+  for (int j = 0; j < d; ++j) mx = std::max(mx, std::fabs(key[j] - mean[j]));
+  const uint16_t h = FloatToHalf(mx / kSketchMaxCode);
+  const float sc = Half(h);
+  *scale = h;
+  for (int j = 0; j < d; ++j) {
+    const float v = sc > 0 ? std::nearbyint((key[j] - mean[j]) / sc) : 0.0f;
+    code[j] = static_cast<int8_t>(std::clamp<float>(v, -kSketchMaxCode, kSketchMaxCode));
+  }
+}
+
+// The query side of a sketch score: q_j ~ qs * qi_j with int16 qi_j in
+// [-2047, 2047] (qs = max|q_j| / 2047; 0 when q is 0), so that
+// sum_j qi_j * code_j is an exact int32 for d <= 4096.
+float SketchQuery(const float* q, int d, int16_t* qi) {
+  float mx = 0;
+  for (int j = 0; j < d; ++j) mx = std::max(mx, std::fabs(q[j]));
+  const float qs = mx / static_cast<float>(kSketchQueryMaxCode);
+  for (int j = 0; j < d; ++j) {
+    qi[j] = static_cast<int16_t>(qs > 0 ? std::nearbyint(q[j] / qs) : 0.0f);
+  }
+  return qs;
+}
+
+// sum_j qi[j] * code[j], exact (integer arithmetic: any order gives it).
+int32_t SketchDot(const int16_t* qi, const int8_t* code, int d) {
+  int j = 0;
+  int32_t total = 0;
+#ifdef __AVX2__
+  __m256i acc = _mm256_setzero_si256();
+  for (; j + 16 <= d; j += 16) {
+    const __m256i c =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j)));
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + j));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(c, qv));
+  }
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  for (int32_t v : lanes) total += v;
+#endif
+  for (; j < d; ++j) total += static_cast<int32_t>(qi[j]) * code[j];
   return total;
 }
 
@@ -344,6 +402,9 @@ Status CheckOptions(const CsaOptions& o) {
     return bad("backoff_cos=" + std::to_string(o.backoff_cos), "expected in [-1, 1]");
   }
   if (o.period < 1) return bad("period=" + std::to_string(o.period), "expected >= 1");
+  if (!(o.rerank == 0 || (o.rerank >= 1 && o.rerank <= 64))) {
+    return bad("rerank=" + std::to_string(o.rerank), "expected 0 or in [1, 64]");
+  }
   return Status::OK();
 }
 
@@ -374,6 +435,7 @@ StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   o.impute_min = missing == "min";
   o.impute_tail_mean = missing == "mean";
   ASSIGN_OR_RETURN(int64_t period, pr.Int("period", o.period, 1, 1 << 20));
+  ASSIGN_OR_RETURN(o.rerank, pr.Double("rerank", o.rerank, 0.0, 64.0));
   ASSIGN_OR_RETURN(std::string format,
                    pr.Enum("format", o.compact ? "compact" : "plain", {"plain", "compact"}));
   if (pr.Has("schedule")) {
@@ -522,6 +584,14 @@ StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
     }
   });
   for (const Status& e : errs) RETURN_IF_ERROR(e);
+  if (o.rerank > 0) {
+    t->sketch.resize(static_cast<size_t>(n) * d);
+    t->sketch_scale.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      SketchKey(p.keys + i * d, t->key_mean.data(), d, t->sketch.data() + i * d,
+                &t->sketch_scale[static_cast<size_t>(i)]);
+    }
+  }
   s->n_base_ = n;
   s->base_ = std::move(t);
   return s;
@@ -541,7 +611,13 @@ Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
   next.impute_tail_mean = o.impute_tail_mean;
   next.period = o.period;
   next.compact = o.compact;
+  next.rerank = o.rerank;
   RETURN_IF_ERROR(CheckOptions(next));
+  if (next.rerank > 0 && !has_sketch()) {
+    return InvalidArgumentError("csa: rerank=" + std::to_string(next.rerank) +
+                                " needs the key sketch, which this index was built without "
+                                "(rerank=0 at build); expected rerank=0");
+  }
   options_ = next;
   steps_since_search_ = 0;
   last_per_head_.clear();
@@ -612,32 +688,95 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
   // Logit estimates for the page cap: acc approximates q.k with norm/proj
   // weights; with uniform weights it lacks the sub-query norms, so scale by
   // their mean. Forced tokens keep their accumulated estimate.
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(d_));
   const float to_logit = (options_.norm_weights || options_.proj_weights ? 1.0f : norm_sum / m) /
                          std::sqrt(static_cast<float>(d_));
-  std::vector<float>& forced_acc = ss.forced_acc;
-  forced_acc.clear();
-  // The normalizer over every token's estimate (tokens in no gathered list
-  // keep their imputed value), before the forced tokens are masked.
-  if (log_normalizer) *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
-  for (int32_t i : forced) forced_acc.push_back(ss.acc[i]);
-  if (k > static_cast<int64_t>(forced.size())) {
-    for (int32_t i : forced) ss.acc[i] = -std::numeric_limits<float>::infinity();
-    SelectTopK(ss.acc.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
-               &ss.topk_ids, &ss.topk);
+  const bool rerank = options_.rerank > 0 && has_sketch();
+  if (rerank) {
+    // Stage 2: the sketch re-scores the forced tokens and the top
+    // ceil(rerank * k) - |forced| others by acc; the best of those by the
+    // sketch fill the budget.
+    const int64_t n_forced = static_cast<int64_t>(forced.size());
+    std::vector<int32_t>& cand = ss.cand;
+    cand.clear();
+    if (k > n_forced) {
+      const int64_t want =
+          std::min<int64_t>(n - n_forced,
+                            static_cast<int64_t>(std::ceil(options_.rerank * static_cast<double>(k))) -
+                                n_forced);
+      ss.forced_acc.clear();
+      for (int32_t i : forced) {
+        ss.forced_acc.push_back(ss.acc[i]);
+        ss.acc[i] = -std::numeric_limits<float>::infinity();
+      }
+      SelectTopK(ss.acc.data(), n, want, TopKOrder::kById, &cand, &ss.topk);
+      for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_acc[f];
+    }
+    ss.forced_r.resize(forced.size());
+    SketchScores(q, forced.data(), n_forced, ss.forced_r.data());
+    ss.cand_r.resize(cand.size());
+    SketchScores(q, cand.data(), static_cast<int64_t>(cand.size()), ss.cand_r.data());
+    if (log_normalizer) {
+      // Every token's best estimate: the sketch where it was computed.
+      const float to_acc = to_logit > 0 ? inv_sqrt_d / to_logit : 0.0f;
+      for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_r[f] * to_acc;
+      for (size_t c = 0; c < cand.size(); ++c) ss.acc[cand[c]] = ss.cand_r[c] * to_acc;
+      *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
+    }
+    std::vector<int32_t>& pick = ss.topk_ids;
+    pick.clear();
+    if (k > n_forced) {
+      SelectTopK(ss.cand_r.data(), static_cast<int64_t>(cand.size()), k - n_forced,
+                 TopKOrder::kById, &pick, &ss.topk);  // positions in cand: ascending ids
+    }
     std::vector<int32_t> merged;
-    merged.reserve(forced.size() + ss.topk_ids.size());
-    std::merge(forced.begin(), forced.end(), ss.topk_ids.begin(), ss.topk_ids.end(),
-               std::back_inserter(merged));
+    merged.reserve(forced.size() + pick.size());
+    if (logits) logits->clear();
+    size_t f = 0, c = 0;
+    while (f < forced.size() || c < pick.size()) {
+      const bool take_forced = c == pick.size() || (f < forced.size() && forced[f] < cand[pick[c]]);
+      if (take_forced) {
+        merged.push_back(forced[f]);
+        if (logits) logits->push_back(ss.forced_r[f] * inv_sqrt_d);
+        ++f;
+      } else {
+        merged.push_back(cand[pick[c]]);
+        if (logits) logits->push_back(ss.cand_r[pick[c]] * inv_sqrt_d);
+        ++c;
+      }
+    }
     *selected = std::move(merged);
-  }
-  if (logits) {
-    logits->clear();
-    size_t f = 0;
-    const int64_t n_forced_head = n_sinks;
-    for (int32_t id : *selected) {
-      const bool is_forced = id < n_forced_head || id >= recent_start;
-      float a = is_forced ? forced_acc[f++] : ss.acc[id];
-      logits->push_back(a * to_logit);
+    if (stats) {
+      const uint64_t rows = forced.size() + cand.size();
+      stats->entries_touched += rows;
+      stats->bytes_touched += rows * (static_cast<uint64_t>(d_) + sizeof(uint16_t));
+    }
+  } else {
+    std::vector<float>& forced_acc = ss.forced_acc;
+    forced_acc.clear();
+    // The normalizer over every token's estimate (tokens in no gathered list
+    // keep their imputed value), before the forced tokens are masked.
+    if (log_normalizer) *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
+    for (int32_t i : forced) forced_acc.push_back(ss.acc[i]);
+    if (k > static_cast<int64_t>(forced.size())) {
+      for (int32_t i : forced) ss.acc[i] = -std::numeric_limits<float>::infinity();
+      SelectTopK(ss.acc.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
+                 &ss.topk_ids, &ss.topk);
+      std::vector<int32_t> merged;
+      merged.reserve(forced.size() + ss.topk_ids.size());
+      std::merge(forced.begin(), forced.end(), ss.topk_ids.begin(), ss.topk_ids.end(),
+                 std::back_inserter(merged));
+      *selected = std::move(merged);
+    }
+    if (logits) {
+      logits->clear();
+      size_t f = 0;
+      const int64_t n_forced_head = n_sinks;
+      for (int32_t id : *selected) {
+        const bool is_forced = id < n_forced_head || id >= recent_start;
+        float a = is_forced ? forced_acc[f++] : ss.acc[id];
+        logits->push_back(a * to_logit);
+      }
     }
   }
   std::fill(ss.acc.begin(), ss.acc.end(), 0.0f);
@@ -729,8 +868,35 @@ Status CsaSelector::Append(const float* key, const float* /*value*/, const float
       std::push_heap(o.live.begin(), o.live.end(), live_less);
     }
   }
+  if (has_sketch()) {
+    const size_t at = overlay_.sketch.size();
+    overlay_.sketch.resize(at + d_);
+    overlay_.sketch_scale.emplace_back();
+    SketchKey(key, t.key_mean.data(), d_, overlay_.sketch.data() + at,
+              &overlay_.sketch_scale.back());
+  }
   ++n_tokens_;
   return Status::OK();
+}
+
+const int8_t* CsaSelector::sketch_codes(int64_t id) const {
+  if (id < n_base_) return base_->sketch.data() + id * d_;
+  return overlay_.sketch.data() + (id - n_base_) * d_;
+}
+
+float CsaSelector::sketch_scale(int64_t id) const {
+  if (id < n_base_) return Half(base_->sketch_scale[static_cast<size_t>(id)]);
+  return Half(overlay_.sketch_scale[static_cast<size_t>(id - n_base_)]);
+}
+
+void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, float* out) const {
+  std::vector<int16_t>& qi = Scratch().sketch_q;
+  qi.resize(static_cast<size_t>(d_));
+  const double qs = SketchQuery(q, d_, qi.data());
+  for (int64_t e = 0; e < n; ++e) {
+    const int32_t dot = SketchDot(qi.data(), sketch_codes(ids[e]), d_);
+    out[e] = static_cast<float>(static_cast<double>(dot) * (qs * sketch_scale(ids[e])));
+  }
 }
 
 float CsaSelector::WorstScore(int64_t list) const {
@@ -1001,6 +1167,20 @@ bool GetOptions(ByteReader* r, CsaOptions* o) {
 
 }  // namespace
 
+void CsaSelector::PutSketch(ByteWriter* w) const {
+  w->Put<double>(options_.rerank);
+  if (!has_sketch()) {
+    w->Put<uint8_t>(0);
+    return;
+  }
+  w->Put<uint8_t>(kSketchBits);
+  const Tables& t = *base_;
+  w->PutArray(t.sketch.data(), t.sketch.size());
+  w->PutArray(overlay_.sketch.data(), overlay_.sketch.size());
+  w->PutArray(t.sketch_scale.data(), t.sketch_scale.size());
+  w->PutArray(overlay_.sketch_scale.data(), overlay_.sketch_scale.size());
+}
+
 void CsaSelector::SerializePlain(std::string* out) const {
   out->clear();
   ByteWriter w(out);
@@ -1017,6 +1197,7 @@ void CsaSelector::SerializePlain(std::string* out) const {
   if (overlay_.lists.empty()) {
     w.PutArray(t.ids.data(), t.ids.size());
     w.PutArray(t.scores.data(), t.scores.size());
+    PutSketch(&w);
     return;
   }
   std::vector<int32_t> ids(t.ids.size());
@@ -1029,6 +1210,7 @@ void CsaSelector::SerializePlain(std::string* out) const {
   }
   w.PutArray(ids.data(), ids.size());
   w.PutArray(scores.data(), scores.size());
+  PutSketch(&w);
 }
 
 void CsaSelector::SerializeCompact(std::string* out) const {
@@ -1154,6 +1336,7 @@ void CsaSelector::SerializeCompact(std::string* out) const {
     }
     w.PutArray(packed.data(), packed.size());
   }
+  PutSketch(&w);
 }
 
 Status CsaSelector::Serialize(std::string* out) const {
@@ -1353,6 +1536,33 @@ Status CsaSelector::ReadTables(std::string_view bytes) {
                      /*ids_ascending=*/true, &sort_a, &sort_b);
     }
   }
+  options_.rerank = 0;
+  if (version >= (compact ? kCompactSketchVersion : kPlainSketchVersion)) {
+    uint8_t bits = 0;
+    if (!r.Get(&options_.rerank) || !r.Get(&bits)) return loss("truncated key sketch header");
+    if (!CheckOptions(options_).ok()) return loss("bad rerank");
+    if (bits != 0 && bits != kSketchBits) return loss("bad key sketch bits");
+    if ((bits != 0) != (options_.rerank > 0)) return loss("rerank and key sketch disagree");
+    if (bits != 0) {
+      const uint64_t cells = static_cast<uint64_t>(n_tokens_) * d_;
+      if (cells + 2 * static_cast<uint64_t>(n_tokens_) > r.remaining()) {
+        return loss("truncated key sketch");
+      }
+      t->sketch.resize(cells);
+      t->sketch_scale.resize(static_cast<size_t>(n_tokens_));
+      if (!r.GetArray(t->sketch.data(), cells) ||
+          !r.GetArray(t->sketch_scale.data(), t->sketch_scale.size())) {
+        return loss("truncated key sketch");
+      }
+      for (int8_t c : t->sketch) {
+        if (c < -kSketchMaxCode) return loss("bad key sketch code");
+      }
+      for (uint16_t h : t->sketch_scale) {
+        const float v = Half(h);
+        if (!std::isfinite(v) || v < 0) return loss("bad key sketch scale");
+      }
+    }
+  }
   if (r.remaining() != 0) return loss("trailing bytes");
   n_base_ = n_tokens_;
   base_ = std::move(t);
@@ -1376,13 +1586,15 @@ uint64_t CsaSelector::MemoryBytes() const {
 uint64_t CsaSelector::TableBytes() const {
   const Tables& t = *base_;
   return (t.centroids.size() + t.key_mean.size() + t.tail_mean.size()) * sizeof(float) +
-         t.ids.size() * sizeof(int32_t) + t.scores.size() * sizeof(uint16_t);
+         t.ids.size() * sizeof(int32_t) + t.scores.size() * sizeof(uint16_t) + t.sketch.size() +
+         t.sketch_scale.size() * sizeof(uint16_t);
 }
 
 uint64_t CsaSelector::SessionBytes() const {
   uint64_t bytes = sizeof(*this) + overlay_.lists.capacity() * sizeof(ListOverlay);
   for (const auto& o : overlay_.lists) bytes += o.live.capacity() * sizeof(Entry);
   for (const auto& h : last_per_head_) bytes += h.capacity() * sizeof(int32_t);
+  bytes += overlay_.sketch.capacity() + overlay_.sketch_scale.capacity() * sizeof(uint16_t);
   for (const auto& v : views_) {
     bytes += v.second.first.capacity() * sizeof(int32_t) +
              v.second.second.capacity() * sizeof(uint16_t);
@@ -1392,7 +1604,8 @@ uint64_t CsaSelector::SessionBytes() const {
 
 double CsaSelector::PlainBytesPerToken() const {
   return static_cast<double>(base_->ids.size() * kEntryBytes +
-                             base_->centroids.size() * sizeof(float)) /
+                             base_->centroids.size() * sizeof(float) + base_->sketch.size() +
+                             base_->sketch_scale.size() * sizeof(uint16_t)) /
          static_cast<double>(n_tokens_);
 }
 
@@ -1420,6 +1633,7 @@ MethodParams CsaOptionsToParams(const CsaOptions& o) {
   p["missing"] = o.impute_tail_mean ? "mean" : o.impute_min ? "min" : "zero";
   p["period"] = std::to_string(o.period);
   p["format"] = o.compact ? "compact" : "plain";
+  p["rerank"] = num(o.rerank);
   return p;
 }
 

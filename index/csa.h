@@ -27,6 +27,20 @@
 // the tokens appended since (the "keep-rho, search every P steps" schedules
 // 0.05/1, 0.15/4, 0.20/8). Selection.merged is the union over the q heads.
 //
+// Two-stage retrieval (rerank > 0; not in the paper): the lists propose,
+// an 8-bit key sketch decides. The top ceil(rerank * K) - |forced| tokens by
+// s^ (forced tokens excluded) are re-scored with the sketch, r_i = q .
+// khat_i, where khat_i = scale_i * code_i approximates k_i - kbar (one fp16
+// scale per token, codes int8 in [-127, 127]), and
+// the top K - |forced| of them by r (ties to the lower id) join the forced
+// tokens. The selected tokens' logit estimates are r_i / sqrt(d) (forced
+// tokens are sketch-scored too). The query side is quantized too, so the sum
+// is exact integer arithmetic: qs = max|q_j| / 2047, qi_j = round(q_j / qs)
+// (ties to even), r_i = float(double(sum_j qi_j * code_ij) * (double(qs) *
+// double(scale_i))); a client computes the same r_i bit for bit. Why: the centroid estimate alone reaches
+// ~0.6 recall@5% on the reference model (docs/algorithms.md "Session 10").
+// The sketch costs d + 2 bytes per token.
+//
 // Append (§3.3 (5)): the new key is scored against every centroid and
 // replaces the worst entry of each list it beats; lists keep size L (stored
 // as binary min-heaps, worst entry at the root).
@@ -35,7 +49,7 @@
 //   m=0 (by head_dim) C=128 alpha=0.125 L=0 (fixed L; 0 = alpha*N) query_cap=4096
 //   iters=8 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
 //   weights=norm|uniform|proj missing=zero|min|mean period=1
-//   schedule=<rho>/<period> (preset; overrides rho and period)
+//   schedule=<rho>/<period> (preset; overrides rho and period) rerank=4
 //   format=compact|plain (what Serialize() writes). The defaults are
 //   CsaOptions' (below); a served context records them all
 //   (CsaOptionsToParams).
@@ -82,6 +96,8 @@
 #include "index/topk.h"
 
 namespace ctxcache::index {
+
+class ByteWriter;
 
 struct CsaOptions {
   // Subspaces; must divide head_dim. 0 = chosen by head_dim at build
@@ -142,6 +158,12 @@ struct CsaOptions {
   bool impute_tail_mean = false;
   // Search period P: a selection is reused for P Select() calls. Default: 1.
   int period = 1;
+  // Two-stage retrieval: re-score the top ceil(rerank * K) tokens by the
+  // list estimate with the 8-bit key sketch and keep the top K of them
+  // (header comment). 0 = the lists alone, and Build stores no sketch;
+  // otherwise in [1, 64]. A selector loaded from an artifact without a
+  // sketch has rerank 0. Default: 4.
+  double rerank = 4.0;
   // Serialize() writes the compact form (bitmap or delta-varint ids, 4-bit
   // codebook scores; docs/storage-format.md). Default: true.
   bool compact = true;
@@ -207,6 +229,13 @@ class CsaSelector final : public Selector {
   // True when both instances read the same table memory.
   bool SharesTablesWith(const CsaSelector& other) const { return base_ == other.base_; }
 
+  // The key sketch of token `id` (< n_tokens(), appended tokens included):
+  // d int8 codes and the scale, khat = scale * code ~ k - key_mean. Only
+  // when has_sketch().
+  bool has_sketch() const { return !base_->sketch_scale.empty(); }
+  const int8_t* sketch_codes(int64_t id) const;
+  float sketch_scale(int64_t id) const;
+
   // Table bytes per covered token: plain (int32 + fp16 per entry, plus
   // centroids) and compact (actual encoded size).
   double PlainBytesPerToken() const;
@@ -222,6 +251,9 @@ class CsaSelector final : public Selector {
     // last clone (LargeVector, common/large_buffer.h).
     LargeVector<int32_t> ids;      // m * C * L, each list a heap (worst entry first)
     LargeVector<uint16_t> scores;  // m * C * L (fp16)
+    // The key sketch (rerank > 0; else empty): codes n_base * d, scales n_base (fp16).
+    LargeVector<int8_t> sketch;
+    std::vector<uint16_t> sketch_scale;
   };
   // One list's appended state. Base lists are kept sorted worst first (a
   // sorted array is also a heap with the worst entry at the root), so the
@@ -237,6 +269,9 @@ class CsaSelector final : public Selector {
   // Per-list overlays: empty until the first Append, then m * C.
   struct Overlay {
     std::vector<ListOverlay> lists;
+    // The sketches of the appended tokens (ids n_base_, n_base_ + 1, ...).
+    std::vector<int8_t> sketch;
+    std::vector<uint16_t> sketch_scale;
   };
 
   CsaSelector() = default;
@@ -260,7 +295,11 @@ class CsaSelector final : public Selector {
   // selected tokens and log sum_i exp over every covered token's estimate.
   void SearchOne(const float* q, std::vector<int32_t>* selected, std::vector<float>* logits,
                  double* log_normalizer, WorkStats* stats);
+  // out[e] = the sketch score q . khat of token ids[e], e < n.
+  void SketchScores(const float* q, const int32_t* ids, int64_t n, float* out) const;
   Status ReadTables(std::string_view bytes);
+  // The sketch section of both serialized forms: rerank, bits, codes, scales.
+  void PutSketch(ByteWriter* w) const;
 
   CsaOptions options_;
   int d_ = 0;

@@ -20,6 +20,7 @@ namespace ctxcache::index {
 struct TopKScratch {
   std::vector<std::pair<float, int32_t>> candidates;
   std::vector<float> sample;
+  std::vector<uint64_t> bits;  // kById: a bitmap over the id range
 };
 
 enum class TopKOrder {

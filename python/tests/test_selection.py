@@ -91,7 +91,7 @@ def synthetic(client: ctxcache.Client) -> Dict[str, ctxcache.pb.ContextInfo]:
 def _check_common(a, ctx: ctxcache.pb.ContextInfo) -> None:
     o = a.options
     m, C, d = o.m, o.C, ctx.model.head_dim
-    assert a.version == (3 if a.compact else 1) and a.head_dim == d
+    assert a.version == (4 if a.compact else 2) and a.head_dim == d
     assert a.n_tokens == a.n_built == ctx.n_tokens
     assert a.L == math.ceil(o.alpha * ctx.n_tokens)
     assert a.centroids.shape == (m, C, d // m) and a.centroids.dtype == np.float32
@@ -116,11 +116,12 @@ def test_parse_plain_artifact(client: ctxcache.Client, llama_plain) -> None:
         assert a.magic == "CSAP" and not a.compact and not o.compact
         # The defaults of a served context (index/csa.h CsaOptions; m by head_dim 32).
         assert (o.m, o.C, o.alpha, o.fixed_L, o.iters, o.seed, o.rho, o.recent, o.sinks,
-                o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center) == \
-            (8, 128, 0.125, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True)
+                o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center, o.rerank) == \
+            (8, 128, 0.125, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True, 4.0)
         _check_common(a, llama_plain)
         m, C, d, L = o.m, o.C, a.head_dim, a.L
-        assert len(raw) == CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L
+        assert len(raw) == (CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L +
+                            9 + (d + 2) * a.n_tokens)  # the key sketch section
         # Lists are binary min-heaps under "worse": no child beats its parent.
         sc = a.scores.astype(np.float32).reshape(m * C, L)
         ids = a.ids.reshape(m * C, L)
@@ -141,7 +142,7 @@ def test_parse_compact_artifact(client: ctxcache.Client, llama_compact) -> None:
             (3, 0.5, "min", 2, 20, 2)
         _check_common(a, llama_compact)
         assert (np.diff(a.ids, axis=2) > 0).all()  # ascending ids
-        assert a.version == 3 and a.lo is None and a.hi is None
+        assert a.version == 4 and a.lo is None and a.hi is None
         levels = min(16, a.L)
         assert a.q.shape == a.ids.shape and a.book.shape == (o.m, o.C, levels)
         assert a.id_coding.shape == (o.m, o.C) and set(np.unique(a.id_coding)) <= {0, 1, 2}
@@ -190,7 +191,7 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
         parse_csa_artifact(b"TAC1" + plain[4:])
     with pytest.raises(ValueError, match="bad magic"):
         parse_csa_artifact(plain[:6])
-    for v in (0, 2):
+    for v in (0, 3):
         with pytest.raises(ValueError, match=f"unsupported format version {v}"):
             parse_csa_artifact(plain[:4] + struct.pack("<I", v) + plain[8:])
     for raw in (plain, compact):
@@ -204,7 +205,8 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
     with pytest.raises(ValueError, match="corrupt shape"):
         parse_csa_artifact(plain[:90] + struct.pack("<i", 31) + plain[94:])  # d % m != 0
     a = parse_csa_artifact(plain)
-    ids_at = len(plain) - 6 * a.m * a.C * a.L
+    sketch_at = len(plain) - 9 - (a.head_dim + 2) * a.n_tokens
+    ids_at = sketch_at - 6 * a.m * a.C * a.L
     bad_id = plain[:ids_at] + struct.pack("<i", a.n_tokens) + plain[ids_at + 4:]
     with pytest.raises(ValueError, match="out of range"):
         parse_csa_artifact(bad_id)
@@ -219,6 +221,41 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
     flipped = bytes([compact[lists_at + 2] ^ 1])
     with pytest.raises(ValueError, match="bad list bitmap"):  # one id more or less
         parse_csa_artifact(compact[:lists_at + 2] + flipped + compact[lists_at + 3:])
+    # The key sketch section (CSAP 2 / CSAC 4): rerank f64, bits u8, codes, scales.
+    for raw in (plain, compact):
+        r = parse_csa_artifact(raw)
+        at = len(raw) - 9 - (r.head_dim + 2) * r.n_tokens
+        assert struct.unpack_from("<dB", raw, at) == (4.0, 8)
+        with pytest.raises(ValueError, match="disagree"):
+            parse_csa_artifact(raw[:at] + struct.pack("<d", 0.0) + raw[at + 8:])
+        with pytest.raises(ValueError, match="bad rerank"):
+            parse_csa_artifact(raw[:at] + struct.pack("<d", 0.5) + raw[at + 8:])
+        with pytest.raises(ValueError, match="bad key sketch bits"):
+            parse_csa_artifact(raw[:at + 8] + b"\x04" + raw[at + 9:])
+        with pytest.raises(ValueError, match="bad key sketch code"):
+            parse_csa_artifact(raw[:at + 9] + b"\x80" + raw[at + 10:])
+        with pytest.raises(ValueError, match="truncated key sketch"):
+            parse_csa_artifact(raw[:at + 4])
+        # Version 1 (CSAP) and 3 (CSAC) artifacts had no sketch: rerank 0.
+        old = raw[:4] + struct.pack("<I", 3 if raw[:4] == b"CSAC" else 1) + raw[8:at]
+        o = parse_csa_artifact(old)
+        assert o.options.rerank == 0 and o.sketch is None
+
+
+def test_key_sketch_reproduces_the_stored_keys(client: ctxcache.Client, synthetic) -> None:
+    # k - key_mean ~ scale * code within scale / 2 per dimension, against the
+    # ingested keys (plus bf16 rounding, should the build see stored keys).
+    ctx = synthetic["compact"]
+    a = parse_csa_artifact(client.fetch_index(ctx.context_id, "csa", layers=[0],
+                                              kv_heads=[1])[(0, 1)])
+    assert a.sketch.shape == (a.n_tokens, a.head_dim) and a.sketch.dtype == np.int8
+    keys = _synthetic_layers(7)[0][0][1]  # what the fixture ingested: layer 0, kv head 1
+    x = keys - a.key_mean
+    scale = a.sketch_scale.astype(np.float32)[:, None]
+    err = np.abs(scale * a.sketch.astype(np.float32) - x)
+    assert (err <= 0.5 * scale + np.abs(keys) * 2.0 ** -8 + 1e-6).all()
+    # The codes use the whole int8 range: each token's largest |x| maps to ~127.
+    assert np.abs(a.sketch).max(axis=1).min() >= 120
 
 
 def test_parse_rejects_bad_elias_fano_ids(client: ctxcache.Client, synthetic) -> None:

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <set>
@@ -65,6 +66,7 @@ CsaOptions SmallOptions() {
   o.C = 16;
   o.alpha = 0.25;
   o.kmeans_iters = 5;
+  o.rerank = 0;  // the lists alone; RerankMatchesNaiveDefinition covers stage 2
   return o;
 }
 
@@ -291,6 +293,169 @@ TEST(CsaTest, SelectionMatchesNaiveDefinition) {
   EXPECT_EQ(out.per_head[0].size(), 4u + 32u);
 }
 
+// The key sketch, by its definition (index/csa.h): x = k - kbar, scale =
+// fp16(max|x| / 127), code = clamp(round(x / scale), -127, 127).
+void ExpectSketchOf(const CsaSelector& s, int64_t id, const float* key) {
+  float mx = 0;
+  for (int j = 0; j < kD; ++j) mx = std::max(mx, std::fabs(key[j] - s.key_mean()[j]));
+  const float scale = Fp16(mx / 127.0f);
+  ASSERT_EQ(s.sketch_scale(id), scale) << "token " << id;
+  for (int j = 0; j < kD; ++j) {
+    const float x = key[j] - s.key_mean()[j];
+    const int want = scale > 0 ? static_cast<int>(std::clamp<float>(std::nearbyint(x / scale),
+                                                                     -127, 127))
+                               : 0;
+    ASSERT_EQ(s.sketch_codes(id)[j], want) << "token " << id << " dim " << j;
+    EXPECT_LE(std::fabs(scale * s.sketch_codes(id)[j] - x), 0.5f * scale * 1.01f + 1e-6f);
+  }
+}
+
+// The sketch score of token i for query q, by its definition: q quantized to
+// int16 codes of max magnitude 2047, an exact integer dot product.
+float NaiveSketchScore(const CsaSelector& s, const float* q, int64_t i) {
+  float mx = 0;
+  for (int j = 0; j < kD; ++j) mx = std::max(mx, std::fabs(q[j]));
+  const float qs = mx / 2047.0f;
+  int64_t dot = 0;
+  for (int j = 0; j < kD; ++j) {
+    const int qi = qs > 0 ? static_cast<int>(std::nearbyint(q[j] / qs)) : 0;
+    dot += int64_t{qi} * s.sketch_codes(i)[j];
+  }
+  return static_cast<float>(static_cast<double>(dot) *
+                            (static_cast<double>(qs) * static_cast<double>(s.sketch_scale(i))));
+}
+
+// Stage 2 (rerank > 0): the forced tokens plus the best of the candidates by
+// the sketch score, ties to the lower id; logits r / sqrt(d). With rerank 64
+// every token is a candidate, so stage 1 cannot hide a difference.
+TEST(CsaTest, RerankMatchesNaiveDefinition) {
+  Data data = MakeData(512, 3);
+  for (double rerank : {64.0, 2.0}) {
+    SCOPED_TRACE(rerank);
+    CsaOptions o = SmallOptions();
+    o.rerank = rerank;
+    auto s = CsaSelector::Build(data.prefill(), o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    ASSERT_TRUE((*s)->has_sketch());
+    for (int64_t i = 0; i < data.n; ++i) ExpectSketchOf(**s, i, data.keys.data() + i * kD);
+    const int64_t n = data.n;
+    const int64_t k = 100;  // above the 36 forced tokens
+    for (int t = 0; t < 6; ++t) {
+      const float* q = data.decode.data() + t * kD;
+      std::vector<double> acc;
+      NaiveSelect(**s, q, k, &acc);
+      std::set<int32_t> forced;
+      for (int64_t i = 0; i < o.sinks; ++i) forced.insert(static_cast<int32_t>(i));
+      for (int64_t i = n - o.recent; i < n; ++i) forced.insert(static_cast<int32_t>(i));
+      const int64_t n_forced = static_cast<int64_t>(forced.size());
+      // Stage 1: the top ceil(rerank * k) - |forced| others by the estimate.
+      std::vector<std::pair<double, int32_t>> rest;
+      for (int32_t i = 0; i < n; ++i) {
+        if (!forced.count(i)) rest.emplace_back(-acc[i], i);
+      }
+      std::sort(rest.begin(), rest.end());
+      const int64_t want =
+          std::min<int64_t>(n - n_forced, static_cast<int64_t>(std::ceil(rerank * k)) - n_forced);
+      std::vector<std::pair<float, int32_t>> cand;  // (-r, id)
+      for (int64_t c = 0; c < want; ++c) {
+        cand.emplace_back(-NaiveSketchScore(**s, q, rest[c].second), rest[c].second);
+      }
+      std::sort(cand.begin(), cand.end());
+      std::set<int32_t> expect(forced.begin(), forced.end());
+      for (int64_t c = 0; c < k - n_forced; ++c) expect.insert(cand[c].second);
+      SelectInput in;
+      in.queries = q;
+      in.n_queries = 1;
+      in.budget = k;
+      Selection out;
+      ASSERT_TRUE((*s)->Select(in, &out, nullptr).ok());
+      const std::vector<int32_t>& got = out.per_head[0];
+      ASSERT_EQ(static_cast<int64_t>(got.size()), k);
+      std::vector<int32_t> differ;
+      std::set_symmetric_difference(got.begin(), got.end(), expect.begin(), expect.end(),
+                                    std::back_inserter(differ));
+      // rerank 64: exact; rerank 2: stage 1's float-vs-double near-ties may
+      // swap a candidate at its boundary.
+      EXPECT_LE(differ.size(), rerank == 64.0 ? 0u : 2u) << "query " << t;
+      ASSERT_EQ(out.per_head_logits[0].size(), got.size());
+      for (size_t e = 0; e < got.size(); ++e) {
+        EXPECT_EQ(out.per_head_logits[0][e],
+                  NaiveSketchScore(**s, q, got[e]) * (1.0f / std::sqrt(static_cast<float>(kD))))
+            << "token " << got[e];
+      }
+    }
+  }
+}
+
+// The sketch round trips through both forms (appended tokens included),
+// selections stay identical, and an index without one refuses rerank.
+TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
+  Data data = MakeData(600, 5);
+  CsaOptions o = SmallOptions();
+  o.rerank = 4;
+  Data first = data;
+  first.n = 500;
+  first.keys.resize(500 * kD);
+  auto s = CsaSelector::Build(first.prefill(), o);
+  ASSERT_TRUE(s.ok());
+  for (int64_t i = 500; i < 600; ++i) {
+    ASSERT_TRUE((*s)->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
+    ExpectSketchOf(**s, i, data.keys.data() + i * kD);
+  }
+  std::string plain, compact;
+  (*s)->SerializePlain(&plain);
+  (*s)->SerializeCompact(&compact);
+  for (const std::string* bytes : {&plain, &compact}) {
+    auto loaded = CsaSelector::Load(*bytes);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    ASSERT_TRUE((*loaded)->has_sketch());
+    EXPECT_EQ((*loaded)->options().rerank, 4.0);
+    for (int64_t i = 0; i < 600; ++i) {
+      ASSERT_EQ((*loaded)->sketch_scale(i), (*s)->sketch_scale(i));
+      ASSERT_EQ(std::memcmp((*loaded)->sketch_codes(i), (*s)->sketch_codes(i), kD), 0);
+    }
+    if (bytes == &plain) {
+      for (int t = 0; t < 6; ++t) {
+        SelectInput in;
+        in.queries = data.decode.data() + t * kD;
+        in.n_queries = 1;
+        Selection a, b;
+        ASSERT_TRUE((*s)->Select(in, &a, nullptr).ok());
+        ASSERT_TRUE((*loaded)->Select(in, &b, nullptr).ok());
+        EXPECT_EQ(a.per_head, b.per_head);
+        EXPECT_EQ(a.per_head_logits, b.per_head_logits);
+      }
+    }
+    // Corruption: a code of -128, a truncated sketch, a sketch whose rerank is 0.
+    std::string bad = *bytes;
+    bad[bad.size() - 2 * 600 - 1] = static_cast<char>(-128);  // the last token's last code
+    EXPECT_EQ(CsaSelector::Load(bad).status().code(), StatusCode::kDataLoss);
+    EXPECT_EQ(CsaSelector::Load(bytes->substr(0, bytes->size() - 1)).status().code(),
+              StatusCode::kDataLoss);
+    bad = *bytes;
+    const size_t header = bad.size() - 2 * 600 - 600 * kD - 9;
+    const double zero = 0;
+    std::memcpy(&bad[header], &zero, sizeof(zero));
+    auto z = CsaSelector::Load(bad);
+    EXPECT_EQ(z.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(z.status().message().find("rerank"), std::string_view::npos) << z.status().ToString();
+  }
+  // Built with rerank 0: no sketch stored, and rerank refused.
+  CsaOptions none = SmallOptions();
+  auto plain_lists = CsaSelector::Build(first.prefill(), none);
+  ASSERT_TRUE(plain_lists.ok());
+  EXPECT_FALSE((*plain_lists)->has_sketch());
+  CsaOptions want = none;
+  want.rerank = 2;
+  Status st = (*plain_lists)->SetRetrievalOptions(want);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("rerank=2"), std::string_view::npos) << st.ToString();
+  // And rerank can be switched off on an index that has one.
+  want = (*s)->options();
+  want.rerank = 0;
+  EXPECT_TRUE((*s)->SetRetrievalOptions(want).ok());
+}
+
 TEST(CsaTest, UnionOverHeadsForcedTokensAndStats) {
   Data data = MakeData(512, 4);
   auto s = CsaSelector::Build(data.prefill(), SmallOptions());
@@ -401,6 +566,10 @@ void PutVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
+// The sketch section of an index built with rerank 0: rerank (double) and
+// bits (uint8, 0).
+constexpr size_t kNoSketchBytes = sizeof(double) + 1;
+
 template <typename T>
 void PutRaw(std::string* out, T v) {
   out->append(reinterpret_cast<const char*>(&v), sizeof(T));
@@ -409,11 +578,12 @@ void PutRaw(std::string* out, T v) {
 // A CSAC version 1 artifact of `s` (what earlier builds wrote and stored
 // contexts may hold: per list lo, hi, delta varints, 8-bit codes; layout in
 // docs/storage-format.md). Everything before the lists is shared with CSAP.
+// (No key sketch: version 1 has none, and `s` is built with rerank 0.)
 std::string CompactV1(const CsaSelector& s) {
   std::string plain;
   s.SerializePlain(&plain);
   const int64_t L = s.L();
-  const size_t lists = static_cast<size_t>(s.m()) * s.C() * L * 6;
+  const size_t lists = static_cast<size_t>(s.m()) * s.C() * L * 6 + kNoSketchBytes;
   std::string out = "CSAC";
   PutRaw<uint32_t>(&out, 1);
   out += plain.substr(8, plain.size() - lists - 8);
@@ -485,7 +655,7 @@ TEST(CsaTest, CompactV1ArtifactsStillLoadAsDequantizedPlain) {
   }
 }
 
-// Version 3 (written): the same ids; 4-bit codebook scores: at most 16
+// Version 4 (written): the same ids; 4-bit codebook scores: at most 16
 // distinct values per list, each score's error below a sixteenth of the
 // list's range on average; the three id codings round trip.
 // Also: a loaded compact list is in the order Build writes (worst entry
@@ -503,7 +673,7 @@ TEST(CsaTest, CompactV2KeepsIdsAndQuantizesScoresToACodebook) {
     std::string compact, plain;
     ASSERT_TRUE((*s)->Serialize(&compact).ok());
     (*s)->SerializePlain(&plain);
-    ASSERT_EQ(compact.substr(0, 8), std::string("CSAC\x03\0\0\0", 8));
+    ASSERT_EQ(compact.substr(0, 8), std::string("CSAC\x04\0\0\0", 8));
     // 1 byte per entry against 6, plus a codebook per list (min(16, L) fp16).
     EXPECT_LT(compact.size() * (fixed_L == 0 ? 3 : 1), plain.size()) << "L=" << (*s)->L();
     auto loaded = CsaSelector::Load(compact);
@@ -625,7 +795,7 @@ TEST(CsaTest, CompactIdDeltaOverflowIsDataLoss) {
     (*s)->SerializePlain(&plain);
     // Every form shares the bytes before the lists with CSAP, whose lists
     // are int32 ids + fp16 scores per entry.
-    const size_t lists = static_cast<size_t>(o.m) * o.C * (*s)->L() * 6;
+    const size_t lists = static_cast<size_t>(o.m) * o.C * (*s)->L() * 6 + kNoSketchBytes;
     ASSERT_GT(plain.size(), lists);
     const size_t prefix = plain.size() - lists;
     auto overflow = [&](const std::string& bytes, size_t at) {
@@ -831,6 +1001,9 @@ TEST(CsaTest, BadParametersAreInvalidArgument) {
       {"bogus=1", "unknown parameter"},
       {"m=abc", "'m'"},
       {"format=zip", "'format'"},
+      {"rerank=0.5", "rerank"},
+      {"rerank=65", "'rerank'"},
+      {"rerank=-1", "'rerank'"},
   };
   for (const auto& c : cases) {
     auto params = ParseParams(c.params);

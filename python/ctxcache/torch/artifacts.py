@@ -41,8 +41,11 @@ __all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
            "OracleArtifact", "parse_quest_artifact", "parse_streaming_artifact",
            "parse_oracle_artifact"]
 
-CSA_FORMAT_VERSION = 3  # the newest version this parser (and the C++ build) reads
-CSA_PLAIN_VERSION = 1  # CSAP has only version 1
+CSA_FORMAT_VERSION = 4  # the newest version this parser (and the C++ build) reads
+CSA_PLAIN_VERSION = 2  # CSAP: 1 (no key sketch) or 2
+_CSAC_SKETCH_VERSION = 4  # the first versions with the key-sketch section
+_CSAP_SKETCH_VERSION = 2
+_SKETCH_BITS = 8
 CSA_HEADER_BYTES = 118  # magic, version, options and shape fields; the arrays follow
 
 # Options and shape fields, offsets 8..117 (docs/storage-format.md table):
@@ -77,6 +80,8 @@ class CsaOptions:
     impute_tail_mean: bool = False  # missing=mean (overrides min)
     period: int = 1               # search period
     compact: bool = True          # format=compact
+    rerank: float = 0.0           # two-stage retrieval factor (0: the lists alone;
+                                  # artifacts without a key sketch have 0)
 
     @property
     def weights(self) -> str:
@@ -110,6 +115,8 @@ class CsaOptions:
             return f"backoff_cos={self.backoff_cos}, expected in [-1, 1]"
         if self.period < 1:
             return f"period={self.period}, expected >= 1"
+        if not (self.rerank == 0 or 1 <= self.rerank <= 64):
+            return f"rerank={self.rerank}, expected 0 or in [1, 64]"
         return None
 
 
@@ -119,7 +126,7 @@ class CsaArtifact:
 
     Attributes:
         magic: ``"CSAP"`` or ``"CSAC"``.
-        version: the format version (CSAP: 1; CSAC: 1, 2 or 3).
+        version: the format version (CSAP: 1 or 2; CSAC: 1 to 4).
         options: the serialized :class:`CsaOptions`.
         head_dim: d. ``sub_dim`` = d / m.
         n_tokens: tokens covered (appended ones included).
@@ -135,6 +142,10 @@ class CsaArtifact:
             order): 8-bit codes (version 1) or 4-bit codebook indices (version 2).
         book: ``CSAC`` version >= 2 only: float16 ``[m, C, min(16, L)]``: each
             list's codebook (ascending).
+        sketch: int8 ``[n_tokens, d]`` key-sketch codes and
+        sketch_scale: float16 ``[n_tokens]`` their scales (``k - key_mean ~
+            scale * code``), when ``options.rerank`` > 0 (CSAP >= 2, CSAC
+            >= 4); else None.
         id_coding: ``CSAC`` version >= 2 only: uint8 ``[m, C]``: 0 = delta
             varints, 1 = bitmap, 2 = Elias-Fano (version 3).
     """
@@ -156,6 +167,8 @@ class CsaArtifact:
     q: Optional[np.ndarray] = field(default=None, repr=False)
     book: Optional[np.ndarray] = field(default=None, repr=False)
     id_coding: Optional[np.ndarray] = field(default=None, repr=False)
+    sketch: Optional[np.ndarray] = field(default=None, repr=False)
+    sketch_scale: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def compact(self) -> bool:
@@ -658,12 +671,35 @@ def parse_csa_artifact(data: bytes) -> CsaArtifact:
         q = q.reshape(m, C, L)
         lo = lo.reshape(m, C)
         hi = hi.reshape(m, C)
+    sketch = sketch_scale = None
+    if version >= (_CSAC_SKETCH_VERSION if compact else _CSAP_SKETCH_VERSION):
+        if pos + 9 > len(buf):
+            raise _fail("truncated key sketch header")
+        (o.rerank,) = struct.unpack_from("<d", buf, pos)
+        bits = buf[pos + 8]
+        pos += 9
+        problem = o.check()
+        if problem is not None:
+            raise _fail(f"bad rerank ({problem})")
+        if bits not in (0, _SKETCH_BITS):
+            raise _fail(f"bad key sketch bits {bits}, expected 0 or {_SKETCH_BITS}")
+        if (bits != 0) != (o.rerank > 0):
+            raise _fail(f"rerank and key sketch disagree (rerank={o.rerank}, bits={bits})")
+        if bits:
+            sketch = take("<i1", n_tokens * d, "key sketch").reshape(n_tokens, d)
+            sketch_scale = take("<f2", n_tokens, "key sketch").astype(np.float16)
+            if sketch.size and sketch.min() < -127:
+                raise _fail("bad key sketch code (-128)")
+            sc = sketch_scale.astype(np.float32)
+            if not (np.isfinite(sc).all() and (sc >= 0).all()):
+                raise _fail("bad key sketch scale")
     if pos != len(buf):
         raise _fail(f"trailing bytes ({len(buf) - pos} after the last list)")
     return CsaArtifact(magic=magic.decode(), version=version, options=o, head_dim=d,
                        n_tokens=n_tokens, n_built=n_built, L=L, centroids=centroids,
                        key_mean=key_mean, tail_mean=tail_mean, ids=ids, scores=scores,
-                       lo=lo, hi=hi, q=q, book=book, id_coding=id_coding)
+                       lo=lo, hi=hi, q=q, book=book, id_coding=id_coding,
+                       sketch=sketch, sketch_scale=sketch_scale)
 
 
 # --------------------------------------------------------------------------

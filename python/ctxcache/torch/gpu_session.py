@@ -53,7 +53,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ctxcache.torch.selection import (ClientSession, CsaIndex, CsaSession, SessionParams,
+from ctxcache.torch.selection import (SKETCH_QUERY_MAX_CODE, ClientSession, CsaIndex,
+                                      CsaSession, SessionParams,
                                       _budget_for, page_budget)
 
 __all__ = ["LayerPlan", "TORCH_SESSIONS", "TorchCsaSession", "TorchOracleSession",
@@ -127,6 +128,15 @@ class _Layer:
             miss = np.zeros((h, self.m, self.C), dtype=np.float32)
         self.missing = torch.as_tensor(np.asarray(miss, dtype=np.float32),
                                        device=device).reshape(-1)
+        # The key sketch (stage 2, rerank > 0): int8 codes [H, n, d] and the
+        # fp16 scales widened to float64 [H, n], as CsaIndex reads them.
+        self.rerank = self.o.rerank if first._sketch is not None else 0.0
+        self.sketch: Optional[torch.Tensor] = None
+        self.sketch_scale: Optional[torch.Tensor] = None
+        if self.rerank > 0:
+            self.sketch = torch.as_tensor(np.stack([ix._sketch for ix in indexes]), device=device)
+            self.sketch_scale = torch.as_tensor(
+                np.stack([ix._sketch_scale.astype(np.float64) for ix in indexes]), device=device)
         self.last: Optional[torch.Tensor] = None  # the last search's selection [H, G, n]
         self.since_search = 0
 
@@ -376,13 +386,57 @@ class TorchCsaSession(_TorchPlanner):
         forced[:n_sinks] = True
         forced[recent_start:] = True
         n_forced = n_sinks + (n - recent_start)
-        ranked = torch.where(forced, torch.full_like(acc, math.inf), acc)
-        sel = _top_k_mask(ranked, max(k, n_forced))
         if o.norm_weights or o.proj_weights:
             to_logit = torch.full((h * g, 1), 1.0 / math.sqrt(lay.d), device=q.device)
         else:
             to_logit = (norms.sum(dim=-1) / m).view(h * g, 1) / math.sqrt(lay.d)
+        if lay.rerank > 0:
+            return self._rerank(lay, q, acc, acc * to_logit, forced, n_sinks, recent_start, k)
+        ranked = torch.where(forced, torch.full_like(acc, math.inf), acc)
+        sel = _top_k_mask(ranked, max(k, n_forced))
         return sel.view(h, g, n), (acc * to_logit).view(h, g, n)
+
+    # ---------------------------------------------------------------- stage 2
+    def _rerank(self, lay: _Layer, q: torch.Tensor, acc: torch.Tensor, logits: torch.Tensor,
+                forced: torch.Tensor, n_sinks: int, recent_start: int,
+                k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``CsaIndex._rerank`` for every q head at once: the forced tokens and
+        the top ``ceil(rerank * k) - |forced|`` others by ``acc`` are scored
+        with the key sketch (an integer dot product, exact in float32 while
+        |sum| < 2^24); the best of the others fill the budget, ties to the
+        lower id at both stages."""
+        h, g, n, d = self.n_kv_heads, self.group_size, lay.n, lay.d
+        hg = h * g
+        dev = q.device
+        fixed = torch.cat([torch.arange(n_sinks, device=dev),
+                           torch.arange(recent_start, n, device=dev)])       # [F]
+        n_forced = int(fixed.numel())
+        qf = q.reshape(hg, d).float()
+        qs = qf.abs().amax(dim=-1, keepdim=True) / SKETCH_QUERY_MAX_CODE      # [hg, 1]
+        qi = torch.where(qs > 0, torch.round(qf / torch.where(qs > 0, qs, torch.ones_like(qs))),
+                         torch.zeros_like(qf))
+        rows = fixed.unsqueeze(0).expand(hg, n_forced)
+        want = 0
+        if k > n_forced:
+            want = min(n - n_forced, int(math.ceil(lay.rerank * float(k))) - n_forced)
+        if want > 0:
+            # The candidates as the exact core takes them (ties to the lower
+            # id); topk over the mask lists its `want` set entries.
+            ranked = torch.where(forced, torch.full_like(acc, -math.inf), acc)
+            in_cand = _top_k_mask(ranked, want)
+            cand = torch.topk(in_cand.to(torch.float32), want, dim=1, sorted=False).indices
+            rows = torch.cat([rows, cand], dim=1)
+        head = torch.arange(h, device=dev).repeat_interleave(g).view(hg, 1)
+        codes = lay.sketch[head, rows].float()                               # [hg, R, d]
+        dots = torch.bmm(codes, qi.unsqueeze(-1)).squeeze(-1)               # [hg, R]
+        r = (dots.double() * (qs.double() * lay.sketch_scale[head, rows])).float()
+        sel = forced.unsqueeze(0).expand(hg, n).clone()
+        if want > 0:
+            dense = torch.full_like(acc, -math.inf).scatter(1, cand, r[:, n_forced:])
+            sel |= _top_k_mask(dense, k - n_forced)
+        inv_sqrt_d = 1.0 / math.sqrt(d)
+        logits = logits.scatter(1, rows, r * inv_sqrt_d)
+        return sel.view(h, g, n), logits.view(h, g, n)
 
 
 def _token_mask(page_mask: torch.Tensor, page_size: int, n: int) -> torch.Tensor:

@@ -273,6 +273,30 @@ def _top_k_by_id(scores: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.concatenate([above, ties]))
 
 
+SKETCH_QUERY_MAX_CODE = 2047  # kSketchQueryMaxCode in index/csa.cc
+
+
+def sketch_query(q: np.ndarray) -> Tuple[np.float32, np.ndarray]:
+    """The query side of a csa sketch score (``SketchQuery``): (qs, qi) with
+    qs = max|q| / 2047 in float32 and qi = round(q / qs) (ties to even) as
+    int64, all zero when q is."""
+    q = np.asarray(q, dtype=_F32)
+    qs = _F32(np.max(np.abs(q)) / _F32(SKETCH_QUERY_MAX_CODE)) if q.size else _F32(0.0)
+    if not qs > 0:
+        return qs, np.zeros(q.shape, dtype=np.int64)
+    return qs, np.rint(q / qs).astype(np.int64)
+
+
+def sketch_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``CsaSelector::SketchScores`` for one query over rows of int8 codes
+    [k, d] and their fp16 scales [k]: float32(double(exact integer dot) *
+    (double(qs) * double(scale)))."""
+    qs, qi = sketch_query(q)
+    dots = codes.astype(np.int64) @ qi
+    return (dots.astype(np.float64) *
+            (np.float64(qs) * scales.astype(np.float64))).astype(_F32)
+
+
 @dataclass
 class CsaSelection:
     """``index::Selection`` of one kv head's group.
@@ -316,6 +340,8 @@ class CsaIndex:
         self._list_min = (self._scores.min(axis=2) if artifact.compact
                           else self._scores[:, :, 0].copy())
         self._tail_mean = artifact.tail_mean
+        self._sketch = artifact.sketch  # int8 [n, d] or None (rerank 0)
+        self._sketch_scale = artifact.sketch_scale
         self.reset()
 
     def reset(self) -> None:
@@ -372,6 +398,8 @@ class CsaIndex:
             to_logit = _F32(_F32(1.0) / np.sqrt(_F32(self.head_dim)))
         else:
             to_logit = _F32(_F32(norm_sum / _F32(m)) / np.sqrt(_F32(self.head_dim)))
+        if o.rerank > 0 and self._sketch is not None:
+            return self._rerank(q, acc, forced, k)
         selected = forced
         if k > forced.size:
             ranked = acc.copy()
@@ -380,6 +408,27 @@ class CsaIndex:
             selected = np.sort(np.concatenate([forced, top]))
         logits = (acc[selected] * to_logit).astype(_F32)
         return selected.astype(np.int32), logits
+
+    def _rerank(self, q: np.ndarray, acc: np.ndarray, forced: np.ndarray,
+                k: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Stage 2 of ``SearchOne`` (rerank > 0): the forced tokens and the top
+        ``ceil(rerank * k) - |forced|`` others by the list estimate are
+        scored with the key sketch; the best of the others fill the budget."""
+        n = self.n_tokens
+        cand = np.zeros(0, dtype=np.int64)
+        if k > forced.size:
+            want = min(n - forced.size, int(math.ceil(self.options.rerank * float(k))) - forced.size)
+            ranked = acc.copy()
+            ranked[forced] = -np.inf
+            cand = _top_k_by_id(ranked, want)
+        forced_r = sketch_scores(q, self._sketch[forced], self._sketch_scale[forced])
+        cand_r = sketch_scores(q, self._sketch[cand], self._sketch_scale[cand])
+        pick = _top_k_by_id(cand_r, k - forced.size) if k > forced.size else cand[:0]
+        ids = np.concatenate([forced, cand[pick]])
+        r = np.concatenate([forced_r, cand_r[pick]])
+        order = np.argsort(ids, kind="stable")
+        inv_sqrt_d = _F32(_F32(1.0) / np.sqrt(_F32(self.head_dim)))
+        return ids[order].astype(np.int32), (r[order] * inv_sqrt_d).astype(_F32)
 
     def select(self, queries: Any, budget: int = 0) -> CsaSelection:
         """``CsaSelector::Select``: queries [G, d] (the q heads of this kv

@@ -190,6 +190,8 @@ def main() -> int:
     ap.add_argument("--pool-frac", type=float, default=0.10,
                     help="(b)'s page pool: this share of the context's pages")
     ap.add_argument("--out", default="")
+    ap.add_argument("--csa-params", default="",
+                    help="k=v,... build params of the csa index (e.g. rerank=0)")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the timed runs, this many steps of (a) and of (b) under "
                          "torch.profiler and cProfile, written to --profile-out")
@@ -229,7 +231,10 @@ def main() -> int:
 
     with ctxcache.Client(a.server, timeout=900) as c:
         log(f"prefill + ingest of {len(context)} tokens")
-        info, pre = hf.prefill_and_ingest(c, model, context, indexes=["csa"],
+        csa_params = dict(kv.split("=", 1) for kv in a.csa_params.split(",") if kv)
+        res["csa_params"] = csa_params
+        info, pre = hf.prefill_and_ingest(c, model, context,
+                                          indexes=[("csa", csa_params)] if csa_params else ["csa"],
                                           name="gpu-e2e")
         res["prefill_s"] = pre.seconds
         res["ingest_s"] = pre.ingest_s

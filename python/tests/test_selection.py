@@ -692,3 +692,41 @@ def test_select_and_page_step_bit_exact_against_the_core(core_harness: str, clie
                         {t.subgroup: t.pages.tolist() for t in st.tables}, where
                     compared += 1
     assert compared == 4 * 4 * len(PARAMS) * 8
+
+
+@pytest.mark.parametrize("device", _torch_devices())
+def test_torch_sketch_scores_equal_the_exact_ones(device: str) -> None:
+    # csa stage 2 on torch (the Triton kernel on CUDA, gather + bmm on the CPU)
+    # gives the exact core's float32 scores bit for bit, with queries up to
+    # the largest codes (|qi| = 2047) and scales across the fp16 range.
+    torch = pytest.importorskip("torch")
+    import types
+    from ctxcache.torch import gpu_session
+    from ctxcache.torch.selection import sketch_query, sketch_scores
+    rng = np.random.default_rng(5)
+    h, g, n, d, r = 2, 4, 300, 64, 77
+    codes = rng.integers(-127, 128, (h, n, d)).astype(np.int8)
+    scales = (rng.random((h, n)) * 10.0 ** rng.integers(-6, 2, (h, n))).astype(np.float16)
+    q = (rng.standard_normal((h * g, d)) * 10.0 ** rng.integers(-3, 3, (h * g, 1))).astype(
+        np.float32)
+    rows = np.stack([np.sort(rng.choice(n, r, replace=False)) for _ in range(h * g)])
+    lay = types.SimpleNamespace(
+        sketch=torch.as_tensor(codes, device=device),
+        sketch_scale=torch.as_tensor(scales.astype(np.float64), device=device))
+    qi = np.stack([sketch_query(q[i])[1] for i in range(h * g)])
+    qs = np.array([[sketch_query(q[i])[0]] for i in range(h * g)], dtype=np.float32)
+    assert np.abs(qi).max() == 2047
+    got = gpu_session._sketch_scores(lay, torch.as_tensor(rows, device=device),
+                                     torch.as_tensor(qi.astype(np.float32), device=device),
+                                     torch.as_tensor(qs, device=device), g).cpu().numpy()
+    for i in range(h * g):
+        want = sketch_scores(q[i], codes[i // g][rows[i]], scales[i // g][rows[i]])
+        assert np.array_equal(got[i].view(np.uint32), want.view(np.uint32)), i
+    # The candidates' column indices from a mask, ascending.
+    mask = torch.as_tensor(rng.random((3, 50)) < 0.3)
+    mask[:, :20] = False
+    mask[:, 20:26] = True
+    count = int(mask.sum(1).min())
+    mask = mask & (torch.cumsum(mask.int(), 1) <= count)
+    idx = gpu_session._mask_indices(mask, count)
+    assert idx.tolist() == [torch.nonzero(m)[:, 0].tolist() for m in mask]

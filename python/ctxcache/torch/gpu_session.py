@@ -170,6 +170,32 @@ def _top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     return above | (ties & (torch.cumsum(ties.to(torch.int32), dim=-1) <= need))
 
 
+def _mask_indices(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The column indices of a 2-D mask with exactly ``count`` set entries per
+    row, ascending: [rows, count] (cumsum compaction, no host sync)."""
+    rows = mask.shape[0]
+    pos = torch.cumsum(mask.to(torch.int64), dim=1) - 1
+    slot = torch.where(mask, pos, torch.full_like(pos, count))
+    cols = torch.arange(mask.shape[1], device=mask.device).expand(rows, -1)
+    out = torch.zeros(rows, count + 1, dtype=torch.int64, device=mask.device)
+    return out.scatter_(1, slot, cols)[:, :count]
+
+
+def _sketch_scores(lay: "_Layer", rows: torch.Tensor, qi: torch.Tensor, qs: torch.Tensor,
+                   g: int) -> torch.Tensor:
+    """float32 [hg, R]: for row i (q head i, kv head i // g) and token
+    rows[i, e], float32(double(sum_j qi[i, j] * code[j]) * (double(qs[i]) *
+    double(scale))). The dot is exact: int32 in the Triton kernel (CUDA),
+    float64 otherwise."""
+    if rows.is_cuda and lay.sketch.shape[-1] in (16, 32, 64, 128, 256):
+        from ctxcache.torch import kernels  # Triton: CUDA only
+        return kernels.sketch_scores(lay.sketch, lay.sketch_scale, rows, qi, qs, g)
+    hg = rows.shape[0]
+    head = torch.arange(hg // g, device=rows.device).repeat_interleave(g).view(hg, 1)
+    dots = torch.bmm(lay.sketch[head, rows].double(), qi.double().unsqueeze(-1)).squeeze(-1)
+    return (dots * (qs.double() * lay.sketch_scale[head, rows])).float()
+
+
 class _TorchPlanner:
     """Stages 2-4 of the session core on a torch device, shared by every
     method's torch session; a subclass supplies stage 1 (:meth:`_select`)."""
@@ -402,9 +428,9 @@ class TorchCsaSession(_TorchPlanner):
                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``CsaIndex._rerank`` for every q head at once: the forced tokens and
         the top ``ceil(rerank * k) - |forced|`` others by ``acc`` are scored
-        with the key sketch (an integer dot product, exact in float32 while
-        |sum| < 2^24); the best of the others fill the budget, ties to the
-        lower id at both stages."""
+        with the key sketch (an exact integer dot product, _sketch_scores);
+        the best of the others fill the budget, ties to the lower id at both
+        stages."""
         h, g, n, d = self.n_kv_heads, self.group_size, lay.n, lay.d
         hg = h * g
         dev = q.device
@@ -420,20 +446,16 @@ class TorchCsaSession(_TorchPlanner):
         if k > n_forced:
             want = min(n - n_forced, int(math.ceil(lay.rerank * float(k))) - n_forced)
         if want > 0:
-            # The candidates as the exact core takes them (ties to the lower
-            # id); topk over the mask lists its `want` set entries.
+            # The candidates as the exact core takes them (ties to the lower id).
             ranked = torch.where(forced, torch.full_like(acc, -math.inf), acc)
-            in_cand = _top_k_mask(ranked, want)
-            cand = torch.topk(in_cand.to(torch.float32), want, dim=1, sorted=False).indices
+            cand = _mask_indices(_top_k_mask(ranked, want), want)
             rows = torch.cat([rows, cand], dim=1)
-        head = torch.arange(h, device=dev).repeat_interleave(g).view(hg, 1)
-        codes = lay.sketch[head, rows].float()                               # [hg, R, d]
-        dots = torch.bmm(codes, qi.unsqueeze(-1)).squeeze(-1)               # [hg, R]
-        r = (dots.double() * (qs.double() * lay.sketch_scale[head, rows])).float()
+        r = _sketch_scores(lay, rows, qi, qs, g)                             # [hg, R]
         sel = forced.unsqueeze(0).expand(hg, n).clone()
         if want > 0:
-            dense = torch.full_like(acc, -math.inf).scatter(1, cand, r[:, n_forced:])
-            sel |= _top_k_mask(dense, k - n_forced)
+            # cand is ascending, so ties to the lower position are ties to the lower id.
+            pick = _top_k_mask(r[:, n_forced:], k - n_forced)
+            sel.scatter_(1, cand, pick | sel.gather(1, cand))
         inv_sqrt_d = 1.0 / math.sqrt(d)
         logits = logits.scatter(1, rows, r * inv_sqrt_d)
         return sel.view(h, g, n), logits.view(h, g, n)

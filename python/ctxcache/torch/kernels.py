@@ -2,6 +2,9 @@
 
 csa_score_pages   csa's score-add: per (row, subspace) the nearest centroid of
                   the pooled group query, its list's entries added to page bins.
+sketch_scores     csa's stage 2: gathered int8 key-sketch rows dotted with
+                  each q head's int16-range query codes in int32 (exact),
+                  scaled in float64 (index/csa.h "Two-stage retrieval").
 select_top_pages  exact per-row top-k of page scores (ties: lower page first),
                   on the order-preserving integer image of the float
                   scores, then a prefix-sum compaction. Three ways to find
@@ -578,3 +581,46 @@ class PagedDecodeAttention:
             SP=max(2, triton.next_power_of_2(self.splits)), num_warps=4, GDC=self.pdl,
             launch_pdl=self.pdl)
         return self.out
+
+
+@triton.jit
+def _sketch_scores_kernel(codes_ptr, scale_ptr, rows_ptr, qi_ptr, qs_ptr, out_ptr, R, N,
+                          G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < R
+    head = row // G
+    ids = tl.load(rows_ptr + row * R + offs, mask=valid, other=0).to(tl.int64)
+    cols = tl.arange(0, D)
+    base = (head * N + ids) * D
+    c = tl.load(codes_ptr + base[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    q = tl.load(qi_ptr + row * D + cols)
+    dot = tl.sum(c.to(tl.int32) * q[None, :], axis=1)
+    sc = tl.load(scale_ptr + head * N + ids, mask=valid, other=0.0)
+    qs = tl.load(qs_ptr + row)
+    r = (dot.to(tl.float64) * (qs * sc)).to(tl.float32)
+    tl.store(out_ptr + row * R + offs, r, mask=valid)
+
+
+def sketch_scores(codes: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor,
+                  qi: torch.Tensor, qs: torch.Tensor, group: int) -> torch.Tensor:
+    """csa key-sketch scores, [hg, R] float32.
+
+    codes  int8 [H, N, D] (D a power of 2), scales float64 [H, N]
+    rows   int64 [hg, R] token ids; row i belongs to kv head i // group
+    qi     [hg, D] integer-valued query codes (|qi| <= 2047), any float or int dtype
+    qs     [hg, 1] the queries' scales
+    Row i, entry e: float32(double(sum_j qi[i, j] * codes[i // group, rows[i, e], j])
+    * (double(qs[i]) * scales[i // group, rows[i, e]])), the sum exact in int32.
+    """
+    hg, r = rows.shape
+    h, n, d = codes.shape
+    out = torch.empty(hg, r, dtype=torch.float32, device=rows.device)
+    if r == 0:
+        return out
+    block = 64
+    _sketch_scores_kernel[(hg, triton.cdiv(r, block))](
+        codes, scales.to(torch.float64).contiguous(), rows.contiguous(),
+        qi.to(torch.int32).contiguous(), qs.reshape(hg).to(torch.float64).contiguous(), out,
+        r, n, G=group, D=d, BLOCK=block, num_warps=4)
+    return out

@@ -893,8 +893,18 @@ void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, fl
   std::vector<int16_t>& qi = Scratch().sketch_q;
   qi.resize(static_cast<size_t>(d_));
   const double qs = SketchQuery(q, d_, qi.data());
+  // Rows are gathered (ids ascending but sparse): prefetch a few ahead.
+  constexpr int64_t kAhead = 8;
+  const int8_t* base = base_->sketch.data();
+  auto row = [&](int32_t id) {
+    return id < n_base_ ? base + static_cast<int64_t>(id) * d_ : sketch_codes(id);
+  };
   for (int64_t e = 0; e < n; ++e) {
-    const int32_t dot = SketchDot(qi.data(), sketch_codes(ids[e]), d_);
+    if (e + kAhead < n) {
+      const int8_t* next = row(ids[e + kAhead]);
+      for (int off = 0; off < d_; off += 64) __builtin_prefetch(next + off);
+    }
+    const int32_t dot = SketchDot(qi.data(), row(ids[e]), d_);
     out[e] = static_cast<float>(static_cast<double>(dot) * (qs * sketch_scale(ids[e])));
   }
 }

@@ -1,6 +1,8 @@
 #include "index/topk.h"
 
 #include <algorithm>
+#include <cstring>
+#include <numeric>
 
 namespace ctxcache::index {
 namespace {
@@ -9,28 +11,9 @@ inline bool Better(const std::pair<float, int32_t>& a, const std::pair<float, in
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// Sorts unique ids in [0, n) ascending: a bitmap walk when the range is
-// small against the count (n / 64 words), else a comparison sort.
-void SortIdsInRange(std::vector<int32_t>* ids, int64_t n, std::vector<uint64_t>* bits) {
-  const int64_t k = static_cast<int64_t>(ids->size());
-  if (n <= 0 || n > 64 * 16 * k) {
-    std::sort(ids->begin(), ids->end());
-    return;
-  }
-  bits->assign(static_cast<size_t>((n + 63) / 64), 0);
-  for (int32_t id : *ids) (*bits)[static_cast<size_t>(id) >> 6] |= uint64_t{1} << (id & 63);
-  size_t e = 0;
-  for (size_t w = 0; w < bits->size(); ++w) {
-    for (uint64_t word = (*bits)[w]; word != 0; word &= word - 1) {
-      (*ids)[e++] = static_cast<int32_t>(w * 64 + static_cast<size_t>(__builtin_ctzll(word)));
-    }
-  }
-}
-
-// Keeps the best k of *c (unordered) and writes their ids in `order`; the
-// ids lie in [0, range) (0: unknown).
+// Keeps the best k of *c (unordered) and writes their ids in `order`.
 void Finish(std::vector<std::pair<float, int32_t>>* c, int64_t k, TopKOrder order,
-            std::vector<int32_t>* ids, int64_t range, std::vector<uint64_t>* bits) {
+            std::vector<int32_t>* ids) {
   k = std::min<int64_t>(k, static_cast<int64_t>(c->size()));
   if (k < static_cast<int64_t>(c->size())) {
     std::nth_element(c->begin(), c->begin() + k, c->end(), Better);
@@ -38,11 +21,17 @@ void Finish(std::vector<std::pair<float, int32_t>>* c, int64_t k, TopKOrder orde
   if (order == TopKOrder::kByScore) std::sort(c->begin(), c->begin() + k, Better);
   ids->resize(k);
   for (int64_t i = 0; i < k; ++i) (*ids)[i] = (*c)[i].second;
-  if (order == TopKOrder::kById) SortIdsInRange(ids, range, bits);
+  if (order == TopKOrder::kById) std::sort(ids->begin(), ids->end());
 }
 
-constexpr int64_t kSampleSize = 1024;
-constexpr int64_t kDirectThreshold = 8192;
+// An order-preserving unsigned image of a float: a larger float has a larger
+// key; -0 and +0 share one.
+inline uint32_t OrderKey(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  b = b == 0x80000000u ? 0 : b;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
 
 }  // namespace
 
@@ -50,48 +39,68 @@ void SelectTopK(const float* scores, int64_t n, int64_t k, TopKOrder order,
                 std::vector<int32_t>* ids, TopKScratch* scratch) {
   TopKScratch local;
   TopKScratch& s = scratch ? *scratch : local;
-  auto& c = s.candidates;
-  c.clear();
   k = std::max<int64_t>(0, std::min(k, n));
-  if (k == 0) {
-    ids->clear();
-    return;
-  }
-  if (n > kDirectThreshold && k * 4 < n) {
-    // Threshold from a strided sample: the sample rank of the k-th largest,
-    // plus a margin so the candidate set contains the top-k with high odds.
-    s.sample.resize(kSampleSize);
-    const int64_t stride = n / kSampleSize;
-    for (int64_t i = 0; i < kSampleSize; ++i) s.sample[i] = scores[i * stride];
-    const int64_t expected = k * kSampleSize / n;
-    const int64_t rank = std::min<int64_t>(kSampleSize - 1, expected + expected / 2 + 16);
-    std::nth_element(s.sample.begin(), s.sample.begin() + rank, s.sample.end(),
-                     std::greater<float>());
-    const float threshold = s.sample[rank];
-    c.reserve(static_cast<size_t>(std::min<int64_t>(n, 3 * k + 64)));
+  ids->resize(k);
+  if (k == 0) return;
+  if (k == n) {
+    std::iota(ids->begin(), ids->end(), 0);
+  } else {
+    auto& key = s.keys;
+    key.resize(n);
+    for (int64_t i = 0; i < n; ++i) key[i] = OrderKey(scores[i]);
+    // The k-th largest key, digit by digit; `need` counts the keys still to
+    // take at or below the digits fixed so far.
+    uint32_t hist[2048];
+    auto pick = [&](int size, int64_t* need) {
+      int d = size - 1;
+      while (*need > hist[d]) *need -= hist[d--];
+      return static_cast<uint32_t>(d);
+    };
+    int64_t need = k;
+    std::fill(hist, hist + 2048, 0u);
+    for (int64_t i = 0; i < n; ++i) ++hist[key[i] >> 21];
+    const uint32_t d1 = pick(2048, &need);
+    auto& pre = s.prefix;
+    pre.clear();
     for (int64_t i = 0; i < n; ++i) {
-      if (scores[i] >= threshold) c.emplace_back(scores[i], static_cast<int32_t>(i));
+      if ((key[i] >> 21) == d1) pre.push_back(static_cast<int32_t>(i));
     }
-    // Exact iff every element >= the k-th largest is in c, i.e. |c| >= k.
-    if (static_cast<int64_t>(c.size()) >= k) {
-      Finish(&c, k, order, ids, n, &s.bits);
-      return;
+    std::fill(hist, hist + 2048, 0u);
+    for (int32_t i : pre) ++hist[(key[i] >> 10) & 2047];
+    const uint32_t d2 = pick(2048, &need);
+    std::fill(hist, hist + 1024, 0u);
+    for (int32_t i : pre) {
+      if (((key[i] >> 10) & 2047) == d2) ++hist[key[i] & 1023];
     }
-    c.clear();
+    const uint32_t d3 = pick(1024, &need);
+    const uint32_t kth = (d1 << 21) | (d2 << 10) | d3;
+    // `need` keys equal to the k-th are taken, the lowest ids first (a
+    // branch-free compaction: one slot past the k kept ones is written).
+    ids->resize(k + 1);
+    int32_t* out = ids->data();
+    int64_t e = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const bool tie = key[i] == kth && need > 0;
+      need -= tie;
+      out[e] = static_cast<int32_t>(i);
+      e += (key[i] > kth) | tie;
+    }
+    ids->resize(k);
   }
-  c.resize(n);
-  for (int64_t i = 0; i < n; ++i) c[i] = {scores[i], static_cast<int32_t>(i)};
-  Finish(&c, k, order, ids, n, &s.bits);
+  if (order == TopKOrder::kByScore) {
+    std::sort(ids->begin(), ids->end(), [&](int32_t a, int32_t b) {
+      return Better({scores[a], a}, {scores[b], b});
+    });
+  }
 }
 
 void SelectTopKAmong(const float* scores, const std::vector<int32_t>& allowed, int64_t k,
                      TopKOrder order, std::vector<int32_t>* ids, TopKScratch* scratch) {
   TopKScratch local;
-  TopKScratch& s = scratch ? *scratch : local;
-  auto& c = s.candidates;
+  auto& c = (scratch ? *scratch : local).candidates;
   c.resize(allowed.size());
   for (size_t i = 0; i < allowed.size(); ++i) c[i] = {scores[allowed[i]], allowed[i]};
-  Finish(&c, std::max<int64_t>(0, k), order, ids, /*range=*/0, &s.bits);
+  Finish(&c, std::max<int64_t>(0, k), order, ids);
 }
 
 std::vector<int32_t> UnionSorted(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {

@@ -1,10 +1,12 @@
 // Top-K selection over dense score arrays, and sorted-id set helpers.
 //
-// Order is deterministic: larger score first, ties broken by the lower id.
-// Scores must be finite (callers validate inputs). For large n the selection
-// estimates a threshold from a strided sample, keeps the candidates at or
-// above it in one pass and runs nth_element on those only; if the sample was
-// unlucky it falls back to a full nth_element, so the result is always exact.
+// Order is deterministic: larger score first, ties broken by the lower id;
+// -0 and +0 are equal. Scores must not be NaN (±inf is fine). SelectTopK is
+// a radix select: the scores' order-preserving 32-bit images go through
+// three histogram passes (11, 11 and 10 bits, most significant first; the
+// later passes only over the ids that share the k-th's prefix) to the k-th
+// largest key, then one pass in id order takes the keys above it and the
+// lowest ids equal to it, so kById needs no sort and the cost is O(n).
 //
 // Thread-safety: free functions are reentrant; a TopKScratch must not be
 // shared between threads.
@@ -19,8 +21,8 @@ namespace ctxcache::index {
 // Reusable buffers so hot paths do not allocate per call.
 struct TopKScratch {
   std::vector<std::pair<float, int32_t>> candidates;
-  std::vector<float> sample;
-  std::vector<uint64_t> bits;  // kById: a bitmap over the id range
+  std::vector<uint32_t> keys;    // SelectTopK: the scores' order-preserving keys
+  std::vector<int32_t> prefix;   // SelectTopK: ids sharing the k-th key's prefix
 };
 
 enum class TopKOrder {

@@ -31,9 +31,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Measured on the v1 reference trace: correlation 0.69, MAE 0.099 (docs/api.md).
-constexpr double kCsaMinCorrelation = 0.6;
-constexpr double kCsaMaxMae = 0.13;
+// Measured on the v2 reference trace with the key-sketch rerank (csa's
+// default): correlation 0.996, MAE 0.006; the lists alone (rerank=0) gave
+// 0.725 / 0.072, and model v1 0.69 / 0.099 (docs/api.md). The bounds keep
+// the rerank's logits in the estimate.
+constexpr double kCsaMinCorrelation = 0.95;
+constexpr double kCsaMaxMae = 0.03;
 
 // The trace's stored K/V as the session's pages: layer slot = session layer.
 class TracePageFetcher final : public session::PageFetcher {

@@ -775,7 +775,7 @@ TEST(CsaTest, CompactV2SizeAgainstKvBytes) {
     const double ratio = (*s)->CompactBytesPerToken() / kv_bytes_per_token;
     EXPECT_LE(ratio, d == 128 ? 1.0 : 1.5) << "d=" << d;
     EXPECT_GT(ratio, 0.25) << "d=" << d;  // about 1 byte per entry
-    std::printf("csa compact v3, defaults, d=%d: %.3fx the bf16 K+V bytes\n", d, ratio);
+    std::printf("csa compact v4, defaults, d=%d: %.3fx the bf16 K+V bytes\n", d, ratio);
   }
 }
 

@@ -310,6 +310,24 @@ void ExpectSketchOf(const CsaSelector& s, int64_t id, const float* key) {
   }
 }
 
+// Built on the first n0 tokens of `data`, the rest appended one by one;
+// each appended token is passed to `check` (may be null) after its Append.
+std::unique_ptr<CsaSelector> BuildThenAppend(const Data& data, int64_t n0, const CsaOptions& o,
+                                             void (*check)(const CsaSelector&, int64_t,
+                                                           const float*) = nullptr) {
+  Data first = data;
+  first.n = n0;
+  first.keys.resize(n0 * kD);
+  auto s = CsaSelector::Build(first.prefill(), o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  if (!s.ok()) return nullptr;
+  for (int64_t i = n0; i < data.n; ++i) {
+    EXPECT_TRUE((*s)->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
+    if (check) check(**s, i, data.keys.data() + i * kD);
+  }
+  return std::move(*s);
+}
+
 // The sketch score of token i for query q, by its definition: q quantized to
 // int16 codes of max magnitude 2047, an exact integer dot product.
 float NaiveSketchScore(const CsaSelector& s, const float* q, int64_t i) {
@@ -393,26 +411,19 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
   Data data = MakeData(600, 5);
   CsaOptions o = SmallOptions();
   o.rerank = 4;
-  Data first = data;
-  first.n = 500;
-  first.keys.resize(500 * kD);
-  auto s = CsaSelector::Build(first.prefill(), o);
-  ASSERT_TRUE(s.ok());
-  for (int64_t i = 500; i < 600; ++i) {
-    ASSERT_TRUE((*s)->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
-    ExpectSketchOf(**s, i, data.keys.data() + i * kD);
-  }
+  auto s = BuildThenAppend(data, 500, o, ExpectSketchOf);
+  ASSERT_NE(s, nullptr);
   std::string plain, compact;
-  (*s)->SerializePlain(&plain);
-  (*s)->SerializeCompact(&compact);
+  s->SerializePlain(&plain);
+  s->SerializeCompact(&compact);
   for (const std::string* bytes : {&plain, &compact}) {
     auto loaded = CsaSelector::Load(*bytes);
     ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
     ASSERT_TRUE((*loaded)->has_sketch());
     EXPECT_EQ((*loaded)->options().rerank, 4.0);
     for (int64_t i = 0; i < 600; ++i) {
-      ASSERT_EQ((*loaded)->sketch_scale(i), (*s)->sketch_scale(i));
-      ASSERT_EQ(std::memcmp((*loaded)->sketch_codes(i), (*s)->sketch_codes(i), kD), 0);
+      ASSERT_EQ((*loaded)->sketch_scale(i), s->sketch_scale(i));
+      ASSERT_EQ(std::memcmp((*loaded)->sketch_codes(i), s->sketch_codes(i), kD), 0);
     }
     if (bytes == &plain) {
       for (int t = 0; t < 6; ++t) {
@@ -420,7 +431,7 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
         in.queries = data.decode.data() + t * kD;
         in.n_queries = 1;
         Selection a, b;
-        ASSERT_TRUE((*s)->Select(in, &a, nullptr).ok());
+        ASSERT_TRUE(s->Select(in, &a, nullptr).ok());
         ASSERT_TRUE((*loaded)->Select(in, &b, nullptr).ok());
         EXPECT_EQ(a.per_head, b.per_head);
         EXPECT_EQ(a.per_head_logits, b.per_head_logits);
@@ -442,7 +453,7 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
   }
   // Built with rerank 0: no sketch stored, and rerank refused.
   CsaOptions none = SmallOptions();
-  auto plain_lists = CsaSelector::Build(first.prefill(), none);
+  auto plain_lists = CsaSelector::Build(data.prefill(), none);
   ASSERT_TRUE(plain_lists.ok());
   EXPECT_FALSE((*plain_lists)->has_sketch());
   CsaOptions want = none;
@@ -451,9 +462,9 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("rerank=2"), std::string_view::npos) << st.ToString();
   // And rerank can be switched off on an index that has one.
-  want = (*s)->options();
+  want = s->options();
   want.rerank = 0;
-  EXPECT_TRUE((*s)->SetRetrievalOptions(want).ok());
+  EXPECT_TRUE(s->SetRetrievalOptions(want).ok());
 }
 
 TEST(CsaTest, UnionOverHeadsForcedTokensAndStats) {
@@ -485,21 +496,15 @@ TEST(CsaTest, StreamingInsertKeepsListsEqualToRebuild) {
   Data data = MakeData(600, 5);
   CsaOptions o = SmallOptions();
   o.fixed_L = 100;
-  Data first = data;
-  first.n = 500;
-  first.keys.resize(500 * kD);
-  auto s = CsaSelector::Build(first.prefill(), o);
-  ASSERT_TRUE(s.ok());
-  for (int64_t i = 500; i < 600; ++i) {
-    ASSERT_TRUE((*s)->Append(data.keys.data() + i * kD, nullptr, nullptr).ok());
-  }
-  EXPECT_EQ((*s)->n_tokens(), 600);
-  EXPECT_EQ((*s)->L(), 100);
+  auto s = BuildThenAppend(data, 500, o);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->n_tokens(), 600);
+  EXPECT_EQ(s->L(), 100);
   int inserted = 0;
   for (int b = 0; b < o.m; ++b) {
     for (int j = 0; j < o.C; ++j) {
-      ExpectListMatches(**s, data.keys.data(), 600, b, j);
-      for (int64_t e = 0; e < 100; ++e) inserted += (*s)->list_ids(b, j)[e] >= 500;
+      ExpectListMatches(*s, data.keys.data(), 600, b, j);
+      for (int64_t e = 0; e < 100; ++e) inserted += s->list_ids(b, j)[e] >= 500;
     }
   }
   EXPECT_GT(inserted, 0);  // the appended keys did enter lists
@@ -508,7 +513,7 @@ TEST(CsaTest, StreamingInsertKeepsListsEqualToRebuild) {
   in.queries = data.decode.data();
   in.n_queries = 1;
   Selection out;
-  ASSERT_TRUE((*s)->Select(in, &out, nullptr).ok());
+  ASSERT_TRUE(s->Select(in, &out, nullptr).ok());
   EXPECT_EQ(out.per_head[0].back(), 599);
 }
 

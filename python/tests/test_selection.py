@@ -329,9 +329,15 @@ def test_session_params_parse_like_the_server() -> None:
     assert p.token_budget(1000) == 200 and SessionParams.parse({"budget": 5000}).token_budget(
         300) == 300
     for bad in ({"rho": "0"}, {"budget": "0.5"}, {"whole_pages": "2"}, {"nope": "1"},
-                {"rho": "x"}, {"subgroup": "0"}, {"recent_blocks": "-1"}):
+                {"rho": "x"}, {"subgroup": "0"}, {"recent_blocks": "-1"},
+                {"estimate_mass": "2"}):
         with pytest.raises(ValueError, match="session param"):
             SessionParams.parse(bad)
+    # The server's estimate_mass param: 0 is accepted; 1 asks for what only a
+    # server-side session computes, and says so.
+    assert SessionParams.parse({"estimate_mass": "0"}) == SessionParams.parse({})
+    with pytest.raises(ValueError, match="estimate_mass=1.*server-side session"):
+        SessionParams.parse({"estimate_mass": 1})
 
 
 # ------------------------------------------------ sessions against the server --

@@ -677,7 +677,8 @@ class SessionParams:
 
     Build it with :meth:`parse` from the same params dict a server-side
     session gets (``rho``, ``budget``, ``page_fraction``, ``whole_pages``,
-    ``subgroup``, ``recent_blocks``; docs/api.md), which applies the same
+    ``subgroup``, ``recent_blocks``, ``estimate_mass`` = 0 only; docs/api.md),
+    which applies the same
     defaults: ``page_fraction`` = rho unless ``budget`` is given (or the
     method is ``full``), ``whole_pages`` on when the page cap is.
     """
@@ -729,9 +730,17 @@ class SessionParams:
                 if x < 0:
                     raise ValueError("session param recent_blocks must be >= 0")
                 s.recent_blocks = int(x)
+            elif k == "estimate_mass":
+                if x not in (0, 1):
+                    raise ValueError("session param estimate_mass must be 0 or 1")
+                if x == 1:
+                    raise ValueError("session param estimate_mass=1: client-side sessions do "
+                                     "not estimate the captured attention mass; expected 0, or "
+                                     "a server-side session (Client.open_session)")
             else:
                 raise ValueError(f"unknown session param '{k}'; expected rho, budget, "
-                                 "page_fraction, whole_pages, subgroup or recent_blocks")
+                                 "page_fraction, whole_pages, subgroup, recent_blocks or "
+                                 "estimate_mass")
         if "page_fraction" not in params and s.budget == 0 and method != "full":
             s.page_fraction = s.rho
         if s.page_fraction >= 1.0:

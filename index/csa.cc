@@ -904,8 +904,11 @@ void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, fl
       const int8_t* next = row(ids[e + kAhead]);
       for (int off = 0; off < d_; off += 64) __builtin_prefetch(next + off);
     }
-    const int32_t dot = SketchDot(qi.data(), row(ids[e]), d_);
-    out[e] = static_cast<float>(static_cast<double>(dot) * (qs * sketch_scale(ids[e])));
+    const int32_t id = ids[e];
+    const int32_t dot = SketchDot(qi.data(), row(id), d_);
+    const float scale = id < n_base_ ? Half(base_->sketch_scale[static_cast<size_t>(id)])
+                                     : sketch_scale(id);
+    out[e] = static_cast<float>(static_cast<double>(dot) * (qs * scale));
   }
 }
 

@@ -47,7 +47,6 @@ void SelectTopK(const float* scores, int64_t n, int64_t k, TopKOrder order,
   } else {
     auto& key = s.keys;
     key.resize(n);
-    for (int64_t i = 0; i < n; ++i) key[i] = OrderKey(scores[i]);
     // The k-th largest key, digit by digit; `need` counts the keys still to
     // take at or below the digits fixed so far.
     uint32_t hist[2048];
@@ -58,13 +57,19 @@ void SelectTopK(const float* scores, int64_t n, int64_t k, TopKOrder order,
     };
     int64_t need = k;
     std::fill(hist, hist + 2048, 0u);
-    for (int64_t i = 0; i < n; ++i) ++hist[key[i] >> 21];
+    for (int64_t i = 0; i < n; ++i) {
+      key[i] = OrderKey(scores[i]);
+      ++hist[key[i] >> 21];
+    }
     const uint32_t d1 = pick(2048, &need);
     auto& pre = s.prefix;
-    pre.clear();
+    pre.resize(static_cast<size_t>(hist[d1]) + 1);  // branch-free: one slot past the last
+    int64_t n_pre = 0;
     for (int64_t i = 0; i < n; ++i) {
-      if ((key[i] >> 21) == d1) pre.push_back(static_cast<int32_t>(i));
+      pre[n_pre] = static_cast<int32_t>(i);
+      n_pre += (key[i] >> 21) == d1;
     }
+    pre.resize(n_pre);
     std::fill(hist, hist + 2048, 0u);
     for (int32_t i : pre) ++hist[(key[i] >> 10) & 2047];
     const uint32_t d2 = pick(2048, &need);

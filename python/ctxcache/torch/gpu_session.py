@@ -453,9 +453,9 @@ class TorchCsaSession(_TorchPlanner):
         r = _sketch_scores(lay, rows, qi, qs, g)                             # [hg, R]
         sel = forced.unsqueeze(0).expand(hg, n).clone()
         if want > 0:
-            # cand is ascending, so ties to the lower position are ties to the lower id.
-            pick = _top_k_mask(r[:, n_forced:], k - n_forced)
-            sel.scatter_(1, cand, pick | sel.gather(1, cand))
+            # cand is ascending, so ties to the lower position are ties to the
+            # lower id; no candidate is forced, so the scatter only adds picks.
+            sel.scatter_(1, cand, _top_k_mask(r[:, n_forced:], k - n_forced))
         inv_sqrt_d = 1.0 / math.sqrt(d)
         logits = logits.scatter(1, rows, r * inv_sqrt_d)
         return sel.view(h, g, n), logits.view(h, g, n)

@@ -21,10 +21,62 @@ from typing import Dict, List, Optional
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
+def _ephemeral_range() -> range:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return range(lo, hi + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+_handed_out: set = set()
+
+
 def free_port() -> int:
+    """A loopback port that is free now, chosen outside the kernel's ephemeral
+    range: ports from bind(0) come from that range, so every outgoing connection
+    of a concurrently running test could take one between this check and the
+    server's own bind (CI saw etcd exit with "address already in use"). Still a
+    check-then-use race against other tests that pick ports this way; Etcd and
+    Node retry their first start on a fresh port when the bind fails."""
+    import random
+    eph = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, 65536)
+        if port in eph or port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Attempts for a first start whose bind lost the race above.
+_BIND_ATTEMPTS = 5
+
+
+def _log_since(path: str, offset: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _log_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
@@ -55,6 +107,21 @@ class Etcd:
         return f"127.0.0.1:{self.client_port}"
 
     def start(self) -> "Etcd":
+        """Starts etcd and waits for /health; on a first start whose bind fails
+        ("address already in use") it retries on fresh ports."""
+        for attempt in range(_BIND_ATTEMPTS):
+            offset = _log_size(self.log_path)
+            try:
+                return self._start_once()
+            except RuntimeError:
+                lost_bind = "address already in use" in _log_since(self.log_path, offset)
+                if not lost_bind or attempt + 1 == _BIND_ATTEMPTS:
+                    raise
+                shutil.rmtree(os.path.join(self.workdir, "etcd"), ignore_errors=True)
+                self.client_port, self.peer_port = free_port(), free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "Etcd":
         url_c = f"http://127.0.0.1:{self.client_port}"
         url_p = f"http://127.0.0.1:{self.peer_port}"
         args = [*self.prefix, self.binary, "--name", "test", "--data-dir", os.path.join(self.workdir, "etcd"),
@@ -100,8 +167,10 @@ class Node:
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_port = free_port()
         self.log_path = os.path.join(workdir, "ctxcached.log")
+        # ctxcached writes it after both of its ports are bound.
+        self.port_file = os.path.join(workdir, "ports")
         self.args = [os.path.join(bin_dir, "ctxcached"),
-                     "--data-dir", os.path.join(workdir, "data"),
+                     "--data-dir", os.path.join(workdir, "data"), "--port-file", self.port_file,
                      "--listen", self.address, "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
                      "--model-dir", model_dir, "--default-model", "llama3",
                      "--max-context-tokens", "65536", "--cluster", cluster_uri,
@@ -109,20 +178,41 @@ class Node:
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float = 30.0) -> "Node":
+        """Starts ctxcached and waits for SERVING. A first start whose bind
+        fails retries on fresh ports; a restart keeps its address."""
+        first = self.proc is None
+        for attempt in range(_BIND_ATTEMPTS if first else 1):
+            offset = _log_size(self.log_path)
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                lost_bind = "cannot listen on" in _log_since(self.log_path, offset)
+                if not first or not lost_bind or attempt + 1 == _BIND_ATTEMPTS:
+                    raise
+                self._set_ports(free_port(), free_port())
+        raise AssertionError("unreachable")
+
+    def _set_ports(self, port: int, metrics_port: int) -> None:
+        old = [f"127.0.0.1:{self.port}", f"127.0.0.1:{self.metrics_port}"]
+        self.port, self.metrics_port = port, metrics_port
+        self.address = f"127.0.0.1:{self.port}"
+        new = [self.address, f"127.0.0.1:{self.metrics_port}"]
+        self.args = [new[old.index(a)] if a in old else a for a in self.args]
+
+    def _start_once(self, timeout: float) -> "Node":
+        if os.path.exists(self.port_file):
+            os.remove(self.port_file)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
-        # Wait for the port first: a gRPC channel that failed to connect backs
-        # off for seconds before it tries again.
+        # Wait for the port file first (not a connect: another process could be
+        # listening on a port this one failed to bind); a gRPC channel that
+        # failed to connect backs off for seconds before it tries again.
         def listening() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ctxcached {self.name} exited ({self.proc.returncode}):\n"
                                    + self.log_tail())
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return True
-            except OSError:
-                return False
+            return os.path.exists(self.port_file)
         wait_for(listening, timeout, f"ctxcached {self.name} listening", interval=0.05)
         import ctxcache
         with ctxcache.Client(self.address, timeout=5.0, **self.client_kwargs) as c:

@@ -49,7 +49,7 @@
 //   m=0 (by head_dim) C=128 alpha=0.125 L=0 (fixed L; 0 = alpha*N) query_cap=4096
 //   iters=8 seed=42 center=1 rho=0.05 R=32 sinks=4 tau=2 backoff_cos=0.3
 //   weights=norm|uniform|proj missing=zero|min|mean period=1
-//   schedule=<rho>/<period> (preset; overrides rho and period) rerank=4
+//   schedule=<rho>/<period> (preset; overrides rho and period) rerank=6
 //   format=compact|plain (what Serialize() writes). The defaults are
 //   CsaOptions' (below); a served context records them all
 //   (CsaOptionsToParams).
@@ -162,8 +162,8 @@ struct CsaOptions {
   // list estimate with the 8-bit key sketch and keep the top K of them
   // (header comment). 0 = the lists alone, and Build stores no sketch;
   // otherwise in [1, 64]. A selector loaded from an artifact without a
-  // sketch has rerank 0. Default: 4.
-  double rerank = 4.0;
+  // sketch has rerank 0. Default: 6.
+  double rerank = 6.0;
   // Serialize() writes the compact form (bitmap or delta-varint ids, 4-bit
   // codebook scores; docs/storage-format.md). Default: true.
   bool compact = true;

@@ -1,6 +1,6 @@
 """Times csa's stage 2 (key-sketch rerank) on a torch device, op by op, at a
 layer-step of a given shape, eagerly and as CUDA graph replays (default: Llama-3-8B, 32 q / 8 kv heads, d 128,
-32K tokens, 5% budget, rerank 4), with random tables. Prints JSON.
+32K tokens, 5% budget, rerank 6: the default), with random tables. Prints JSON.
 
     python3 python/bench/csa_rerank_gpu.py [--n 32768] [--device cuda]
 """
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--g", type=int, default=4)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--rho", type=float, default=0.05)
-    ap.add_argument("--rerank", type=float, default=4.0)
+    ap.add_argument("--rerank", type=float, default=6.0)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()

@@ -117,7 +117,7 @@ def test_parse_plain_artifact(client: ctxcache.Client, llama_plain) -> None:
         # The defaults of a served context (index/csa.h CsaOptions; m by head_dim 32).
         assert (o.m, o.C, o.alpha, o.fixed_L, o.iters, o.seed, o.rho, o.recent, o.sinks,
                 o.tau, o.backoff_cos, o.weights, o.missing, o.period, o.center, o.rerank) == \
-            (8, 128, 0.125, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True, 4.0)
+            (8, 128, 0.125, 0, 8, 42, 0.05, 32, 4, 2, 0.3, "norm", "zero", 1, True, 6.0)
         _check_common(a, llama_plain)
         m, C, d, L = o.m, o.C, a.head_dim, a.L
         assert len(raw) == (CSA_HEADER_BYTES + 4 * C * d + 4 * d + 4 * m * C + 6 * m * C * L +
@@ -225,7 +225,7 @@ def test_parse_rejects_bad_artifacts(client: ctxcache.Client, llama_plain, llama
     for raw in (plain, compact):
         r = parse_csa_artifact(raw)
         at = len(raw) - 9 - (r.head_dim + 2) * r.n_tokens
-        assert struct.unpack_from("<dB", raw, at) == (4.0, 8)
+        assert struct.unpack_from("<dB", raw, at) == (6.0, 8)
         with pytest.raises(ValueError, match="disagree"):
             parse_csa_artifact(raw[:at] + struct.pack("<d", 0.0) + raw[at + 8:])
         with pytest.raises(ValueError, match="bad rerank"):

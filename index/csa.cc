@@ -936,12 +936,8 @@ void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, fl
   const double qs = SketchQuery(q, d_, qi.data());
   // Rows are gathered (ids ascending but sparse): prefetch a few ahead.
   constexpr int64_t kAhead = 8;
-  const int8_t* base = base_->sketch.data();
-  auto row = [&](int32_t id) {
-    return id < n_base_ ? base + static_cast<int64_t>(id) * d_ : sketch_codes(id);
-  };
   auto prefetch = [&](int64_t e) {
-    const int8_t* next = row(ids[e]);
+    const int8_t* next = sketch_codes(ids[e]);
     for (int off = 0; off < d_; off += 64) __builtin_prefetch(next + off);
   };
   int64_t e = 0;
@@ -953,7 +949,7 @@ void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, fl
     for (; e + 8 <= n && ids[e + 7] < n_base_; e += 8) {
       for (int64_t a = e + 8; a < std::min(n, e + 8 + kAhead); ++a) prefetch(a);
       for (int r = 0; r < 8; ++r) {
-        rows[r] = base + static_cast<int64_t>(ids[e + r]) * d_;
+        rows[r] = sketch_codes(ids[e + r]);
         scales[r] = base_->sketch_scale[static_cast<size_t>(ids[e + r])];
       }
       SketchScores8(qi.data(), rows, scales, d_, qs, out + e);
@@ -962,11 +958,8 @@ void CsaSelector::SketchScores(const float* q, const int32_t* ids, int64_t n, fl
 #endif
   for (; e < n; ++e) {
     if (e + kAhead < n) prefetch(e + kAhead);
-    const int32_t id = ids[e];
-    const int32_t dot = SketchDot(qi.data(), row(id), d_);
-    const float scale = id < n_base_ ? Half(base_->sketch_scale[static_cast<size_t>(id)])
-                                     : sketch_scale(id);
-    out[e] = static_cast<float>(static_cast<double>(dot) * (qs * scale));
+    const int32_t dot = SketchDot(qi.data(), sketch_codes(ids[e]), d_);
+    out[e] = static_cast<float>(static_cast<double>(dot) * (qs * sketch_scale(ids[e])));
   }
 }
 

@@ -9,6 +9,7 @@ etcd://127.0.0.1:<port>/<name>.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,7 +41,6 @@ def free_port() -> int:
     server's own bind (CI saw etcd exit with "address already in use"). Still a
     check-then-use race against other tests that pick ports this way; Etcd and
     Node retry their first start on a fresh port when the bind fails."""
-    import random
     eph = _ephemeral_range()
     rng = random.Random()
     for _ in range(200):
@@ -79,6 +79,23 @@ def _log_size(path: str) -> int:
         return 0
 
 
+def _start_retrying_bind(start_once, log_path: str, lost_bind_marker: str, new_ports,
+                         attempts: int = _BIND_ATTEMPTS):
+    """Calls start_once() (which raises RuntimeError when the process exits);
+    when it fails and the process's log since this attempt holds
+    lost_bind_marker, calls new_ports() and tries again, up to `attempts`."""
+    for attempt in range(attempts):
+        offset = _log_size(log_path)
+        try:
+            return start_once()
+        except RuntimeError:
+            lost_bind = lost_bind_marker in _log_since(log_path, offset)
+            if not lost_bind or attempt + 1 == attempts:
+                raise
+            new_ports()
+    raise AssertionError("unreachable")
+
+
 def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
     deadline = time.monotonic() + timeout
     last = None
@@ -109,17 +126,11 @@ class Etcd:
     def start(self) -> "Etcd":
         """Starts etcd and waits for /health; on a first start whose bind fails
         ("address already in use") it retries on fresh ports."""
-        for attempt in range(_BIND_ATTEMPTS):
-            offset = _log_size(self.log_path)
-            try:
-                return self._start_once()
-            except RuntimeError:
-                lost_bind = "address already in use" in _log_since(self.log_path, offset)
-                if not lost_bind or attempt + 1 == _BIND_ATTEMPTS:
-                    raise
-                shutil.rmtree(os.path.join(self.workdir, "etcd"), ignore_errors=True)
-                self.client_port, self.peer_port = free_port(), free_port()
-        raise AssertionError("unreachable")
+        def new_ports() -> None:
+            shutil.rmtree(os.path.join(self.workdir, "etcd"), ignore_errors=True)
+            self.client_port, self.peer_port = free_port(), free_port()
+        return _start_retrying_bind(self._start_once, self.log_path, "address already in use",
+                                    new_ports)
 
     def _start_once(self) -> "Etcd":
         url_c = f"http://127.0.0.1:{self.client_port}"
@@ -180,17 +191,10 @@ class Node:
     def start(self, timeout: float = 30.0) -> "Node":
         """Starts ctxcached and waits for SERVING. A first start whose bind
         fails retries on fresh ports; a restart keeps its address."""
-        first = self.proc is None
-        for attempt in range(_BIND_ATTEMPTS if first else 1):
-            offset = _log_size(self.log_path)
-            try:
-                return self._start_once(timeout)
-            except RuntimeError:
-                lost_bind = "cannot listen on" in _log_since(self.log_path, offset)
-                if not first or not lost_bind or attempt + 1 == _BIND_ATTEMPTS:
-                    raise
-                self._set_ports(free_port(), free_port())
-        raise AssertionError("unreachable")
+        return _start_retrying_bind(lambda: self._start_once(timeout), self.log_path,
+                                    "cannot listen on",
+                                    lambda: self._set_ports(free_port(), free_port()),
+                                    attempts=_BIND_ATTEMPTS if self.proc is None else 1)
 
     def _set_ports(self, port: int, metrics_port: int) -> None:
         old = [f"127.0.0.1:{self.port}", f"127.0.0.1:{self.metrics_port}"]

@@ -109,10 +109,37 @@ def _enc(args):
     return np.asarray([BOS] + _SP.encode(text) + [EOS], dtype=np.uint16)
 
 
+def family_schedule(weights):
+    """The order in which training tasks cycle through the families.
+
+    weights: "" (each family once: lt.FAMILIES) or "name:w,..." with integer
+    w >= 0 for families of lt.FAMILIES (a family not named gets 0). The result
+    repeats each family w times, interleaved round-robin so that a prefix of the
+    cycle keeps roughly the same mix."""
+    if not weights:
+        return list(lt.FAMILIES)
+    w = {}
+    for part in weights.split(","):
+        name, _, n = part.partition(":")
+        if name not in lt.FAMILIES:
+            raise SystemExit(f"--family-weights: unknown family {name!r}; expected one of "
+                             f"{', '.join(lt.FAMILIES)}")
+        if not n.isdigit():
+            raise SystemExit(f"--family-weights: weight of {name} must be an integer >= 0, "
+                             f"got {n!r}")
+        w[name] = int(n)
+    out = []
+    for r in range(max(w.values(), default=0)):
+        out += [f for f in lt.FAMILIES if w.get(f, 0) > r]
+    if not out:
+        raise SystemExit("--family-weights: at least one weight must be > 0")
+    return out
+
+
 def _task_shard(args):
     """Training tasks from one shard of the training documents: per_length[j]
-    tasks of lengths[j]."""
-    tok_path, docs, lengths, per_length, seed, shard = args
+    tasks of lengths[j], families cycling through `schedule`."""
+    tok_path, docs, lengths, per_length, seed, shard, schedule = args
     tok = lt.Tokenizer(tok_path)
     pool = lt.DocumentPool(docs, tok)
     rng = np.random.default_rng([seed, shard])
@@ -122,7 +149,7 @@ def _task_shard(args):
     k = 0
     for length, per in zip(lengths, per_length):
         for i in range(per):
-            fam = lt.FAMILIES[i % len(lt.FAMILIES)]
+            fam = schedule[i % len(schedule)]
             k += 1
             try:
                 t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i)
@@ -170,7 +197,9 @@ def cmd_prep(a):
             raise SystemExit("--tasks-per-length: one count, or one per --task-lengths entry")
         per = [max(1, n // procs) if n else 0 for n in per_length]
         named = [(f"train#{i}", d) for i, d in enumerate(train_docs)]
-        jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s) for s in range(procs)]
+        schedule = family_schedule(a.family_weights)
+        jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule)
+                for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
             parts = pool.map(_task_shard, jobs, chunksize=1)
@@ -185,6 +214,7 @@ def cmd_prep(a):
         rows = np.concatenate(rows)
         np.save(os.path.join(a.data, "tasks_index.npy"), rows)
         print(json.dumps({"tasks": len(rows), "task_tokens": int(off),
+                          "family_cycle": {f: schedule.count(f) for f in lt.FAMILIES},
                           "per_length": {str(L): int((rows[:, 4] == L).sum()) for L in lengths},
                           "seconds": time.time() - t0}), flush=True)
     if a.eval_docs:
@@ -651,6 +681,8 @@ def main():
     p.add_argument("--tasks-per-length", default="0",
                    help="training tasks per length: one count, or one per --task-lengths entry")
     p.add_argument("--task-seed", type=int, default=1)
+    p.add_argument("--family-weights", default="",
+                   help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")
     p.add_argument("--eval-lengths", default="4096,8192,16384,32768")
     p.add_argument("--eval-depths", default="0.05,0.25,0.5,0.75,0.95")

@@ -14,6 +14,7 @@ Exit 77 (ctest skip) without torch, numpy or sentencepiece (Debian:
 python3-torch, python3-numpy, python3-sentencepiece).
 """
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -110,6 +111,29 @@ class LossTest(unittest.TestCase):
         self.assertAlmostEqual(float(g[2] / g[3]), 1.0, places=6)
 
 
+class FamilyScheduleTest(unittest.TestCase):
+    """prep --family-weights: the training task mix (run 4 weighs the families
+    that missed at 16K up)."""
+
+    def test_default_is_each_family_once(self):
+        self.assertEqual(train.family_schedule(""), list(train.lt.FAMILIES))
+
+    def test_weights_repeat_families_round_robin(self):
+        s = train.family_schedule("niah_single:1,kv_table:3,section_copy:2")
+        self.assertEqual(s, ["niah_single", "kv_table", "section_copy", "kv_table",
+                             "section_copy", "kv_table"])
+        # Families not named are not generated.
+        self.assertNotIn("var_track", s)
+
+    def test_bad_weights_name_the_field(self):
+        for bad, what in (("needle:2", "unknown family"), ("kv_table:x", "integer"),
+                          ("kv_table:0", "at least one")):
+            with self.assertRaises(SystemExit) as cm:
+                train.family_schedule(bad)
+            self.assertIn(what, str(cm.exception))
+            self.assertIn("--family-weights", str(cm.exception))
+
+
 class PipelineTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -122,13 +146,22 @@ class PipelineTest(unittest.TestCase):
                     f.write(d.read() + "\n\x1e\n")
         shutil.copy(os.path.join(DEMO, "document.txt"), os.path.join(corpus, "heldout.txt"))
         cls.data = os.path.join(cls.work, "data")
-        subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
-                        "--data", cls.data, "--procs", "1", "--tasks-per-length", "20",
-                        "--task-lengths", "512,1024"], check=True, stdout=subprocess.DEVNULL)
+        r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
+                            "--data", cls.data, "--procs", "1", "--tasks-per-length", "20",
+                            "--task-lengths", "512,1024", "--family-weights",
+                            "niah_single:1,kv_table:2,section_copy:1"],
+                           check=True, stdout=subprocess.PIPE, text=True)
+        cls.prep_log = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
 
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.work)
+
+    def test_prep_reports_the_family_mix(self):
+        tasks = [r for r in self.prep_log if "tasks" in r]
+        self.assertEqual(tasks[0]["family_cycle"], {"niah_single": 1, "niah_multi": 0,
+                                                    "kv_table": 2, "var_track": 0,
+                                                    "section_copy": 1})
 
     def test_mask_marks_exactly_the_answer_targets(self):
         a = argparse.Namespace(task_frac=1.0)

@@ -73,3 +73,22 @@ assert len(e["attention_sinks"]["doc_start"]["layers"]) == 2
 assert os.path.exists(os.path.join(w, "eval", "loss_curve.png"))
 print("train_cpu_smoke: steps", s["steps"], "task rows", s["task_rows"], "of", s["rows"])
 PY
+# The miss diagnosis (model/train/diag_tasks.py): accuracy on three task sets
+# and, per miss, wrong binding vs copy drift. The 2-layer model misses nearly
+# everything, so every row of a miss must carry its diagnosis.
+"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu \
+  --train-docs "$work/corpus/train.txt" --heldout "$work/corpus/heldout.txt" \
+  --lengths 1024 --per-cell 1 --limit 3 --out "$work/diag.json" > "$work/diag.log"
+"$py" - "$work/diag.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert sorted(k.split("|")[1] for k in d) == ["eval", "heldout_corpus", "train_docs"], list(d)
+for k, v in d.items():
+    assert v["by"]["all"][1] == 3 and len(v["rows"]) == 3, (k, v["by"])
+    for r in v["rows"]:
+        assert r["tf_logp"] <= 0 and 0 <= r["min_token_p"] <= 1, r
+        if not r["correct"]:
+            assert {"answer", "got", "first_wrong", "got_in_context"} <= set(r), r
+    assert v["misses"] == sum(not r["correct"] for r in v["rows"]), v
+print("diag_tasks: ok", {k.split("|")[1]: v["by"]["all"] for k, v in d.items()})
+PY

@@ -665,6 +665,15 @@ Status CsaSelector::SetRetrievalOptions(const CsaOptions& o) {
   return Status::OK();
 }
 
+Status CsaSelector::ApplySessionOverrides(const MethodParams& overrides) {
+  ParamReader pr("csa session", overrides);
+  CsaOptions next = options_;
+  ASSIGN_OR_RETURN(next.rerank, pr.Double("rerank", options_.rerank, 0.0, 64.0));
+  RETURN_IF_ERROR(pr.Finish());
+  if (next.rerank == options_.rerank) return Status::OK();
+  return SetRetrievalOptions(next);
+}
+
 void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
                             std::vector<float>* logits, double* log_normalizer, WorkStats* stats) {
   const int m = options_.m, C = options_.C, ds = sub_dim();

@@ -204,6 +204,8 @@ class CsaSelector final : public Selector {
   // Mutable retrieval knobs (rho, recent, sinks, tau, backoff_cos,
   // norm_weights, period); resets the schedule. Table shape (m, C, L) is fixed.
   Status SetRetrievalOptions(const CsaOptions& options);
+  // Session overrides: `rerank` (0 or [1, 64]; > 0 needs the key sketch).
+  Status ApplySessionOverrides(const MethodParams& overrides) override;
 
   int m() const { return options_.m; }
   int C() const { return options_.C; }

@@ -93,6 +93,13 @@ Status ArrayKeySource::GatherKeys(const int32_t* ids, int64_t n, float* out) con
   return Status::OK();
 }
 
+Status Selector::ApplySessionOverrides(const MethodParams& overrides) {
+  if (overrides.empty()) return Status::OK();
+  return InvalidArgumentError("method " + std::string(method()) +
+                              " takes no per-session index param; got '" +
+                              overrides.begin()->first + "'");
+}
+
 StatusOr<MethodParams> ParseParams(std::string_view text) {
   MethodParams params;
   size_t pos = 0;

@@ -144,6 +144,14 @@ class Selector {
   // clones share their tables (csa, tactic, quest) count only their own
   // part. Default: MemoryBytes() (nothing shared).
   virtual uint64_t SessionBytes() const { return MemoryBytes(); }
+
+  // Per-session overrides of the method's retrieval params (a decode
+  // session's params such as csa's `rerank`; index/session_params.h), applied
+  // to this instance, which must be the session's own (a Clone or a freshly
+  // loaded artifact). InvalidArgument naming the param for one the method
+  // does not take or a value the index cannot serve; nothing changes then.
+  // Default: only an empty map is accepted.
+  virtual Status ApplySessionOverrides(const MethodParams& overrides);
 };
 
 // Builds the selector `method` from prefill data.

@@ -44,10 +44,19 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
         return InvalidArgumentError("session param estimate_mass must be 0 or 1");
       }
       s.estimate_mass = x == 1;
+    } else if (k == "rerank") {
+      if (method != "csa") {
+        return InvalidArgumentError("session param rerank applies to method csa only; this "
+                                    "session's method is " + method);
+      }
+      if (!(x == 0 || (x >= 1 && x <= 64))) {
+        return InvalidArgumentError("session param rerank must be 0 or in [1, 64]");
+      }
+      s.selector_overrides[k] = v;
     } else {
       return InvalidArgumentError("unknown session param '" + k +
                                   "'; expected rho, budget, page_fraction, whole_pages, "
-                                  "subgroup, recent_blocks or estimate_mass");
+                                  "subgroup, recent_blocks, estimate_mass or rerank (csa)");
     }
   }
   // Default page budget: the token budget's fraction of the pages (rho), so a

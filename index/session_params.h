@@ -19,6 +19,11 @@
 //                  selection captures (session::HeadStep::estimated_mass; an
 //                  O(n) pass over the method's logit estimates per q head).
 //                  Default: 0.
+//   rerank         csa only: this session's stage-2 factor (index/csa.h
+//                  CsaOptions::rerank), 0 (the lists alone) or in [1, 64];
+//                  > 0 needs a context built with the key sketch (rerank > 0
+//                  at build). Trades recall for selection time per session
+//                  without a rebuild. Default: the context's build value.
 //
 // Thread-safety: a value type; Parse is reentrant.
 #pragma once
@@ -40,6 +45,10 @@ struct SessionParams {
   bool whole_pages = false;
   bool estimate_mass = false;
   PageTableOptions table_options;
+  // Method params the session's selectors take per session (rerank), as
+  // given; applied by session::SparseSession::Create through
+  // Selector::ApplySessionOverrides. Empty: the context's build values.
+  std::map<std::string, std::string> selector_overrides;
 
   // InvalidArgument naming the param and the expected values.
   static StatusOr<SessionParams> Parse(const std::string& method,

@@ -122,7 +122,13 @@ StatusOr<std::unique_ptr<SparseSession>> SparseSession::Create(
   std::vector<index::Selector*> raw;
   raw.reserve(selectors.size());
   for (const auto& s : selectors) raw.push_back(s.get());
-  ASSIGN_OR_RETURN(auto session, CreateBorrowed(shape, params, std::move(raw), fetcher));
+  // The selectors are this session's own, so its overrides (csa's rerank)
+  // apply to them; CreateBorrowed leaves the caller's selectors untouched.
+  index::SessionParams borrowed = params;
+  borrowed.selector_overrides.clear();
+  ASSIGN_OR_RETURN(auto session, CreateBorrowed(shape, borrowed, std::move(raw), fetcher));
+  for (auto& s : selectors) RETURN_IF_ERROR(s->ApplySessionOverrides(params.selector_overrides));
+  session->params_.selector_overrides = params.selector_overrides;
   session->owned_ = std::move(selectors);
   return session;
 }
@@ -131,6 +137,11 @@ StatusOr<std::unique_ptr<SparseSession>> SparseSession::CreateBorrowed(
     const SessionShape& shape, const index::SessionParams& params,
     std::vector<index::Selector*> selectors, PageFetcher* fetcher) {
   if (fetcher == nullptr) return InvalidArgumentError("session: page fetcher is null");
+  if (!params.selector_overrides.empty()) {
+    return InvalidArgumentError("session param " + params.selector_overrides.begin()->first +
+                                " changes the selectors, which a session over borrowed "
+                                "selectors does not own; expected it absent");
+  }
   RETURN_IF_ERROR(CheckSelectors(shape, selectors));
   if (params.table_options.page_size != shape.page_size) {
     return InvalidArgumentError("session: params page size " +

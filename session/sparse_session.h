@@ -94,11 +94,15 @@ class SparseSession {
   // selectors: [layer * n_kv_heads + kv_head], one method, each covering
   // shape.n_stored tokens of shape.head_dim. fetcher: not owned, outlives the
   // session. InvalidArgument for a wrong count, null entries, mixed methods
-  // or a selector that does not match the shape.
+  // or a selector that does not match the shape. params.selector_overrides
+  // (csa's rerank) are applied to these selectors; InvalidArgument from
+  // Selector::ApplySessionOverrides when one cannot take them.
   static StatusOr<std::unique_ptr<SparseSession>> Create(
       const SessionShape& shape, const index::SessionParams& params,
       std::vector<std::unique_ptr<index::Selector>> selectors, PageFetcher* fetcher);
   // Same, with selectors the caller owns (they must outlive the session).
+  // InvalidArgument when params.selector_overrides is not empty: the
+  // session does not change selectors it does not own.
   static StatusOr<std::unique_ptr<SparseSession>> CreateBorrowed(
       const SessionShape& shape, const index::SessionParams& params,
       std::vector<index::Selector*> selectors, PageFetcher* fetcher);

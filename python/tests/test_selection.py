@@ -338,6 +338,39 @@ def test_session_params_parse_like_the_server() -> None:
     assert SessionParams.parse({"estimate_mass": "0"}) == SessionParams.parse({})
     with pytest.raises(ValueError, match="estimate_mass=1.*server-side session"):
         SessionParams.parse({"estimate_mass": 1})
+    # csa's per-session rerank: 0 or [1, 64], csa only.
+    assert SessionParams.parse({"rerank": "8"}).rerank == 8.0
+    assert SessionParams.parse({}).rerank is None
+    for bad in ("0.5", "65", "-1"):
+        with pytest.raises(ValueError, match=r"rerank must be 0 or in \[1, 64\]"):
+            SessionParams.parse({"rerank": bad})
+    with pytest.raises(ValueError, match="rerank applies to method csa only"):
+        SessionParams.parse({"rerank": 4}, method="quest")
+
+
+def test_session_rerank_changes_the_selection_and_is_checked_by_the_server(
+        client: ctxcache.Client, llama_plain) -> None:
+    """The per-session rerank reaches the selection on both sides (the
+    PARAMS cases compare them step by step); here: it changes what csa picks
+    on this context, and bad values are INVALID_ARGUMENT from the server
+    with the same wording as the client-side parser."""
+    m = llama_plain.model
+    arts = client.fetch_index(llama_plain.context_id, "csa")
+    q = session_queries(np.random.default_rng(5), m.n_q_heads, m.head_dim, 0)
+    picks = {}
+    for r in (None, 0, 2):
+        sess = CsaSession(arts, n_q_heads=m.n_q_heads,
+                          params={"budget": 40} if r is None else {"budget": 40, "rerank": r})
+        picks[r] = [st.per_q_head[0].tolist() for st in sess.step(1, q)]
+    assert picks[0] != picks[None] and picks[2] != picks[0]
+    assert all(ix.options.rerank == 6.0 for ix in CsaSession(arts, n_q_heads=m.n_q_heads)
+               .indexes.values())  # the build value when the session names none
+    for params, match in (({"rerank": "0.5"}, r"rerank must be 0 or in \[1, 64\]"),
+                          ({"rerank": "x"}, "is not a number")):
+        with pytest.raises(ctxcache.errors.InvalidArgument, match=match):
+            client.open_session(llama_plain.context_id, "csa", params).close()
+    with pytest.raises(ctxcache.errors.InvalidArgument, match="rerank applies to method csa only"):
+        client.open_session(llama_plain.context_id, "quest", {"rerank": 4}).close()
 
 
 # ------------------------------------------------ sessions against the server --
@@ -349,6 +382,8 @@ PARAMS = [
     {"budget": 24},  # token-level: no page cap, no widening
     {"rho": 0.03, "subgroup": 1, "recent_blocks": 2},
     {"rho": 0.08, "page_fraction": 0.25, "whole_pages": 0, "subgroup": 3},
+    {"rerank": 0},  # a per-session stage-2 factor: the lists alone
+    {"rho": 0.08, "rerank": 12},
 ]
 
 

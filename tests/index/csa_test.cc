@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -465,6 +466,66 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
   want = s->options();
   want.rerank = 0;
   EXPECT_TRUE(s->SetRetrievalOptions(want).ok());
+}
+
+// A decode session's `rerank` param (index/session_params.h) reaches its own
+// selector through ApplySessionOverrides: the same selections as an index
+// whose options say that factor, and the shared tables stay as built.
+TEST(CsaTest, SessionOverridesSetRerankPerSession) {
+  Data data = MakeData(600, 5);
+  CsaOptions o = SmallOptions();
+  o.rerank = 6;
+  auto built = CsaSelector::Build(data.prefill(), o);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  for (double factor : {0.0, 2.0, 12.0}) {
+    std::unique_ptr<Selector> session = (*built)->Clone();
+    char text[16];
+    std::snprintf(text, sizeof(text), "%g", factor);
+    ASSERT_TRUE(session->ApplySessionOverrides({{"rerank", text}}).ok()) << text;
+    CsaOptions want_o = (*built)->options();
+    want_o.rerank = factor;
+    std::unique_ptr<Selector> want = (*built)->Clone();
+    ASSERT_TRUE(static_cast<CsaSelector*>(want.get())->SetRetrievalOptions(want_o).ok());
+    EXPECT_EQ(static_cast<CsaSelector*>(session.get())->options().rerank, factor);
+    int differ_from_built = 0;
+    for (int t = 0; t < 5; ++t) {
+      SelectInput in;
+      in.queries = data.decode.data() + t * kD;
+      in.n_queries = 1;
+      in.budget = 100;  // above the 36 forced tokens
+      Selection a, b, c;
+      ASSERT_TRUE(session->Select(in, &a, nullptr).ok());
+      ASSERT_TRUE(want->Select(in, &b, nullptr).ok());
+      std::unique_ptr<Selector> as_built = (*built)->Clone();
+      ASSERT_TRUE(as_built->Select(in, &c, nullptr).ok());
+      EXPECT_EQ(a.per_head, b.per_head) << "rerank " << factor << " query " << t;
+      EXPECT_EQ(a.per_head_logits, b.per_head_logits);
+      differ_from_built += a.per_head != c.per_head;
+    }
+    // The factor matters: 0 (the lists alone) and 2 pick other tokens than
+    // 6 for some query; 12 may agree with 6 on this small index.
+    if (factor < 6) {
+      EXPECT_GT(differ_from_built, 0) << "rerank " << factor;
+    }
+  }
+  EXPECT_EQ((*built)->options().rerank, 6.0);  // the clones' overrides stay theirs
+  // Bad overrides name the param and change nothing.
+  std::unique_ptr<Selector> s = (*built)->Clone();
+  for (const MethodParams& bad : std::vector<MethodParams>{
+           {{"rerank", "0.5"}}, {{"rerank", "65"}}, {{"rerank", "x"}}, {{"rho", "0.1"}}}) {
+    Status st = s->ApplySessionOverrides(bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad.begin()->first;
+    EXPECT_NE(st.message().find(bad.begin()->first), std::string_view::npos) << st.ToString();
+    EXPECT_EQ(static_cast<CsaSelector*>(s.get())->options().rerank, 6.0);
+  }
+  // An index built without the sketch serves rerank 0 only.
+  auto plain_lists = CsaSelector::Build(data.prefill(), SmallOptions());
+  ASSERT_TRUE(plain_lists.ok());
+  EXPECT_TRUE((*plain_lists)->ApplySessionOverrides({{"rerank", "0"}}).ok());
+  Status st = (*plain_lists)->ApplySessionOverrides({{"rerank", "4"}});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("key sketch"), std::string_view::npos) << st.ToString();
+  EXPECT_TRUE((*plain_lists)->ApplySessionOverrides({}).ok());
 }
 
 TEST(CsaTest, UnionOverHeadsForcedTokensAndStats) {

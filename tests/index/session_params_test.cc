@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
+#include <string>
 
 namespace ctxcache::index {
 namespace {
@@ -20,6 +22,25 @@ TEST(SessionParamsTest, DefaultsCapPagesAndAttendWholePagesForSparseMethods) {
   auto rho = SessionParams::Parse("oracle", {{"rho", "0.1"}}, 16);
   ASSERT_TRUE(rho.ok());
   EXPECT_DOUBLE_EQ(rho->page_fraction, 0.1);
+}
+
+TEST(SessionParamsTest, RerankIsACsaSelectorOverride) {
+  auto none = SessionParams::Parse("csa", {}, 16);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->selector_overrides.empty());
+  auto p = SessionParams::Parse("csa", {{"rerank", "8"}, {"rho", "0.1"}}, 16);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->selector_overrides, (std::map<std::string, std::string>{{"rerank", "8"}}));
+  EXPECT_TRUE(SessionParams::Parse("csa", {{"rerank", "0"}}, 16).ok());
+  for (const char* bad : {"0.5", "65", "-1"}) {
+    auto b = SessionParams::Parse("csa", {{"rerank", bad}}, 16);
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(b.status().message().find("rerank must be 0 or in [1, 64]"), std::string_view::npos);
+  }
+  auto quest = SessionParams::Parse("quest", {{"rerank", "4"}}, 16);
+  EXPECT_EQ(quest.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(quest.status().message().find("csa only"), std::string_view::npos)
+      << quest.status().ToString();
 }
 
 TEST(SessionParamsTest, FullAndExplicitBudgetKeepTokenLevelPaging) {

@@ -91,7 +91,8 @@ struct Selectors {
   std::vector<std::vector<index::Selector*>> table;
 };
 
-Selectors BuildSelectors(const ModelSpec& s, const Trace& t, const std::string& method) {
+Selectors BuildSelectors(const ModelSpec& s, const Trace& t, const std::string& method,
+                          const index::MethodParams& params = {}) {
   Selectors out;
   out.table.resize(s.n_layers);
   const int G = s.group_size();
@@ -107,7 +108,7 @@ Selectors BuildSelectors(const ModelSpec& s, const Trace& t, const std::string& 
       hp.n_queries = t.n_q_rows();
       hp.query_positions = t.q_positions.data();
       hp.queries = t.Q(slot, g * G);
-      auto sel = index::BuildSelector(method, hp, {});
+      auto sel = index::BuildSelector(method, hp, params);
       EXPECT_TRUE(sel.ok()) << method << ": " << sel.status().ToString();
       if (!sel.ok()) return out;
       out.table[l].push_back(sel->get());
@@ -149,6 +150,16 @@ TEST_P(DecodeTest, SparseOracleFullBudgetEqualsFull) {
     // Selectors took the decoded tokens (streaming update).
     EXPECT_EQ(sel.table[0][0]->n_tokens(), T);
   }
+  // The caller owns these selectors, so a per-session override of their
+  // params (csa's rerank) is refused instead of changing them.
+  Selectors csa = BuildSelectors(s, sink.trace(), "csa", {{"C", "8"}, {"m", "4"}});
+  KvCachePageFetcher pages(&cache, 16);
+  SparseAttentionOptions ro;
+  ro.params["rerank"] = "0";
+  auto refused = SparseAttention::Create(s, csa.table, &pages, pages.n_tokens(), ro);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("borrowed"), std::string_view::npos)
+      << refused.status().ToString();
 }
 
 TEST_P(DecodeTest, SparseSmallBudgetRestrictsAttention) {

@@ -101,7 +101,7 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -348,6 +348,19 @@ class CsaIndex:
         """Forgets the search schedule (``period`` > 1)."""
         self._steps_since_search = 0
         self._last_per_head: List[np.ndarray] = []
+
+    def set_rerank(self, rerank: float, where: str = "") -> None:
+        """A session's ``rerank`` (``CsaSelector::ApplySessionOverrides``):
+        0 (the lists alone) or in [1, 64]; > 0 needs the key sketch. The
+        artifact's options stay as parsed; ValueError names the param."""
+        if not (rerank == 0 or 1 <= rerank <= 64):
+            raise ValueError(f"session param rerank must be 0 or in [1, 64], got {rerank}")
+        if rerank > 0 and self._sketch is None:
+            raise ValueError(f"csa: rerank={rerank:g} needs the key sketch, which the index of "
+                             f"{where or 'this context'} was built without (rerank=0 at build); "
+                             "expected rerank=0")
+        self.options = replace(self.options, rerank=float(rerank))
+        self.reset()
 
     def _missing(self, b: int, j: int) -> np.float32:
         o = self.options
@@ -677,7 +690,8 @@ class SessionParams:
 
     Build it with :meth:`parse` from the same params dict a server-side
     session gets (``rho``, ``budget``, ``page_fraction``, ``whole_pages``,
-    ``subgroup``, ``recent_blocks``, ``estimate_mass`` = 0 only; docs/api.md),
+    ``subgroup``, ``recent_blocks``, ``estimate_mass`` = 0 only, and csa's
+    per-session ``rerank``; docs/api.md),
     which applies the same
     defaults: ``page_fraction`` = rho unless ``budget`` is given (or the
     method is ``full``), ``whole_pages`` on when the page cap is.
@@ -690,6 +704,7 @@ class SessionParams:
     subgroup: int = 4
     recent_blocks: int = 1
     page_size: int = 16
+    rerank: Optional[float] = None  # csa only; None = the context's build value
 
     @classmethod
     def parse(cls, params: Optional[Mapping[str, Any]] = None, method: str = "csa",
@@ -737,10 +752,17 @@ class SessionParams:
                     raise ValueError("session param estimate_mass=1: client-side sessions do "
                                      "not estimate the captured attention mass; expected 0, or "
                                      "a server-side session (Client.open_session)")
+            elif k == "rerank":
+                if method != "csa":
+                    raise ValueError("session param rerank applies to method csa only; this "
+                                     f"session's method is {method}")
+                if not (x == 0 or 1 <= x <= 64):
+                    raise ValueError("session param rerank must be 0 or in [1, 64]")
+                s.rerank = x
             else:
                 raise ValueError(f"unknown session param '{k}'; expected rho, budget, "
-                                 "page_fraction, whole_pages, subgroup, recent_blocks or "
-                                 "estimate_mass")
+                                 "page_fraction, whole_pages, subgroup, recent_blocks, "
+                                 "estimate_mass or rerank (csa)")
         if "page_fraction" not in params and s.budget == 0 and method != "full":
             s.page_fraction = s.rho
         if s.page_fraction >= 1.0:
@@ -1008,6 +1030,12 @@ class ClientSession:
             parsed = [index_of(it) for it in items]
         self.indexes: Dict[Tuple[int, int], Index] = {
             (int(l), int(h)): ix for ((l, h), _), ix in zip(items, parsed)}
+        if self.params.rerank is not None:  # csa's per-session stage-2 factor
+            if method != "csa":
+                raise ValueError("session param rerank applies to method csa only; this "
+                                 f"session's method is {method}")
+            for key, ix in self.indexes.items():
+                ix.set_rerank(self.params.rerank, where=f"(layer, kv head) {key}")
         self.n_layers = 1 + max(l for l, _ in self.indexes)
         self.n_kv_heads = 1 + max(h for _, h in self.indexes)
         missing = [(l, h) for l in range(self.n_layers) for h in range(self.n_kv_heads)

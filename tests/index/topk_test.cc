@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -37,6 +39,47 @@ TEST(TopKTest, MatchesBruteForceIncludingTiesAndLargeN) {
         std::sort(got.begin(), got.end());
         EXPECT_EQ(got, want);
       }
+    }
+  }
+}
+
+// The digits start below the bits all keys share: narrow ranges (the
+// csa accumulators are sums of similar list scores), a single value, both
+// signs and ±0, infinities, and keys that differ only in the last bit.
+TEST(TopKTest, NarrowClusteredAndExtremeRanges) {
+  std::mt19937_64 rng(2);
+  std::uniform_real_distribution<float> u(0, 1);
+  std::vector<std::vector<float>> cases;
+  std::vector<float> narrow(30000);
+  for (auto& v : narrow) v = 1.0f + u(rng) * 1e-4f;
+  cases.push_back(narrow);
+  cases.push_back(std::vector<float>(5000, 3.5f));
+  std::vector<float> signs(4000);
+  for (size_t i = 0; i < signs.size(); ++i) {
+    signs[i] = i % 7 == 0 ? 0.0f : i % 7 == 1 ? -0.0f : (u(rng) - 0.5f) * 1e-30f;
+  }
+  signs[17] = std::numeric_limits<float>::infinity();
+  signs[18] = -std::numeric_limits<float>::infinity();
+  cases.push_back(signs);
+  std::vector<float> last_bit(3000);
+  for (size_t i = 0; i < last_bit.size(); ++i) {
+    last_bit[i] = std::nextafter(2.0f, i % 3 == 0 ? 3.0f : 1.0f);
+  }
+  cases.push_back(last_bit);
+  std::vector<float> clustered(40000);  // 3 values for most, a spread tail
+  for (size_t i = 0; i < clustered.size(); ++i) {
+    clustered[i] = i % 10 < 7 ? 0.25f * static_cast<float>(i % 3) : 0.7f + u(rng);
+  }
+  cases.push_back(clustered);
+  for (size_t c = 0; c < cases.size(); ++c) {
+    const auto& s = cases[c];
+    const int64_t n = static_cast<int64_t>(s.size());
+    for (int64_t k : {int64_t{1}, n / 20 + 1, n / 3 + 1, n - 1}) {
+      std::vector<int32_t> got;
+      SelectTopK(s.data(), n, k, TopKOrder::kByScore, &got);
+      auto want = BruteTopK(s, k);
+      // Brute force orders -0 and +0 by id already (they compare equal).
+      EXPECT_EQ(got, want) << "case " << c << " k=" << k;
     }
   }
 }

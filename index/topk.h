@@ -3,10 +3,11 @@
 // Order is deterministic: larger score first, ties broken by the lower id;
 // -0 and +0 are equal. Scores must not be NaN (±inf is fine). SelectTopK is
 // a radix select: the scores' order-preserving 32-bit images go through
-// three histogram passes (11, 11 and 10 bits, most significant first; the
-// later passes only over the ids that share the k-th's prefix) to the k-th
-// largest key, then one pass in id order takes the keys above it and the
-// lowest ids equal to it, so kById needs no sort and the cost is O(n).
+// histogram passes of up to 11 bits each, most significant first, starting
+// below the bits that every key shares (so a narrow score range needs few
+// passes), the later passes only over the ids that share the k-th's prefix,
+// to the k-th largest key; then one pass in id order takes the keys above it
+// and the lowest ids equal to it, so kById needs no sort and the cost is O(n).
 //
 // Thread-safety: free functions are reentrant; a TopKScratch must not be
 // shared between threads.

@@ -46,8 +46,10 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
       s.estimate_mass = x == 1;
     } else if (k == "rerank") {
       if (method != "csa") {
-        return InvalidArgumentError("session param rerank applies to method csa only; this "
-                                    "session's method is " + method);
+        return InvalidArgumentError(
+            "session param rerank applies to method csa only; this "
+            "session's method is " +
+            method);
       }
       if (!(x == 0 || (x >= 1 && x <= 64))) {
         return InvalidArgumentError("session param rerank must be 0 or in [1, 64]");

@@ -63,9 +63,9 @@ int64_t CompactIds(const uint32_t* key, int64_t n, Vec vec, Scalar scalar, int32
   for (; i + 8 <= n; i += 8) {
     const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + i));
     const int m = vec(k, ids);
-    const __m256i perm =
-        _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.lanes[m]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), _mm256_permutevar8x32_epi32(ids, perm));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.lanes[m]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e),
+                        _mm256_permutevar8x32_epi32(ids, perm));
     e += std::popcount(static_cast<unsigned>(m));
     ids = _mm256_add_epi32(ids, step);
   }
@@ -151,8 +151,8 @@ void SelectTopK(const float* scores, int64_t n, int64_t k, TopKOrder order,
           CompactIds(
               key.data(), n,
               [&](__m256i k, __m256i) {
-                return MaskOf(_mm256_cmpeq_epi32(
-                    _mm256_and_si256(_mm256_srl_epi32(k, vshift), vmask), vd));
+                return MaskOf(
+                    _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_srl_epi32(k, vshift), vmask), vd));
               },
               [&](uint32_t k, int64_t) { return ((k >> next) & mask) == d; }, pre.data());
         } else {  // in place (branch-free: one slot past the last kept is written)

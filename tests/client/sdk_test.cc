@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <map>
 #include <random>
 #include <thread>
 
@@ -128,10 +129,12 @@ class PrefetchTest : public ::testing::Test {
   }
   static std::unique_ptr<client::DecodeSession> Open(const std::string& method, bool prefetch,
                                                      client::SelectMode mode,
-                                                     size_t cache_bytes = 256u << 20) {
+                                                     size_t cache_bytes = 256u << 20,
+                                                     std::map<std::string, std::string> params = {
+                                                         {"budget", "64"}}) {
     client::SessionOptions so{.context_id = *id_,
                               .method = method,
-                              .params = {{"budget", "64"}},
+                              .params = std::move(params),
                               .mode = mode,
                               .page_cache_bytes = cache_bytes,
                               .prefetch = prefetch};
@@ -231,6 +234,38 @@ TEST_F(PrefetchTest, PrefetchThenStepIsServedFromTheCacheAndChangesNothing) {
 }
 
 // Streaming selects without queries: Step(l) prefetches layer l+1 by itself.
+// csa's per-session rerank (index/session_params.h): the client-side
+// selection applies it as the server does (same tokens, same K/V), and it
+// changes what csa picks against the context's build value (6).
+TEST_F(PrefetchTest, SessionRerankSelectsTheSameOnClientAndServer) {
+  std::vector<std::vector<std::vector<int32_t>>> by_factor;
+  for (const char* factor : {"6", "0", "12"}) {
+    SCOPED_TRACE(factor);
+    const std::map<std::string, std::string> params = {{"budget", "64"}, {"rerank", factor}};
+    auto local = Open("csa", true, client::SelectMode::kClient, 256u << 20, params);
+    auto remote = Open("csa", false, client::SelectMode::kServer, 256u << 20, params);
+    ASSERT_TRUE(local && remote);
+    std::vector<std::vector<int32_t>> picks;
+    for (uint32_t layer = 0; layer < 2; ++layer) {
+      auto q = RandomQueries(40 + layer);
+      client::SelectedKV a, b;
+      ASSERT_TRUE(local->Prefetch(layer, q.data()).ok());
+      ASSERT_TRUE(local->Step(layer, q.data(), &a).ok());
+      ASSERT_TRUE(remote->Step(layer, q.data(), &b).ok());
+      ExpectSameSelection(a, b);
+      for (const auto& h : a.heads)
+        picks.insert(picks.end(), h.per_q_head.begin(), h.per_q_head.end());
+    }
+    by_factor.push_back(picks);
+  }
+  EXPECT_NE(by_factor[1], by_factor[0]);  // rerank 0 (the lists alone) differs from 6
+  auto bad = client_->OpenSession(client::SessionOptions{.context_id = *id_,
+                                                         .method = "quest",
+                                                         .params = {{"rerank", "4"}},
+                                                         .mode = client::SelectMode::kClient});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST_F(PrefetchTest, StreamingStepPrefetchesTheNextLayer) {
   auto with = Open("streaming", true, client::SelectMode::kClient);
   auto without = Open("streaming", false, client::SelectMode::kClient);

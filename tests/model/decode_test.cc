@@ -92,7 +92,7 @@ struct Selectors {
 };
 
 Selectors BuildSelectors(const ModelSpec& s, const Trace& t, const std::string& method,
-                          const index::MethodParams& params = {}) {
+                         const index::MethodParams& params = {}) {
   Selectors out;
   out.table.resize(s.n_layers);
   const int G = s.group_size();

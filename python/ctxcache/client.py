@@ -775,7 +775,8 @@ class Client:
         :class:`ctxcache.Session`): the server selects each step's tokens and
         sends their pages. ``params``: e.g. ``{"rho": 0.05}``, ``{"budget": 64}``,
         ``page_fraction``, ``whole_pages``, ``subgroup``, ``recent_blocks``,
-        ``estimate_mass``, csa's ``rerank`` (docs/api.md). ``as_torch``/``dtype``: the form of the returned K/V.
+        ``estimate_mass``, csa's ``rerank`` (docs/api.md). ``as_torch``/``dtype``:
+        the form of the returned K/V.
         ``timeout``: how long each session message waits for its reply (default:
         the client's timeout; ``Session.timeout`` may be changed later)."""
         return Session._open(self, context_id, method, params or {}, as_torch, dtype,

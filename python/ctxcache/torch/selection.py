@@ -684,6 +684,13 @@ def make_index(method: str, artifact: Any, keys: Any = None) -> Index:
 # Session params and stages 2-4.
 
 
+def _check_rerank_method(method: str) -> None:
+    """The session param ``rerank`` is csa's (``SessionParams::Parse``)."""
+    if method != "csa":
+        raise ValueError("session param rerank applies to method csa only; this session's "
+                         f"method is {method}")
+
+
 @dataclass
 class SessionParams:
     """``index::SessionParams``: a decode session's selection params.
@@ -753,9 +760,7 @@ class SessionParams:
                                      "not estimate the captured attention mass; expected 0, or "
                                      "a server-side session (Client.open_session)")
             elif k == "rerank":
-                if method != "csa":
-                    raise ValueError("session param rerank applies to method csa only; this "
-                                     f"session's method is {method}")
+                _check_rerank_method(method)
                 if not (x == 0 or 1 <= x <= 64):
                     raise ValueError("session param rerank must be 0 or in [1, 64]")
                 s.rerank = x
@@ -1031,9 +1036,7 @@ class ClientSession:
         self.indexes: Dict[Tuple[int, int], Index] = {
             (int(l), int(h)): ix for ((l, h), _), ix in zip(items, parsed)}
         if self.params.rerank is not None:  # csa's per-session stage-2 factor
-            if method != "csa":
-                raise ValueError("session param rerank applies to method csa only; this "
-                                 f"session's method is {method}")
+            _check_rerank_method(method)
             for key, ix in self.indexes.items():
                 ix.set_rerank(self.params.rerank, where=f"(layer, kv head) {key}")
         self.n_layers = 1 + max(l for l, _ in self.indexes)

@@ -443,13 +443,15 @@ Status CheckOptions(const CsaOptions& o) {
     return bad("backoff_cos=" + std::to_string(o.backoff_cos), "expected in [-1, 1]");
   }
   if (o.period < 1) return bad("period=" + std::to_string(o.period), "expected >= 1");
-  if (!(o.rerank == 0 || (o.rerank >= 1 && o.rerank <= 64))) {
+  if (!IsValidCsaRerank(o.rerank)) {
     return bad("rerank=" + std::to_string(o.rerank), "expected 0 or in [1, 64]");
   }
   return Status::OK();
 }
 
 }  // namespace
+
+bool IsValidCsaRerank(double rerank) { return rerank == 0 || (rerank >= 1 && rerank <= 64); }
 
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params) {
   CsaOptions o;

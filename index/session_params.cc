@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "index/csa.h"
+
 namespace ctxcache::index {
 
 StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
@@ -51,7 +53,7 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
             "session's method is " +
             method);
       }
-      if (!(x == 0 || (x >= 1 && x <= 64))) {
+      if (!IsValidCsaRerank(x)) {
         return InvalidArgumentError("session param rerank must be 0 or in [1, 64]");
       }
       s.selector_overrides[k] = v;

@@ -63,17 +63,21 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
-  # tune = run 4 (session 12): 13 more minutes from the shipped v2 (run 3)
-  # weights, 70% of the time at >= 16K, 80% task rows, the families that
-  # missed at 16K weighted up, tasks from a new seed. Run 3's recipe was
-  # "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7 --lr 6e-4"
-  # with --tasks-per-length 4096,4096,3072,1536 --task-seed 2 (NOTES.md).
-  TUNE_ARGS=${TUNE_ARGS:-"--minutes 13 --phases 4096:32,8192:16,16384:8,32768:4 \
-    --phase-frac 0.1,0.2,0.45,0.25 --task-frac 0.8 --answer-weight 20 --lr 5e-4 \
-    --warmup 50 --init-from models/ctxcache-ref"}
+  # tune = run 5 (session 13): the shipped v2 (run 3) weights grown from 8 to
+  # 10 layers (train.py --layers 10 with --init-from: a new layer after layers
+  # 3 and 7, each a copy of the layer below with its output projections
+  # zeroed, so training starts from v2's function), then run 3's recipe for 19
+  # minutes with more time at 16K and the families that missed weighted up.
+  # Run 4 (13 minutes at 8 layers, --phase-frac 0.1,0.2,0.45,0.25 --task-frac
+  # 0.8 --lr 5e-4, task seed 3, section_copy:3) gained 3 tasks of 200; run 3's
+  # recipe: "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7
+  # --lr 6e-4" with --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
+  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 19 --phases 4096:32,8192:16,16384:8,32768:4 \
+    --phase-frac 0.15,0.25,0.4,0.2 --task-frac 0.7 --answer-weight 20 --lr 6e-4 \
+    --warmup 100 --init-from models/ctxcache-ref"}
   TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
-    --tasks-per-length 4096,8192,8192,2048 --task-seed 3 \
-    --family-weights niah_single:1,niah_multi:2,kv_table:2,var_track:2,section_copy:3"}
+    --tasks-per-length 4096,8192,8192,2048 --task-seed 6 \
+    --family-weights niah_single:1,niah_multi:2,kv_table:2,var_track:2,section_copy:2"}
   # 4 lengths x 5 depths x 5 families x 4 = 400 held-out tasks (20 per family
   # and length; runs 2-3 had 2 per cell, a superset of which these are).
   EVAL_TASK_ARGS=${EVAL_TASK_ARGS:-"--eval-per-cell 4"}

@@ -230,6 +230,49 @@ def cmd_prep(a):
         print(json.dumps({"eval_tasks": n}), flush=True)
 
 
+def grow_plan(n_src, n_dst, grow_after=""):
+    """Where each layer of a grown model comes from: a list of n_dst entries,
+    entry i = j (>= 0) for a copy of source layer j, or -(j + 1) for a new
+    layer inserted after source layer j. grow_after: comma-separated source
+    layer indexes to insert after (a repeat inserts twice); default: spread
+    evenly, the last one after the top layer. Raises ValueError on a plan that
+    does not give n_dst layers or names a layer outside [0, n_src)."""
+    if n_dst < n_src:
+        raise ValueError(f"--layers {n_dst}: growth needs at least the source's {n_src}")
+    k = n_dst - n_src
+    if grow_after:
+        after = sorted(int(x) for x in grow_after.split(","))
+    else:
+        after = [n_src - 1 - (i * n_src) // k for i in range(k)][::-1]
+    if len(after) != k or any(j < 0 or j >= n_src for j in after):
+        raise ValueError(f"--grow-after {grow_after!r}: expected {k} source layer indexes "
+                         f"in [0, {n_src})")
+    plan = []
+    for j in range(n_src):
+        plan.append(j)
+        plan += [-(j + 1)] * after.count(j)
+    return plan
+
+
+def grow_state_dict(src, plan):
+    """src (a Llama state dict) re-laid out by grow_plan's plan: copied layers
+    keep their weights; an inserted layer copies the layer it follows, with
+    o_proj and down_proj zeroed, so the grown model computes the same function
+    (LLaMA Pro's identity blocks). Non-layer tensors are kept."""
+    out = {k: v for k, v in src.items() if not k.startswith("model.layers.")}
+    for i, e in enumerate(plan):
+        j = e if e >= 0 else -e - 1
+        pre = f"model.layers.{j}."
+        for k, v in src.items():
+            if k.startswith(pre):
+                name = k[len(pre):]
+                t = v.clone()
+                if e < 0 and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                    t.zero_()
+                out[f"model.layers.{i}.{name}"] = t
+    return out
+
+
 def build_model(a, dev):
     return llama.Llama(model_config(a), seed=a.seed).to(dev)
 
@@ -395,12 +438,20 @@ def cmd_train(a):
         init = llama.from_pretrained(a.init_from)
         mine = model.state_dict()
         src = init.state_dict()
+        n_src = init.config.num_hidden_layers
+        plan = list(range(n_src))
+        if a.layers != n_src:
+            # Depth growth: a new layer is a copy of the layer it follows with
+            # its output projections zeroed, so it starts as the identity.
+            plan = grow_plan(n_src, a.layers, a.grow_after)
+            src = grow_state_dict(src, plan)
         bad = [k for k in mine if k not in src or src[k].shape != mine[k].shape]
         if bad:
             raise SystemExit(f"--init-from {a.init_from}: shapes differ from the model flags "
                              f"at {bad[:3]}")
         model.load_state_dict({k: src[k].to(mine[k].dtype) for k in mine})
-        print(json.dumps({"init_from": a.init_from}), flush=True)
+        print(json.dumps({"init_from": a.init_from, "layers_from": n_src,
+                          "layer_plan": plan}), flush=True)
     batcher = Batcher(a, a.data, g)
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     hstream = np.concatenate([held[k] for k in held.files]).astype(np.int64)
@@ -716,6 +767,10 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="",
                    help="start from this saved model's weights (not with a checkpoint in --run)")
+    p.add_argument("--grow-after", default="",
+                   help="with --init-from and more --layers than the saved model: source "
+                        "layers to insert a new (identity-initialized) layer after, comma-"
+                        "separated; default spread evenly")
     p.add_argument("--chunk-seconds", type=float, default=0,
                    help="stop (checkpointed) after this many seconds of this call; 0 = run out")
     p.add_argument("--shard-bytes", type=int, default=15_000_000)

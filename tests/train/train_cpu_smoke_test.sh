@@ -44,13 +44,18 @@ grep -q '^| all | ' "$work/card.md"   # task accuracy by length
 # final weights starts at the trained model's loss, not at a random init's.
 $T train $M --data "$work/data" --run "$work/tune" --steps 2 --phases 1024:4 --phase-frac 1 \
   --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1 --init-from "$work/run/final"
+# Depth growth (--layers above the saved model's): the inserted layer starts
+# as the identity, so the grown model also starts at the trained loss.
+$T train $M --layers 3 --data "$work/data" --run "$work/grow" --steps 2 --phases 1024:4 \
+  --phase-frac 1 --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1 \
+  --init-from "$work/run/final"
 $T train $M --data "$work/data" --run "$work/scratch" --steps 2 --phases 1024:4 --phase-frac 1 \
   --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1
 "$py" - "$work" <<'PY'
 import json, os, sys
 w = sys.argv[1]
 first = lambda r: json.loads(open(os.path.join(w, r, "log.jsonl")).readline())
-tune, scratch = first("tune"), first("scratch")
+tune, scratch, grow = first("tune"), first("scratch"), first("grow")
 # The saved final weights' validation loss (summary.json). Not the log's last
 # val_loss: it is logged every 4 steps, and a time-budgeted run on a loaded
 # machine may stop before step 4.
@@ -58,6 +63,7 @@ trained = json.load(open(os.path.join(w, "run", "summary.json")))["final_val_los
 # lr 1e-9: the loaded weights (bf16) unchanged.
 assert abs(tune["val_loss"] - trained) < 0.1, (tune, trained)
 assert tune["val_loss"] < scratch["val_loss"], (tune, scratch)
+assert abs(grow["val_loss"] - trained) < 0.1, (grow, trained)
 print("init-from: val loss", round(tune["val_loss"], 3), "= trained", round(trained, 3),
       "; from a random init", round(scratch["val_loss"], 3))
 s = json.load(open(os.path.join(w, "run", "summary.json")))

@@ -111,6 +111,58 @@ class LossTest(unittest.TestCase):
         self.assertAlmostEqual(float(g[2] / g[3]), 1.0, places=6)
 
 
+class GrowTest(unittest.TestCase):
+    """train --init-from with more --layers than the saved model: inserted
+    layers start as the identity, so training continues from the same
+    function with more depth."""
+
+    def source(self, layers=3):
+        c = llama.Config(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1)
+        return c, llama.Llama(c, seed=5)
+
+    def grown(self, src, c, layers, after=""):
+        plan = train.grow_plan(c.num_hidden_layers, layers, after)
+        d = llama.Config(**{**c.__dict__, "num_hidden_layers": layers})
+        m = llama.Llama(d, seed=9)
+        m.load_state_dict(train.grow_state_dict(src.state_dict(), plan))
+        return plan, m
+
+    def test_plan_spreads_new_layers_and_honours_grow_after(self):
+        self.assertEqual(train.grow_plan(8, 10), [0, 1, 2, 3, -4, 4, 5, 6, 7, -8])
+        self.assertEqual(train.grow_plan(8, 8), list(range(8)))
+        self.assertEqual(train.grow_plan(4, 6, "0,0"), [0, -1, -1, 1, 2, 3])
+        for n_dst, after in ((10, "3"), (10, "3,8"), (6, "")):
+            with self.assertRaises(ValueError) as cm:
+                train.grow_plan(8, n_dst, after)
+            self.assertIn("--", str(cm.exception))
+
+    def test_grown_model_computes_the_same_logits(self):
+        c, src = self.source()
+        x = torch.randint(3, 8192, (2, 40), generator=torch.Generator().manual_seed(2))
+        for layers, after in ((5, ""), (4, "0")):
+            plan, m = self.grown(src, c, layers, after)
+            self.assertEqual(sum(1 for e in plan if e < 0), layers - 3)
+            with torch.no_grad():
+                self.assertTrue(torch.allclose(m(x), src(x), atol=1e-5, rtol=0))
+
+    def test_inserted_layers_copy_their_predecessor_and_learn(self):
+        c, src = self.source()
+        plan, m = self.grown(src, c, 4, "1")
+        self.assertEqual(plan, [0, 1, -2, 2])
+        new, prev = m.model.layers[2], src.model.layers[1]
+        self.assertTrue(torch.equal(new.self_attn.q_proj.weight, prev.self_attn.q_proj.weight))
+        self.assertTrue(torch.equal(new.mlp.up_proj.weight, prev.mlp.up_proj.weight))
+        self.assertEqual(float(new.self_attn.o_proj.weight.abs().sum()), 0.0)
+        self.assertEqual(float(new.mlp.down_proj.weight.abs().sum()), 0.0)
+        self.assertTrue(torch.equal(m.model.layers[3].self_attn.o_proj.weight,
+                                    src.model.layers[2].self_attn.o_proj.weight))
+        x = torch.randint(3, 8192, (2, 33), generator=torch.Generator().manual_seed(4))
+        train.lm_loss(m, x).backward()
+        self.assertGreater(float(new.self_attn.o_proj.weight.grad.abs().sum()), 0.0)
+        self.assertGreater(float(new.mlp.down_proj.weight.grad.abs().sum()), 0.0)
+
+
 class FamilyScheduleTest(unittest.TestCase):
     """prep --family-weights: the training task mix (run 4 weighs the families
     that missed at 16K up)."""

@@ -205,8 +205,12 @@ do_finish() {
   cp $F/config.json $F/model.safetensors.index.json $W/eval/* $W/run/summary.json \
     $W/run/log.jsonl $W/train.log $W/pack/
   cp $W/golden-ref/* $W/pack/ 2>/dev/null || true
-  cp $F/*.safetensors $OUT/
+  # At most 64 MiB comes back from a call: run 5's final.tar.xz.part-* (37 MB)
+  # plus the raw shards (52 MB) left pack.tar (the evaluation) behind. The raw
+  # weights go only when watch has not saved them as final.tar.xz.part-* (the
+  # same tensors, xz'd).
   (cd $W/pack && tar cf - .) > $OUT/pack.tar
+  if ! ls $OUT/final.tar.xz.part-* >/dev/null 2>&1; then cp $F/*.safetensors $OUT/; fi
   ls -la $OUT $F
 }
 case "$1" in

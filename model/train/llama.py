@@ -101,6 +101,9 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+ATTN_BLOCK = 1024  # query rows per block in the torch < 2.0 attention
+
+
 class Attention(nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -125,10 +128,18 @@ class Attention(nn.Module):
         if hasattr(F, "scaled_dot_product_attention"):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # torch < 2.0 (the CPU machine's Debian torch)
-            s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(hd)
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-            o = torch.matmul(torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1)
-                             .to(v.dtype), v)
+            # Blocks of queries against the keys up to the block's end: the
+            # score matrix is [B, H, block, T] at most, not [B, H, T, T]
+            # (8 heads at 16K would be 8.6 GB), and each row's softmax is
+            # the same as unblocked.
+            o = torch.empty_like(q)
+            for i in range(0, T, ATTN_BLOCK):
+                j = min(T, i + ATTN_BLOCK)
+                s = torch.matmul(q[:, :, i:j], k[:, :, :j].transpose(-1, -2)) / math.sqrt(hd)
+                mask = torch.ones(j - i, j, dtype=torch.bool, device=x.device).triu(i + 1)
+                o[:, :, i:j] = torch.matmul(
+                    torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1).to(v.dtype),
+                    v[:, :, :j])
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 

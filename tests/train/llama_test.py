@@ -45,6 +45,25 @@ class LlamaTest(unittest.TestCase):
         got, want = golden_logits(m, os.path.join(GOLDEN, "ctxcache-ref", "golden.safetensors"))
         self.assertLess(float((got - want).abs().max()), 1e-3)
 
+    def test_blocked_attention_equals_one_block(self):
+        # torch < 2.0 computes attention in blocks of ATTN_BLOCK query rows;
+        # block edges (a partial last block too) must not change the result.
+        c = llama.Config(vocab_size=8192, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        m = llama.Llama(c, seed=3).eval()
+        x = torch.randint(3, 8192, (2, 300), generator=torch.Generator().manual_seed(1))
+        keep = llama.ATTN_BLOCK
+        try:
+            llama.ATTN_BLOCK = 1 << 20
+            with torch.no_grad():
+                whole = m(x)
+            llama.ATTN_BLOCK = 64
+            with torch.no_grad():
+                blocked = m(x)
+        finally:
+            llama.ATTN_BLOCK = keep
+        self.assertTrue(torch.allclose(whole, blocked, atol=1e-5, rtol=0))
+
     def test_save_then_load_keeps_the_bf16_weights_and_the_layout(self):
         c = llama.Config(vocab_size=320, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -21,6 +21,8 @@
 #           family x length x depth), make the reference golden file, re-check
 #           the tiny goldens, and copy the weights and a tar of the results to $OUT.
 #   dry:    TINY=1 only: prep, watch and finish in one go (the whole sequence).
+#   evalsaved: evaluate a saved model from a carried folder $S, without the
+#           training corpus (see do_evalsaved); TINY=1 evaluates the dry run's.
 #
 # TINY=1: the same sequence on the CPU with a 2-layer model, 512/1024-token
 # tasks and a 3 MB slice of the carried corpus, in $W=model/train/work/tiny
@@ -213,7 +215,29 @@ do_finish() {
   if ! ls $OUT/final.tar.xz.part-* >/dev/null 2>&1; then cp $F/*.safetensors $OUT/; fi
   ls -la $OUT $F
 }
+do_evalsaved() {
+  # A saved model evaluated without the training corpus (the tree, the corpus
+  # and a model's xz'd shards do not fit one 64 MiB carry). $S (default
+  # model/train/work/saved, carried) holds config.json,
+  # model.safetensors.index.json, the shards (*.safetensors or
+  # *.safetensors.xz), heldout.txt(.xz), docs.tsv and unigram_counts.npy
+  # (np.bincount of the training tokens, minlength 8192). Writes $OUT/eval
+  # (train.py eval's files) and $OUT/card.md.
+  S=${S:-model/train/work/saved}
+  for f in $S/*.safetensors.xz $S/heldout.txt.xz; do
+    if [ -f "$f" ] && [ ! -f "${f%.xz}" ]; then xz -dk -T0 "$f"; fi; done
+  [ -f $S/tokenizer.model ] || cp models/ctxcache-ref/tokenizer.model $S/
+  $PY model/train/train.py prep --corpus $S --splits heldout --tok $S/tokenizer.model \
+    --data $W/evdata --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
+  mkdir -p $OUT/eval
+  $PY model/train/train.py eval --data $W/evdata --model $S --out $OUT/eval $DEV \
+    --unigram-counts $S/unigram_counts.npy --names $S/docs.tsv --exclude '^erlang-doc/' \
+    $EVAL_ARGS 2>&1 | grep -v Warn
+  $PY model/train/card_tables.py $OUT/eval/eval.json > $OUT/card.md
+  echo "evalsaved done after $(( $(date +%s) - T0 )) s"
+}
 case "$1" in
+evalsaved) do_evalsaved ;;
 prep) do_prep ;;
 tune) do_tune ;;
 watch) watch ;;
@@ -231,7 +255,7 @@ dry)
   echo "dry run passed after $(( $(date +%s) - T0 )) s of watch+finish"
   ;;
 *)
-  echo "usage: $0 prep|watch|resume|finish   (TINY=1 $0 dry: CPU dry run)" >&2
+  echo "usage: $0 prep|tune|watch|resume|finish|evalsaved   (TINY=1 $0 dry: CPU dry run)" >&2
   exit 2
   ;;
 esac

@@ -241,7 +241,10 @@ def grow_plan(n_src, n_dst, grow_after=""):
         raise ValueError(f"--layers {n_dst}: growth needs at least the source's {n_src}")
     k = n_dst - n_src
     if grow_after:
-        after = sorted(int(x) for x in grow_after.split(","))
+        try:
+            after = sorted(int(x) for x in grow_after.split(","))
+        except ValueError:
+            raise ValueError(f"--grow-after {grow_after!r}: expected comma-separated integers")
     else:
         after = [n_src - 1 - (i * n_src) // k for i in range(k)][::-1]
     if len(after) != k or any(j < 0 or j >= n_src for j in after):
@@ -440,10 +443,13 @@ def cmd_train(a):
         src = init.state_dict()
         n_src = init.config.num_hidden_layers
         plan = list(range(n_src))
-        if a.layers != n_src:
+        if a.layers != n_src or a.grow_after:
             # Depth growth: a new layer is a copy of the layer it follows with
             # its output projections zeroed, so it starts as the identity.
-            plan = grow_plan(n_src, a.layers, a.grow_after)
+            try:
+                plan = grow_plan(n_src, a.layers, a.grow_after)
+            except ValueError as e:
+                raise SystemExit(f"--init-from {a.init_from}: {e}")
             src = grow_state_dict(src, plan)
         bad = [k for k in mine if k not in src or src[k].shape != mine[k].shape]
         if bad:

@@ -132,7 +132,7 @@ class GrowTest(unittest.TestCase):
         self.assertEqual(train.grow_plan(8, 10), [0, 1, 2, 3, -4, 4, 5, 6, 7, -8])
         self.assertEqual(train.grow_plan(8, 8), list(range(8)))
         self.assertEqual(train.grow_plan(4, 6, "0,0"), [0, -1, -1, 1, 2, 3])
-        for n_dst, after in ((10, "3"), (10, "3,8"), (6, "")):
+        for n_dst, after in ((10, "3"), (10, "3,8"), (6, ""), (8, "2"), (9, "x")):
             with self.assertRaises(ValueError) as cm:
                 train.grow_plan(8, n_dst, after)
             self.assertIn("--", str(cm.exception))

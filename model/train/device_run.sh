@@ -178,6 +178,9 @@ do_tune() {
   start_training
   watch
 }
+run_eval() {  # train.py eval with the flags every evaluation shares, then $@
+  $PY model/train/train.py eval $DEV --exclude '^erlang-doc/' $EVAL_ARGS "$@" 2>&1 | grep -v Warn
+}
 do_finish() {
   while [ ! -f $W/run/DONE ]; do
     kill -0 $(cat $W/train.pid) 2>/dev/null || { tail -30 $W/train.log; exit 1; }
@@ -189,9 +192,8 @@ do_finish() {
   if have_hf; then
     $PY model/train/train.py hfcheck --model $F $DEV 2>&1 | grep -v Warn
   else echo "hfcheck skipped: no transformers here"; fi
-  $PY model/train/train.py eval --data $W/data --model $F --run $W/run --out $W/eval $DEV \
-    $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy) \
-    --names $C/docs.tsv --exclude '^erlang-doc/' $EVAL_ARGS 2>&1 | grep -v Warn
+  run_eval --data $W/data --model $F --run $W/run --out $W/eval --names $C/docs.tsv \
+    $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
   rm -rf $W/golden-ref $W/pack
   mkdir -p $W/golden-ref $W/pack $OUT
   if have_hf; then
@@ -230,9 +232,8 @@ do_evalsaved() {
   $PY model/train/train.py prep --corpus $S --splits heldout --tok $S/tokenizer.model \
     --data $W/evdata --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
   mkdir -p $OUT/eval
-  $PY model/train/train.py eval --data $W/evdata --model $S --out $OUT/eval $DEV \
-    --unigram-counts $S/unigram_counts.npy --names $S/docs.tsv --exclude '^erlang-doc/' \
-    $EVAL_ARGS 2>&1 | grep -v Warn
+  run_eval --data $W/evdata --model $S --out $OUT/eval --names $S/docs.tsv \
+    --unigram-counts $S/unigram_counts.npy
   $PY model/train/card_tables.py $OUT/eval/eval.json > $OUT/card.md
   echo "evalsaved done after $(( $(date +%s) - T0 )) s"
 }

@@ -98,3 +98,18 @@ for k, v in d.items():
     assert v["misses"] == sum(not r["correct"] for r in v["rows"]), v
 print("diag_tasks: ok", {k.split("|")[1]: v["by"]["all"] for k, v in d.items()})
 PY
+# --teacher-forced decides from one forward what greedy decoding decides token
+# by token: the same verdict, and for a miss the same first wrong position
+# (greedy's tokens before it are the answer's, so the prefixes agree there).
+"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
+  --lengths 1024 --per-cell 1 --limit 3 --out "$work/diag-tf.json" > "$work/diag-tf.log"
+"$py" - "$work/diag.json" "$work/diag-tf.json" <<'PY'
+import json, sys
+greedy, tf = (json.load(open(f)) for f in sys.argv[1:3])
+g = next(v for k, v in greedy.items() if k.endswith("|eval"))["rows"]
+t = next(v for k, v in tf.items() if k.endswith("|eval"))["rows"]
+assert len(g) == len(t) == 3, (len(g), len(t))
+for a, b in zip(g, t):
+    assert a["correct"] == b["correct"] and a.get("first_wrong") == b.get("first_wrong"), (a, b)
+print("diag_tasks --teacher-forced: same verdicts as greedy", [r["correct"] for r in t])
+PY

@@ -60,7 +60,8 @@ if [ "${TINY:-0}" = 1 ]; then
   TUNE_ARGS=${TUNE_ARGS:-"--steps 12 --phases 512:4,1024:2 --phase-frac 0.5,0.5 \
     --task-frac 0.5 --answer-weight 20 --lr 3e-4 --warmup 4 --val-seq 512 --val-every 6 \
     --log-every 4 --ckpt-every 6"}
-  TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 512,1024 --tasks-per-length 24,12 --task-seed 2 --procs 2"}
+  TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 512,1024 --tasks-per-length 24,12 --task-seed 2 \
+    --extra-questions 4 --procs 2"}
 else
   PY=${PY:-python3}
   W=${W:-/root/ctxrun2}
@@ -76,25 +77,26 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
-  # tune = run 6 (session 14): run 5's weights (v2 grown to 10 layers and
-  # trained 19 minutes, kept in model/train/work/run5) trained 13 more minutes
-  # at half run 5's peak lr with half the rows text again (run 5's held-out
-  # text loss rose 2.54 -> 2.80 at task-frac 0.7, lr 6e-4), half the time at
-  # 16K, a new task seed, and niah_multi (run 5's weakest family at 16K)
-  # weighted x3. Run 5: "--layers 10 --minutes 19 --phase-frac 0.15,0.25,0.4,0.2
-  # --task-frac 0.7 --lr 6e-4 --warmup 100" from models/ctxcache-ref, task seed
-  # 6, niah_multi/kv_table/var_track/section_copy x2. Run 4 (13 minutes at 8
-  # layers, --phase-frac 0.1,0.2,0.45,0.25 --task-frac 0.8 --lr 5e-4, task seed
-  # 3, section_copy:3) gained 3 tasks of 200; run 3's recipe: "--minutes 10
-  # --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7 --lr 6e-4" with
-  # --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
-  TUNE_INIT=${TUNE_INIT:-model/train/work/run5}
-  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 13 --phases 4096:32,8192:16,16384:8,32768:4 \
+  # tune = run 7 (session 14): run 6's weights (model/train/work/run6) trained
+  # 18 more minutes with --extra-questions 4: each training task row asks up
+  # to 4 of its other needles after its answer, so a 16K context trains ~4x
+  # the retrievals for ~1% more tokens (runs 3-6 gave each long row one
+  # answer of ~10 tokens). Run 6 (13 minutes from run 5, the same phases,
+  # task-frac and lr as here, task seed 7, niah_multi:3,kv_table:2,
+  # var_track:2,section_copy:2): 320/400, 16K 83/100. Run 5 (v2 grown to 10
+  # layers): "--layers 10 --minutes 19 --phase-frac 0.15,0.25,0.4,0.2
+  # --task-frac 0.7 --lr 6e-4 --warmup 100" from models/ctxcache-ref, task
+  # seed 6. Run 4 (13 minutes at 8 layers, --phase-frac 0.1,0.2,0.45,0.25
+  # --task-frac 0.8 --lr 5e-4, task seed 3) gained 3 tasks of 200; run 3's
+  # recipe: "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7
+  # --lr 6e-4" with --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
+  TUNE_INIT=${TUNE_INIT:-model/train/work/run6}
+  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 18 --phases 4096:32,8192:16,16384:8,32768:4 \
     --phase-frac 0.1,0.2,0.5,0.2 --task-frac 0.5 --answer-weight 20 --lr 3e-4 \
     --warmup 50"}
   TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
-    --tasks-per-length 4096,6144,8192,2048 --task-seed 7 \
-    --family-weights niah_single:1,niah_multi:3,kv_table:2,var_track:2,section_copy:2"}
+    --tasks-per-length 4096,6144,8192,2048 --task-seed 8 --extra-questions 4 \
+    --family-weights niah_single:1,niah_multi:2,kv_table:2,var_track:2,section_copy:3"}
   # 4 lengths x 5 depths x 5 families x 4 = 400 held-out tasks (20 per family
   # and length; runs 2-3 had 2 per cell, a superset of which these are).
   EVAL_TASK_ARGS=${EVAL_TASK_ARGS:-"--eval-per-cell 4"}

@@ -129,6 +129,13 @@ class Tokenizer:
     def count(self, text):
         return len(self.sp.encode(text))
 
+    def newlines(self, n):
+        """n newline tokens: what the "\n\n" closing a context encodes to."""
+        nl = self.sp.piece_to_id("<0x0A>")
+        if nl == self.sp.unk_id():
+            raise ValueError("tokenizer has no <0x0A> byte piece")
+        return [nl] * n
+
 
 class DocumentPool:
     """Paragraphs of real documents in order, with their token counts.
@@ -190,8 +197,20 @@ class Task:
         self.__dict__.update(kw)
 
     def token_ids(self):
-        """[<s>] + context + question + answer: the training sequence (no </s>)."""
+        """[<s>] + context + question + answer (no </s>, no extra questions)."""
         return [BOS] + self.context_ids + self.question_ids + self.answer_ids
+
+    def training_ids(self):
+        """(ids, spans): token_ids() followed by the extra questions and their
+        answers, and the (start, length) in ids of every answer, the queried
+        one first."""
+        ids = self.token_ids()
+        spans = [(len(ids) - len(self.answer_ids), len(self.answer_ids))]
+        for q_ids, a_ids in self.extra:
+            ids = ids + q_ids
+            spans.append((len(ids), len(a_ids)))
+            ids = ids + a_ids
+        return ids, spans
 
     def to_json(self):
         return {k: self.__dict__[k] for k in (
@@ -200,31 +219,41 @@ class Task:
 
 
 def _needles(family, rng, pool, haystack_docs):
-    """Returns (inserts, question, answer, kind): inserts is a list of
-    (relative position in [0, 1] or None for 'at the depth', text)."""
+    """Returns (inserts, question, answer, kind, others): inserts is a list of
+    (relative position in [0, 1] or None for 'at the depth', text); others
+    lists (question, answer) for the task's other needles, in the queried
+    one's format (the extra questions of training rows; listing them draws
+    nothing from rng, so a task without extra questions is unchanged)."""
     used = set()
     if family in ("niah_single", "niah_multi"):
         kind = rng.choice(KINDS)
+
+        def qa(key, value):
+            return (f"Question: What is the special magic {kind} for {key} mentioned in the "
+                    f"text above?\nAnswer: The special magic {kind} for {key} is", f" {value}")
         key = _key(rng, used)
         value = _value(rng, kind)
         inserts = [(None, f"The special magic {kind} for {key} is {value}.")]
+        others = []
         if family == "niah_multi":
             for band in range(3):
-                inserts.append((rng.uniform(band / 3, (band + 1) / 3),
-                                f"The special magic {kind} for {_key(rng, used)} is "
-                                f"{_value(rng, kind)}."))
-        q = (f"Question: What is the special magic {kind} for {key} mentioned in the text "
-             f"above?\nAnswer: The special magic {kind} for {key} is")
-        return inserts, q, f" {value}", kind
+                u = rng.uniform(band / 3, (band + 1) / 3)  # draws in the original order
+                k, v = _key(rng, used), _value(rng, kind)
+                inserts.append((u, f"The special magic {kind} for {k} is {v}."))
+                others.append(qa(k, v))
+        return (inserts,) + qa(key, value) + (kind, others)
     if family == "kv_table":
         keys = [_code(rng) for _ in range(24)]
         vals = [_code(rng) for _ in range(24)]
         qi = rng.randrange(len(keys))
         body = ",\n".join(f'  "{k}": "{v}"' for k, v in zip(keys, vals))
         table = "JSON data:\n{\n" + body + "\n}"
-        q = (f'Question: In the JSON data above, what is the value of the key "{keys[qi]}"?\n'
-             f'Answer: "{keys[qi]}": "')
-        return [(None, table)], q, vals[qi], "code"
+
+        def qa(i):
+            return (f'Question: In the JSON data above, what is the value of the key '
+                    f'"{keys[i]}"?\nAnswer: "{keys[i]}": "', vals[i])
+        others = [qa(i) for i in range(len(keys)) if i != qi]
+        return ([(None, table)],) + qa(qi) + ("code", others)
     if family == "var_track":
         names = [_varname(rng, used) for _ in range(8)]
         value = str(rng.randrange(10_000, 100_000))
@@ -238,9 +267,12 @@ def _needles(family, rng, pool, haystack_docs):
         inserts.append((dpos[0], f"VAR {dist[0]} = {other}."))
         for j in range(1, 4):
             inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
-        q = (f"Question: Following the VAR assignments in the text above, what is the value "
-             f"of VAR {chain[3]}?\nAnswer: VAR {chain[3]} =")
-        return inserts, q, f" {value}", "number"
+
+        def qa(name, v):
+            return (f"Question: Following the VAR assignments in the text above, what is the "
+                    f"value of VAR {name}?\nAnswer: VAR {name} =", f" {v}")
+        others = [qa(n, value) for n in chain[:3]] + [qa(n, other) for n in dist]
+        return (inserts,) + qa(chain[3], value) + ("number", others)
     if family == "section_copy":
         far = [s for s in pool.sentences if s[0] not in haystack_docs] or pool.sentences
         picks = rng.sample(far, 6)
@@ -248,14 +280,18 @@ def _needles(family, rng, pool, haystack_docs):
         codes = set()
         while len(codes) < 6:
             codes.add(f"{rng.randrange(2, 20)}.{rng.randrange(1, 10)}")
-        codes = sorted(codes, key=lambda c: rng.random())
+        # sorted() first: a set of str iterates in an order that changes with
+        # PYTHONHASHSEED, which made these tasks differ from process to process.
+        codes = sorted(sorted(codes), key=lambda c: rng.random())
         inserts = [(None, f"Section {codes[0]} (on {topics[0]}). {picks[0][1]}")]
         for j in range(1, 6):
             inserts.append((rng.uniform(0, 1), f"Section {codes[j]} (on {topics[j]}). "
                             f"{picks[j][1]}"))
-        q = (f"Question: What did section {codes[0]} say about {topics[0]}? Quote it.\n"
-             f"Answer: Section {codes[0]} (on {topics[0]}).")
-        return inserts, q, f" {picks[0][1]}", "span"
+
+        def qa(j):
+            return (f"Question: What did section {codes[j]} say about {topics[j]}? Quote it.\n"
+                    f"Answer: Section {codes[j]} (on {topics[j]}).", f" {picks[j][1]}")
+        return (inserts,) + qa(0) + ("span", [qa(j) for j in range(1, 6)])
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
@@ -264,14 +300,39 @@ def _task_rng(seed, length, depth_index, family, index):
     return random.Random(int.from_bytes(h[:8], "little"))
 
 
-def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
+def _qa_ids(tok, question, answer):
+    """(question ids, answer ids) with question ids + answer ids ==
+    encode(question + answer)."""
+    qa_ids = tok.encode(question + answer)
+    question_ids = tok.encode(question)
+    if qa_ids[:len(question_ids)] != question_ids:
+        raise AssertionError(f"question tokens are not a prefix: {question!r}")
+    return question_ids, qa_ids[len(question_ids):]
+
+
+def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
+              extra_questions=0):
     """One task of `family` whose total tokens ([<s>] + context + question +
-    answer) are in [0.9 * length, length], with the queried needle at `depth`."""
+    answer, plus the extra questions) are in [0.9 * length, length], with the
+    queried needle at `depth`.
+
+    extra_questions > 0 (training rows only): up to that many of the task's
+    other needles (`_needles`' others, in random order) are asked after the
+    answer, each as "\n\n" + question + answer, so that one long context
+    trains several retrievals (Task.extra; niah_single has none). With 0 the
+    task is exactly the one made without the argument."""
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):
         hay = pool.haystack(rng, budget)
-        inserts, question, answer, kind = _needles(family, rng, pool, {d for d, _, _ in hay})
+        inserts, question, answer, kind, others = _needles(family, rng, pool,
+                                                           {d for d, _, _ in hay})
+        extra = []  # (ids of "\n\n" + question, answer ids)
+        if extra_questions > 0 and others:
+            for q2, a2 in rng.sample(others, min(extra_questions, len(others))):
+                q_ids, a_ids = _qa_ids(tok, q2, a2)
+                extra.append((tok.newlines(2) + q_ids, a_ids))
+        n_extra = sum(len(q) + len(a) for q, a in extra)
         paras = [p for _, p, _ in hay]
         # Place every insert on a paragraph boundary by token position: the
         # queried one (rel None) at the depth, the others at their own relative
@@ -307,11 +368,8 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
                 blocks.append(paras[i])
         # Trim whole paragraphs from the end (never an insert) until it fits.
         inserted = {t for v in slots.values() for t in v}
-        qa_ids = tok.encode(question + answer)
-        question_ids = tok.encode(question)
-        if qa_ids[:len(question_ids)] != question_ids:
-            raise AssertionError(f"question tokens are not a prefix: {question!r}")
-        answer_ids = qa_ids[len(question_ids):]
+        question_ids, answer_ids = _qa_ids(tok, question, answer)
+        qa_ids = question_ids + answer_ids + [0] * n_extra  # only its length is used below
         context = "\n\n".join(blocks) + "\n\n"
         ctx_ids = tok.encode(context)
         counts = {p: n_tok for _, p, n_tok in hay}
@@ -342,7 +400,7 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0):
                         depth=depth, kind=kind, n_tokens=1 + len(ctx_ids),
                         needle_token=needle_token, doc=pool.names[hay[0][0]], context=context,
                         question=question, answer=answer, question_ids=question_ids,
-                        answer_ids=answer_ids, context_ids=ctx_ids)
+                        answer_ids=answer_ids, context_ids=ctx_ids, extra=extra)
         budget = int(budget * (0.95 * length / total))
     raise RuntimeError(f"could not fit a {family} task into {length} tokens")
 

@@ -17,7 +17,11 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          the training documents (seeds derived from --task-seed, never the
          held-out EVAL_SEED; split over --procs shards): DATA/tasks.u16 and
          DATA/tasks_index.npy (rows: offset, tokens, answer start, answer length,
-         target length). With --eval-docs: the held-out evaluation tasks
+         target length, then with --extra-questions K: the number of extra
+         questions and K (answer start, answer length) pairs, zero-padded).
+         --extra-questions K asks up to K of a task's other needles after its
+         answer (longctx_tasks.make_task), each answer trained like the first.
+         With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
   train  --data DIR --run DIR --minutes M | --steps N
@@ -139,7 +143,7 @@ def family_schedule(weights):
 def _task_shard(args):
     """Training tasks from one shard of the training documents: per_length[j]
     tasks of lengths[j], families cycling through `schedule`."""
-    tok_path, docs, lengths, per_length, seed, shard, schedule = args
+    tok_path, docs, lengths, per_length, seed, shard, schedule, n_extra = args
     tok = lt.Tokenizer(tok_path)
     pool = lt.DocumentPool(docs, tok)
     rng = np.random.default_rng([seed, shard])
@@ -152,16 +156,23 @@ def _task_shard(args):
             fam = schedule[i % len(schedule)]
             k += 1
             try:
-                t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i)
+                t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i,
+                                 extra_questions=n_extra)
             except RuntimeError:  # a shard too small for this length
                 continue
-            seq = t.token_ids() + [EOS]
-            ans_start = 1 + len(t.context_ids) + len(t.question_ids)
+            seq, spans = t.training_ids()
+            seq = seq + [EOS]
             ids.append(np.asarray(seq, dtype=np.uint16))
-            rows.append((off, len(seq), ans_start, len(t.answer_ids), length))
+            row = [off, len(seq), spans[0][0], spans[0][1], length]
+            if n_extra:
+                row.append(len(spans) - 1)
+                for j in range(n_extra):
+                    row += list(spans[1 + j]) if 1 + j < len(spans) else [0, 0]
+            rows.append(row)
             off += len(seq)
     if not ids:
-        return np.zeros(0, dtype=np.uint16), np.zeros((0, 5), dtype=np.int64)
+        return (np.zeros(0, dtype=np.uint16),
+                np.zeros((0, 5 + (1 + 2 * n_extra if n_extra else 0)), dtype=np.int64))
     return np.concatenate(ids), np.asarray(rows, dtype=np.int64)
 
 
@@ -198,8 +209,10 @@ def cmd_prep(a):
         per = [max(1, n // procs) if n else 0 for n in per_length]
         named = [(f"train#{i}", d) for i, d in enumerate(train_docs)]
         schedule = family_schedule(a.family_weights)
-        jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule)
-                for s in range(procs)]
+        if a.extra_questions < 0:
+            raise SystemExit(f"--extra-questions must be >= 0, got {a.extra_questions}")
+        jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
+                 a.extra_questions) for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
             parts = pool.map(_task_shard, jobs, chunksize=1)
@@ -215,6 +228,8 @@ def cmd_prep(a):
         np.save(os.path.join(a.data, "tasks_index.npy"), rows)
         print(json.dumps({"tasks": len(rows), "task_tokens": int(off),
                           "family_cycle": {f: schedule.count(f) for f in lt.FAMILIES},
+                          "answers": int(len(rows) + (rows[:, 5].sum() if a.extra_questions
+                                                      else 0)),
                           "per_length": {str(L): int((rows[:, 4] == L).sum()) for L in lengths},
                           "seconds": time.time() - t0}), flush=True)
     if a.eval_docs:
@@ -278,6 +293,15 @@ def grow_state_dict(src, plan):
 
 def build_model(a, dev):
     return llama.Llama(model_config(a), seed=a.seed).to(dev)
+
+
+def task_spans(row):
+    """The (answer start, answer length) pairs of a tasks_index.npy row: the
+    queried answer, then the extra questions' (see cmd_prep)."""
+    out = [(int(row[2]), int(row[3]))]
+    if len(row) > 5:
+        out += [(int(row[6 + 2 * j]), int(row[7 + 2 * j])) for j in range(int(row[5]))]
+    return out
 
 
 def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None):
@@ -389,11 +413,13 @@ class Batcher:
                 o = int(torch.randint(0, n - fill, (1,), generator=self.gen))
                 x[r, :fill] = torch.from_numpy(self.train[o:o + fill].astype(np.int64))
             if task is not None:
-                off, ln, ans, alen = (int(v) for v in task[:4])
+                off, ln = int(task[0]), int(task[1])
                 x[r, fill:] = torch.from_numpy(self.tasks[off:off + ln].astype(np.int64))
                 # Target position p predicts x[p + 1]: answer tokens sit at
-                # fill + ans .. fill + ans + alen - 1.
-                mask[r, fill + ans - 1:fill + ans - 1 + alen] = True
+                # fill + ans .. fill + ans + alen - 1 (the queried answer, then
+                # those of the extra questions).
+                for ans, alen in task_spans(task):
+                    mask[r, fill + ans - 1:fill + ans - 1 + alen] = True
                 n_task += 1
         return x, mask, n_task
 
@@ -738,6 +764,9 @@ def main():
     p.add_argument("--tasks-per-length", default="0",
                    help="training tasks per length: one count, or one per --task-lengths entry")
     p.add_argument("--task-seed", type=int, default=1)
+    p.add_argument("--extra-questions", type=int, default=0,
+                   help="ask up to K of a training task's other needles after its answer "
+                        "(niah_multi 3, kv_table 23, var_track 7, section_copy 5, niah_single 0)")
     p.add_argument("--family-weights", default="",
                    help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")

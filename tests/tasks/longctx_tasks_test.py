@@ -68,6 +68,47 @@ class GeneratorTest(unittest.TestCase):
         self.assertEqual(hops, 3)
         self.assertEqual(rhs, t.answer.strip())
 
+    def test_extra_questions_ask_other_needles_and_fit(self):
+        want = {"niah_single": 0, "niah_multi": 3, "kv_table": 4, "var_track": 4,
+                "section_copy": 4}
+        for fam in lt.FAMILIES:
+            with self.subTest(family=fam):
+                plain = lt.make_task(self.pool, self.tok, fam, 4096, 0.3, 11)
+                again = lt.make_task(self.pool, self.tok, fam, 4096, 0.3, 11, extra_questions=0)
+                self.assertEqual(plain.to_json(), again.to_json())
+                t = lt.make_task(self.pool, self.tok, fam, 4096, 0.3, 11, extra_questions=4)
+                ids, spans = t.training_ids()
+                self.assertEqual(len(spans), 1 + want[fam])
+                self.assertLessEqual(len(ids), 4096)
+                self.assertGreaterEqual(len(ids), 0.9 * 4096)
+                self.assertEqual(ids[:len(t.token_ids())], t.token_ids())
+                self.assertEqual(spans[0], (len(t.token_ids()) - len(t.answer_ids),
+                                            len(t.answer_ids)))
+                answers = set()
+                for s, n in spans[1:]:
+                    text = self.tok.sp.decode(ids[s:s + n]).strip()
+                    self.assertIn(text, t.context)  # an answer the context holds
+                    q = self.tok.sp.decode(ids[s - 60:s])
+                    self.assertIn("Answer:", q)
+                    answers.add((self.tok.sp.decode(ids[s - 60:s]), text))
+                self.assertEqual(len(answers), want[fam])  # distinct questions
+
+    def test_tasks_do_not_depend_on_the_hash_seed(self):
+        # section_copy once ordered a set of str: its tasks changed with
+        # PYTHONHASHSEED, i.e. from one process to the next.
+        import subprocess
+        outs = []
+        for hs in ("1", "2"):
+            code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import longctx_tasks as lt;"
+                    "tok = lt.Tokenizer(sys.argv[2]); pool = lt.DocumentPool(lt.read_docs("
+                    "sys.argv[3:]), tok); print(json.dumps([t.to_json() for t in lt.generate("
+                    "pool, tok, lt.FAMILIES, [2048], [0.2, 0.8], 2, lt.EVAL_SEED)]))")
+            r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "model", "train"),
+                                TOK] + DOCS, env=dict(os.environ, PYTHONHASHSEED=hs),
+                               stdout=subprocess.PIPE, check=True, text=True)
+            outs.append(r.stdout)
+        self.assertEqual(outs[0], outs[1])
+
     def test_unknown_family_is_an_error(self):
         with self.assertRaisesRegex(ValueError, "unknown family"):
             lt.make_task(self.pool, self.tok, "nope", 4096, 0.5, 1)

@@ -232,5 +232,76 @@ class PipelineTest(unittest.TestCase):
                 self.assertEqual(int(x[r, -1]), llama.EOS)  # the task ends the row
 
 
+
+class ExtraQuestionsTest(unittest.TestCase):
+    """prep --extra-questions: a training task row asks some of its other
+    needles after its answer, and every answer is masked for the loss."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.work = tempfile.mkdtemp()
+        corpus = os.path.join(cls.work, "corpus")
+        os.makedirs(corpus)
+        with open(os.path.join(corpus, "train.txt"), "w", encoding="utf-8") as f:
+            for n in ("vim_help", "r_admin"):
+                with open(os.path.join(DEMO, n + ".txt"), encoding="utf-8") as d:
+                    f.write(d.read() + "\n\x1e\n")
+        shutil.copy(os.path.join(DEMO, "document.txt"), os.path.join(corpus, "heldout.txt"))
+        cls.data = os.path.join(cls.work, "data")
+        r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
+                            "--data", cls.data, "--procs", "1", "--tasks-per-length", "10",
+                            "--task-lengths", "2048", "--extra-questions", "3"],
+                           check=True, stdout=subprocess.PIPE, text=True)
+        cls.prep_log = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.work)
+
+    def test_rows_hold_the_extra_answers_and_the_mask_marks_all(self):
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=TOK)
+        a = argparse.Namespace(task_frac=1.0)
+        b = train.Batcher(a, self.data, torch.Generator().manual_seed(5))
+        idx = b.index
+        self.assertEqual(idx.shape[1], 5 + 1 + 2 * 3)
+        # 10 tasks cycle the 5 families: niah_single has no other needle, the
+        # others have >= 3 (niah_multi 3, kv_table 23, var_track 7, section_copy 5).
+        self.assertEqual(sorted(int(n) for n in idx[:, 5]), [0, 0] + [3] * 8)
+        tasks = [r for r in self.prep_log if "tasks" in r][0]
+        self.assertEqual(tasks["answers"], 10 + 24)
+        for row in idx:
+            o, ln = int(row[0]), int(row[1])
+            self.assertLessEqual(ln, 2048 + 1)
+            ids = b.tasks[o:o + ln].tolist()
+            spans = train.task_spans(row)
+            self.assertEqual(len(spans), 1 + int(row[5]))
+            for s, n in spans:
+                self.assertGreater(n, 0)
+                # Each answer follows "Answer: ..." and its text is in the context.
+                before = sp.decode(ids[max(0, s - 40):s])
+                self.assertIn("Answer:", before)
+                ans = sp.decode(ids[s:s + n]).strip()
+                ctx_end = spans[0][0]
+                self.assertIn(ans, sp.decode(ids[:ctx_end]))
+        x, mask, n_task = b.batch(2048, 8)
+        self.assertEqual(n_task, 8)
+        n_extra = {ln: int(n) for ln, n in zip(idx[:, 1], idx[:, 5])}
+        for r in range(8):
+            # Runs of masked targets: one per answer of the row's task.
+            m = mask[r].int().tolist()
+            runs = sum(1 for i, v in enumerate(m) if v and (i == 0 or not m[i - 1]))
+            self.assertIn(runs, {1 + n for n in n_extra.values()})
+
+    def test_negative_count_is_an_error(self):
+        r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", self.work + "/corpus",
+                            "--tok", TOK, "--data", self.work + "/bad", "--procs", "1",
+                            "--tasks-per-length", "2", "--task-lengths", "1024",
+                            "--extra-questions", "-1"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--extra-questions must be >= 0", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

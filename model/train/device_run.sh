@@ -77,8 +77,9 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
-  # tune = run 7 (session 14): run 6's weights (model/train/work/run6) trained
-  # 18 more minutes with --extra-questions 4: each training task row asks up
+  # tune = run 7 (session 14): run 6's weights (xz'd in model/train/work/run6c)
+  # trained 9 more minutes with --extra-questions 4 (an 18-minute attempt was
+  # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each training task row asks up
   # to 4 of its other needles after its answer, so a 16K context trains ~4x
   # the retrievals for ~1% more tokens (runs 3-6 gave each long row one
   # answer of ~10 tokens). Run 6 (13 minutes from run 5, the same phases,
@@ -90,8 +91,8 @@ else
   # --task-frac 0.8 --lr 5e-4, task seed 3) gained 3 tasks of 200; run 3's
   # recipe: "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7
   # --lr 6e-4" with --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
-  TUNE_INIT=${TUNE_INIT:-model/train/work/run6}
-  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 18 --phases 4096:32,8192:16,16384:8,32768:4 \
+  TUNE_INIT=${TUNE_INIT:-model/train/work/run6c}
+  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 9 --phases 4096:32,8192:16,16384:8,32768:4 \
     --phase-frac 0.1,0.2,0.5,0.2 --task-frac 0.5 --answer-weight 20 --lr 3e-4 \
     --warmup 50"}
   TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \

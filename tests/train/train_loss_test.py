@@ -186,24 +186,30 @@ class FamilyScheduleTest(unittest.TestCase):
             self.assertIn("--family-weights", str(cm.exception))
 
 
+def prep_demo_corpus(cls, train_docs, prep_args):
+    """Sets cls.work (a temp dir), cls.data and cls.prep_log: train.py prep on
+    a corpus of the named demo documents (held out: document.txt)."""
+    cls.work = tempfile.mkdtemp()
+    corpus = os.path.join(cls.work, "corpus")
+    os.makedirs(corpus)
+    with open(os.path.join(corpus, "train.txt"), "w", encoding="utf-8") as f:
+        for n in train_docs:
+            with open(os.path.join(DEMO, n + ".txt"), encoding="utf-8") as d:
+                f.write(d.read() + "\n\x1e\n")
+    shutil.copy(os.path.join(DEMO, "document.txt"), os.path.join(corpus, "heldout.txt"))
+    cls.data = os.path.join(cls.work, "data")
+    r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
+                        "--data", cls.data, "--procs", "1"] + prep_args,
+                       check=True, stdout=subprocess.PIPE, text=True)
+    cls.prep_log = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+
+
 class PipelineTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.work = tempfile.mkdtemp()
-        corpus = os.path.join(cls.work, "corpus")
-        os.makedirs(corpus)
-        with open(os.path.join(corpus, "train.txt"), "w", encoding="utf-8") as f:
-            for n in ("vim_help", "r_admin", "linux_firmware_guide"):
-                with open(os.path.join(DEMO, n + ".txt"), encoding="utf-8") as d:
-                    f.write(d.read() + "\n\x1e\n")
-        shutil.copy(os.path.join(DEMO, "document.txt"), os.path.join(corpus, "heldout.txt"))
-        cls.data = os.path.join(cls.work, "data")
-        r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
-                            "--data", cls.data, "--procs", "1", "--tasks-per-length", "20",
-                            "--task-lengths", "512,1024", "--family-weights",
-                            "niah_single:1,kv_table:2,section_copy:1"],
-                           check=True, stdout=subprocess.PIPE, text=True)
-        cls.prep_log = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        prep_demo_corpus(cls, ("vim_help", "r_admin", "linux_firmware_guide"),
+                         ["--tasks-per-length", "20", "--task-lengths", "512,1024",
+                          "--family-weights", "niah_single:1,kv_table:2,section_copy:1"])
 
     @classmethod
     def tearDownClass(cls):
@@ -239,20 +245,9 @@ class ExtraQuestionsTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.work = tempfile.mkdtemp()
-        corpus = os.path.join(cls.work, "corpus")
-        os.makedirs(corpus)
-        with open(os.path.join(corpus, "train.txt"), "w", encoding="utf-8") as f:
-            for n in ("vim_help", "r_admin"):
-                with open(os.path.join(DEMO, n + ".txt"), encoding="utf-8") as d:
-                    f.write(d.read() + "\n\x1e\n")
-        shutil.copy(os.path.join(DEMO, "document.txt"), os.path.join(corpus, "heldout.txt"))
-        cls.data = os.path.join(cls.work, "data")
-        r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", corpus, "--tok", TOK,
-                            "--data", cls.data, "--procs", "1", "--tasks-per-length", "10",
-                            "--task-lengths", "2048", "--extra-questions", "3"],
-                           check=True, stdout=subprocess.PIPE, text=True)
-        cls.prep_log = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        prep_demo_corpus(cls, ("vim_help", "r_admin"),
+                         ["--tasks-per-length", "10", "--task-lengths", "2048",
+                          "--extra-questions", "3"])
 
     @classmethod
     def tearDownClass(cls):

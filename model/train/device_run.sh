@@ -79,10 +79,11 @@ else
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
   # tune = run 7 (session 14): run 6's weights (xz'd in model/train/work/run6c)
   # trained 9 more minutes with --extra-questions 4 (an 18-minute attempt was
-  # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each training task row asks up
-  # to 4 of its other needles after its answer, so a 16K context trains ~4x
-  # the retrievals for ~1% more tokens (runs 3-6 gave each long row one
-  # answer of ~10 tokens). Run 6 (13 minutes from run 5, the same phases,
+  # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each
+  # training task row asks up to 4 of its other needles after its answer, so
+  # a 16K context trains ~4x the retrievals for ~1% more tokens (runs 3-6 gave
+  # each long row one answer of ~10 tokens). Result: 321/400, four families
+  # up and var_track down 60 -> 45 of 80. Run 6 (13 minutes from run 5, the same phases,
   # task-frac and lr as here, task seed 7, niah_multi:3,kv_table:2,
   # var_track:2,section_copy:2): 320/400, 16K 83/100. Run 5 (v2 grown to 10
   # layers): "--layers 10 --minutes 19 --phase-frac 0.15,0.25,0.4,0.2

@@ -5,8 +5,12 @@
 # (tests/repo/tree_size_test.sh). Idempotent: a target newer than its .xz is
 # kept. Writes to a temp file and renames, so an interrupted run leaves no
 # truncated shard. Uses xz(1), or Python's lzma where xz is absent.
+#   unpack-models.sh [ROOT [DIR]]   ROOT: the repository (default: this script's);
+#   DIR: the folder searched instead of ROOT/models (model/train/device_run.sh
+#   unpacks a saved model it carries this way).
 set -euo pipefail
 root="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
+dir="${2:-$root/models}"
 n=0
 while IFS= read -r -d '' src; do
   dst="${src%.xz}"
@@ -19,5 +23,5 @@ while IFS= read -r -d '' src; do
   fi
   mv -f "$tmp" "$dst"
   n=$((n + 1))
-done < <(find "$root/models" -name '*.safetensors.xz' -print0)
-echo "unpack-models: $n shard(s) unpacked under $root/models"
+done < <(find "$dir" -name '*.safetensors.xz' -print0)
+echo "unpack-models: $n shard(s) unpacked under $dir"

@@ -10,15 +10,16 @@
 #           ~STOP_AT seconds. BENCH=1 adds the throughput bench (~1 min).
 #   watch:  watch the training until DONE or ~STOP_AT seconds (training goes on
 #           between calls while the machine is warm).
-#   tune:   continued training (v2 runs 3-6): unpack the weights in $TUNE_INIT
-#           (default the shipped models/ctxcache-ref; any folder of a saved
-#           model, shards raw or xz'd), prep the data with TUNE_TASK_ARGS (new
-#           task seed), no smoke test (the recipe ran in run 2; --init-from is
-#           covered by the CPU ctest train_cpu_smoke), train from those weights
-#           with TUNE_ARGS in the background, watch. EVAL_ALSO=DIR also runs
-#           evalsaved on the saved model in DIR in the background, sharing the
-#           GPU with the training; watch copies its results to $OUT/evalsaved
-#           once done. Then watch / finish as after prep.
+#   tune:   continued training (v2 runs 3-7): unpack the weights in $TUNE_INIT
+#           (any folder of a saved model, shards raw or xz'd; default run 6's,
+#           see TUNE_INIT below; runs 3-5 started from models/ctxcache-ref),
+#           prep the data with TUNE_TASK_ARGS (new task seed), no smoke test
+#           (the recipe ran in run 2; --init-from is covered by the CPU ctest
+#           train_cpu_smoke), train from those weights with TUNE_ARGS in the
+#           background, watch. EVAL_ALSO=DIR also runs evalsaved on the saved
+#           model in DIR in the background, sharing the GPU with the training;
+#           watch copies its results to $OUT/evalsaved once done. Then watch /
+#           finish as after prep.
 #   resume: the training process is gone (crash, out of memory) but $W/run has a
 #           checkpoint: restart it with --resume, then watch.
 #   finish: wait for DONE, evaluate (perplexity 1K..32K, sinks, task accuracy by
@@ -83,9 +84,9 @@ else
   # training task row asks up to 4 of its other needles after its answer, so
   # a 16K context trains ~4x the retrievals for ~1% more tokens (runs 3-6 gave
   # each long row one answer of ~10 tokens). Result: 321/400, four families
-  # up and var_track down 60 -> 45 of 80. Run 6 (13 minutes from run 5, the same phases,
-  # task-frac and lr as here, task seed 7, niah_multi:3,kv_table:2,
-  # var_track:2,section_copy:2): 320/400, 16K 83/100. Run 5 (v2 grown to 10
+  # up and var_track down 60 -> 45 of 80. Run 6 (13 minutes from run 5, the
+  # same phases, task-frac and lr as here, task seed 7, niah_multi:3,
+  # kv_table:2,var_track:2,section_copy:2): 320/400, 16K 83/100. Run 5 (v2 grown to 10
   # layers): "--layers 10 --minutes 19 --phase-frac 0.15,0.25,0.4,0.2
   # --task-frac 0.7 --lr 6e-4 --warmup 100" from models/ctxcache-ref, task
   # seed 6. Run 4 (13 minutes at 8 layers, --phase-frac 0.1,0.2,0.45,0.25
@@ -199,9 +200,10 @@ do_prep() {
   start_training
   watch
 }
-unxz_dir() {  # $1/X.xz -> $1/X for the shards and heldout.txt, unless X is there
-  for f in $1/*.safetensors.xz $1/heldout.txt.xz; do
-    if [ -f "$f" ] && [ ! -f "${f%.xz}" ]; then xz -dk -T0 "$f"; fi; done
+unxz_dir() {  # a saved model's xz'd shards (scripts/unpack-models.sh) and heldout.txt.xz
+  bash scripts/unpack-models.sh . "$1"
+  if [ -f $1/heldout.txt.xz ] && [ ! -f $1/heldout.txt ]; then
+    xz -dc $1/heldout.txt.xz > $1/heldout.txt.tmp && mv $1/heldout.txt.tmp $1/heldout.txt; fi
 }
 do_tune() {
   if [ "${TINY:-0}" = 1 ]; then tiny_carry; else

@@ -369,14 +369,14 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
         # Trim whole paragraphs from the end (never an insert) until it fits.
         inserted = {t for v in slots.values() for t in v}
         question_ids, answer_ids = _qa_ids(tok, question, answer)
-        qa_ids = question_ids + answer_ids + [0] * n_extra  # only its length is used below
+        n_qa = len(question_ids) + len(answer_ids) + n_extra  # tokens after the context
         context = "\n\n".join(blocks) + "\n\n"
         ctx_ids = tok.encode(context)
         counts = {p: n_tok for _, p, n_tok in hay}
-        while 1 + len(ctx_ids) + len(qa_ids) > length:
+        while 1 + len(ctx_ids) + n_qa > length:
             # Drop trailing paragraphs (never an insert) worth the excess, then
             # re-encode once.
-            excess = 1 + len(ctx_ids) + len(qa_ids) - length
+            excess = 1 + len(ctx_ids) + n_qa - length
             dropped = False
             while excess > 0:
                 drop = next((j for j in range(len(blocks) - 1, -1, -1)
@@ -390,7 +390,7 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
                 break
             context = "\n\n".join(blocks) + "\n\n"
             ctx_ids = tok.encode(context)
-        total = 1 + len(ctx_ids) + len(qa_ids)
+        total = 1 + len(ctx_ids) + n_qa
         if 0.9 * length <= total <= length:
             needle = inserts[0][1]
             start = context.index(needle)

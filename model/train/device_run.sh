@@ -20,6 +20,7 @@
 #           model in DIR in the background, sharing the GPU with the training;
 #           watch copies its results to $OUT/evalsaved once done. Then watch /
 #           finish as after prep.
+#   progress: one JSON line, the training's last logged step (device_sweep.sh).
 #   resume: the training process is gone (crash, out of memory) but $W/run has a
 #           checkpoint: restart it with --resume, then watch.
 #   finish: wait for DONE, evaluate (perplexity 1K..32K, sinks, task accuracy by
@@ -106,6 +107,10 @@ else
   EVAL_ARGS=""
   SMOKE_EVAL="--eval-tokens 40000 --task-limit 10"
 fi
+# TUNE_MORE / TUNE_TASK_MORE are appended (a repeated train.py flag: the last
+# one wins), so device_sweep.sh varies one recipe without restating it.
+TUNE_ARGS="$TUNE_ARGS ${TUNE_MORE:-}"
+TUNE_TASK_ARGS="$TUNE_TASK_ARGS ${TUNE_TASK_MORE:-}"
 mkdir -p $W
 # The carry may hold heldout.txt.xz instead of heldout.txt (the tracked tree
 # plus the carry must stay under the 64 MiB a device call takes).
@@ -285,6 +290,7 @@ evalsaved) do_evalsaved ;;
 prep) do_prep ;;
 tune) do_tune ;;
 watch) watch ;;
+progress) progress ;;
 resume)
   if kill -0 $(cat $W/train.pid) 2>/dev/null; then echo "still running"; else start_training; fi
   watch
@@ -299,7 +305,7 @@ dry)
   echo "dry run passed after $(( $(date +%s) - T0 )) s of watch+finish"
   ;;
 *)
-  echo "usage: $0 prep|tune|watch|resume|finish|evalsaved   (TINY=1 $0 dry: CPU dry run)" >&2
+  echo "usage: $0 prep|tune|watch|progress|resume|finish|evalsaved   (TINY=1 $0 dry: CPU dry run)" >&2
   exit 2
   ;;
 esac

@@ -221,9 +221,11 @@ class Task:
 def _needles(family, rng, pool, haystack_docs):
     """Returns (inserts, question, answer, kind, others): inserts is a list of
     (relative position in [0, 1] or None for 'at the depth', text); others
-    lists (question, answer) for the task's other needles, in the queried
-    one's format (the extra questions of training rows; listing them draws
-    nothing from rng, so a task without extra questions is unchanged)."""
+    lists (question, answer, is_distractor) for the task's other needles, in
+    the queried one's format (the extra questions of training rows; listing
+    them draws nothing from rng, so a task without extra questions is
+    unchanged). is_distractor marks a needle planted to be confused with the
+    queried one (var_track's other chain); the rest are its peers."""
     used = set()
     if family in ("niah_single", "niah_multi"):
         kind = rng.choice(KINDS)
@@ -240,7 +242,7 @@ def _needles(family, rng, pool, haystack_docs):
                 u = rng.uniform(band / 3, (band + 1) / 3)  # draws in the original order
                 k, v = _key(rng, used), _value(rng, kind)
                 inserts.append((u, f"The special magic {kind} for {k} is {v}."))
-                others.append(qa(k, v))
+                others.append(qa(k, v) + (False,))
         return (inserts,) + qa(key, value) + (kind, others)
     if family == "kv_table":
         keys = [_code(rng) for _ in range(24)]
@@ -252,7 +254,7 @@ def _needles(family, rng, pool, haystack_docs):
         def qa(i):
             return (f'Question: In the JSON data above, what is the value of the key '
                     f'"{keys[i]}"?\nAnswer: "{keys[i]}": "', vals[i])
-        others = [qa(i) for i in range(len(keys)) if i != qi]
+        others = [qa(i) + (False,) for i in range(len(keys)) if i != qi]
         return ([(None, table)],) + qa(qi) + ("code", others)
     if family == "var_track":
         names = [_varname(rng, used) for _ in range(8)]
@@ -271,7 +273,8 @@ def _needles(family, rng, pool, haystack_docs):
         def qa(name, v):
             return (f"Question: Following the VAR assignments in the text above, what is the "
                     f"value of VAR {name}?\nAnswer: VAR {name} =", f" {v}")
-        others = [qa(n, value) for n in chain[:3]] + [qa(n, other) for n in dist]
+        others = ([qa(n, value) + (False,) for n in chain[:3]]
+                  + [qa(n, other) + (True,) for n in dist])
         return (inserts,) + qa(chain[3], value) + ("number", others)
     if family == "section_copy":
         far = [s for s in pool.sentences if s[0] not in haystack_docs] or pool.sentences
@@ -291,7 +294,7 @@ def _needles(family, rng, pool, haystack_docs):
         def qa(j):
             return (f"Question: What did section {codes[j]} say about {topics[j]}? Quote it.\n"
                     f"Answer: Section {codes[j]} (on {topics[j]}).", f" {picks[j][1]}")
-        return (inserts,) + qa(0) + ("span", [qa(j) for j in range(1, 6)])
+        return (inserts,) + qa(0) + ("span", [qa(j) + (False,) for j in range(1, 6)])
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
@@ -311,7 +314,7 @@ def _qa_ids(tok, question, answer):
 
 
 def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
-              extra_questions=0):
+              extra_questions=0, distractor_questions=True):
     """One task of `family` whose total tokens ([<s>] + context + question +
     answer, plus the extra questions) are in [0.9 * length, length], with the
     queried needle at `depth`.
@@ -320,7 +323,9 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     other needles (`_needles`' others, in random order) are asked after the
     answer, each as "\n\n" + question + answer, so that one long context
     trains several retrievals (Task.extra; niah_single has none). With 0 the
-    task is exactly the one made without the argument."""
+    task is exactly the one made without the argument. distractor_questions=False
+    leaves the distractor needles out of that choice (var_track then asks only
+    the queried chain's earlier links, whose answer is the queried one's)."""
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):
@@ -328,8 +333,10 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
         inserts, question, answer, kind, others = _needles(family, rng, pool,
                                                            {d for d, _, _ in hay})
         extra = []  # (ids of "\n\n" + question, answer ids)
+        if not distractor_questions:
+            others = [o for o in others if not o[2]]
         if extra_questions > 0 and others:
-            for q2, a2 in rng.sample(others, min(extra_questions, len(others))):
+            for q2, a2, _ in rng.sample(others, min(extra_questions, len(others))):
                 q_ids, a_ids = _qa_ids(tok, q2, a2)
                 extra.append((tok.newlines(2) + q_ids, a_ids))
         n_extra = sum(len(q) + len(a) for q, a in extra)

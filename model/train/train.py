@@ -143,7 +143,7 @@ def family_schedule(weights):
 def _task_shard(args):
     """Training tasks from one shard of the training documents: per_length[j]
     tasks of lengths[j], families cycling through `schedule`."""
-    tok_path, docs, lengths, per_length, seed, shard, schedule, n_extra = args
+    tok_path, docs, lengths, per_length, seed, shard, schedule, n_extra, distractors = args
     tok = lt.Tokenizer(tok_path)
     pool = lt.DocumentPool(docs, tok)
     rng = np.random.default_rng([seed, shard])
@@ -157,7 +157,7 @@ def _task_shard(args):
             k += 1
             try:
                 t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i,
-                                 extra_questions=n_extra)
+                                 extra_questions=n_extra, distractor_questions=distractors)
             except RuntimeError:  # a shard too small for this length
                 continue
             seq, spans = t.training_ids()
@@ -212,7 +212,7 @@ def cmd_prep(a):
         if a.extra_questions < 0:
             raise SystemExit(f"--extra-questions must be >= 0, got {a.extra_questions}")
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
-                 a.extra_questions) for s in range(procs)]
+                 a.extra_questions, not a.no_distractor_questions) for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
             parts = pool.map(_task_shard, jobs, chunksize=1)
@@ -767,6 +767,9 @@ def main():
     p.add_argument("--extra-questions", type=int, default=0,
                    help="ask up to K of a training task's other needles after its answer "
                         "(niah_multi 3, kv_table 23, var_track 7, section_copy 5, niah_single 0)")
+    p.add_argument("--no-distractor-questions", action="store_true",
+                   help="extra questions skip distractor needles (var_track asks only the "
+                        "queried chain's 3 earlier links, not the other chain's 4)")
     p.add_argument("--family-weights", default="",
                    help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")

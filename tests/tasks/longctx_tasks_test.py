@@ -93,6 +93,26 @@ class GeneratorTest(unittest.TestCase):
                     answers.add((self.tok.sp.decode(ids[s - 60:s]), text))
                 self.assertEqual(len(answers), want[fam])  # distinct questions
 
+    def test_no_distractor_questions_asks_only_the_queried_chain(self):
+        answers = {True: set(), False: set()}
+        for seed in range(3):
+            for distractors in (True, False):
+                t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 20 + seed,
+                                 extra_questions=7, distractor_questions=distractors)
+                ids, spans = t.training_ids()
+                extra = [self.tok.sp.decode(ids[s:s + n]).strip() for s, n in spans[1:]]
+                # all 7 others (3 chain links + 4 distractor links), or the 3 links only
+                self.assertEqual(len(extra), 7 if distractors else 3)
+                answers[distractors].update(a != t.answer.strip() for a in extra)
+        self.assertEqual(answers[False], {False})  # every answer is the queried value
+        self.assertEqual(answers[True], {False, True})
+        # The peers of the other families are not distractors: unchanged.
+        for fam in ("niah_multi", "kv_table", "section_copy"):
+            a = lt.make_task(self.pool, self.tok, fam, 4096, 0.3, 11, extra_questions=4)
+            b = lt.make_task(self.pool, self.tok, fam, 4096, 0.3, 11, extra_questions=4,
+                             distractor_questions=False)
+            self.assertEqual(a.training_ids(), b.training_ids())
+
     def test_tasks_do_not_depend_on_the_hash_seed(self):
         # section_copy once ordered a set of str: its tasks changed with
         # PYTHONHASHSEED, i.e. from one process to the next.

@@ -288,6 +288,23 @@ class ExtraQuestionsTest(unittest.TestCase):
             runs = sum(1 for i, v in enumerate(m) if v and (i == 0 or not m[i - 1]))
             self.assertIn(runs, {1 + n for n in n_extra.values()})
 
+    def test_no_distractor_questions_flag_reaches_the_tasks(self):
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=TOK)
+        data = os.path.join(self.work, "nodist")
+        subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", self.work + "/corpus",
+                        "--tok", TOK, "--data", data, "--procs", "1", "--splits", "train",
+                        "--tasks-per-length", "3", "--task-lengths", "2048",
+                        "--family-weights", "var_track:1", "--extra-questions", "4",
+                        "--no-distractor-questions"], check=True, stdout=subprocess.PIPE)
+        idx = np.load(os.path.join(data, "tasks_index.npy"))
+        tasks = np.fromfile(os.path.join(data, "tasks.u16"), dtype=np.uint16)
+        self.assertEqual(idx[:, 5].tolist(), [3, 3, 3])  # the chain's 3 earlier links
+        for row in idx:
+            ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+            got = {sp.decode(ids[s:s + n]).strip() for s, n in train.task_spans(row)}
+            self.assertEqual(len(got), 1)  # every answer is the queried chain's value
+
     def test_negative_count_is_an_error(self):
         r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", self.work + "/corpus",
                             "--tok", TOK, "--data", self.work + "/bad", "--procs", "1",

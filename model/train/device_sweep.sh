@@ -5,17 +5,25 @@
 # and a few flags appended to the shared recipe (TUNE_MORE / TUNE_TASK_MORE:
 # a repeated train.py flag, the last one wins). Runs from the repository root.
 #   start:  unpack the init model and the carried held-out text once, start
-#           every variant (prep, then training in the background), report
-#           progress until ~STOP_AT seconds.
-#   wait:   report progress until every variant is DONE or ~STOP_AT seconds;
-#           then finish in the same call when that leaves time (FINISH_BEFORE).
-#   finish: device_run.sh finish for every variant at once (each on its GPU),
-#           their evaluations to $OUT/NAME/ (pack.tar: train.py eval's files,
-#           log, summary), a table of the 16K accuracy, and the weights of the
-#           best variant (most 16K tasks right; TAKE=NAME picks another).
+#           every variant (prep, then training in the background), then wait.
+#   wait:   until ~STOP_AT seconds, or until every variant is evaluated or has
+#           failed: a variant whose training is DONE is evaluated at once
+#           (device_run.sh finish on its GPU, started with setsid so that it
+#           runs on between calls). Every call ends by collecting what is
+#           finished into $OUT: each evaluated variant's pack.tar (train.py
+#           eval's files, log, summary) in $OUT/NAME/, summary16k.jsonl (16K
+#           accuracy by family), and once all are in, the best variant's
+#           weights (most 16K tasks right; TAKE=NAME picks another).
 #   take NAME: a variant's weights to $OUT/NAME/, in the evalsaved layout
 #           (xz'd shards, config, index, and the init's tokenizer, docs.tsv,
 #           heldout.txt.xz and unigram_counts.npy): a later tune's TUNE_INIT.
+#   report: the state of every variant, and the evaluated ones' 16K accuracy.
+# The machine goes back 30 s after a call ends; a next call that comes later
+# gets a fresh machine, where wait/take/report stop at once (exit 3) instead
+# of waiting on a sweep that is gone. So choose --minutes such that training
+# ends with ~4 minutes left in a call for the evaluations (run 8's 17 minutes
+# ended 10 s before its second call did, and the third call found a fresh
+# machine: NOTES.md).
 # VARIANTS: one "NAME|TUNE_TASK_MORE|TUNE_MORE" per line (the default below).
 # TINY=1: the same on the CPU with device_run.sh's tiny model (TUNE_INIT
 # defaults to the dry run's saved model), R=model/train/work/sweep-tiny.
@@ -23,7 +31,6 @@ set -e
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 STOP_AT=${STOP_AT:-570}
-FINISH_BEFORE=${FINISH_BEFORE:-330}
 if [ "${TINY:-0}" = 1 ]; then
   R=${R:-model/train/work/sweep-tiny}
   TUNE_INIT=${TUNE_INIT:-model/train/work/tiny/saved}
@@ -44,7 +51,6 @@ nodist|--no-distractor-questions|
 nodist-k8|--no-distractor-questions --extra-questions 8|
 nodist-tf07|--no-distractor-questions|--task-frac 0.7"}
 C=model/train/work/carry
-mkdir -p $R
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }
@@ -59,33 +65,62 @@ run_for() {  # run_for NAME CMD: device_run.sh CMD for variant NAME
     TUNE_TASK_MORE="$SWEEP_TASK_MORE $(field $n 2)" TUNE_MORE="$SWEEP_MORE $(field $n 3)" \
     bash model/train/device_run.sh "$@"
 }
-report() {
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+state_of() {  # training | DONE | evaluating | evaluated | eval failed | training died
+  local n=$1
+  if [ -f $R/$n/finish.rc ]; then
+    [ "$(cat $R/$n/finish.rc)" = 0 ] && echo evaluated || echo "eval failed"
+  elif [ -f $R/$n/finish.pid ]; then echo evaluating
+  elif [ -f $R/$n/run/DONE ]; then echo DONE
+  elif alive $R/$n/train.pid; then echo training
+  else echo "training died"; fi
+}
+report() {  # one short line per variant
   for n in $(names); do
-    local s="running"
-    [ -f $R/$n/run/DONE ] && s="DONE"
-    if ! [ -f $R/$n/run/DONE ] && ! kill -0 $(cat $R/$n/train.pid 2>/dev/null || echo 0) 2>/dev/null; then
-      s="NOT RUNNING"; fi
-    echo "$n [$s] $(run_for $n progress 2>/dev/null | tail -1)"
+    local p
+    p=$(run_for $n progress 2>/dev/null | tail -1 | python3 -c "
+import json, sys
+try:
+    r = json.loads(sys.stdin.read())
+    print(f\"step {r['step']} seq {r['seq']} {r['elapsed_s']}s val {r['val_loss']}\")
+except Exception:
+    print('-')")
+    echo "  $n: $(state_of $n); $p"
   done
 }
-all_done() { for n in $(names); do [ -f $R/$n/run/DONE ] || return 1; done; }
-any_dead() {
+settled() {  # every variant evaluated, or failed for good
   for n in $(names); do
-    [ -f $R/$n/run/DONE ] && continue
-    kill -0 $(cat $R/$n/train.pid 2>/dev/null || echo 0) 2>/dev/null || return 0
+    case "$(state_of $n)" in training|DONE|evaluating) return 1 ;; esac
   done
-  return 1
+}
+need_sweep() {
+  [ -d $R ] && [ -n "$(ls $R)" ] || { echo "no sweep in $R on this machine: it is a fresh" \
+    "machine (the warm one went back between calls), and what ran there is lost"; exit 3; }
+}
+start_evals() {
+  for n in $(names); do
+    if [ "$(state_of $n)" = DONE ]; then
+      setsid nohup bash model/train/device_sweep.sh finish1 $n > $R/$n.finish.log 2>&1 < /dev/null &
+      echo $! > $R/$n/finish.pid
+      echo "$(( $(date +%s) - T0 )) s: $n DONE, evaluating"
+    fi
+  done
 }
 wait_loop() {
+  # Each variant's evaluation starts as soon as its training is DONE (setsid:
+  # it runs on between calls while the machine is warm), and every call ends
+  # with collect, so a call that ends leaves what is finished in $OUT.
   local last=0
-  while [ $(( $(date +%s) - T0 )) -lt $STOP_AT ] && ! all_done; do
-    if any_dead; then echo "a variant's training is gone:"; report
-      for n in $(names); do tail -5 $R/$n/train.log 2>/dev/null | cut -c1-300; done; exit 1; fi
-    if [ $(( $(date +%s) - last )) -ge 120 ]; then
+  while [ $(( $(date +%s) - T0 )) -lt $STOP_AT ]; do
+    start_evals
+    settled && break
+    if [ $(( $(date +%s) - last )) -ge ${REPORT_EVERY:-240} ]; then
       echo "--- $(( $(date +%s) - T0 )) s"; report; last=$(date +%s); fi
     sleep 10
   done
+  start_evals
   echo "--- $(( $(date +%s) - T0 )) s"; report
+  collect
 }
 do_start() {
   [ "${TINY:-0}" = 1 ] || nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
@@ -97,8 +132,9 @@ do_start() {
   if [ ! -f $C/heldout.txt ] && [ -f $C/heldout.txt.xz ]; then
     xz -dc $C/heldout.txt.xz > $C/heldout.txt.tmp && mv $C/heldout.txt.tmp $C/heldout.txt; fi
   local pids=""
+  mkdir -p $R
   for n in $(names); do
-    rm -rf $R/$n && mkdir -p $R/$n
+    rm -rf $R/$n $R/$n.*.log && mkdir -p $R/$n
     # STOP_AT=0: tune preps, starts the training in the background and returns.
     (STOP_AT=0 run_for $n tune > $R/$n.tune.log 2>&1) &
     pids="$pids $!"
@@ -107,16 +143,16 @@ do_start() {
   done
   local bad=0
   for p in $pids; do wait $p || bad=1; done
-  for n in $(names); do grep -E '"tasks"|answers|training started' $R/$n.tune.log | cut -c1-250; done
+  for n in $(names); do grep -E '"tasks"' $R/$n.tune.log | cut -c1-200; done
   if [ $bad = 1 ]; then
     for n in $(names); do echo "== $n"; tail -8 $R/$n.tune.log | cut -c1-300; done
     echo "a variant failed to start"; exit 1; fi
   echo "all started after $(( $(date +%s) - T0 )) s"
   wait_loop
 }
-summary16k() {  # one line per variant: its 16K accuracy by family
+summary16k() {  # one line per evaluated variant: its 16K accuracy by family
   for n in $(names); do
-    [ -f $R/$n/eval/eval.json ] || { echo "$n: no eval.json"; continue; }
+    [ -f $R/$n/eval/eval.json ] || continue
     python3 - $n $R/$n/eval/eval.json <<'PYEOF'
 import json, sys
 e = json.load(open(sys.argv[2]))
@@ -140,43 +176,34 @@ do_take() {
     [ -f $TUNE_INIT/$f ] && cp $TUNE_INIT/$f $d/; done
   echo "take: $n -> \$OUT/$n ($(du -sh $d | cut -f1))"
 }
-do_finish() {
-  local pids=""
+collect() {  # what is finished, to $OUT: evaluations, and the best weights once all are in
+  [ -n "${OUT:-}" ] || return 0
+  mkdir -p $OUT
   for n in $(names); do
-    (run_for $n finish > $R/$n.finish.log 2>&1) &
-    pids="$pids $!"
+    if [ "$(state_of $n)" = evaluated ]; then
+      mkdir -p $OUT/$n && cp $R/$n/out/pack.tar $OUT/$n/
+    elif [ "$(state_of $n)" = "eval failed" ]; then
+      echo "== $n: evaluation failed"; tail -8 $R/$n.finish.log | cut -c1-300
+    elif [ "$(state_of $n)" = "training died" ]; then
+      echo "== $n: training died"; grep -v Warn $R/$n/train.log | tail -8 | cut -c1-300; fi
   done
-  local bad=0
-  for p in $pids; do wait $p || bad=1; done
-  for n in $(names); do
-    mkdir -p $OUT/$n
-    cp $R/$n/out/pack.tar $OUT/$n/ 2>/dev/null || { echo "== $n: no pack.tar"; tail -8 $R/$n.finish.log; bad=1; }
-    grep -E '"ppl|perplexity|accuracy' $R/$n.finish.log | head -4 | cut -c1-300 || true
-  done
-  summary16k | tee $OUT/summary16k.jsonl
+  summary16k > $OUT/summary16k.jsonl
+  cat $OUT/summary16k.jsonl
+  settled || { echo "not all evaluated yet: call wait again"; return 0; }
   local best=${TAKE:-$(python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 print(max(rows, key=lambda r: (r['16K_sum'], r['correct']))['variant'] if rows else '')
 " $OUT/summary16k.jsonl)}
-  [ -n "$best" ] && do_take $best
-  echo "finish done after $(( $(date +%s) - T0 )) s"
-  return $bad
+  if [ -n "$best" ]; then do_take $best; fi
+  echo "sweep complete after $(( $(date +%s) - T0 )) s of this call"
 }
 case "$1" in
 start) do_start ;;
-wait)
-  wait_loop
-  if all_done && [ $(( $(date +%s) - T0 )) -lt $FINISH_BEFORE ]; then do_finish
-  elif all_done; then echo "all DONE: call finish"
-  else echo "still training: call wait again"; fi ;;
-finish)
-  while ! all_done; do
-    if any_dead; then report; exit 1; fi
-    sleep 5
-  done
-  do_finish ;;
-take) do_take "$2" ;;
-report) report; summary16k ;;
-*) echo "usage: $0 start|wait|finish|take NAME|report" >&2; exit 2 ;;
+wait) need_sweep; wait_loop ;;
+finish1)  # one variant's evaluation (wait_loop starts it with setsid)
+  set +e; run_for "$2" finish; echo $? > $R/$2/finish.rc.tmp; mv $R/$2/finish.rc.tmp $R/$2/finish.rc ;;
+take) need_sweep; do_take "$2" ;;
+report) need_sweep; report; summary16k ;;
+*) echo "usage: $0 start|wait|take NAME|report" >&2; exit 2 ;;
 esac

@@ -18,6 +18,12 @@
 #           (xz'd shards, config, index, and the init's tokenizer, docs.tsv,
 #           heldout.txt.xz and unigram_counts.npy): a later tune's TUNE_INIT.
 #   report: the state of every variant, and the evaluated ones' 16K accuracy.
+#   stage:  copy the carried model/train/work/stage/* to $STAGE (kept while the
+#           machine stays warm): data that does not fit into start's carry
+#           beside the init model and the corpus, e.g. make_corpus.py's
+#           train_extra.txt.xz for a variant's "--extra-train $STAGE/...".
+#           start checks that every --extra-train file is there (exit 3 if not:
+#           a fresh machine, stage again).
 # The machine goes back 30 s after a call ends; a next call that comes later
 # gets a fresh machine, where wait/take/report stop at once (exit 3) instead
 # of waiting on a sweep that is gone. So choose --minutes such that training
@@ -33,10 +39,12 @@ T0=$(date +%s)
 STOP_AT=${STOP_AT:-570}
 if [ "${TINY:-0}" = 1 ]; then
   R=${R:-model/train/work/sweep-tiny}
+  STAGE=${STAGE:-model/train/work/stage-tiny}
   TUNE_INIT=${TUNE_INIT:-model/train/work/tiny/saved}
   STOP_AT=${STOP_AT_TINY:-$STOP_AT}
 else
   R=${R:-/root/sweep}
+  STAGE=${STAGE:-/root/stage}
   TUNE_INIT=${TUNE_INIT:-model/train/work/run7c}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
@@ -122,7 +130,22 @@ wait_loop() {
   echo "--- $(( $(date +%s) - T0 )) s"; report
   collect
 }
+do_stage() {
+  mkdir -p $STAGE
+  cp model/train/work/stage/* $STAGE/
+  for f in $STAGE/*.xz; do [ -f "$f" ] && xz -t "$f"; done
+  ls -la $STAGE
+}
+need_staged() {  # every --extra-train file the variants name is on this machine
+  local p
+  for p in $(echo "$SWEEP_TASK_MORE $(echo "$VARIANTS" | cut -d'|' -f2)" |
+             grep -o -- '--extra-train [^ ]*' | cut -d' ' -f2 | tr ',' ' '); do
+    [ -f "$p" ] || { echo "--extra-train $p is not on this machine: call stage first" \
+      "(a fresh machine has lost what was staged)"; exit 3; }
+  done
+}
 do_start() {
+  need_staged
   [ "${TINY:-0}" = 1 ] || nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
   # Once here, not in each variant at the same time.
   bash scripts/unpack-models.sh . "$TUNE_INIT"
@@ -204,6 +227,7 @@ wait) need_sweep; wait_loop ;;
 finish1)  # one variant's evaluation (wait_loop starts it with setsid)
   set +e; run_for "$2" finish; echo $? > $R/$2/finish.rc.tmp; mv $R/$2/finish.rc.tmp $R/$2/finish.rc ;;
 take) need_sweep; do_take "$2" ;;
+stage) do_stage ;;
 report) need_sweep; report; summary16k ;;
-*) echo "usage: $0 start|wait|take NAME|report" >&2; exit 2 ;;
+*) echo "usage: $0 stage|start|wait|take NAME|report" >&2; exit 2 ;;
 esac

@@ -176,12 +176,23 @@ def _task_shard(args):
     return np.concatenate(ids), np.asarray(rows, dtype=np.int64)
 
 
+def train_documents(a):
+    """The training split: CORPUS/train.txt, then the --extra-train files."""
+    docs = read_docs(os.path.join(a.corpus, "train.txt"))
+    for path in filter(None, a.extra_train.split(",")):
+        if not os.path.exists(path) and not os.path.exists(path + ".xz"):
+            raise SystemExit(f"--extra-train: no such file {path}")
+        docs += read_docs(path)
+    return docs
+
+
 def cmd_prep(a):
     from multiprocessing import Pool
     os.makedirs(a.data, exist_ok=True)
     train_docs = None
     for split in a.splits.split(","):
-        docs = read_docs(os.path.join(a.corpus, f"{split}.txt"))
+        docs = (train_documents(a) if split == "train"
+                else read_docs(os.path.join(a.corpus, f"{split}.txt")))
         if split == "train":
             train_docs = docs
         with Pool(a.procs or os.cpu_count()) as pool:
@@ -199,7 +210,7 @@ def cmd_prep(a):
         if a.task_seed == lt.EVAL_SEED:
             raise SystemExit("--task-seed must differ from the held-out EVAL_SEED")
         if train_docs is None:
-            train_docs = read_docs(os.path.join(a.corpus, "train.txt"))
+            train_docs = train_documents(a)
         procs = a.procs or os.cpu_count()
         lengths = [int(x) for x in a.task_lengths.split(",")]
         if len(per_length) == 1:
@@ -759,6 +770,9 @@ def main():
     p.add_argument("--tok", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--splits", default="train,heldout")
+    p.add_argument("--extra-train", default="",
+                   help="more training documents (comma-separated files in the corpus format, "
+                        ".xz ok; make_corpus.py's train_extra.txt): LM text and task haystacks")
     p.add_argument("--procs", type=int, default=0, help="worker processes (0 = all cores)")
     p.add_argument("--task-lengths", default="4096,8192,16384,32768")
     p.add_argument("--tasks-per-length", default="0",

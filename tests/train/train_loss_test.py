@@ -305,6 +305,33 @@ class ExtraQuestionsTest(unittest.TestCase):
             got = {sp.decode(ids[s:s + n]).strip() for s, n in train.task_spans(row)}
             self.assertEqual(len(got), 1)  # every answer is the queried chain's value
 
+    def test_extra_train_documents_join_the_training_split(self):
+        import lzma
+        extra = os.path.join(self.work, "train_extra.txt.xz")
+        with open(os.path.join(DEMO, "linux_firmware_guide.txt"), encoding="utf-8") as d, \
+                lzma.open(extra, "wt", encoding="utf-8") as f:
+            f.write(d.read() + "\n\x1e\n")
+
+        def prep(out, more):
+            r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus",
+                                self.work + "/corpus", "--tok", TOK, "--data", out, "--procs", "1",
+                                "--splits", "train"] + more, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+            logs = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+            return r, logs
+        _, base = prep(self.work + "/base", [])
+        r, more = prep(self.work + "/more", ["--extra-train", extra])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(more[0]["docs"], base[0]["docs"] + 1)
+        u16 = np.fromfile(os.path.join(self.work, "more", "train.u16"), dtype=np.uint16)
+        old = np.fromfile(os.path.join(self.work, "base", "train.u16"), dtype=np.uint16)
+        self.assertEqual(len(u16), more[0]["tokens"])
+        self.assertGreater(len(u16), len(old))
+        self.assertTrue(np.array_equal(u16[:len(old)], old))  # appended after train.txt
+        r, _ = prep(self.work + "/bad2", ["--extra-train", self.work + "/nope.txt"])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--extra-train: no such file", r.stderr)
+
     def test_negative_count_is_an_error(self):
         r = subprocess.run([sys.executable, TRAIN_PY, "prep", "--corpus", self.work + "/corpus",
                             "--tok", TOK, "--data", self.work + "/bad", "--procs", "1",

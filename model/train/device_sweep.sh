@@ -50,7 +50,9 @@ fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
 SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 9"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
-  SWEEP_MORE=${SWEEP_MORE:-"--minutes 17"}; fi
+  # 12 minutes: start (570 s: prep ~135 s) + wait (training ends ~300 s in,
+  # evaluations ~200 s): two calls, one gap (NOTES.md, run 8).
+  SWEEP_MORE=${SWEEP_MORE:-"--minutes 12"}; fi
 # Run 8 (session 15): does run 7's recipe keep its gains and win var_track
 # back with more time (r7), or do var_track's questions about the distractor
 # chain cause its collapse (nodist); and two ways to more answers per token.

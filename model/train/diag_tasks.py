@@ -2,8 +2,8 @@
 """Why a reference model misses held-out tasks (issue 17): task accuracy on
 three sets of fresh tasks, and for every miss what went wrong.
 
-Sets (each 5 families x depths x lengths x --per-cell, seeds never used in
-training):
+Sets (each of the families (--families, default all 5) x depths x lengths x
+--per-cell, seeds never used in training):
   train_docs      haystacks from training documents (text the model has seen
                   many times), task seed 4;
   heldout_corpus  haystacks from the corpus' held-out split, task seed 5;
@@ -48,7 +48,11 @@ def task_sets(tok, a):
 
     def gen(docs, seed):
         pool = lt.DocumentPool(docs, tok)
-        return list(lt.generate(pool, tok, lt.FAMILIES, lengths, DEPTHS, a.per_cell, seed))
+        return list(lt.generate(pool, tok, families, lengths, DEPTHS, a.per_cell, seed))
+    families = [f for f in a.families.split(",") if f] or list(lt.FAMILIES)
+    bad = [f for f in families if f not in lt.FAMILIES]
+    if bad:
+        raise SystemExit(f"--families: unknown {', '.join(bad)}; known: {', '.join(lt.FAMILIES)}")
     sets = {}
     if a.train_docs:
         sets["train_docs"] = gen([(f"t{i}", d) for i, d in enumerate(read_docs(a.train_docs))], 4)
@@ -88,6 +92,7 @@ def main():
     ap.add_argument("--heldout", default="", help="held-out corpus documents (corpus format)")
     ap.add_argument("--lengths", default="4096,16384")
     ap.add_argument("--per-cell", type=int, default=2)
+    ap.add_argument("--families", default="", help="comma-separated task families (default: all)")
     ap.add_argument("--limit", type=int, default=0, help="tasks per set (0 = all)")
     ap.add_argument("--device", default="")
     ap.add_argument("--teacher-forced", action="store_true",

@@ -113,3 +113,17 @@ for a, b in zip(g, t):
     assert a["correct"] == b["correct"] and a.get("first_wrong") == b.get("first_wrong"), (a, b)
 print("diag_tasks --teacher-forced: same verdicts as greedy", [r["correct"] for r in t])
 PY
+# --families narrows every set to the named families; an unknown one is an error.
+"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
+  --families var_track,kv_table --lengths 1024 --per-cell 1 --limit 4 \
+  --out "$work/diag-fam.json" > "$work/diag-fam.log"
+"$py" - "$work/diag-fam.json" <<'PY'
+import json, sys
+rows = next(v for k, v in json.load(open(sys.argv[1])).items() if k.endswith("|eval"))["rows"]
+assert len(rows) == 4 and {r["family"] for r in rows} == {"var_track", "kv_table"}, rows
+print("diag_tasks --families: ok")
+PY
+if "$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu \
+    --families var_trak --out "$work/diag-bad.json" 2> "$work/diag-bad.err"; then
+  echo "diag_tasks accepted an unknown family"; exit 1; fi
+grep -q "^--families: unknown var_trak" "$work/diag-bad.err"

@@ -14,9 +14,22 @@ Runs on the CPU machine with the standard library only (plus `apt-get`,
      perluniprops table and source listings are skipped) plus shorter ones up
      to 0.8% of the text,
   6. write WORK/corpus/{train,heldout}.txt (documents separated by a line that
-     holds only "\x1e"), WORK/corpus/docs.tsv and model/train/corpus_manifest.txt.
+     holds only "\x1e"), WORK/corpus/docs.tsv and model/train/corpus_manifest.txt,
+  7. extra training-only batch (EXTRA_TRAIN_PACKAGES, handlers in EXTRA_TRAIN:
+     sphinx/info/html/text as above, HTML cut to the content region of its
+     generator (mdBook, rustdoc, Scribble, qdoc, javadoc, DocBook, gtk-doc),
+     headers/footers repeated across pages dropped, roff man pages rendered with
+     groff; English only): fetched, converted and grouped the same way, but ALL
+     of it is training text, written to WORK/corpus/train_extra.txt (same format
+     as train.txt) and WORK/corpus/docs_extra.tsv. It never enters the hold-out
+     selection, so steps 1-6 and their outputs do not depend on it; the manifest
+     gets a separate section (extra_package / extra_documents / extra_chars).
 
-Usage: python3 model/train/make_corpus.py [WORK]   (default model/train/work)
+Usage: python3 model/train/make_corpus.py [WORK] [--extra-only | --no-extra] [--only=PKG,...]
+  (default WORK model/train/work; default builds everything. --extra-only
+  rebuilds only train_extra.txt/docs_extra.tsv and the manifest's extra section,
+  --no-extra only steps 1-6; --only= with --extra-only writes an extra batch of
+  just those packages for inspection and leaves the manifest alone.)
 """
 import gzip
 import hashlib
@@ -27,7 +40,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORK = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "work")
+ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+FLAGS = {a for a in sys.argv[1:] if a.startswith("--")}
+WORK = ARGS[0] if ARGS else os.path.join(HERE, "work")
 PACKAGES = [
     ("postgresql-doc-15", "15.20-0+deb12u1"),
     ("python3.11-doc", "3.11.2-6+deb12u9"),
@@ -94,16 +109,16 @@ def sh(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def fetch():
+def fetch(packages=PACKAGES):
     debs = os.path.join(WORK, "debs")
     os.makedirs(debs, exist_ok=True)
     have = os.listdir(debs)
-    want = [f"{p}={v}" for p, v in PACKAGES if not any(f.startswith(p + "_") for f in have)]
+    want = [f"{p}={v}" for p, v in packages if not any(f.startswith(p + "_") for f in have)]
     if want:
         sh(["apt-get", "download"] + want, cwd=debs)
     xdir = os.path.join(WORK, "x")
     roots = {}
-    for p, v in PACKAGES:
+    for p, v in packages:
         deb = [f for f in os.listdir(debs) if f.startswith(p + "_")][0]
         ver = subprocess.run(["dpkg-deb", "-f", os.path.join(debs, deb), "Version"],
                              check=True, capture_output=True, text=True).stdout.strip()
@@ -247,37 +262,54 @@ def find_dir(root, sub):
     raise FileNotFoundError(p)
 
 
+def walk_files(base, rx, skip_links=False):
+    """Files under base in sorted order whose path matches rx (all if empty)."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            path = os.path.join(dirpath, fn)
+            if (skip_links and os.path.islink(path)) or (rx and not re.search(rx, path)):
+                continue
+            files.append(path)
+    return files
+
+
+def info_docs(files, base, tag, strip_tag_tables=False):
+    """Info manuals (NAME.info[-N].gz) as documents, one group per manual.
+    strip_tag_tables also drops the tag tables and indirect tables (the extra
+    batch; the first two batches keep them so that train.txt stays as built)."""
+    manuals = {}
+    for path in files:
+        m = re.match(r"(.*)\.info(-(\d+))?\.gz$", os.path.relpath(path, base))
+        if m:
+            manuals.setdefault(m.group(1), []).append((int(m.group(3) or 0), path))
+    docs = []
+    for name in sorted(manuals):
+        parts = []
+        for _, path in sorted(manuals[name]):
+            with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+                t = f.read()
+            t = re.sub(r"\x1f\n?(File: [^\n]*\n)?", "\n", t)
+            t = re.sub(r"\x00\x08\[[^\x00]*\x00\x08\]", "", t)
+            if strip_tag_tables:
+                t = re.sub(r"\nTag Table:\n.*?End Tag Table\n?", "\n", t, flags=re.S)
+                t = re.sub(r"\nIndirect:\n(?:[^\n]*: \d+\n)+", "\n", t)
+            parts.append((path, t))
+        docs += group(f"{tag}/{name}", parts)
+    return docs
+
+
 def extra_docs(pkg, root):
     kind, sub, rx = EXTRA[pkg]
     base = find_dir(root, sub)
     if kind == "sphinx":
         g = sphinx_sources(base, ".")
         return [d for top in sorted(g) for d in group(f"{pkg}/{top}", g[top])]
-    files = []
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames.sort()
-        for fn in sorted(filenames):
-            path = os.path.join(dirpath, fn)
-            if rx and not re.search(rx, path):
-                continue
-            files.append(path)
+    files = walk_files(base, rx)
     docs = []
     if kind == "info":
-        manuals = {}
-        for path in files:
-            m = re.match(r"(.*)\.info(-(\d+))?\.gz$", os.path.relpath(path, base))
-            if m:
-                manuals.setdefault(m.group(1), []).append((int(m.group(3) or 0), path))
-        for name in sorted(manuals):
-            parts = []
-            for _, path in sorted(manuals[name]):
-                with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-                    t = f.read()
-                t = re.sub(r"\x1f\n?(File: [^\n]*\n)?", "\n", t)
-                t = re.sub(r"\x00\x08\[[^\x00]*\x00\x08\]", "", t)
-                parts.append((path, t))
-            docs += group(f"{pkg}/{name}", parts)
-        return docs
+        return info_docs(files, base, pkg)
     groups = {}
     for path in files:
         if kind == "html" and path.endswith(".html"):
@@ -292,7 +324,394 @@ def extra_docs(pkg, root):
     return docs
 
 
-def main():
+# Third batch: training-only packages. Their documents go to train_extra.txt and
+# docs_extra.tsv only; they never take part in the hold-out selection, so
+# train.txt, heldout.txt and docs.tsv do not depend on them.
+EXTRA_TRAIN_PACKAGES = [
+    ("rust-doc", "1.63.0+dfsg1-2"),
+    ("racket-doc", "8.7+dfsg1-1"),
+    ("ghc-doc", "9.0.2-4"),
+    ("python-pandas-doc", "1.5.3+dfsg-2"),
+    ("python-sklearn-doc", "1.2.1+dfsg-1"),
+    ("python-statsmodels-doc", "0.13.5+dfsg-7"),
+    ("python-astropy-doc", "5.2.1-2+deb12u1"),
+    ("python-sympy-doc", "1.11.1-1"),
+    ("python-dask-doc", "2022.12.1+dfsg-2"),
+    ("python-xarray-doc", "2023.01.0-1.1"),
+    ("python-skimage-doc", "0.19.3-8"),
+    ("python-sqlalchemy-doc", "1.4.46+ds1-1"),
+    ("python-flask-doc", "2.2.2-3"),
+    ("python-werkzeug-doc", "2.2.2-3+deb12u1"),
+    ("python-requests-doc", "2.28.1+dfsg-1"),
+    ("python-pytest-doc", "7.2.1-2"),
+    ("python-celery-doc", "5.2.6-5"),
+    ("python-tornado-doc", "6.2.0-3+deb12u4"),
+    ("python-pil-doc", "9.4.0-1.1+deb12u1"),
+    ("python-scrapy-doc", "2.8.0-2"),
+    ("python-lxml-doc", "4.9.2-1+deb12u1"),
+    ("python-mpmath-doc", "1.2.1-2"),
+    ("python-hypothesis-doc", "6.67.1-1"),
+    ("python-psycopg2-doc", "2.9.5-1"),
+    ("python-cffi-doc", "1.15.1-5"),
+    ("python-gevent-doc", "22.10.2-3"),
+    ("python-babel-doc", "2.10.3-1"),
+    ("python-pygments-doc", "2.14.0+dfsg-1"),
+    ("python-click-doc", "8.1.3-2"),
+    ("python-pint-doc", "0.19.2-1"),
+    ("cython-doc", "0.29.32-2"),
+    ("python-tables-doc", "3.7.0-5"),
+    ("python-h5py-doc", "3.7.0-8"),
+    ("python-aiohttp-doc", "3.8.4-1+deb12u2"),
+    ("python-future-doc", "0.18.2-6"),
+    ("python-pygame-doc", "2.1.2+dfsg-5"),
+    ("python-ldap-doc", "3.4.3-2+deb12u1"),
+    ("python-pymongo-doc", "3.11.0-1+deb12u2"),
+    ("python-distributed-doc", "2022.12.1+ds.1-3"),
+    ("python-lmfit-doc", "1.1.0-1"),
+    ("python-biopython-doc", "1.80+dfsg-4"),
+    ("llvm-15-doc", "1:15.0.6-4"),
+    ("clang-15-doc", "1:15.0.6-4"),
+    ("bind9-doc", "1:9.18.49-1~deb12u3"),
+    ("haproxy-doc", "2.6.12-1+deb12u4"),
+    ("exim4-doc-html", "4.96-1"),
+    ("wireshark-doc", "4.0.17-0+deb12u3"),
+    ("postgis-doc", "3.3.2+dfsg-1"),
+    ("swi-prolog-doc", "9.0.4+dfsg-2"),
+    ("clisp-doc", "1:2.49.20210628.gitde01f0f-3"),
+    ("sbcl-doc", "2:2.2.9-1"),
+    ("guile-3.0-doc", "3.0.8-2"),
+    ("gnu-standards", "2022.03.23-0.1"),
+    ("haskell98-report", "20080907-10"),
+    ("lilypond-doc", "2.24.1-2"),
+    ("qtbase5-doc-html", "5.15.8+dfsg-11+deb12u3"),
+    ("libboost1.81-doc", "1.81.0-5+deb12u1"),
+    ("libglib2.0-doc", "2.74.6-2+deb12u9"),
+    ("libgtk-3-doc", "3.24.38-2~deb12u3"),
+    ("binutils-doc", "2.40-2"),
+    ("libtool-doc", "2.4.7-7~deb12u1"),
+    ("libgcrypt20-doc", "1.10.1-3+deb12u1"),
+    ("mailutils-doc", "1:3.15-4"),
+    ("m4-doc", "1.4.19-3"),
+    ("gettext-doc", "0.21-12"),
+    ("flex-doc", "2.6.4-8.2"),
+    ("ffmpeg-doc", "7:5.1.9-0+deb12u1"),
+    ("libssl-doc", "3.0.22-1~deb12u2"),
+    ("libcurl4-doc", "7.88.1-10+deb12u15"),
+    ("manpages", "6.03-2"),
+    ("manpages-dev", "6.03-2"),
+    ("freebsd-manpages", "12.2-1"),
+    ("tcl8.6-doc", "8.6.13+dfsg-2"),
+    ("openjdk-17-doc", "17.0.21.1+2-1~deb12u1"),
+    ("debian-handbook", "11.20220922"),
+    ("gnucash-docs", "4.13-1"),
+    ("installation-guide-amd64", "20230508+deb12u1"),
+    ("debian-history", "2.28"),
+    ("debian-faq", "11.1"),
+    ("harden-doc", "3.19+nmu1"),
+    ("maint-guide", "1.2.53"),
+    ("debmake-doc", "1.17-7"),
+]
+# Content regions of generated HTML (start, end regexes; the page is cut to the
+# text between them, so navigation and sidebars are dropped).
+MDBOOK = (r"<main>", r"</main>")
+SPHINX_HTML = (r'role="main"', r'<div class="sphinxsidebar"|<footer|</article>|<div class="footer"')
+SCRIBBLE = (r'<div class="main">', r'<div class="navsetbottom">')
+RUSTDOC = (r'<section id="main-content"', r'<h2 id="(?:trait-implementations|synthetic-implementations|'
+           r'blanket-implementations|implementors)"|<section id="search"|</main>')
+JAVADOC = (r'<main role="main">', r'</main>', (r'<section class="summary">', r'<section class="details">'))
+QTDOC = (r'<div class="content mainContent">|<div class="sidebar">', r'<div class="footer-main">|</body>')
+BOOST = (r'<div class="(?:section|chapter|book|article|part|preface|appendix|refentry)"',
+         r'<table[^>]*width="100%"><tr>|<div class="copyright-footer">|</body>')
+GTKDOC = (r'<div class="(?:refentry|chapter|part|book|sect1|refsect1)"', r'<div class="footer">|</body>')
+DOCBOOK = (r'<div class="(?:book|chapter|sect1|section|appendix|preface|part|article|refentry|glossary)"',
+           r'<div class="navfooter">|<div class="footer"|</body>')
+NO_LANG = r"(?<![._-](de|es|fr|it|ja|ko|pt|ru|zh|nl|pl|sv|cs|da|fi|el|hu|ca|tr|vi|ro|lt|uk|ar|id|nb|sk|sl|ta|eu|gl|zh-cn|zh-tw|zh_CN|zh_TW|pt-br|pt_BR|pt-BR))\.html$"
+SPHINX_RX = r"^(?!.*/_sources/(.*/)?(generated|api|_autosummary|reference/api)/).*(\.rst\.txt|(?<!\.ipynb)(?<!\.py)\.txt)$"
+# package -> list of (handler, subdirectory, path filter regex, HTML region or None).
+# Handlers as in EXTRA, plus "man": roff man pages rendered with groff.
+EXTRA_TRAIN = {
+    "rust-doc": [("html", "usr/share/doc/rust-doc/html", r"/html/(book|reference|nomicon|rust-by-example|edition-guide|"
+                  r"embedded-book|rustc|rustdoc|unstable-book)/(?!.*/(print|toc|SUMMARY|404)\.html$)(?!book/20\d\d-edition/)", MDBOOK),
+                 ("html", "usr/share/doc/rust-doc/html/std", r"^(?!.*/all\.html$)", RUSTDOC)],
+    "openjdk-17-doc": [("html", "usr/share/doc/openjdk-17-jre-headless/api", r"^(?!.*/(class-use|index-files|"
+                        r"legal|resources|script-dir)/)(?!.*/([a-z-]+-(tree|use|list)|allclasses-index|allpackages-index|"
+                        r"constant-values|serialized-form|help-doc|search|index|overview-summary)\.html$)", JAVADOC)],
+    "racket-doc": [("html", "usr/share/doc/racket", r"^(?!.*/racket/(search|local-redirect|license)/)(?!.*/(doc-)?index\.html$)", SCRIBBLE)],
+    "ghc-doc": [("sphinx", "usr/share/doc/ghc-doc/html/users_guide/_sources", SPHINX_RX, None)],
+    "python-pandas-doc": [("sphinx", "usr/share/doc/python-pandas-doc/html/_sources", SPHINX_RX, None),
+                          ("html", "usr/share/doc/python-pandas-doc/html/reference/api", r"\.html$", (r'role="main"', r'</main>|<div class=.prev-next-bottom'))],
+    "python-sklearn-doc": [("sphinx", "usr/share/doc/python-sklearn-doc/html/_sources", SPHINX_RX, None)],
+    "python-statsmodels-doc": [("sphinx", "usr/share/doc/python-statsmodels-doc/html/_sources", SPHINX_RX, None)],
+    "python-astropy-doc": [("sphinx", "usr/share/doc/python-astropy-doc/html/_sources", SPHINX_RX, None)],
+    "python-sympy-doc": [("sphinx", "usr/share/doc/python-sympy-doc/html/_sources", SPHINX_RX, None)],
+    "python-dask-doc": [("sphinx", "usr/share/doc/python-dask-doc/html/_sources", SPHINX_RX, None)],
+    "python-xarray-doc": [("sphinx", "usr/share/doc/python-xarray-doc/html/_sources", SPHINX_RX, None)],
+    "python-skimage-doc": [("sphinx", "usr/share/doc/python-skimage-doc/html/_sources", SPHINX_RX, None)],
+    "python-sqlalchemy-doc": [("html", "usr/share/doc/python-sqlalchemy-doc/html", r"^(?!.*/(_modules|_static|_images)/)(?!.*/(genindex|search|contents|copyright)\.html$)", SPHINX_HTML)],
+    "python-flask-doc": [("sphinx", "usr/share/doc/python-flask-doc/html/_sources", SPHINX_RX, None)],
+    "python-werkzeug-doc": [("sphinx", "usr/share/doc/python-werkzeug-doc/html/_sources", SPHINX_RX, None)],
+    "python-requests-doc": [("sphinx", "usr/share/doc/python-requests-doc/html/_sources", SPHINX_RX, None)],
+    "python-pytest-doc": [("sphinx", "usr/share/doc/python-pytest-doc/html/_sources", SPHINX_RX, None)],
+    "python-celery-doc": [("sphinx", "usr/share/doc/python-celery-doc/html/_sources", SPHINX_RX, None)],
+    "python-tornado-doc": [("sphinx", "usr/share/doc/python-tornado-doc/html/_sources", SPHINX_RX, None)],
+    "python-pil-doc": [("sphinx", "usr/share/doc/python-pil-doc/html/_sources", SPHINX_RX, None)],
+    "python-scrapy-doc": [("html", "usr/share/doc/python-scrapy-doc/html", r"^(?!.*/(_modules|_static|_images)/)(?!.*/(genindex|search|py-modindex)\.html$)", SPHINX_HTML)],
+    "python-lxml-doc": [("html", "usr/share/doc/python-lxml/html", r"^(?!.*/(apidoc|api)/)", None)],
+    "python-mpmath-doc": [("sphinx", "usr/share/doc/python-mpmath-doc/html/_sources", SPHINX_RX, None)],
+    "python-hypothesis-doc": [("sphinx", "usr/share/doc/python-hypothesis-doc/html/_sources", SPHINX_RX, None)],
+    "python-psycopg2-doc": [("sphinx", "usr/share/doc/python-psycopg2-doc/html/_sources", SPHINX_RX, None)],
+    "python-cffi-doc": [("sphinx", "usr/share/doc/python-cffi-doc/html/_sources", SPHINX_RX, None)],
+    "python-gevent-doc": [("sphinx", "usr/share/doc/python-gevent-doc/html/_sources", SPHINX_RX, None)],
+    "python-babel-doc": [("sphinx", "usr/share/doc/python-babel-doc/html/_sources", SPHINX_RX, None)],
+    "python-pygments-doc": [("sphinx", "usr/share/doc/python-pygments-doc/html/_sources", SPHINX_RX, None)],
+    "python-click-doc": [("sphinx", "usr/share/doc/python-click-doc/html/_sources", SPHINX_RX, None)],
+    "python-pint-doc": [("sphinx", "usr/share/doc/python-pint-doc/html/_sources", SPHINX_RX, None)],
+    "cython-doc": [("sphinx", "usr/share/doc/cython-doc/html/_sources", SPHINX_RX, None)],
+    "python-tables-doc": [("sphinx", "usr/share/doc/python-tables-doc/html/_sources", SPHINX_RX, None)],
+    "python-h5py-doc": [("sphinx", "usr/share/doc/python-h5py-doc/html/_sources", SPHINX_RX, None)],
+    "python-aiohttp-doc": [("sphinx", "usr/share/doc/python-aiohttp-doc/html/_sources", SPHINX_RX, None)],
+    "python-future-doc": [("sphinx", "usr/share/doc/python-future-doc/html/_sources", SPHINX_RX, None)],
+    "python-pygame-doc": [("sphinx", "usr/share/doc/python-pygame-doc/html/_sources", SPHINX_RX, None)],
+    "python-ldap-doc": [("sphinx", "usr/share/doc/python-ldap-doc/html/_sources", SPHINX_RX, None)],
+    "python-pymongo-doc": [("sphinx", "usr/share/doc/python-pymongo-doc/html/_sources", SPHINX_RX, None)],
+    "python-distributed-doc": [("sphinx", "usr/share/doc/python-distributed-doc/html/_sources", SPHINX_RX, None)],
+    "python-lmfit-doc": [("sphinx", "usr/share/doc/python3-lmfit/html/_sources", SPHINX_RX, None)],
+    "python-biopython-doc": [("html", "usr/share/doc/python-biopython-doc/Doc", r"/Doc/Tutorial\.html$", None)],
+    "llvm-15-doc": [("sphinx", "usr/share/doc/llvm-15-doc/html/_sources", r"^(?!.*/_sources/AMDGPU/)" + SPHINX_RX[1:], None)],
+    "clang-15-doc": [("sphinx", "usr/share/doc/clang-15/html/_sources", r"^(?!.*/ClangFormattedStatus)" + SPHINX_RX[1:], None)],
+    "bind9-doc": [("html", "usr/share/doc/bind9-doc/arm", r"/(chapter\d+|dnssec-guide|general|reference|history|notes|manpages)\.html$", SPHINX_HTML)],
+    "haproxy-doc": [("html", "usr/share/doc/haproxy-doc/html", r"\.html$", None)],
+    "exim4-doc-html": [("html", "usr/share/doc/exim4-doc-html/spec_html", r"ch-.*(?<!_index)\.html$", None)],
+    "wireshark-doc": [("html", "usr/share/doc/wireshark", r"/ws[ud]g_html_chunked/[^/]*\.html$", DOCBOOK)],
+    "postgis-doc": [("html", "usr/share/doc/postgis-doc", r"\.html$", None)],
+    "swi-prolog-doc": [("html", "usr/share/swi-prolog/doc", r"/(Manual|packages)/[^/]*\.html$", None)],
+    "clisp-doc": [("html", "usr/share/doc/clisp/doc", r"/impnotes\.html$", None),
+                  ("text", "usr/share/doc/clisp/doc", r"\.txt\.gz$", None)],
+    "sbcl-doc": [("info", "usr/share/info", r"", None)],
+    "guile-3.0-doc": [("info", "usr/share/info", r"", None)],
+    "gnu-standards": [("info", "usr/share/info", r"", None)],
+    "haskell98-report": [("html", "usr/share/doc/haskell98-report/html", r"\.html$", None)],
+    "lilypond-doc": [("info", "usr/share/info", r"/(lilypond-(changes|essay|extending|learning|notation|usage)|music-glossary)\.info", None)],
+    "qtbase5-doc-html": [("html", "usr/share/qt5/doc", r"(?<!-members)(?<!-obsolete)\.html$", QTDOC)],
+    "libboost1.81-doc": [("html", "usr/share/doc/libboost1.81-doc", r"^(?!.*/doc/html/boost/).*\.html?$", BOOST)],
+    "libglib2.0-doc": [("html", "usr/share/gtk-doc/html", r"\.html$", GTKDOC)],
+    "libgtk-3-doc": [("html", "usr/share/gtk-doc/html", r"\.html$", GTKDOC)],
+    "binutils-doc": [("info", "usr/share/info", r"", None)],
+    "libtool-doc": [("info", "usr/share/info", r"", None)],
+    "libgcrypt20-doc": [("info", "usr/share/info", r"", None)],
+    "mailutils-doc": [("info", "usr/share/info", r"", None)],
+    "m4-doc": [("html", "usr/share/doc/m4", r"\.html$", None)],
+    "gettext-doc": [("html", "usr/share/doc/gettext", r"^(?!.*/(examples|csharpdoc|javadoc2?)/).*\.html$", None)],
+    "flex-doc": [("html", "usr/share/doc/flex-doc/html", r"\.html$", None)],
+    "ffmpeg-doc": [("html", "usr/share/doc/ffmpeg/manual", r"(?<!-all)\.html$", None)],
+    "libssl-doc": [("man", "usr/share/man", r"", None)],
+    "libcurl4-doc": [("man", "usr/share/man", r"", None)],
+    "manpages": [("man", "usr/share/man", r"", None)],
+    "manpages-dev": [("man", "usr/share/man", r"", None)],
+    "freebsd-manpages": [("man", "usr/share/man", r"", None)],
+    "tcl8.6-doc": [("man", "usr/share/man", r"", None)],
+    "debian-handbook": [("html", "usr/share/doc/debian-handbook/html/en-US", r"\.html$", DOCBOOK)],
+    "gnucash-docs": [("html", "usr/share/doc/gnucash-docs", r"/gnucash-(guide|help)-en/[^/]*\.html$", DOCBOOK)],
+    "installation-guide-amd64": [("html", "usr/share/doc/installation-guide-amd64/en", r"\.html$", DOCBOOK)],
+    "debian-history": [("html", "usr/share/doc/debian-history/docs", r"\.en\.html$", DOCBOOK)],
+    "debian-faq": [("html", "usr/share/doc/debian/FAQ", r"\.html$", DOCBOOK)],
+    "harden-doc": [("html", "usr/share/doc/harden-doc/html/en-US", r"\.html$", DOCBOOK)],
+    "maint-guide": [("html", "usr/share/doc/maint-guide/html", r"\.en\.html$", DOCBOOK)],
+    "debmake-doc": [("html", "usr/share/doc/debmake-doc/html", r"\.en\.html$", DOCBOOK)],
+}
+
+
+def html_region_text(path, region):
+    """Like html_to_text, but keeps only the text between region's start and
+    end regexes (None: html_to_text's heuristic)."""
+    if region is None:
+        t = html_to_text(path)
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            src = f.read()
+        m = re.search(region[0], src)
+        if m:
+            src = src[m.start():]
+        e = re.search(region[1], src[1:])
+        if e:
+            src = src[:e.start() + 1]
+        for cut0, cut1 in region[2:]:  # optional spans to drop (start, end regexes)
+            a = re.search(cut0, src)
+            b = a and re.search(cut1, src[a.end():])
+            if b:
+                src = src[:a.start()] + src[a.end() + b.start():]
+        p = HtmlText()
+        p.feed(src)
+        t = p.text()
+    t = t.replace("\u00b6", "").replace("[source]", "")
+    # Texinfo HTML navigation lines.
+    t = re.sub(r"(?m)^(Next|Previous|Up): [^\n]*(, (Previous|Up): |\[Contents\])[^\n]*\n", "", t)
+    if region is RUSTDOC:
+        t = re.sub(r"(?m)^(Run|source|\[src\]|[\d.]+ · source)\n", "", t)
+    # Line-number columns of code listings (gtk-doc, some DocBook): 1, 2, 3, ...
+    return re.sub(r"(?m)^1\n+2\n+3\n+(?:\d+\n+)*", "", t)
+
+
+def strip_common(pages):
+    """Drops leading and trailing lines that repeat on many pages of one source
+    (navigation, headers, footers)."""
+    if len(pages) < 4:
+        return pages
+    counts = {}
+    for _, t in pages:
+        lines = [l.strip() for l in t.split("\n") if l.strip()]
+        for l in set(lines[:15] + lines[-15:]):
+            counts[l] = counts.get(l, 0) + 1
+    common = {l for l, c in counts.items() if c >= max(4, 0.3 * len(pages))}
+    out = []
+    for name, t in pages:
+        lines = t.split("\n")
+        while lines and (not lines[0].strip() or lines[0].strip() in common):
+            lines.pop(0)
+        while lines and (not lines[-1].strip() or lines[-1].strip() in common):
+            lines.pop()
+        out.append((name, "\n".join(lines)))
+    return out
+
+
+def man_text(path):
+    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+        src = f.read()
+    if src.lstrip().startswith(b".so ") and len(src) < 200:
+        return ""  # a link to another page
+    r = subprocess.run(["groff", "-k", "-t", "-mandoc", "-Tutf8", "-rLL=78n", "-rcR=1", "-rHY=0",
+                        "-P-cbou"], input=src, capture_output=True)
+    lines = r.stdout.decode("utf-8", "replace").split("\n")
+    ne = [i for i, l in enumerate(lines) if l.strip()]
+    if len(ne) < 3:
+        return ""
+    lines = lines[ne[0] + 1:ne[-1]]  # running header and footer
+    out = []
+    for l in lines:
+        # Undo justification in filled text (not in tables: no wide gaps).
+        if len(l) >= 60 and not re.search(r"\S {4,}\S", l):
+            l = re.sub(r"(?<=\S) {2,}(?=\S)", " ", l)
+        out.append(l)
+    # Words hyphenated at line ends (mdoc pages ignore HY=0).
+    return re.sub(r"(\w)\u2010\n\s+(\w)", r"\1\2", "\n".join(out))
+
+
+def prose_ok(text, sphinx=False):
+    """Rejects pages that are mostly numbers/punctuation (tables, dumps)."""
+    t = text[:200_000]
+    letters = sum(c.isalpha() for c in t)
+    if not t or letters < 0.5 * len(t.replace(" ", "").replace("\n", "")):
+        return False
+    if not sphinx:
+        return True
+    # Sphinx stubs that are mostly autodoc/autosummary directives and bare names.
+    lines = [l for l in t.split("\n") if l.strip()]
+    stub = sum(1 for l in lines if re.match(r"\s*(\.\. (auto|current|toctree)|:\w+:|~?[\w.]+$|[=~^-]+$)", l))
+    return stub < 0.5 * len(lines)
+
+
+def extra_train_docs(pkg, root):
+    from concurrent.futures import ThreadPoolExecutor
+    docs = []
+    for k, (kind, sub, rx, region) in enumerate(EXTRA_TRAIN[pkg]):
+        base = find_dir(root, sub)
+        tag = f"{pkg}/{os.path.basename(base)}" if k else pkg
+        files = walk_files(base, rx, skip_links=True)
+        if kind == "info":
+            docs += info_docs(files, base, tag, strip_tag_tables=True)
+            continue
+        groups = {}
+        if kind == "sphinx":
+            keyf = lambda path: (os.path.relpath(path, base).split(os.sep) + ["_top"])[0] \
+                if os.sep in os.path.relpath(path, base) else "_top"
+        else:
+            keyf = lambda path: os.path.dirname(os.path.relpath(path, base)) or "_top"
+        if kind == "man":
+            with ThreadPoolExecutor(2) as ex:
+                texts = list(ex.map(man_text, files))
+            for path, t in zip(files, texts):
+                sec = os.path.basename(os.path.dirname(path))
+                groups.setdefault(sec, []).append((path, t))
+        else:
+            for path in files:
+                if kind == "html" and re.search(r"\.html?$", path):
+                    t = html_region_text(path, region)
+                elif kind in ("text", "sphinx"):
+                    opener = gzip.open if path.endswith(".gz") else open
+                    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+                        t = f.read()
+                else:
+                    continue
+                groups.setdefault(keyf(path), []).append((path, t))
+        seen = set()  # identical pages (hard links, copies) are kept once
+        for d in sorted(groups):
+            pages = strip_common(groups[d]) if kind == "html" else groups[d]
+            pages = [(n, t) for n, t in pages if prose_ok(t, kind == "sphinx")]
+            pages = [(n, t) for n, t in pages
+                     if not (hashlib.md5(t.encode()).digest() in seen or seen.add(hashlib.md5(t.encode()).digest()))]
+            docs += group(f"{tag}/{d}", pages)
+    return docs
+
+
+def build_extra():
+    roots = fetch(EXTRA_TRAIN_PACKAGES)
+    only = [a[len("--only="):].split(",") for a in FLAGS if a.startswith("--only=")]
+    docs, per_pkg, seen_paras = [], [], set()
+    for pkg, _ in EXTRA_TRAIN_PACKAGES:
+        if only and pkg not in only[0]:
+            continue
+        n0 = len(docs)
+        for name, text in extra_train_docs(pkg, roots[pkg]):
+            # Paragraphs (> 200 chars) already seen in this batch are dropped:
+            # license blocks, inherited API docs, pages shipped twice.
+            keep = []
+            for para in text.split("\n\n"):
+                if len(para.strip()) > 200:
+                    h = hashlib.md5(para.strip().encode()).digest()
+                    if h in seen_paras:
+                        continue
+                    seen_paras.add(h)
+                keep.append(para)
+            text = "\n\n".join(keep)
+            if len(text) >= 200:
+                docs.append((name, text if text.endswith("\n") else text + "\n"))
+        chars = sum(len(t) for _, t in docs[n0:])
+        per_pkg.append((pkg, len(docs) - n0, chars))
+        print("extra", pkg, len(docs) - n0, chars, flush=True)
+    out = os.path.join(WORK, "corpus")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "train_extra.txt"), "w", encoding="utf-8") as ft, \
+            open(os.path.join(out, "docs_extra.tsv"), "w", encoding="utf-8") as fd:
+        fd.write("split\tname\tchars\n")
+        for name, text in docs:
+            ft.write(text)
+            ft.write(SEP + "\n")
+            fd.write(f"train\t{name}\t{len(text)}\n")
+    if only:
+        return
+    # Manifest: replace the extra section, keep every other line as it is.
+    mpath = os.path.join(HERE, "corpus_manifest.txt")
+    marker = "# Extra training-only batch"
+    lines = []
+    if os.path.exists(mpath):
+        with open(mpath) as fm:
+            lines = fm.read().split("\n")
+        if marker in "\n".join(lines):
+            lines = lines[:[i for i, l in enumerate(lines) if l.startswith(marker)][0]]
+        while lines and lines[-1] == "":
+            lines.pop()
+    with open(mpath, "w") as fm:
+        for l in lines:
+            fm.write(l + "\n")
+        fm.write(f"{marker} (train_extra.txt, docs_extra.tsv; never held out):\n")
+        for p, v in EXTRA_TRAIN_PACKAGES:
+            fm.write(f"extra_package\t{p}\t{v}\n")
+        fm.write(f"extra_documents\t{len(docs)}\n")
+        fm.write(f"extra_chars\t{sum(len(t) for _, t in docs)}\n")
+    print(f"extra docs={len(docs)} chars={sum(len(t) for _, t in docs)}")
+
+
+def build_main():
     roots = fetch()
     docs = []
     for pkg in EXTRA:
@@ -388,6 +807,23 @@ def main():
         for i in sorted(held, key=lambda i: docs[i][0]):
             fm.write(f"heldout\t{docs[i][0]}\t{len(docs[i][1])}\n")
     print(f"docs={len(docs)} held={len(held)} chars={total} train={ntrain} heldout={total - ntrain}")
+
+
+def main():
+    mpath = os.path.join(HERE, "corpus_manifest.txt")
+    kept = ""
+    if "--no-extra" in FLAGS and os.path.exists(mpath):
+        with open(mpath) as fm:
+            m = fm.read()
+        i = m.find("# Extra training-only batch")
+        kept = m[i:] if i >= 0 else ""
+    if "--extra-only" not in FLAGS:
+        build_main()
+    if "--no-extra" not in FLAGS:
+        build_extra()
+    elif kept:  # keep the manifest's extra section as it was
+        with open(mpath, "a") as fm:
+            fm.write(kept)
 
 
 if __name__ == "__main__":

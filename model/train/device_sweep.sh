@@ -50,16 +50,21 @@ fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
 SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 9"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
-  # 12 minutes: start (570 s: prep ~135 s) + wait (training ends ~300 s in,
-  # evaluations ~200 s): two calls, one gap (NOTES.md, run 8).
-  SWEEP_MORE=${SWEEP_MORE:-"--minutes 12"}; fi
-# Run 8 (session 15): does run 7's recipe keep its gains and win var_track
-# back with more time (r7), or do var_track's questions about the distractor
-# chain cause its collapse (nodist); and two ways to more answers per token.
+  # 11 minutes: start (570 s: prep ~135 s, more with --extra-train) + wait
+  # (training ends ~5-6 minutes in, evaluations ~200 s): two calls after
+  # stage, one gap where the training runs (NOTES.md, run 8).
+  SWEEP_MORE=${SWEEP_MORE:-"--minutes 11"}; fi
+# Run 9 (planned, NOTES.md): run 8's question, whose answers were lost with
+# its machine (does var_track come back without the questions about the
+# distractor chain: r7 vs nodist), and whether 2.6x the training text
+# (make_corpus.py's train_extra.txt, carried by stage) stops the held-out text
+# loss from rising. Run 8's variants were r7, nodist,
+# "nodist-k8|--no-distractor-questions --extra-questions 8|" and
+# "nodist-tf07|--no-distractor-questions|--task-frac 0.7".
 VARIANTS=${VARIANTS:-"r7||
 nodist|--no-distractor-questions|
-nodist-k8|--no-distractor-questions --extra-questions 8|
-nodist-tf07|--no-distractor-questions|--task-frac 0.7"}
+nodist-x|--no-distractor-questions --extra-train $STAGE/train_extra.txt.xz|
+nodist-k8-x|--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz|"}
 C=model/train/work/carry
 export TUNE_INIT
 

@@ -153,7 +153,13 @@ need_staged() {  # every --extra-train file the variants name is on this machine
 }
 do_start() {
   need_staged
-  [ "${TINY:-0}" = 1 ] || nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+  if [ "${TINY:-0}" != 1 ]; then
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+    local gpus
+    gpus=$(nvidia-smi -L | wc -l)
+    if [ $(names | wc -l) -gt $gpus ]; then
+      echo "$(names | wc -l) variants for $gpus GPUs: one GPU each (VARIANTS)"; exit 2; fi
+  fi
   # Once here, not in each variant at the same time.
   bash scripts/unpack-models.sh . "$TUNE_INIT"
   if [ -f $TUNE_INIT/heldout.txt.xz ] && [ ! -f $TUNE_INIT/heldout.txt ]; then

@@ -85,7 +85,8 @@ state_of() {  # training | DONE | evaluating | evaluated | eval failed | trainin
   local n=$1
   if [ -f $R/$n/finish.rc ]; then
     [ "$(cat $R/$n/finish.rc)" = 0 ] && echo evaluated || echo "eval failed"
-  elif [ -f $R/$n/finish.pid ]; then echo evaluating
+  elif [ -f $R/$n/finish.pid ]; then
+    alive $R/$n/finish.pid && echo evaluating || echo "eval failed"
   elif [ -f $R/$n/run/DONE ]; then echo DONE
   elif alive $R/$n/train.pid; then echo training
   else echo "training died"; fi

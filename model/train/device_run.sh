@@ -21,6 +21,8 @@
 #           watch copies its results to $OUT/evalsaved once done. Then watch /
 #           finish as after prep.
 #   progress: one JSON line, the training's last logged step (device_sweep.sh).
+#   unpack: unpack $TUNE_INIT and the carried held-out text only (device_sweep.sh
+#           does it once before its variants' tunes run at the same time).
 #   resume: the training process is gone (crash, out of memory) but $W/run has a
 #           checkpoint: restart it with --resume, then watch.
 #   finish: wait for DONE, evaluate (perplexity 1K..32K, sinks, task accuracy by
@@ -291,6 +293,7 @@ prep) do_prep ;;
 tune) do_tune ;;
 watch) watch ;;
 progress) progress ;;
+unpack) unxz_dir $TUNE_INIT ;;
 resume)
   if kill -0 $(cat $W/train.pid) 2>/dev/null; then echo "still running"; else start_training; fi
   watch
@@ -305,7 +308,7 @@ dry)
   echo "dry run passed after $(( $(date +%s) - T0 )) s of watch+finish"
   ;;
 *)
-  echo "usage: $0 prep|tune|watch|progress|resume|finish|evalsaved   (TINY=1 $0 dry: CPU dry run)" >&2
+  echo "usage: $0 prep|tune|watch|progress|unpack|resume|finish|evalsaved   (TINY=1 $0 dry: CPU dry run)" >&2
   exit 2
   ;;
 esac

@@ -65,7 +65,6 @@ VARIANTS=${VARIANTS:-"r7||
 nodist|--no-distractor-questions|
 nodist-x|--no-distractor-questions --extra-train $STAGE/train_extra.txt.xz|
 nodist-k8-x|--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz|"}
-C=model/train/work/carry
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }
@@ -161,13 +160,9 @@ do_start() {
     if [ $(names | wc -l) -gt $gpus ]; then
       echo "$(names | wc -l) variants for $gpus GPUs: one GPU each (VARIANTS)"; exit 2; fi
   fi
-  # Once here, not in each variant at the same time.
-  bash scripts/unpack-models.sh . "$TUNE_INIT"
-  if [ -f $TUNE_INIT/heldout.txt.xz ] && [ ! -f $TUNE_INIT/heldout.txt ]; then
-    xz -dc $TUNE_INIT/heldout.txt.xz > $TUNE_INIT/heldout.txt.tmp
-    mv $TUNE_INIT/heldout.txt.tmp $TUNE_INIT/heldout.txt; fi
-  if [ ! -f $C/heldout.txt ] && [ -f $C/heldout.txt.xz ]; then
-    xz -dc $C/heldout.txt.xz > $C/heldout.txt.tmp && mv $C/heldout.txt.tmp $C/heldout.txt; fi
+  # Once here (the init model, the carried held-out text), not in each
+  # variant's tune at the same time.
+  bash model/train/device_run.sh unpack
   local pids=""
   mkdir -p $R
   for n in $(names); do

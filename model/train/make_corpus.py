@@ -425,7 +425,6 @@ BOOST = (r'<div class="(?:section|chapter|book|article|part|preface|appendix|ref
 GTKDOC = (r'<div class="(?:refentry|chapter|part|book|sect1|refsect1)"', r'<div class="footer">|</body>')
 DOCBOOK = (r'<div class="(?:book|chapter|sect1|section|appendix|preface|part|article|refentry|glossary)"',
            r'<div class="navfooter">|<div class="footer"|</body>')
-NO_LANG = r"(?<![._-](de|es|fr|it|ja|ko|pt|ru|zh|nl|pl|sv|cs|da|fi|el|hu|ca|tr|vi|ro|lt|uk|ar|id|nb|sk|sl|ta|eu|gl|zh-cn|zh-tw|zh_CN|zh_TW|pt-br|pt_BR|pt-BR))\.html$"
 SPHINX_RX = r"^(?!.*/_sources/(.*/)?(generated|api|_autosummary|reference/api)/).*(\.rst\.txt|(?<!\.ipynb)(?<!\.py)\.txt)$"
 # package -> list of (handler, subdirectory, path filter regex, HTML region or None).
 # Handlers as in EXTRA, plus "man": roff man pages rendered with groff.

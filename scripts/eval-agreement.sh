@@ -8,9 +8,12 @@
 #   scripts/eval-agreement.sh [--method M] [--index-param csa.K=V ...] [--param K=V ...]
 #
 # Needs a Release build in build/ (cmake --build build --target ctxcached ctxcache).
+# MODEL_DIR (default: models) is the folder holding ctxcache-ref/, to score
+# other weights, e.g. a training run's (model/train/NOTES.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 METHOD=csa
+MODEL_DIR="${MODEL_DIR:-models}"
 IDX=()
 PARAMS=()
 while [ $# -gt 0 ]; do
@@ -29,7 +32,7 @@ cleanup() {
 }
 trap cleanup EXIT
 ./build/bin/ctxcached --data-dir "$WORK/data" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
-  --model-dir models --default-model ctxcache-ref --port-file "$WORK/ports" >"$WORK/log" 2>&1 &
+  --model-dir "$MODEL_DIR" --default-model ctxcache-ref --port-file "$WORK/ports" >"$WORK/log" 2>&1 &
 PID=$!
 for _ in $(seq 1 300); do [ -s "$WORK/ports" ] && break; sleep 0.1; done
 [ -s "$WORK/ports" ] || { echo "ctxcached did not start:"; cat "$WORK/log"; exit 1; }
@@ -49,7 +52,7 @@ PROMPTS=($'\n\n   Truncate the file corresponding to file descriptor'
 : >"$WORK/runs.jsonl"
 for P in "${PROMPTS[@]}"; do
   ./build/bin/ctxcache --server "$S" --timeout 120 --json generate --context "$C" --prompt "$P" \
-    --method "$METHOD" --rho 0.05 --max-tokens 64 --compare full --model-dir models \
+    --method "$METHOD" --rho 0.05 --max-tokens 64 --compare full --model-dir "$MODEL_DIR" \
     "${PARAMS[@]}" >>"$WORK/runs.jsonl"
 done
 python3 - "$WORK/runs.jsonl" "$METHOD" "${IDX[*]:-}" "${PARAMS[*]:-}" <<'PY'

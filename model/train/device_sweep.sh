@@ -5,18 +5,24 @@
 # and a few flags appended to the shared recipe (TUNE_MORE / TUNE_TASK_MORE:
 # a repeated train.py flag, the last one wins). Runs from the repository root.
 #   start:  unpack the init model and the carried held-out text once, start
-#           every variant (prep, then training in the background), then wait.
+#           every variant (prep, then training in the background), then wait
+#           as below, until ~STOP_AT seconds. With prep (~135 s) + --minutes
+#           + evaluation (~200 s) + collect inside STOP_AT, the whole sweep
+#           is this one call (run 9: --minutes 3.3, STOP_AT 560), which no
+#           gap between calls can lose.
 #   wait:   until ~STOP_AT seconds, or until every variant is evaluated or has
 #           failed: a variant whose training is DONE is evaluated at once
 #           (device_run.sh finish on its GPU, started with setsid so that it
 #           runs on between calls). Every call ends by collecting what is
-#           finished into $OUT: each evaluated variant's pack.tar (train.py
-#           eval's files, log, summary) in $OUT/NAME/, summary16k.jsonl (16K
-#           accuracy by family), and once all are in, the best variant's
-#           weights (most 16K tasks right; TAKE=NAME picks another).
-#   take NAME: a variant's weights to $OUT/NAME/, in the evalsaved layout
-#           (xz'd shards, config, index, and the init's tokenizer, docs.tsv,
-#           heldout.txt.xz and unigram_counts.npy): a later tune's TUNE_INIT.
+#           finished into $OUT: packs.tar.xz (each evaluated variant's
+#           pack.tar, as NAME.tar: train.py eval's files, log, summary),
+#           summary16k.jsonl (16K accuracy by family), and once all are in,
+#           the best variant's weights (most 16K tasks right; TAKE=NAME picks
+#           another), 7 files in all: the device tool returns at most 8.
+#   take NAME: a variant's weights to $OUT/NAME/: the xz'd shards and
+#           small.tar (config, index, and the init's tokenizer, docs.tsv,
+#           heldout.txt.xz and unigram_counts.npy); shards plus unpacked
+#           small.tar are the evalsaved layout, a later tune's TUNE_INIT.
 #   report: the state of every variant, and the evaluated ones' 16K accuracy.
 #   stage:  copy the carried model/train/work/stage/* to $STAGE (kept while the
 #           machine stays warm): data that does not fit into start's carry
@@ -26,17 +32,20 @@
 #           a fresh machine, stage again).
 # The machine goes back 30 s after a call ends; a next call that comes later
 # gets a fresh machine, where wait/take/report stop at once (exit 3) instead
-# of waiting on a sweep that is gone. So choose --minutes such that training
-# ends with ~4 minutes left in a call for the evaluations (run 8's 17 minutes
-# ended 10 s before its second call did, and the third call found a fresh
-# machine: NOTES.md).
+# of waiting on a sweep that is gone. That lost runs 8 and 9's first attempt
+# (3 of ~12 gaps, NOTES.md), so the default is a sweep inside one start call;
+# a longer one (stage, start, wait) risks a gap for each extra call.
 # VARIANTS: one "NAME|TUNE_TASK_MORE|TUNE_MORE" per line (the default below).
 # TINY=1: the same on the CPU with device_run.sh's tiny model (TUNE_INIT
 # defaults to the dry run's saved model), R=model/train/work/sweep-tiny.
 set -e
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
-STOP_AT=${STOP_AT:-570}
+STOP_AT=${STOP_AT:-560}
+# The best variant is taken among those whose sparse-fidelity proxy (train.py
+# eval's teacher-forced agreement of oracle top-5% attention with full, on
+# held-out text) is at least SPARSE_MIN, else among all (with a warning).
+SPARSE_MIN=${SPARSE_MIN:-0}
 if [ "${TINY:-0}" = 1 ]; then
   R=${R:-model/train/work/sweep-tiny}
   STAGE=${STAGE:-model/train/work/stage-tiny}
@@ -45,26 +54,25 @@ if [ "${TINY:-0}" = 1 ]; then
 else
   R=${R:-/root/sweep}
   STAGE=${STAGE:-/root/stage}
-  TUNE_INIT=${TUNE_INIT:-model/train/work/run7c}
+  TUNE_INIT=${TUNE_INIT:-model/train/work/run9c}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
-SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 9"}
+SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 10"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
-  # 11 minutes: start (570 s: prep ~135 s, more with --extra-train) + wait
-  # (training ends ~5-6 minutes in, evaluations ~200 s): two calls after
-  # stage, one gap where the training runs (NOTES.md, run 8).
-  SWEEP_MORE=${SWEEP_MORE:-"--minutes 11"}; fi
-# Run 9 (planned, NOTES.md): run 8's question, whose answers were lost with
-# its machine (does var_track come back without the questions about the
-# distractor chain: r7 vs nodist), and whether 2.6x the training text
-# (make_corpus.py's train_extra.txt, carried by stage) stops the held-out text
-# loss from rising. Run 8's variants were r7, nodist,
-# "nodist-k8|--no-distractor-questions --extra-questions 8|" and
-# "nodist-tf07|--no-distractor-questions|--task-frac 0.7".
-VARIANTS=${VARIANTS:-"r7||
-nodist|--no-distractor-questions|
-nodist-x|--no-distractor-questions --extra-train $STAGE/train_extra.txt.xz|
-nodist-k8-x|--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz|"}
+  # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
+  # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
+  SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.3"}; fi
+# Run 10 (planned, NOTES.md): from run 9's best (nodist-k8, TUNE_INIT
+# model/train/work/run9c), its recipe against a higher learning rate (5e-4
+# against the recipe's 3e-4: run 9's nodist-lr5 kept the text loss lowest),
+# more extra questions, and more task rows. Run 9's variants were r7 (no flags), nodist
+# (--no-distractor-questions), nodist-k8 (+ --extra-questions 8) and
+# nodist-lr5 (nodist + --lr 5e-4); the extra text (stage, --extra-train
+# $STAGE/train_extra.txt.xz) needs a stage call before start.
+VARIANTS=${VARIANTS:-"k8|--no-distractor-questions --extra-questions 8|
+k8-lr5|--no-distractor-questions --extra-questions 8|--lr 5e-4
+k12|--no-distractor-questions --extra-questions 12|
+k8-tf08|--no-distractor-questions --extra-questions 8|--task-frac 0.8"}
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }
@@ -194,39 +202,52 @@ k16 = [by.get(f"family:{f}/length:16384", [0, 0])[0] for f in fams]
 print(json.dumps({"variant": sys.argv[1], "correct": by["all"][0], "of": by["all"][1],
                   "16K": k16, "16K_sum": sum(k16),
                   "by_family": {f: by.get(f"family:{f}", [0, 0])[0] for f in fams},
-                  "ppl": {n: round(p["ppl"], 2) for n, p in e["perplexity"].items()}}))
+                  "ppl": {n: round(p["ppl"], 2) for n, p in e["perplexity"].items()},
+                  "sparse": {k: round(e.get("sparse_fidelity", {}).get(k, -1.0), 4)
+                             for k in ("agreement_mean", "mean_kl")}}))
 PYEOF
   done
 }
-do_take() {
+do_take() {  # $OUT/NAME/: the xz'd shards, and small.tar with the rest (6 files)
   local n=$1 d=$OUT/$1
   [ -d $R/$n/run/final ] || { echo "take: no $R/$n/run/final"; exit 1; }
-  mkdir -p $d
+  rm -rf $d /tmp/take-$n && mkdir -p $d /tmp/take-$n
   for f in $R/$n/run/final/*.safetensors; do xz -T0 -6 -c $f > $d/$(basename $f).xz; done
-  cp $R/$n/run/final/config.json $R/$n/run/final/model.safetensors.index.json $d/
+  cp $R/$n/run/final/config.json $R/$n/run/final/model.safetensors.index.json /tmp/take-$n/
   for f in tokenizer.model docs.tsv heldout.txt.xz unigram_counts.npy; do
-    [ -f $TUNE_INIT/$f ] && cp $TUNE_INIT/$f $d/; done
-  echo "take: $n -> \$OUT/$n ($(du -sh $d | cut -f1))"
+    [ -f $TUNE_INIT/$f ] && cp $TUNE_INIT/$f /tmp/take-$n/; done
+  tar cf $d/small.tar -C /tmp/take-$n .
+  echo "take: $n -> \$OUT/$n ($(du -sh $d | cut -f1); tar xf small.tar beside the shards)"
 }
 collect() {  # what is finished, to $OUT: evaluations, and the best weights once all are in
   [ -n "${OUT:-}" ] || return 0
   mkdir -p $OUT
+  # The device tool returns at most 8 files of at most 16 MiB: every
+  # evaluated variant's pack.tar goes into one packs.tar.xz (NAME.tar each),
+  # and do_take adds 5 shards-and-small.tar files, 7 in all.
+  rm -rf /tmp/packs && mkdir -p /tmp/packs
   for n in $(names); do
     if [ "$(state_of $n)" = evaluated ]; then
-      mkdir -p $OUT/$n && cp $R/$n/out/pack.tar $OUT/$n/
+      cp $R/$n/out/pack.tar /tmp/packs/$n.tar
     elif [ "$(state_of $n)" = "eval failed" ]; then
       echo "== $n: evaluation failed"; tail -8 $R/$n.finish.log | cut -c1-300
     elif [ "$(state_of $n)" = "training died" ]; then
       echo "== $n: training died"; grep -v Warn $R/$n/train.log | tail -8 | cut -c1-300; fi
   done
+  if ls /tmp/packs/*.tar >/dev/null 2>&1; then
+    tar cf - -C /tmp/packs . | xz -T0 -6 > $OUT/packs.tar.xz; fi
   summary16k > $OUT/summary16k.jsonl
   cat $OUT/summary16k.jsonl
   settled || { echo "not all evaluated yet: call wait again"; return 0; }
   local best=${TAKE:-$(python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
-print(max(rows, key=lambda r: (r['16K_sum'], r['correct']))['variant'] if rows else '')
-" $OUT/summary16k.jsonl)}
+ok = [r for r in rows if r['sparse']['agreement_mean'] >= float(sys.argv[2])]
+if rows and not ok:
+    print(f'no variant keeps sparse agreement >= {sys.argv[2]}: taking the best of all',
+          file=sys.stderr)
+print(max(ok or rows, key=lambda r: (r['16K_sum'], r['correct']))['variant'] if rows else '')
+" $OUT/summary16k.jsonl $SPARSE_MIN)}
   if [ -n "$best" ]; then do_take $best; fi
   echo "sweep complete after $(( $(date +%s) - T0 )) s of this call"
 }

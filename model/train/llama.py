@@ -114,7 +114,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * hd, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin):
+    def qkv(self, x, cos, sin):
+        """q, k, v [B, heads, T, head_dim] after RoPE, k and v repeated to
+        the query heads (cos/sin: the rows of model.rope for x's positions)."""
         B, T, _ = x.shape
         c, hd = self.c, self.c.head_dim
         q = self.q_proj(x).view(B, T, c.num_attention_heads, hd).transpose(1, 2)
@@ -123,8 +125,17 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         g = c.num_attention_heads // c.num_key_value_heads
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
+        return q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    def out(self, o):
+        """o_proj of the attention output o [B, heads, T, head_dim]."""
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        hd = self.c.head_dim
+        q, k, v = self.qkv(x, cos, sin)
         if hasattr(F, "scaled_dot_product_attention"):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # torch < 2.0 (the CPU machine's Debian torch)
@@ -140,7 +151,7 @@ class Attention(nn.Module):
                 o[:, :, i:j] = torch.matmul(
                     torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1).to(v.dtype),
                     v[:, :, :j])
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return self.out(o)
 
 
 class MLP(nn.Module):
@@ -218,6 +229,52 @@ class Llama(nn.Module):
             out.append(nxt)
             x = torch.cat([x, torch.tensor([[nxt]], device=dev)], dim=1)
         return out
+
+
+@torch.no_grad()
+def tail_logits_full_and_topk(model, ids, n, rho):
+    """Teacher-forced logits of the positions n..T-1 of ids (1-D, T > n)
+    twice: under full attention, and with each of those query rows attending,
+    per query head and layer, only to the top ceil(rho * n) of the n context
+    keys by q.k, key 0, and the keys from n up to itself. The context rows
+    0..n-1 are computed once with full attention (the server's prefill); the
+    sparse rows see their own sparse hidden states from the layer below.
+    This is the oracle selection of DESIGN 5.5 (exact top-K per q head) in
+    torch: a proxy, on the training machine, for how much a 1 - rho sparse
+    decode of the context loses. Returns (full, sparse) [T - n, vocab] fp32."""
+    dev = next(model.parameters()).device
+    T = len(ids)
+    x = model.model.embed_tokens(torch.as_tensor(ids, dtype=torch.int64, device=dev)[None])
+    cos, sin = model.rope(T, dev)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    K = max(1, math.ceil(rho * n))
+    hd = model.config.head_dim
+    pre, tails = x[:, :n], [x[:, n:], x[:, n:]]
+    causal = torch.ones(T - n, T - n, dtype=torch.bool, device=dev).triu(1)
+    for layer in model.model.layers:
+        at = layer.self_attn
+        _, kc, vc = at.qkv(layer.input_layernorm(pre), cos[:, :, :n], sin[:, :, :n])
+        nxt = []
+        for sparse, t in enumerate(tails):
+            q, kt, vt = at.qkv(layer.input_layernorm(t), cos[:, :, n:], sin[:, :, n:])
+            sc = torch.matmul(q, kc.transpose(-1, -2)).float() / math.sqrt(hd)
+            if sparse:
+                keep = torch.zeros_like(sc, dtype=torch.bool)
+                keep.scatter_(-1, sc.topk(K, dim=-1).indices, True)
+                keep[..., 0] = True
+                sc = sc.masked_fill(~keep, float("-inf"))
+            st = (torch.matmul(q, kt.transpose(-1, -2)).float() / math.sqrt(hd)).masked_fill(
+                causal, float("-inf"))
+            p = torch.softmax(torch.cat([sc, st], -1), -1).to(vc.dtype)
+            o = torch.matmul(p, torch.cat([vc, vt], 2))
+            t = t + at.out(o)
+            nxt.append(t + layer.mlp(layer.post_attention_layernorm(t)))
+        pre = layer(pre, cos[:, :, :n], sin[:, :, :n])
+        tails = nxt
+    w = (model.model.embed_tokens.weight if model.config.tie_word_embeddings
+         else model.lm_head.weight)
+    full, sparse = (F.linear(model.model.norm(t), w)[0].float() for t in tails)
+    return full, sparse
 
 
 # ----------------------------------------------------------- checkpoints ----

@@ -43,8 +43,10 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
   eval   --data DIR --model DIR --out DIR [--run DIR]
          Held-out perplexity at --ppl-lengths (default 1K..32K), unigram baseline,
          attention on token 0 per layer, full-attention exact-match accuracy on
-         DATA/eval_tasks.jsonl by family x length x depth (greedy decoding), and
-         the loss curve (with --run).
+         DATA/eval_tasks.jsonl by family x length x depth (greedy decoding),
+         teacher-forced agreement and KL of oracle top-5% sparse attention
+         against full on held-out text (--sparse-*: the proxy for
+         scripts/eval-agreement.sh), and the loss curve (with --run).
   hfcheck --model DIR   (needs transformers) logits of llama.py vs HF
          LlamaForCausalLM on the same checkpoint.
 """
@@ -611,13 +613,7 @@ def attention_on_key0(model, seq, dev, q0=16):
     T = x.shape[1]
     cos, sin = model.rope(T, dev)
     for li, layer in enumerate(model.model.layers):
-        hs = cap[li][0].float()
-        at = layer.self_attn
-        q = at.q_proj(hs).view(1, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = at.k_proj(hs).view(1, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q = q * cos + llama._rotate_half(q) * sin
-        k = k * cos + llama._rotate_half(k) * sin
-        k = k.repeat_interleave(c.num_attention_heads // c.num_key_value_heads, dim=1)
+        q, k, _ = layer.self_attn.qkv(cap[li][0].float(), cos, sin)
         s = torch.matmul(q[:, :, q0:], k.transpose(-1, -2)) / math.sqrt(c.head_dim)
         mask = torch.ones(T - q0, T, dtype=torch.bool, device=dev).triu(q0 + 1)
         p0 = torch.softmax(s.masked_fill(mask, float("-inf")), -1)[0, :, :, 0]
@@ -625,6 +621,34 @@ def attention_on_key0(model, seq, dev, q0=16):
         rows.append({"layer": li, "mean": float(per_head.mean()), "max_head": float(per_head.max()),
                      "per_head": [round(float(v), 4) for v in per_head]})
     return rows
+
+
+def sparse_fidelity(model, docs, n, positions, rho, windows):
+    """Teacher-forced agreement and KL(full || sparse) of the next-token
+    distributions at `positions` positions after an n-token context, with the
+    context attended under oracle top-K selection (llama.tail_logits_full_and_topk),
+    over `windows` windows taken in turn from docs (longest first). The
+    training machine's proxy for scripts/eval-agreement.sh (the C++ path)."""
+    eligible = [d for d in docs if len(d) >= n + positions]
+    if not eligible or windows <= 0:
+        return {"windows": 0, "note": f"no held-out document has {n + positions} tokens"}
+    kls, agree, per = [], [], []
+    for i in range(windows):
+        d = eligible[i % len(eligible)]
+        s0 = (i // len(eligible)) * (n + positions)
+        if s0 + n + positions > len(d):
+            s0 = 0
+        full, sparse = llama.tail_logits_full_and_topk(model, d[s0:s0 + n + positions].tolist(),
+                                                      n, rho)
+        lf, ls = torch.log_softmax(full, -1), torch.log_softmax(sparse, -1)
+        kl = (lf.exp() * (lf - ls)).sum(-1)
+        ag = (full.argmax(-1) == sparse.argmax(-1)).float()
+        kls.append(kl.mean().item())
+        agree.append(ag.mean().item())
+        per.append({"start": int(s0), "len": int(len(d)), "kl": kls[-1], "agreement": agree[-1]})
+    return {"windows": windows, "context": n, "positions": positions, "rho": rho,
+            "mean_kl": float(np.mean(kls)), "agreement_mean": float(np.mean(agree)),
+            "agreement_min": float(np.min(agree)), "per_window": per}
 
 
 def eval_tasks(model, tok, path, dev, limit=0):
@@ -735,6 +759,15 @@ def cmd_eval(a):
         print(json.dumps({label: [(r["layer"], round(r["mean"], 3)) for r in rows],
                           "uniform": uniform}), flush=True)
     res["attention_sinks"] = sinks
+    if a.sparse_windows:
+        t0 = time.time()
+        with autocast(dev):
+            sf = sparse_fidelity(model, longest, a.sparse_context, a.sparse_positions,
+                                 a.sparse_rho, a.sparse_windows)
+        sf["seconds"] = time.time() - t0
+        res["sparse_fidelity"] = sf
+        print(json.dumps({"sparse_fidelity": {k: v for k, v in sf.items()
+                                              if k != "per_window"}}), flush=True)
     tasks = a.tasks or os.path.join(a.data, "eval_tasks.jsonl")
     if os.path.exists(tasks):
         tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
@@ -843,6 +876,11 @@ def main():
     p.add_argument("--names", default="", help="docs.tsv written by make_corpus.py")
     p.add_argument("--exclude", default="", help="regex of held-out doc names to skip")
     p.add_argument("--sink-len", type=int, default=4096)
+    p.add_argument("--sparse-windows", type=int, default=6,
+                   help="held-out windows for the sparse-fidelity proxy (0 = skip)")
+    p.add_argument("--sparse-context", type=int, default=8192)
+    p.add_argument("--sparse-positions", type=int, default=64)
+    p.add_argument("--sparse-rho", type=float, default=0.05)
     p = sub.add_parser("hfcheck")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="")

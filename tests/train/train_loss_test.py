@@ -15,6 +15,7 @@ python3-torch, python3-numpy, python3-sentencepiece).
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -161,6 +162,75 @@ class GrowTest(unittest.TestCase):
         train.lm_loss(m, x).backward()
         self.assertGreater(float(new.self_attn.o_proj.weight.grad.abs().sum()), 0.0)
         self.assertGreater(float(new.mlp.down_proj.weight.grad.abs().sum()), 0.0)
+
+
+class SparseFidelityTest(unittest.TestCase):
+    """llama.tail_logits_full_and_topk and train.sparse_fidelity: the torch
+    proxy for sparse decoding's fidelity that train.py eval reports."""
+
+    def setUp(self):
+        c = llama.Config(vocab_size=8192, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        self.m = llama.Llama(c, seed=3)
+        with torch.no_grad():  # sharper attention than the 0.02 init gives
+            for layer in self.m.model.layers:
+                layer.self_attn.q_proj.weight.mul_(20)
+                layer.self_attn.k_proj.weight.mul_(20)
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(3, 8192, (240,), generator=g).tolist()
+
+    def test_full_tail_is_the_forward_pass(self):
+        full, _ = llama.tail_logits_full_and_topk(self.m, self.ids, 200, 0.05)
+        with torch.no_grad():
+            ref = self.m(torch.tensor([self.ids]))[0, 200:]
+        self.assertEqual(tuple(full.shape), (40, 8192))
+        torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
+
+    def test_keeping_every_key_is_full_attention(self):
+        full, sparse = llama.tail_logits_full_and_topk(self.m, self.ids, 200, 1.0)
+        torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+
+    def test_sparse_rows_see_top_k_key_0_and_their_own_tail(self):
+        # One layer, checked against a masked attention over the whole
+        # sequence: a tail row keeps the top ceil(rho * n) context keys of
+        # each q head by q.k, key 0, and the tail keys up to itself.
+        m = llama.Llama(llama.Config(**{**self.m.config.__dict__, "num_hidden_layers": 1}), seed=3)
+        m.model.layers[0].load_state_dict(self.m.model.layers[0].state_dict())
+        m.model.embed_tokens.load_state_dict(self.m.model.embed_tokens.state_dict())
+        n, rho, T = 200, 0.03, len(self.ids)
+        _, sparse = llama.tail_logits_full_and_topk(m, self.ids, n, rho)
+        with torch.no_grad():
+            layer = m.model.layers[0]
+            x = m.model.embed_tokens(torch.tensor([self.ids]))
+            cos, sin = m.rope(T, "cpu")
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+            s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(m.config.head_dim)
+            allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None].repeat(1, 4, 1, 1)
+            K = math.ceil(rho * n)
+            top = s[:, :, n:, :n].topk(K, dim=-1).indices
+            ctx = torch.zeros(1, 4, T - n, n, dtype=torch.bool).scatter_(-1, top, True)
+            ctx[..., 0] = True
+            allowed[:, :, n:, :n] = ctx
+            p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
+            h = x + layer.self_attn.out(torch.matmul(p, v))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            ref = F.linear(m.model.norm(h), m.model.embed_tokens.weight)[0, n:]
+        torch.testing.assert_close(sparse, ref, atol=1e-4, rtol=1e-4)
+        full, _ = llama.tail_logits_full_and_topk(m, self.ids, n, rho)
+        self.assertGreater(float((sparse - full).abs().max()), 1e-3)
+
+    def test_report_agrees_fully_at_rho_one_and_loses_at_low_rho(self):
+        docs = [np.asarray(self.ids), np.asarray(self.ids[:100])]
+        r = train.sparse_fidelity(self.m, docs, 200, 40, 1.0, 2)
+        self.assertEqual(r["windows"], 2)
+        self.assertEqual(r["agreement_mean"], 1.0)
+        self.assertLess(abs(r["mean_kl"]), 1e-6)
+        r = train.sparse_fidelity(self.m, docs, 200, 40, 0.01, 2)
+        self.assertGreater(r["mean_kl"], 1e-4)
+        self.assertEqual(len(r["per_window"]), 2)
+        r = train.sparse_fidelity(self.m, docs, 400, 40, 0.05, 2)
+        self.assertEqual(r["windows"], 0)
+        self.assertIn("440 tokens", r["note"])
 
 
 class FamilyScheduleTest(unittest.TestCase):

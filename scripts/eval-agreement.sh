@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Greedy agreement and KL of sparse decoding against dense, on the bundled
-# demo document and 6 continuation prompts (the first is the README demo's),
+# demo document and the 6 continuation prompts of
+# tests/data/demo/agreement_prompts.json (the first is the README demo's),
 # 64 tokens each, teacher-forced. Starts its own ctxcached on loopback (temp
 # data dir), builds the context once per index-param set, prints one JSON
 # line per (index params, method, session params) and a summary.
@@ -43,12 +44,11 @@ OUT="$(./build/bin/ctxcache --server "$S" build --file tests/data/demo/document.
   --index "$INDEX" "${IDX[@]}" 2>/dev/null | tail -1)"
 C="$(echo "$OUT" | sed -n 's/^\(built\|reused existing\) context \([0-9a-f]\{32\}\):.*/\2/p')"
 [ -n "$C" ] || { echo "build failed: $OUT"; exit 1; }
-PROMPTS=($'\n\n   Truncate the file corresponding to file descriptor'
-  $'\n\n.. function:: getcwd()\n\n   Return'
-  $'\n\n.. function:: dup(fd, /)\n\n  '
-  $'\n\n.. function:: getenv(key, default=None)\n\n   Return the value of'
-  $'\n\n.. function:: lseek(fd, pos, whence, /)\n\n   Set the current position of'
-  $'\n\n.. function:: fchmod(fd, mode)\n\n   Change the mode of')
+# The prompts (also train.py eval's sparse-fidelity proxy): a JSON list.
+mapfile -d '' PROMPTS < <(python3 -c '
+import json, sys
+sys.stdout.write("".join(p + "\0" for p in json.load(open(sys.argv[1]))))' \
+  tests/data/demo/agreement_prompts.json)
 : >"$WORK/runs.jsonl"
 for P in "${PROMPTS[@]}"; do
   ./build/bin/ctxcache --server "$S" --timeout 120 --json generate --context "$C" --prompt "$P" \

@@ -16,8 +16,9 @@
 #           runs on between calls). Every call ends by collecting what is
 #           finished into $OUT: packs.tar.xz (each evaluated variant's
 #           pack.tar, as NAME.tar: train.py eval's files, log, summary),
-#           summary16k.jsonl (16K accuracy by family), and once all are in,
-#           the best variant's weights (most 16K tasks right; TAKE=NAME picks
+#           summary16k.jsonl (16K accuracy by family, the sparse-fidelity
+#           proxy), and once all are in, the best variant's weights (most 16K
+#           tasks right among those within SPARSE_MAX_KL; TAKE=NAME picks
 #           another), 7 files in all: the device tool returns at most 8.
 #   take NAME: a variant's weights to $OUT/NAME/: the xz'd shards and
 #           small.tar (config, index, and the init's tokenizer, docs.tsv,
@@ -43,9 +44,13 @@ export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 STOP_AT=${STOP_AT:-560}
 # The best variant is taken among those whose sparse-fidelity proxy (train.py
-# eval's teacher-forced agreement of oracle top-5% attention with full, on
-# held-out text) is at least SPARSE_MIN, else among all (with a warning).
-SPARSE_MIN=${SPARSE_MIN:-0}
+# eval: mean KL(full || oracle top-5%) over scripts/eval-agreement.sh's
+# document and prompts, in torch) is at most SPARSE_MAX_KL, else among all
+# (with a warning). 0.055: the proxy gave v2 0.028, run 6 0.054, run 7 0.057
+# and run 9 0.062, in the order of the C++ csa's KL, and cli_test's agreement
+# acceptance passes on run 6 (93.8%), barely on run 7 (90.6%) and fails on
+# run 9 (84.4%) (NOTES.md, run 9).
+SPARSE_MAX_KL=${SPARSE_MAX_KL:-0.055}
 if [ "${TINY:-0}" = 1 ]; then
   R=${R:-model/train/work/sweep-tiny}
   STAGE=${STAGE:-model/train/work/stage-tiny}
@@ -204,7 +209,7 @@ print(json.dumps({"variant": sys.argv[1], "correct": by["all"][0], "of": by["all
                   "by_family": {f: by.get(f"family:{f}", [0, 0])[0] for f in fams},
                   "ppl": {n: round(p["ppl"], 2) for n, p in e["perplexity"].items()},
                   "sparse": {k: round(e.get("sparse_fidelity", {}).get(k, -1.0), 4)
-                             for k in ("agreement_mean", "mean_kl")}}))
+                             for k in ("agreement_first_prompt", "agreement_mean", "mean_kl")}}))
 PYEOF
   done
 }
@@ -242,12 +247,12 @@ collect() {  # what is finished, to $OUT: evaluations, and the best weights once
   local best=${TAKE:-$(python3 -c "
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
-ok = [r for r in rows if r['sparse']['agreement_mean'] >= float(sys.argv[2])]
+ok = [r for r in rows if 0 <= r['sparse']['mean_kl'] <= float(sys.argv[2])]
 if rows and not ok:
-    print(f'no variant keeps sparse agreement >= {sys.argv[2]}: taking the best of all',
+    print(f'no variant has sparse-fidelity KL <= {sys.argv[2]}: taking the best of all',
           file=sys.stderr)
 print(max(ok or rows, key=lambda r: (r['16K_sum'], r['correct']))['variant'] if rows else '')
-" $OUT/summary16k.jsonl $SPARSE_MIN)}
+" $OUT/summary16k.jsonl $SPARSE_MAX_KL)}
   if [ -n "$best" ]; then do_take $best; fi
   echo "sweep complete after $(( $(date +%s) - T0 )) s of this call"
 }

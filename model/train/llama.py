@@ -232,49 +232,62 @@ class Llama(nn.Module):
 
 
 @torch.no_grad()
-def tail_logits_full_and_topk(model, ids, n, rho):
-    """Teacher-forced logits of the positions n..T-1 of ids (1-D, T > n)
-    twice: under full attention, and with each of those query rows attending,
-    per query head and layer, only to the top ceil(rho * n) of the n context
-    keys by q.k, key 0, and the keys from n up to itself. The context rows
-    0..n-1 are computed once with full attention (the server's prefill); the
-    sparse rows see their own sparse hidden states from the layer below.
-    This is the oracle selection of DESIGN 5.5 (exact top-K per q head) in
-    torch: a proxy, on the training machine, for how much a 1 - rho sparse
-    decode of the context loses. Returns (full, sparse) [T - n, vocab] fp32."""
+def prefix_kv(model, ids):
+    """Per layer, the context's k and v ([1, heads, n, head_dim], post-RoPE,
+    repeated to the query heads) under full attention: the KV cache the
+    server's prefill stores, for tail_logits."""
     dev = next(model.parameters()).device
-    T = len(ids)
     x = model.model.embed_tokens(torch.as_tensor(ids, dtype=torch.int64, device=dev)[None])
-    cos, sin = model.rope(T, dev)
+    cos, sin = model.rope(len(ids), dev)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    K = max(1, math.ceil(rho * n))
-    hd = model.config.head_dim
-    pre, tails = x[:, :n], [x[:, n:], x[:, n:]]
-    causal = torch.ones(T - n, T - n, dtype=torch.bool, device=dev).triu(1)
+    cache = []
     for layer in model.model.layers:
+        _, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+        cache.append((k, v))
+        x = layer(x, cos, sin)
+    return cache
+
+
+@torch.no_grad()
+def tail_logits(model, cache, tail, rho=None, extend=False):
+    """Logits [len(tail), vocab] (fp32) of tail (token ids placed after the
+    context of `cache`, from prefix_kv). Each tail row attends to the tail up
+    to itself and to the context: all of it, or with rho, per query head and
+    layer only the top ceil(rho * n) context keys by q.k plus key 0 (the
+    oracle selection of DESIGN 5.5, exact top-K per q head, in torch: the
+    training machine's proxy for a 1 - rho sparse decode of the context).
+    extend=True also returns the cache with the tail's k and v appended (a
+    decode step: the next tail starts after this one)."""
+    dev = next(model.parameters()).device
+    n = cache[0][0].shape[2]
+    x = model.model.embed_tokens(torch.as_tensor(tail, dtype=torch.int64, device=dev)[None])
+    m = len(tail)
+    cos, sin = model.rope(n + m, dev)
+    cos, sin = cos[:, :, n:].to(x.dtype), sin[:, :, n:].to(x.dtype)
+    K = max(1, math.ceil(rho * n)) if rho is not None else n
+    hd = model.config.head_dim
+    causal = torch.ones(m, m, dtype=torch.bool, device=dev).triu(1)
+    grown = []
+    for layer, (kc, vc) in zip(model.model.layers, cache):
         at = layer.self_attn
-        _, kc, vc = at.qkv(layer.input_layernorm(pre), cos[:, :, :n], sin[:, :, :n])
-        nxt = []
-        for sparse, t in enumerate(tails):
-            q, kt, vt = at.qkv(layer.input_layernorm(t), cos[:, :, n:], sin[:, :, n:])
-            sc = torch.matmul(q, kc.transpose(-1, -2)).float() / math.sqrt(hd)
-            if sparse:
-                keep = torch.zeros_like(sc, dtype=torch.bool)
-                keep.scatter_(-1, sc.topk(K, dim=-1).indices, True)
-                keep[..., 0] = True
-                sc = sc.masked_fill(~keep, float("-inf"))
-            st = (torch.matmul(q, kt.transpose(-1, -2)).float() / math.sqrt(hd)).masked_fill(
-                causal, float("-inf"))
-            p = torch.softmax(torch.cat([sc, st], -1), -1).to(vc.dtype)
-            o = torch.matmul(p, torch.cat([vc, vt], 2))
-            t = t + at.out(o)
-            nxt.append(t + layer.mlp(layer.post_attention_layernorm(t)))
-        pre = layer(pre, cos[:, :, :n], sin[:, :, :n])
-        tails = nxt
+        q, kt, vt = at.qkv(layer.input_layernorm(x), cos, sin)
+        if extend:
+            grown.append((torch.cat([kc, kt], 2), torch.cat([vc, vt], 2)))
+        sc = torch.matmul(q, kc.transpose(-1, -2)).float() / math.sqrt(hd)
+        if K < n:
+            keep = torch.zeros_like(sc, dtype=torch.bool)
+            keep.scatter_(-1, sc.topk(K, dim=-1).indices, True)
+            keep[..., 0] = True
+            sc = sc.masked_fill(~keep, float("-inf"))
+        st = (torch.matmul(q, kt.transpose(-1, -2)).float() / math.sqrt(hd)).masked_fill(
+            causal, float("-inf"))
+        p = torch.softmax(torch.cat([sc, st], -1), -1).to(vc.dtype)
+        x = x + at.out(torch.matmul(p, torch.cat([vc, vt], 2)))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
     w = (model.model.embed_tokens.weight if model.config.tie_word_embeddings
          else model.lm_head.weight)
-    full, sparse = (F.linear(model.model.norm(t), w)[0].float() for t in tails)
-    return full, sparse
+    logits = F.linear(model.model.norm(x), w)[0].float()
+    return (logits, grown) if extend else logits
 
 
 # ----------------------------------------------------------- checkpoints ----

@@ -68,6 +68,7 @@ import llama  # noqa: E402
 import longctx_tasks as lt  # noqa: E402
 
 BOS, EOS = llama.BOS, llama.EOS
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def model_config(a):
@@ -623,32 +624,34 @@ def attention_on_key0(model, seq, dev, q0=16):
     return rows
 
 
-def sparse_fidelity(model, docs, n, positions, rho, windows):
-    """Teacher-forced agreement and KL(full || sparse) of the next-token
-    distributions at `positions` positions after an n-token context, with the
-    context attended under oracle top-K selection (llama.tail_logits_full_and_topk),
-    over `windows` windows taken in turn from docs (longest first). The
-    training machine's proxy for scripts/eval-agreement.sh (the C++ path)."""
-    eligible = [d for d in docs if len(d) >= n + positions]
-    if not eligible or windows <= 0:
-        return {"windows": 0, "note": f"no held-out document has {n + positions} tokens"}
-    kls, agree, per = [], [], []
-    for i in range(windows):
-        d = eligible[i % len(eligible)]
-        s0 = (i // len(eligible)) * (n + positions)
-        if s0 + n + positions > len(d):
-            s0 = 0
-        full, sparse = llama.tail_logits_full_and_topk(model, d[s0:s0 + n + positions].tolist(),
-                                                      n, rho)
+def sparse_fidelity(model, context, prompts, n_new, rho):
+    """scripts/eval-agreement.sh's measurement in torch, with oracle
+    selection: for each prompt (token ids) after the context (token ids),
+    n_new greedy tokens under full attention, then at each of those n_new
+    positions, teacher-forced, whether the sparse run's top-1 is the dense
+    one (agreement) and KL(full || sparse) of the next-token distributions
+    (llama.tail_logits with rho)."""
+    cache = llama.prefix_kv(model, context)
+    rows = []
+    for p in prompts:
+        tail = list(p)
+        logits, grown = llama.tail_logits(model, cache, tail, extend=True)
+        for i in range(n_new):  # greedy decode step by step on the growing cache
+            tail.append(int(logits[-1].argmax()))
+            if i + 1 < n_new:
+                logits, grown = llama.tail_logits(model, grown, tail[-1:], extend=True)
+        tail = tail[:-1]  # the last token's prediction is not scored
+        at = slice(len(p) - 1, len(tail))
+        full = llama.tail_logits(model, cache, tail)[at]
+        sparse = llama.tail_logits(model, cache, tail, rho)[at]
         lf, ls = torch.log_softmax(full, -1), torch.log_softmax(sparse, -1)
-        kl = (lf.exp() * (lf - ls)).sum(-1)
-        ag = (full.argmax(-1) == sparse.argmax(-1)).float()
-        kls.append(kl.mean().item())
-        agree.append(ag.mean().item())
-        per.append({"start": int(s0), "len": int(len(d)), "kl": kls[-1], "agreement": agree[-1]})
-    return {"windows": windows, "context": n, "positions": positions, "rho": rho,
-            "mean_kl": float(np.mean(kls)), "agreement_mean": float(np.mean(agree)),
-            "agreement_min": float(np.min(agree)), "per_window": per}
+        rows.append({"agreement": (full.argmax(-1) == sparse.argmax(-1)).float().mean().item(),
+                     "kl": (lf.exp() * (lf - ls)).sum(-1).mean().item()})
+    a = [r["agreement"] for r in rows]
+    return {"context_tokens": len(context), "prompts": len(rows), "new_tokens": n_new,
+            "rho": rho, "agreement_first_prompt": a[0], "agreement_mean": float(np.mean(a)),
+            "agreement_min": float(np.min(a)),
+            "mean_kl": float(np.mean([r["kl"] for r in rows])), "per_prompt": rows}
 
 
 def eval_tasks(model, tok, path, dev, limit=0):
@@ -759,15 +762,16 @@ def cmd_eval(a):
         print(json.dumps({label: [(r["layer"], round(r["mean"], 3)) for r in rows],
                           "uniform": uniform}), flush=True)
     res["attention_sinks"] = sinks
-    if a.sparse_windows:
+    if a.sparse_new:
         t0 = time.time()
-        with autocast(dev):
-            sf = sparse_fidelity(model, longest, a.sparse_context, a.sparse_positions,
-                                 a.sparse_rho, a.sparse_windows)
+        tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
+        context = [BOS] + tok.encode(open(a.sparse_doc, encoding="utf-8").read())
+        prompts = [tok.encode(p) for p in json.load(open(a.sparse_prompts))]
+        sf = sparse_fidelity(model, context, prompts, a.sparse_new, a.sparse_rho)
         sf["seconds"] = time.time() - t0
         res["sparse_fidelity"] = sf
         print(json.dumps({"sparse_fidelity": {k: v for k, v in sf.items()
-                                              if k != "per_window"}}), flush=True)
+                                              if k != "per_prompt"}}), flush=True)
     tasks = a.tasks or os.path.join(a.data, "eval_tasks.jsonl")
     if os.path.exists(tasks):
         tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
@@ -876,10 +880,13 @@ def main():
     p.add_argument("--names", default="", help="docs.tsv written by make_corpus.py")
     p.add_argument("--exclude", default="", help="regex of held-out doc names to skip")
     p.add_argument("--sink-len", type=int, default=4096)
-    p.add_argument("--sparse-windows", type=int, default=6,
-                   help="held-out windows for the sparse-fidelity proxy (0 = skip)")
-    p.add_argument("--sparse-context", type=int, default=8192)
-    p.add_argument("--sparse-positions", type=int, default=64)
+    p.add_argument("--sparse-doc", default=os.path.join(ROOT, "tests", "data", "demo", "document.txt"),
+                   help="context of the sparse-fidelity proxy (scripts/eval-agreement.sh's)")
+    p.add_argument("--sparse-prompts",
+                   default=os.path.join(ROOT, "tests", "data", "demo", "agreement_prompts.json"),
+                   help="JSON list of prompt strings placed after --sparse-doc")
+    p.add_argument("--sparse-new", type=int, default=64,
+                   help="greedy tokens per prompt scored (0 = skip the proxy)")
     p.add_argument("--sparse-rho", type=float, default=0.05)
     p = sub.add_parser("hfcheck")
     p.add_argument("--model", required=True)

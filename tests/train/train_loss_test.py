@@ -165,8 +165,8 @@ class GrowTest(unittest.TestCase):
 
 
 class SparseFidelityTest(unittest.TestCase):
-    """llama.tail_logits_full_and_topk and train.sparse_fidelity: the torch
-    proxy for sparse decoding's fidelity that train.py eval reports."""
+    """llama.prefix_kv / llama.tail_logits and train.sparse_fidelity: the
+    torch proxy for scripts/eval-agreement.sh that train.py eval reports."""
 
     def setUp(self):
         c = llama.Config(vocab_size=8192, hidden_size=64, intermediate_size=128,
@@ -180,15 +180,16 @@ class SparseFidelityTest(unittest.TestCase):
         self.ids = torch.randint(3, 8192, (240,), generator=g).tolist()
 
     def test_full_tail_is_the_forward_pass(self):
-        full, _ = llama.tail_logits_full_and_topk(self.m, self.ids, 200, 0.05)
+        full = llama.tail_logits(self.m, llama.prefix_kv(self.m, self.ids[:200]), self.ids[200:])
         with torch.no_grad():
             ref = self.m(torch.tensor([self.ids]))[0, 200:]
         self.assertEqual(tuple(full.shape), (40, 8192))
         torch.testing.assert_close(full, ref, atol=1e-4, rtol=1e-4)
 
     def test_keeping_every_key_is_full_attention(self):
-        full, sparse = llama.tail_logits_full_and_topk(self.m, self.ids, 200, 1.0)
-        torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+        cache = llama.prefix_kv(self.m, self.ids[:200])
+        torch.testing.assert_close(llama.tail_logits(self.m, cache, self.ids[200:], 1.0),
+                                   llama.tail_logits(self.m, cache, self.ids[200:]))
 
     def test_sparse_rows_see_top_k_key_0_and_their_own_tail(self):
         # One layer, checked against a masked attention over the whole
@@ -198,7 +199,8 @@ class SparseFidelityTest(unittest.TestCase):
         m.model.layers[0].load_state_dict(self.m.model.layers[0].state_dict())
         m.model.embed_tokens.load_state_dict(self.m.model.embed_tokens.state_dict())
         n, rho, T = 200, 0.03, len(self.ids)
-        _, sparse = llama.tail_logits_full_and_topk(m, self.ids, n, rho)
+        cache = llama.prefix_kv(m, self.ids[:n])
+        sparse = llama.tail_logits(m, cache, self.ids[n:], rho)
         with torch.no_grad():
             layer = m.model.layers[0]
             x = m.model.embed_tokens(torch.tensor([self.ids]))
@@ -206,8 +208,7 @@ class SparseFidelityTest(unittest.TestCase):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(m.config.head_dim)
             allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None].repeat(1, 4, 1, 1)
-            K = math.ceil(rho * n)
-            top = s[:, :, n:, :n].topk(K, dim=-1).indices
+            top = s[:, :, n:, :n].topk(math.ceil(rho * n), dim=-1).indices
             ctx = torch.zeros(1, 4, T - n, n, dtype=torch.bool).scatter_(-1, top, True)
             ctx[..., 0] = True
             allowed[:, :, n:, :n] = ctx
@@ -216,21 +217,27 @@ class SparseFidelityTest(unittest.TestCase):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             ref = F.linear(m.model.norm(h), m.model.embed_tokens.weight)[0, n:]
         torch.testing.assert_close(sparse, ref, atol=1e-4, rtol=1e-4)
-        full, _ = llama.tail_logits_full_and_topk(m, self.ids, n, rho)
+        full = llama.tail_logits(m, cache, self.ids[n:])
         self.assertGreater(float((sparse - full).abs().max()), 1e-3)
 
     def test_report_agrees_fully_at_rho_one_and_loses_at_low_rho(self):
-        docs = [np.asarray(self.ids), np.asarray(self.ids[:100])]
-        r = train.sparse_fidelity(self.m, docs, 200, 40, 1.0, 2)
-        self.assertEqual(r["windows"], 2)
+        ctx, prompts = self.ids[:200], [self.ids[200:203], self.ids[210:215]]
+        r = train.sparse_fidelity(self.m, ctx, prompts, 12, 1.0)
+        self.assertEqual((r["prompts"], r["new_tokens"], r["context_tokens"]), (2, 12, 200))
         self.assertEqual(r["agreement_mean"], 1.0)
         self.assertLess(abs(r["mean_kl"]), 1e-6)
-        r = train.sparse_fidelity(self.m, docs, 200, 40, 0.01, 2)
+        r = train.sparse_fidelity(self.m, ctx, prompts, 12, 0.01)
         self.assertGreater(r["mean_kl"], 1e-4)
-        self.assertEqual(len(r["per_window"]), 2)
-        r = train.sparse_fidelity(self.m, docs, 400, 40, 0.05, 2)
-        self.assertEqual(r["windows"], 0)
-        self.assertIn("440 tokens", r["note"])
+        self.assertEqual(len(r["per_prompt"]), 2)
+        # The dense greedy tokens are the model's own continuation.
+        cache = llama.prefix_kv(self.m, ctx)
+        tail = list(prompts[0])
+        for _ in range(12):
+            with torch.no_grad():
+                nxt = int(self.m(torch.tensor([ctx + tail]))[0, -1].argmax())
+            tail.append(nxt)
+        full = llama.tail_logits(self.m, cache, tail[:-1])[len(prompts[0]) - 1:]
+        self.assertEqual(full.argmax(-1).tolist(), tail[len(prompts[0]):])
 
 
 class FamilyScheduleTest(unittest.TestCase):

@@ -45,8 +45,9 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          attention on token 0 per layer, full-attention exact-match accuracy on
          DATA/eval_tasks.jsonl by family x length x depth (greedy decoding),
          teacher-forced agreement and KL of oracle top-5% sparse attention
-         against full on held-out text (--sparse-*: the proxy for
-         scripts/eval-agreement.sh), and the loss curve (with --run).
+         against full on the demo document and scripts/eval-agreement.sh's
+         prompts (--sparse-*: that script's measurement in torch), and the loss
+         curve (with --run).
   hfcheck --model DIR   (needs transformers) logits of llama.py vs HF
          LlamaForCausalLM on the same checkpoint.
 """
@@ -762,11 +763,13 @@ def cmd_eval(a):
         print(json.dumps({label: [(r["layer"], round(r["mean"], 3)) for r in rows],
                           "uniform": uniform}), flush=True)
     res["attention_sinks"] = sinks
+    tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
     if a.sparse_new:
         t0 = time.time()
-        tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
         context = [BOS] + tok.encode(open(a.sparse_doc, encoding="utf-8").read())
         prompts = [tok.encode(p) for p in json.load(open(a.sparse_prompts))]
+        if not prompts:
+            raise SystemExit(f"--sparse-prompts: {a.sparse_prompts} holds no prompt")
         sf = sparse_fidelity(model, context, prompts, a.sparse_new, a.sparse_rho)
         sf["seconds"] = time.time() - t0
         res["sparse_fidelity"] = sf
@@ -774,7 +777,6 @@ def cmd_eval(a):
                                               if k != "per_prompt"}}), flush=True)
     tasks = a.tasks or os.path.join(a.data, "eval_tasks.jsonl")
     if os.path.exists(tasks):
-        tok = lt.Tokenizer(a.tok or os.path.join(a.model, "tokenizer.model"))
         t0 = time.time()
         tr = eval_tasks(model, tok, tasks, dev, a.task_limit)
         tr["seconds"] = time.time() - t0

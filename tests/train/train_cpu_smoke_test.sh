@@ -34,7 +34,7 @@ $TRAIN
 test -f "$work/run/DONE"
 $T eval --device cpu --data "$work/data" --model "$work/run/final" --run "$work/run" \
   --out "$work/eval" --ppl-lengths 256,512 --eval-tokens 2048 --sink-len 256 --tok "$tok" \
-  --task-limit 4
+  --task-limit 4 --sparse-new 8
 # The model card's tables from that eval.json (model/train/card_tables.py).
 "$py" "$root/model/train/card_tables.py" "$work/eval/eval.json" > "$work/card.md"
 grep -q '^| 256 | ' "$work/card.md"   # perplexity at the eval's lengths
@@ -77,6 +77,11 @@ assert e["perplexity"]["512"]["windows"] > 0, e["perplexity"]
 assert e["tasks"]["by"]["all"][1] == 4, e["tasks"]["by"]
 assert len(e["attention_sinks"]["doc_start"]["layers"]) == 2
 assert os.path.exists(os.path.join(w, "eval", "loss_curve.png"))
+# The sparse-fidelity proxy: eval-agreement.sh's document and 6 prompts.
+sf = e["sparse_fidelity"]
+assert (sf["prompts"], sf["new_tokens"], sf["rho"]) == (6, 8, 0.05), sf
+assert sf["context_tokens"] > 9000 and len(sf["per_prompt"]) == 6, sf
+assert 0 <= sf["agreement_min"] <= sf["agreement_mean"] <= 1 and sf["mean_kl"] >= 0, sf
 print("train_cpu_smoke: steps", s["steps"], "task rows", s["task_rows"], "of", s["rows"])
 PY
 # The miss diagnosis (model/train/diag_tasks.py): accuracy on three task sets

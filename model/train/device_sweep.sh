@@ -34,7 +34,7 @@
 # The machine goes back 30 s after a call ends; a next call that comes later
 # gets a fresh machine, where wait/take/report stop at once (exit 3) instead
 # of waiting on a sweep that is gone. That lost runs 8 and 9's first attempt
-# (3 of ~12 gaps, NOTES.md), so the default is a sweep inside one start call;
+# (3 of ~13 gaps, NOTES.md), so the default is a sweep inside one start call;
 # a longer one (stage, start, wait) risks a gap for each extra call.
 # VARIANTS: one "NAME|TUNE_TASK_MORE|TUNE_MORE" per line (the default below).
 # TINY=1: the same on the CPU with device_run.sh's tiny model (TUNE_INIT
@@ -213,7 +213,7 @@ print(json.dumps({"variant": sys.argv[1], "correct": by["all"][0], "of": by["all
 PYEOF
   done
 }
-do_take() {  # $OUT/NAME/: the xz'd shards, and small.tar with the rest (6 files)
+do_take() {  # $OUT/NAME/: the xz'd shards (4), and small.tar with the rest
   local n=$1 d=$OUT/$1
   [ -d $R/$n/run/final ] || { echo "take: no $R/$n/run/final"; exit 1; }
   rm -rf $d /tmp/take-$n && mkdir -p $d /tmp/take-$n
@@ -229,7 +229,7 @@ collect() {  # what is finished, to $OUT: evaluations, and the best weights once
   mkdir -p $OUT
   # The device tool returns at most 8 files of at most 16 MiB: every
   # evaluated variant's pack.tar goes into one packs.tar.xz (NAME.tar each),
-  # and do_take adds 5 shards-and-small.tar files, 7 in all.
+  # and do_take adds the 4 shards and small.tar, 7 files in all.
   rm -rf /tmp/packs && mkdir -p /tmp/packs
   for n in $(names); do
     if [ "$(state_of $n)" = evaluated ]; then

@@ -319,7 +319,19 @@ def task_spans(row):
     return out
 
 
-def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None):
+def distill_kl(logits, teacher_logits, text_mask):
+    """Mean over the targets where text_mask [B, T] is set of KL(teacher ||
+    student) between the next-token distributions (fp32); 0 with no target."""
+    sel = text_mask.reshape(-1)
+    if not bool(sel.any()):
+        return logits.sum() * 0.0
+    v = logits.shape[-1]
+    s = F.log_softmax(logits.float().reshape(-1, v)[sel], dim=-1)
+    t = F.log_softmax(teacher_logits.float().reshape(-1, v)[sel], dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None, distill=None):
     """x [B, T+1] int64. Weighted mean next-token cross entropy (fp32): every
     target counts 1, a target where answer_mask [B, T] is set counts
     answer_weight, and the sum is divided by the total weight. So an answer
@@ -332,7 +344,13 @@ def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None):
     targets instead: ~100 answer tokens then weighed as much as the other
     131K tokens of the step, each ~1000x an ordinary token. The gradient was
     that of a ~100-token batch, clipped every step; held-out loss stalled at
-    4.7 and the model learned neither language nor the tasks.)"""
+    4.7 and the model learned neither language nor the tasks.)
+
+    distill = (teacher, weight, text_mask) adds weight x distill_kl against
+    the frozen teacher's logits over the targets where text_mask is set (the
+    corpus text of each row, not the tasks: train --distill-from), so the
+    model keeps the teacher's behaviour on free text while it learns the
+    tasks; stats["distill"] = that KL."""
     logits = model(x[:, :-1])
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                          reduction="none")
@@ -344,8 +362,17 @@ def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None):
         loss = (ce * w).sum() / w.sum()
     else:
         loss = ce.mean()
+    kl = None
+    if distill is not None:
+        teacher, weight, text_mask = distill
+        with torch.no_grad():
+            t_logits = teacher(x[:, :-1])
+        kl = distill_kl(logits, t_logits, text_mask)
+        del t_logits
+        loss = loss + weight * kl
     if stats is not None:
         with torch.no_grad():
+            stats["distill"] = float(kl) if kl is not None else None
             stats["lm"] = float(ce.mean())
             n_ans = int(m.sum()) if m is not None else 0
             stats["answer"] = float(ce[m].mean()) if n_ans else None
@@ -412,10 +439,14 @@ class Batcher:
         elif a.task_frac > 0:
             raise SystemExit(f"--task-frac {a.task_frac}: no {ti} (run prep --tasks-per-length)")
 
-    def batch(self, seq, rows):
+    def batch(self, seq, rows, with_text=False):
+        """x [rows, seq+1], the answer mask [rows, seq], the number of task
+        rows, and with_text also the text mask [rows, seq]: the targets inside
+        each row's corpus window (all of a corpus row, none of its task)."""
         n = len(self.train)
         x = torch.empty(rows, seq + 1, dtype=torch.int64)
         mask = torch.zeros(rows, seq, dtype=torch.bool)
+        text = torch.zeros(rows, seq, dtype=torch.bool)
         n_task = 0
         for r in range(rows):
             task = None
@@ -427,6 +458,8 @@ class Batcher:
             if fill > 0:
                 o = int(torch.randint(0, n - fill, (1,), generator=self.gen))
                 x[r, :fill] = torch.from_numpy(self.train[o:o + fill].astype(np.int64))
+                # Target p predicts x[p + 1]: corpus text while p + 1 < fill.
+                text[r, :fill - 1] = True
             if task is not None:
                 off, ln = int(task[0]), int(task[1])
                 x[r, fill:] = torch.from_numpy(self.tasks[off:off + ln].astype(np.int64))
@@ -436,7 +469,7 @@ class Batcher:
                 for ans, alen in task_spans(task):
                     mask[r, fill + ans - 1:fill + ans - 1 + alen] = True
                 n_task += 1
-        return x, mask, n_task
+        return (x, mask, n_task, text) if with_text else (x, mask, n_task)
 
 
 def lr_at(a, frac, step):
@@ -499,6 +532,15 @@ def cmd_train(a):
         model.load_state_dict({k: src[k].to(mine[k].dtype) for k in mine})
         print(json.dumps({"init_from": a.init_from, "layers_from": n_src,
                           "layer_plan": plan}), flush=True)
+    teacher = None
+    if a.distill_from:
+        if a.distill_weight <= 0:
+            raise SystemExit(f"--distill-weight must be > 0 with --distill-from, got {a.distill_weight}")
+        teacher = llama.from_pretrained(a.distill_from).to(dev).eval()
+        for p_ in teacher.parameters():
+            p_.requires_grad_(False)
+        print(json.dumps({"distill_from": a.distill_from, "distill_weight": a.distill_weight,
+                          "teacher_layers": teacher.config.num_hidden_layers}), flush=True)
     batcher = Batcher(a, a.data, g)
     held = np.load(os.path.join(a.data, "heldout_docs.npz"))
     hstream = np.concatenate([held[k] for k in held.files]).astype(np.int64)
@@ -538,12 +580,17 @@ def cmd_train(a):
         lr = lr_at(a, frac, state["step"])
         for grp in opt.param_groups:
             grp["lr"] = lr
-        x, mask, n_task = batcher.batch(seq, rows)
+        distill = None
+        if teacher is not None:
+            x, mask, n_task, text = batcher.batch(seq, rows, with_text=True)
+            distill = (teacher, a.distill_weight, text.to(dev, non_blocking=True))
+        else:
+            x, mask, n_task = batcher.batch(seq, rows)
         x, mask = x.to(dev, non_blocking=True), mask.to(dev, non_blocking=True)
         logging = (state["step"] + 1) % a.log_every == 0 or state["step"] == 0
         st = {} if logging else None
         with autocast(dev):
-            loss = lm_loss(model, x, mask, a.answer_weight, st)
+            loss = lm_loss(model, x, mask, a.answer_weight, st, distill)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -558,7 +605,7 @@ def cmd_train(a):
             state["ema"] = (st["lm"] if state["ema"] is None
                             else 0.9 * state["ema"] + 0.1 * st["lm"])
             rec = {"step": step, "loss": lv, "lm_loss": st["lm"], "answer_loss": st["answer"],
-                   "answer_share": st["answer_share"], "lr": lr, "grad_norm": float(gn),
+                   "answer_share": st["answer_share"], "distill_kl": st["distill"], "lr": lr, "grad_norm": float(gn),
                    "tokens": state["tokens"], "seq": seq, "rows": rows, "task_rows": n_task,
                    "elapsed_s": base_elapsed + time.time() - t_call}
             if step % a.val_every == 0:
@@ -580,6 +627,7 @@ def cmd_train(a):
                "train_seconds": state["elapsed"], "phases": a.phases, "phase_frac": a.phase_frac,
                "task_frac": a.task_frac, "task_rows": state["task_rows"], "rows": state["rows"],
                "answer_weight": a.answer_weight, "lr": a.lr, "warmup": a.warmup,
+               "distill_from": a.distill_from, "distill_weight": a.distill_weight,
                "final_loss_ema": state["ema"], "final_val_loss": val_loss(), "val_windows": nval,
                "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                "torch": torch.__version__, "cmd": " ".join(sys.argv)}
@@ -861,6 +909,10 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="",
                    help="start from this saved model's weights (not with a checkpoint in --run)")
+    p.add_argument("--distill-from", default="",
+                   help="a saved model (HF layout) whose next-token distributions the model keeps "
+                        "on the corpus text of each row: loss += weight x KL(teacher || model)")
+    p.add_argument("--distill-weight", type=float, default=1.0)
     p.add_argument("--grow-after", default="",
                    help="with --init-from and more --layers than the saved model: source "
                         "layers to insert a new (identity-initialized) layer after, comma-"

@@ -42,8 +42,10 @@ grep -q '^| 1 | ' "$work/card.md"     # attention sinks of layer 1 (2 layers)
 grep -q '^| all | ' "$work/card.md"   # task accuracy by length
 # Continued training (--init-from, v2 run 3): a fresh run from the saved
 # final weights starts at the trained model's loss, not at a random init's.
+# With itself as the distillation teacher (--distill-from), its text KL is 0.
 $T train $M --data "$work/data" --run "$work/tune" --steps 2 --phases 1024:4 --phase-frac 1 \
-  --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1 --init-from "$work/run/final"
+  --warmup 1 --lr 1e-9 --log-every 1 --val-seq 512 --val-every 1 --init-from "$work/run/final" \
+  --distill-from "$work/run/final"
 # Depth growth (--layers above the saved model's): the inserted layer starts
 # as the identity, so the grown model also starts at the trained loss.
 $T train $M --layers 3 --data "$work/data" --run "$work/grow" --steps 2 --phases 1024:4 \
@@ -64,6 +66,8 @@ trained = json.load(open(os.path.join(w, "run", "summary.json")))["final_val_los
 assert abs(tune["val_loss"] - trained) < 0.1, (tune, trained)
 assert tune["val_loss"] < scratch["val_loss"], (tune, scratch)
 assert abs(grow["val_loss"] - trained) < 0.1, (grow, trained)
+assert 0 <= tune["distill_kl"] < 1e-3, tune
+assert scratch["distill_kl"] is None, scratch
 print("init-from: val loss", round(tune["val_loss"], 3), "= trained", round(trained, 3),
       "; from a random init", round(scratch["val_loss"], 3))
 s = json.load(open(os.path.join(w, "run", "summary.json")))

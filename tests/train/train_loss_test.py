@@ -112,6 +112,66 @@ class LossTest(unittest.TestCase):
         self.assertAlmostEqual(float(g[2] / g[3]), 1.0, places=6)
 
 
+class DistillTest(unittest.TestCase):
+    """train --distill-from: weight x KL(teacher || model) over the text
+    targets is added to the loss, so the model keeps the teacher's free-text
+    distributions while it learns the tasks."""
+
+    def setUp(self):
+        g = torch.Generator().manual_seed(2)
+        self.x = torch.randint(3, 8192, (3, 33), generator=g)
+        self.mask = torch.zeros(3, 32, dtype=torch.bool)
+        self.mask[1, 20:24] = True
+        self.text = torch.ones(3, 32, dtype=torch.bool)
+        self.text[1, 18:] = False  # row 1: a task after 18 text targets
+
+    def test_kl_against_itself_is_zero_and_adds_nothing(self):
+        m = tiny_model(0)
+        with torch.no_grad():
+            base = float(train.lm_loss(m, self.x, self.mask, 5.0))
+            st = {}
+            both = float(train.lm_loss(m, self.x, self.mask, 5.0, st, (m, 3.0, self.text)))
+        self.assertAlmostEqual(st["distill"], 0.0, places=5)
+        self.assertAlmostEqual(both, base, places=5)
+
+    def test_adds_weight_times_the_kl_over_the_text_targets_only(self):
+        m, t = tiny_model(0), tiny_model(1)
+        with torch.no_grad():
+            base = float(train.lm_loss(m, self.x, self.mask, 5.0))
+            st = {}
+            both = float(train.lm_loss(m, self.x, self.mask, 5.0, st, (t, 3.0, self.text)))
+            ls = F.log_softmax(m(self.x[:, :-1]).float(), -1)[self.text]
+            lt = F.log_softmax(t(self.x[:, :-1]).float(), -1)[self.text]
+            want = float((lt.exp() * (lt - ls)).sum(-1).mean())
+        self.assertGreater(want, 1e-4)
+        self.assertAlmostEqual(st["distill"], want, places=4)
+        self.assertAlmostEqual(both, base + 3.0 * want, places=4)
+        # A task target's distribution does not enter: changing the teacher's
+        # input only after the text part leaves the KL of row 1 alone.
+        none = torch.zeros_like(self.text)
+        with torch.no_grad():
+            self.assertEqual(float(train.distill_kl(m(self.x[:, :-1]), t(self.x[:, :-1]), none)), 0.0)
+
+    def test_gradient_pulls_toward_the_teacher(self):
+        # The same 20 Adam steps on the LM loss alone and with distillation:
+        # only the latter brings the model's distributions to the teacher's.
+        t = tiny_model(1)
+        kls = {}
+        for name, distill in (("lm", None), ("distill", (t, 10.0, self.text))):
+            m = tiny_model(0)
+            opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+            for _ in range(20):
+                opt.zero_grad()
+                train.lm_loss(m, self.x, None, 1.0, None, distill).backward()
+                opt.step()
+            with torch.no_grad():
+                kls[name] = float(train.distill_kl(m(self.x[:, :-1]), t(self.x[:, :-1]),
+                                                   self.text))
+        # Fitting random tokens moves the distributions far (KL ~0.16 from
+        # ~0.01); with the teacher's term they stay ~5x closer.
+        self.assertLess(kls["distill"], 0.5 * kls["lm"])
+
+
 class GrowTest(unittest.TestCase):
     """train --init-from with more --layers than the saved model: inserted
     layers start as the identity, so training continues from the same
@@ -305,9 +365,15 @@ class PipelineTest(unittest.TestCase):
         answers = {tuple(b.tasks[o + s:o + s + n].tolist()) for o, _, s, n, _ in idx}
         questions = {int(b.tasks[o + s - 1]) for o, _, s, n, _ in idx}
         for seq in (512, 1024):
-            x, mask, n_task = b.batch(seq, 6)
+            x, mask, n_task, text = b.batch(seq, 6, with_text=True)
             self.assertEqual(n_task, 6)
             for r in range(6):
+                # The text mask covers the corpus window's targets and stops
+                # where the task starts: no answer target is text.
+                self.assertFalse(bool((text[r] & mask[r]).any()))
+                n_text = int(text[r].sum())
+                self.assertTrue(bool(text[r, :n_text].all()))
+                self.assertLess(n_text, int(mask[r].nonzero()[0]))
                 tgt = x[r, 1:][mask[r]].tolist()
                 self.assertIn(tuple(tgt), answers)
                 p = int(mask[r].nonzero()[0])

@@ -20,6 +20,9 @@
 #           proxy), and once all are in, the best variant's weights (most 16K
 #           tasks right among those within SPARSE_MAX_KL; TAKE=NAME picks
 #           another), 7 files in all: the device tool returns at most 8.
+#           TUNE_INIT=last-best starts from the best variant that the
+#           last start on this machine took (run 10 chained three rounds so,
+#           one call each, with no weights carried; exit 3 on a fresh machine).
 #   take NAME: a variant's weights to $OUT/NAME/: the xz'd shards and
 #           small.tar (config, index, and the init's tokenizer, docs.tsv,
 #           heldout.txt.xz and unigram_counts.npy); shards plus unpacked
@@ -64,23 +67,21 @@ else
   TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
-SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 10"}
+SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 13"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
   # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
   # --layers 8: the shipped model's depth (device_run.sh's tune recipe says 10).
   SWEEP_MORE=${SWEEP_MORE:-"--layers 8 --minutes 3.3"}; fi
-# Run 10 (session 17, NOTES.md): from the shipped v2 at its 8 layers, run 9's
-# best recipe (nodist-k8) with make_corpus.py's extra training text (stage
-# first), against the same plus distillation from v2 on the corpus text of
-# each row (train.py --distill-from): each tune since v2 spread free-text
-# attention (the sparse-fidelity gate above), and the teacher term is meant to
-# hold the text behaviour while the tasks are learned. Two GPUs
-# (nvidia-h100-x2), one variant each. Run 9's variants were r7 (no flags),
-# nodist (--no-distractor-questions), nodist-k8 (+ --extra-questions 8) and
-# nodist-lr5 (nodist + --lr 5e-4).
-VARIANTS=${VARIANTS:-"k8x|--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz|
-k8x-d1|--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz|--distill-from models/ctxcache-ref --distill-weight 1"}
+# Run 11 (planned, NOTES.md): rounds from the shipped v2.1 on run 10's best
+# recipe (the extra text, stage first; lr 5e-4; var_track weight 4), against
+# the same with niah_multi's weight raised too: niah_multi and var_track are
+# the families still under 19/20 at 16K. Run 10 (session 17) ran k8x (run 9's
+# nodist-k8 + the extra text) against k8x-d1 (+ --distill-from
+# models/ctxcache-ref), then lr 3e-4 vs 5e-4, then var_track weight 2 vs 4.
+RUN10_TASKS="--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz"
+VARIANTS=${VARIANTS:-"vt4|$RUN10_TASKS --family-weights niah_single:1,niah_multi:2,kv_table:2,var_track:4,section_copy:3|--lr 5e-4
+nm3vt4|$RUN10_TASKS --family-weights niah_single:1,niah_multi:3,kv_table:2,var_track:4,section_copy:2|--lr 5e-4"}
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }
@@ -169,6 +170,16 @@ need_staged() {  # every --extra-train file the variants name is on this machine
 }
 do_start() {
   need_staged
+  if [ "$TUNE_INIT" = last-best ]; then
+    # The next round on the same warm machine: the weights the last start
+    # took, copied aside first (a variant of this round may reuse the name).
+    [ -f $R/BEST ] && [ -d $R/$(cat $R/BEST)/run/final ] || { echo "TUNE_INIT=last-best:" \
+      "no earlier round on this machine (a fresh one: carry the weights instead)"; exit 3; }
+    rm -rf $R/.init && cp -r $R/$(cat $R/BEST)/run/final $R/.init
+    echo "TUNE_INIT=last-best: $(cat $R/BEST)'s weights"
+    TUNE_INIT=$R/.init
+    export TUNE_INIT
+  fi
   if [ "${TINY:-0}" != 1 ]; then
     nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
     local gpus
@@ -256,7 +267,7 @@ if rows and not ok:
           file=sys.stderr)
 print(max(ok or rows, key=lambda r: (r['16K_sum'], r['correct']))['variant'] if rows else '')
 " $OUT/summary16k.jsonl $SPARSE_MAX_KL)}
-  if [ -n "$best" ]; then do_take $best; fi
+  if [ -n "$best" ]; then do_take $best; echo "$best" > $R/BEST; fi
   echo "sweep complete after $(( $(date +%s) - T0 )) s of this call"
 }
 case "$1" in

@@ -10,9 +10,9 @@
 #           ~STOP_AT seconds. BENCH=1 adds the throughput bench (~1 min).
 #   watch:  watch the training until DONE or ~STOP_AT seconds (training goes on
 #           between calls while the machine is warm).
-#   tune:   continued training (v2 runs 3-7): unpack the weights in $TUNE_INIT
-#           (any folder of a saved model, shards raw or xz'd; default run 6's,
-#           see TUNE_INIT below; runs 3-5 started from models/ctxcache-ref),
+#   tune:   continued training (v2 runs 3-10): unpack the weights in $TUNE_INIT
+#           (any folder of a saved model, shards raw or xz'd; default the
+#           shipped models/ctxcache-ref, see TUNE_INIT below),
 #           prep the data with TUNE_TASK_ARGS (new task seed), no smoke test
 #           (the recipe ran in run 2; --init-from is covered by the CPU ctest
 #           train_cpu_smoke), train from those weights with TUNE_ARGS in the
@@ -96,8 +96,13 @@ else
   # --task-frac 0.8 --lr 5e-4, task seed 3) gained 3 tasks of 200; run 3's
   # recipe: "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7
   # --lr 6e-4" with --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
-  TUNE_INIT=${TUNE_INIT:-model/train/work/run6c}
-  TUNE_ARGS=${TUNE_ARGS:-"--layers 10 --minutes 9 --phases 4096:32,8192:16,16384:8,32768:4 \
+  # Run 10 (session 17, v2.1) used this recipe through device_sweep.sh with
+  # --layers 8 --minutes 3.3, lr 5e-4, --extra-questions 8
+  # --no-distractor-questions, var_track weight 4 and make_corpus.py's extra
+  # text (NOTES.md "v2 run 10"). The defaults start from the shipped model at
+  # its depth: weights kept in the ignored work/ do not survive a session.
+  TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
+  TUNE_ARGS=${TUNE_ARGS:-"--layers 8 --minutes 9 --phases 4096:32,8192:16,16384:8,32768:4 \
     --phase-frac 0.1,0.2,0.5,0.2 --task-frac 0.5 --answer-weight 20 --lr 3e-4 \
     --warmup 50"}
   TUNE_TASK_ARGS=${TUNE_TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \

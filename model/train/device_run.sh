@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1
 # tune with EVAL_ALSO runs two processes on the GPU: growable segments fragment less.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 T0=$(date +%s)
-C=model/train/work/carry
+C=${C:-model/train/work/carry}  # the carried corpus (NOTES.md "Steps")
 EVAL_DOCS=tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt,tests/data/demo/linux_firmware_guide.txt,tests/data/demo/document.txt
 if [ "${TINY:-0}" = 1 ]; then
   PY=${PY:-/usr/bin/python3}
@@ -169,7 +169,11 @@ watch() {
       tar -C $W/run -cf - final log.jsonl | xz -T0 | split -b 15M - $OUT/final.tar.xz.part-
       echo "final checkpoint saved to \$OUT/final.tar.xz.part-* (cat | xz -d | tar x)"
     fi
-    if [ $(( $(date +%s) - T0 )) -lt ${FINISH_BEFORE:-380} ]; then do_finish; exit 0; fi
+    if [ $(( $(date +%s) - T0 )) -lt ${FINISH_BEFORE:-380} ]; then
+      do_finish
+      [ "${DRY:-0}" = 1 ] && echo "dry run passed after $(( $(date +%s) - T0 )) s"
+      exit 0
+    fi
     echo "training DONE: call finish"; else
     echo "training still running after $(( $(date +%s) - T0 )) s: call watch again"; fi
 }
@@ -306,6 +310,7 @@ resume)
 finish) do_finish ;;
 dry)
   if [ "${TINY:-0}" != 1 ]; then echo "dry: TINY=1 only" >&2; exit 2; fi
+  DRY=1  # watch finishes and exits once the training is DONE
   do_prep
   T0=$(date +%s)
   watch

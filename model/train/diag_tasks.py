@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
 import longctx_tasks as lt  # noqa: E402
-from train import BOS, default_device, read_docs  # noqa: E402
+from train import BOS, default_device, miss_detail, read_docs  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 DEMO = [os.path.join(ROOT, "tests", "data", "demo", n + ".txt")
@@ -77,10 +77,7 @@ def diagnose(model, tok, t, dev, teacher_forced=False):
     row = {"family": t.family, "length": t.length, "depth": t.depth, "correct": ok,
            "tf_logp": round(float(tf.sum()), 3), "min_token_p": round(float(tf.exp().min()), 4)}
     if not ok:
-        text = tok.sp.decode(got).strip()
-        row.update(answer=t.answer.strip(), got=text,
-                   first_wrong=next(i for i in range(n) if got[i] != t.answer_ids[i]),
-                   got_in_context=bool(text) and text in t.context)
+        row.update(miss_detail(tok, got, t.answer_ids, t.answer, t.context))
     return row
 
 

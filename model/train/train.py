@@ -703,9 +703,22 @@ def sparse_fidelity(model, context, prompts, n_new, rho):
             "mean_kl": float(np.mean([r["kl"] for r in rows])), "per_prompt": rows}
 
 
+def miss_detail(tok, got, answer_ids, answer, context):
+    """What a missed task's greedy output was: its text, the first wrong
+    position, and whether it occurs verbatim in the context (a wrong binding:
+    var_track's distractor chain, another key's needle) or not (a copy that
+    drifted). tok: longctx_tasks.Tokenizer."""
+    text = tok.sp.decode(got).strip()
+    return {"answer": answer.strip(), "got": text,
+            "first_wrong": next((i for i, (g, w) in enumerate(zip(got, answer_ids)) if g != w),
+                                min(len(got), len(answer_ids))),
+            "got_in_context": bool(text) and text in context}
+
+
 def eval_tasks(model, tok, path, dev, limit=0):
     """Greedy exact match of every task in the JSONL under full attention;
-    the context is tokenized with `tok` (longctx_tasks.Tokenizer)."""
+    the context is tokenized with `tok` (longctx_tasks.Tokenizer). A missed
+    task's row also has miss_detail's fields."""
     res = {"by": {}, "tasks": []}
     with open(path, encoding="utf-8") as f:
         lines = [l for l in f if l.strip()]
@@ -716,8 +729,11 @@ def eval_tasks(model, tok, path, dev, limit=0):
         ids = [BOS] + tok.encode(t["context"]) + t["question_ids"]
         got = model.greedy(ids, len(t["answer_ids"]))
         ok = got == t["answer_ids"]
-        res["tasks"].append({"id": t["id"], "family": t["family"], "length": t["length"],
-                             "depth": t["depth"], "correct": ok})
+        row = {"id": t["id"], "family": t["family"], "length": t["length"],
+               "depth": t["depth"], "correct": ok}
+        if not ok:
+            row.update(miss_detail(tok, got, t["answer_ids"], t["answer"], t["context"]))
+        res["tasks"].append(row)
         for key in ("all", f"family:{t['family']}", f"length:{t['length']}",
                     f"depth:{t['depth']:.2f}", f"family:{t['family']}/length:{t['length']}"):
             c = res["by"].setdefault(key, [0, 0])

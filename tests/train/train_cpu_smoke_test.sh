@@ -79,6 +79,9 @@ assert s["task_rows"] > 0 and s["steps"] > 0, s
 assert log and {r["seq"] for r in log} <= {1024, 2048}, {r["seq"] for r in log}
 assert e["perplexity"]["512"]["windows"] > 0, e["perplexity"]
 assert e["tasks"]["by"]["all"][1] == 4, e["tasks"]["by"]
+# A missed task's row says what the model answered (train.miss_detail).
+for t in e["tasks"]["tasks"]:
+    assert t["correct"] or {"answer", "got", "first_wrong", "got_in_context"} <= set(t), t
 assert len(e["attention_sinks"]["doc_start"]["layers"]) == 2
 assert os.path.exists(os.path.join(w, "eval", "loss_curve.png"))
 # The sparse-fidelity proxy: eval-agreement.sh's document and 6 prompts.

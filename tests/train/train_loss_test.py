@@ -112,6 +112,26 @@ class LossTest(unittest.TestCase):
         self.assertAlmostEqual(float(g[2] / g[3]), 1.0, places=6)
 
 
+class MissDetailTest(unittest.TestCase):
+    """train.miss_detail: a wrong answer that is in the context is a wrong
+    binding, one that is not drifted; the first wrong position."""
+
+    def test_binding_and_drift(self):
+        import longctx_tasks
+        tok = longctx_tasks.Tokenizer(TOK)
+        context = "x = 52005\ny = 55226\nSome text."
+        right = tok.encode(" 52005")
+        bound = tok.encode(" 55226")
+        drift = tok.encode(" 52009")
+        self.assertEqual(len(right), len(bound))
+        d = train.miss_detail(tok, bound, right, " 52005", context)
+        self.assertEqual((d["answer"], d["got"], d["got_in_context"]), ("52005", "55226", True))
+        self.assertEqual(d["first_wrong"], next(i for i in range(len(right)) if bound[i] != right[i]))
+        d = train.miss_detail(tok, drift, right, " 52005", context)
+        self.assertEqual((d["got"], d["got_in_context"]), ("52009", False))
+        self.assertGreater(d["first_wrong"], 0)
+
+
 class DistillTest(unittest.TestCase):
     """train --distill-from: weight x KL(teacher || model) over the text
     targets is added to the loss, so the model keeps the teacher's free-text

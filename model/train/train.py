@@ -605,7 +605,8 @@ def cmd_train(a):
             state["ema"] = (st["lm"] if state["ema"] is None
                             else 0.9 * state["ema"] + 0.1 * st["lm"])
             rec = {"step": step, "loss": lv, "lm_loss": st["lm"], "answer_loss": st["answer"],
-                   "answer_share": st["answer_share"], "distill_kl": st["distill"], "lr": lr, "grad_norm": float(gn),
+                   "answer_share": st["answer_share"], "distill_kl": st["distill"], "lr": lr,
+                   "grad_norm": float(gn),
                    "tokens": state["tokens"], "seq": seq, "rows": rows, "task_rows": n_task,
                    "elapsed_s": base_elapsed + time.time() - t_call}
             if step % a.val_every == 0:

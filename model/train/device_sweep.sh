@@ -71,8 +71,7 @@ SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 13"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
   # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
-  # --layers 8: the shipped model's depth (device_run.sh's tune recipe says 10).
-  SWEEP_MORE=${SWEEP_MORE:-"--layers 8 --minutes 3.3"}; fi
+  SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.3"}; fi
 # Run 11 (planned, NOTES.md): rounds from the shipped v2.1 on run 10's best
 # recipe (the extra text, stage first; lr 5e-4; var_track weight 4), against
 # the same with niah_multi's weight raised too: niah_multi and var_track are
@@ -173,10 +172,12 @@ do_start() {
   if [ "$TUNE_INIT" = last-best ]; then
     # The next round on the same warm machine: the weights the last start
     # took, copied aside first (a variant of this round may reuse the name).
-    [ -f $R/BEST ] && [ -d $R/$(cat $R/BEST)/run/final ] || { echo "TUNE_INIT=last-best:" \
+    local last
+    last=$(cat $R/BEST 2>/dev/null || true)
+    [ -n "$last" ] && [ -d $R/$last/run/final ] || { echo "TUNE_INIT=last-best:" \
       "no earlier round on this machine (a fresh one: carry the weights instead)"; exit 3; }
-    rm -rf $R/.init && cp -r $R/$(cat $R/BEST)/run/final $R/.init
-    echo "TUNE_INIT=last-best: $(cat $R/BEST)'s weights"
+    rm -rf $R/.init && cp -r $R/$last/run/final $R/.init
+    echo "TUNE_INIT=last-best: $last's weights"
     TUNE_INIT=$R/.init
     export TUNE_INIT
   fi

@@ -319,6 +319,14 @@ def task_spans(row):
     return out
 
 
+def mean_kl(ref_logits, logits):
+    """Mean over rows of KL(softmax(ref_logits) || softmax(logits)) in fp32;
+    both [rows, vocab]."""
+    return F.kl_div(F.log_softmax(logits.float(), dim=-1),
+                    F.log_softmax(ref_logits.float(), dim=-1), log_target=True,
+                    reduction="batchmean")
+
+
 def distill_kl(logits, teacher_logits, text_mask):
     """Mean over the targets where text_mask [B, T] is set of KL(teacher ||
     student) between the next-token distributions (fp32); 0 with no target."""
@@ -326,9 +334,7 @@ def distill_kl(logits, teacher_logits, text_mask):
     if not bool(sel.any()):
         return logits.sum() * 0.0
     v = logits.shape[-1]
-    s = F.log_softmax(logits.float().reshape(-1, v)[sel], dim=-1)
-    t = F.log_softmax(teacher_logits.float().reshape(-1, v)[sel], dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+    return mean_kl(teacher_logits.reshape(-1, v)[sel], logits.reshape(-1, v)[sel])
 
 
 def lm_loss(model, x, answer_mask=None, answer_weight=1.0, stats=None, distill=None):
@@ -694,9 +700,8 @@ def sparse_fidelity(model, context, prompts, n_new, rho):
         at = slice(len(p) - 1, len(tail))
         full = llama.tail_logits(model, cache, tail)[at]
         sparse = llama.tail_logits(model, cache, tail, rho)[at]
-        lf, ls = torch.log_softmax(full, -1), torch.log_softmax(sparse, -1)
         rows.append({"agreement": (full.argmax(-1) == sparse.argmax(-1)).float().mean().item(),
-                     "kl": (lf.exp() * (lf - ls)).sum(-1).mean().item()})
+                     "kl": mean_kl(full, sparse).item()})
     a = [r["agreement"] for r in rows]
     return {"context_tokens": len(context), "prompts": len(rows), "new_tokens": n_new,
             "rho": rho, "agreement_first_prompt": a[0], "agreement_mean": float(np.mean(a)),

@@ -67,20 +67,22 @@ else
   TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
-SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 13"}
+SWEEP_TASK_MORE=${SWEEP_TASK_MORE:-"--task-seed 16"}
 if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
   # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
   SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.3"}; fi
-# Run 11 (planned, NOTES.md): rounds from the shipped v2.1 on run 10's best
-# recipe (the extra text, stage first; lr 5e-4; var_track weight 4), against
-# the same with niah_multi's weight raised too: niah_multi and var_track are
-# the families still under 19/20 at 16K. Run 10 (session 17) ran k8x (run 9's
-# nodist-k8 + the extra text) against k8x-d1 (+ --distill-from
-# models/ctxcache-ref), then lr 3e-4 vs 5e-4, then var_track weight 2 vs 4.
-RUN10_TASKS="--no-distractor-questions --extra-questions 8 --extra-train $STAGE/train_extra.txt.xz"
-VARIANTS=${VARIANTS:-"vt4|$RUN10_TASKS --family-weights niah_single:1,niah_multi:2,kv_table:2,var_track:4,section_copy:3|--lr 5e-4
-nm3vt4|$RUN10_TASKS --family-weights niah_single:1,niah_multi:3,kv_table:2,var_track:4,section_copy:2|--lr 5e-4"}
+# Run 12 (planned, NOTES.md): from the shipped v2.2 on its recipe (run 11's
+# r2b: the extra text, stage first; lr 3e-4; niah_multi 3, var_track 4), for
+# var_track, the one family still under 19/20 at 16K, whose misses answer the
+# distractor chain's value: dq asks the distractor chain's links too (the
+# loss then punishes exactly that binding), dqhard also trains on 5-link
+# chains with 2 distractor chains (the evaluation keeps 4 links, 1 chain).
+# Run 11 (session 18) ran vt4 / nm3vt4 (lr 5e-4), then lr 5e-4 / 3e-4, then
+# lr 2e-4 / var_track weight 6; run 10 (session 17) distillation, lr, weights.
+RUN12_TASKS="--extra-questions 8 --extra-train $STAGE/train_extra.txt.xz --family-weights niah_single:1,niah_multi:3,kv_table:2,var_track:4,section_copy:2"
+VARIANTS=${VARIANTS:-"dq|$RUN12_TASKS|--lr 3e-4
+dqhard|$RUN12_TASKS --var-links 5 --var-distractor-chains 2|--lr 3e-4"}
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }

@@ -218,14 +218,17 @@ class Task:
             "doc", "context", "question", "answer", "question_ids", "answer_ids")}
 
 
-def _needles(family, rng, pool, haystack_docs):
+def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chains=1):
     """Returns (inserts, question, answer, kind, others): inserts is a list of
     (relative position in [0, 1] or None for 'at the depth', text); others
     lists (question, answer, is_distractor) for the task's other needles, in
     the queried one's format (the extra questions of training rows; listing
     them draws nothing from rng, so a task without extra questions is
     unchanged). is_distractor marks a needle planted to be confused with the
-    queried one (var_track's other chain); the rest are its peers."""
+    queried one (var_track's other chains); the rest are its peers.
+    var_track has var_links links per chain and var_distractor_chains other
+    chains; the defaults (4, 1) are the evaluation's format, and draw exactly
+    what they drew before these options existed."""
     used = set()
     if family in ("niah_single", "niah_multi"):
         kind = rng.choice(KINDS)
@@ -257,25 +260,33 @@ def _needles(family, rng, pool, haystack_docs):
         others = [qa(i) + (False,) for i in range(len(keys)) if i != qi]
         return ([(None, table)],) + qa(qi) + ("code", others)
     if family == "var_track":
-        names = [_varname(rng, used) for _ in range(8)]
+        n_links = var_links
+        names = [_varname(rng, used) for _ in range(n_links * (1 + var_distractor_chains))]
         value = str(rng.randrange(10_000, 100_000))
         other = str(rng.randrange(10_000, 100_000))
-        chain, dist = names[:4], names[4:]
+        chain = names[:n_links]
         inserts = [(None, f"VAR {chain[0]} = {value}.")]
-        pos = sorted(rng.uniform(0, 1) for _ in range(3))
-        for j in range(1, 4):
+        pos = sorted(rng.uniform(0, 1) for _ in range(n_links - 1))
+        for j in range(1, n_links):
             inserts.append((("after", pos[j - 1]), f"VAR {chain[j]} = VAR {chain[j - 1]}."))
-        dpos = sorted(rng.uniform(0, 1) for _ in range(4))
-        inserts.append((dpos[0], f"VAR {dist[0]} = {other}."))
-        for j in range(1, 4):
-            inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
 
         def qa(name, v):
             return (f"Question: Following the VAR assignments in the text above, what is the "
                     f"value of VAR {name}?\nAnswer: VAR {name} =", f" {v}")
-        others = ([qa(n, value) + (False,) for n in chain[:3]]
-                  + [qa(n, other) + (True,) for n in dist])
-        return (inserts,) + qa(chain[3], value) + ("number", others)
+        others = [qa(n, value) + (False,) for n in chain[:-1]]
+        values = {value}
+        for c in range(var_distractor_chains):
+            dist = names[n_links * (1 + c):n_links * (2 + c)]
+            v = other
+            while c > 0 and v in values:  # later chains draw their own, distinct value
+                v = str(rng.randrange(10_000, 100_000))
+            values.add(v)
+            dpos = sorted(rng.uniform(0, 1) for _ in range(n_links))
+            inserts.append((dpos[0], f"VAR {dist[0]} = {v}."))
+            for j in range(1, n_links):
+                inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
+            others += [qa(n, v) + (True,) for n in dist]
+        return (inserts,) + qa(chain[-1], value) + ("number", others)
     if family == "section_copy":
         far = [s for s in pool.sentences if s[0] not in haystack_docs] or pool.sentences
         picks = rng.sample(far, 6)
@@ -314,7 +325,8 @@ def _qa_ids(tok, question, answer):
 
 
 def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
-              extra_questions=0, distractor_questions=True):
+              extra_questions=0, distractor_questions=True, var_links=4,
+              var_distractor_chains=1):
     """One task of `family` whose total tokens ([<s>] + context + question +
     answer, plus the extra questions) are in [0.9 * length, length], with the
     queried needle at `depth`.
@@ -325,13 +337,19 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     trains several retrievals (Task.extra; niah_single has none). With 0 the
     task is exactly the one made without the argument. distractor_questions=False
     leaves the distractor needles out of that choice (var_track then asks only
-    the queried chain's earlier links, whose answer is the queried one's)."""
+    the queried chain's earlier links, whose answer is the queried one's).
+    var_links (>= 2) and var_distractor_chains (>= 0) shape var_track's
+    chains (training rows only: the task id does not record them, and the
+    evaluation uses the defaults, 4 and 1)."""
+    if var_links < 2 or var_distractor_chains < 0:
+        raise ValueError(f"var_links must be >= 2 and var_distractor_chains >= 0, got "
+                         f"{var_links} and {var_distractor_chains}")
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):
         hay = pool.haystack(rng, budget)
-        inserts, question, answer, kind, others = _needles(family, rng, pool,
-                                                           {d for d, _, _ in hay})
+        inserts, question, answer, kind, others = _needles(
+            family, rng, pool, {d for d, _, _ in hay}, var_links, var_distractor_chains)
         extra = []  # (ids of "\n\n" + question, answer ids)
         if not distractor_questions:
             others = [o for o in others if not o[2]]

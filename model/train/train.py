@@ -21,6 +21,8 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          questions and K (answer start, answer length) pairs, zero-padded).
          --extra-questions K asks up to K of a task's other needles after its
          answer (longctx_tasks.make_task), each answer trained like the first.
+         --var-links N / --var-distractor-chains K shape the training var_track
+         tasks (chains of N links, K other chains; the evaluation keeps 4 and 1).
          With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
@@ -147,7 +149,8 @@ def family_schedule(weights):
 def _task_shard(args):
     """Training tasks from one shard of the training documents: per_length[j]
     tasks of lengths[j], families cycling through `schedule`."""
-    tok_path, docs, lengths, per_length, seed, shard, schedule, n_extra, distractors = args
+    (tok_path, docs, lengths, per_length, seed, shard, schedule, n_extra, distractors,
+     var_shape) = args
     tok = lt.Tokenizer(tok_path)
     pool = lt.DocumentPool(docs, tok)
     rng = np.random.default_rng([seed, shard])
@@ -161,7 +164,8 @@ def _task_shard(args):
             k += 1
             try:
                 t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i,
-                                 extra_questions=n_extra, distractor_questions=distractors)
+                                 extra_questions=n_extra, distractor_questions=distractors,
+                                 var_links=var_shape[0], var_distractor_chains=var_shape[1])
             except RuntimeError:  # a shard too small for this length
                 continue
             seq, spans = t.training_ids()
@@ -226,8 +230,12 @@ def cmd_prep(a):
         schedule = family_schedule(a.family_weights)
         if a.extra_questions < 0:
             raise SystemExit(f"--extra-questions must be >= 0, got {a.extra_questions}")
+        if a.var_links < 2 or a.var_distractor_chains < 0:
+            raise SystemExit(f"--var-links must be >= 2 and --var-distractor-chains >= 0, got "
+                             f"{a.var_links} and {a.var_distractor_chains}")
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
-                 a.extra_questions, not a.no_distractor_questions) for s in range(procs)]
+                 a.extra_questions, not a.no_distractor_questions,
+                 (a.var_links, a.var_distractor_chains)) for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
             parts = pool.map(_task_shard, jobs, chunksize=1)
@@ -896,6 +904,10 @@ def main():
     p.add_argument("--no-distractor-questions", action="store_true",
                    help="extra questions skip distractor needles (var_track asks only the "
                         "queried chain's 3 earlier links, not the other chain's 4)")
+    p.add_argument("--var-links", type=int, default=4,
+                   help="links per var_track chain in the training tasks (the evaluation: 4)")
+    p.add_argument("--var-distractor-chains", type=int, default=1,
+                   help="other chains per var_track training task (the evaluation: 1)")
     p.add_argument("--family-weights", default="",
                    help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")

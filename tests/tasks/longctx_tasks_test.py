@@ -113,6 +113,39 @@ class GeneratorTest(unittest.TestCase):
                              distractor_questions=False)
             self.assertEqual(a.training_ids(), b.training_ids())
 
+    def test_var_track_chain_shape_options(self):
+        # Training-only options: longer chains and more distractor chains.
+        for links, chains in ((6, 2), (3, 0)):
+            with self.subTest(links=links, chains=chains):
+                t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21,
+                                 extra_questions=40, var_links=links,
+                                 var_distractor_chains=chains)
+                lines = [s for s in t.context.split("\n") if s.startswith("VAR ")]
+                self.assertEqual(len(lines), links * (1 + chains))
+                literal = [s.split(" = ")[1].rstrip(".") for s in lines
+                           if not s.split(" = ")[1].startswith("VAR ")]
+                self.assertEqual(len(literal), 1 + chains)  # one head per chain
+                self.assertEqual(len(set(literal)), 1 + chains)  # distinct values
+                target = t.question.split("VAR ")[-1].split(" =")[0]
+                name, hops = target, 0
+                while True:
+                    line = next(s for s in lines if s.startswith(f"VAR {name} = "))
+                    rhs = line.split(" = ", 1)[1].rstrip(".")
+                    if not rhs.startswith("VAR "):
+                        break
+                    name, hops = rhs[4:], hops + 1
+                self.assertEqual(hops, links - 1)
+                self.assertEqual(rhs, t.answer.strip())
+                ids, spans = t.training_ids()
+                extra = [self.tok.sp.decode(ids[s:s + n]).strip() for s, n in spans[1:]]
+                # every other variable is asked: the chain's earlier links and
+                # each distractor chain's links, with that chain's value
+                self.assertEqual(len(extra), links - 1 + links * chains)
+                self.assertEqual(extra.count(t.answer.strip()), links - 1)
+                self.assertEqual(set(extra), set(literal))
+        with self.assertRaises(ValueError):
+            lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_links=1)
+
     def test_tasks_do_not_depend_on_the_hash_seed(self):
         # section_copy once ordered a set of str: its tasks changed with
         # PYTHONHASHSEED, i.e. from one process to the next.

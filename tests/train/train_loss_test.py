@@ -468,6 +468,20 @@ class ExtraQuestionsTest(unittest.TestCase):
             got = {sp.decode(ids[s:s + n]).strip() for s, n in train.task_spans(row)}
             self.assertEqual(len(got), 1)  # every answer is the queried chain's value
 
+    def test_var_track_shape_flags_reach_the_tasks(self):
+        data = os.path.join(self.work, "varshape")
+        cmd = [sys.executable, TRAIN_PY, "prep", "--corpus", self.work + "/corpus", "--tok", TOK,
+               "--data", data, "--procs", "1", "--splits", "train", "--tasks-per-length", "3",
+               "--task-lengths", "2048", "--family-weights", "var_track:1",
+               "--extra-questions", "30", "--var-links", "5", "--var-distractor-chains", "2"]
+        subprocess.run(cmd, check=True, stdout=subprocess.PIPE)
+        idx = np.load(os.path.join(data, "tasks_index.npy"))
+        self.assertEqual(idx[:, 5].tolist(), [4 + 10] * 3)  # 4 earlier links + 2 chains of 5
+        r = subprocess.run(cmd[:-3] + ["1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--var-links must be >= 2", r.stderr)
+
     def test_extra_train_documents_join_the_training_split(self):
         import lzma
         extra = os.path.join(self.work, "train_extra.txt.xz")

@@ -113,6 +113,22 @@ class GeneratorTest(unittest.TestCase):
                              distractor_questions=False)
             self.assertEqual(a.training_ids(), b.training_ids())
 
+    def test_evaluation_var_track_tasks_are_unchanged(self):
+        # Every model since v2 is scored on the same held-out tasks (EVAL_SEED),
+        # so the generator's default draws must not move: this digest of
+        # var_track tasks (and a training task's extra questions) was taken
+        # before the training-only chain-shape options existed (session 18).
+        import hashlib
+        import json
+        h = hashlib.sha1()
+        for t in lt.generate(self.pool, self.tok, ["var_track"], [2048, 4096], [0.05, 0.5, 0.95],
+                             2, lt.EVAL_SEED):
+            h.update(json.dumps(t.to_json(), sort_keys=True).encode())
+            h.update(json.dumps(t.training_ids()).encode())
+        t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, extra_questions=7)
+        h.update(json.dumps(t.training_ids()).encode())
+        self.assertEqual(h.hexdigest(), "6533874233ed557f70a1e34f8b8beb17529b8bb8")
+
     def test_var_track_chain_shape_options(self):
         # Training-only options: longer chains and more distractor chains.
         for links, chains in ((6, 2), (3, 0)):

@@ -163,6 +163,33 @@ class GeneratorTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_links=1)
 
+    def test_var_track_layout_groups_accuracy_by_chain_layout(self):
+        import var_track_layout as vl
+        tasks = list(lt.generate(self.pool, self.tok, ["var_track"], [2048], vl.DEPTHS, 2,
+                                 lt.EVAL_SEED))
+        for t in tasks:
+            lay = vl.layout(t)
+            pos = {m.group(1): m.start() for m in vl.LINE.finditer(t.context)}
+            value_line = t.context.index(f"= {t.answer.strip()}.")
+            heads = [m.start() for m in vl.LINE.finditer(t.context)
+                     if not m.group(2).startswith("VAR ")]
+            self.assertEqual(len(pos), 8)
+            self.assertEqual(lay["distractor_head_after"], max(heads) > value_line)
+            self.assertTrue(0 <= lay["distractor_links_inside"] <= 4)
+            self.assertTrue(0 <= lay["chain_span"] <= 1)
+        # Correct exactly when the distractor's value comes first: the groups
+        # show it; a second model that is always right halves the wrong group.
+        rule = {t.id: not vl.layout(t)["distractor_head_after"] for t in tasks}
+        by = vl.by_layout(tasks, [rule])
+        self.assertEqual(by["distractor_head_after"]["False"][0], 1.0)
+        self.assertEqual(by["distractor_head_after"]["True"][0], 0.0)
+        self.assertEqual(sum(n for _, n in by["length"].values()), len(tasks))
+        both = vl.by_layout(tasks, [rule, {t.id: True for t in tasks}])
+        self.assertEqual(both["distractor_head_after"]["True"][0], 0.5)  # 2 of these 10
+        # A task the results lack is left out, not counted as a miss.
+        some = vl.by_layout(tasks, [dict(list(rule.items())[1:])])
+        self.assertEqual(sum(n for _, n in some["length"].values()), len(tasks) - 1)
+
     def test_tasks_do_not_depend_on_the_hash_seed(self):
         # section_copy once ordered a set of str: its tasks changed with
         # PYTHONHASHSEED, i.e. from one process to the next.

@@ -218,7 +218,8 @@ class Task:
             "doc", "context", "question", "answer", "question_ids", "answer_ids")}
 
 
-def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chains=1):
+def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chains=1,
+             var_late=(0.0, 0.0)):
     """Returns (inserts, question, answer, kind, others): inserts is a list of
     (relative position in [0, 1] or None for 'at the depth', text); others
     lists (question, answer, is_distractor) for the task's other needles, in
@@ -227,8 +228,10 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
     unchanged). is_distractor marks a needle planted to be confused with the
     queried one (var_track's other chains); the rest are its peers.
     var_track has var_links links per chain and var_distractor_chains other
-    chains; the defaults (4, 1) are the evaluation's format, and draw exactly
-    what they drew before these options existed."""
+    chains; var_late = (p, depth): with probability p an other chain's lines
+    all come after the queried value's depth (nearer the question). The
+    defaults (4, 1, p 0) are the evaluation's format, and draw exactly what
+    they drew before these options existed."""
     used = set()
     if family in ("niah_single", "niah_multi"):
         kind = rng.choice(KINDS)
@@ -281,7 +284,8 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
             while c > 0 and v in values:  # later chains draw their own, distinct value
                 v = str(rng.randrange(10_000, 100_000))
             values.add(v)
-            dpos = sorted(rng.uniform(0, 1) for _ in range(n_links))
+            lo = var_late[1] if var_late[0] > 0 and rng.random() < var_late[0] else 0.0
+            dpos = sorted(rng.uniform(lo, 1) for _ in range(n_links))
             inserts.append((dpos[0], f"VAR {dist[0]} = {v}."))
             for j in range(1, n_links):
                 inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
@@ -326,7 +330,7 @@ def _qa_ids(tok, question, answer):
 
 def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
               extra_questions=0, distractor_questions=True, var_links=4,
-              var_distractor_chains=1):
+              var_distractor_chains=1, var_distractor_late=0.0):
     """One task of `family` whose total tokens ([<s>] + context + question +
     answer, plus the extra questions) are in [0.9 * length, length], with the
     queried needle at `depth`.
@@ -338,18 +342,21 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     task is exactly the one made without the argument. distractor_questions=False
     leaves the distractor needles out of that choice (var_track then asks only
     the queried chain's earlier links, whose answer is the queried one's).
-    var_links (>= 2) and var_distractor_chains (>= 0) shape var_track's
-    chains (training rows only: the task id does not record them, and the
-    evaluation uses the defaults, 4 and 1)."""
-    if var_links < 2 or var_distractor_chains < 0:
-        raise ValueError(f"var_links must be >= 2 and var_distractor_chains >= 0, got "
-                         f"{var_links} and {var_distractor_chains}")
+    var_links (>= 2), var_distractor_chains (>= 0) and var_distractor_late (the
+    probability in [0, 1] that an other chain comes after the queried value, all
+    of it) shape var_track's chains (training rows only: the task id does not
+    record them, and the evaluation uses the defaults, 4, 1 and 0)."""
+    if var_links < 2 or var_distractor_chains < 0 or not 0 <= var_distractor_late <= 1:
+        raise ValueError(f"var_links must be >= 2, var_distractor_chains >= 0 and "
+                         f"var_distractor_late in [0, 1], got {var_links}, "
+                         f"{var_distractor_chains} and {var_distractor_late}")
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):
         hay = pool.haystack(rng, budget)
         inserts, question, answer, kind, others = _needles(
-            family, rng, pool, {d for d, _, _ in hay}, var_links, var_distractor_chains)
+            family, rng, pool, {d for d, _, _ in hay}, var_links, var_distractor_chains,
+            (var_distractor_late, depth))
         extra = []  # (ids of "\n\n" + question, answer ids)
         if not distractor_questions:
             others = [o for o in others if not o[2]]

@@ -21,8 +21,10 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          questions and K (answer start, answer length) pairs, zero-padded).
          --extra-questions K asks up to K of a task's other needles after its
          answer (longctx_tasks.make_task), each answer trained like the first.
-         --var-links N / --var-distractor-chains K shape the training var_track
-         tasks (chains of N links, K other chains; the evaluation keeps 4 and 1).
+         --var-links N / --var-distractor-chains K / --var-distractor-late P shape
+         the training var_track tasks (chains of N links, K other chains, each of
+         them after the queried value with probability P; the evaluation keeps 4,
+         1 and 0).
          With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
@@ -165,7 +167,8 @@ def _task_shard(args):
             try:
                 t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i,
                                  extra_questions=n_extra, distractor_questions=distractors,
-                                 var_links=var_shape[0], var_distractor_chains=var_shape[1])
+                                 var_links=var_shape[0], var_distractor_chains=var_shape[1],
+                                 var_distractor_late=var_shape[2])
             except RuntimeError:  # a shard too small for this length
                 continue
             seq, spans = t.training_ids()
@@ -233,9 +236,13 @@ def cmd_prep(a):
         if a.var_links < 2 or a.var_distractor_chains < 0:
             raise SystemExit(f"--var-links must be >= 2 and --var-distractor-chains >= 0, got "
                              f"{a.var_links} and {a.var_distractor_chains}")
+        if not 0 <= a.var_distractor_late <= 1:
+            raise SystemExit(f"--var-distractor-late must be in [0, 1], got "
+                             f"{a.var_distractor_late}")
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
                  a.extra_questions, not a.no_distractor_questions,
-                 (a.var_links, a.var_distractor_chains)) for s in range(procs)]
+                 (a.var_links, a.var_distractor_chains, a.var_distractor_late))
+                for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
             parts = pool.map(_task_shard, jobs, chunksize=1)
@@ -908,6 +915,10 @@ def main():
                    help="links per var_track chain in the training tasks (the evaluation: 4)")
     p.add_argument("--var-distractor-chains", type=int, default=1,
                    help="other chains per var_track training task (the evaluation: 1)")
+    p.add_argument("--var-distractor-late", type=float, default=0.0,
+                   help="probability that a var_track training task's other chain lies wholly "
+                        "after its queried value (the evaluation: 0; the held-out misses are "
+                        "mostly that layout, var_track_layout.py)")
     p.add_argument("--family-weights", default="",
                    help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")

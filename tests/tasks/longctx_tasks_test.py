@@ -6,6 +6,7 @@ Run by ctest (longctx_tasks_generator) as
 Needs the python sentencepiece module (scripts/install-deps.sh installs it).
 """
 import os
+import re
 import sys
 import unittest
 
@@ -162,6 +163,30 @@ class GeneratorTest(unittest.TestCase):
                 self.assertEqual(set(extra), set(literal))
         with self.assertRaises(ValueError):
             lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_links=1)
+        with self.assertRaises(ValueError):
+            lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_distractor_late=1.5)
+
+    def test_var_distractor_late_puts_the_other_chain_after_the_value(self):
+        import var_track_layout as vl
+        late = {0.0: 0, 1.0: 0}
+        for p in late:
+            for seed in range(6):
+                t = lt.make_task(self.pool, self.tok, "var_track", 2048, 0.2, 30 + seed,
+                                 var_distractor_late=p)
+                lay = vl.layout(t)
+                late[p] += lay["distractor_head_after"]
+                if p == 1.0:  # the whole other chain, not only its value line
+                    lines = {m.group(1): (m.start(), m.group(2))
+                             for m in vl.LINE.finditer(t.context)}
+                    chain = [re.search(r"value of VAR (\w+)", t.question).group(1)]
+                    while lines[chain[-1]][1].startswith("VAR "):
+                        chain.append(lines[chain[-1]][1][4:])
+                    value_at = lines[chain[-1]][0]
+                    others = [at for name, (at, _) in lines.items() if name not in chain]
+                    self.assertEqual(len(others), 4)
+                    self.assertGreater(min(others), value_at)
+        self.assertEqual(late[1.0], 6)
+        self.assertLess(late[0.0], 6)  # at depth 0.2, uniform placement is often before
 
     def test_var_track_layout_groups_accuracy_by_chain_layout(self):
         import var_track_layout as vl

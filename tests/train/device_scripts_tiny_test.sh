@@ -2,7 +2,8 @@
 # The GPU-machine scripts (model/train/device_run.sh, device_sweep.sh) end to
 # end on the CPU with their TINY=1 2-layer model, in a temp folder, from a
 # small corpus made of the demo documents: the dry run (prep, smoke test,
-# training, finish), a sweep round of two variants, a second round chained on
+# training, finish), a sweep round of device_sweep.sh's default variants (the
+# next run's recipe, with a staged extra-train file), a second round chained on
 # "this machine" with TUNE_INIT=last-best, and that a fresh machine's
 # last-best exits 3. Run it before spending device time on a changed script
 # (~2-3 minutes; opt-in: cmake -DCTXCACHE_DEVICE_SCRIPTS=ON, ctest -L device_scripts).
@@ -30,12 +31,16 @@ W="$work/tiny" OUT="$work/tiny/out" bash model/train/device_run.sh dry > "$work/
   { tail -30 "$work/dry.log"; exit 1; }
 grep -q "dry run passed" "$work/dry.log" || { tail -30 "$work/dry.log"; echo "no 'dry run passed'"; exit 1; }
 test -f "$work/tiny/out/pack.tar"
-export R="$work/sweep" SWEEP_MORE="" STOP_AT=900
-two="a|--no-distractor-questions|
-b|--no-distractor-questions|--lr 5e-4"
-TUNE_INIT="$work/tiny/run/final" OUT="$work/o1" VARIANTS="$two" \
+export R="$work/sweep" SWEEP_MORE="" STOP_AT=900 STAGE="$work/stage"
+mkdir -p "$STAGE"
+{ cat "$demo/r_admin.txt"; printf '\x1e\n'; } | xz -1 > "$STAGE/train_extra.txt.xz"
+TUNE_INIT="$work/tiny/run/final" OUT="$work/o1" \
   bash model/train/device_sweep.sh start > "$work/s1.log" 2>&1 || { tail -30 "$work/s1.log"; exit 1; }
 best1=$(cat "$R/BEST")
+# The default variants' task flags reached train.py prep.
+names=$(grep -o '^started [a-z0-9]*' "$work/s1.log" | cut -d' ' -f2 | tr '\n' ' ')
+test "$(echo $names | wc -w)" = 2 || { echo "default variants: '$names'"; exit 1; }
+grep -q -- "--extra-train $STAGE/train_extra.txt.xz" "$work/s1.log"
 # collect: both evaluations, their 16K summary and the best one's weights.
 test "$(grep -c '^{"variant"' "$work/o1/summary16k.jsonl")" = 2
 test -f "$work/o1/packs.tar.xz" && test -f "$work/o1/$best1/small.tar"

@@ -481,6 +481,26 @@ class ExtraQuestionsTest(unittest.TestCase):
                            text=True)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("--var-links must be >= 2", r.stderr)
+        # --var-distractor-late 1: the other chain's value line after the queried value's.
+        import re
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=TOK)
+        late = os.path.join(self.work, "varlate")
+        subprocess.run(cmd[:-4] + ["--var-distractor-late", "1", "--data", late], check=True,
+                       stdout=subprocess.PIPE)
+        idx = np.load(os.path.join(late, "tasks_index.npy"))
+        tasks = np.fromfile(os.path.join(late, "tasks.u16"), dtype=np.uint16)
+        for row in idx:
+            ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+            s, n = train.task_spans(row)[0]  # the queried answer, in the row
+            text, answer = sp.decode(ids[:s]), sp.decode(ids[s:s + n]).strip()
+            heads = {v: m.start() for m in re.finditer(r"VAR \w+ = (\d+)\.", text)
+                     for v in [m.group(1)]}
+            self.assertEqual(len(heads), 2)
+            self.assertGreater(max(heads.values()), heads[answer])
+        r = subprocess.run(cmd[:-4] + ["--var-distractor-late", "2"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        self.assertIn("--var-distractor-late must be in [0, 1]", r.stderr)
 
     def test_extra_train_documents_join_the_training_split(self):
         import lzma

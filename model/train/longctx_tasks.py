@@ -328,6 +328,18 @@ def _qa_ids(tok, question, answer):
     return question_ids, qa_ids[len(question_ids):]
 
 
+def check_var_shape(links, chains, late,
+                    names=("var_links", "var_distractor_chains", "var_distractor_late")):
+    """Raises ValueError naming the first bad one of make_task's var_track
+    shape arguments (names: how the caller calls them, e.g. its flags)."""
+    if links < 2:
+        raise ValueError(f"{names[0]} must be >= 2, got {links}")
+    if chains < 0:
+        raise ValueError(f"{names[1]} must be >= 0, got {chains}")
+    if not 0 <= late <= 1:
+        raise ValueError(f"{names[2]} must be in [0, 1], got {late}")
+
+
 def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
               extra_questions=0, distractor_questions=True, var_links=4,
               var_distractor_chains=1, var_distractor_late=0.0):
@@ -346,10 +358,7 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     probability in [0, 1] that an other chain comes after the queried value, all
     of it) shape var_track's chains (training rows only: the task id does not
     record them, and the evaluation uses the defaults, 4, 1 and 0)."""
-    if var_links < 2 or var_distractor_chains < 0 or not 0 <= var_distractor_late <= 1:
-        raise ValueError(f"var_links must be >= 2, var_distractor_chains >= 0 and "
-                         f"var_distractor_late in [0, 1], got {var_links}, "
-                         f"{var_distractor_chains} and {var_distractor_late}")
+    check_var_shape(var_links, var_distractor_chains, var_distractor_late)
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):

@@ -233,12 +233,12 @@ def cmd_prep(a):
         schedule = family_schedule(a.family_weights)
         if a.extra_questions < 0:
             raise SystemExit(f"--extra-questions must be >= 0, got {a.extra_questions}")
-        if a.var_links < 2 or a.var_distractor_chains < 0:
-            raise SystemExit(f"--var-links must be >= 2 and --var-distractor-chains >= 0, got "
-                             f"{a.var_links} and {a.var_distractor_chains}")
-        if not 0 <= a.var_distractor_late <= 1:
-            raise SystemExit(f"--var-distractor-late must be in [0, 1], got "
-                             f"{a.var_distractor_late}")
+        try:
+            lt.check_var_shape(a.var_links, a.var_distractor_chains, a.var_distractor_late,
+                               ("--var-links", "--var-distractor-chains",
+                                "--var-distractor-late"))
+        except ValueError as e:
+            raise SystemExit(str(e))
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
                  a.extra_questions, not a.no_distractor_questions,
                  (a.var_links, a.var_distractor_chains, a.var_distractor_late))

@@ -59,7 +59,9 @@ if [ "${TINY:-0}" = 1 ]; then
   STAGE=${STAGE:-model/train/work/stage-tiny}
   TUNE_INIT=${TUNE_INIT:-model/train/work/tiny/saved}
   STOP_AT=${STOP_AT_TINY:-$STOP_AT}
+  PY=${PY:-/usr/bin/python3}  # as device_run.sh's TINY: Debian's, with sentencepiece
 else
+  PY=${PY:-python3}
   R=${R:-/root/sweep}
   STAGE=${STAGE:-/root/stage}
   # The shipped model: runs 5-9's weights lived in the ignored work/ and did
@@ -217,16 +219,31 @@ do_start() {
   wait_loop
 }
 summary16k() {  # one line per evaluated variant: its 16K accuracy by family
+  # var_track_after: var_track accuracy split by whether the distractor
+  # chain's value comes after the queried one's ("True"), the layout of most
+  # misses (var_track_layout.py; computed once, cached beside eval.json).
   for n in $(names); do
     [ -f $R/$n/eval/eval.json ] || continue
-    python3 - $n $R/$n/eval/eval.json <<'PYEOF'
-import json, sys
+    $PY - $n $R/$n/eval/eval.json <<'PYEOF'
+import json, os, sys
 e = json.load(open(sys.argv[2]))
+cache = os.path.join(os.path.dirname(sys.argv[2]), "var_track_layout.json")
+try:
+    if not os.path.exists(cache):
+        sys.path.insert(0, "model/train")
+        import var_track_layout
+        with open(cache + ".tmp", "w") as f:
+            json.dump(var_track_layout.eval_summary(e["tasks"]["tasks"]), f)
+        os.replace(cache + ".tmp", cache)
+    after = json.load(open(cache))
+except Exception as ex:  # the summary line matters more than this column
+    print(f"var_track_layout failed for {sys.argv[1]}: {ex!r}", file=sys.stderr)
+    after = None
 by = e["tasks"]["by"]
 fams = ("niah_single", "niah_multi", "kv_table", "var_track", "section_copy")
 k16 = [by.get(f"family:{f}/length:16384", [0, 0])[0] for f in fams]
 print(json.dumps({"variant": sys.argv[1], "correct": by["all"][0], "of": by["all"][1],
-                  "16K": k16, "16K_sum": sum(k16),
+                  "16K": k16, "16K_sum": sum(k16), "var_track_after": after,
                   "by_family": {f: by.get(f"family:{f}", [0, 0])[0] for f in fams},
                   "ppl": {n: round(p["ppl"], 2) for n, p in e["perplexity"].items()},
                   "sparse": {k: round(e.get("sparse_fidelity", {}).get(k, -1.0), 4)

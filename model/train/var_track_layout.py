@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """var_track accuracy by the layout of its two chains (issue 17).
 
-Regenerates the held-out var_track tasks (longctx_tasks.EVAL_SEED over the
-tests/data/demo documents, as `train.py eval` makes them), locates every
+Regenerates the held-out var_track tasks that a `train.py eval` file scored
+(longctx_tasks.EVAL_SEED over the tests/data/demo documents, at the lengths,
+depths and per-cell count its task rows show), locates every
 `VAR x = ...` line, follows the queried chain back to its value, and groups the
 tasks' correctness (from one or more `train.py eval` JSON files, plain or .xz;
 a task's accuracy is the mean over the files) by:
@@ -14,8 +15,10 @@ a task's accuracy is the mean over the files) by:
   chain_span                 the queried chain's extent, in quarters of the context.
 
   python3 model/train/var_track_layout.py model/train/results/v2-run11/eval.json \\
-      [more eval.json(.xz) ...] [--lengths 4096,8192,16384,32768]
+      [more eval.json(.xz) ...]
 Prints one JSON object: {"tasks": N, "models": M, "by": {feature: {value: [acc, n]}}}.
+device_sweep.sh puts each variant's distractor_head_after groups
+(`eval_summary`) into its summary16k.jsonl line.
 """
 import argparse
 import json
@@ -30,7 +33,6 @@ import longctx_tasks as lt  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 EVAL_DOCS = [os.path.join(ROOT, "tests", "data", "demo", f) for f in
              ("vim_help.txt", "r_admin.txt", "linux_firmware_guide.txt", "document.txt")]
-DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)  # train.py eval's default --eval-depths
 LINE = re.compile(r"VAR (\w+) = (VAR \w+|\d+)\.")
 
 
@@ -63,6 +65,30 @@ def load_rows(path):
         return json.load(f)["tasks"]["tasks"]
 
 
+def eval_tasks(rows, tok, pool):
+    """The var_track tasks among `rows` (a train.py eval file's task rows),
+    regenerated: its lengths and depths (given in ascending order, as train.py
+    eval's defaults are) and its per-cell count are read from the rows."""
+    vt = [r for r in rows if r["family"] == "var_track"]
+    if not vt:
+        return []
+    cells = {}
+    for r in vt:
+        cells[(r["length"], r["depth"])] = cells.get((r["length"], r["depth"]), 0) + 1
+    return list(lt.generate(pool, tok, ["var_track"], sorted({r["length"] for r in vt}),
+                            sorted({r["depth"] for r in vt}), max(cells.values()),
+                            lt.EVAL_SEED))
+
+
+def eval_summary(rows):
+    """One eval file's accuracy by distractor_head_after ({"True": [acc, n],
+    "False": [acc, n]}), for device_sweep.sh's summary lines."""
+    tok = lt.Tokenizer(os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model"))
+    pool = lt.DocumentPool(lt.read_docs(EVAL_DOCS), tok)
+    results = [{r["id"]: bool(r["correct"]) for r in rows if r["family"] == "var_track"}]
+    return by_layout(eval_tasks(rows, tok, pool), results).get("distractor_head_after", {})
+
+
 def by_layout(tasks, results):
     """results: list of {task id: correct}; returns {feature: {value: [acc, n]}}
     over the tasks that every result scored."""
@@ -80,19 +106,16 @@ def by_layout(tasks, results):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("evals", nargs="+", help="train.py eval JSON files (.json or .json.xz)")
-    ap.add_argument("--lengths", default="4096,8192,16384,32768")
-    ap.add_argument("--per-cell", type=int, default=4, help="train.py eval's --eval-per-cell")
     a = ap.parse_args(argv)
-    results = [{r["id"]: bool(r["correct"]) for r in load_rows(p) if r["family"] == "var_track"}
-               for p in a.evals]
+    rows = [load_rows(p) for p in a.evals]
+    results = [{r["id"]: bool(r["correct"]) for r in rs if r["family"] == "var_track"}
+               for rs in rows]
     tok = lt.Tokenizer(os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model"))
     pool = lt.DocumentPool(lt.read_docs(EVAL_DOCS), tok)
-    tasks = list(lt.generate(pool, tok, ["var_track"], [int(x) for x in a.lengths.split(",")],
-                             DEPTHS, a.per_cell, lt.EVAL_SEED))
-    by = by_layout(tasks, results)
+    by = by_layout(eval_tasks(rows[0], tok, pool), results)
     n = sum(n for _, n in by["length"].values()) if by else 0
     if n == 0:
-        raise SystemExit("no var_track task of these lengths is in every eval file")
+        raise SystemExit("no var_track task of the first eval file is in every other one")
     print(json.dumps({"tasks": n, "models": len(results), "by": by}))
 
 

@@ -190,8 +190,8 @@ class GeneratorTest(unittest.TestCase):
 
     def test_var_track_layout_groups_accuracy_by_chain_layout(self):
         import var_track_layout as vl
-        tasks = list(lt.generate(self.pool, self.tok, ["var_track"], [2048], vl.DEPTHS, 2,
-                                 lt.EVAL_SEED))
+        tasks = list(lt.generate(self.pool, self.tok, ["var_track"], [2048],
+                                 [0.05, 0.25, 0.5, 0.75, 0.95], 2, lt.EVAL_SEED))
         for t in tasks:
             lay = vl.layout(t)
             pos = {m.group(1): m.start() for m in vl.LINE.finditer(t.context)}
@@ -214,6 +214,15 @@ class GeneratorTest(unittest.TestCase):
         # A task the results lack is left out, not counted as a miss.
         some = vl.by_layout(tasks, [dict(list(rule.items())[1:])])
         self.assertEqual(sum(n for _, n in some["length"].values()), len(tasks) - 1)
+        # From an eval file's rows (any order, other families beside): the same
+        # tasks are regenerated, and the summary is the rule's groups.
+        rows = [{"id": t.id, "family": t.family, "length": t.length, "depth": t.depth,
+                 "correct": rule[t.id]} for t in reversed(tasks)]
+        rows.append({"id": "x", "family": "kv_table", "length": 8192, "depth": 0.6,
+                     "correct": False})
+        self.assertEqual([t.id for t in vl.eval_tasks(rows, self.tok, self.pool)],
+                         [t.id for t in tasks])
+        self.assertEqual(vl.eval_summary(rows), {"False": [1.0, 8], "True": [0.0, 2]})
 
     def test_tasks_do_not_depend_on_the_hash_seed(self):
         # section_copy once ordered a set of str: its tasks changed with

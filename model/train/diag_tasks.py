@@ -38,8 +38,6 @@ import longctx_tasks as lt  # noqa: E402
 from train import BOS, default_device, miss_detail, read_docs  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-DEMO = [os.path.join(ROOT, "tests", "data", "demo", n + ".txt")
-        for n in ("vim_help", "r_admin", "linux_firmware_guide", "document")]
 DEPTHS = [0.05, 0.25, 0.5, 0.75, 0.95]
 
 
@@ -58,7 +56,7 @@ def task_sets(tok, a):
         sets["train_docs"] = gen([(f"t{i}", d) for i, d in enumerate(read_docs(a.train_docs))], 4)
     if a.heldout:
         sets["heldout_corpus"] = gen([(f"h{i}", d) for i, d in enumerate(read_docs(a.heldout))], 5)
-    sets["eval"] = gen(lt.read_docs(DEMO), lt.EVAL_SEED)
+    sets["eval"] = gen(lt.read_docs(lt.EVAL_DOCS), lt.EVAL_SEED)
     return sets
 
 

@@ -56,12 +56,17 @@ Writes one JSON object per line (fields: see Task.to_json).
 import argparse
 import hashlib
 import json
+import os
 import random
 import re
 import sys
 
 FAMILIES = ("niah_single", "niah_multi", "kv_table", "var_track", "section_copy")
 EVAL_SEED = 917_000_017  # held-out evaluation seed; never used for training
+# The held-out evaluation documents (train.py eval's tasks; never training text).
+EVAL_DOCS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+                          "data", "demo", n + ".txt")
+             for n in ("vim_help", "r_admin", "linux_firmware_guide", "document")]
 BOS = 1
 
 WORDS = (
@@ -263,14 +268,13 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
         others = [qa(i) + (False,) for i in range(len(keys)) if i != qi]
         return ([(None, table)],) + qa(qi) + ("code", others)
     if family == "var_track":
-        n_links = var_links
-        names = [_varname(rng, used) for _ in range(n_links * (1 + var_distractor_chains))]
+        names = [_varname(rng, used) for _ in range(var_links * (1 + var_distractor_chains))]
         value = str(rng.randrange(10_000, 100_000))
         other = str(rng.randrange(10_000, 100_000))
-        chain = names[:n_links]
+        chain = names[:var_links]
         inserts = [(None, f"VAR {chain[0]} = {value}.")]
-        pos = sorted(rng.uniform(0, 1) for _ in range(n_links - 1))
-        for j in range(1, n_links):
+        pos = sorted(rng.uniform(0, 1) for _ in range(var_links - 1))
+        for j in range(1, var_links):
             inserts.append((("after", pos[j - 1]), f"VAR {chain[j]} = VAR {chain[j - 1]}."))
 
         def qa(name, v):
@@ -279,15 +283,15 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
         others = [qa(n, value) + (False,) for n in chain[:-1]]
         values = {value}
         for c in range(var_distractor_chains):
-            dist = names[n_links * (1 + c):n_links * (2 + c)]
+            dist = names[var_links * (1 + c):var_links * (2 + c)]
             v = other
             while c > 0 and v in values:  # later chains draw their own, distinct value
                 v = str(rng.randrange(10_000, 100_000))
             values.add(v)
             lo = var_late[1] if var_late[0] > 0 and rng.random() < var_late[0] else 0.0
-            dpos = sorted(rng.uniform(lo, 1) for _ in range(n_links))
+            dpos = sorted(rng.uniform(lo, 1) for _ in range(var_links))
             inserts.append((dpos[0], f"VAR {dist[0]} = {v}."))
-            for j in range(1, n_links):
+            for j in range(1, var_links):
                 inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
             others += [qa(n, v) + (True,) for n in dist]
         return (inserts,) + qa(chain[-1], value) + ("number", others)

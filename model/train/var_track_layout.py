@@ -31,8 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import longctx_tasks as lt  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-EVAL_DOCS = [os.path.join(ROOT, "tests", "data", "demo", f) for f in
-             ("vim_help.txt", "r_admin.txt", "linux_firmware_guide.txt", "document.txt")]
 LINE = re.compile(r"VAR (\w+) = (VAR \w+|\d+)\.")
 
 
@@ -65,6 +63,12 @@ def load_rows(path):
         return json.load(f)["tasks"]["tasks"]
 
 
+def eval_pool():
+    """(tokenizer, document pool) of the held-out evaluation documents."""
+    tok = lt.Tokenizer(os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model"))
+    return tok, lt.DocumentPool(lt.read_docs(lt.EVAL_DOCS), tok)
+
+
 def eval_tasks(rows, tok, pool):
     """The var_track tasks among `rows` (a train.py eval file's task rows),
     regenerated: its lengths and depths (given in ascending order, as train.py
@@ -83,8 +87,7 @@ def eval_tasks(rows, tok, pool):
 def eval_summary(rows):
     """One eval file's accuracy by distractor_head_after ({"True": [acc, n],
     "False": [acc, n]}), for device_sweep.sh's summary lines."""
-    tok = lt.Tokenizer(os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model"))
-    pool = lt.DocumentPool(lt.read_docs(EVAL_DOCS), tok)
+    tok, pool = eval_pool()
     results = [{r["id"]: bool(r["correct"]) for r in rows if r["family"] == "var_track"}]
     return by_layout(eval_tasks(rows, tok, pool), results).get("distractor_head_after", {})
 
@@ -110,8 +113,7 @@ def main(argv=None):
     rows = [load_rows(p) for p in a.evals]
     results = [{r["id"]: bool(r["correct"]) for r in rs if r["family"] == "var_track"}
                for rs in rows]
-    tok = lt.Tokenizer(os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model"))
-    pool = lt.DocumentPool(lt.read_docs(EVAL_DOCS), tok)
+    tok, pool = eval_pool()
     by = by_layout(eval_tasks(rows[0], tok, pool), results)
     n = sum(n for _, n in by["length"].values()) if by else 0
     if n == 0:

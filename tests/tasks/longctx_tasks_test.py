@@ -15,8 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "model", "train"))
 import longctx_tasks as lt  # noqa: E402
 
 TOK = os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model")
-DOCS = [os.path.join(ROOT, "tests", "data", "demo", f)
-        for f in ("vim_help.txt", "r_admin.txt", "linux_firmware_guide.txt", "document.txt")]
+DOCS = lt.EVAL_DOCS  # the held-out evaluation documents (tests/data/demo)
 
 
 class GeneratorTest(unittest.TestCase):

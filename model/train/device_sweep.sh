@@ -34,6 +34,10 @@
 #           train_extra.txt.xz for a variant's "--extra-train $STAGE/...".
 #           start checks that every --extra-train file is there (exit 3 if not:
 #           a fresh machine, stage again).
+# STOP_AT is when the waiting stops, not when the call ends: collect then
+# takes up to ~50 s more (packs.tar.xz, each summary line's var_track layout,
+# the best weights xz'd), so give the device call timeout_s >= STOP_AT + 60
+# (run 12's last call, 25 s past STOP_AT, lost the weights it was taking).
 # The machine goes back 30 s after a call ends; a next call that comes later
 # gets a fresh machine, where wait/take/report stop at once (exit 3) instead
 # of waiting on a sweep that is gone. That lost runs 8 and 9's first attempt
@@ -255,7 +259,11 @@ do_take() {  # $OUT/NAME/: the xz'd shards (4), and small.tar with the rest
   local n=$1 d=$OUT/$1
   [ -d $R/$n/run/final ] || { echo "take: no $R/$n/run/final"; exit 1; }
   rm -rf $d /tmp/take-$n && mkdir -p $d /tmp/take-$n
-  for f in $R/$n/run/final/*.safetensors; do xz -T0 -6 -c $f > $d/$(basename $f).xz; done
+  # .part, then renamed: a call that ends mid-take (run 12's last call:
+  # timeout_s only 25 s past STOP_AT) returns no shard that looks whole.
+  for f in $R/$n/run/final/*.safetensors; do
+    xz -T0 -6 -c $f > $d/$(basename $f).xz.part && mv $d/$(basename $f).xz.part $d/$(basename $f).xz
+  done
   cp $R/$n/run/final/config.json $R/$n/run/final/model.safetensors.index.json /tmp/take-$n/
   for f in tokenizer.model docs.tsv heldout.txt.xz unigram_counts.npy; do
     [ -f $TUNE_INIT/$f ] && cp $TUNE_INIT/$f /tmp/take-$n/; done

@@ -9,7 +9,13 @@ tasks' correctness (from one or more `train.py eval` JSON files, plain or .xz;
 a task's accuracy is the mean over the files) by:
   length, depth              the task's cell;
   distractor_head_after      the other chain's value line comes after the
-                             queried chain's value line (nearer the question);
+                             queried chain's value line (nearer the question):
+                             "False" is exactly where answering the literal
+                             value nearest the question (a recency rule, no
+                             chain following) is right, so its count is that
+                             rule's score;
+  length_and_after           both, "LENGTH/True|False": per length, what the
+                             recency rule scores and what the model adds to it;
   distractor_links_inside    how many of the other chain's lines lie between the
                              queried chain's first and last line;
   chain_span                 the queried chain's extent, in quarters of the context.
@@ -48,10 +54,12 @@ def layout(task):
     head, last = lines[chain[-1]][0], lines[chain[0]][0]
     others = [lines[k] for k in lines if k not in chain]
     dist_heads = [p for p, rhs in others if not rhs.startswith("VAR ")]
+    after = any(p > head for p in dist_heads)
     return {
         "length": task.length,
         "depth": task.depth,
-        "distractor_head_after": any(p > head for p in dist_heads),
+        "distractor_head_after": after,
+        "length_and_after": f"{task.length}/{after}",
         "distractor_links_inside": sum(1 for p, _ in others if head < p < last),
         "chain_span": round((last - head) * 4) / 4,
     }

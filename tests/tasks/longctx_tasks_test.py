@@ -208,6 +208,7 @@ class GeneratorTest(unittest.TestCase):
         self.assertEqual(by["distractor_head_after"]["False"][0], 1.0)
         self.assertEqual(by["distractor_head_after"]["True"][0], 0.0)
         self.assertEqual(sum(n for _, n in by["length"].values()), len(tasks))
+        self.assertEqual(by["length_and_after"], {"2048/False": [1.0, 8], "2048/True": [0.0, 2]})
         both = vl.by_layout(tasks, [rule, {t.id: True for t in tasks}])
         self.assertEqual(both["distractor_head_after"]["True"][0], 0.5)  # 2 of these 10
         # A task the results lack is left out, not counted as a miss.

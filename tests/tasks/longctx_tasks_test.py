@@ -224,6 +224,70 @@ class GeneratorTest(unittest.TestCase):
                          [t.id for t in tasks])
         self.assertEqual(vl.eval_summary(rows), {"False": [1.0, 8], "True": [0.0, 2]})
 
+    def test_var_track_attention_spans_roles_and_rows(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("no torch")
+        import llama
+        import var_track_attention as va
+        t = lt.make_task(self.pool, self.tok, "var_track", 2048, 0.3, 21)
+        ids = [lt.BOS] + t.context_ids
+        spans = va.line_spans(t, self.tok)
+        self.assertEqual(len(spans), 8)
+        for name, (a, b, rhs) in spans.items():  # each span is its line's tokens
+            line = f"VAR {name} = {rhs}."
+            end = t.context.index(line) + len(line)
+            self.assertEqual(ids[a:b], self.tok.encode(t.context[:end])[a - 1:])
+            # (after "\n\n" the first word has no leading-space piece)
+            self.assertEqual(ids[a + 1:b], self.tok.encode(line)[1:])
+        groups, chain = va.roles(t, spans)
+        self.assertEqual(sorted(groups), ["hop0", "hop1", "hop2", "hop3", "other_links",
+                                          "other_value"])
+        self.assertEqual(len(groups["other_links"]), 3)
+        self.assertEqual(spans[chain[-1]][2], t.answer.strip())
+        self.assertIn(f"VAR {chain[0]}?", t.question)
+        # The rows are the last query's attention: distributions over the whole
+        # prefix that, applied to the values, give the layer's attention output.
+        torch.manual_seed(0)
+        m = llama.Llama(llama.Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+        full = ids + t.question_ids
+        rows, logits = va.last_row_attention(m, full)
+        self.assertEqual(len(rows), 2)
+        for p in rows:
+            self.assertEqual(tuple(p.shape), (4, len(full)))
+            torch.testing.assert_close(p.sum(-1), torch.ones(4))
+        with torch.no_grad():
+            x = m.model.embed_tokens(torch.tensor([full]))
+            cos, sin = m.rope(len(full), "cpu")
+            att = m.model.layers[0].self_attn
+            h = m.model.layers[0].input_layernorm(x)
+            _, _, v = att.qkv(h, cos, sin)
+            o = torch.einsum("ht,htd->hd", rows[0], v[0])[None, :, None]
+            torch.testing.assert_close(att.out(o)[0, 0], att(h, cos, sin)[0, -1],
+                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(logits, m(torch.tensor([full]))[0, -1],
+                                       atol=1e-4, rtol=1e-4)
+        rec = va.task_record(m, self.tok, t)
+        self.assertEqual(len(rec["layers"]), 2)
+        for layer in rec["layers"]:
+            self.assertEqual(set(layer), set(groups))
+            self.assertTrue(all(0.0 <= v <= 1.0 + 1e-6 for v in layer.values()))
+        other = next(rhs for n, (_, _, rhs) in spans.items()
+                     if n not in chain and not rhs.startswith("VAR "))
+        oth = lt._qa_ids(self.tok, t.question, " " + other)[1]
+        k = rec["deciding_token"]  # the first token where the two values part
+        self.assertGreaterEqual(k, 1)  # the leading space piece is shared
+        self.assertEqual(t.answer_ids[:k], oth[:k])
+        self.assertNotEqual(t.answer_ids[k], oth[k])
+        flipped = dict(rec, right=not rec["right"], other=False)
+        s = va.summarize([rec, flipped])
+        self.assertEqual((s["n"], s["right"]), (2, 1))
+        self.assertEqual(s["by"]["right"]["n"] + s["by"]["wrong"]["n"], 2)
+        self.assertEqual(s["by"]["right"]["layers"]["0"], {g: round(v, 3) for g, v in
+                                                           rec["layers"][0].items()})
+
     def test_tasks_do_not_depend_on_the_hash_seed(self):
         # section_copy once ordered a set of str: its tasks changed with
         # PYTHONHASHSEED, i.e. from one process to the next.

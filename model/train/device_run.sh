@@ -58,6 +58,7 @@ if [ "${TINY:-0}" = 1 ]; then
   SMOKE_ARGS="--steps 6 --warmup 2 --val-every 4 --log-every 2 --ckpt-every 4"
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 512,1024 --tasks-per-length 24,12 --task-seed 1 --procs 2"}
   EVAL_TASK_ARGS="--eval-lengths 1024 --eval-depths 0.1,0.9 --eval-per-cell 1"
+  BIND_LENGTH=1024
   EVAL_ARGS="--ppl-lengths 256,512 --eval-tokens 2048 --sink-len 256 --sparse-new 4"
   SMOKE_EVAL="--ppl-lengths 256 --eval-tokens 1024 --sink-len 128 --task-limit 2"
   TUNE_INIT=${TUNE_INIT:-$W/saved}
@@ -111,6 +112,7 @@ else
   # 4 lengths x 5 depths x 5 families x 4 = 400 held-out tasks (20 per family
   # and length; runs 2-3 had 2 per cell, a superset of which these are).
   EVAL_TASK_ARGS=${EVAL_TASK_ARGS:-"--eval-per-cell 4"}
+  BIND_LENGTH=4096
   EVAL_ARGS=""
   SMOKE_EVAL="--eval-tokens 40000 --task-limit 10"
 fi
@@ -253,6 +255,11 @@ do_finish() {
   else echo "hfcheck skipped: no transformers here"; fi
   run_eval --data $W/data --model $F --run $W/run --out $W/eval --names $C/docs.tsv \
     $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
+  # Chain binding without the recency cue (NOTES.md, run 12): 1-hop chains with
+  # the other chain's value nearer the question; v2.2 answers 6 of 20 at 4K.
+  $PY model/train/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
+    --var-links 2 --var-distractor-late 1.0 --out $W/eval/bind1.json 2>&1 | grep -v Warn |
+    cut -c1-200 || echo "var_track_attention failed: no bind1.json"
   rm -rf $W/golden-ref $W/pack
   mkdir -p $W/golden-ref $W/pack $OUT
   if have_hf; then

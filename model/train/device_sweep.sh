@@ -78,21 +78,23 @@ if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
   # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
   SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.3"}; fi
-# Run 12 (planned, NOTES.md): from the shipped v2.2 on its recipe (run 11's
-# r2b: the extra text, stage first; lr 3e-4; niah_multi 3, var_track 4), for
-# var_track, the one family still under 19/20 at 16K, whose misses answer the
-# distractor chain's value, mostly where that chain lies after the queried
-# value (var_track_layout.py: 0.235 right there, 0.857 elsewhere). Both
-# variants ask the distractor chain's links too (no --no-distractor-questions:
-# the loss then punishes exactly that binding) and put the other chain after
-# the queried value in half the var_track rows; dqhard also trains on 5-link
-# chains with 2 distractor chains. The evaluation keeps 4 links, 1 chain,
-# uniform placement. Run 11 (session 18) ran vt4 / nm3vt4 (lr 5e-4), then
-# lr 5e-4 / 3e-4, then lr 2e-4 / var_track weight 6; run 10 (session 17)
-# distillation, lr, weights.
-RUN12_TASKS="--extra-questions 8 --extra-train $STAGE/train_extra.txt.xz --family-weights niah_single:1,niah_multi:3,kv_table:2,var_track:4,section_copy:2 --var-distractor-late 0.5"
-VARIANTS=${VARIANTS:-"dqlate|$RUN12_TASKS|--lr 3e-4
-dqhard|$RUN12_TASKS --var-links 5 --var-distractor-chains 2|--lr 3e-4"}
+# Run 13 (planned, NOTES.md "v2 run 12"): v2.2 has no chain binding to build
+# on. Its 16K var_track score is what answering the value nearest the question
+# scores, and on 1-hop chains whose other value is the later one it answers 6
+# of 20 at 4K (var_track_attention.py; each variant's summary line now has
+# that probe as bind1_late). Run 12's variants that took the recency cue away
+# inside the usual mix (distractor questions, the other chain late half the
+# time) fell to a coin flip between the two values. So this round is a
+# binding experiment, not a candidate to ship: var_track 8 of 13 task rows,
+# short chains (2 and 3 links), 2 other chains each after the queried value
+# half the time, their links asked too. It works if bind1_late moves well
+# above 6/20 (and the held-out var_track "True" group with it); then lengthen the
+# chains and go back to the mixed recipe. Run 12 (session 19): dqlate /
+# dqhard (the late layout inside run 11's mix), then f2a / f2b from dqhard,
+# then g1 / g2 from v2.2 with 60% of the time at 16K.
+RUN13_TASKS="--extra-questions 8 --extra-train $STAGE/train_extra.txt.xz --family-weights niah_single:1,niah_multi:2,kv_table:1,var_track:8,section_copy:1 --var-distractor-late 0.5 --var-distractor-chains 2"
+VARIANTS=${VARIANTS:-"bind2|$RUN13_TASKS --var-links 2|--lr 3e-4
+bind3|$RUN13_TASKS --var-links 3|--lr 3e-4"}
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }
@@ -226,6 +228,8 @@ summary16k() {  # one line per evaluated variant: its 16K accuracy by family
   # var_track_after: var_track accuracy split by whether the distractor
   # chain's value comes after the queried one's ("True"), the layout of most
   # misses (var_track_layout.py; computed once, cached beside eval.json).
+  # bind1_late: [right, of] on 1-hop chains whose other value is the later
+  # one (var_track_attention.py in device_run.sh finish; null without it).
   for n in $(names); do
     [ -f $R/$n/eval/eval.json ] || continue
     $PY - $n $R/$n/eval/eval.json <<'PYEOF'
@@ -243,11 +247,18 @@ try:
 except Exception as ex:  # the summary line matters more than this column
     print(f"var_track_layout failed for {sys.argv[1]}: {ex!r}", file=sys.stderr)
     after = None
+bind1 = os.path.join(os.path.dirname(sys.argv[2]), "bind1.json")  # device_run.sh finish
+try:
+    b = next(iter(json.load(open(bind1))["by_length"].values()))
+    bind = [b["right"], b["n"]]
+except Exception:
+    bind = None
 by = e["tasks"]["by"]
 fams = ("niah_single", "niah_multi", "kv_table", "var_track", "section_copy")
 k16 = [by.get(f"family:{f}/length:16384", [0, 0])[0] for f in fams]
 print(json.dumps({"variant": sys.argv[1], "correct": by["all"][0], "of": by["all"][1],
                   "16K": k16, "16K_sum": sum(k16), "var_track_after": after,
+                  "bind1_late": bind,
                   "by_family": {f: by.get(f"family:{f}", [0, 0])[0] for f in fams},
                   "ppl": {n: round(p["ppl"], 2) for n, p in e["perplexity"].items()},
                   "sparse": {k: round(e.get("sparse_fidelity", {}).get(k, -1.0), 4)

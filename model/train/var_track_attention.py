@@ -139,11 +139,12 @@ def main(argv=None):
                     help="links per chain (hops + 1); other than 4: not the evaluation's tasks")
     ap.add_argument("--var-distractor-late", type=float, default=0.0,
                     help="probability that the other chain lies after the queried value")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="", help="default: cuda if there is one, else cpu")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     tok, pool = vl.eval_pool()
-    model = llama.from_pretrained(a.model, device=a.device).eval()
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = llama.from_pretrained(a.model, device=dev).eval()
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     # The defaults (4 links, late 0) make exactly lt.generate's evaluation tasks.

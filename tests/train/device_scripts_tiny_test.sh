@@ -41,13 +41,16 @@ best1=$(cat "$R/BEST")
 names=$(grep -o '^started [a-z0-9]*' "$work/s1.log" | cut -d' ' -f2 | tr '\n' ' ')
 test "$(echo $names | wc -w)" = 2 || { echo "default variants: '$names'"; exit 1; }
 grep -q -- "--extra-train $STAGE/train_extra.txt.xz" "$work/s1.log"
-# Each summary line splits var_track by the distractor chain's layout.
+# Each summary line splits var_track by the distractor chain's layout and has
+# the 1-hop binding probe.
 "$py" -c "
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
 for r in rows:
     after = r['var_track_after']
     assert after and sum(n for _, n in after.values()) > 0, r
+    bind = r['bind1_late']  # var_track_attention.py's 1-hop probe, from finish
+    assert bind and bind[1] == 20 and 0 <= bind[0] <= 20, r
 " "$work/o1/summary16k.jsonl"
 # collect: both evaluations, their 16K summary and the best one's weights.
 test "$(grep -c '^{"variant"' "$work/o1/summary16k.jsonl")" = 2

@@ -257,9 +257,10 @@ do_finish() {
     $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
   # Chain binding without the recency cue (NOTES.md, run 12): 1-hop chains with
   # the other chain's value nearer the question; v2.2 answers 6 of 20 at 4K.
-  $PY model/train/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
-    --var-links 2 --var-distractor-late 1.0 --out $W/eval/bind1.json 2>&1 | grep -v Warn |
-    cut -c1-200 || echo "var_track_attention failed: no bind1.json"
+  if ! $PY model/train/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
+      --var-links 2 --var-distractor-late 1.0 --out $W/eval/bind1.json > $W/bind1.log 2>&1; then
+    echo "var_track_attention failed: no bind1.json"; fi
+  grep -v Warn $W/bind1.log | tail -3 | cut -c1-200
   rm -rf $W/golden-ref $W/pack
   mkdir -p $W/golden-ref $W/pack $OUT
   if have_hf; then

@@ -232,6 +232,25 @@ class Llama(nn.Module):
 
 
 @torch.no_grad()
+def attention_inputs(model, ids):
+    """(logits [B, T, vocab], [per layer: the input its self_attn gets, i.e.
+    the normed hidden state [B, T, hidden]]): the model's own forward, with
+    each attention input captured by a forward pre-hook, for tools that score
+    q against k themselves (Attention.qkv on a captured input gives that
+    layer's post-RoPE q, k and v)."""
+    cap = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda mod, args, li=li: cap.__setitem__(li, args[0]))
+        for li, layer in enumerate(model.model.layers)]
+    try:
+        logits = model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, [cap[li] for li in range(len(model.model.layers))]
+
+
+@torch.no_grad()
 def prefix_kv(model, ids):
     """Per layer, the context's k and v ([1, heads, n, head_dim], post-RoPE,
     repeated to the query heads) under full attention: the KV cache the

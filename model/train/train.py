@@ -672,20 +672,12 @@ def attention_on_key0(model, seq, dev, q0=16):
     q0..T-1 (fp32, computed from the captured post-RoPE q/k)."""
     x = torch.as_tensor(seq, dtype=torch.int64, device=dev)[None]
     rows = []
-    cap = {}
-    hooks = []
     c = model.config
-    for li, layer in enumerate(model.model.layers):
-        def pre(mod, args, li=li):
-            cap[li] = args
-        hooks.append(layer.self_attn.register_forward_pre_hook(pre))
-    model(x)
-    for h in hooks:
-        h.remove()
+    _, cap = llama.attention_inputs(model, x)
     T = x.shape[1]
     cos, sin = model.rope(T, dev)
     for li, layer in enumerate(model.model.layers):
-        q, k, _ = layer.self_attn.qkv(cap[li][0].float(), cos, sin)
+        q, k, _ = layer.self_attn.qkv(cap[li].float(), cos, sin)
         s = torch.matmul(q[:, :, q0:], k.transpose(-1, -2)) / math.sqrt(c.head_dim)
         mask = torch.ones(T - q0, T, dtype=torch.bool, device=dev).triu(q0 + 1)
         p0 = torch.softmax(s.masked_fill(mask, float("-inf")), -1)[0, :, :, 0]

@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 
 import torch
@@ -53,45 +52,40 @@ def line_spans(task, tok):
 
 
 def roles(task, spans):
-    """{role: [(first, end), ...]} for the hop/other groups of the docstring."""
-    name = re.search(r"value of VAR (\w+)", task.question).group(1)
-    chain = [name]
-    while spans[chain[-1]][2].startswith("VAR "):
-        chain.append(spans[chain[-1]][2][4:])
+    """({role: [(first, end), ...]} for the hop/other groups of the docstring,
+    the queried chain's names, the other chain's value)."""
+    chain = vl.chain_of(task, {n: rhs for n, (_, _, rhs) in spans.items()})
     out = {f"hop{i}": [spans[n][:2]] for i, n in enumerate(chain)}
+    other = None
     for n, (a, b, rhs) in spans.items():
         if n not in chain:
-            out.setdefault("other_links" if rhs.startswith("VAR ") else "other_value",
-                           []).append((a, b))
-    return out, chain
+            link = rhs.startswith("VAR ")
+            out.setdefault("other_links" if link else "other_value", []).append((a, b))
+            other = other if link else rhs
+    return out, chain, other
 
 
 @torch.no_grad()
 def last_row_attention(model, ids):
     """(per-layer attention of the last position [layers][heads, T] as float
-    tensors, the last position's logits): the model's own forward, with each
-    layer's last query row scored against all keys."""
+    tensors, the last position's logits): the model's own forward
+    (llama.attention_inputs), each layer's last query row scored against all
+    its keys."""
     dev = next(model.parameters()).device
-    x_ids = torch.as_tensor([ids], dtype=torch.int64, device=dev)
-    x = model.model.embed_tokens(x_ids)
+    logits, inputs = llama.attention_inputs(
+        model, torch.as_tensor([ids], dtype=torch.int64, device=dev))
     cos, sin = model.rope(len(ids), dev)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rows = []
-    for layer in model.model.layers:
-        q, k, _ = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
+    for layer, x in zip(model.model.layers, inputs):
+        q, k, _ = layer.self_attn.qkv(x, cos.to(x.dtype), sin.to(x.dtype))
         s = torch.matmul(q[0, :, -1:], k[0].transpose(-1, -2))[:, 0] / math.sqrt(q.shape[-1])
         rows.append(torch.softmax(s.float(), -1).cpu())
-        x = layer(x, cos, sin)
-    x = model.model.norm(x[:, -1:])
-    w = model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight
-    return rows, torch.nn.functional.linear(x, w)[0, -1].float().cpu()
+    return rows, logits[0, -1].float().cpu()
 
 
 def task_record(model, tok, task):
     spans = line_spans(task, tok)
-    groups, chain = roles(task, spans)
-    other = next(rhs for n, (_, _, rhs) in spans.items()
-                 if n not in chain and not rhs.startswith("VAR "))
+    groups, chain, other = roles(task, spans)
     ans = task.answer_ids
     oth = lt._qa_ids(tok, task.question, " " + other)[1]  # as answer_ids are made
     k = next((i for i in range(min(len(ans), len(oth))) if ans[i] != oth[i]), None)

@@ -40,17 +40,24 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 LINE = re.compile(r"VAR (\w+) = (VAR \w+|\d+)\.")
 
 
+def chain_of(task, rhs):
+    """The queried chain's names, from the question's name to the one holding
+    the literal value (rhs: {name: right-hand side of its VAR line}); raises
+    ValueError if that value is not the task's answer."""
+    chain = [re.search(r"value of VAR (\w+)", task.question).group(1)]
+    while rhs[chain[-1]].startswith("VAR "):
+        chain.append(rhs[chain[-1]][4:])
+    if rhs[chain[-1]] != task.answer.strip():
+        raise ValueError(f"task {task.id}: the chain does not end at the answer")
+    return chain
+
+
 def layout(task):
     """The chain layout of one var_track task, positions as fractions of the
     context's characters."""
     n = len(task.context)
     lines = {m.group(1): (m.start() / n, m.group(2)) for m in LINE.finditer(task.context)}
-    name = re.search(r"value of VAR (\w+)", task.question).group(1)
-    chain = [name]
-    while lines[chain[-1]][1].startswith("VAR "):
-        chain.append(lines[chain[-1]][1][4:])
-    if lines[chain[-1]][1] != task.answer.strip():
-        raise ValueError(f"task {task.id}: the chain does not end at the answer")
+    chain = chain_of(task, {k: rhs for k, (_, rhs) in lines.items()})
     head, last = lines[chain[-1]][0], lines[chain[0]][0]
     others = [lines[k] for k in lines if k not in chain]
     dist_heads = [p for p, rhs in others if not rhs.startswith("VAR ")]

@@ -241,7 +241,7 @@ class GeneratorTest(unittest.TestCase):
             self.assertEqual(ids[a:b], self.tok.encode(t.context[:end])[a - 1:])
             # (after "\n\n" the first word has no leading-space piece)
             self.assertEqual(ids[a + 1:b], self.tok.encode(line)[1:])
-        groups, chain = va.roles(t, spans)
+        groups, chain, other = va.roles(t, spans)
         self.assertEqual(sorted(groups), ["hop0", "hop1", "hop2", "hop3", "other_links",
                                           "other_value"])
         self.assertEqual(len(groups["other_links"]), 3)
@@ -274,8 +274,8 @@ class GeneratorTest(unittest.TestCase):
         for layer in rec["layers"]:
             self.assertEqual(set(layer), set(groups))
             self.assertTrue(all(0.0 <= v <= 1.0 + 1e-6 for v in layer.values()))
-        other = next(rhs for n, (_, _, rhs) in spans.items()
-                     if n not in chain and not rhs.startswith("VAR "))
+        self.assertEqual([rhs for n, (_, _, rhs) in spans.items()
+                          if n not in chain and not rhs.startswith("VAR ")], [other])
         oth = lt._qa_ids(self.tok, t.question, " " + other)[1]
         k = rec["deciding_token"]  # the first token where the two values part
         self.assertGreaterEqual(k, 1)  # the leading space piece is shared

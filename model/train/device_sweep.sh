@@ -78,23 +78,26 @@ if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # 3.3 minutes: the whole sweep in one start call with STOP_AT=560 (run 9:
   # all four trained by 201 s, evaluated by 412 s, collected by 446 s).
   SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.3"}; fi
-# Run 13 (planned, NOTES.md "v2 run 12"): v2.2 has no chain binding to build
-# on. Its 16K var_track score is what answering the value nearest the question
-# scores, and on 1-hop chains whose other value is the later one it answers 6
-# of 20 at 4K (var_track_attention.py; each variant's summary line now has
-# that probe as bind1_late). Run 12's variants that took the recency cue away
-# inside the usual mix (distractor questions, the other chain late half the
-# time) fell to a coin flip between the two values. So this round is a
-# binding experiment, not a candidate to ship: var_track 8 of 13 task rows,
-# short chains (2 and 3 links), 2 other chains each after the queried value
-# half the time, their links asked too. It works if bind1_late moves well
-# above 6/20 (and the held-out var_track "True" group with it); then lengthen the
-# chains and go back to the mixed recipe. Run 12 (session 19): dqlate /
-# dqhard (the late layout inside run 11's mix), then f2a / f2b from dqhard,
-# then g1 / g2 from v2.2 with 60% of the time at 16K.
-RUN13_TASKS="--extra-questions 8 --extra-train $STAGE/train_extra.txt.xz --family-weights niah_single:1,niah_multi:2,kv_table:1,var_track:8,section_copy:1 --var-distractor-late 0.5 --var-distractor-chains 2"
-VARIANTS=${VARIANTS:-"bind2|$RUN13_TASKS --var-links 2|--lr 3e-4
-bind3|$RUN13_TASKS --var-links 3|--lr 3e-4"}
+# Run 13 (NOTES.md "v2 run 13"): v2.2 has no chain binding (run 12: its 16K
+# var_track score is what answering the value nearest the question scores;
+# var_track_attention.py finds no layer looking at the links), and taking the
+# recency cue away left a coin flip. The value answer asks for three hops
+# inside one forward pass; RULER's variable tracking answers with the chain's
+# variables instead, one per answer step. So run 13 trains and evaluates
+# --var-answer chain (" VAR C = VAR B = VAR A = 48213": each step one lookup
+# of the kind the model already makes, "VAR C =" -> its line), from v2.2 with
+# run 12's g2 recipe (RT below + other chain late 0.25, lr 2e-4, 60% of the
+# time at 16K): ca as g2; cb with the other chain's links asked too (a walk
+# down the wrong chain is trained against); cc with var_track weight 8; cd with
+# 2 other chains, late 0.5, and more of the time at 4K-8K. 4 variants: kind
+# nvidia-h100-x4 (or -h200-x4).
+RT="--extra-questions 8 --extra-train $STAGE/train_extra.txt.xz --var-answer chain"
+MIX="niah_single:1,niah_multi:3,kv_table:2,section_copy:2"
+G2="--lr 2e-4 --phase-frac 0.1,0.15,0.6,0.15"
+VARIANTS=${VARIANTS:-"ca|$RT --no-distractor-questions --family-weights $MIX,var_track:4 --var-distractor-late 0.25|$G2
+cb|$RT --family-weights $MIX,var_track:4 --var-distractor-late 0.25|--lr 3e-4 --phase-frac 0.1,0.15,0.6,0.15
+cc|$RT --no-distractor-questions --family-weights $MIX,var_track:8 --var-distractor-late 0.25|--lr 3e-4 --phase-frac 0.1,0.15,0.6,0.15
+cd|$RT --family-weights $MIX,var_track:6 --var-distractor-late 0.5 --var-distractor-chains 2|--lr 3e-4 --phase-frac 0.25,0.25,0.35,0.15"}
 export TUNE_INIT
 
 names() { echo "$VARIANTS" | cut -d'|' -f1; }

@@ -16,7 +16,12 @@ context):
                depth; the question names one key.
   var_track    a chain of 4 assignments (VAR A = 48213, VAR B = VAR A, ...), its
                first link at the needle depth and the rest spread towards the end,
-               plus one distractor chain with another value.
+               plus one distractor chain with another value. The question asks
+               the last variable's value; the answer is the value itself
+               (var_answer "value": three hops inside one forward pass) or the
+               chain walked back to it, " VAR C = VAR B = VAR A = 48213"
+               (var_answer "chain": one link per answer step, as RULER's
+               variable tracking answers with the chain's variables).
   section_copy six "Section X.Y (on TOPIC)." notes, each a sentence copied from a
                far-away document; the queried one sits at the needle depth and the
                answer is its whole sentence (a 6-24 token span).
@@ -68,6 +73,10 @@ EVAL_DOCS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."
                           "data", "demo", n + ".txt")
              for n in ("vim_help", "r_admin", "linux_firmware_guide", "document")]
 BOS = 1
+# var_track's answer formats (see the module docstring); VAR_ANSWER is the one
+# the shipped model was trained on, and the default everywhere.
+VAR_ANSWERS = ("value", "chain")
+VAR_ANSWER = "value"
 
 WORDS = (
     "amber anchor apple arrow aspen badge bamboo banner barley basin beacon berry birch "
@@ -224,7 +233,7 @@ class Task:
 
 
 def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chains=1,
-             var_late=(0.0, 0.0)):
+             var_late=(0.0, 0.0), var_answer=VAR_ANSWER):
     """Returns (inserts, question, answer, kind, others): inserts is a list of
     (relative position in [0, 1] or None for 'at the depth', text); others
     lists (question, answer, is_distractor) for the task's other needles, in
@@ -236,7 +245,8 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
     chains; var_late = (p, depth): with probability p an other chain's lines
     all come after the queried value's depth (nearer the question). The
     defaults (4, 1, p 0) are the evaluation's format, and draw exactly what
-    they drew before these options existed."""
+    they drew before these options existed. var_answer (VAR_ANSWERS) changes
+    only var_track's answer texts, never what is drawn."""
     used = set()
     if family in ("niah_single", "niah_multi"):
         kind = rng.choice(KINDS)
@@ -277,10 +287,12 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
         for j in range(1, var_links):
             inserts.append((("after", pos[j - 1]), f"VAR {chain[j]} = VAR {chain[j - 1]}."))
 
-        def qa(name, v):
+        def qa(back, v):
+            # back: the asked variable, then each one it was assigned from.
+            walk = "".join(f" VAR {n} =" for n in back[1:]) if var_answer == "chain" else ""
             return (f"Question: Following the VAR assignments in the text above, what is the "
-                    f"value of VAR {name}?\nAnswer: VAR {name} =", f" {v}")
-        others = [qa(n, value) + (False,) for n in chain[:-1]]
+                    f"value of VAR {back[0]}?\nAnswer: VAR {back[0]} =", f"{walk} {v}")
+        others = [qa(chain[j::-1], value) + (False,) for j in range(var_links - 1)]
         values = {value}
         for c in range(var_distractor_chains):
             dist = names[var_links * (1 + c):var_links * (2 + c)]
@@ -293,8 +305,8 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
             inserts.append((dpos[0], f"VAR {dist[0]} = {v}."))
             for j in range(1, var_links):
                 inserts.append((dpos[j], f"VAR {dist[j]} = VAR {dist[j - 1]}."))
-            others += [qa(n, v) + (True,) for n in dist]
-        return (inserts,) + qa(chain[-1], value) + ("number", others)
+            others += [qa(dist[j::-1], v) + (True,) for j in range(var_links)]
+        return (inserts,) + qa(chain[::-1], value) + ("number", others)
     if family == "section_copy":
         far = [s for s in pool.sentences if s[0] not in haystack_docs] or pool.sentences
         picks = rng.sample(far, 6)
@@ -332,10 +344,13 @@ def _qa_ids(tok, question, answer):
     return question_ids, qa_ids[len(question_ids):]
 
 
-def check_var_shape(links, chains, late,
-                    names=("var_links", "var_distractor_chains", "var_distractor_late")):
+def check_var_shape(links, chains, late, answer=VAR_ANSWER,
+                    names=("var_links", "var_distractor_chains", "var_distractor_late",
+                           "var_answer")):
     """Raises ValueError naming the first bad one of make_task's var_track
     shape arguments (names: how the caller calls them, e.g. its flags)."""
+    if answer not in VAR_ANSWERS:
+        raise ValueError(f"{names[3]} must be one of {', '.join(VAR_ANSWERS)}, got {answer!r}")
     if links < 2:
         raise ValueError(f"{names[0]} must be >= 2, got {links}")
     if chains < 0:
@@ -346,7 +361,7 @@ def check_var_shape(links, chains, late,
 
 def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
               extra_questions=0, distractor_questions=True, var_links=4,
-              var_distractor_chains=1, var_distractor_late=0.0):
+              var_distractor_chains=1, var_distractor_late=0.0, var_answer=VAR_ANSWER):
     """One task of `family` whose total tokens ([<s>] + context + question +
     answer, plus the extra questions) are in [0.9 * length, length], with the
     queried needle at `depth`.
@@ -361,15 +376,18 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     var_links (>= 2), var_distractor_chains (>= 0) and var_distractor_late (the
     probability in [0, 1] that an other chain comes after the queried value, all
     of it) shape var_track's chains (training rows only: the task id does not
-    record them, and the evaluation uses the defaults, 4, 1 and 0)."""
-    check_var_shape(var_links, var_distractor_chains, var_distractor_late)
+    record them, and the evaluation uses the defaults, 4, 1 and 0). var_answer
+    picks var_track's answer format (VAR_ANSWERS; the task id does not record
+    it either: both draw the same chains at the same places, though the longer
+    chain answers may trim the haystack's tail further)."""
+    check_var_shape(var_links, var_distractor_chains, var_distractor_late, var_answer)
     rng = _task_rng(seed, length, depth_index, family, index)
     budget = length
     for attempt in range(6):
         hay = pool.haystack(rng, budget)
         inserts, question, answer, kind, others = _needles(
             family, rng, pool, {d for d, _, _ in hay}, var_links, var_distractor_chains,
-            (var_distractor_late, depth))
+            (var_distractor_late, depth), var_answer)
         extra = []  # (ids of "\n\n" + question, answer ids)
         if not distractor_questions:
             others = [o for o in others if not o[2]]
@@ -450,13 +468,14 @@ def make_task(pool, tok, family, length, depth, seed, depth_index=0, index=0,
     raise RuntimeError(f"could not fit a {family} task into {length} tokens")
 
 
-def generate(pool, tok, families, lengths, depths, per_cell, seed):
+def generate(pool, tok, families, lengths, depths, per_cell, seed, var_answer=VAR_ANSWER):
     """Every (length, depth, family) cell, per_cell tasks each, in that order."""
     for length in lengths:
         for di, depth in enumerate(depths):
             for family in families:
                 for i in range(per_cell):
-                    yield make_task(pool, tok, family, length, depth, seed, di, i)
+                    yield make_task(pool, tok, family, length, depth, seed, di, i,
+                                    var_answer=var_answer)
 
 
 def read_docs(paths):
@@ -486,6 +505,8 @@ def main(argv=None):
     ap.add_argument("--depths", default="0.05,0.25,0.5,0.75,0.95")
     ap.add_argument("--per-cell", type=int, default=1)
     ap.add_argument("--seed", type=int, default=EVAL_SEED)
+    ap.add_argument("--var-answer", default=VAR_ANSWER, choices=VAR_ANSWERS,
+                    help="var_track's answer: the value, or the chain walked back to it")
     ap.add_argument("--out", required=True, help="JSONL output ('-' = stdout)")
     a = ap.parse_args(argv)
     families = a.families.split(",")
@@ -500,7 +521,7 @@ def main(argv=None):
     pool = DocumentPool(read_docs(a.docs.split(",")), tok)
     out = sys.stdout if a.out == "-" else open(a.out, "w", encoding="utf-8")
     n = 0
-    for t in generate(pool, tok, families, lengths, depths, a.per_cell, a.seed):
+    for t in generate(pool, tok, families, lengths, depths, a.per_cell, a.seed, a.var_answer):
         out.write(json.dumps(t.to_json(), ensure_ascii=False) + "\n")
         n += 1
     if out is not sys.stdout:

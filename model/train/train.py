@@ -24,7 +24,9 @@ Subcommands (run from the repository root; GPU machine unless --device cpu):
          --var-links N / --var-distractor-chains K / --var-distractor-late P shape
          the training var_track tasks (chains of N links, K other chains, each of
          them after the queried value with probability P; the evaluation keeps 4,
-         1 and 0).
+         1 and 0). --var-answer chain makes var_track's answers walk the chain
+         back to the value (" VAR C = VAR B = VAR A = 48213"), in the training and
+         the evaluation tasks both.
          With --eval-docs: the held-out evaluation tasks
          (EVAL_SEED) in DATA/eval_tasks.jsonl.
   bench  quick throughput test on random tokens (no data needed).
@@ -168,7 +170,7 @@ def _task_shard(args):
                 t = lt.make_task(pool, tok, fam, length, float(depths[k - 1]), seed, shard, i,
                                  extra_questions=n_extra, distractor_questions=distractors,
                                  var_links=var_shape[0], var_distractor_chains=var_shape[1],
-                                 var_distractor_late=var_shape[2])
+                                 var_distractor_late=var_shape[2], var_answer=var_shape[3])
             except RuntimeError:  # a shard too small for this length
                 continue
             seq, spans = t.training_ids()
@@ -235,13 +237,13 @@ def cmd_prep(a):
             raise SystemExit(f"--extra-questions must be >= 0, got {a.extra_questions}")
         try:
             lt.check_var_shape(a.var_links, a.var_distractor_chains, a.var_distractor_late,
-                               ("--var-links", "--var-distractor-chains",
-                                "--var-distractor-late"))
+                               a.var_answer, ("--var-links", "--var-distractor-chains",
+                                              "--var-distractor-late", "--var-answer"))
         except ValueError as e:
             raise SystemExit(str(e))
         jobs = [(a.tok, named[s::procs], lengths, per, a.task_seed, s, schedule,
                  a.extra_questions, not a.no_distractor_questions,
-                 (a.var_links, a.var_distractor_chains, a.var_distractor_late))
+                 (a.var_links, a.var_distractor_chains, a.var_distractor_late, a.var_answer))
                 for s in range(procs)]
         t0 = time.time()
         with Pool(procs) as pool:
@@ -269,7 +271,7 @@ def cmd_prep(a):
         with open(os.path.join(a.data, "eval_tasks.jsonl"), "w", encoding="utf-8") as f:
             for t in lt.generate(pool, tok, lt.FAMILIES, [int(x) for x in a.eval_lengths.split(",")],
                                  [float(x) for x in a.eval_depths.split(",")], a.eval_per_cell,
-                                 lt.EVAL_SEED):
+                                 lt.EVAL_SEED, a.var_answer):
                 f.write(json.dumps(t.to_json(), ensure_ascii=False) + "\n")
                 n += 1
         print(json.dumps({"eval_tasks": n}), flush=True)
@@ -911,6 +913,9 @@ def main():
                    help="probability that a var_track training task's other chain lies wholly "
                         "after its queried value (the evaluation: 0; the held-out misses are "
                         "mostly that layout, var_track_layout.py)")
+    p.add_argument("--var-answer", default=lt.VAR_ANSWER, choices=lt.VAR_ANSWERS,
+                   help="var_track's answer format, in the training tasks and the evaluation "
+                        "tasks alike: the value, or the chain walked back to it")
     p.add_argument("--family-weights", default="",
                    help='training task mix, "niah_single:1,section_copy:3,..." (default: equal)')
     p.add_argument("--eval-docs", default="", help="held-out documents for the evaluation tasks")

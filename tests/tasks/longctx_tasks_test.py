@@ -165,6 +165,40 @@ class GeneratorTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_distractor_late=1.5)
 
+    def test_var_answer_chain_walks_back_to_the_value(self):
+        # The chain format answers with every link between the asked variable
+        # and the value, as the context states them. Both formats draw the same
+        # task: the same chains at the same places and the same question (the
+        # haystack's tail may be trimmed further for the longer answers).
+        for seed, late in ((21, 0.0), (22, 1.0)):
+            with self.subTest(seed=seed):
+                kw = dict(extra_questions=40, var_distractor_chains=2, var_distractor_late=late)
+                v = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, seed, **kw)
+                c = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, seed,
+                                 var_answer="chain", **kw)
+                self.assertEqual((c.question, c.id, c.needle_token),
+                                 (v.question, v.id, v.needle_token))
+
+                def lines(t):
+                    return [s for s in t.context.split("\n") if s.startswith("VAR ")]
+                self.assertEqual(lines(c), lines(v))
+                assign = dict(s[4:].rstrip(".").split(" = ", 1) for s in lines(c))
+                ids, spans = c.training_ids()
+                v_ids, v_spans = v.training_ids()
+                self.assertEqual(len(spans), len(v_spans))
+                for (s0, n), (vs, vn) in zip(spans, v_spans):
+                    q = self.tok.sp.decode(ids[:s0]).rsplit("value of VAR ", 1)[1]
+                    name = q.split("?")[0]
+                    walk, want = self.tok.sp.decode(ids[s0:s0 + n]).strip(), []
+                    while assign[name].startswith("VAR "):
+                        name = assign[name][4:]
+                        want.append(f"VAR {name} =")
+                    self.assertEqual(walk, " ".join(want + [assign[name]]))
+                    self.assertEqual(self.tok.sp.decode(v_ids[vs:vs + vn]).strip(), assign[name])
+                self.assertEqual(c.answer.count("VAR "), 3)
+        with self.assertRaisesRegex(ValueError, "var_answer must be one of value, chain"):
+            lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_answer="both")
+
     def test_var_distractor_late_puts_the_other_chain_after_the_value(self):
         import var_track_layout as vl
         late = {0.0: 0, 1.0: 0}

@@ -74,9 +74,10 @@ EVAL_DOCS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."
              for n in ("vim_help", "r_admin", "linux_firmware_guide", "document")]
 BOS = 1
 # var_track's answer formats (see the module docstring); VAR_ANSWER is the one
-# the shipped model was trained on, and the default everywhere.
+# the shipped model was trained on (v2.3 on; v2-v2.2: "value"), and the
+# default everywhere.
 VAR_ANSWERS = ("value", "chain")
-VAR_ANSWER = "value"
+VAR_ANSWER = "chain"
 
 WORDS = (
     "amber anchor apple arrow aspen badge bamboo banner barley basin beacon berry birch "
@@ -327,6 +328,12 @@ def _needles(family, rng, pool, haystack_docs, var_links=4, var_distractor_chain
                     f"Answer: Section {codes[j]} (on {topics[j]}).", f" {picks[j][1]}")
         return (inserts,) + qa(0) + ("span", [qa(j) + (False,) for j in range(1, 6)])
     raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def final_value(answer):
+    """The literal a var_track answer ends with, in either format (VAR_ANSWERS):
+    " 48213" and " VAR C = VAR B = VAR A = 48213" both give "48213"."""
+    return answer.rsplit("= ", 1)[-1].strip()
 
 
 def _task_rng(seed, length, depth_index, family, index):

@@ -2,7 +2,8 @@
 """Where the reference model looks when it answers a var_track task (issue 17).
 
 For each held-out var_track task (longctx_tasks.EVAL_SEED over the
-tests/data/demo documents, as train.py eval draws them) at --lengths, runs the
+tests/data/demo documents, as train.py eval draws them, in the value answer
+format of v2-v2.2: longctx_tasks.VAR_ANSWERS) at --lengths, runs the
 model on [<s>] + context + question + the answer's tokens up to the first one
 that differs from the other chain's value (the values share their leading
 space piece, and sometimes digits), and takes, in every layer, the attention
@@ -143,7 +144,8 @@ def main(argv=None):
     depths = [float(x) for x in a.depths.split(",")]
     # The defaults (4 links, late 0) make exactly lt.generate's evaluation tasks.
     tasks = [lt.make_task(pool, tok, "var_track", L, d, lt.EVAL_SEED, di, i,
-                          var_links=a.var_links, var_distractor_late=a.var_distractor_late)
+                          var_links=a.var_links, var_distractor_late=a.var_distractor_late,
+                          var_answer="value")
              for L in lengths for di, d in enumerate(depths) for i in range(a.per_cell)]
     records = [task_record(model, tok, t) for t in tasks]
     res = {"model": a.model, "lengths": lengths, "var_links": a.var_links,

@@ -47,7 +47,7 @@ def chain_of(task, rhs):
     chain = [re.search(r"value of VAR (\w+)", task.question).group(1)]
     while rhs[chain[-1]].startswith("VAR "):
         chain.append(rhs[chain[-1]][4:])
-    if rhs[chain[-1]] != task.answer.strip():
+    if rhs[chain[-1]] != lt.final_value(task.answer):
         raise ValueError(f"task {task.id}: the chain does not end at the answer")
     return chain
 

@@ -38,7 +38,8 @@ class GeneratorTest(unittest.TestCase):
                                  self.tok.encode(t.question + t.answer))
                 self.assertGreater(len(t.answer_ids), 0)
                 # The answer is in the context (var_track: the chain's value).
-                self.assertIn(t.answer.strip(), t.context)
+                self.assertIn(lt.final_value(t.answer) if t.family == "var_track"
+                              else t.answer.strip(), t.context)
                 # The queried needle sits near the requested depth (paragraph
                 # granularity; kv_table's depth is the table's first line).
                 self.assertLess(abs(t.needle_token / t.n_tokens - t.depth), 0.15)
@@ -66,7 +67,7 @@ class GeneratorTest(unittest.TestCase):
                 break
             name, hops = rhs[4:], hops + 1
         self.assertEqual(hops, 3)
-        self.assertEqual(rhs, t.answer.strip())
+        self.assertEqual(rhs, lt.final_value(t.answer))
 
     def test_extra_questions_ask_other_needles_and_fit(self):
         want = {"niah_single": 0, "niah_multi": 3, "kv_table": 4, "var_track": 4,
@@ -87,7 +88,9 @@ class GeneratorTest(unittest.TestCase):
                 answers = set()
                 for s, n in spans[1:]:
                     text = self.tok.sp.decode(ids[s:s + n]).strip()
-                    self.assertIn(text, t.context)  # an answer the context holds
+                    # an answer the context holds (var_track: the value it walks to)
+                    self.assertIn(lt.final_value(text) if fam == "var_track" else text,
+                                  t.context)
                     q = self.tok.sp.decode(ids[s - 60:s])
                     self.assertIn("Answer:", q)
                     answers.add((self.tok.sp.decode(ids[s - 60:s]), text))
@@ -103,7 +106,8 @@ class GeneratorTest(unittest.TestCase):
                 extra = [self.tok.sp.decode(ids[s:s + n]).strip() for s, n in spans[1:]]
                 # all 7 others (3 chain links + 4 distractor links), or the 3 links only
                 self.assertEqual(len(extra), 7 if distractors else 3)
-                answers[distractors].update(a != t.answer.strip() for a in extra)
+                answers[distractors].update(lt.final_value(a) != lt.final_value(t.answer)
+                                            for a in extra)
         self.assertEqual(answers[False], {False})  # every answer is the queried value
         self.assertEqual(answers[True], {False, True})
         # The peers of the other families are not distractors: unchanged.
@@ -115,20 +119,26 @@ class GeneratorTest(unittest.TestCase):
 
     def test_evaluation_var_track_tasks_are_unchanged(self):
         # Every model since v2 is scored on the same held-out tasks (EVAL_SEED),
-        # so the generator's default draws must not move: this digest of
-        # var_track tasks (and a training task's extra questions) was taken
-        # before the training-only chain-shape options existed (session 18).
+        # so the generator's draws must not move: these digests of var_track
+        # tasks (and a training task's extra questions) were taken before the
+        # training-only chain-shape options existed (session 18; the value
+        # format, v2-v2.2's) and when the chain format became the default
+        # (session 20, v2.3).
         import hashlib
         import json
-        h = hashlib.sha1()
-        for t in lt.generate(self.pool, self.tok, ["var_track"], [2048, 4096], [0.05, 0.5, 0.95],
-                             2, lt.EVAL_SEED):
-            row = dict(t.to_json(), doc=os.path.basename(t.doc))  # not the path's spelling
-            h.update(json.dumps(row, sort_keys=True).encode())
+        for fmt, want in (("value", "f630b88f1801f92a824efc42d153a095cffa34af"),
+                          (None, "b9b8fd4aaf7f10fbd97243989fb9eea1bf987109")):
+            kw = {"var_answer": fmt} if fmt else {}
+            h = hashlib.sha1()
+            for t in lt.generate(self.pool, self.tok, ["var_track"], [2048, 4096],
+                                 [0.05, 0.5, 0.95], 2, lt.EVAL_SEED, **kw):
+                row = dict(t.to_json(), doc=os.path.basename(t.doc))  # not the path's spelling
+                h.update(json.dumps(row, sort_keys=True).encode())
+                h.update(json.dumps(t.training_ids()).encode())
+            t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, extra_questions=7,
+                             **kw)
             h.update(json.dumps(t.training_ids()).encode())
-        t = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, extra_questions=7)
-        h.update(json.dumps(t.training_ids()).encode())
-        self.assertEqual(h.hexdigest(), "f630b88f1801f92a824efc42d153a095cffa34af")
+            self.assertEqual(h.hexdigest(), want, fmt)
 
     def test_var_track_chain_shape_options(self):
         # Training-only options: longer chains and more distractor chains.
@@ -152,13 +162,13 @@ class GeneratorTest(unittest.TestCase):
                         break
                     name, hops = rhs[4:], hops + 1
                 self.assertEqual(hops, links - 1)
-                self.assertEqual(rhs, t.answer.strip())
+                self.assertEqual(rhs, lt.final_value(t.answer))
                 ids, spans = t.training_ids()
-                extra = [self.tok.sp.decode(ids[s:s + n]).strip() for s, n in spans[1:]]
+                extra = [lt.final_value(self.tok.sp.decode(ids[s:s + n])) for s, n in spans[1:]]
                 # every other variable is asked: the chain's earlier links and
                 # each distractor chain's links, with that chain's value
                 self.assertEqual(len(extra), links - 1 + links * chains)
-                self.assertEqual(extra.count(t.answer.strip()), links - 1)
+                self.assertEqual(extra.count(lt.final_value(t.answer)), links - 1)
                 self.assertEqual(set(extra), set(literal))
         with self.assertRaises(ValueError):
             lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, 21, var_links=1)
@@ -173,7 +183,8 @@ class GeneratorTest(unittest.TestCase):
         for seed, late in ((21, 0.0), (22, 1.0)):
             with self.subTest(seed=seed):
                 kw = dict(extra_questions=40, var_distractor_chains=2, var_distractor_late=late)
-                v = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, seed, **kw)
+                v = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, seed,
+                                 var_answer="value", **kw)
                 c = lt.make_task(self.pool, self.tok, "var_track", 4096, 0.3, seed,
                                  var_answer="chain", **kw)
                 self.assertEqual((c.question, c.id, c.needle_token),
@@ -228,7 +239,7 @@ class GeneratorTest(unittest.TestCase):
         for t in tasks:
             lay = vl.layout(t)
             pos = {m.group(1): m.start() for m in vl.LINE.finditer(t.context)}
-            value_line = t.context.index(f"= {t.answer.strip()}.")
+            value_line = t.context.index(f"= {lt.final_value(t.answer)}.")
             heads = [m.start() for m in vl.LINE.finditer(t.context)
                      if not m.group(2).startswith("VAR ")]
             self.assertEqual(len(pos), 8)
@@ -265,7 +276,7 @@ class GeneratorTest(unittest.TestCase):
             self.skipTest("no torch")
         import llama
         import var_track_attention as va
-        t = lt.make_task(self.pool, self.tok, "var_track", 2048, 0.3, 21)
+        t = lt.make_task(self.pool, self.tok, "var_track", 2048, 0.3, 21, var_answer="value")
         ids = [lt.BOS] + t.context_ids
         spans = va.line_spans(t, self.tok)
         self.assertEqual(len(spans), 8)
@@ -279,7 +290,7 @@ class GeneratorTest(unittest.TestCase):
         self.assertEqual(sorted(groups), ["hop0", "hop1", "hop2", "hop3", "other_links",
                                           "other_value"])
         self.assertEqual(len(groups["other_links"]), 3)
-        self.assertEqual(spans[chain[-1]][2], t.answer.strip())
+        self.assertEqual(spans[chain[-1]][2], lt.final_value(t.answer))
         self.assertIn(f"VAR {chain[0]}?", t.question)
         # The rows are the last query's attention: distributions over the whole
         # prefix that, applied to the values, give the layer's attention output.

@@ -15,7 +15,7 @@ if ! "$py" -c "import torch, numpy, sentencepiece" 2>/dev/null; then
   echo "python3-torch, python3-numpy or python3-sentencepiece missing; skipped"; exit 77
 fi
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+trap '[ -n "${KEEP_WORK:-}" ] || rm -rf "$work"' EXIT
 cd "$root"
 demo=tests/data/demo
 export C="$work/carry"

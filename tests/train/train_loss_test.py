@@ -35,6 +35,7 @@ except ImportError as e:
     sys.exit(77)
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(ROOT, "model", "train"))
+import longctx_tasks as lt  # noqa: E402
 import llama  # noqa: E402
 import train  # noqa: E402
 
@@ -436,10 +437,12 @@ class ExtraQuestionsTest(unittest.TestCase):
             self.assertEqual(len(spans), 1 + int(row[5]))
             for s, n in spans:
                 self.assertGreater(n, 0)
-                # Each answer follows "Answer: ..." and its text is in the context.
+                # Each answer follows "Answer: ..." and its text is in the context
+                # (var_track's chain walk: the value it ends at).
                 before = sp.decode(ids[max(0, s - 40):s])
                 self.assertIn("Answer:", before)
                 ans = sp.decode(ids[s:s + n]).strip()
+                ans = lt.final_value(ans) if ans.startswith("VAR ") else ans
                 ctx_end = spans[0][0]
                 self.assertIn(ans, sp.decode(ids[:ctx_end]))
         x, mask, n_task = b.batch(2048, 8)
@@ -465,8 +468,12 @@ class ExtraQuestionsTest(unittest.TestCase):
         self.assertEqual(idx[:, 5].tolist(), [3, 3, 3])  # the chain's 3 earlier links
         for row in idx:
             ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
-            got = {sp.decode(ids[s:s + n]).strip() for s, n in train.task_spans(row)}
-            self.assertEqual(len(got), 1)  # every answer is the queried chain's value
+            walks = [sp.decode(ids[s:s + n]).strip() for s, n in train.task_spans(row)]
+            got = {lt.final_value(w) for w in walks}
+            self.assertEqual(len(got), 1)  # every answer ends at the queried chain's value
+            # the chain format (the default): each walk names its own links
+            self.assertEqual(len(set(walks)), 4)
+            self.assertEqual(sorted(w.count("VAR ") for w in walks), [0, 1, 2, 3])
 
     def test_var_track_shape_flags_reach_the_tasks(self):
         data = os.path.join(self.work, "varshape")
@@ -493,7 +500,7 @@ class ExtraQuestionsTest(unittest.TestCase):
         for row in idx:
             ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
             s, n = train.task_spans(row)[0]  # the queried answer, in the row
-            text, answer = sp.decode(ids[:s]), sp.decode(ids[s:s + n]).strip()
+            text, answer = sp.decode(ids[:s]), lt.final_value(sp.decode(ids[s:s + n]))
             heads = {v: m.start() for m in re.finditer(r"VAR \w+ = (\d+)\.", text)
                      for v in [m.group(1)]}
             self.assertEqual(len(heads), 2)
@@ -501,6 +508,16 @@ class ExtraQuestionsTest(unittest.TestCase):
         r = subprocess.run(cmd[:-4] + ["--var-distractor-late", "2"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
         self.assertIn("--var-distractor-late must be in [0, 1]", r.stderr)
+        # --var-answer value: the value alone, as v2-v2.2 were trained.
+        value = os.path.join(self.work, "varvalue")
+        subprocess.run(cmd[:-4] + ["--var-answer", "value", "--data", value], check=True,
+                       stdout=subprocess.PIPE)
+        idx = np.load(os.path.join(value, "tasks_index.npy"))
+        tasks = np.fromfile(os.path.join(value, "tasks.u16"), dtype=np.uint16)
+        for row in idx:
+            ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+            for s, n in train.task_spans(row):
+                self.assertRegex(sp.decode(ids[s:s + n]).strip(), r"^\d+$")
 
     def test_extra_train_documents_join_the_training_split(self):
         import lzma

@@ -492,13 +492,16 @@ class ExtraQuestionsTest(unittest.TestCase):
         import re
         import sentencepiece as spm
         sp = spm.SentencePieceProcessor(model_file=TOK)
-        late = os.path.join(self.work, "varlate")
-        subprocess.run(cmd[:-4] + ["--var-distractor-late", "1", "--data", late], check=True,
-                       stdout=subprocess.PIPE)
-        idx = np.load(os.path.join(late, "tasks_index.npy"))
-        tasks = np.fromfile(os.path.join(late, "tasks.u16"), dtype=np.uint16)
-        for row in idx:
-            ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+
+        def rows(name, flags):  # (task row, its token ids) of a prep with these flags
+            data = os.path.join(self.work, name)
+            subprocess.run(cmd[:-4] + flags + ["--data", data], check=True,
+                           stdout=subprocess.PIPE)
+            tasks = np.fromfile(os.path.join(data, "tasks.u16"), dtype=np.uint16)
+            for row in np.load(os.path.join(data, "tasks_index.npy")):
+                yield row, tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+
+        for row, ids in rows("varlate", ["--var-distractor-late", "1"]):
             s, n = train.task_spans(row)[0]  # the queried answer, in the row
             text, answer = sp.decode(ids[:s]), lt.final_value(sp.decode(ids[s:s + n]))
             heads = {v: m.start() for m in re.finditer(r"VAR \w+ = (\d+)\.", text)
@@ -509,13 +512,7 @@ class ExtraQuestionsTest(unittest.TestCase):
                            stderr=subprocess.PIPE, text=True)
         self.assertIn("--var-distractor-late must be in [0, 1]", r.stderr)
         # --var-answer value: the value alone, as v2-v2.2 were trained.
-        value = os.path.join(self.work, "varvalue")
-        subprocess.run(cmd[:-4] + ["--var-answer", "value", "--data", value], check=True,
-                       stdout=subprocess.PIPE)
-        idx = np.load(os.path.join(value, "tasks_index.npy"))
-        tasks = np.fromfile(os.path.join(value, "tasks.u16"), dtype=np.uint16)
-        for row in idx:
-            ids = tasks[int(row[0]):int(row[0]) + int(row[1])].tolist()
+        for row, ids in rows("varvalue", ["--var-answer", "value"]):
             for s, n in train.task_spans(row):
                 self.assertRegex(sp.decode(ids[s:s + n]).strip(), r"^\d+$")
 

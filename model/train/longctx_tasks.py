@@ -336,6 +336,20 @@ def final_value(answer):
     return answer.rsplit("= ", 1)[-1].strip()
 
 
+def answer_in_context(text, context):
+    """Whether a generated answer restates what the context holds (a wrong
+    binding when the answer is wrong) rather than drifting: the text occurs
+    verbatim (a value or a copied span), or, for a var_track chain walk
+    ("VAR C = VAR B = ... = 48213", VAR_ANSWERS "chain"), each name or value
+    it states is the right-hand side of a VAR line of the context (the last
+    may be cut short, as a greedy output of the answer's length is)."""
+    text = text.strip()
+    if not (text.startswith("VAR ") and " = " in text):
+        return bool(text) and text in context
+    *whole, last = text.split(" = ")
+    return all(f"= {p}." in context for p in whole) and f"= {last}" in context
+
+
 def _task_rng(seed, length, depth_index, family, index):
     h = hashlib.sha256(f"{seed}/{length}/{depth_index}/{family}/{index}".encode()).digest()
     return random.Random(int.from_bytes(h[:8], "little"))

@@ -720,14 +720,14 @@ def sparse_fidelity(model, context, prompts, n_new, rho):
 
 def miss_detail(tok, got, answer_ids, answer, context):
     """What a missed task's greedy output was: its text, the first wrong
-    position, and whether it occurs verbatim in the context (a wrong binding:
-    var_track's distractor chain, another key's needle) or not (a copy that
-    drifted). tok: longctx_tasks.Tokenizer."""
+    position, and whether it restates the context (longctx_tasks.
+    answer_in_context; a wrong binding: var_track's distractor chain, another
+    key's needle) or not (a copy that drifted). tok: longctx_tasks.Tokenizer."""
     text = tok.sp.decode(got).strip()
     return {"answer": answer.strip(), "got": text,
             "first_wrong": next((i for i, (g, w) in enumerate(zip(got, answer_ids)) if g != w),
                                 min(len(got), len(answer_ids))),
-            "got_in_context": bool(text) and text in context}
+            "got_in_context": lt.answer_in_context(text, context)}
 
 
 def eval_tasks(model, tok, path, dev, limit=0):

@@ -131,6 +131,17 @@ class MissDetailTest(unittest.TestCase):
         d = train.miss_detail(tok, drift, right, " 52005", context)
         self.assertEqual((d["got"], d["got_in_context"]), ("52009", False))
         self.assertGreater(d["first_wrong"], 0)
+        # var_track's chain walks (the answers since v2.3): a walk down the
+        # other chain restates the context, an invented link does not, and a
+        # walk cut short at the answer's length is judged by what it states.
+        ctx = "VAR AA = 52005.\n\nVAR BB = VAR AA.\n\nVAR XX = 55226.\n\nVAR YY = VAR XX.\n"
+        answer = " VAR AA = 52005"
+        right = tok.encode(answer)
+        for got, bound in ((" VAR XX = 55226", True), (" VAR XX = VAR", True),
+                           (" VAR AA = 55226", True), (" VAR QQ = 52005", False),
+                           (" VAR AA = 52009", False)):
+            d = train.miss_detail(tok, tok.encode(got), right, answer, ctx)
+            self.assertEqual((d["got"], d["got_in_context"]), (got.strip(), bound), got)
 
 
 class DistillTest(unittest.TestCase):

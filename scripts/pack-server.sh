@@ -29,13 +29,17 @@ bins=(ctxcached ctxcache)
 [ "${CTXCACHE_PACK_BENCH:-0}" = 1 ] && bins+=(ctxcache-bench)
 for b in "${bins[@]}"; do cp "$build/bin/$b" "$pkg/bin/"; done
 cp "$build/lib/libctxcache_spm.so" "$pkg/lib/"
+# The native client library (client/include/ctxcache/c.h) for Python's
+# ctypes (python/ctxcache/native.py finds it as $CTXCACHE_BIN_DIR/../lib); its
+# RPATH $ORIGIN finds the closure copied below.
+cp "$build/lib/libctxcache_c.so" "$pkg/lib/"
 if [ "${CTXCACHE_PACK_ETCD:-0}" = 1 ]; then
   etcd="${CTXCACHE_ETCD_BIN:-/usr/bin/etcd}"
   [ -x "$etcd" ] || { echo "pack-server: $etcd missing (apt-get install etcd-server)" >&2; exit 1; }
   cp "$etcd" "$pkg/bin/etcd"
 fi
 host_provided='^(libc|libm|libmvec|libpthread|libdl|librt|libresolv|libutil|libanl|libnsl|libstdc\+\+|libgcc_s|ld-linux-x86-64)\.so'
-for f in "${bins[@]/#/$pkg/bin/}" "$pkg/lib/libctxcache_spm.so"; do
+for f in "${bins[@]/#/$pkg/bin/}" "$pkg/lib/libctxcache_spm.so" "$pkg/lib/libctxcache_c.so"; do
   ldd "$f" | awk '/=> \// {print $3}'
 done | sort -u | while read -r lib; do
   name="$(basename "$lib")"

@@ -13,6 +13,7 @@
 #include "service/cluster_service.h"
 #include "service/decode_session.h"
 #include "service/grpc_status.h"
+#include "service/kv_frames.h"
 #include "service/rpc_metrics.h"
 #include "service/wire.h"
 
@@ -530,6 +531,72 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
     }
     batcher.Finish();
     return rpc.Finish(grpc::Status::OK);
+  });
+}
+
+grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
+                                        const v1::FetchKVRequest* request,
+                                        grpc::ServerWriter<v1::KVFrame>* writer) {
+  return Guarded(ctx_, "FetchKV", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "FetchKV", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    const size_t max_message = ctx_->config.max_message_bytes;
+    const size_t max_frame = max_message > (128u << 10) ? max_message - (64u << 10) : max_message / 2;
+    if (request->frame_bytes() > max_frame) {
+      return rpc.Finish(grpc::Status(
+          grpc::StatusCode::INVALID_ARGUMENT,
+          "frame_bytes: " + std::to_string(request->frame_bytes()) + " exceeds " +
+              std::to_string(max_frame) + " (the server's max message size minus 64 KiB)"));
+    }
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(ForwardServerStream(
+          ctx_, context, "FetchKV", *target, *request, writer,
+          [](auto ch, grpc::ClientContext* cc, const v1::FetchKVRequest& r) {
+            return v1::DecodeService::NewStub(ch)->FetchKV(cc, r);
+          }));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
+    auto reader =
+        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    const uint32_t n_layers = (*reader)->manifest().model().n_layers();
+    std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
+    if (layers.empty()) {
+      for (uint32_t l = 0; l < n_layers; ++l) layers.push_back(l);
+    }
+    std::vector<bool> seen(n_layers, false);
+    for (uint32_t l : layers) {
+      if (l >= n_layers || seen[l]) {
+        return rpc.Finish(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            "layers: " + std::to_string(l) +
+                (l >= n_layers ? " out of range [0, " + std::to_string(n_layers) + ")"
+                               : " given twice")));
+      }
+      seen[l] = true;
+    }
+    Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                                   "Stored page bytes read for decode sessions");
+    KVFrameOptions options;
+    if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
+    options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
+    options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
+    KVFrameReader frames(reader->get(), std::move(layers), std::move(options));
+    v1::KVFrame frame;
+    grpc::WriteOptions wo;
+    while (frames.Next(&frame)) {
+      if (context->IsCancelled()) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      }
+      if (!writer->Write(frame, wo)) {
+        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      }
+    }
+    return rpc.Finish(ToGrpc(frames.status()));
   });
 }
 

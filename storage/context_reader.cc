@@ -81,6 +81,7 @@ Status ContextReader::DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t bloc
                       std::to_string(block) + ": " + std::string(s.message()));
   }
   out->n_tokens[slot] = h.shape.n_tokens;
+  out->crc32c[slot] = h.crc32c;
   return Status::OK();
 }
 
@@ -220,11 +221,13 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
   out->page_stride = 2 * size_t{out->block_tokens} * out->head_dim * DTypeSize(dtype_);
   out->blocks.clear();
   out->n_tokens.clear();
+  out->crc32c.clear();
   out->stored_bytes = 0;
   Status s = CheckTable(layer, kv_head, blocks);
   if (s.ok()) {
     out->blocks.assign(blocks.begin(), blocks.end());
     out->n_tokens.assign(blocks.size(), 0);
+    out->crc32c.assign(blocks.size(), 0);
     out->data.resize(blocks.size() * out->page_stride);
     core_->Touch(id_);
     auto db_lock = core_->LockDb();
@@ -260,6 +263,7 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
     // Never hand out a partially verified batch.
     out->blocks.clear();
     out->n_tokens.clear();
+    out->crc32c.clear();
     out->data.clear();
     out->stored_bytes = 0;
   }

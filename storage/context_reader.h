@@ -39,6 +39,8 @@ struct PageBatch {
   size_t page_stride = 0;  // 2 * block_tokens * head_dim * DTypeSize(dtype)
   std::vector<uint32_t> blocks;
   std::vector<uint32_t> n_tokens;
+  // crc32c of each page's raw payload (K rows then V rows), verified on read.
+  std::vector<uint32_t> crc32c;
   std::vector<uint8_t> data;
   // Encoded bytes read from storage for this batch.
   uint64_t stored_bytes = 0;

@@ -20,8 +20,13 @@ StatusOr<std::string> ReadPem(const std::string& path, const char* option) {
 
 }  // namespace
 
-StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options) {
+StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options,
+                                                     int connection) {
   grpc::ChannelArguments args;
+  if (connection >= 0) {
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    args.SetInt("ctxcache.connection", connection);
+  }
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (options.tls_ca.empty()) {

@@ -17,7 +17,11 @@ namespace ctxcache::client::internal {
 
 // INVALID_ARGUMENT naming the option when a TLS file cannot be read, or
 // tls_cert/tls_key are given without each other or without tls_ca.
-StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options);
+// connection >= 0: a channel on a TCP connection of its own (numbered; two
+// channels with the same number may share one), for bulk streams that
+// should not queue behind each other. -1 (default): gRPC's shared one.
+StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ClientOptions& options,
+                                                     int connection = -1);
 
 // Adds the API key (if any) to a call's metadata. Every call the SDK makes
 // goes through it.

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
 #include "client/sdk/channel.h"
+#include "client/sdk/kv_load.h"
 #include "client/sdk/retry.h"
 #include "client/sdk/routing_client.h"
 #include "client/sdk/sessions.h"
@@ -216,6 +218,27 @@ class ClientImpl final : public Client {
     return Status::OK();
   }
 
+  StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& context_id,
+                                                const KVLoadOptions& options,
+                                                const KVLayout& layout) override {
+    ASSIGN_OR_RETURN(v1::ContextInfo info, GetContext(context_id));
+    ASSIGN_OR_RETURN(std::vector<uint32_t> layers, internal::CheckKVLoad(info, options, layout));
+    const int streams = std::min<int>(options.streams, static_cast<int>(layers.size()));
+    {
+      std::lock_guard<std::mutex> l(bulk_mu_);
+      while (bulk_.size() < static_cast<size_t>(streams)) {
+        ASSIGN_OR_RETURN(auto channel,
+                         internal::MakeChannel(options_, static_cast<int>(bulk_.size())));
+        bulk_.push_back(v1::DecodeService::NewStub(channel));
+      }
+    }
+    return internal::StartKVLoad(options_, info, std::move(layers), options, layout,
+                                 [this](int i) {
+                                   std::lock_guard<std::mutex> l(bulk_mu_);
+                                   return bulk_[i].get();
+                                 });
+  }
+
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
     if (options.mode == SelectMode::kClient) {
       return internal::OpenClientModeSession(this, decode_.get(), options);
@@ -230,9 +253,20 @@ class ClientImpl final : public Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ContextAdmin::Stub> admin_;
   std::unique_ptr<v1::DecodeService::Stub> decode_;
+  // Stubs on connections of their own for bulk loads (created on first use).
+  std::mutex bulk_mu_;
+  std::vector<std::unique_ptr<v1::DecodeService::Stub>> bulk_;  // guarded by bulk_mu_
 };
 
 }  // namespace
+
+Status Client::LoadKV(const std::string& context_id, const KVLoadOptions& options,
+                      const KVLayout& layout, KVLoadProgress* progress) {
+  ASSIGN_OR_RETURN(std::unique_ptr<KVLoad> load, StartLoadKV(context_id, options, layout));
+  Status s = load->Wait();
+  if (progress != nullptr) *progress = load->progress();
+  return s;
+}
 
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.server.empty()) return InvalidArgumentError("server address is empty");

@@ -219,6 +219,12 @@ class RoutingClient final : public Client {
                            })
         .status();
   }
+  StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& id,
+                                                const KVLoadOptions& options,
+                                                const KVLayout& layout) override {
+    return OnContext<std::unique_ptr<KVLoad>>(
+        id, [&](Client* c) { return c->StartLoadKV(id, options, layout); });
+  }
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
     auto s = std::make_unique<FailoverSession>(this, options);
     RETURN_IF_ERROR(s->Reopen(""));

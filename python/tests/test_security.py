@@ -100,3 +100,30 @@ def test_api_key_from_environment_and_plaintext_refused(secured, monkeypatch) ->
             plain.stats()
     with pytest.raises(ValueError):
         ctxcache.Client(s.address, tls_cert=cert["tls_cert"], tls_key=cert["tls_key"])
+
+
+def test_native_library_speaks_tls_keys_and_tenants(secured) -> None:
+    """The native library (libctxcache_c.so) under the same TLS, keys and
+    tenant checks as the gRPC client: a reader of tenant a loads a's KV, a
+    builder may not read, plaintext never reaches a TLS server."""
+    import numpy as np
+
+    from ctxcache import native
+    s, keys, pki = secured
+    ca = os.path.join(pki, "ca.pem")
+    cert = {"tls_cert": os.path.join(pki, "client-a.pem"),
+            "tls_key": os.path.join(pki, "client-a.key")}
+    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["a-builder"], **cert) as ab:
+        info = ab.build(tokens=random_tokens(64, 7)).context
+    with native.NativeClient(s.address, tls_ca=ca, api_key=keys["a-reader"], **cert) as ar:
+        shape = ar.context(info.context_id)
+        k = np.zeros(shape.kv_shape(), np.uint16)
+        v = np.zeros_like(k)
+        ar.load_kv(info.context_id, k, v)
+        assert k.any() and v.any()
+    with native.NativeClient(s.address, tls_ca=ca, api_key=keys["b-builder"], **cert) as bb:
+        with pytest.raises(errors.PermissionDenied):
+            bb.context(info.context_id)
+    with native.NativeClient(s.address, max_attempts=1, timeout=3) as plain:
+        with pytest.raises(errors.Unavailable):
+            plain.context(info.context_id)

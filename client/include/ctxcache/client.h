@@ -132,6 +132,73 @@ struct PageCacheStats {
   uint64_t prefetch_selector_bytes = 0;  // prediction selector copies (MemoryBytes at clone)
 };
 
+// Caller-owned memory that a KV load fills in place (a pinned torch tensor,
+// a numpy array, shared memory). With layer slot i = the i-th layer loaded
+// (KVLoadOptions::layers), element (i, kv head h, token t, dim j) of K is
+// the element at byte offset
+//   i * layer_stride + h * head_stride + t * token_stride + j * element size
+// from `k`, and V's likewise from `v`. Strides of 0 mean the dense layout
+// [layer slots][n_kv_heads][n_tokens][head_dim]. Every element written lies
+// inside [k, k + k_capacity) and [v, v + v_capacity), or the load is refused
+// with INVALID_ARGUMENT naming the field and nothing is written.
+struct KVLayout {
+  void* k = nullptr;
+  void* v = nullptr;
+  size_t k_capacity = 0;  // bytes
+  size_t v_capacity = 0;  // bytes
+  int64_t layer_stride = 0;  // bytes; >= 0
+  int64_t head_stride = 0;   // bytes; >= 0
+  int64_t token_stride = 0;  // bytes; 0 or >= head_dim * element size
+  // What the buffers hold; must equal the context's kv dtype (bytes are
+  // copied as stored, never converted). Default: bf16.
+  v1::DType dtype = v1::DTYPE_BF16;
+};
+
+struct KVLoadOptions {
+  // Layers to load, in layer-slot order; no repeats. Default: empty = all,
+  // ascending.
+  std::vector<uint32_t> layers;
+  // Concurrent FetchKV streams, each on a connection of its own; each
+  // stream loads one layer at a time. Default: 4.
+  int streams = 4;
+  // Payload bytes per frame (FetchKVRequest.frame_bytes). Default: 4 MiB.
+  uint32_t frame_bytes = 4u << 20;
+};
+
+struct KVLoadProgress {
+  uint64_t bytes_done = 0;   // K+V payload bytes written into the buffers
+  uint64_t bytes_total = 0;  // of all requested layers
+  uint32_t layers_done = 0;
+  uint32_t layers_total = 0;
+  uint64_t frames = 0;
+  double seconds = 0;  // since the load started (to the end, once finished)
+};
+
+// A KV load running in the background (Client::StartLoadKV): layers arrive
+// in the order asked, except that a layer somebody waits for or prioritizes
+// is taken next. Every page is checked against its crc32c before it is
+// written; a mismatch fails the load with DATA_LOSS naming the page.
+// Safe for concurrent use. Destroying it cancels what is left and waits for
+// the streams to stop (the buffers are no longer touched after that).
+class KVLoad {
+ public:
+  virtual ~KVLoad() = default;
+  // Moves `layer` (a context layer number) to the front of the queue.
+  // INVALID_ARGUMENT when it is not one of the load's layers.
+  virtual Status Prioritize(uint32_t layer) = 0;
+  // Blocks until `layer` is in the buffers (prioritizing it), or the load
+  // failed (its status).
+  virtual Status WaitLayer(uint32_t layer) = 0;
+  // Blocks until every layer is in, or the first failure.
+  virtual Status Wait() = 0;
+  // Stops early: streams end after their current frame; Wait returns
+  // CANCELLED.
+  virtual void Cancel() = 0;
+  // True once finished (done, failed or cancelled).
+  virtual bool done() const = 0;
+  virtual KVLoadProgress progress() const = 0;
+};
+
 class DecodeSession {
  public:
   virtual ~DecodeSession() = default;
@@ -201,6 +268,18 @@ class Client {
       const std::string& context_id, const std::string& method) = 0;
   // Pages for the given tables, crc-checked.
   virtual Status FetchPages(const v1::FetchPagesRequest& request, std::vector<v1::Page>* pages) = 0;
+
+  // Bulk load of a READY context's K and V into caller memory (KVLayout),
+  // in large frames over options.streams connections (FetchKV). Validates
+  // the layout against the context first (INVALID_ARGUMENT naming the field,
+  // nothing written). The buffers must stay valid until the load is done or
+  // destroyed.
+  virtual StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& context_id,
+                                                        const KVLoadOptions& options,
+                                                        const KVLayout& layout) = 0;
+  // StartLoadKV, then Wait. `progress` (may be null) gets the final counts.
+  Status LoadKV(const std::string& context_id, const KVLoadOptions& options,
+                const KVLayout& layout, KVLoadProgress* progress = nullptr);
 
   virtual StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) = 0;
 

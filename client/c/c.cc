@@ -1,0 +1,278 @@
+// The C ABI (client/include/ctxcache/c.h) over the C++ SDK: conversions and
+// ownership only; every behaviour is the SDK's.
+#include "ctxcache/c.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ctxcache/client.h"
+
+using ctxcache::Status;
+using ctxcache::StatusCode;
+namespace cc = ctxcache::client;
+
+struct ctxcache_options_t {
+  cc::ClientOptions options;
+};
+struct ctxcache_client_t {
+  std::unique_ptr<cc::Client> client;
+};
+struct ctxcache_load_t {
+  std::unique_ptr<cc::KVLoad> load;
+};
+struct ctxcache_index_t {
+  std::map<std::pair<uint32_t, uint32_t>, std::string> artifacts;
+};
+
+namespace {
+
+char* CopyString(std::string_view s) {
+  char* p = static_cast<char*>(std::malloc(s.size() + 1));
+  if (p == nullptr) return nullptr;
+  std::memcpy(p, s.data(), s.size());
+  p[s.size()] = '\0';
+  return p;
+}
+
+int Report(const Status& s, char** errptr) {
+  if (errptr != nullptr) *errptr = s.ok() ? nullptr : CopyString(s.message());
+  return static_cast<int>(s.code());
+}
+
+int Invalid(const std::string& msg, char** errptr) {
+  return Report(ctxcache::InvalidArgumentError(msg), errptr);
+}
+
+std::string Str(const char* s) { return s == nullptr ? std::string() : std::string(s); }
+
+void ToLayout(const ctxcache_kv_layout_t& in, cc::KVLayout* out) {
+  out->k = in.k;
+  out->v = in.v;
+  out->k_capacity = in.k_capacity;
+  out->v_capacity = in.v_capacity;
+  out->layer_stride = in.layer_stride;
+  out->head_stride = in.head_stride;
+  out->token_stride = in.token_stride;
+  out->dtype = static_cast<ctxcache::v1::DType>(in.dtype);
+}
+
+void ToProgress(const cc::KVLoadProgress& p, ctxcache_load_progress_t* out) {
+  out->bytes_done = p.bytes_done;
+  out->bytes_total = p.bytes_total;
+  out->layers_done = p.layers_done;
+  out->layers_total = p.layers_total;
+  out->frames = p.frames;
+  out->seconds = p.seconds;
+}
+
+size_t ElementSize(ctxcache::v1::DType d) { return d == ctxcache::v1::DTYPE_F32 ? 4 : 2; }
+
+}  // namespace
+
+extern "C" {
+
+int ctxcache_abi_version(void) { return CTXCACHE_ABI_VERSION; }
+
+void ctxcache_free(void* ptr) { std::free(ptr); }
+
+ctxcache_options_t* ctxcache_options_create(void) { return new ctxcache_options_t; }
+void ctxcache_options_destroy(ctxcache_options_t* o) { delete o; }
+void ctxcache_options_set_server(ctxcache_options_t* o, const char* server) {
+  o->options.server = Str(server);
+}
+void ctxcache_options_set_api_key(ctxcache_options_t* o, const char* key) {
+  o->options.api_key = Str(key);
+}
+void ctxcache_options_set_tls(ctxcache_options_t* o, const char* ca_path, const char* cert_path,
+                              const char* key_path, const char* server_name) {
+  o->options.tls_ca = Str(ca_path);
+  o->options.tls_cert = Str(cert_path);
+  o->options.tls_key = Str(key_path);
+  o->options.tls_server_name = Str(server_name);
+}
+void ctxcache_options_set_timeout(ctxcache_options_t* o, double seconds) {
+  o->options.timeout_s = seconds;
+}
+void ctxcache_options_set_max_attempts(ctxcache_options_t* o, int attempts) {
+  o->options.max_attempts = attempts;
+}
+void ctxcache_options_set_cluster_replicas(ctxcache_options_t* o, uint32_t r) {
+  o->options.cluster_replicas = r;
+}
+
+int ctxcache_connect(const ctxcache_options_t* o, ctxcache_client_t** out, char** errptr) {
+  if (o == nullptr || out == nullptr) return Invalid("options and out must not be NULL", errptr);
+  *out = nullptr;
+  auto c = cc::Client::Connect(o->options);
+  if (!c.ok()) return Report(c.status(), errptr);
+  *out = new ctxcache_client_t{std::move(*c)};
+  return Report(Status::OK(), errptr);
+}
+
+void ctxcache_client_destroy(ctxcache_client_t* c) { delete c; }
+
+int ctxcache_get_context(ctxcache_client_t* c, const char* context_id, ctxcache_context_t* out,
+                         char** proto, size_t* proto_len, char** errptr) {
+  if (c == nullptr || context_id == nullptr || out == nullptr) {
+    return Invalid("client, context_id and out must not be NULL", errptr);
+  }
+  auto info = c->client->GetContext(context_id);
+  if (!info.ok()) return Report(info.status(), errptr);
+  const auto& m = info->model();
+  out->n_tokens = info->n_tokens();
+  out->n_layers = m.n_layers();
+  out->n_q_heads = m.n_q_heads();
+  out->n_kv_heads = m.n_kv_heads();
+  out->head_dim = m.head_dim();
+  out->block_tokens = info->block_tokens() ? info->block_tokens() : 16;
+  out->kv_dtype = static_cast<int32_t>(m.kv_dtype());
+  out->state = static_cast<int32_t>(info->state());
+  if (proto != nullptr) {
+    const std::string bytes = info->SerializeAsString();
+    *proto = CopyString(bytes);
+    if (proto_len != nullptr) *proto_len = bytes.size();
+  }
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_build_tokens(ctxcache_client_t* c, const char* model, const uint32_t* tokens,
+                          size_t n_tokens, char** context_id, char** errptr) {
+  if (c == nullptr || context_id == nullptr || (n_tokens > 0 && tokens == nullptr)) {
+    return Invalid("client, tokens and context_id must not be NULL", errptr);
+  }
+  *context_id = nullptr;
+  ctxcache::v1::BuildContextRequest req;
+  req.set_model(Str(model));
+  req.mutable_tokens()->mutable_ids()->Add(tokens, tokens + n_tokens);
+  auto built = c->client->Build(req, nullptr);
+  if (!built.ok()) return Report(built.status(), errptr);
+  *context_id = CopyString(built->context().context_id());
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_load_kv_start(ctxcache_client_t* c, const char* context_id, const uint32_t* layers,
+                           size_t n_layers, int streams, uint32_t frame_bytes,
+                           const ctxcache_kv_layout_t* layout, ctxcache_load_t** out,
+                           char** errptr) {
+  if (c == nullptr || context_id == nullptr || layout == nullptr || out == nullptr) {
+    return Invalid("client, context_id, layout and out must not be NULL", errptr);
+  }
+  if (n_layers > 0 && layers == nullptr) return Invalid("layers: NULL with n_layers > 0", errptr);
+  *out = nullptr;
+  cc::KVLoadOptions options;
+  if (n_layers > 0) options.layers.assign(layers, layers + n_layers);
+  if (streams != 0) options.streams = streams;
+  if (frame_bytes != 0) options.frame_bytes = frame_bytes;
+  cc::KVLayout l;
+  ToLayout(*layout, &l);
+  auto load = c->client->StartLoadKV(context_id, options, l);
+  if (!load.ok()) return Report(load.status(), errptr);
+  *out = new ctxcache_load_t{std::move(*load)};
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_load_wait_layer(ctxcache_load_t* l, uint32_t layer, char** errptr) {
+  return Report(l->load->WaitLayer(layer), errptr);
+}
+int ctxcache_load_prioritize(ctxcache_load_t* l, uint32_t layer, char** errptr) {
+  return Report(l->load->Prioritize(layer), errptr);
+}
+int ctxcache_load_wait(ctxcache_load_t* l, char** errptr) {
+  return Report(l->load->Wait(), errptr);
+}
+void ctxcache_load_cancel(ctxcache_load_t* l) { l->load->Cancel(); }
+int ctxcache_load_done(const ctxcache_load_t* l) { return l->load->done() ? 1 : 0; }
+void ctxcache_load_progress(const ctxcache_load_t* l, ctxcache_load_progress_t* out) {
+  ToProgress(l->load->progress(), out);
+}
+void ctxcache_load_destroy(ctxcache_load_t* l) { delete l; }
+
+int ctxcache_load_kv(ctxcache_client_t* c, const char* context_id, const uint32_t* layers,
+                     size_t n_layers, int streams, uint32_t frame_bytes,
+                     const ctxcache_kv_layout_t* layout, ctxcache_load_progress_t* progress,
+                     char** errptr) {
+  ctxcache_load_t* load = nullptr;
+  int code = ctxcache_load_kv_start(c, context_id, layers, n_layers, streams, frame_bytes, layout,
+                                    &load, errptr);
+  if (code != 0) return code;
+  code = ctxcache_load_wait(load, errptr);
+  if (progress != nullptr) ctxcache_load_progress(load, progress);
+  ctxcache_load_destroy(load);
+  return code;
+}
+
+int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id, uint32_t layer,
+                         uint32_t kv_head, const uint32_t* blocks, size_t n_blocks, void* out,
+                         size_t out_capacity, char** errptr) {
+  if (c == nullptr || context_id == nullptr || (n_blocks > 0 && (blocks == nullptr || out == nullptr))) {
+    return Invalid("client, context_id, blocks and out must not be NULL", errptr);
+  }
+  auto info = c->client->GetContext(context_id);
+  if (!info.ok()) return Report(info.status(), errptr);
+  const uint32_t b = info->block_tokens() ? info->block_tokens() : 16;
+  const size_t page_bytes = 2 * size_t{b} * info->model().head_dim() *
+                            ElementSize(info->model().kv_dtype());
+  if (out_capacity / page_bytes < n_blocks) {
+    return Invalid("out_capacity: " + std::to_string(out_capacity) + " bytes, expected >= " +
+                       std::to_string(n_blocks) + " pages x " + std::to_string(page_bytes) +
+                       " bytes",
+                   errptr);
+  }
+  ctxcache::v1::FetchPagesRequest req;
+  req.set_context_id(context_id);
+  auto* t = req.add_tables();
+  t->set_layer(layer);
+  t->set_kv_head(kv_head);
+  for (size_t i = 0; i < n_blocks; ++i) t->add_blocks(blocks[i]);
+  std::vector<ctxcache::v1::Page> pages;
+  Status s = c->client->FetchPages(req, &pages);
+  if (!s.ok()) return Report(s, errptr);
+  if (pages.size() != n_blocks) {
+    return Report(ctxcache::DataLossError("FetchPages: got " + std::to_string(pages.size()) +
+                                          " pages for " + std::to_string(n_blocks) + " blocks"),
+                  errptr);
+  }
+  for (size_t i = 0; i < n_blocks; ++i) {
+    const auto& p = pages[i];
+    if (p.block() != blocks[i] || p.k().size() + p.v().size() > page_bytes) {
+      return Report(ctxcache::DataLossError("FetchPages: page " + std::to_string(i) +
+                                            " is not block " + std::to_string(blocks[i])),
+                    errptr);
+    }
+  }
+  for (size_t i = 0; i < n_blocks; ++i) {
+    char* dst = static_cast<char*>(out) + i * page_bytes;
+    std::memcpy(dst, pages[i].k().data(), pages[i].k().size());
+    std::memcpy(dst + pages[i].k().size(), pages[i].v().data(), pages[i].v().size());
+  }
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_fetch_index(ctxcache_client_t* c, const char* context_id, const char* method,
+                         ctxcache_index_t** out, char** errptr) {
+  if (c == nullptr || context_id == nullptr || method == nullptr || out == nullptr) {
+    return Invalid("client, context_id, method and out must not be NULL", errptr);
+  }
+  *out = nullptr;
+  auto index = c->client->FetchIndex(context_id, method);
+  if (!index.ok()) return Report(index.status(), errptr);
+  *out = new ctxcache_index_t{std::move(*index)};
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer, uint32_t kv_head,
+                       const char** data, size_t* len) {
+  auto it = idx->artifacts.find({layer, kv_head});
+  if (it == idx->artifacts.end()) return static_cast<int>(StatusCode::kNotFound);
+  *data = it->second.data();
+  *len = it->second.size();
+  return 0;
+}
+
+void ctxcache_index_destroy(ctxcache_index_t* idx) { delete idx; }
+
+}  // extern "C"

@@ -1,0 +1,181 @@
+/* ctxcache C API: a C ABI over the C++ SDK (ctxcache/client.h), in the
+ * manner of leveldb/c.h and rocksdb/c.h, for Python (ctypes) and any other
+ * language. Library: libctxcache_c.so (exports only the ctxcache_* symbols
+ * below; its gRPC, protobuf and abseil are hidden inside).
+ *
+ * Errors: every call that can fail returns a status code, 0 = OK, else a
+ * gRPC canonical code (3 INVALID_ARGUMENT, 5 NOT_FOUND, 9
+ * FAILED_PRECONDITION, 14 UNAVAILABLE, 15 DATA_LOSS, ...). When errptr is
+ * not NULL, a failure stores a message in *errptr (malloc'd; free it with
+ * ctxcache_free) and success stores NULL.
+ *
+ * Memory: buffers passed in (KV layouts) stay owned by the caller, who
+ * keeps them valid for as long as a load may write them (until it is done
+ * or destroyed). Objects made by *_create / *_connect / *_start are freed by
+ * the matching *_destroy.
+ *
+ * Threads: a client is safe for concurrent use; a load is too. Calls that
+ * move data block the calling thread only (ctypes releases the GIL around
+ * every call).
+ */
+#ifndef CTXCACHE_C_H_
+#define CTXCACHE_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CTXCACHE_EXPORT __attribute__((visibility("default")))
+
+typedef struct ctxcache_options_t ctxcache_options_t;
+typedef struct ctxcache_client_t ctxcache_client_t;
+typedef struct ctxcache_load_t ctxcache_load_t;
+typedef struct ctxcache_index_t ctxcache_index_t;
+
+/* Element types (ctxcache.v1.DType). */
+enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
+
+/* The ABI version this header describes; ctxcache_abi_version() returns the
+ * library's. They must be equal. */
+#define CTXCACHE_ABI_VERSION 1
+CTXCACHE_EXPORT int ctxcache_abi_version(void);
+
+CTXCACHE_EXPORT void ctxcache_free(void* ptr);
+
+/* ---- connect ---------------------------------------------------------- */
+
+/* Options of ctxcache/client.h ClientOptions; the defaults are its. */
+CTXCACHE_EXPORT ctxcache_options_t* ctxcache_options_create(void);
+CTXCACHE_EXPORT void ctxcache_options_destroy(ctxcache_options_t* o);
+/* HOST:PORT, or etcd://host:port[,...]/<cluster>. Default 127.0.0.1:7700. */
+CTXCACHE_EXPORT void ctxcache_options_set_server(ctxcache_options_t* o, const char* server);
+CTXCACHE_EXPORT void ctxcache_options_set_api_key(ctxcache_options_t* o, const char* key);
+/* PEM file paths; a CA makes the connection TLS, cert + key make it mTLS. */
+CTXCACHE_EXPORT void ctxcache_options_set_tls(ctxcache_options_t* o, const char* ca_path,
+                                              const char* cert_path, const char* key_path,
+                                              const char* server_name);
+/* Deadline of each call attempt (and of each layer of a KV load), seconds. */
+CTXCACHE_EXPORT void ctxcache_options_set_timeout(ctxcache_options_t* o, double seconds);
+CTXCACHE_EXPORT void ctxcache_options_set_max_attempts(ctxcache_options_t* o, int attempts);
+/* With an etcd:// server: the cluster's replica count. */
+CTXCACHE_EXPORT void ctxcache_options_set_cluster_replicas(ctxcache_options_t* o, uint32_t r);
+
+/* Connects lazily: bad options fail here, an unreachable server on the
+ * first call (UNAVAILABLE). */
+CTXCACHE_EXPORT int ctxcache_connect(const ctxcache_options_t* o, ctxcache_client_t** out,
+                                     char** errptr);
+CTXCACHE_EXPORT void ctxcache_client_destroy(ctxcache_client_t* c);
+
+/* ---- contexts ----------------------------------------------------------- */
+
+typedef struct {
+  uint64_t n_tokens;
+  uint32_t n_layers;
+  uint32_t n_q_heads;
+  uint32_t n_kv_heads;
+  uint32_t head_dim;
+  uint32_t block_tokens;
+  int32_t kv_dtype; /* CTXCACHE_BF16, ... */
+  int32_t state;    /* ctxcache.v1.ContextState: 2 = READY */
+} ctxcache_context_t;
+
+/* The context's shape; *proto / *proto_len (optional, may be NULL) get its
+ * serialized ctxcache.v1.ContextInfo (free *proto with ctxcache_free). */
+CTXCACHE_EXPORT int ctxcache_get_context(ctxcache_client_t* c, const char* context_id,
+                                         ctxcache_context_t* out, char** proto,
+                                         size_t* proto_len, char** errptr);
+
+/* Builds (or finds, when it exists) the context of tokens[0..n_tokens) on
+ * `model` ("" = the server's default) with the server's default indexes;
+ * *context_id gets its id (32 hex characters + NUL, malloc'd). */
+CTXCACHE_EXPORT int ctxcache_build_tokens(ctxcache_client_t* c, const char* model,
+                                          const uint32_t* tokens, size_t n_tokens,
+                                          char** context_id, char** errptr);
+
+/* ---- bulk KV load ------------------------------------------------------- */
+
+/* Caller memory to fill (ctxcache/client.h KVLayout): element (layer slot i,
+ * kv head h, token t, dim j) of K is at byte offset i * layer_stride +
+ * h * head_stride + t * token_stride + j * element size from k; V likewise
+ * from v. Strides of 0 = dense [slots][n_kv_heads][n_tokens][head_dim]. */
+typedef struct {
+  void* k;
+  void* v;
+  size_t k_capacity; /* bytes */
+  size_t v_capacity; /* bytes */
+  int64_t layer_stride;
+  int64_t head_stride;
+  int64_t token_stride;
+  int32_t dtype; /* must equal the context's kv dtype */
+} ctxcache_kv_layout_t;
+
+typedef struct {
+  uint64_t bytes_done;
+  uint64_t bytes_total;
+  uint32_t layers_done;
+  uint32_t layers_total;
+  uint64_t frames;
+  double seconds;
+} ctxcache_load_progress_t;
+
+/* Starts loading layers[0..n_layers) (n_layers 0 = all) in the background
+ * over `streams` connections (0 = 4) in frames of frame_bytes (0 = 4 MiB).
+ * A bad layout or too-small buffer fails here with INVALID_ARGUMENT naming
+ * the field, and nothing is written. */
+CTXCACHE_EXPORT int ctxcache_load_kv_start(ctxcache_client_t* c, const char* context_id,
+                                           const uint32_t* layers, size_t n_layers, int streams,
+                                           uint32_t frame_bytes,
+                                           const ctxcache_kv_layout_t* layout,
+                                           ctxcache_load_t** out, char** errptr);
+/* Blocks until `layer` (a context layer number) is in the buffers; takes it
+ * next if it was still queued. */
+CTXCACHE_EXPORT int ctxcache_load_wait_layer(ctxcache_load_t* l, uint32_t layer, char** errptr);
+/* Moves `layer` to the front of the queue. */
+CTXCACHE_EXPORT int ctxcache_load_prioritize(ctxcache_load_t* l, uint32_t layer, char** errptr);
+/* Blocks until every layer is in, or the first failure (e.g. DATA_LOSS). */
+CTXCACHE_EXPORT int ctxcache_load_wait(ctxcache_load_t* l, char** errptr);
+CTXCACHE_EXPORT void ctxcache_load_cancel(ctxcache_load_t* l);
+CTXCACHE_EXPORT int ctxcache_load_done(const ctxcache_load_t* l);
+CTXCACHE_EXPORT void ctxcache_load_progress(const ctxcache_load_t* l,
+                                            ctxcache_load_progress_t* out);
+/* Cancels what is left and waits for the streams to stop. */
+CTXCACHE_EXPORT void ctxcache_load_destroy(ctxcache_load_t* l);
+
+/* start + wait + destroy; *progress (may be NULL) gets the final counts. */
+CTXCACHE_EXPORT int ctxcache_load_kv(ctxcache_client_t* c, const char* context_id,
+                                     const uint32_t* layers, size_t n_layers, int streams,
+                                     uint32_t frame_bytes, const ctxcache_kv_layout_t* layout,
+                                     ctxcache_load_progress_t* progress, char** errptr);
+
+/* ---- pages and index ---------------------------------------------------- */
+
+/* Pages blocks[0..n_blocks) (a page table: strictly increasing) of
+ * (layer, kv_head), crc32c-checked, into out: page i at out + i *
+ * page_bytes, its raw payload (K rows then V rows, [tokens][head_dim] each,
+ * the kv dtype), page_bytes = 2 * block_tokens * head_dim * element size
+ * (a short last page leaves the rest of its slot untouched). out_capacity
+ * must be >= n_blocks * page_bytes. */
+CTXCACHE_EXPORT int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id,
+                                         uint32_t layer, uint32_t kv_head,
+                                         const uint32_t* blocks, size_t n_blocks, void* out,
+                                         size_t out_capacity, char** errptr);
+
+/* A method's serialized index artifacts (docs/storage-format.md), every
+ * (layer, kv head), crc32c-checked. */
+CTXCACHE_EXPORT int ctxcache_fetch_index(ctxcache_client_t* c, const char* context_id,
+                                         const char* method, ctxcache_index_t** out,
+                                         char** errptr);
+/* The artifact of (layer, kv_head): *data stays valid until the index is
+ * destroyed. NOT_FOUND (5) when there is none. */
+CTXCACHE_EXPORT int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer,
+                                       uint32_t kv_head, const char** data, size_t* len);
+CTXCACHE_EXPORT void ctxcache_index_destroy(ctxcache_index_t* idx);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* CTXCACHE_C_H_ */

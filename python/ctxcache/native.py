@@ -1,0 +1,381 @@
+"""The native client library (``libctxcache_c.so``, C ABI
+``client/include/ctxcache/c.h``) through ctypes: the bulk data path.
+
+The library is the C++ SDK; this module only converts arguments. It moves a
+stored context's K and V straight into caller memory (numpy arrays, torch
+CPU tensors, pinned or not) in large frames over several connections, with
+every page's crc32c checked natively and the GIL released (ctypes releases it
+around every foreign call).
+
+>>> nc = NativeClient("127.0.0.1:7700")
+>>> shape = nc.context(context_id)
+>>> k = torch.empty(shape.kv_shape(), dtype=torch.bfloat16).pin_memory()
+>>> v = torch.empty_like(k)
+>>> load = nc.start_load_kv(context_id, k, v)   # background
+>>> load.wait_layer(0)                           # layer 0 first, then the rest
+>>> load.wait()
+
+The library is found at ``$CTXCACHE_NATIVE_LIB``, else next to
+``$CTXCACHE_BIN_DIR`` (``../lib/libctxcache_c.so``: the server bundle's and
+the build tree's layout), else in ``<repo>/build/lib``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from ctxcache import errors
+
+__all__ = ["NativeClient", "KVLoad", "ContextShape", "library_path", "load_library"]
+
+ABI_VERSION = 1
+_DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {1: 4, 2: 2, 3: 2}
+
+
+class _Layout(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("k_capacity", ctypes.c_size_t), ("v_capacity", ctypes.c_size_t),
+                ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
+                ("token_stride", ctypes.c_int64), ("dtype", ctypes.c_int32)]
+
+
+class _Context(ctypes.Structure):
+    _fields_ = [("n_tokens", ctypes.c_uint64), ("n_layers", ctypes.c_uint32),
+                ("n_q_heads", ctypes.c_uint32), ("n_kv_heads", ctypes.c_uint32),
+                ("head_dim", ctypes.c_uint32), ("block_tokens", ctypes.c_uint32),
+                ("kv_dtype", ctypes.c_int32), ("state", ctypes.c_int32)]
+
+
+class _Progress(ctypes.Structure):
+    _fields_ = [("bytes_done", ctypes.c_uint64), ("bytes_total", ctypes.c_uint64),
+                ("layers_done", ctypes.c_uint32), ("layers_total", ctypes.c_uint32),
+                ("frames", ctypes.c_uint64), ("seconds", ctypes.c_double)]
+
+
+class ContextShape(NamedTuple):
+    """What a bulk load needs to know about a stored context."""
+    n_tokens: int
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    kv_dtype: str  # "bf16", "f16" or "f32"
+    state: int     # ctxcache.v1.ContextState (2 = READY)
+
+    def kv_shape(self, n_layers: Optional[int] = None) -> Tuple[int, int, int, int]:
+        """The dense K (or V) shape of ``n_layers`` layers (default all)."""
+        return (self.n_layers if n_layers is None else n_layers, self.n_kv_heads, self.n_tokens,
+                self.head_dim)
+
+
+def library_path() -> str:
+    """Where the library is looked for (see the module's docstring)."""
+    env = os.environ.get("CTXCACHE_NATIVE_LIB")
+    if env:
+        return env
+    candidates = []
+    bin_dir = os.environ.get("CTXCACHE_BIN_DIR")
+    if bin_dir:
+        candidates.append(os.path.join(bin_dir, "..", "lib", "libctxcache_c.so"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates.append(os.path.join(here, "..", "..", "build", "lib", "libctxcache_c.so"))
+    for c in candidates:
+        if os.path.exists(c):
+            return os.path.abspath(c)
+    raise FileNotFoundError(
+        "libctxcache_c.so not found: set CTXCACHE_NATIVE_LIB, or CTXCACHE_BIN_DIR to a build's or "
+        "server bundle's bin/ (tried " + ", ".join(os.path.abspath(c) for c in candidates) + ")")
+
+
+_lib: Optional[ctypes.CDLL] = None
+_lib_lock = threading.Lock()
+
+
+def load_library(path: Optional[str] = None) -> ctypes.CDLL:
+    """Loads (once) and returns the library, checking its ABI version."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        lib = ctypes.CDLL(path or library_path())
+        P, S, U32, I, E = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_int,
+                           ctypes.POINTER(ctypes.c_void_p))
+        sig = {
+            "ctxcache_abi_version": (I, []),
+            "ctxcache_free": (None, [P]),
+            "ctxcache_options_create": (P, []),
+            "ctxcache_options_destroy": (None, [P]),
+            "ctxcache_options_set_server": (None, [P, S]),
+            "ctxcache_options_set_api_key": (None, [P, S]),
+            "ctxcache_options_set_tls": (None, [P, S, S, S, S]),
+            "ctxcache_options_set_timeout": (None, [P, ctypes.c_double]),
+            "ctxcache_options_set_max_attempts": (None, [P, I]),
+            "ctxcache_connect": (I, [P, ctypes.POINTER(P), E]),
+            "ctxcache_client_destroy": (None, [P]),
+            "ctxcache_get_context": (I, [P, S, ctypes.POINTER(_Context), E,
+                                         ctypes.POINTER(ctypes.c_size_t), E]),
+            "ctxcache_build_tokens": (I, [P, S, ctypes.POINTER(U32), ctypes.c_size_t, E, E]),
+            "ctxcache_load_kv_start": (I, [P, S, ctypes.POINTER(U32), ctypes.c_size_t, I, U32,
+                                           ctypes.POINTER(_Layout), ctypes.POINTER(P), E]),
+            "ctxcache_load_wait_layer": (I, [P, U32, E]),
+            "ctxcache_load_prioritize": (I, [P, U32, E]),
+            "ctxcache_load_wait": (I, [P, E]),
+            "ctxcache_load_cancel": (None, [P]),
+            "ctxcache_load_done": (I, [P]),
+            "ctxcache_load_progress": (None, [P, ctypes.POINTER(_Progress)]),
+            "ctxcache_load_destroy": (None, [P]),
+            "ctxcache_fetch_pages": (I, [P, S, U32, U32, ctypes.POINTER(U32), ctypes.c_size_t, P,
+                                         ctypes.c_size_t, E]),
+            "ctxcache_fetch_index": (I, [P, S, S, ctypes.POINTER(P), E]),
+            "ctxcache_index_get": (I, [P, U32, U32, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.POINTER(ctypes.c_size_t)]),
+            "ctxcache_index_destroy": (None, [P]),
+        }
+        for name, (res, args) in sig.items():
+            f = getattr(lib, name)
+            f.restype = res
+            f.argtypes = args
+        if lib.ctxcache_abi_version() != ABI_VERSION:
+            raise ImportError(f"libctxcache_c ABI {lib.ctxcache_abi_version()}, this module "
+                              f"needs {ABI_VERSION}")
+        _lib = lib
+        return lib
+
+
+def _call(rpc: str, fn: Any, *args: Any) -> None:
+    """Calls a C function whose last argument is errptr; raises on failure."""
+    err = ctypes.c_void_p()
+    code = fn(*args, ctypes.byref(err))
+    if code != 0:
+        msg = ""
+        if err.value:
+            msg = ctypes.string_at(err.value).decode("utf-8", "replace")
+            _lib.ctxcache_free(err)  # type: ignore[union-attr]
+        raise errors.error_for_code(code, msg, rpc)
+
+
+def _b(s: Optional[str]) -> Optional[bytes]:
+    return None if s is None else s.encode()
+
+
+def _u32_array(values: Sequence[int]) -> Any:
+    return (ctypes.c_uint32 * len(values))(*[int(x) for x in values])
+
+
+def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int, int, List[int]]:
+    """(address, capacity bytes, byte strides) of a 4-D CPU array/tensor with
+    the expected shape and dtype; InvalidArgument naming ``name`` otherwise."""
+    if hasattr(a, "data_ptr"):  # torch
+        if a.device.type != "cpu":
+            raise errors.InvalidArgument(f"{name}: a {a.device} tensor; expected CPU memory "
+                                         "(pinned for fast copies to the GPU)")
+        tname = str(a.dtype).replace("torch.", "")
+        got = {"bfloat16": 3, "float16": 2, "float32": 1}.get(tname)
+        if got != dtype:
+            raise errors.InvalidArgument(f"{name}: dtype {tname}, expected the context's "
+                                         f"{_DTYPE_NAMES[dtype]}")
+        shape, item = tuple(a.shape), a.element_size()
+        strides = [int(s) * item for s in a.stride()]
+        addr = int(a.data_ptr())
+    else:  # numpy (bf16 as uint16 / int16)
+        import numpy as np
+        arr = a
+        if not isinstance(arr, np.ndarray):
+            raise errors.InvalidArgument(f"{name}: a {type(a).__name__}; expected a numpy array "
+                                         "or a torch CPU tensor")
+        ok = {1: (np.float32,), 2: (np.float16,), 3: (np.uint16, np.int16)}[dtype]
+        if arr.dtype.type not in ok:
+            raise errors.InvalidArgument(f"{name}: dtype {arr.dtype}, expected "
+                                         f"{_DTYPE_NAMES[dtype]} ({'/'.join(t.__name__ for t in ok)})")
+        if not arr.flags.writeable:
+            raise errors.InvalidArgument(f"{name}: read-only array")
+        shape, item = tuple(arr.shape), arr.itemsize
+        strides = [int(s) for s in arr.strides]
+        addr = int(arr.ctypes.data)
+    if shape != tuple(expected):
+        raise errors.InvalidArgument(f"{name}: shape {list(shape)}, expected {list(expected)} "
+                                     "(layers, kv heads, tokens, head_dim)")
+    if strides[3] != item or any(s < 0 for s in strides):
+        raise errors.InvalidArgument(f"{name}: strides {strides} bytes; the last dimension must "
+                                     "be contiguous and no stride negative")
+    extent = sum((n - 1) * s for n, s in zip(shape, strides)) + item if all(shape) else 0
+    return addr, extent, strides
+
+
+class KVLoad:
+    """A bulk load running in the background (:meth:`NativeClient.start_load_kv`).
+
+    Layers arrive in the order asked, except that one that :meth:`wait_layer`
+    or :meth:`prioritize` names is taken next. Keeps the destination arrays
+    alive until it is closed; closing (or garbage collection) cancels what is
+    left and waits for the library to stop writing.
+    """
+
+    def __init__(self, handle: int, keep: Tuple[Any, ...]) -> None:
+        self._h = ctypes.c_void_p(handle)
+        self._keep = keep
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until ``layer`` (a context layer number) is in the buffers."""
+        _call("LoadKV", _lib.ctxcache_load_wait_layer, self._h, int(layer))  # type: ignore
+
+    def prioritize(self, layer: int) -> None:
+        _call("LoadKV", _lib.ctxcache_load_prioritize, self._h, int(layer))  # type: ignore
+
+    def wait(self) -> Dict[str, Any]:
+        """Blocks until every layer is in; returns :meth:`progress`."""
+        _call("LoadKV", _lib.ctxcache_load_wait, self._h)  # type: ignore[union-attr]
+        return self.progress()
+
+    def cancel(self) -> None:
+        _lib.ctxcache_load_cancel(self._h)  # type: ignore[union-attr]
+
+    @property
+    def done(self) -> bool:
+        return bool(_lib.ctxcache_load_done(self._h))  # type: ignore[union-attr]
+
+    def progress(self) -> Dict[str, Any]:
+        """bytes_done, bytes_total, layers_done, layers_total, frames, seconds, gb_per_s."""
+        p = _Progress()
+        _lib.ctxcache_load_progress(self._h, ctypes.byref(p))  # type: ignore[union-attr]
+        out = {f: getattr(p, f) for f, _ in _Progress._fields_}
+        out["gb_per_s"] = p.bytes_done / p.seconds / 1e9 if p.seconds > 0 else 0.0
+        return out
+
+    def close(self) -> None:
+        if self._h:
+            _lib.ctxcache_load_destroy(self._h)  # type: ignore[union-attr]
+            self._h = ctypes.c_void_p()
+            self._keep = ()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "KVLoad":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class NativeClient:
+    """A connection to ctxcached through the native library.
+
+    Args: as :class:`ctxcache.Client` (``address`` may be ``etcd://...``):
+    ``api_key`` defaults to ``$CTXCACHE_API_KEY``.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:7700", *, timeout: float = 30.0,
+                 max_attempts: int = 5, tls_ca: Optional[str] = None,
+                 tls_cert: Optional[str] = None, tls_key: Optional[str] = None,
+                 tls_server_name: Optional[str] = None, api_key: Optional[str] = None,
+                 library: Optional[str] = None) -> None:
+        lib = load_library(library)
+        o = lib.ctxcache_options_create()
+        try:
+            lib.ctxcache_options_set_server(o, address.encode())
+            key = api_key if api_key is not None else os.environ.get("CTXCACHE_API_KEY", "")
+            lib.ctxcache_options_set_api_key(o, key.encode())
+            lib.ctxcache_options_set_tls(o, _b(tls_ca), _b(tls_cert), _b(tls_key),
+                                         _b(tls_server_name))
+            lib.ctxcache_options_set_timeout(o, float(timeout))
+            lib.ctxcache_options_set_max_attempts(o, int(max_attempts))
+            h = ctypes.c_void_p()
+            _call("Connect", lib.ctxcache_connect, o, ctypes.byref(h))
+        finally:
+            lib.ctxcache_options_destroy(o)
+        self._h = h
+        self.address = address
+
+    def close(self) -> None:
+        if self._h:
+            _lib.ctxcache_client_destroy(self._h)  # type: ignore[union-attr]
+            self._h = ctypes.c_void_p()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "NativeClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def context(self, context_id: str) -> ContextShape:
+        c = _Context()
+        _call("GetContext", _lib.ctxcache_get_context, self._h,  # type: ignore[union-attr]
+              context_id.encode(), ctypes.byref(c), None, None)
+        return ContextShape(c.n_tokens, c.n_layers, c.n_q_heads, c.n_kv_heads, c.head_dim,
+                            c.block_tokens, _DTYPE_NAMES.get(c.kv_dtype, str(c.kv_dtype)), c.state)
+
+    def build_tokens(self, tokens: Sequence[int], model: str = "") -> str:
+        """Builds (or finds) the context of ``tokens`` with the server's default
+        indexes; returns its id."""
+        arr = _u32_array(tokens)
+        out = ctypes.c_void_p()
+        _call("BuildContext", _lib.ctxcache_build_tokens, self._h,  # type: ignore[union-attr]
+              model.encode(), arr, len(tokens), ctypes.byref(out))
+        try:
+            return ctypes.string_at(out.value).decode()
+        finally:
+            _lib.ctxcache_free(out)  # type: ignore[union-attr]
+
+    def start_load_kv(self, context_id: str, k: Any, v: Any,
+                      layers: Optional[Sequence[int]] = None, streams: int = 4,
+                      frame_bytes: int = 0, shape: Optional[ContextShape] = None) -> KVLoad:
+        """Starts loading the K and V of ``layers`` (default all, in order) into
+        ``k`` and ``v``: CPU arrays or tensors indexed (layer slot, kv head,
+        token, dim), any strides with a contiguous last dimension (so a
+        ``permute``d view of another layout works), of the context's kv dtype
+        (bf16: torch.bfloat16, or numpy uint16). Bad buffers raise
+        :class:`ctxcache.InvalidArgument` and nothing is written."""
+        shape = shape or self.context(context_id)
+        dtype = _DTYPES[shape.kv_dtype]
+        n = shape.n_layers if not layers else len(layers)
+        expected = shape.kv_shape(n)
+        k_addr, k_cap, k_str = _view(k, "k", expected, dtype)
+        v_addr, v_cap, v_str = _view(v, "v", expected, dtype)
+        if k_str != v_str:
+            raise errors.InvalidArgument(f"v: strides {v_str} differ from k's {k_str}")
+        layout = _Layout(k_addr, v_addr, k_cap, v_cap, k_str[0], k_str[1], k_str[2], dtype)
+        arr = _u32_array(list(layers or []))
+        h = ctypes.c_void_p()
+        _call("LoadKV", _lib.ctxcache_load_kv_start, self._h,  # type: ignore[union-attr]
+              context_id.encode(), arr, len(layers or []), int(streams), int(frame_bytes),
+              ctypes.byref(layout), ctypes.byref(h))
+        return KVLoad(h.value or 0, (k, v))
+
+    def load_kv(self, context_id: str, k: Any, v: Any, layers: Optional[Sequence[int]] = None,
+                streams: int = 4, frame_bytes: int = 0) -> Dict[str, Any]:
+        """:meth:`start_load_kv`, then wait; returns the load's progress."""
+        with self.start_load_kv(context_id, k, v, layers, streams, frame_bytes) as load:
+            return load.wait()
+
+    def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
+        """A method's serialized artifacts by (layer, kv head), crc32c-checked."""
+        shape = self.context(context_id)
+        h = ctypes.c_void_p()
+        _call("FetchIndex", _lib.ctxcache_fetch_index, self._h,  # type: ignore[union-attr]
+              context_id.encode(), method.encode(), ctypes.byref(h))
+        out: Dict[Tuple[int, int], bytes] = {}
+        try:
+            data, size = ctypes.c_void_p(), ctypes.c_size_t()
+            for layer in range(shape.n_layers):
+                for head in range(shape.n_kv_heads):
+                    if _lib.ctxcache_index_get(h, layer, head, ctypes.byref(data),  # type: ignore
+                                               ctypes.byref(size)) == 0:
+                        out[(layer, head)] = ctypes.string_at(data.value, size.value)
+        finally:
+            _lib.ctxcache_index_destroy(h)  # type: ignore[union-attr]
+        return out

@@ -1,0 +1,150 @@
+"""The native client library (python/ctxcache/native.py over libctxcache_c.so)
+against the real ctxcached: bulk loads into numpy arrays and torch tensors
+equal the pages FetchPages serves, in any layout and layer order; bad
+buffers are refused naming the field with nothing written; a corrupted page
+is DataLoss; index fetches equal the gRPC client's."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import ctxcache
+from ctxcache import native
+
+from conftest import random_tokens
+
+
+@pytest.fixture(scope="module")
+def nc(server):
+    with native.NativeClient(server.address, timeout=60) as c:
+        yield c
+
+
+def reference_kv(client, info, layers):
+    """[len(layers), n_kv, n, d] K and V (uint16 bf16 bits) through FetchPages."""
+    m, n = info.model, int(info.n_tokens)
+    n_pages = (n + 15) // 16
+    k = np.zeros((len(layers), m.n_kv_heads, n, m.head_dim), np.uint16)
+    v = np.zeros_like(k)
+    for slot, layer in enumerate(layers):
+        pages = client.fetch_pages(info.context_id,
+                                   [(layer, h, list(range(n_pages))) for h in range(m.n_kv_heads)],
+                                   dtype="raw")
+        for p in pages:
+            t = int(p.n_tokens)
+            k[slot, p.kv_head, p.block * 16:p.block * 16 + t] = p.k.reshape(t, -1)
+            v[slot, p.kv_head, p.block * 16:p.block * 16 + t] = p.v.reshape(t, -1)
+    return k, v
+
+
+def test_shape(nc, built):
+    s = nc.context(built.context_id)
+    assert (s.n_tokens, s.n_layers, s.n_kv_heads, s.head_dim) == (300, 2, 2, 32)
+    assert s.kv_dtype == "bf16" and s.state == 2
+
+
+def test_dense_load_equals_fetch_pages(nc, client, built):
+    s = nc.context(built.context_id)
+    k = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    v = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    got = nc.load_kv(built.context_id, k, v, frame_bytes=2048, streams=2)
+    assert got["layers_done"] == 2 and got["bytes_done"] == got["bytes_total"] == 2 * k.nbytes
+    assert got["frames"] > 4
+    want_k, want_v = reference_kv(client, built, [0, 1])
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+
+
+def test_permuted_view_reversed_layers_and_priority(nc, client, built):
+    # Memory as [token][slot][head][dim]; passed as a (slot, head, token, dim) view.
+    s = nc.context(built.context_id)
+    base_k = np.zeros((s.n_tokens, 2, s.n_kv_heads, s.head_dim), np.uint16)
+    base_v = np.zeros_like(base_k)
+    k, v = base_k.transpose(1, 2, 0, 3), base_v.transpose(1, 2, 0, 3)
+    with nc.start_load_kv(built.context_id, k, v, layers=[1, 0], streams=1) as load:
+        load.wait_layer(0)
+        assert load.progress()["layers_done"] >= 1
+        with pytest.raises(ctxcache.InvalidArgument, match="layer: 5"):
+            load.prioritize(5)
+        load.wait()
+        assert load.done
+    want_k, want_v = reference_kv(client, built, [1, 0])
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+
+
+def test_torch_bf16_tensor(nc, client, built):
+    torch = pytest.importorskip("torch")
+    s = nc.context(built.context_id)
+    k = torch.zeros(s.kv_shape(1), dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    nc.load_kv(built.context_id, k, v, layers=[1])
+    want_k, want_v = reference_kv(client, built, [1])
+    np.testing.assert_array_equal(k.view(torch.int16).numpy().view(np.uint16), want_k)
+    np.testing.assert_array_equal(v.view(torch.int16).numpy().view(np.uint16), want_v)
+    with pytest.raises(ctxcache.InvalidArgument, match="k: dtype float32"):
+        nc.load_kv(built.context_id, k.float(), v.float(), layers=[1])
+
+
+def test_bad_buffers_are_refused_and_nothing_is_written(nc, built):
+    s = nc.context(built.context_id)
+    k = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    v = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    cases = [
+        ("k: shape", k[:, :, :-1], v[:, :, :-1], None),
+        ("k: dtype float32", k.astype(np.float32), v.astype(np.float32), None),
+        ("v: strides", k, np.full(s.kv_shape()[::-1], 1, np.uint16).transpose(3, 2, 1, 0), None),
+        ("k: strides", k[..., ::-1], v[..., ::-1], None),
+        ("options.layers: 2 out of range", k, v, [0, 2]),
+        ("options.layers: 1 given twice", k, v, [1, 1]),
+        ("k: a list", k.tolist(), v, None),
+    ]
+    for what, kk, vv, layers in cases:
+        with pytest.raises(ctxcache.InvalidArgument, match=what.replace("[", r"\[")):
+            nc.load_kv(built.context_id, kk, vv, layers=layers)
+    assert (k == 0xABAB).all() and (v == 0xABAB).all()
+    with pytest.raises(ctxcache.NotFound):
+        nc.load_kv("00112233445566778899aabbccddeeff", k, v)
+    with pytest.raises(ctxcache.InvalidArgument, match="context_id"):
+        nc.context("nope")
+
+
+def test_loads_run_without_the_gil(nc, built):
+    # Another Python thread keeps running while loads block in the library.
+    s = nc.context(built.context_id)
+    ticks, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        k = np.zeros(s.kv_shape(), np.uint16)
+        v = np.zeros_like(k)
+        for _ in range(5):
+            nc.load_kv(built.context_id, k, v, frame_bytes=1024)
+    finally:
+        stop.set()
+        t.join()
+    assert ticks
+
+
+def test_fetch_index_equals_grpc_client(nc, client, built):
+    got = nc.fetch_index(built.context_id, "csa")
+    want = client.fetch_index(built.context_id, methods=["csa"])
+    assert set(got) == {(l, h) for l in range(2) for h in range(2)}
+    assert got == want
+
+
+def test_corrupted_page_is_data_loss(make_server):
+    srv = make_server(["--fault-corrupt-pages-for-testing"])
+    with native.NativeClient(srv.address, max_attempts=1) as c:
+        cid = c.build_tokens(random_tokens(100, 9))
+        s = c.context(cid)
+        k = np.zeros(s.kv_shape(), np.uint16)
+        with pytest.raises(ctxcache.DataLoss, match="crc32c mismatch.*block 0"):
+            c.load_kv(cid, k, k.copy())

@@ -1,0 +1,71 @@
+// KVFrameReader: a context's pages as KVFrames (the FetchKV RPC), read on a
+// background thread ahead of the caller, so storage reads overlap sends.
+//
+// Frames come in (layer in the given order, kv_head, block) order; each holds
+// whole consecutive pages of one (layer, kv_head), about frame_bytes of
+// payload (at least one page). Pages are verified against their crc32c as
+// they are read (storage/context_reader.h); the stored crc travels with the
+// page, so the client checks the same value end to end.
+//
+// Thread-safety: one consumer thread calls Next; the reader owns its
+// producer thread and joins it in the destructor (which also stops it early).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "ctxcache/v1/ctxcache_service.pb.h"
+#include "storage/context_reader.h"
+
+namespace ctxcache::service {
+
+struct KVFrameOptions {
+  // Target payload bytes per frame. Default: 4 MiB.
+  size_t frame_bytes = 4u << 20;
+  // Frames read ahead of the consumer. Default: 4.
+  size_t read_ahead = 4;
+  // Flip one bit of each frame's first page after its crc was taken
+  // (--fault-corrupt-pages-for-testing). Default: false.
+  bool corrupt_for_testing = false;
+  // Called with the stored bytes read for each frame (metrics). May be empty.
+  std::function<void(uint64_t)> on_bytes_read;
+};
+
+class KVFrameReader {
+ public:
+  // `reader` must outlive this object. `layers` are valid layer numbers.
+  KVFrameReader(const storage::ContextReader* reader, std::vector<uint32_t> layers,
+                KVFrameOptions options);
+  ~KVFrameReader();
+  KVFrameReader(const KVFrameReader&) = delete;
+  KVFrameReader& operator=(const KVFrameReader&) = delete;
+
+  // The next frame into *frame; false at the end or after an error
+  // (status() says which).
+  bool Next(v1::KVFrame* frame);
+  // OK, or the first read error (e.g. DATA_LOSS naming the page).
+  Status status() const;
+
+ private:
+  void Produce();
+
+  const storage::ContextReader* reader_;
+  const std::vector<uint32_t> layers_;
+  const KVFrameOptions options_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::KVFrame> queue_;  // guarded by mu_
+  bool done_ = false;              // guarded by mu_: the producer finished
+  bool stop_ = false;              // guarded by mu_: the consumer went away
+  Status status_;                  // guarded by mu_
+  std::thread producer_;
+};
+
+}  // namespace ctxcache::service

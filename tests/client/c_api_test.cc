@@ -1,0 +1,345 @@
+// The C ABI (client/include/ctxcache/c.h) against a real ctxcached on
+// loopback: bulk KV loads into caller buffers equal the pages FetchPages
+// serves, any layout, layer order and priority; bad layouts are refused
+// with INVALID_ARGUMENT naming the field and nothing written; a corrupted
+// page is DATA_LOSS; index and page fetches. Only the C ABI is used: the
+// library carries its own copy of the SDK and the generated messages.
+#include "ctxcache/c.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tests/service/server_process.h"
+
+namespace ctxcache {
+namespace {
+
+using testing::ServerProcess;
+using testing::TempDir;
+
+constexpr int kTokens = 301;  // 19 pages, the last one short
+
+std::vector<std::string> ModelArgs() {
+  return {"--model-dir", testing::SourceDir() + "/tests/data/golden", "--default-model", "llama3",
+          "--max-context-tokens", "65536"};
+}
+
+struct Connected {
+  ctxcache_client_t* c = nullptr;
+  explicit Connected(const std::string& server) {
+    ctxcache_options_t* o = ctxcache_options_create();
+    ctxcache_options_set_server(o, server.c_str());
+    ctxcache_options_set_max_attempts(o, 1);
+    char* err = nullptr;
+    EXPECT_EQ(ctxcache_connect(o, &c, &err), 0) << (err ? err : "");
+    ctxcache_free(err);
+    ctxcache_options_destroy(o);
+  }
+  ~Connected() { ctxcache_client_destroy(c); }
+};
+
+// Error code and message of a C call.
+struct Err {
+  char* msg = nullptr;
+  ~Err() { ctxcache_free(msg); }
+  std::string str() const { return msg ? msg : ""; }
+};
+
+std::string BuildRandom(ctxcache_client_t* c, int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> tokens(n);
+  for (auto& t : tokens) t = rng() % 512;
+  char* id = nullptr;
+  Err e;
+  EXPECT_EQ(ctxcache_build_tokens(c, "", tokens.data(), tokens.size(), &id, &e.msg), 0) << e.str();
+  std::string out = id ? id : "";
+  ctxcache_free(id);
+  return out;
+}
+
+// A page's raw payload: K rows then V rows.
+struct Page {
+  uint32_t block;
+  uint32_t n_tokens;
+  std::string k, v;
+};
+
+class CApiTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.Start(tmp_.path() + "/data", ModelArgs())) << server_.log();
+    conn_ = std::make_unique<Connected>(server_.address());
+    id_ = BuildRandom(conn_->c, kTokens, 1);
+    ASSERT_FALSE(id_.empty());
+    Err e;
+    ASSERT_EQ(ctxcache_get_context(conn_->c, id_.c_str(), &ctx_, nullptr, nullptr, &e.msg), 0)
+        << e.str();
+  }
+
+  // Every page of (layer, head), by FetchPages (another RPC than FetchKV).
+  std::vector<Page> Pages(uint32_t layer, uint32_t head) {
+    const uint32_t n_blocks = (kTokens + 15) / 16;
+    const size_t page_bytes = 2 * 16 * ctx_.head_dim * 2;
+    std::vector<uint32_t> blocks(n_blocks);
+    for (uint32_t b = 0; b < n_blocks; ++b) blocks[b] = b;
+    std::string out(n_blocks * page_bytes, '\0');
+    Err e;
+    EXPECT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), layer, head, blocks.data(), n_blocks,
+                                   out.data(), out.size(), &e.msg),
+              0)
+        << e.str();
+    std::vector<Page> pages;
+    for (uint32_t b = 0; b < n_blocks; ++b) {
+      const uint32_t n = std::min<uint32_t>(16, kTokens - b * 16);
+      const size_t half = n * ctx_.head_dim * 2;
+      pages.push_back({b, n, out.substr(b * page_bytes, half), out.substr(b * page_bytes + half, half)});
+    }
+    return pages;
+  }
+
+  // Checks that `buf` holds layer `layer`'s K (or V) at the given strides.
+  void ExpectLayer(const std::vector<uint16_t>& buf, int64_t base, int64_t head_stride,
+                   int64_t token_stride, uint32_t layer, bool k) {
+    const size_t row = ctx_.head_dim * 2;
+    for (uint32_t h = 0; h < ctx_.n_kv_heads; ++h) {
+      for (const Page& p : Pages(layer, h)) {
+        const std::string& src = k ? p.k : p.v;
+        for (uint32_t t = 0; t < p.n_tokens; ++t) {
+          const uint64_t tok = uint64_t{p.block} * 16 + t;
+          const char* at = reinterpret_cast<const char*>(buf.data()) + base + h * head_stride +
+                           static_cast<int64_t>(tok) * token_stride;
+          ASSERT_EQ(std::memcmp(at, src.data() + t * row, row), 0)
+              << "layer " << layer << " head " << h << " token " << tok << (k ? " K" : " V");
+        }
+      }
+    }
+  }
+
+  TempDir tmp_;
+  ServerProcess server_;
+  std::string id_;
+  std::unique_ptr<Connected> conn_;
+  ctxcache_context_t ctx_{};
+};
+
+TEST_F(CApiTest, ContextShape) {
+  EXPECT_EQ(ctxcache_abi_version(), CTXCACHE_ABI_VERSION);
+  EXPECT_EQ(ctx_.n_tokens, static_cast<uint64_t>(kTokens));
+  EXPECT_EQ(ctx_.n_layers, 2u);
+  EXPECT_EQ(ctx_.n_kv_heads, 2u);
+  EXPECT_EQ(ctx_.head_dim, 32u);
+  EXPECT_EQ(ctx_.kv_dtype, CTXCACHE_BF16);
+  EXPECT_EQ(ctx_.state, 2);
+  char* proto = nullptr;
+  size_t len = 0;
+  Err e;
+  ASSERT_EQ(ctxcache_get_context(conn_->c, id_.c_str(), &ctx_, &proto, &len, &e.msg), 0);
+  // A serialized ContextInfo: field 1 (context_id), length-delimited, first.
+  ASSERT_GT(len, 34u);
+  EXPECT_EQ(proto[0], 0x0A);
+  EXPECT_EQ(proto[1], 32);
+  EXPECT_EQ(std::string(proto + 2, 32), id_);
+  ctxcache_free(proto);
+}
+
+TEST_F(CApiTest, DenseLoadEqualsFetchPages) {
+  const size_t elems = size_t{ctx_.n_layers} * ctx_.n_kv_heads * kTokens * ctx_.head_dim;
+  std::vector<uint16_t> k(elems, 0xABAB), v(elems, 0xABAB);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  ctxcache_load_progress_t p{};
+  Err e;
+  // Small frames: several frames per (layer, head).
+  ASSERT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 2, 1000, &layout, &p, &e.msg), 0)
+      << e.str();
+  EXPECT_EQ(p.layers_done, 2u);
+  EXPECT_EQ(p.bytes_done, elems * 4);
+  EXPECT_EQ(p.bytes_total, elems * 4);
+  EXPECT_GT(p.frames, 4u);
+  const int64_t head = int64_t{kTokens} * ctx_.head_dim * 2;
+  for (uint32_t l = 0; l < 2; ++l) {
+    ExpectLayer(k, l * head * 2, head, ctx_.head_dim * 2, l, true);
+    ExpectLayer(v, l * head * 2, head, ctx_.head_dim * 2, l, false);
+  }
+}
+
+TEST_F(CApiTest, StridedLayoutLayerOrderAndPriority) {
+  // [token][slot][head][dim] with padding: layer slots 0, 1 = layers 1, 0.
+  const int64_t row = ctx_.head_dim * 2, head_stride = row + 16, layer_stride = 2 * head_stride,
+                token_stride = 2 * layer_stride + 8;
+  const size_t bytes = static_cast<size_t>(token_stride) * kTokens;
+  std::vector<uint16_t> k(bytes / 2, 0), v(bytes / 2, 0);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), bytes, bytes, layer_stride, head_stride,
+                              token_stride, CTXCACHE_BF16};
+  const uint32_t layers[] = {1, 0};
+  ctxcache_load_t* load = nullptr;
+  Err e;
+  ASSERT_EQ(ctxcache_load_kv_start(conn_->c, id_.c_str(), layers, 2, 1, 0, &layout, &load, &e.msg),
+            0)
+      << e.str();
+  // Layer 0 is queued last; waiting for it takes it next and returns once it is in.
+  ASSERT_EQ(ctxcache_load_wait_layer(load, 0, &e.msg), 0) << e.str();
+  ctxcache_load_progress_t p{};
+  ctxcache_load_progress(load, &p);
+  EXPECT_GE(p.layers_done, 1u);
+  Err bad;
+  EXPECT_EQ(ctxcache_load_prioritize(load, 7, &bad.msg), 3);
+  EXPECT_NE(bad.str().find("layer: 7"), std::string::npos) << bad.str();
+  ASSERT_EQ(ctxcache_load_wait(load, &e.msg), 0) << e.str();
+  EXPECT_EQ(ctxcache_load_done(load), 1);
+  ctxcache_load_destroy(load);
+  ExpectLayer(k, 0, head_stride, token_stride, 1, true);
+  ExpectLayer(v, layer_stride, head_stride, token_stride, 0, false);
+  ExpectLayer(k, layer_stride, head_stride, token_stride, 0, true);
+}
+
+TEST_F(CApiTest, BadLayoutsAreRefusedAndNothingIsWritten) {
+  const size_t elems = size_t{ctx_.n_layers} * ctx_.n_kv_heads * kTokens * ctx_.head_dim;
+  std::vector<uint16_t> k(elems, 0xABAB), v(elems, 0xABAB);
+  const ctxcache_kv_layout_t good{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0,
+                                  CTXCACHE_BF16};
+  struct Case {
+    const char* field;
+    ctxcache_kv_layout_t layout;
+    std::vector<uint32_t> layers;
+  };
+  std::vector<Case> cases;
+  auto with = [&](auto edit) {
+    ctxcache_kv_layout_t l = good;
+    edit(l);
+    return l;
+  };
+  cases.push_back({"layout.k_capacity", with([](auto& l) { l.k_capacity -= 1; }), {}});
+  cases.push_back({"layout.v_capacity", with([](auto& l) { l.v_capacity = 64; }), {}});
+  cases.push_back({"layout.dtype", with([](auto& l) { l.dtype = CTXCACHE_F32; }), {}});
+  cases.push_back({"layout.token_stride", with([](auto& l) { l.token_stride = 2; }), {}});
+  cases.push_back({"layout: strides", with([](auto& l) { l.head_stride = -64; }), {}});
+  cases.push_back({"layout.k: null", with([](auto& l) { l.k = nullptr; }), {}});
+  cases.push_back({"layout.v_capacity",  // a huge stride overflows no check
+                   with([](auto& l) {
+                     l.layer_stride = INT64_MAX;
+                     l.k_capacity = SIZE_MAX;
+                   }),
+                   {}});
+  cases.push_back({"options.layers: 2 out of range", good, {0, 2}});
+  cases.push_back({"options.layers: 1 given twice", good, {1, 1}});
+  for (const Case& c : cases) {
+    Err e;
+    ctxcache_load_progress_t p{};
+    EXPECT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), c.layers.data(), c.layers.size(), 0, 0,
+                               &c.layout, &p, &e.msg),
+              3)
+        << c.field;
+    EXPECT_NE(e.str().find(c.field), std::string::npos) << c.field << ": " << e.str();
+  }
+  for (size_t i = 0; i < elems; ++i) {
+    ASSERT_EQ(k[i], 0xABAB) << i;
+    ASSERT_EQ(v[i], 0xABAB) << i;
+  }
+  Err e;
+  ctxcache_load_t* load = nullptr;
+  EXPECT_EQ(ctxcache_load_kv_start(conn_->c, "00112233445566778899aabbccddeeff", nullptr, 0, 0, 0,
+                                   &good, &load, &e.msg),
+            5)
+      << e.str();
+  EXPECT_EQ(load, nullptr);
+  Err e2;
+  EXPECT_EQ(ctxcache_load_kv_start(conn_->c, "not-an-id", nullptr, 0, 0, 0, &good, &load, &e2.msg),
+            3);
+  EXPECT_NE(e2.str().find("context_id"), std::string::npos) << e2.str();
+}
+
+TEST_F(CApiTest, FetchPagesAndIndex) {
+  const uint32_t blocks[] = {0, 5, 18};
+  const size_t page_bytes = 2 * 16 * ctx_.head_dim * 2;
+  std::vector<char> out(3 * page_bytes, 0);
+  Err e;
+  ASSERT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(), out.size(),
+                                 &e.msg),
+            0)
+      << e.str();
+  // The same bytes as a bulk load of layer 1.
+  const size_t elems = size_t{ctx_.n_kv_heads} * kTokens * ctx_.head_dim;
+  std::vector<uint16_t> k(elems), v(elems);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  const uint32_t layer1[] = {1};
+  ASSERT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), layer1, 1, 0, 0, &layout, nullptr, &e.msg), 0)
+      << e.str();
+  const size_t row = ctx_.head_dim * 2, head = kTokens * row;
+  for (int i = 0; i < 3; ++i) {
+    const size_t n = std::min<size_t>(16, kTokens - blocks[i] * 16);
+    const char* kb = reinterpret_cast<const char*>(k.data()) + head + blocks[i] * 16 * row;
+    const char* vb = reinterpret_cast<const char*>(v.data()) + head + blocks[i] * 16 * row;
+    EXPECT_EQ(std::memcmp(out.data() + i * page_bytes, kb, n * row), 0) << i;
+    EXPECT_EQ(std::memcmp(out.data() + i * page_bytes + n * row, vb, n * row), 0) << i;
+  }
+  Err small;
+  EXPECT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(),
+                                 out.size() - 1, &small.msg),
+            3);
+  EXPECT_NE(small.str().find("out_capacity"), std::string::npos) << small.str();
+
+  ctxcache_index_t* index = nullptr;
+  ASSERT_EQ(ctxcache_fetch_index(conn_->c, id_.c_str(), "csa", &index, &e.msg), 0) << e.str();
+  for (uint32_t l = 0; l < ctx_.n_layers; ++l) {
+    for (uint32_t h = 0; h < ctx_.n_kv_heads; ++h) {
+      const char* data = nullptr;
+      size_t len = 0;
+      ASSERT_EQ(ctxcache_index_get(index, l, h, &data, &len), 0) << l << "/" << h;
+      EXPECT_GT(len, 0u);
+    }
+  }
+  const char* data = nullptr;
+  size_t len = 0;
+  EXPECT_EQ(ctxcache_index_get(index, 9, 0, &data, &len), 5);
+  ctxcache_index_destroy(index);
+  Err unknown;
+  EXPECT_EQ(ctxcache_fetch_index(conn_->c, id_.c_str(), "nope", &index, &unknown.msg), 3);
+  EXPECT_NE(unknown.str().find("nope"), std::string::npos) << unknown.str();
+}
+
+TEST(CApiCorruptionTest, CorruptedPageIsDataLoss) {
+  TempDir tmp;
+  ServerProcess server;
+  std::vector<std::string> args = ModelArgs();
+  args.push_back("--fault-corrupt-pages-for-testing");
+  ASSERT_TRUE(server.Start(tmp.path() + "/data", args)) << server.log();
+  Connected conn(server.address());
+  const std::string id = BuildRandom(conn.c, 100, 3);
+  const size_t elems = 2 * 2 * 100 * 32;
+  std::vector<uint16_t> k(elems), v(elems);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  Err e;
+  EXPECT_EQ(ctxcache_load_kv(conn.c, id.c_str(), nullptr, 0, 0, 0, &layout, nullptr, &e.msg), 15);
+  EXPECT_NE(e.str().find("crc32c mismatch"), std::string::npos) << e.str();
+  EXPECT_NE(e.str().find("block 0"), std::string::npos) << e.str();
+}
+
+TEST(CApiConnectTest, BadOptionsAndUnreachableServer) {
+  ctxcache_options_t* o = ctxcache_options_create();
+  ctxcache_options_set_tls(o, nullptr, "/nonexistent.pem", "/nonexistent.key", nullptr);
+  ctxcache_client_t* c = nullptr;
+  Err e;
+  EXPECT_EQ(ctxcache_connect(o, &c, &e.msg), 3);
+  EXPECT_NE(e.str().find("tls_ca"), std::string::npos) << e.str();
+  EXPECT_EQ(c, nullptr);
+  ctxcache_options_set_tls(o, nullptr, nullptr, nullptr, nullptr);
+  ctxcache_options_set_server(o, "127.0.0.1:1");
+  ctxcache_options_set_max_attempts(o, 1);
+  ctxcache_options_set_timeout(o, 5);
+  Err e2;
+  ASSERT_EQ(ctxcache_connect(o, &c, &e2.msg), 0) << e2.str();
+  ctxcache_context_t info{};
+  Err e3;
+  EXPECT_EQ(ctxcache_get_context(c, "00112233445566778899aabbccddeeff", &info, nullptr, nullptr,
+                                 &e3.msg),
+            14);
+  ctxcache_client_destroy(c);
+  ctxcache_options_destroy(o);
+}
+
+}  // namespace
+}  // namespace ctxcache

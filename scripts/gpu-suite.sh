@@ -8,6 +8,8 @@
 #   3. python/bench/gpu_decode_attention.py (decode attention vs SDPA flash);
 #   4. python/bench/hf_decode.py: HF transformers prefill + ingest + sparse
 #      decode through ctxcached, against dense and the C++ worker;
+#   4b. data_plane: python/bench/gpu_load.py (the data plane's targets: bulk
+#      load, cold load, TTFT from the cache vs HF prefill, ingest);
 #   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, dense with the
 #      KV loaded from ctxcached against sparse with a 10% GPU page pool, on
 #      the reference model and on the Llama-3-8B shape (random weights,
@@ -56,6 +58,8 @@ for b in ctxcached ctxcache ctxcache-cluster-load ctxcache-bench; do  # wrappers
   chmod +x "$WORK/bin/$b"
 done
 ./scripts/unpack-models.sh >/dev/null
+# The native client library of the bundle (python/ctxcache/native.py).
+export CTXCACHE_NATIVE_LIB="$WORK/ctxcache/lib/libctxcache_c.so"
 
 stage bundle 120 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data' --listen 127.0.0.1:0 --port-file '$WORK/ports' \
@@ -94,6 +98,22 @@ stage hf_decode 500 bash -c "
   rc=\$?
   kill -TERM \$pid; wait \$pid
   exit \$rc" _ "$PROMPT"
+# 4b. The data plane's targets (python/bench/gpu_load.py): bulk load into
+#     pinned memory, cold load against fio, time to first token from the
+#     cache against HF prefill, ingest against prefill. CTXCACHE_LOAD_CASES
+#     (MODEL:LAYERS:TOKENS, space-separated) picks the cases.
+stage data_plane 590 bash -c "
+  cat tests/data/demo/*.txt >'$WORK/long-dp.txt'
+  '$WORK/bin/ctxcache' tokenize --model-dir models --model ctxcache-ref --file '$WORK/long-dp.txt' \
+    >'$WORK/long-dp.json' || exit 1
+  rc=0
+  for c in \${CTXCACHE_LOAD_CASES:-models/ctxcache-ref:8:32768 llama8b:32:32768 llama8b:8:131072}; do
+    idx=streaming; case \$c in models/*) idx=;; esac  # the reference model: its default indexes
+    PYTHONPATH='$WORK/site' python3 python/bench/gpu_load.py --bin-dir '$WORK/bin' --case \$c \
+      --indexes \"\$idx\" --tokens-json '$WORK/long-dp.json' --work '$WORK/load' \
+      --out '$OUT/gpu_load_'\$(echo \$c | tr -c 'a-z0-9\n' _).json \${CTXCACHE_LOAD_ARGS:-} || rc=1
+  done
+  exit \$rc"
 # 5. End to end at 32K (python/bench/gpu_e2e.py), one server for both models.
 stage gpu_e2e 560 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data-e2e' --listen 127.0.0.1:0 --port-file '$WORK/ports-e2e' \

@@ -135,7 +135,7 @@ def test_loads_run_without_the_gil(nc, built):
 
 def test_fetch_index_equals_grpc_client(nc, client, built):
     got = nc.fetch_index(built.context_id, "csa")
-    want = client.fetch_index(built.context_id, methods=["csa"])
+    want = client.fetch_index(built.context_id, "csa")
     assert set(got) == {(l, h) for l in range(2) for h in range(2)}
     assert got == want
 

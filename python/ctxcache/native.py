@@ -16,8 +16,9 @@ around every foreign call).
 >>> load.wait()
 
 The library is found at ``$CTXCACHE_NATIVE_LIB``, else next to
-``$CTXCACHE_BIN_DIR`` (``../lib/libctxcache_c.so``: the server bundle's and
-the build tree's layout), else in ``<repo>/build/lib``.
+``$CTXCACHE_BIN_DIR`` (``../lib/libctxcache_c.so``: the build tree's
+layout), else in ``build/lib`` of the source tree (the package used in place)
+or of the current directory (a repository checkout).
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def library_path() -> str:
         candidates.append(os.path.join(bin_dir, "..", "lib", "libctxcache_c.so"))
     here = os.path.dirname(os.path.abspath(__file__))
     candidates.append(os.path.join(here, "..", "..", "build", "lib", "libctxcache_c.so"))
+    candidates.append(os.path.join("build", "lib", "libctxcache_c.so"))  # a repo checkout's cwd
     for c in candidates:
         if os.path.exists(c):
             return os.path.abspath(c)

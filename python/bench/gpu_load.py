@@ -183,7 +183,7 @@ def run_case(a, spec: str, res: dict) -> None:
         case["kv_gib"] = 2 * k.numel() * 2 / 2**30
         loads = {}
         for streams in [int(s) for s in a.streams.split(",")]:
-            p = nc.load_kv(info.context_id, k, v, streams=streams)
+            p = nc.load_kv(info.context_id, k, v, streams=streams, frame_bytes=a.frame_bytes)
             loads[str(streams)] = p["gb_per_s"]
             log(f"warm load, {streams} streams: {p['gb_per_s']:.2f} GB/s ({p['seconds']:.2f} s)")
         case["warm_load_gb_per_s_by_streams"] = loads
@@ -200,7 +200,8 @@ def run_case(a, spec: str, res: dict) -> None:
         for attempt in ("warm", "warm2"):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            with nc.start_load_kv(info.context_id, k, v, streams=streams) as load:
+            with nc.start_load_kv(info.context_id, k, v, streams=streams,
+                                  frame_bytes=a.frame_bytes) as load:
                 for layer in range(shape.n_layers):
                     load.wait_layer(layer)
                     gk[layer, 0].copy_(k[layer], non_blocking=True)
@@ -233,7 +234,7 @@ def run_case(a, spec: str, res: dict) -> None:
             case["cold_drop_caches"] = f"not permitted ({e.strerror})"
         proc, addr = start_server(a.bin_dir, data, os.path.join(a.work, "server.log"))
         with native.NativeClient(addr, timeout=600) as nc2:
-            p = nc2.load_kv(info.context_id, k, v, streams=streams)
+            p = nc2.load_kv(info.context_id, k, v, streams=streams, frame_bytes=a.frame_bytes)
             case["cold_load_gb_per_s"] = p["gb_per_s"]
             log(f"cold load: {p['gb_per_s']:.2f} GB/s")
         case.update(fio_randread(data))
@@ -256,7 +257,8 @@ def main() -> int:
     ap.add_argument("--tokens-json", default="", help="a document's token ids (checkpoints)")
     ap.add_argument("--indexes", default="streaming",
                     help="indexes to build at ingest (comma-separated; '' = server defaults)")
-    ap.add_argument("--streams", default="1,4,8", help="warm-load stream counts to try")
+    ap.add_argument("--streams", default="1,4,8,16", help="warm-load stream counts to try")
+    ap.add_argument("--frame-bytes", type=int, default=0, help="FetchKV frame size (0 = 4 MiB)")
     ap.add_argument("--work", default="/tmp/ctxcache-gpu-load")
     ap.add_argument("--out", default="")
     a = ap.parse_args()

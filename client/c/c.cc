@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ctxcache/client.h"
+#include "proto/dtype_convert.h"
 
 using ctxcache::Status;
 using ctxcache::StatusCode;
@@ -69,7 +70,10 @@ void ToProgress(const cc::KVLoadProgress& p, ctxcache_load_progress_t* out) {
   out->seconds = p.seconds;
 }
 
-size_t ElementSize(ctxcache::v1::DType d) { return d == ctxcache::v1::DTYPE_F32 ? 4 : 2; }
+size_t ElementSize(ctxcache::v1::DType d) {
+  auto dtype = ctxcache::FromProtoDType(d);
+  return dtype.ok() ? ctxcache::DTypeSize(*dtype) : 0;
+}
 
 }  // namespace
 
@@ -216,6 +220,11 @@ int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id, uint32_t 
   const uint32_t b = info->block_tokens() ? info->block_tokens() : 16;
   const size_t page_bytes = 2 * size_t{b} * info->model().head_dim() *
                             ElementSize(info->model().kv_dtype());
+  if (page_bytes == 0) {
+    return Report(ctxcache::InternalError("context " + std::string(context_id) +
+                                          " has no valid kv dtype"),
+                  errptr);
+  }
   if (out_capacity / page_bytes < n_blocks) {
     return Invalid("out_capacity: " + std::to_string(out_capacity) + " bytes, expected >= " +
                        std::to_string(n_blocks) + " pages x " + std::to_string(page_bytes) +

@@ -13,21 +13,16 @@
 #include "client/sdk/channel.h"
 #include "client/sdk/retry.h"
 #include "common/crc32c.h"
+#include "proto/dtype_convert.h"
 
 namespace ctxcache::client::internal {
 
 namespace {
 
+// 0 for an unknown dtype (CheckKVLoad refuses it first).
 size_t ElementSize(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_F32:
-      return 4;
-    case v1::DTYPE_F16:
-    case v1::DTYPE_BF16:
-      return 2;
-    default:
-      return 0;
-  }
+  auto dtype = FromProtoDType(d);
+  return dtype.ok() ? DTypeSize(*dtype) : 0;
 }
 
 // Bytes one layout region must hold: the end of its last element.

@@ -239,6 +239,13 @@ TEST_F(CApiTest, BadLayoutsAreRefusedAndNothingIsWritten) {
     ASSERT_EQ(k[i], 0xABAB) << i;
     ASSERT_EQ(v[i], 0xABAB) << i;
   }
+  // The server's frame limit: refused by FetchKV, naming the field.
+  Err frame;
+  EXPECT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 0, 64u << 20, &good, nullptr,
+                             &frame.msg),
+            3);
+  EXPECT_NE(frame.str().find("frame_bytes"), std::string::npos) << frame.str();
+  for (size_t i = 0; i < elems; ++i) ASSERT_EQ(k[i], 0xABAB) << i;
   Err e;
   ctxcache_load_t* load = nullptr;
   EXPECT_EQ(ctxcache_load_kv_start(conn_->c, "00112233445566778899aabbccddeeff", nullptr, 0, 0, 0,

@@ -544,7 +544,8 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
     const size_t max_message = ctx_->config.max_message_bytes;
-    const size_t max_frame = max_message > (128u << 10) ? max_message - (64u << 10) : max_message / 2;
+    const size_t max_frame =
+        max_message > (128u << 10) ? max_message - (64u << 10) : max_message / 2;
     if (request->frame_bytes() > max_frame) {
       return rpc.Finish(grpc::Status(
           grpc::StatusCode::INVALID_ARGUMENT,
@@ -587,12 +588,11 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
     KVFrameReader frames(reader->get(), std::move(layers), std::move(options));
     v1::KVFrame frame;
-    grpc::WriteOptions wo;
     while (frames.Next(&frame)) {
       if (context->IsCancelled()) {
         return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
       }
-      if (!writer->Write(frame, wo)) {
+      if (!writer->Write(frame)) {
         return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
       }
     }

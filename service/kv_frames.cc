@@ -42,16 +42,18 @@ void KVFrameReader::Produce() {
   const v1::ContextManifest& m = reader_->manifest();
   const uint32_t n_blocks = reader_->n_blocks();
   auto dtype = FromProtoDType(m.model().kv_dtype());
-  const size_t page_bytes = 2 * size_t{m.block_tokens()} * m.model().head_dim() *
-                            (dtype.ok() ? DTypeSize(*dtype) : 4);
+  const size_t page_bytes =
+      2 * size_t{m.block_tokens()} * m.model().head_dim() * (dtype.ok() ? DTypeSize(*dtype) : 4);
   const uint32_t per_frame = static_cast<uint32_t>(
       std::clamp<size_t>(options_.frame_bytes / std::max<size_t>(1, page_bytes), 1, n_blocks));
   storage::PageBatch batch;
   std::vector<uint32_t> blocks;
   Status s;
-  for (uint32_t layer : layers_) {
-    for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok(); ++h) {
-      for (uint32_t b0 = 0; b0 < n_blocks && s.ok(); b0 += per_frame) {
+  bool stopped = false;  // the consumer went away: read nothing more
+  for (size_t li = 0; li < layers_.size() && s.ok() && !stopped; ++li) {
+    const uint32_t layer = layers_[li];
+    for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok() && !stopped; ++h) {
+      for (uint32_t b0 = 0; b0 < n_blocks && s.ok() && !stopped; b0 += per_frame) {
         const uint32_t n = std::min(per_frame, n_blocks - b0);
         blocks.resize(n);
         std::iota(blocks.begin(), blocks.end(), b0);
@@ -74,14 +76,13 @@ void KVFrameReader::Produce() {
         if (options_.corrupt_for_testing && payload > 0) (*frame.mutable_payload())[0] ^= 0x01;
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, [&] { return queue_.size() < options_.read_ahead || stop_; });
-        if (stop_) break;
+        stopped = stop_;
+        if (stopped) break;
         queue_.push_back(std::move(frame));
         l.unlock();
         cv_.notify_all();
       }
     }
-    std::lock_guard<std::mutex> l(mu_);
-    if (stop_ || !s.ok()) break;
   }
   {
     std::lock_guard<std::mutex> l(mu_);

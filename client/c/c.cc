@@ -212,23 +212,24 @@ int ctxcache_load_kv(ctxcache_client_t* c, const char* context_id, const uint32_
 int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id, uint32_t layer,
                          uint32_t kv_head, const uint32_t* blocks, size_t n_blocks, void* out,
                          size_t out_capacity, char** errptr) {
-  if (c == nullptr || context_id == nullptr || (n_blocks > 0 && (blocks == nullptr || out == nullptr))) {
+  if (c == nullptr || context_id == nullptr ||
+      (n_blocks > 0 && (blocks == nullptr || out == nullptr))) {
     return Invalid("client, context_id, blocks and out must not be NULL", errptr);
   }
   auto info = c->client->GetContext(context_id);
   if (!info.ok()) return Report(info.status(), errptr);
   const uint32_t b = info->block_tokens() ? info->block_tokens() : 16;
-  const size_t page_bytes = 2 * size_t{b} * info->model().head_dim() *
-                            ElementSize(info->model().kv_dtype());
+  const size_t page_bytes =
+      2 * size_t{b} * info->model().head_dim() * ElementSize(info->model().kv_dtype());
   if (page_bytes == 0) {
-    return Report(ctxcache::InternalError("context " + std::string(context_id) +
-                                          " has no valid kv dtype"),
-                  errptr);
+    return Report(
+        ctxcache::InternalError("context " + std::string(context_id) + " has no valid kv dtype"),
+        errptr);
   }
   if (out_capacity / page_bytes < n_blocks) {
-    return Invalid("out_capacity: " + std::to_string(out_capacity) + " bytes, expected >= " +
-                       std::to_string(n_blocks) + " pages x " + std::to_string(page_bytes) +
-                       " bytes",
+    return Invalid("out_capacity: " + std::to_string(out_capacity) +
+                       " bytes, expected >= " + std::to_string(n_blocks) + " pages x " +
+                       std::to_string(page_bytes) + " bytes",
                    errptr);
   }
   ctxcache::v1::FetchPagesRequest req;

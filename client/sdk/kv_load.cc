@@ -44,9 +44,8 @@ KVLayout Dense(KVLayout l, const v1::ContextInfo& info) {
 
 class KVLoadImpl final : public KVLoad {
  public:
-  KVLoadImpl(const ClientOptions& client, const v1::ContextInfo& info,
-             std::vector<uint32_t> layers, const KVLoadOptions& options, const KVLayout& layout,
-             KVStubFor stubs)
+  KVLoadImpl(const ClientOptions& client, const v1::ContextInfo& info, std::vector<uint32_t> layers,
+             const KVLoadOptions& options, const KVLayout& layout, KVStubFor stubs)
       : client_(client),
         info_(info),
         layers_(std::move(layers)),
@@ -213,10 +212,9 @@ class KVLoadImpl final : public KVLoad {
         return FromGrpc(g, "FetchKV");
       }
       if (pages != uint64_t{n_blocks_} * info_.model().n_kv_heads()) {
-        return DataLossError("FetchKV: layer " + std::to_string(layer) + " ended after " +
-                             std::to_string(pages) + " of " +
-                             std::to_string(uint64_t{n_blocks_} * info_.model().n_kv_heads()) +
-                             " pages");
+        return DataLossError(
+            "FetchKV: layer " + std::to_string(layer) + " ended after " + std::to_string(pages) +
+            " of " + std::to_string(uint64_t{n_blocks_} * info_.model().n_kv_heads()) + " pages");
       }
       return Status::OK();
     });
@@ -230,17 +228,19 @@ class KVLoadImpl final : public KVLoad {
   // Checks one frame against the context and its crc32c, then copies its
   // pages into the layout.
   Status Place(uint32_t layer, const v1::KVFrame& f) {
-    const std::string where = "FetchKV frame (layer " + std::to_string(f.layer()) + ", kv head " +
-                              std::to_string(f.kv_head()) + ", blocks " +
-                              std::to_string(f.first_block()) + "+" +
-                              std::to_string(f.n_blocks()) + ")";
+    // Built only for an error message: no allocation per good frame.
+    auto where = [&f] {
+      return "FetchKV frame (layer " + std::to_string(f.layer()) + ", kv head " +
+             std::to_string(f.kv_head()) + ", blocks " + std::to_string(f.first_block()) + "+" +
+             std::to_string(f.n_blocks()) + ")";
+    };
     if (f.layer() != layer || f.kv_head() >= info_.model().n_kv_heads() ||
         uint64_t{f.first_block()} + f.n_blocks() > n_blocks_ ||
         f.page_crc32c_size() != static_cast<int>(f.n_blocks()) || f.dtype() != layout_.dtype) {
-      return DataLossError(where + ": does not match the context (layer " + std::to_string(layer) +
-                           ", " + std::to_string(info_.model().n_kv_heads()) + " kv heads, " +
-                           std::to_string(n_blocks_) + " blocks, dtype " +
-                           v1::DType_Name(layout_.dtype) + ")");
+      return DataLossError(
+          where() + ": does not match the context (layer " + std::to_string(layer) + ", " +
+          std::to_string(info_.model().n_kv_heads()) + " kv heads, " + std::to_string(n_blocks_) +
+          " blocks, dtype " + v1::DType_Name(layout_.dtype) + ")");
     }
     const char* src = f.payload().data();
     const char* end = src + f.payload().size();
@@ -254,7 +254,7 @@ class KVLoadImpl final : public KVLoad {
       const uint64_t tokens = std::min<uint64_t>(block_tokens_, info_.n_tokens() - t0);
       const size_t half = tokens * row_;
       if (end - src < static_cast<ptrdiff_t>(2 * half)) {
-        return DataLossError(where + ": payload of " + std::to_string(f.payload().size()) +
+        return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
                              " bytes is short");
       }
       if (crc32c::Value(std::string_view(src, 2 * half)) != f.page_crc32c(static_cast<int>(i))) {
@@ -268,7 +268,7 @@ class KVLoadImpl final : public KVLoad {
       src += 2 * half;
     }
     if (src != end) {
-      return DataLossError(where + ": payload of " + std::to_string(f.payload().size()) +
+      return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
                            " bytes is long");
     }
     return Status::OK();
@@ -298,12 +298,12 @@ class KVLoadImpl final : public KVLoad {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<uint32_t> queue_;                  // guarded by mu_
-  std::vector<State> state_;                    // guarded by mu_
-  std::vector<grpc::ClientContext*> contexts_;  // guarded by mu_: each stream's call
-  Status status_;                               // guarded by mu_: the first failure
-  uint32_t layers_done_ = 0;                    // guarded by mu_
-  size_t finished_ = 0;                         // guarded by mu_: threads that ended
+  std::deque<uint32_t> queue_;                   // guarded by mu_
+  std::vector<State> state_;                     // guarded by mu_
+  std::vector<grpc::ClientContext*> contexts_;   // guarded by mu_: each stream's call
+  Status status_;                                // guarded by mu_: the first failure
+  uint32_t layers_done_ = 0;                     // guarded by mu_
+  size_t finished_ = 0;                          // guarded by mu_: threads that ended
   std::chrono::steady_clock::time_point ended_;  // guarded by mu_
   const std::chrono::steady_clock::time_point started_;
   std::atomic<uint64_t> bytes_done_{0};
@@ -314,8 +314,7 @@ class KVLoadImpl final : public KVLoad {
 }  // namespace
 
 StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
-                                            const KVLoadOptions& options,
-                                            const KVLayout& layout) {
+                                            const KVLoadOptions& options, const KVLayout& layout) {
   const auto& m = info.model();
   if (info.state() != v1::CONTEXT_STATE_READY) {
     return FailedPreconditionError("context " + info.context_id() + " is not READY");
@@ -356,9 +355,9 @@ StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
                                 std::to_string(layout.token_stride) + ")");
   }
   if (layout.token_stride != 0 && layout.token_stride < static_cast<int64_t>(row)) {
-    return InvalidArgumentError("layout.token_stride: " + std::to_string(layout.token_stride) +
-                                " bytes, expected 0 or >= head_dim * element size = " +
-                                std::to_string(row));
+    return InvalidArgumentError(
+        "layout.token_stride: " + std::to_string(layout.token_stride) +
+        " bytes, expected 0 or >= head_dim * element size = " + std::to_string(row));
   }
   if (info.n_tokens() == 0) return layers;
   const KVLayout dense = Dense(layout, info);

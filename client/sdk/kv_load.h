@@ -20,8 +20,7 @@ namespace ctxcache::client::internal {
 // the options and the layout against the context: INVALID_ARGUMENT naming
 // the field and the expected value.
 StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
-                                            const KVLoadOptions& options,
-                                            const KVLayout& layout);
+                                            const KVLoadOptions& options, const KVLayout& layout);
 
 // Stream i's stub (i < options.streams); called from the load's threads,
 // so it must be safe for concurrent use and outlive the load.

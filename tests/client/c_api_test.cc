@@ -4,8 +4,6 @@
 // with INVALID_ARGUMENT naming the field and nothing written; a corrupted
 // page is DATA_LOSS; index and page fetches. Only the C ABI is used: the
 // library carries its own copy of the SDK and the generated messages.
-#include "ctxcache/c.h"
-
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -13,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "ctxcache/c.h"
 #include "tests/service/server_process.h"
 
 namespace ctxcache {
@@ -24,7 +23,8 @@ using testing::TempDir;
 constexpr int kTokens = 301;  // 19 pages, the last one short
 
 std::vector<std::string> ModelArgs() {
-  return {"--model-dir", testing::SourceDir() + "/tests/data/golden", "--default-model", "llama3",
+  return {"--model-dir",          testing::SourceDir() + "/tests/data/golden",
+          "--default-model",      "llama3",
           "--max-context-tokens", "65536"};
 }
 
@@ -96,7 +96,8 @@ class CApiTest : public ::testing::Test {
     for (uint32_t b = 0; b < n_blocks; ++b) {
       const uint32_t n = std::min<uint32_t>(16, kTokens - b * 16);
       const size_t half = n * ctx_.head_dim * 2;
-      pages.push_back({b, n, out.substr(b * page_bytes, half), out.substr(b * page_bytes + half, half)});
+      pages.push_back(
+          {b, n, out.substr(b * page_bytes, half), out.substr(b * page_bytes + half, half)});
     }
     return pages;
   }
@@ -172,8 +173,8 @@ TEST_F(CApiTest, StridedLayoutLayerOrderAndPriority) {
                 token_stride = 2 * layer_stride + 8;
   const size_t bytes = static_cast<size_t>(token_stride) * kTokens;
   std::vector<uint16_t> k(bytes / 2, 0), v(bytes / 2, 0);
-  ctxcache_kv_layout_t layout{k.data(), v.data(), bytes, bytes, layer_stride, head_stride,
-                              token_stride, CTXCACHE_BF16};
+  ctxcache_kv_layout_t layout{k.data(),     v.data(),    bytes,        bytes,
+                              layer_stride, head_stride, token_stride, CTXCACHE_BF16};
   const uint32_t layers[] = {1, 0};
   ctxcache_load_t* load = nullptr;
   Err e;
@@ -199,8 +200,7 @@ TEST_F(CApiTest, StridedLayoutLayerOrderAndPriority) {
 TEST_F(CApiTest, BadLayoutsAreRefusedAndNothingIsWritten) {
   const size_t elems = size_t{ctx_.n_layers} * ctx_.n_kv_heads * kTokens * ctx_.head_dim;
   std::vector<uint16_t> k(elems, 0xABAB), v(elems, 0xABAB);
-  const ctxcache_kv_layout_t good{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0,
-                                  CTXCACHE_BF16};
+  const ctxcache_kv_layout_t good{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
   struct Case {
     const char* field;
     ctxcache_kv_layout_t layout;
@@ -241,9 +241,9 @@ TEST_F(CApiTest, BadLayoutsAreRefusedAndNothingIsWritten) {
   }
   // The server's frame limit: refused by FetchKV, naming the field.
   Err frame;
-  EXPECT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 0, 64u << 20, &good, nullptr,
-                             &frame.msg),
-            3);
+  EXPECT_EQ(
+      ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 0, 64u << 20, &good, nullptr, &frame.msg),
+      3);
   EXPECT_NE(frame.str().find("frame_bytes"), std::string::npos) << frame.str();
   for (size_t i = 0; i < elems; ++i) ASSERT_EQ(k[i], 0xABAB) << i;
   Err e;
@@ -264,9 +264,9 @@ TEST_F(CApiTest, FetchPagesAndIndex) {
   const size_t page_bytes = 2 * 16 * ctx_.head_dim * 2;
   std::vector<char> out(3 * page_bytes, 0);
   Err e;
-  ASSERT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(), out.size(),
-                                 &e.msg),
-            0)
+  ASSERT_EQ(
+      ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(), out.size(), &e.msg),
+      0)
       << e.str();
   // The same bytes as a bulk load of layer 1.
   const size_t elems = size_t{ctx_.n_kv_heads} * kTokens * ctx_.head_dim;
@@ -284,8 +284,8 @@ TEST_F(CApiTest, FetchPagesAndIndex) {
     EXPECT_EQ(std::memcmp(out.data() + i * page_bytes + n * row, vb, n * row), 0) << i;
   }
   Err small;
-  EXPECT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(),
-                                 out.size() - 1, &small.msg),
+  EXPECT_EQ(ctxcache_fetch_pages(conn_->c, id_.c_str(), 1, 1, blocks, 3, out.data(), out.size() - 1,
+                                 &small.msg),
             3);
   EXPECT_NE(small.str().find("out_capacity"), std::string::npos) << small.str();
 
@@ -341,9 +341,9 @@ TEST(CApiConnectTest, BadOptionsAndUnreachableServer) {
   ASSERT_EQ(ctxcache_connect(o, &c, &e2.msg), 0) << e2.str();
   ctxcache_context_t info{};
   Err e3;
-  EXPECT_EQ(ctxcache_get_context(c, "00112233445566778899aabbccddeeff", &info, nullptr, nullptr,
-                                 &e3.msg),
-            14);
+  EXPECT_EQ(
+      ctxcache_get_context(c, "00112233445566778899aabbccddeeff", &info, nullptr, nullptr, &e3.msg),
+      14);
   ctxcache_client_destroy(c);
   ctxcache_options_destroy(o);
 }

@@ -44,6 +44,7 @@ std::string ServerConfig::ToToml() const {
      << "audit-log = " << q(audit_log) << "\n"
      << "metrics-token-file = " << q(metrics_token_file) << "\n"
      << "max-streams-per-connection = " << max_streams_per_connection << "\n"
+     << "shm-socket = " << q(shm_socket) << "\n"
      << "cluster = " << q(cluster) << "\n"
      << "node-id = " << q(node_id) << "\n"
      << "advertise-addr = " << q(advertise_addr) << "\n"
@@ -137,6 +138,9 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   app.add_option("--audit-log", c.audit_log, "Audit log file ('' = the server log)");
   app.add_option("--metrics-token-file", c.metrics_token_file,
                  "Bearer token the metrics endpoint requires");
+  app.add_option("--shm-socket", c.shm_socket,
+                 "Unix socket for MapKV's shared-memory segments ('' = <data-dir>/shm.sock, "
+                 "off = no MapKV)");
   app.add_option("--max-streams-per-connection", c.max_streams_per_connection,
                  "Concurrent calls per client connection")
       ->check(CLI::Range(1u, 100000u))

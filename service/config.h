@@ -25,6 +25,10 @@ struct ServerConfig {
   std::string model_dir = "./models";
   // Model used when a request names none.
   std::string default_model = "ctxcache-ref";
+  // Unix socket that hands MapKV's shared-memory segments to workers on
+  // this host (service/shm_broker.h). "" = <data_dir>/shm.sock; "off"
+  // disables MapKV. Default: "".
+  std::string shm_socket;
   // If non-empty, once serving, write the bound gRPC port (line 1) and
   // metrics port (line 2) here (for scripts and tests).
   std::string port_file;

@@ -4,6 +4,9 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
 #include <thread>
 
 #include "auth/principal.h"
@@ -25,6 +28,26 @@ int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// A bulk request's layers: `requested` in order, or all ascending when
+// empty. INVALID_ARGUMENT naming `layers` for one out of range or repeated.
+StatusOr<std::vector<uint32_t>> LayerList(
+    const google::protobuf::RepeatedField<uint32_t>& requested, uint32_t n_layers) {
+  std::vector<uint32_t> layers(requested.begin(), requested.end());
+  if (layers.empty()) {
+    for (uint32_t l = 0; l < n_layers; ++l) layers.push_back(l);
+  }
+  std::vector<bool> seen(n_layers, false);
+  for (uint32_t l : layers) {
+    if (l >= n_layers) {
+      return InvalidArgumentError("layers: " + std::to_string(l) + " out of range [0, " +
+                                  std::to_string(n_layers) + ")");
+    }
+    if (seen[l]) return InvalidArgumentError("layers: " + std::to_string(l) + " given twice");
+    seen[l] = true;
+  }
+  return layers;
 }
 
 v1::DecodeResponse ErrorResponse(uint64_t request_id, const Status& s) {
@@ -564,29 +587,15 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
     if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
-    const uint32_t n_layers = (*reader)->manifest().model().n_layers();
-    std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
-    if (layers.empty()) {
-      for (uint32_t l = 0; l < n_layers; ++l) layers.push_back(l);
-    }
-    std::vector<bool> seen(n_layers, false);
-    for (uint32_t l : layers) {
-      if (l >= n_layers || seen[l]) {
-        return rpc.Finish(grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            "layers: " + std::to_string(l) +
-                (l >= n_layers ? " out of range [0, " + std::to_string(n_layers) + ")"
-                               : " given twice")));
-      }
-      seen[l] = true;
-    }
+    auto layers = LayerList(request->layers(), (*reader)->manifest().model().n_layers());
+    if (!layers.ok()) return rpc.Finish(ToGrpc(layers.status()));
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                    "Stored page bytes read for decode sessions");
     KVFrameOptions options;
     if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
     options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
-    KVFrameReader frames(reader->get(), std::move(layers), std::move(options));
+    KVFrameReader frames(reader->get(), std::move(*layers), std::move(options));
     v1::KVFrame frame;
     while (frames.Next(&frame)) {
       if (context->IsCancelled()) {
@@ -597,6 +606,121 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
       }
     }
     return rpc.Finish(ToGrpc(frames.status()));
+  });
+}
+
+grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
+                                      const v1::MapKVRequest* request,
+                                      grpc::ServerWriter<v1::MapKVProgress>* writer) {
+  return Guarded(ctx_, "MapKV", [&]() -> grpc::Status {
+    RpcScope rpc(ctx_, context, "MapKV", auth::Action::kRead);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    auto id = ParseContextId(request->context_id());
+    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!ctx_->shm) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                     "MapKV is off on this server (--shm-socket off); use FetchKV"));
+    }
+    grpc::Status refuse;
+    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
+      return rpc.Finish(grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          "context " + request->context_id() + " is served by " + *target +
+              ": MapKV shares memory on the serving node's own host; use FetchKV"));
+    }
+    if (!refuse.ok()) return rpc.Finish(refuse);
+    auto reader =
+        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
+    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    const v1::ContextManifest& m = (*reader)->manifest();
+    auto layers = LayerList(request->layers(), m.model().n_layers());
+    if (!layers.ok()) return rpc.Finish(ToGrpc(layers.status()));
+    const KVSegmentLayout layout = DenseKVSegmentLayout(m);
+    const uint64_t size = layers->size() * layout.layer_stride;
+    ShmSegment segment;
+    if (Status s = segment.Create(size); !s.ok()) return rpc.Finish(ToGrpc(s));
+    const std::string token = ctx_->shm->Offer(segment.ReleaseFd());
+    struct Withdraw {
+      ShmBroker* broker;
+      const std::string& token;
+      ~Withdraw() { broker->Withdraw(token); }
+    } withdraw{ctx_->shm.get(), token};
+
+    v1::MapKVProgress first;
+    v1::KVSegment* seg = first.mutable_segment();
+    seg->set_socket_path(ctx_->shm->path());
+    seg->set_token(token);
+    seg->set_size(size);
+    seg->set_layer_stride(layout.layer_stride);
+    seg->set_head_stride(layout.head_stride);
+    seg->set_token_stride(layout.token_stride);
+    seg->set_v_offset(layout.v_offset);
+    seg->set_dtype(m.model().kv_dtype());
+    seg->set_n_tokens(m.n_tokens());
+    seg->set_n_kv_heads(m.model().n_kv_heads());
+    seg->set_head_dim(m.model().head_dim());
+    if (!writer->Write(first)) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+    }
+
+    // Fill on a thread of its own (which runs up to 8 layers at a time);
+    // this thread reports each layer as it lands.
+    Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
+                                                   "Stored page bytes read for decode sessions");
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<uint32_t> ready;  // guarded by mu
+    bool filled = false;         // guarded by mu
+    std::atomic<bool> stop{false};
+    Status fill_status;
+    std::thread filler([&] {
+      Status s = FillKVSegment(
+          reader->get(), *layers, layout, segment.data(),
+          static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency()))),
+          [&](uint32_t layer) {
+            std::lock_guard<std::mutex> l(mu);
+            ready.push_back(layer);
+            cv.notify_all();
+          },
+          [&] { return stop.load(); },
+          [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); });
+      std::lock_guard<std::mutex> l(mu);
+      fill_status = s;
+      filled = true;
+      cv.notify_all();
+    });
+    bool client_gone = false;
+    for (;;) {
+      std::unique_lock<std::mutex> l(mu);
+      cv.wait_for(l, std::chrono::milliseconds(100), [&] { return !ready.empty() || filled; });
+      if (ready.empty() && filled) break;
+      std::deque<uint32_t> batch;
+      batch.swap(ready);
+      l.unlock();
+      if (context->IsCancelled()) client_gone = true;
+      for (uint32_t layer : batch) {
+        v1::MapKVProgress p;
+        p.set_layer_ready(layer);
+        if (!client_gone && !writer->Write(p)) client_gone = true;
+      }
+      if (client_gone) stop = true;
+    }
+    filler.join();
+    if (client_gone) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+    }
+    if (!fill_status.ok()) return rpc.Finish(ToGrpc(fill_status));
+    // The call ends once the client holds the segment (or gives up).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    if (!ctx_->shm->WaitRedeemed(token, [&] {
+          return context->IsCancelled() || std::chrono::steady_clock::now() > deadline;
+        })) {
+      return rpc.Finish(grpc::Status(
+          grpc::StatusCode::DEADLINE_EXCEEDED,
+          "MapKV: the segment was not taken from " + ctx_->shm->path() + " within 60 s"));
+    }
+    return rpc.Finish(grpc::Status::OK);
   });
 }
 

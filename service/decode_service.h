@@ -31,6 +31,8 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
                           grpc::ServerWriter<v1::PageBatch>* writer) override;
   grpc::Status FetchKV(grpc::ServerContext* context, const v1::FetchKVRequest* request,
                        grpc::ServerWriter<v1::KVFrame>* writer) override;
+  grpc::Status MapKV(grpc::ServerContext* context, const v1::MapKVRequest* request,
+                     grpc::ServerWriter<v1::MapKVProgress>* writer) override;
   grpc::Status WatchContexts(grpc::ServerContext* context, const v1::WatchRequest* request,
                              grpc::ServerWriter<v1::ContextEvent>* writer) override;
 

@@ -1,6 +1,8 @@
 #include "service/kv_frames.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <numeric>
 
 #include "proto/dtype_convert.h"
@@ -90,6 +92,73 @@ void KVFrameReader::Produce() {
     done_ = true;
   }
   cv_.notify_all();
+}
+
+KVSegmentLayout DenseKVSegmentLayout(const v1::ContextManifest& m) {
+  auto dtype = FromProtoDType(m.model().kv_dtype());
+  KVSegmentLayout l;
+  l.token_stride = uint64_t{m.model().head_dim()} * (dtype.ok() ? DTypeSize(*dtype) : 4);
+  l.head_stride = l.token_stride * m.n_tokens();
+  l.v_offset = l.head_stride * m.model().n_kv_heads();
+  l.layer_stride = 2 * l.v_offset;
+  return l;
+}
+
+Status FillKVSegment(const storage::ContextReader* reader, const std::vector<uint32_t>& layers,
+                     const KVSegmentLayout& layout, uint8_t* base, int threads,
+                     const std::function<void(uint32_t)>& on_layer_ready,
+                     const std::function<bool()>& stop,
+                     const std::function<void(uint64_t)>& on_bytes_read) {
+  const v1::ContextManifest& m = reader->manifest();
+  const uint32_t n_blocks = reader->n_blocks();
+  const uint64_t block_tokens = m.block_tokens();
+  constexpr uint32_t kPagesPerRead = 512;
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  Status first;  // guarded by mu
+  auto failed = [&] {
+    std::lock_guard<std::mutex> l(mu);
+    return !first.ok();
+  };
+  auto work = [&] {
+    storage::PageBatch batch;
+    std::vector<uint32_t> blocks;
+    for (size_t slot = next++; slot < layers.size(); slot = next++) {
+      const uint32_t layer = layers[slot];
+      Status s;
+      for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok(); ++h) {
+        uint8_t* k_head = base + slot * layout.layer_stride + h * layout.head_stride;
+        for (uint32_t b0 = 0; b0 < n_blocks && s.ok(); b0 += kPagesPerRead) {
+          if (stop() || failed()) return;
+          blocks.resize(std::min(kPagesPerRead, n_blocks - b0));
+          std::iota(blocks.begin(), blocks.end(), b0);
+          s = reader->ReadPages(layer, h, blocks, &batch);
+          if (!s.ok()) break;
+          if (on_bytes_read) on_bytes_read(batch.stored_bytes);
+          for (size_t i = 0; i < batch.size(); ++i) {
+            const size_t half = size_t{batch.n_tokens[i]} * layout.token_stride;
+            uint8_t* k = k_head + batch.blocks[i] * block_tokens * layout.token_stride;
+            std::memcpy(k, batch.K(i), half);
+            std::memcpy(k + layout.v_offset, batch.V(i), half);
+          }
+        }
+      }
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> l(mu);
+        if (first.ok()) first = s;
+        return;
+      }
+      on_layer_ready(layer);
+    }
+  };
+  const int n = std::clamp(threads, 1, static_cast<int>(std::max<size_t>(1, layers.size())));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < n; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  std::lock_guard<std::mutex> l(mu);
+  if (first.ok() && stop()) return CancelledError("MapKV: the client went away");
+  return first;
 }
 
 }  // namespace ctxcache::service

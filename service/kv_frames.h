@@ -7,8 +7,12 @@
 // they are read (storage/context_reader.h); the stored crc travels with the
 // page, so the client checks the same value end to end.
 //
+// FillKVSegment copies the same pages into a dense memory segment instead
+// (MapKV's shared memory).
+//
 // Thread-safety: one consumer thread calls Next; the reader owns its
 // producer thread and joins it in the destructor (which also stops it early).
+// FillKVSegment is reentrant.
 #pragma once
 
 #include <condition_variable>
@@ -67,5 +71,27 @@ class KVFrameReader {
   Status status_;                  // guarded by mu_
   std::thread producer_;
 };
+
+// Where each element goes in a KV segment: K of (layer slot i, kv head h,
+// token t) at i * layer_stride + h * head_stride + t * token_stride, V at
+// the same plus v_offset (bytes). Dense: [slot][K then V][kv head][token][dim].
+struct KVSegmentLayout {
+  uint64_t layer_stride = 0;
+  uint64_t head_stride = 0;
+  uint64_t token_stride = 0;
+  uint64_t v_offset = 0;
+};
+KVSegmentLayout DenseKVSegmentLayout(const v1::ContextManifest& m);
+
+// Copies every page of `layers` (valid layer numbers, slot order) into
+// `base` (at least layers.size() * layout.layer_stride bytes) at `layout`,
+// up to `threads` layers at a time. Calls on_layer_ready(layer) from the
+// filling threads as each layer completes; stops early (CANCELLED) once
+// stop() returns true. Returns the first read error (e.g. DATA_LOSS).
+Status FillKVSegment(const storage::ContextReader* reader, const std::vector<uint32_t>& layers,
+                     const KVSegmentLayout& layout, uint8_t* base, int threads,
+                     const std::function<void(uint32_t)>& on_layer_ready,
+                     const std::function<bool()>& stop,
+                     const std::function<void(uint64_t)>& on_bytes_read);
 
 }  // namespace ctxcache::service

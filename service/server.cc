@@ -148,6 +148,19 @@ class ServerImpl {
 
     RegisterProcessMetrics();
 
+    if (c.shm_socket != "off") {
+      const std::string path =
+          c.shm_socket.empty() ? c.data_dir + "/shm.sock" : c.shm_socket;
+      auto broker = ShmBroker::Start(path);
+      if (!broker.ok()) {
+        if (!c.shm_socket.empty()) return broker.status();
+        spdlog::warn("MapKV off: {} (set --shm-socket to a shorter path)",
+                     broker.status().ToString());
+      } else {
+        ctx_.shm = std::move(*broker);
+      }
+    }
+
     admin_ = std::make_unique<AdminServiceImpl>(&ctx_);
     decode_ = std::make_unique<DecodeServiceImpl>(&ctx_);
     cluster_ = std::make_unique<ClusterServiceImpl>(&ctx_);
@@ -205,12 +218,13 @@ class ServerImpl {
     }
     spdlog::info(
         "serving gRPC on port {} (ContextAdmin, DecodeService, health{}) over {}{}; "
-        "authentication {}; metrics on {}{}",
+        "authentication {}; metrics on {}{}; MapKV segments on {}",
         port_, c.reflection ? ", reflection" : "", c.tls_cert.empty() ? "plaintext" : "TLS",
         c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
         ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
         metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",
-        metrics_token.empty() ? "" : " (bearer token required)");
+        metrics_token.empty() ? "" : " (bearer token required)",
+        ctx_.shm ? ctx_.shm->path() : std::string("(off)"));
     return Status::OK();
   }
 
@@ -252,6 +266,7 @@ class ServerImpl {
     admin_.reset();
     decode_.reset();
     cluster_.reset();
+    ctx_.shm.reset();
     ctx_.cluster.reset();
     ctx_.store.reset();  // closes RocksDB
     spdlog::info("store closed");

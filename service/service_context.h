@@ -17,6 +17,7 @@
 #include "service/model_registry.h"
 #include "service/quotas.h"
 #include "service/session_memory.h"
+#include "service/shm_broker.h"
 #include "storage/store.h"
 
 namespace ctxcache::service {
@@ -53,6 +54,8 @@ struct ServiceContext {
                        "context and method) plus each session's own state")};
   SharedIndexCache indexes{&session_memory};
   SharedPageCache pages{config.page_cache_mb << 20};
+  // MapKV's segment hand-over (null with --shm-socket off).
+  std::unique_ptr<ShmBroker> shm;
 };
 
 }  // namespace ctxcache::service

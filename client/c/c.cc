@@ -25,6 +25,9 @@ struct ctxcache_client_t {
 struct ctxcache_load_t {
   std::unique_ptr<cc::KVLoad> load;
 };
+struct ctxcache_map_t {
+  std::unique_ptr<cc::KVMapping> map;
+};
 struct ctxcache_index_t {
   std::map<std::pair<uint32_t, uint32_t>, std::string> artifacts;
 };
@@ -208,6 +211,46 @@ int ctxcache_load_kv(ctxcache_client_t* c, const char* context_id, const uint32_
   ctxcache_load_destroy(load);
   return code;
 }
+
+int ctxcache_map_kv_start(ctxcache_client_t* c, const char* context_id, const uint32_t* layers,
+                          size_t n_layers, ctxcache_map_t** out, char** errptr) {
+  if (c == nullptr || context_id == nullptr || out == nullptr) {
+    return Invalid("client, context_id and out must not be NULL", errptr);
+  }
+  if (n_layers > 0 && layers == nullptr) return Invalid("layers: NULL with n_layers > 0", errptr);
+  *out = nullptr;
+  std::vector<uint32_t> l;
+  if (n_layers > 0) l.assign(layers, layers + n_layers);
+  auto map = c->client->MapKV(context_id, l);
+  if (!map.ok()) return Report(map.status(), errptr);
+  *out = new ctxcache_map_t{std::move(*map)};
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_map_wait_layer(ctxcache_map_t* m, uint32_t layer, char** errptr) {
+  return Report(m->map->WaitLayer(layer), errptr);
+}
+int ctxcache_map_wait(ctxcache_map_t* m, char** errptr) { return Report(m->map->Wait(), errptr); }
+
+void ctxcache_map_get(const ctxcache_map_t* m, const void** data, uint64_t* size,
+                      ctxcache_map_layout_t* layout) {
+  const cc::KVMapLayout& l = m->map->layout();
+  if (data != nullptr) *data = m->map->data();
+  if (size != nullptr) *size = m->map->size();
+  if (layout != nullptr) {
+    layout->layer_stride = l.layer_stride;
+    layout->head_stride = l.head_stride;
+    layout->token_stride = l.token_stride;
+    layout->v_offset = l.v_offset;
+    layout->n_tokens = l.n_tokens;
+    layout->n_kv_heads = l.n_kv_heads;
+    layout->head_dim = l.head_dim;
+    layout->n_slots = static_cast<uint32_t>(l.layers.size());
+    layout->dtype = static_cast<int32_t>(l.dtype);
+  }
+}
+
+void ctxcache_map_destroy(ctxcache_map_t* m) { delete m; }
 
 int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id, uint32_t layer,
                          uint32_t kv_head, const uint32_t* blocks, size_t n_blocks, void* out,

@@ -12,6 +12,7 @@
 
 #include "client/sdk/channel.h"
 #include "client/sdk/kv_load.h"
+#include "client/sdk/kv_map.h"
 #include "client/sdk/retry.h"
 #include "client/sdk/routing_client.h"
 #include "client/sdk/sessions.h"
@@ -237,6 +238,11 @@ class ClientImpl final : public Client {
                                    std::lock_guard<std::mutex> l(bulk_mu_);
                                    return bulk_[i].get();
                                  });
+  }
+
+  StatusOr<std::unique_ptr<KVMapping>> MapKV(const std::string& context_id,
+                                             const std::vector<uint32_t>& layers) override {
+    return internal::OpenKVMapping(options_, decode_.get(), context_id, layers);
   }
 
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {

@@ -225,6 +225,11 @@ class RoutingClient final : public Client {
     return OnContext<std::unique_ptr<KVLoad>>(
         id, [&](Client* c) { return c->StartLoadKV(id, options, layout); });
   }
+  StatusOr<std::unique_ptr<KVMapping>> MapKV(const std::string& id,
+                                             const std::vector<uint32_t>& layers) override {
+    return OnContext<std::unique_ptr<KVMapping>>(id,
+                                                 [&](Client* c) { return c->MapKV(id, layers); });
+  }
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
     auto s = std::make_unique<FailoverSession>(this, options);
     RETURN_IF_ERROR(s->Reopen(""));

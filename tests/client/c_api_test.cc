@@ -5,10 +5,16 @@
 // page is DATA_LOSS; index and page fetches. Only the C ABI is used: the
 // library carries its own copy of the SDK and the generated messages.
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ctxcache/c.h"
@@ -306,6 +312,130 @@ TEST_F(CApiTest, FetchPagesAndIndex) {
   Err unknown;
   EXPECT_EQ(ctxcache_fetch_index(conn_->c, id_.c_str(), "nope", &index, &unknown.msg), 3);
   EXPECT_NE(unknown.str().find("nope"), std::string::npos) << unknown.str();
+}
+
+// Open fds of process `pid` that are MapKV segments.
+int SegmentFds(pid_t pid) {
+  int n = 0;
+  for (const auto& e :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(e.path(), ec);
+    if (!ec && target.string().find("memfd:ctxcache-kv") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Mappings of MapKV segments in this process.
+int SegmentMappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) n += line.find("memfd:ctxcache-kv") != std::string::npos;
+  return n;
+}
+
+TEST_F(CApiTest, MapKVEqualsLoadAndLeavesNothingBehind) {
+  const size_t elems = size_t{ctx_.n_layers} * ctx_.n_kv_heads * kTokens * ctx_.head_dim;
+  std::vector<uint16_t> k(elems), v(elems);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  Err e;
+  ASSERT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 0, 0, &layout, nullptr, &e.msg), 0)
+      << e.str();
+  ctxcache_map_t* map = nullptr;
+  ASSERT_EQ(ctxcache_map_kv_start(conn_->c, id_.c_str(), nullptr, 0, &map, &e.msg), 0) << e.str();
+  EXPECT_EQ(SegmentMappings(), 1);
+  ASSERT_EQ(ctxcache_map_wait_layer(map, 1, &e.msg), 0) << e.str();
+  ASSERT_EQ(ctxcache_map_wait(map, &e.msg), 0) << e.str();
+  const void* data = nullptr;
+  uint64_t size = 0;
+  ctxcache_map_layout_t ml{};
+  ctxcache_map_get(map, &data, &size, &ml);
+  const size_t layer_half = elems * 2 / ctx_.n_layers;  // K (or V) bytes of one layer
+  EXPECT_EQ(ml.n_slots, 2u);
+  EXPECT_EQ(ml.v_offset, layer_half);
+  EXPECT_EQ(ml.layer_stride, 2 * layer_half);
+  EXPECT_EQ(ml.token_stride, ctx_.head_dim * 2u);
+  EXPECT_EQ(ml.dtype, CTXCACHE_BF16);
+  ASSERT_EQ(size, 2 * elems * 2);
+  const char* base = static_cast<const char*>(data);
+  for (uint32_t slot = 0; slot < 2; ++slot) {
+    const char* kl = reinterpret_cast<const char*>(k.data()) + slot * layer_half;
+    const char* vl = reinterpret_cast<const char*>(v.data()) + slot * layer_half;
+    EXPECT_EQ(std::memcmp(base + slot * ml.layer_stride, kl, layer_half), 0) << slot;
+    EXPECT_EQ(std::memcmp(base + slot * ml.layer_stride + ml.v_offset, vl, layer_half), 0) << slot;
+  }
+  ctxcache_map_destroy(map);
+  // Unmapped here; the server keeps no fd once the segment was taken.
+  EXPECT_EQ(SegmentMappings(), 0);
+  // The broker closes its fd right after handing it over: wait a bounded
+  // number of steps for that close.
+  for (int i = 0; i < 500 && SegmentFds(server_.pid()) > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(SegmentFds(server_.pid()), 0);
+
+  // One layer; another is not mapped.
+  const uint32_t one[] = {1};
+  ASSERT_EQ(ctxcache_map_kv_start(conn_->c, id_.c_str(), one, 1, &map, &e.msg), 0) << e.str();
+  Err bad;
+  EXPECT_EQ(ctxcache_map_wait_layer(map, 0, &bad.msg), 3);
+  EXPECT_NE(bad.str().find("layer: 0"), std::string::npos) << bad.str();
+  ASSERT_EQ(ctxcache_map_wait(map, &e.msg), 0) << e.str();
+  ctxcache_map_get(map, &data, &size, &ml);
+  EXPECT_EQ(ml.n_slots, 1u);
+  EXPECT_EQ(std::memcmp(data, reinterpret_cast<const char*>(k.data()) + layer_half, layer_half), 0);
+  ctxcache_map_destroy(map);
+
+  Err unknown;
+  const uint32_t five[] = {5};
+  EXPECT_EQ(ctxcache_map_kv_start(conn_->c, id_.c_str(), five, 1, &map, &unknown.msg), 3);
+  EXPECT_NE(unknown.str().find("layers: 5 out of range"), std::string::npos) << unknown.str();
+}
+
+TEST_F(CApiTest, SegmentSocketRefusesUnknownTokens) {
+  const std::string path = tmp_.path() + "/data/shm.sock";
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  for (const std::string& token : {std::string(32, '0'), std::string("short")}) {
+    int s = socket(AF_UNIX, SOCK_STREAM, 0);
+    ASSERT_EQ(connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << path;
+    ASSERT_EQ(send(s, token.data(), token.size(), 0), static_cast<ssize_t>(token.size()));
+    if (token.size() < 32) shutdown(s, SHUT_WR);
+    char reply = 0;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    iovec iov{&reply, 1};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(s, &msg, 0);
+    close(s);
+    EXPECT_EQ(CMSG_FIRSTHDR(&msg), nullptr) << "an fd for token " << token;
+    if (token.size() == 32) {
+      EXPECT_EQ(n, 1);
+      EXPECT_EQ(reply, 'E');
+    } else {
+      EXPECT_EQ(n, 0);  // closed without a reply
+    }
+  }
+}
+
+TEST(CApiMapOffTest, MapKVOffIsFailedPrecondition) {
+  TempDir tmp;
+  ServerProcess server;
+  std::vector<std::string> args = ModelArgs();
+  args.insert(args.end(), {"--shm-socket", "off"});
+  ASSERT_TRUE(server.Start(tmp.path() + "/data", args)) << server.log();
+  Connected conn(server.address());
+  const std::string id = BuildRandom(conn.c, 40, 4);
+  ctxcache_map_t* map = nullptr;
+  Err e;
+  EXPECT_EQ(ctxcache_map_kv_start(conn.c, id.c_str(), nullptr, 0, &map, &e.msg), 9);
+  EXPECT_NE(e.str().find("--shm-socket off"), std::string::npos) << e.str();
+  EXPECT_FALSE(std::filesystem::exists(tmp.path() + "/data/shm.sock"));
 }
 
 TEST(CApiCorruptionTest, CorruptedPageIsDataLoss) {

@@ -34,6 +34,7 @@ typedef struct ctxcache_options_t ctxcache_options_t;
 typedef struct ctxcache_client_t ctxcache_client_t;
 typedef struct ctxcache_load_t ctxcache_load_t;
 typedef struct ctxcache_index_t ctxcache_index_t;
+typedef struct ctxcache_map_t ctxcache_map_t;
 
 /* Element types (ctxcache.v1.DType). */
 enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
@@ -149,6 +150,39 @@ CTXCACHE_EXPORT int ctxcache_load_kv(ctxcache_client_t* c, const char* context_i
                                      const uint32_t* layers, size_t n_layers, int streams,
                                      uint32_t frame_bytes, const ctxcache_kv_layout_t* layout,
                                      ctxcache_load_progress_t* progress, char** errptr);
+
+/* ---- same-host shared memory (MapKV) ----------------------------------- */
+
+/* Where a mapping holds each element (ctxcache/client.h KVMapLayout): K of
+ * (layer slot i, kv head h, token t) at i * layer_stride + h * head_stride +
+ * t * token_stride from the data pointer, V at the same plus v_offset. */
+typedef struct {
+  uint64_t layer_stride;
+  uint64_t head_stride;
+  uint64_t token_stride;
+  uint64_t v_offset;
+  uint64_t n_tokens;
+  uint32_t n_kv_heads;
+  uint32_t head_dim;
+  uint32_t n_slots;
+  int32_t dtype;
+} ctxcache_map_layout_t;
+
+/* Maps layers[0..n_layers) (0 = all) of a context read-only into this
+ * process from a shared-memory segment the server fills (no byte crosses
+ * gRPC); returns once mapped, while the fill goes on. UNAVAILABLE when the
+ * server's socket is not reachable from here (another host: use
+ * ctxcache_load_kv). */
+CTXCACHE_EXPORT int ctxcache_map_kv_start(ctxcache_client_t* c, const char* context_id,
+                                          const uint32_t* layers, size_t n_layers,
+                                          ctxcache_map_t** out, char** errptr);
+CTXCACHE_EXPORT int ctxcache_map_wait_layer(ctxcache_map_t* m, uint32_t layer, char** errptr);
+CTXCACHE_EXPORT int ctxcache_map_wait(ctxcache_map_t* m, char** errptr);
+/* The mapping's address, size and layout (valid until destroyed). */
+CTXCACHE_EXPORT void ctxcache_map_get(const ctxcache_map_t* m, const void** data, uint64_t* size,
+                                      ctxcache_map_layout_t* layout);
+/* Cancels a fill in progress and unmaps. */
+CTXCACHE_EXPORT void ctxcache_map_destroy(ctxcache_map_t* m);
 
 /* ---- pages and index ---------------------------------------------------- */
 

@@ -199,6 +199,39 @@ class KVLoad {
   virtual KVLoadProgress progress() const = 0;
 };
 
+// Where a KVMapping holds each element: K of (layer slot i, kv head h,
+// token t, dim j) at byte offset i * layer_stride + h * head_stride +
+// t * token_stride + j * element size from data(); V at the same plus
+// v_offset. Layer slot i is the i-th layer mapped.
+struct KVMapLayout {
+  uint64_t layer_stride = 0;
+  uint64_t head_stride = 0;
+  uint64_t token_stride = 0;
+  uint64_t v_offset = 0;
+  uint64_t n_tokens = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  v1::DType dtype = v1::DTYPE_BF16;
+  std::vector<uint32_t> layers;  // slot order
+};
+
+// A context's K and V in shared memory (Client::MapKV), mapped read-only
+// into this process; the server fills it layer by layer. Safe for
+// concurrent use. Destroying it cancels a fill in progress and unmaps (the
+// kernel frees the segment once no process maps it).
+class KVMapping {
+ public:
+  virtual ~KVMapping() = default;
+  // Blocks until `layer` (a context layer number) is in the segment, or the
+  // fill failed (its status). INVALID_ARGUMENT for a layer not mapped.
+  virtual Status WaitLayer(uint32_t layer) = 0;
+  // Blocks until every layer is in, or the first failure.
+  virtual Status Wait() = 0;
+  virtual const uint8_t* data() const = 0;
+  virtual uint64_t size() const = 0;
+  virtual const KVMapLayout& layout() const = 0;
+};
+
 class DecodeSession {
  public:
   virtual ~DecodeSession() = default;
@@ -277,6 +310,15 @@ class Client {
   virtual StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& context_id,
                                                         const KVLoadOptions& options,
                                                         const KVLayout& layout) = 0;
+  // Same-host bulk load (MapKV): the server copies the layers' K and V
+  // (`layers` in slot order; empty = all) into a shared-memory segment and
+  // hands it over its Unix socket; no byte crosses gRPC. Returns once the
+  // segment is mapped, while the server still fills it (WaitLayer).
+  // UNAVAILABLE when the server's socket cannot be reached (the worker is
+  // on another host: use StartLoadKV); FAILED_PRECONDITION when the server
+  // has MapKV off. One attempt, no retry.
+  virtual StatusOr<std::unique_ptr<KVMapping>> MapKV(const std::string& context_id,
+                                                     const std::vector<uint32_t>& layers) = 0;
   // StartLoadKV, then Wait. `progress` (may be null) gets the final counts.
   Status LoadKV(const std::string& context_id, const KVLoadOptions& options,
                 const KVLayout& layout, KVLoadProgress* progress = nullptr);

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ctxcache import errors
 
-__all__ = ["NativeClient", "KVLoad", "ContextShape", "library_path", "load_library"]
+__all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "library_path", "load_library"]
 
 ABI_VERSION = 1
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
@@ -55,6 +55,14 @@ class _Progress(ctypes.Structure):
     _fields_ = [("bytes_done", ctypes.c_uint64), ("bytes_total", ctypes.c_uint64),
                 ("layers_done", ctypes.c_uint32), ("layers_total", ctypes.c_uint32),
                 ("frames", ctypes.c_uint64), ("seconds", ctypes.c_double)]
+
+
+class _MapLayout(ctypes.Structure):
+    _fields_ = [("layer_stride", ctypes.c_uint64), ("head_stride", ctypes.c_uint64),
+                ("token_stride", ctypes.c_uint64), ("v_offset", ctypes.c_uint64),
+                ("n_tokens", ctypes.c_uint64), ("n_kv_heads", ctypes.c_uint32),
+                ("head_dim", ctypes.c_uint32), ("n_slots", ctypes.c_uint32),
+                ("dtype", ctypes.c_int32)]
 
 
 class ContextShape(NamedTuple):
@@ -131,6 +139,14 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_load_done": (I, [P]),
             "ctxcache_load_progress": (None, [P, ctypes.POINTER(_Progress)]),
             "ctxcache_load_destroy": (None, [P]),
+            "ctxcache_map_kv_start": (I, [P, S, ctypes.POINTER(U32), ctypes.c_size_t,
+                                          ctypes.POINTER(P), E]),
+            "ctxcache_map_wait_layer": (I, [P, U32, E]),
+            "ctxcache_map_wait": (I, [P, E]),
+            "ctxcache_map_get": (None, [P, ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_uint64),
+                                        ctypes.POINTER(_MapLayout)]),
+            "ctxcache_map_destroy": (None, [P]),
             "ctxcache_fetch_pages": (I, [P, S, U32, U32, ctypes.POINTER(U32), ctypes.c_size_t, P,
                                          ctypes.c_size_t, E]),
             "ctxcache_fetch_index": (I, [P, S, S, ctypes.POINTER(P), E]),
@@ -268,6 +284,66 @@ class KVLoad:
         self.close()
 
 
+class KVMap:
+    """A context's K and V in a shared-memory segment the server fills
+    (:meth:`NativeClient.map_kv`), mapped read-only into this process.
+
+    :meth:`array` is a numpy view ``[slots, 2 (K, V), kv heads, tokens,
+    head_dim]`` of the segment (bf16 as uint16), without a copy; ``address``
+    and ``size`` let the caller register it with CUDA (``cudaHostRegister``
+    with the read-only flag) for fast copies to the GPU. Closing (or garbage
+    collection) unmaps it; views taken from it must not be used after that.
+    """
+
+    def __init__(self, handle: int) -> None:
+        self._h = ctypes.c_void_p(handle)
+        data, size, layout = ctypes.c_void_p(), ctypes.c_uint64(), _MapLayout()
+        _lib.ctxcache_map_get(self._h, ctypes.byref(data), ctypes.byref(size),  # type: ignore
+                              ctypes.byref(layout))
+        self.address = int(data.value or 0)
+        self.size = int(size.value)
+        self.layout = {f: getattr(layout, f) for f, _ in _MapLayout._fields_}
+        self.dtype = _DTYPE_NAMES.get(layout.dtype, str(layout.dtype))
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until ``layer`` (a context layer number) is in the segment."""
+        _call("MapKV", _lib.ctxcache_map_wait_layer, self._h, int(layer))  # type: ignore
+
+    def wait(self) -> None:
+        _call("MapKV", _lib.ctxcache_map_wait, self._h)  # type: ignore[union-attr]
+
+    def array(self) -> Any:
+        import numpy as np
+        lay = self.layout
+        item = _ITEMSIZE[_DTYPES[self.dtype]]
+        buf = (ctypes.c_uint8 * self.size).from_address(self.address)
+        np_dtype = {1: np.float32, 2: np.float16, 3: np.uint16}[_DTYPES[self.dtype]]
+        a = np.lib.stride_tricks.as_strided(
+            np.frombuffer(buf, dtype=np_dtype),
+            shape=(lay["n_slots"], 2, lay["n_kv_heads"], lay["n_tokens"], lay["head_dim"]),
+            strides=(lay["layer_stride"], lay["v_offset"], lay["head_stride"],
+                     lay["token_stride"], item))
+        a.flags.writeable = False
+        return a
+
+    def close(self) -> None:
+        if self._h:
+            _lib.ctxcache_map_destroy(self._h)  # type: ignore[union-attr]
+            self._h = ctypes.c_void_p()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "KVMap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class NativeClient:
     """A connection to ctxcached through the native library.
 
@@ -363,6 +439,19 @@ class NativeClient:
         """:meth:`start_load_kv`, then wait; returns the load's progress."""
         with self.start_load_kv(context_id, k, v, layers, streams, frame_bytes) as load:
             return load.wait()
+
+    def map_kv(self, context_id: str, layers: Optional[Sequence[int]] = None) -> KVMap:
+        """Same-host bulk load: the server copies the K and V of ``layers``
+        (default all) into a shared-memory segment and hands it to this
+        process (no byte crosses gRPC). Returns once mapped, while the server
+        fills it; :meth:`KVMap.wait_layer` waits for a layer.
+        :class:`ctxcache.Unavailable` when the server's socket is not
+        reachable (another host: use :meth:`load_kv`)."""
+        arr = _u32_array(list(layers or []))
+        h = ctypes.c_void_p()
+        _call("MapKV", _lib.ctxcache_map_kv_start, self._h,  # type: ignore[union-attr]
+              context_id.encode(), arr, len(layers or []), ctypes.byref(h))
+        return KVMap(h.value or 0)
 
     def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
         """A method's serialized artifacts by (layer, kv head), crc32c-checked."""

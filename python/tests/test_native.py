@@ -5,7 +5,12 @@ buffers are refused naming the field with nothing written; a corrupted page
 is DataLoss; index fetches equal the gRPC client's."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,3 +153,72 @@ def test_corrupted_page_is_data_loss(make_server):
         k = np.zeros(s.kv_shape(), np.uint16)
         with pytest.raises(ctxcache.DataLoss, match="crc32c mismatch.*block 0"):
             c.load_kv(cid, k, k.copy())
+
+
+def segment_fds(pid: int) -> int:
+    """Open fds of process ``pid`` that are MapKV segments."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += "memfd:ctxcache-kv" in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def test_map_kv_equals_load(nc, built):
+    s = nc.context(built.context_id)
+    k = np.zeros(s.kv_shape(), np.uint16)
+    v = np.zeros_like(k)
+    nc.load_kv(built.context_id, k, v)
+    with nc.map_kv(built.context_id) as m:
+        m.wait()
+        a = m.array()
+        assert a.shape == (2, 2) + s.kv_shape()[1:] and not a.flags.writeable
+        np.testing.assert_array_equal(a[:, 0], k)
+        np.testing.assert_array_equal(a[:, 1], v)
+    with nc.map_kv(built.context_id, layers=[1]) as m:
+        m.wait_layer(1)
+        np.testing.assert_array_equal(m.array()[0, 0], k[1])
+        with pytest.raises(ctxcache.InvalidArgument, match="layer: 0"):
+            m.wait_layer(0)
+
+
+WORKER = r"""
+import sys, grpc
+from ctxcache import client as cl
+from ctxcache.v1 import ctxcache_service_pb2 as pb
+ch = grpc.insecure_channel(sys.argv[1])
+stub = cl._make_stub(ch, "DecodeService")
+call = stub.MapKV(pb.MapKVRequest(context_id=sys.argv[2]))
+first = next(call)
+print(first.segment.token, flush=True)
+sys.stdin.read()  # never redeems; killed here
+"""
+
+
+def test_killed_worker_leaves_no_segment_behind(server, built):
+    """A worker that asked for a segment and died before taking it: the
+    server drops the segment when the call breaks; an unknown token gets
+    nothing."""
+    pid = server.proc.pid
+    before = segment_fds(pid)
+    w = subprocess.Popen([sys.executable, "-c", WORKER, server.address, built.context_id],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    token = w.stdout.readline().strip()
+    assert len(token) == 32
+    assert segment_fds(pid) == before + 1  # offered, waiting to be taken
+    w.kill()
+    w.wait()
+    for _ in range(1000):  # bounded: the server notices the broken call
+        if segment_fds(pid) == before:
+            break
+        time.sleep(0.01)
+    assert segment_fds(pid) == before
+    # The token died with the call.
+    path = os.path.join(server.data_dir, "shm.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(token.encode())
+        msg, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(4))
+        assert msg == b"E" and not anc

@@ -41,6 +41,7 @@ def secured(pki: str, ctxcached_bin: str, model_dir: str, tmp_root: str):
         "a-builder": create_key(cli, keys_file, "builder", "a"),
         "a-reader": create_key(cli, keys_file, "reader", "a"),
         "b-builder": create_key(cli, keys_file, "builder", "b"),
+        "b-reader": create_key(cli, keys_file, "reader", "b"),
     }
     subprocess.run([cli, "keys", "map-cert", "--keys-file", keys_file, "--cn", "worker-a",
                     "--tenant", "a", "--role", "reader"], check=True, capture_output=True)
@@ -121,9 +122,21 @@ def test_native_library_speaks_tls_keys_and_tenants(secured) -> None:
         v = np.zeros_like(k)
         ar.load_kv(info.context_id, k, v)
         assert k.any() and v.any()
+        # The same-host segment: only through the RPC that this key may make.
+        with ar.map_kv(info.context_id) as m:
+            m.wait()
+            np.testing.assert_array_equal(m.array()[:, 0], k)
     with native.NativeClient(s.address, tls_ca=ca, api_key=keys["b-builder"], **cert) as bb:
         with pytest.raises(errors.PermissionDenied):
             bb.context(info.context_id)
+        with pytest.raises(errors.PermissionDenied):
+            bb.map_kv(info.context_id)
+    # Another tenant's reader cannot tell a's context exists, let alone map it.
+    with native.NativeClient(s.address, tls_ca=ca, api_key=keys["b-reader"], **cert) as br:
+        with pytest.raises(errors.NotFound):
+            br.map_kv(info.context_id)
+        with pytest.raises(errors.NotFound):
+            br.load_kv(info.context_id, k, v)
     with native.NativeClient(s.address, max_attempts=1, timeout=3) as plain:
         with pytest.raises(errors.Unavailable):
             plain.context(info.context_id)

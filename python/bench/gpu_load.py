@@ -19,13 +19,18 @@ Llama-3-8B shape with random bf16 weights, or an HF checkpoint directory):
    copied to the GPU as soon as it lands (``wait_layer``), then one decode
    step with the model's own SDPA (flash) attention over the KV; against (2);
 7. time to first token from the worker's pinned host tier: the context
-   already loaded there (by 4-6), copied to the GPU, then one decode step.
+   already loaded there (by 4-6), copied to the GPU, then one decode step;
+8. the same host through shared memory (MapKV): the server fills a memfd
+   segment this process maps; each layer copied to the GPU as it lands,
+   from pageable memory and from the mapping registered with CUDA; the fill
+   rate alone.
 
 Prints JSON (and writes ``--out``).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import signal
@@ -242,6 +247,58 @@ def run_case(a, spec: str, res: dict) -> None:
                                                                case["host_tier_ttft_2_s"])
         log(f"TTFT from the pinned host tier: {case['host_tier_ttft_2_s']:.3f} s "
             f"({case['host_tier_speedup_vs_prefill']:.1f}x the prefill)")
+        # Same host through shared memory (MapKV): the server fills a segment
+        # this process maps; each layer goes to the GPU as it lands, from the
+        # mapping registered with CUDA (pinned) or, without, staged (pageable).
+        for attempt, register in (("pageable", False), ("registered", True),
+                                  ("registered2", True)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with nc.map_kv(info.context_id) as m:
+                t_mapped = time.perf_counter() - t
+                raw = torch.frombuffer((ctypes.c_uint8 * m.size).from_address(m.address),
+                                       dtype=torch.uint8)
+                ls, vo = m.layout["layer_stride"], m.layout["v_offset"]
+                kv_shape = (shape.n_kv_heads, n, shape.head_dim)
+                registered = []
+                for layer in range(shape.n_layers):
+                    m.wait_layer(layer)
+                    base = layer * ls
+                    if register:
+                        rc = torch.cuda.cudart().cudaHostRegister(m.address + base, ls, 8)
+                        if int(rc) == 0:
+                            registered.append(m.address + base)
+                    gk[layer, 0].copy_(raw[base:base + vo].view(torch.bfloat16).view(kv_shape),
+                                       non_blocking=True)
+                    gv[layer, 0].copy_(raw[base + vo:base + ls].view(torch.bfloat16)
+                                       .view(kv_shape), non_blocking=True)
+                torch.cuda.synchronize()
+                on_gpu = time.perf_counter() - t
+                for addr in registered:
+                    torch.cuda.cudart().cudaHostUnregister(addr)
+                del raw
+            cache = DynamicCache()
+            for layer in range(shape.n_layers):
+                cache.update(gk[layer], gv[layer], layer)
+            first_step(model, cache, ids[-1], n)
+            torch.cuda.synchronize()
+            ttft = time.perf_counter() - t
+            del cache
+            case[f"shm_ttft_{attempt}_s"] = ttft
+            case[f"shm_{attempt}_on_gpu_s"] = on_gpu
+            case[f"shm_{attempt}_mapped_after_s"] = t_mapped
+            case[f"shm_{attempt}_registered_layers"] = len(registered)
+            log(f"TTFT through shared memory ({attempt}): {ttft:.3f} s (KV on the GPU after "
+                f"{on_gpu:.3f} s, {case['kv_gib'] * 2**30 / on_gpu / 1e9:.2f} GB/s); "
+                f"{prefill_s / ttft:.1f}x the prefill")
+        # The fill alone: segment bytes per second until the last layer is in.
+        t = time.perf_counter()
+        with nc.map_kv(info.context_id) as m:
+            m.wait()
+        case["shm_fill_gb_per_s"] = case["kv_gib"] * 2**30 / (time.perf_counter() - t) / 1e9
+        case["shm_ttft_speedup_vs_prefill"] = prefill_s / min(
+            case[f"shm_ttft_{a}_s"] for a in ("pageable", "registered", "registered2"))
+        log(f"shared-memory fill: {case['shm_fill_gb_per_s']:.2f} GB/s")
         nc.close()
         # Cold: restart the server (empty block cache) and drop the OS page cache.
         stop_server(proc)

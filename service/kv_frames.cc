@@ -1,9 +1,11 @@
 #include "service/kv_frames.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <numeric>
 
 #include "proto/dtype_convert.h"
 
@@ -48,8 +50,6 @@ void KVFrameReader::Produce() {
       2 * size_t{m.block_tokens()} * m.model().head_dim() * (dtype.ok() ? DTypeSize(*dtype) : 4);
   const uint32_t per_frame = static_cast<uint32_t>(
       std::clamp<size_t>(options_.frame_bytes / std::max<size_t>(1, page_bytes), 1, n_blocks));
-  storage::PageBatch batch;
-  std::vector<uint32_t> blocks;
   Status s;
   bool stopped = false;  // the consumer went away: read nothing more
   for (size_t li = 0; li < layers_.size() && s.ok() && !stopped; ++li) {
@@ -57,25 +57,29 @@ void KVFrameReader::Produce() {
     for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok() && !stopped; ++h) {
       for (uint32_t b0 = 0; b0 < n_blocks && s.ok() && !stopped; b0 += per_frame) {
         const uint32_t n = std::min(per_frame, n_blocks - b0);
-        blocks.resize(n);
-        std::iota(blocks.begin(), blocks.end(), b0);
-        s = reader_->ReadPages(layer, h, blocks, &batch);
-        if (!s.ok()) break;
-        if (options_.on_bytes_read) options_.on_bytes_read(batch.stored_bytes);
         v1::KVFrame frame;
         frame.set_layer(layer);
         frame.set_kv_head(h);
         frame.set_first_block(b0);
         frame.set_n_blocks(n);
-        frame.set_dtype(ToProtoDType(batch.dtype));
-        const uint32_t tokens = std::accumulate(batch.n_tokens.begin(), batch.n_tokens.end(), 0u);
+        frame.set_dtype(m.model().kv_dtype());
+        std::string* payload = frame.mutable_payload();
+        payload->reserve(size_t{n} * page_bytes);
+        uint32_t tokens = 0;
+        uint64_t stored = 0;
+        // One copy: from the stored value (verified) into the frame.
+        s = reader_->ScanPages(
+            layer, h, b0, n, [&](uint32_t, uint32_t n_tokens, uint32_t crc, std::string_view raw) {
+              payload->append(raw);
+              frame.add_page_crc32c(crc);
+              tokens += n_tokens;
+              stored += raw.size();
+              return Status::OK();
+            });
+        if (!s.ok()) break;
+        if (options_.on_bytes_read) options_.on_bytes_read(stored);
         frame.set_n_tokens(tokens);
-        frame.mutable_page_crc32c()->Add(batch.crc32c.begin(), batch.crc32c.end());
-        // Only the context's last page can be short, so the raw payloads are
-        // contiguous at page_stride: one copy.
-        const size_t payload = size_t{tokens} * 2 * batch.head_dim * DTypeSize(batch.dtype);
-        frame.set_payload(reinterpret_cast<const char*>(batch.data.data()), payload);
-        if (options_.corrupt_for_testing && payload > 0) (*frame.mutable_payload())[0] ^= 0x01;
+        if (options_.corrupt_for_testing && !payload->empty()) (*payload)[0] ^= 0x01;
         std::unique_lock<std::mutex> l(mu_);
         cv_.wait(l, [&] { return queue_.size() < options_.read_ahead || stop_; });
         stopped = stop_;
@@ -112,7 +116,7 @@ Status FillKVSegment(const storage::ContextReader* reader, const std::vector<uin
   const v1::ContextManifest& m = reader->manifest();
   const uint32_t n_blocks = reader->n_blocks();
   const uint64_t block_tokens = m.block_tokens();
-  constexpr uint32_t kPagesPerRead = 512;
+  constexpr uint32_t kPagesPerScan = 512;  // between checks of stop()
   std::atomic<size_t> next{0};
   std::mutex mu;
   Status first;  // guarded by mu
@@ -121,26 +125,34 @@ Status FillKVSegment(const storage::ContextReader* reader, const std::vector<uin
     return !first.ok();
   };
   auto work = [&] {
-    storage::PageBatch batch;
-    std::vector<uint32_t> blocks;
     for (size_t slot = next++; slot < layers.size(); slot = next++) {
       const uint32_t layer = layers[slot];
+      // Fault the layer's pages in with one call instead of one trap per 4 KiB
+      // page (best effort: kernels before 5.14 lack it).
+      {
+        const auto begin = reinterpret_cast<uintptr_t>(base + slot * layout.layer_stride);
+        const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+        const uintptr_t start = begin & ~(page - 1);
+        (void)madvise(reinterpret_cast<void*>(start), begin + layout.layer_stride - start,
+                      MADV_POPULATE_WRITE);
+      }
       Status s;
       for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok(); ++h) {
         uint8_t* k_head = base + slot * layout.layer_stride + h * layout.head_stride;
-        for (uint32_t b0 = 0; b0 < n_blocks && s.ok(); b0 += kPagesPerRead) {
+        for (uint32_t b0 = 0; b0 < n_blocks && s.ok(); b0 += kPagesPerScan) {
           if (stop() || failed()) return;
-          blocks.resize(std::min(kPagesPerRead, n_blocks - b0));
-          std::iota(blocks.begin(), blocks.end(), b0);
-          s = reader->ReadPages(layer, h, blocks, &batch);
-          if (!s.ok()) break;
-          if (on_bytes_read) on_bytes_read(batch.stored_bytes);
-          for (size_t i = 0; i < batch.size(); ++i) {
-            const size_t half = size_t{batch.n_tokens[i]} * layout.token_stride;
-            uint8_t* k = k_head + batch.blocks[i] * block_tokens * layout.token_stride;
-            std::memcpy(k, batch.K(i), half);
-            std::memcpy(k + layout.v_offset, batch.V(i), half);
-          }
+          uint64_t stored = 0;
+          // One copy: from the stored value (verified) into place.
+          s = reader->ScanPages(layer, h, b0, std::min(kPagesPerScan, n_blocks - b0),
+                                [&](uint32_t block, uint32_t, uint32_t, std::string_view raw) {
+                                  uint8_t* k = k_head + block * block_tokens * layout.token_stride;
+                                  std::memcpy(k, raw.data(), raw.size() / 2);
+                                  std::memcpy(k + layout.v_offset, raw.data() + raw.size() / 2,
+                                              raw.size() / 2);
+                                  stored += raw.size();
+                                  return Status::OK();
+                                });
+          if (s.ok() && on_bytes_read) on_bytes_read(stored);
         }
       }
       if (!s.ok()) {

@@ -62,26 +62,68 @@ Status ContextReader::CheckTable(uint32_t layer, uint32_t kv_head,
   return Status::OK();
 }
 
-Status ContextReader::DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t block,
-                                 std::string_view value, size_t slot, PageBatch* out) const {
-  PageHeader h;
-  Status s = DecodePage(value, out->data.data() + slot * out->page_stride, out->page_stride, &h);
+Status ContextReader::CheckPage(uint32_t layer, uint32_t kv_head, uint32_t block, Status s,
+                                const PageHeader& h) const {
   const uint64_t b = manifest_.block_tokens();
   const uint32_t expect_tokens =
       static_cast<uint32_t>(std::min<uint64_t>(b, manifest_.n_tokens() - block * b));
-  if (s.ok() && (h.shape.n_tokens != expect_tokens || h.shape.head_dim != out->head_dim ||
-                 h.shape.dtype != dtype_)) {
+  if (s.ok() && (h.shape.n_tokens != expect_tokens ||
+                 h.shape.head_dim != manifest_.model().head_dim() || h.shape.dtype != dtype_)) {
     s = DataLossError("page shape (" + std::to_string(h.shape.n_tokens) + " tokens, head_dim " +
                       std::to_string(h.shape.head_dim) + ") does not match the manifest");
   }
-  if (!s.ok()) {
-    return Status(s.code() == StatusCode::kInvalidArgument ? StatusCode::kInternal : s.code(),
-                  "context " + id_.ToHex() + " (stored in " + OwnerOf(block).ToHex() + ") layer " +
-                      std::to_string(layer) + " kv_head " + std::to_string(kv_head) + " block " +
-                      std::to_string(block) + ": " + std::string(s.message()));
-  }
+  if (s.ok()) return s;
+  return Status(s.code() == StatusCode::kInvalidArgument ? StatusCode::kInternal : s.code(),
+                "context " + id_.ToHex() + " (stored in " + OwnerOf(block).ToHex() + ") layer " +
+                    std::to_string(layer) + " kv_head " + std::to_string(kv_head) + " block " +
+                    std::to_string(block) + ": " + std::string(s.message()));
+}
+
+Status ContextReader::DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t block,
+                                 std::string_view value, size_t slot, PageBatch* out) const {
+  PageHeader h;
+  RETURN_IF_ERROR(CheckPage(
+      layer, kv_head, block,
+      DecodePage(value, out->data.data() + slot * out->page_stride, out->page_stride, &h), h));
   out->n_tokens[slot] = h.shape.n_tokens;
   out->crc32c[slot] = h.crc32c;
+  return Status::OK();
+}
+
+Status ContextReader::ScanPages(uint32_t layer, uint32_t kv_head, uint32_t first_block, uint32_t n,
+                                const PageVisitor& visit) const {
+  if (layer >= manifest_.model().n_layers() || kv_head >= manifest_.model().n_kv_heads() ||
+      uint64_t{first_block} + n > n_blocks_) {
+    return InvalidArgumentError("page scan: layer " + std::to_string(layer) + " kv_head " +
+                                std::to_string(kv_head) + " blocks " + std::to_string(first_block) +
+                                "+" + std::to_string(n) + " out of range");
+  }
+  core_->Touch(id_);
+  auto db_lock = core_->LockDb();
+  rocksdb::ReadOptions ro;
+  ro.fill_cache = false;
+  ro.readahead_size = 4u << 20;
+  std::unique_ptr<rocksdb::Iterator> it(core_->db()->NewIterator(ro, core_->cf(kCfPages)));
+  const auto l16 = static_cast<uint16_t>(layer);
+  const auto h16 = static_cast<uint16_t>(kv_head);
+  char key_bytes[kPageKeySize];
+  std::string scratch;
+  for (uint32_t block = first_block; block < first_block + n; ++block) {
+    EncodePageKey(OwnerOf(block), l16, h16, block, key_bytes);
+    const rocksdb::Slice key(key_bytes, kPageKeySize);
+    if (!(it->Valid() && it->key() == key)) it->Seek(key);
+    if (!(it->Valid() && it->key() == key)) {
+      if (!it->status().ok()) return FromRocks(it->status(), "read page");
+      return DataLossError("context " + id_.ToHex() + " layer " + std::to_string(layer) +
+                           " kv_head " + std::to_string(kv_head) + " block " +
+                           std::to_string(block) + ": page missing");
+    }
+    PageHeader h;
+    auto raw = DecodePageView(it->value().ToStringView(), &scratch, &h);
+    RETURN_IF_ERROR(CheckPage(layer, kv_head, block, raw.status(), h));
+    RETURN_IF_ERROR(visit(block, h.shape.n_tokens, h.crc32c, *raw));
+    it->Next();
+  }
   return Status::OK();
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +28,8 @@ class Status;
 }  // namespace rocksdb
 
 namespace ctxcache::storage {
+
+struct PageHeader;
 
 // Decoded pages of one (layer, kv_head), fixed stride. Page i occupies
 // data[i * page_stride, (i+1) * page_stride): K rows [n_tokens[i]][head_dim]
@@ -71,6 +74,18 @@ class ContextReader {
   Status ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
                    PageBatch* out, PageReadMethod method) const;
 
+  // Bulk read: visits pages [first_block, first_block + n) of (layer,
+  // kv_head) in order (first_block + n <= n_blocks()), each verified like
+  // ReadPages, as a view of its raw payload (K rows then V rows, n_tokens
+  // each) valid only during the call: no copy into a batch. Reads ahead and
+  // leaves the block cache alone (a bulk load of a context larger than the
+  // cache would only churn it). Stops at the first error (DATA_LOSS naming
+  // the page) or the first non-OK status `visit` returns, and returns it.
+  using PageVisitor = std::function<Status(uint32_t block, uint32_t n_tokens, uint32_t crc32c,
+                                           std::string_view raw)>;
+  Status ScanPages(uint32_t layer, uint32_t kv_head, uint32_t first_block, uint32_t n,
+                   const PageVisitor& visit) const;
+
   // The artifact stored under (layer, kv_head, kind); NOT_FOUND if none,
   // DATA_LOSS if its size or crc32c does not match the manifest.
   StatusOr<std::string> ReadArtifact(uint32_t layer, uint32_t kv_head, uint8_t kind) const;
@@ -88,6 +103,10 @@ class ContextReader {
                 std::vector<Owner> owners);
   const ContextId& OwnerOf(uint32_t block) const;
   Status CheckTable(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks) const;
+  // The page's shape against the manifest, and any error `s` of reading or
+  // decoding it prefixed with the page's coordinates.
+  Status CheckPage(uint32_t layer, uint32_t kv_head, uint32_t block, Status s,
+                   const PageHeader& h) const;
   // Decodes and verifies one page into slot `slot` of *out.
   Status DecodeInto(uint32_t layer, uint32_t kv_head, uint32_t block, std::string_view value,
                     size_t slot, PageBatch* out) const;

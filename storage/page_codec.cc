@@ -232,4 +232,23 @@ Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity, Page
   return Status::OK();
 }
 
+StatusOr<std::string_view> DecodePageView(std::string_view encoded, std::string* scratch,
+                                          PageHeader* header) {
+  RETURN_IF_ERROR(ParsePageHeader(encoded, header));
+  std::string_view raw;
+  if (header->codec == PageCodec::kNone) {
+    raw = encoded.substr(kPageHeaderSize);  // ParsePageHeader checked its size
+    const uint32_t crc = crc32c::Value(raw.data(), raw.size());
+    if (crc != header->crc32c) {
+      return DataLossError("page checksum mismatch (stored crc32c " +
+                           std::to_string(header->crc32c) + ", computed " + std::to_string(crc) +
+                           ")");
+    }
+    return raw;
+  }
+  scratch->resize(header->raw_bytes);
+  RETURN_IF_ERROR(DecodePage(encoded, scratch->data(), scratch->size(), header));
+  return std::string_view(*scratch);
+}
+
 }  // namespace ctxcache::storage

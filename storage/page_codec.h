@@ -92,6 +92,12 @@ Status ParsePageHeader(std::string_view encoded, PageHeader* header);
 // any corruption. The message names no context; callers prepend it.
 Status DecodePage(std::string_view encoded, void* dst, size_t dst_capacity, PageHeader* header);
 
+// The verified raw payload of `encoded` without a copy where it can: a view
+// into `encoded` for codec none, else decoded into *scratch (resized) and a
+// view of that. Same checks and errors as DecodePage.
+StatusOr<std::string_view> DecodePageView(std::string_view encoded, std::string* scratch,
+                                          PageHeader* header);
+
 // Byte-plane shuffle of n elements of `elem_size` bytes: dst[j*n + i] =
 // src[i*elem_size + j]. Unshuffle is the inverse.
 void ShuffleBytes(const uint8_t* src, uint8_t* dst, size_t n, size_t elem_size);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <numeric>
 #include <thread>
 #include <tuple>
 
@@ -471,6 +472,106 @@ TEST_F(StoreTest, FlippedBitInStoredPageIsDataLoss) {
   EXPECT_TRUE((*r)->ReadPages(1, 0, std::vector<uint32_t>{1, 3}, &b).ok());
   EXPECT_TRUE((*r)->ReadPages(0, 0, std::vector<uint32_t>{2}, &b).ok());
   EXPECT_EQ(store_->Verify(id).code(), StatusCode::kDataLoss);
+}
+
+// ScanPages (the bulk path: views of verified raw payloads, no batch) gives
+// the same pages, crcs and token counts as ReadPages, for every codec and
+// for a child whose pages come from three owners; a bad page stops the scan
+// with DATA_LOSS naming it, before it is visited; a visitor's error stops it.
+TEST_F(StoreTest, ScanPagesEqualsReadPagesAndStopsAtABadPage) {
+  auto expect_scan_matches = [&](const ContextId& id) {
+    auto r = store_->OpenReader(id);
+    ASSERT_TRUE(r.ok());
+    const auto& model = (*r)->manifest().model();
+    for (uint32_t l = 0; l < model.n_layers(); ++l) {
+      for (uint32_t h = 0; h < model.n_kv_heads(); ++h) {
+        std::vector<uint32_t> all((*r)->n_blocks());
+        std::iota(all.begin(), all.end(), 0u);
+        PageBatch b;
+        ASSERT_TRUE((*r)->ReadPages(l, h, all, &b).ok());
+        uint32_t next = 1;  // scan blocks [1, n): a run not starting at 0
+        Status s = (*r)->ScanPages(
+            l, h, 1, (*r)->n_blocks() - 1,
+            [&](uint32_t block, uint32_t n_tokens, uint32_t crc, std::string_view raw) {
+              EXPECT_EQ(block, next++);
+              EXPECT_EQ(n_tokens, b.n_tokens[block]);
+              EXPECT_EQ(crc, b.crc32c[block]);
+              EXPECT_EQ(raw,
+                        std::string_view(reinterpret_cast<const char*>(b.K(block)), raw.size()));
+              EXPECT_EQ(raw.size(), 2u * n_tokens * model.head_dim() *
+                                        (model.kv_dtype() == v1::DTYPE_F32 ? 4 : 2));
+              return Status::OK();
+            });
+        ASSERT_TRUE(s.ok()) << s.ToString();
+        EXPECT_EQ(next, (*r)->n_blocks());
+      }
+    }
+    EXPECT_EQ((*r)->ScanPages(0, 0, 1, (*r)->n_blocks(), nullptr).code(),
+              StatusCode::kInvalidArgument);
+  };
+  for (PageCodec codec : {PageCodec::kNone, PageCodec::kZstdShuffle}) {
+    StoreOptions o = TestOptions(&clock_);
+    o.page_codec = {codec, 3};
+    Open(o);
+    auto m = BuildContext(store_.get(), MakeSpec(2, 2, 32), Tokens(90, 60 + int(codec)));
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    expect_scan_matches(IdOf(*m));
+    Close();
+  }
+  Open();
+  auto spec = MakeSpec(2, 2, 16);
+  auto ptoks = Tokens(100);
+  auto parent = BuildContext(store_.get(), spec, ptoks);
+  ASSERT_TRUE(parent.ok());
+  auto ctoks = ptoks;
+  auto extra = Tokens(60, 5);
+  ctoks.insert(ctoks.end(), extra.begin(), extra.end());
+  auto child = BuildContext(store_.get(), spec, ctoks, IdOf(*parent));
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  auto gtoks = ctoks;
+  auto more = Tokens(40, 6);
+  gtoks.insert(gtoks.end(), more.begin(), more.end());
+  auto grand = BuildContext(store_.get(), spec, gtoks, IdOf(*child));
+  ASSERT_TRUE(grand.ok()) << grand.status().ToString();
+  expect_scan_matches(IdOf(*grand));
+
+  {  // A visitor's error ends the scan.
+    auto r = store_->OpenReader(IdOf(*grand));
+    ASSERT_TRUE(r.ok());
+    int visits = 0;
+    EXPECT_EQ((*r)->ScanPages(0, 0, 0, 5,
+                              [&](uint32_t, uint32_t, uint32_t, std::string_view) {
+                                return ++visits == 2 ? CancelledError("enough") : Status::OK();
+                              })
+                  .code(),
+              StatusCode::kCancelled);
+    EXPECT_EQ(visits, 2);
+  }
+
+  // A flipped bit in a stored page.
+  ContextId id = IdOf(*parent);
+  Close();
+  {
+    auto raw = OpenRaw(dir_.path());
+    ASSERT_NE(raw, nullptr);
+    std::string key = PageKey(id, 1, 0, 2), value;
+    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
+    value[value.size() / 2] ^= 0x10;
+    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
+  }
+  Open();
+  auto pr = store_->OpenReader(id);
+  ASSERT_TRUE(pr.ok());
+  std::vector<uint32_t> visited;
+  Status s =
+      (*pr)->ScanPages(1, 0, 0, 4, [&](uint32_t block, uint32_t, uint32_t, std::string_view) {
+        visited.push_back(block);
+        return Status::OK();
+      });
+  EXPECT_EQ(s.code(), StatusCode::kDataLoss);
+  EXPECT_NE(std::string(s.message()).find("layer 1 kv_head 0 block 2"), std::string::npos)
+      << s.ToString();
+  EXPECT_EQ(visited, (std::vector<uint32_t>{0, 1}));
 }
 
 // Pages not in the block cache are read as up to read_io_depth concurrent

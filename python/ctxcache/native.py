@@ -225,7 +225,32 @@ def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int
     return addr, extent, strides
 
 
-class KVLoad:
+class _Owned:
+    """A library object (``self._h``) freed by the C function named
+    ``_destroy`` on :meth:`close`, garbage collection or leaving a ``with``."""
+
+    _destroy = ""
+    _h = ctypes.c_void_p()
+
+    def close(self) -> None:
+        if self._h:
+            getattr(_lib, self._destroy)(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class KVLoad(_Owned):
     """A bulk load running in the background (:meth:`NativeClient.start_load_kv`).
 
     Layers arrive in the order asked, except that one that :meth:`wait_layer`
@@ -233,6 +258,8 @@ class KVLoad:
     alive until it is closed; closing (or garbage collection) cancels what is
     left and waits for the library to stop writing.
     """
+
+    _destroy = "ctxcache_load_destroy"
 
     def __init__(self, handle: int, keep: Tuple[Any, ...]) -> None:
         self._h = ctypes.c_void_p(handle)
@@ -266,25 +293,11 @@ class KVLoad:
         return out
 
     def close(self) -> None:
-        if self._h:
-            _lib.ctxcache_load_destroy(self._h)  # type: ignore[union-attr]
-            self._h = ctypes.c_void_p()
-            self._keep = ()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self) -> "KVLoad":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        super().close()
+        self._keep = ()
 
 
-class KVMap:
+class KVMap(_Owned):
     """A context's K and V in a shared-memory segment the server fills
     (:meth:`NativeClient.map_kv`), mapped read-only into this process.
 
@@ -294,6 +307,8 @@ class KVMap:
     with the read-only flag) for fast copies to the GPU. Closing (or garbage
     collection) unmaps it; views taken from it must not be used after that.
     """
+
+    _destroy = "ctxcache_map_destroy"
 
     def __init__(self, handle: int) -> None:
         self._h = ctypes.c_void_p(handle)
@@ -326,30 +341,14 @@ class KVMap:
         a.flags.writeable = False
         return a
 
-    def close(self) -> None:
-        if self._h:
-            _lib.ctxcache_map_destroy(self._h)  # type: ignore[union-attr]
-            self._h = ctypes.c_void_p()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self) -> "KVMap":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class NativeClient:
+class NativeClient(_Owned):
     """A connection to ctxcached through the native library.
 
     Args: as :class:`ctxcache.Client` (``address`` may be ``etcd://...``):
     ``api_key`` defaults to ``$CTXCACHE_API_KEY``.
     """
+
+    _destroy = "ctxcache_client_destroy"
 
     def __init__(self, address: str = "127.0.0.1:7700", *, timeout: float = 30.0,
                  max_attempts: int = 5, tls_ca: Optional[str] = None,
@@ -372,23 +371,6 @@ class NativeClient:
             lib.ctxcache_options_destroy(o)
         self._h = h
         self.address = address
-
-    def close(self) -> None:
-        if self._h:
-            _lib.ctxcache_client_destroy(self._h)  # type: ignore[union-attr]
-            self._h = ctypes.c_void_p()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self) -> "NativeClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def context(self, context_id: str) -> ContextShape:
         c = _Context()

@@ -66,6 +66,17 @@ class StoreTest : public ::testing::Test {
   void Open() { Open(TestOptions(&clock_)); }
   void Close() { store_.reset(); }
 
+  // With the store closed: flips a bit in the middle of the stored value of
+  // page (layer, kv_head, block), past its header.
+  void FlipStoredPageBit(const ContextId& id, uint32_t layer, uint32_t kv_head, uint32_t block) {
+    auto raw = OpenRaw(dir_.path());
+    ASSERT_NE(raw, nullptr);
+    std::string key = PageKey(id, layer, kv_head, block), value;
+    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
+    value[value.size() / 2] ^= 0x10;
+    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
+  }
+
   void ExpectAllPagesMatch(const ContextId& id) {
     auto r = store_->OpenReader(id);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -448,14 +459,7 @@ TEST_F(StoreTest, FlippedBitInStoredPageIsDataLoss) {
   ASSERT_TRUE(m.ok());
   ContextId id = IdOf(*m);
   Close();
-  {
-    auto raw = OpenRaw(dir_.path());
-    ASSERT_NE(raw, nullptr);
-    std::string key = PageKey(id, 1, 0, 2), value;
-    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
-    value[value.size() / 2] ^= 0x10;
-    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
-  }
+  FlipStoredPageBit(id, 1, 0, 2);
   Open();
   auto r = store_->OpenReader(id);
   ASSERT_TRUE(r.ok());
@@ -551,14 +555,7 @@ TEST_F(StoreTest, ScanPagesEqualsReadPagesAndStopsAtABadPage) {
   // A flipped bit in a stored page.
   ContextId id = IdOf(*parent);
   Close();
-  {
-    auto raw = OpenRaw(dir_.path());
-    ASSERT_NE(raw, nullptr);
-    std::string key = PageKey(id, 1, 0, 2), value;
-    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("pages"), key, &value).ok());
-    value[value.size() / 2] ^= 0x10;
-    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("pages"), key, value).ok());
-  }
+  FlipStoredPageBit(id, 1, 0, 2);
   Open();
   auto pr = store_->OpenReader(id);
   ASSERT_TRUE(pr.ok());

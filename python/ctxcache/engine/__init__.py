@@ -1,0 +1,26 @@
+"""ctxcache's GPU decode engine: batched sparse decode over stored contexts.
+
+Seams (each its own module; a model adapter composes them):
+  page store   :mod:`ctxcache.engine.pool`: HostTier (a context's pages in
+               pinned host memory, bulk-loaded through the native client),
+               PagePool (HBM slots; misses resolved on the device)
+  planner      :mod:`ctxcache.engine.planner`: QuestPlanner (the pages each
+               sequence's kv head attends, from a compact index)
+  attention    :mod:`ctxcache.engine.attention`: PagedAttention (in place
+               over pool pages plus own tokens), DenseContextAttention
+  decode       :mod:`ctxcache.engine.engine`: ContextDecoder and DenseDecoder
+               (one context, B sequences, their own tokens)
+  adapter      :mod:`ctxcache.engine.llama`: LlamaStepper (an HF Llama's
+               decode step, capturable as one CUDA graph)
+No process-global state; the Triton kernels (CUDA) are in ``_triton`` and
+every one has a torch reference used on the CPU.
+"""
+from ctxcache.engine.attention import DenseContextAttention, PagedAttention
+from ctxcache.engine.engine import ContextDecoder, DenseDecoder, EngineOptions, OwnTokens
+from ctxcache.engine.llama import LlamaStepper
+from ctxcache.engine.planner import QuestPlanner, quest_bounds
+from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
+
+__all__ = ["ContextDecoder", "DenseContextAttention", "DenseDecoder", "EngineOptions",
+           "HostTier", "LlamaStepper", "OwnTokens", "PagePool", "PagedAttention",
+           "PoolOptions", "QuestPlanner", "quest_bounds"]

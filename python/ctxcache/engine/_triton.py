@@ -1,0 +1,258 @@
+"""The engine's Triton kernels (CUDA only): miss resolution of the page pool,
+Quest page bounds for the planner, and attention over pool pages plus each
+sequence's own tokens. Import needs triton and a CUDA device; the CPU
+reference of each is in the module that calls it."""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ctxcache.torch import kernels as _k
+
+
+@triton.jit
+def _claim_kernel(pages_ptr, slot_of_ptr, stamp_ptr, ref_ptr, clock_ptr, n_miss_ptr, miss_ptr,
+                  counts_ptr, layer, n_req, H, P, KP, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_req
+    page = tl.load(pages_ptr + offs, mask=ok, other=0).to(tl.int64)
+    h = (offs // KP) % H
+    unit = (layer * H + h).to(tl.int64) * P + page
+    slot = tl.load(slot_of_ptr + unit, mask=ok, other=-1)
+    now = tl.load(clock_ptr + 1)
+    hit = ok & (slot >= 0)
+    tl.store(stamp_ptr + slot, now + tl.zeros_like(slot), mask=hit)
+    tl.store(ref_ptr + slot, 1 + tl.zeros_like(slot), mask=hit)
+    miss = ok & (slot < 0)
+    # Only -1 (absent) or -2 (claimed this resolve) can be here: exactly one
+    # exchange per absent unit returns -1.
+    old = tl.atomic_xchg(slot_of_ptr + unit, -2 + tl.zeros_like(slot), mask=miss)
+    won = miss & (old == -1)
+    idx = tl.atomic_add(n_miss_ptr + tl.zeros_like(slot), 1 + tl.zeros_like(slot), mask=won)
+    tl.store(miss_ptr + idx, unit.to(tl.int32), mask=won)
+    tl.atomic_add(counts_ptr, tl.sum(hit.to(tl.int64), axis=0))
+    tl.atomic_add(counts_ptr + 1, tl.sum(miss.to(tl.int64), axis=0))
+
+
+@triton.jit
+def _victim_kernel(stamp_ptr, ref_ptr, clock_ptr, n_miss_ptr, vict_ptr, counts_ptr, n_slots,
+                   BLOCK: tl.constexpr):
+    m = tl.load(n_miss_ptr)
+    hand = tl.load(clock_ptr)
+    now = tl.load(clock_ptr + 1)
+    offs = tl.arange(0, BLOCK)
+    found = m * 0
+    swept = m * 0
+    limit = 2 * n_slots
+    while (found < m) & (swept < limit):
+        # One block never crosses a lap of the ring: no slot twice in it.
+        lap_left = n_slots - swept % n_slots
+        valid = offs < lap_left
+        idx = (hand + swept + offs) % n_slots
+        st = tl.load(stamp_ptr + idx, mask=valid, other=0)
+        rf = tl.load(ref_ptr + idx, mask=valid, other=0)
+        free = valid & (st != now)
+        cand = free & (rf == 0)
+        csum = tl.cumsum(cand.to(tl.int32), axis=0)
+        take = cand & (found + csum <= m)
+        n_take = tl.sum(take.to(tl.int32), axis=0)
+        done = found + n_take >= m
+        last = tl.max(tl.where(take, offs, -1), axis=0)
+        span = tl.where(done, last + 1, tl.minimum(lap_left, BLOCK))
+        passed = offs < span
+        tl.store(ref_ptr + idx, tl.zeros_like(rf), mask=passed & free & (rf != 0))
+        tl.store(vict_ptr + found + csum - 1, idx, mask=take)
+        tl.store(stamp_ptr + idx, now + tl.zeros_like(st), mask=take)
+        found += n_take
+        swept += span
+    tl.store(clock_ptr, (hand + swept) % n_slots)
+    tl.store(clock_ptr + 1, now + 1)
+    tl.store(n_miss_ptr + 1, found)
+    tl.store(n_miss_ptr, m * 0)
+    tl.atomic_add(counts_ptr + 2, found.to(tl.int64))
+    tl.atomic_add(counts_ptr + 3, (m - found).to(tl.int64))
+
+
+@triton.jit
+def _install_kernel(miss_ptr, vict_ptr, n_miss_ptr, slot_of_ptr, page_of_ptr, ref_ptr,
+                    host_k, host_v, pool_k, pool_v, UNIT: tl.constexpr):
+    i = tl.program_id(0)
+    m = tl.load(n_miss_ptr + 1)
+    if i < m:
+        u = tl.load(miss_ptr + i)
+        s = tl.load(vict_ptr + i)
+        old = tl.load(page_of_ptr + s)
+        if old >= 0:
+            tl.store(slot_of_ptr + old, -1)
+        tl.store(slot_of_ptr + u, s)
+        tl.store(page_of_ptr + s, u)
+        tl.store(ref_ptr + s, 0)
+        offs = tl.arange(0, UNIT)
+        src = u.to(tl.int64) * UNIT + offs
+        dst = s.to(tl.int64) * UNIT + offs
+        tl.store(pool_k + dst, tl.load(host_k + src))
+        tl.store(pool_v + dst, tl.load(host_v + src))
+
+
+def resolve(pool, layer: int, pages: torch.Tensor, miss_units: torch.Tensor,
+            miss_slots: torch.Tensor) -> None:
+    t = pool.tier
+    n_req = pages.numel()
+    block = 1024
+    pages = pages.contiguous()
+    _claim_kernel[(triton.cdiv(n_req, block),)](
+        pages, pool.slot_of, pool.stamp, pool.ref, pool.clock, pool.n_miss, miss_units,
+        pool.counts, layer, n_req, t.n_kv_heads, t.n_pages, pages.shape[2], BLOCK=block,
+        num_warps=4)
+    _victim_kernel[(1,)](pool.stamp, pool.ref, pool.clock, pool.n_miss, miss_slots,
+                         pool.counts, pool.n_slots, BLOCK=1024, num_warps=8)
+    _install_kernel[(n_req,)](miss_units, miss_slots, pool.n_miss, pool.slot_of, pool.page_of,
+                              pool.ref, t.k, t.v, pool.k, pool.v, UNIT=t.page * t.head_dim,
+                              num_warps=4)
+
+
+@triton.jit
+def _quest_kernel(q_ptr, kmin_ptr, kmax_ptr, out_ptr, layer, H, P, NQ, OS,
+                  G: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr):
+    """Rows (b, g) of kv head h: U = q+ . max + q- . min over pages of a block
+    (= sum_j max(q_j min_j, q_j max_j); bf16 operands are exact, the sum is
+    fp32 in the tensor cores' order)."""
+    h = tl.program_id(0)
+    pb = tl.program_id(1)
+    qb = tl.program_id(2)
+    offs_q = qb * BQ + tl.arange(0, BQ)          # b * G + g
+    offs_d = tl.arange(0, D)
+    offs_p = pb * BP + tl.arange(0, BP)
+    qok = offs_q < NQ
+    b = offs_q // G
+    g = offs_q % G
+    qrow = (b * H + h) * G + g                    # q [B, H * G, D] row
+    q = tl.load(q_ptr + qrow[:, None] * D + offs_d[None, :], mask=qok[:, None], other=0.0)
+    qp = tl.maximum(q, 0.0).to(q.dtype)
+    qn = tl.minimum(q, 0.0).to(q.dtype)
+    pok = offs_p < P
+    base = ((layer * H + h) * P + offs_p).to(tl.int64) * D
+    mx = tl.load(kmax_ptr + base[:, None] + offs_d[None, :], mask=pok[:, None], other=0.0)
+    mn = tl.load(kmin_ptr + base[:, None] + offs_d[None, :], mask=pok[:, None], other=0.0)
+    s = tl.dot(qp, tl.trans(mx)) + tl.dot(qn, tl.trans(mn))
+    tl.store(out_ptr + qrow[:, None].to(tl.int64) * OS + 1 + offs_p[None, :], s,
+             mask=qok[:, None] & pok[None, :])
+
+
+def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer: int,
+                 out: torch.Tensor) -> None:
+    """q [B, H*G, D]; kmin/kmax [L, H, P, D]; out [B * H*G, P + 1] float32,
+    page p's bound in column p + 1 (column 0 is the planner's)."""
+    b, hq, d = q.shape
+    _, h, p, _ = kmin.shape
+    g = hq // h
+    nq = b * g
+    bq = min(64, max(16, triton.next_power_of_2(nq)))
+    bp = 64
+    _quest_kernel[(h, triton.cdiv(p, bp), triton.cdiv(nq, bq))](
+        q, kmin, kmax, out, layer, h, p, nq, out.shape[1], G=g, D=d, BQ=bq, BP=bp, num_warps=4)
+
+
+@triton.jit
+def _pool_attn_kernel(q_ptr, k_pool, v_pool, pages_ptr, slot_of_ptr, tail_k, tail_v, tail_len,
+                      acc_ptr, m_ptr, l_ptr, layer, H, P, n_ctx, KP, per_split, T, scale_log2,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                      PPB: tl.constexpr, BT: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    h = r % H
+    b = r // H
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + offs_d[None, :],
+                mask=offs_g[:, None] < G, other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    if s < n_split - 1:
+        BN: tl.constexpr = PAGE * PPB
+        offs_n = tl.arange(0, BN)
+        p_begin = s * per_split
+        p_end = tl.minimum(p_begin + per_split, KP)
+        for p0 in range(p_begin, p_end, PPB):
+            idx = p0 + offs_n // PAGE
+            ok = idx < p_end
+            page = tl.load(pages_ptr + r * KP + idx, mask=ok, other=0)
+            ok = ok & (page * PAGE + offs_n % PAGE < n_ctx)
+            unit = (layer * H + h).to(tl.int64) * P + page
+            slot = tl.load(slot_of_ptr + unit, mask=ok, other=0)
+            tok = slot.to(tl.int64) * PAGE + offs_n % PAGE
+            k = tl.load(k_pool + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_pool + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    else:
+        n_t = tl.load(tail_len + b)
+        offs_t = tl.arange(0, BT)
+        base = (b * H + h).to(tl.int64) * T
+        for t0 in range(0, n_t, BT):
+            j = t0 + offs_t
+            ok = j < n_t
+            k = tl.load(tail_k + (base + j)[:, None] * D + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            sc = tl.dot(q, tl.trans(k)) * scale_log2
+            sc = tl.where(ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(tail_v + (base + j)[:, None] * D + offs_d[None, :], mask=ok[:, None],
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    out = (r * n_split + s) * G
+    gmask = offs_g < G
+    tl.store(acc_ptr + (out + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(m_ptr + out + offs_g, m_i, mask=gmask)
+    tl.store(l_ptr + out + offs_g, l_i, mask=gmask)
+
+
+class PoolAttention:
+    """Attention of each row's G q heads over its pages, read in place from the
+    pool through ``slot_of``, plus the row's sequence's own tokens. Buffers
+    are allocated once: calls allocate nothing (CUDA-graph safe); one call at
+    a time per instance."""
+
+    def __init__(self, rows: int, group: int, head_dim: int, kp: int, device, dtype,
+                 page: int = 16, programs_per_sm: int = 2, pages_per_block: int = 4):
+        self.rows, self.g, self.d, self.kp, self.page = rows, group, head_dim, kp, page
+        sm = _k._sm_count(torch.device(device))
+        self.ppb = pages_per_block if kp >= pages_per_block else 1
+        want = max(1, (programs_per_sm * sm + rows - 1) // rows)
+        splits = max(1, min(want, (kp + self.ppb - 1) // self.ppb))
+        per = (kp + splits - 1) // splits
+        self.per_split = ((per + self.ppb - 1) // self.ppb) * self.ppb
+        self.splits = (kp + self.per_split - 1) // self.per_split + 1  # + the own tokens
+        self.acc = torch.empty(rows, self.splits, group, head_dim, device=device,
+                               dtype=torch.float32)
+        self.m = torch.empty(rows, self.splits, group, device=device, dtype=torch.float32)
+        self.l = torch.empty_like(self.m)
+        self.out = torch.empty(rows, group, head_dim, device=device, dtype=dtype)
+        self.scale_log2 = (1.0 / math.sqrt(head_dim)) * math.log2(math.e)
+
+    def __call__(self, q, k_pool, v_pool, pages, slot_of, layer: int, n_kv_heads: int,
+                 n_pages: int, n_ctx: int, tail_k, tail_v, tail_len) -> torch.Tensor:
+        gp = max(16, triton.next_power_of_2(self.g))
+        _pool_attn_kernel[(self.rows, self.splits)](
+            q, k_pool, v_pool, pages, slot_of, tail_k, tail_v, tail_len, self.acc, self.m,
+            self.l, layer, n_kv_heads, n_pages, n_ctx, self.kp, self.per_split,
+            tail_k.shape[2], self.scale_log2, G=self.g, GP=gp, D=self.d, PAGE=self.page,
+            PPB=self.ppb, BT=16, num_warps=4)
+        _k._combine_kernel[(self.rows, self.g)](
+            self.acc, self.m, self.l, self.out, self.splits, G=self.g, D=self.d,
+            SP=max(2, triton.next_power_of_2(self.splits)), num_warps=4, GDC=False,
+            launch_pdl=False)
+        return self.out

@@ -1,0 +1,178 @@
+"""The planner of the GPU engine: which pages each (sequence, kv head) attends
+at a layer-step.
+
+:class:`QuestPlanner` follows the session core (index/quest.h, then the
+page cap of index/session_params.h) with fixed shapes, so that a step needs
+no host sync:
+  1. per q head, the Quest bound U(page) = sum_j max(q_j min_j, q_j max_j)
+     of every page, and its top ``k_head`` pages (ties: the lower page);
+     k_head = max(1, token_budget // page), the pages QuestSelector takes
+     when the context is whole pages;
+  2. per kv head, the pages ranked by how many of its q heads took them
+     (ties: the later page), the top ``page_budget`` kept (the core's
+     CapSelectedPages ranking for selections without logits), plus page 0
+     and the last ``recent_blocks + 1`` pages, which the core keeps beyond
+     the budget: ``kp = page_budget + recent_blocks + 2`` pages a row.
+When the union of step 1 holds fewer than kp pages the core keeps only
+those; the planner fills the rest with pages no q head took (the latest
+ones), a superset: attention over more pages, never fewer.
+
+Its index is the context's Quest bounds, min and max of the keys per page
+and dim: computed on the device from the loaded keys (bf16 keys: equal to
+the stored Quest artifact's float bounds, which tests check), 2 * head_dim
+values per page of 16 tokens: 6.25% of the KV bytes in bf16.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from ctxcache.engine.pool import HostTier
+
+__all__ = ["QuestPlanner", "quest_bounds"]
+
+
+def quest_bounds(keys: torch.Tensor, n_tokens: int, page: int) -> tuple:
+    """Per-page min and max of ``keys`` [..., n_pages * page, d] over the first
+    ``n_tokens`` tokens: ([..., n_pages, d], same), keys' dtype."""
+    *lead, n_pad, d = keys.shape
+    n_pages = n_pad // page
+    kp = keys.reshape(*lead, n_pages, page, d)
+    if n_tokens == n_pad:
+        return kp.amin(dim=-2), kp.amax(dim=-2)
+    valid = (torch.arange(n_pad, device=keys.device) < n_tokens).view(n_pages, page, 1)
+    big = torch.finfo(keys.dtype).max
+    mn = torch.where(valid, kp, torch.full((), big, dtype=keys.dtype, device=keys.device))
+    mx = torch.where(valid, kp, torch.full((), -big, dtype=keys.dtype, device=keys.device))
+    return mn.amin(dim=-2), mx.amax(dim=-2)
+
+
+class QuestPlanner:
+    """Fixed-shape Quest page plans for B sequences over one context (module
+    docstring). ``plan`` writes into one buffer per instance: one call at a
+    time."""
+
+    def __init__(self, kmin: torch.Tensor, kmax: torch.Tensor, n_tokens: int, n_q_heads: int,
+                 batch: int, page: int = 16, rho: float = 0.05, recent_blocks: int = 1,
+                 select_algo: str = "") -> None:
+        """kmin/kmax [n_layers, n_kv_heads, n_pages, d] on the engine's device;
+        select_algo: kernels.select_top_pages's algorithm (Default: "" = its
+        default)."""
+        if kmin.shape != kmax.shape or kmin.dim() != 4:
+            raise ValueError("QuestPlanner: kmin and kmax must both be [L, H, P, d]")
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"rho: expected in (0, 1], got {rho}")
+        self.kmin, self.kmax = kmin, kmax
+        self.n_layers, self.h, self.n_pages, self.d = kmin.shape
+        if n_q_heads % self.h:
+            raise ValueError(f"n_q_heads {n_q_heads} is not a multiple of n_kv_heads {self.h}")
+        self.g, self.batch, self.page, self.n_tokens = n_q_heads // self.h, batch, page, n_tokens
+        self.select_algo = select_algo
+        budget = max(1, min(n_tokens, int(math.ceil(rho * n_tokens))))
+        self.k_head = min(self.n_pages, max(1, budget // page))
+        self.n_recent = min(self.n_pages, recent_blocks + 1)
+        # The core's page budget, plus the pages it keeps beyond it.
+        self.page_budget = max(1, int(math.ceil(rho * self.n_pages)))
+        self.kp = min(self.n_pages, self.page_budget + self.n_recent + 1)
+        dev = kmin.device
+        self.pages = torch.zeros(batch, self.h, self.kp, dtype=torch.int32, device=dev)
+        # Column 0 of each q head's row is a stand-in for "no page": the top-k
+        # kernel always takes a row's first entry, which must not be page 0.
+        self._scores = torch.zeros(batch * n_q_heads, self.n_pages + 1, dtype=torch.float32,
+                                   device=dev)
+        # One bin per (kv row, page), and a last one that the stand-ins go to.
+        self._counts = torch.zeros(batch * self.h * self.n_pages + 1, dtype=torch.float32,
+                                   device=dev)
+        # Ties of equal counts go to the later page: a fraction below 1 / G.
+        p = torch.arange(self.n_pages, device=dev, dtype=torch.float32)
+        self._later = (0.5 * (p + 1) / (self.n_pages + 1)).view(1, self.n_pages)
+        self._cap = torch.zeros(batch * self.h, self.n_pages, dtype=torch.float32, device=dev)
+        rows = torch.arange(batch * n_q_heads, device=dev, dtype=torch.int64)
+        self._kv_base = ((rows // self.g) * self.n_pages).view(-1, 1)
+        self._row_base = (torch.arange(batch * self.h, device=dev, dtype=torch.int64)
+                          * self.n_pages).view(-1, 1)
+        self._ones = torch.ones(batch * n_q_heads * (self.k_head + 1), dtype=torch.float32,
+                                device=dev)
+        self._head_top = torch.zeros(batch * n_q_heads, self.k_head + 1, dtype=torch.int64,
+                                     device=dev)
+        self._trash = batch * self.h * self.n_pages
+        self._top = torch.zeros(batch * self.h, self.kp, dtype=torch.int64, device=dev)
+
+    @classmethod
+    def from_tier(cls, tier: HostTier, device: Any, n_q_heads: int, batch: int,
+                  rho: float = 0.05, recent_blocks: int = 1,
+                  layers: Optional[range] = None, select_algo: str = "") -> "QuestPlanner":
+        """Bounds from the tier's keys, one layer at a time through the device
+        (waits for each layer of a background load)."""
+        dev = torch.device(device)
+        shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
+        kmin = torch.empty(shape, dtype=tier.dtype, device=dev)
+        kmax = torch.empty(shape, dtype=tier.dtype, device=dev)
+        for layer in layers or range(tier.n_layers):
+            if tier.load is not None:
+                tier.load.wait_layer(layer)
+            mn, mx = quest_bounds(tier.k[layer].to(dev, non_blocking=True), tier.n_tokens,
+                                  tier.page)
+            kmin[layer].copy_(mn)
+            kmax[layer].copy_(mx)
+        return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
+                   select_algo)
+
+    @property
+    def hbm_bytes(self) -> int:
+        return 2 * self.kmin.numel() * self.kmin.element_size()
+
+    def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Quest bounds of every page for q [B, Hq, d]: [B * Hq, P + 1] float32,
+        page p in column p + 1."""
+        if q.is_cuda:
+            from ctxcache.engine import _triton
+            _triton.quest_scores(q.contiguous(), self.kmin, self.kmax, layer, self._scores)
+            return self._scores
+        b = q.shape[0]
+        qf = q.float().view(b, self.h, self.g, 1, self.d)
+        mn = self.kmin[layer].float().unsqueeze(1)  # [H, 1, P, d]
+        mx = self.kmax[layer].float().unsqueeze(1)
+        s = torch.maximum(qf * mn, qf * mx).sum(dim=-1)  # [B, H, G, P]
+        self._scores[:, 1:].copy_(s.reshape(-1, self.n_pages))
+        return self._scores
+
+    def plan(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The pages of every (sequence, kv head): int32 [B, H, kp], each row's
+        pages distinct (any order). q [B, Hq, d]."""
+        if q.shape[0] != self.batch:
+            raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
+        s = self.scores(layer, q)
+        # Each q head's k_head best pages, plus the stand-in (column 0).
+        top = self._top_k(s, self.k_head + 1, 0, self._head_top, self.select_algo)
+        top = top % (self.n_pages + 1)
+        kv = torch.where(top > 0, self._kv_base + top - 1,
+                         torch.full_like(top, self._trash))
+        self._counts.index_add_(0, kv.view(-1), self._ones)
+        torch.add(self._counts[:-1].view(-1, self.n_pages), self._later, out=self._cap)
+        self._counts.zero_()
+        top = self._top_k(self._cap, self.kp, self.n_recent, self._top, self.select_algo)
+        self.pages.view(-1, self.kp).copy_(top - self._row_base)
+        return self.pages
+
+    @staticmethod
+    def _top_k(x: torch.Tensor, k: int, n_recent: int, out: torch.Tensor,
+               algo: str = "") -> torch.Tensor:
+        """Global ids (row * P + page) of each row's k largest, page 0 and the
+        last n_recent pages first (as kernels.select_top_pages), ties to the
+        lower page."""
+        rows, p = x.shape
+        if x.is_cuda and p < 65536:
+            from ctxcache.torch import kernels
+            return kernels.select_top_pages(x, k, n_recent=n_recent, out=out, algo=algo)
+        y = x.clone()
+        y[:, 0] = float("inf")
+        if n_recent:
+            y[:, p - n_recent:] = float("inf")
+        # Stable descending sort: ties keep the lower page first.
+        order = torch.sort(-y, dim=1, stable=True).indices[:, :k]
+        base = torch.arange(rows, device=x.device, dtype=torch.int64).view(-1, 1) * p
+        out.copy_(order + base)
+        return out

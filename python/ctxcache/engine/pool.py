@@ -1,0 +1,262 @@
+"""The page store side of the GPU engine: a context's pages in a pinned host
+tier, and an HBM pool of hot pages whose misses are resolved on the GPU.
+
+Units. A unit is one page (``page`` tokens) of one (layer, kv head):
+``unit = (layer * n_kv_heads + kv_head) * n_pages + page``. The host tier
+holds K and V as [n_layers, n_kv_heads, n_pages * page, head_dim], so unit u
+is rows [u * page, (u + 1) * page) of the flattened tier: the unit id is also
+its host offset.
+
+The pool. ``n_slots`` slots of one unit each (K and V), shared by every
+sequence that reads the context, for all layers. Device tables:
+  slot_of  int32 [n_units]  the unit's slot, -1 absent (-2 while a resolve
+                            is placing it)
+  page_of  int32 [n_slots]  the slot's unit, -1 empty
+  stamp    int32 [n_slots]  the layer-step that last used the slot
+  ref      int32 [n_slots]  CLOCK's reference bit
+  clock    int32 [2]        the hand, and the layer-step counter "now"
+
+:meth:`PagePool.resolve` makes the units a layer-step asks for resident, on
+the device and with no host sync, in three steps (CUDA: three Triton kernels
+of fixed grids, so a step can be captured in a CUDA graph):
+  1. claim: every requested unit that is resident is a hit (its slot gets
+     stamp = now and ref = 1); every absent one is claimed by exactly one of
+     its requests (compare-and-swap -1 -> -2) and appended to the miss list,
+     so a page that several sequences miss is copied once;
+  2. victims: the CLOCK hand sweeps the ring from where it stopped, clearing
+     reference bits, and takes for each miss the first slot whose bit is
+     clear and that this layer-step does not use (stamp != now); the hand
+     stops after the last slot taken, and now advances;
+  3. install: each miss evicts its victim's unit (slot_of = -1), takes the
+     slot, and copies its K and V page from the pinned host tier (zero-copy
+     reads over PCIe on CUDA).
+Attention then reads ``slot_of`` for the pages it attends (``slot_tables``).
+
+Contract: a resolve (one layer) asks for at most ``n_slots`` distinct units
+(n_kv_heads * n_pages at most, however many sequences ask), so a slot
+not used by the layer-step always exists (ValueError at construction when
+``max_requests`` could exceed it). Between resolves the tables are
+consistent: ``slot_of[page_of[s]] == s`` for every filled slot.
+
+Thread-safety: one stream at a time; resolves of one pool must be ordered.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["HostTier", "PagePool", "PoolOptions"]
+
+
+class HostTier:
+    """A stored context's K and V in (pinned) host memory, page-padded:
+    ``k``, ``v`` [n_layers, n_kv_heads, n_pages * page, head_dim]; tokens past
+    ``n_tokens`` are zero."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True) -> None:
+        if min(n_layers, n_kv_heads, n_tokens, head_dim, page) < 1:
+            raise ValueError("HostTier: n_layers, n_kv_heads, n_tokens, head_dim and page "
+                             "must be >= 1")
+        self.n_layers, self.n_kv_heads, self.n_tokens = n_layers, n_kv_heads, n_tokens
+        self.head_dim, self.dtype, self.page = head_dim, dtype, page
+        self.n_pages = (n_tokens + page - 1) // page
+        shape = (n_layers, n_kv_heads, self.n_pages * page, head_dim)
+        pin = pin and torch.cuda.is_available()
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.load: Any = None  # the background bulk load filling the tier, if any
+
+    @property
+    def n_units(self) -> int:
+        return self.n_layers * self.n_kv_heads * self.n_pages
+
+    @property
+    def unit_bytes(self) -> int:
+        """K and V bytes of one unit."""
+        return 2 * self.page * self.head_dim * self.k.element_size()
+
+    def token_view(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [n_layers, n_kv_heads, n_tokens, head_dim] views (what a
+        bulk load fills)."""
+        return self.k[:, :, :self.n_tokens], self.v[:, :, :self.n_tokens]
+
+    @classmethod
+    def from_server(cls, client: Any, context_id: str, streams: int = 8,
+                    pin: bool = True) -> "HostTier":
+        """A tier for a stored context, filled in the background by a bulk load
+        through the native client (:class:`ctxcache.native.NativeClient`);
+        ``tier.load.wait_layer(l)`` waits for layer l, ``tier.load.wait()``
+        for all."""
+        shape = client.context(context_id)
+        dtypes = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+        tier = cls(shape.n_layers, shape.n_kv_heads, shape.n_tokens, shape.head_dim,
+                   dtypes[shape.kv_dtype], page=shape.block_tokens or 16, pin=pin)
+        k, v = tier.token_view()
+        tier.load = client.start_load_kv(context_id, k, v, streams=streams, shape=shape)
+        return tier
+
+
+@dataclass
+class PoolOptions:
+    # Slots of the HBM pool (one unit, K and V, each). Default: 0 = enough
+    # for `fraction` of the context's units (and at least max_requests).
+    n_slots: int = 0
+    # With n_slots 0: the pool's share of the context's units. Default: 0.1.
+    fraction: float = 0.1
+    # The most unit requests one resolve takes (rows x pages per row).
+    # Default: 0 = set by the first resolve's shape.
+    max_requests: int = 0
+
+
+class PagePool:
+    """An HBM pool of a :class:`HostTier`'s units (module docstring)."""
+
+    def __init__(self, tier: HostTier, device: Any, options: Optional[PoolOptions] = None,
+                 max_requests: int = 0) -> None:
+        o = options or PoolOptions()
+        self.tier, self.device = tier, torch.device(device)
+        self.max_requests = max_requests or o.max_requests
+        n = o.n_slots or max(int(math.ceil(o.fraction * tier.n_units)), self.max_requests, 1)
+        n = min(n, tier.n_units)
+        if self._distinct(self.max_requests) > n:
+            raise ValueError(f"PagePool: n_slots {n} < the {self._distinct(self.max_requests)} "
+                             f"distinct units a resolve of max_requests {self.max_requests} "
+                             f"may ask for: it could find no free slot")
+        self.n_slots = n
+        p, d = tier.page, tier.head_dim
+        self.k = torch.zeros(n * p, d, dtype=tier.dtype, device=self.device)
+        self.v = torch.zeros(n * p, d, dtype=tier.dtype, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.slot_of = torch.full((tier.n_units,), -1, **i32)
+        self.page_of = torch.full((n,), -1, **i32)
+        self.stamp = torch.full((n,), -1, **i32)
+        self.ref = torch.zeros(n, **i32)
+        self.clock = torch.zeros(2, **i32)        # hand, now
+        self.n_miss = torch.zeros(2, **i32)       # being counted, of the last resolve
+        # Hit requests, missed requests, units copied, units left unplaced
+        # (the last only if the contract above is broken).
+        self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._miss_units: Optional[torch.Tensor] = None
+        self._miss_slots: Optional[torch.Tensor] = None
+        self._dummy = torch.zeros(1, **i32)
+
+    def _distinct(self, n_req: int) -> int:
+        """The most distinct units n_req requests of one layer can name."""
+        return min(n_req, self.tier.n_kv_heads * self.tier.n_pages)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Device bytes of the pool and its tables."""
+        t = (self.k, self.v, self.slot_of, self.page_of, self.stamp, self.ref)
+        return sum(x.numel() * x.element_size() for x in t)
+
+    def _buffers(self, n_req: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._miss_units is None or self._miss_units.numel() < n_req:
+            if self.max_requests and n_req > self.max_requests:
+                raise ValueError(f"resolve: {n_req} requests > max_requests "
+                                 f"{self.max_requests}")
+            if self._distinct(n_req) > self.n_slots:
+                raise ValueError(f"resolve: {n_req} requests may ask for more units than "
+                                 f"n_slots {self.n_slots}")
+            self.max_requests = max(self.max_requests, n_req)
+            self._miss_units = torch.zeros(n_req, dtype=torch.int32, device=self.device)
+            self._miss_slots = torch.zeros(n_req, dtype=torch.int32, device=self.device)
+        return self._miss_units, self._miss_slots  # type: ignore[return-value]
+
+    def units(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Unit ids of ``pages`` [B, H, kp] (page ids per kv head) at ``layer``."""
+        t = self.tier
+        h = torch.arange(t.n_kv_heads, device=pages.device, dtype=torch.int64).view(1, -1, 1)
+        return (layer * t.n_kv_heads + h) * t.n_pages + pages.to(torch.int64)
+
+    def resolve(self, layer: int, pages: torch.Tensor) -> None:
+        """Makes the units of ``pages`` [B, H, kp] (int32, page ids of each
+        row's kv head, B sequences) resident. No host sync on CUDA."""
+        if pages.dim() != 3 or pages.shape[1] != self.tier.n_kv_heads:
+            raise ValueError(f"resolve: pages of shape {tuple(pages.shape)}, expected "
+                             f"[B, {self.tier.n_kv_heads}, kp]")
+        mu, ms = self._buffers(pages.numel())
+        if self.device.type == "cuda":
+            from ctxcache.engine import _triton
+            _triton.resolve(self, layer, pages, mu, ms)
+        else:
+            self._resolve_reference(layer, pages, mu, ms)
+
+    def _resolve_reference(self, layer: int, pages: torch.Tensor, mu: torch.Tensor,
+                           ms: torch.Tensor) -> None:
+        """The kernels' algorithm in torch, claims in request order (the
+        kernels claim in the order their atomics land)."""
+        units = self.units(layer, pages).reshape(-1)
+        now = int(self.clock[1])
+        slots = self.slot_of[units]
+        hit = slots >= 0
+        self.stamp[slots[hit].long()] = now
+        self.ref[slots[hit].long()] = 1
+        seen, order = set(), []
+        for u in units[~hit].tolist():
+            if u not in seen:
+                seen.add(u)
+                order.append(u)
+        m = len(order)
+        hand, found, victims = int(self.clock[0]), 0, []
+        steps = 0
+        while found < m:
+            if steps >= 2 * self.n_slots + 1:
+                raise RuntimeError("resolve: no free slot (more distinct units than slots)")
+            s = (hand + steps) % self.n_slots
+            steps += 1
+            if int(self.stamp[s]) == now:
+                continue
+            if int(self.ref[s]):
+                self.ref[s] = 0
+                continue
+            victims.append(s)
+            self.stamp[s] = now
+            found += 1
+        self.clock[0] = (hand + steps) % self.n_slots
+        self.clock[1] = now + 1
+        p, t = self.tier.page, self.tier
+        kf = t.k.view(-1, t.head_dim)
+        vf = t.v.view(-1, t.head_dim)
+        for u, s in zip(order, victims):
+            old = int(self.page_of[s])
+            if old >= 0:
+                self.slot_of[old] = -1
+            self.slot_of[u] = s
+            self.page_of[s] = u
+            self.ref[s] = 0
+            self.k[s * p:(s + 1) * p] = kf[u * p:(u + 1) * p].to(self.device)
+            self.v[s * p:(s + 1) * p] = vf[u * p:(u + 1) * p].to(self.device)
+        self.counts[0] += int(hit.sum())
+        self.counts[1] += int((~hit).sum())
+        self.counts[2] += m
+        self.n_miss[1] = m
+        if m:
+            mu[:m] = torch.tensor(order, dtype=torch.int32)
+            ms[:m] = torch.tensor(victims, dtype=torch.int32)
+
+    def stats(self) -> Dict[str, int]:
+        """Since the pool was made (one host sync): requests that hit and that
+        missed, units copied (a unit missed by several requests of one
+        resolve is copied once), their bytes, and units left unplaced (0
+        unless a resolve asked for more distinct units than slots)."""
+        h, m, c, lost = (int(x) for x in self.counts.tolist())
+        return {"hit_requests": h, "miss_requests": m, "copies": c,
+                "bytes_h2d": c * self.tier.unit_bytes, "unplaced": lost,
+                "n_slots": self.n_slots}
+
+    def check(self) -> None:
+        """Asserts the tables' invariants (host sync; for tests)."""
+        page_of = self.page_of.cpu()
+        slot_of = self.slot_of.cpu()
+        filled = torch.nonzero(page_of >= 0)[:, 0]
+        assert torch.equal(slot_of[page_of[filled].long()], filled.to(torch.int32)), \
+            "slot_of[page_of[s]] != s"
+        resident = torch.nonzero(slot_of >= 0)[:, 0]
+        assert torch.equal(page_of[slot_of[resident].long()], resident.to(torch.int32)), \
+            "page_of[slot_of[u]] != u"
+        assert not bool((slot_of == -2).any()), "a claim was left behind"

@@ -1,0 +1,181 @@
+"""The GPU engine (ctxcache.engine) on the CPU: the page pool's bookkeeping,
+the Quest planner against the session core, batch assembly and attention
+against dense. On CUDA the same classes run Triton kernels
+(python/bench/gpu_engine.py --check compares them with dense on the GPU).
+
+Contexts of the real-server tests: the golden llama3's demo documents built
+by a real ctxcached with a Quest index (test_gpu_selection.py's fixture).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ctxcache.engine import (ContextDecoder, DenseDecoder, EngineOptions, HostTier,
+                             PagePool, PoolOptions, QuestPlanner, quest_bounds)
+from ctxcache.torch.artifacts import parse_quest_artifact
+from ctxcache.torch.gpu_session import TorchQuestSession
+from test_gpu_selection import context_keys, demo_contexts  # noqa: F401 (fixture)
+
+
+def _tier(layers=2, heads=2, n=1000, d=32, seed=0) -> HostTier:
+    g = torch.Generator().manual_seed(seed)
+    t = HostTier(layers, heads, n, d, pin=False)
+    k, v = t.token_view()
+    k.copy_(torch.randn(k.shape, generator=g))
+    v.copy_(torch.randn(v.shape, generator=g))
+    return t
+
+
+def test_pool_resolves_shared_misses_once_and_keeps_its_tables_consistent() -> None:
+    t = _tier()
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=40), max_requests=3 * 2 * 6)
+    rng = np.random.default_rng(1)
+    copies = 0
+    for step in range(30):
+        layer = step % t.n_layers
+        base = rng.choice(t.n_pages, size=(2, 6), replace=False)
+        pages = np.stack([base, base, rng.permutation(base, axis=1)])  # 3 seqs, same pages
+        pages = torch.as_tensor(pages, dtype=torch.int32)
+        units = pool.units(layer, pages).reshape(-1)
+        absent = int((pool.slot_of[units.unique()] < 0).sum())
+        pool.resolve(layer, pages)
+        pool.check()
+        slots = pool.slot_of[units].long()
+        assert bool((slots >= 0).all()), "a requested page is not resident"
+        # Distinct units, distinct slots; contents are the tier's pages.
+        assert len(set(zip(units.tolist(), slots.tolist()))) == len(set(units.tolist()))
+        assert len(set(slots.tolist())) == len(set(units.tolist()))
+        kf, vf = t.k.view(-1, t.head_dim), t.v.view(-1, t.head_dim)
+        for u, s in zip(units.tolist(), slots.tolist()):
+            assert torch.equal(pool.k[s * 16:(s + 1) * 16], kf[u * 16:(u + 1) * 16])
+            assert torch.equal(pool.v[s * 16:(s + 1) * 16], vf[u * 16:(u + 1) * 16])
+        copies += absent
+    st = pool.stats()
+    assert st["copies"] == copies  # each absent unit copied once, however many ask
+    assert st["hit_requests"] + st["miss_requests"] == 30 * 36
+    assert st["unplaced"] == 0 and st["bytes_h2d"] == copies * t.unit_bytes
+
+
+def test_pool_clock_keeps_pages_in_use_and_prefers_unreferenced() -> None:
+    t = _tier(layers=1, heads=1, n=16 * 8)
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=4), max_requests=4)
+    one = lambda *p: torch.tensor([[list(p)]], dtype=torch.int32)  # noqa: E731
+    pool.resolve(0, one(0, 1, 2, 3))   # fills the 4 slots
+    pool.resolve(0, one(0, 1, 2, 4))   # 0-2 hit (referenced); 4 evicts 3, the one not in use
+    assert int(pool.slot_of[3]) == -1 and all(int(pool.slot_of[u]) >= 0 for u in (0, 1, 2, 4))
+    pool.check()
+
+
+def test_pool_rejects_a_pool_smaller_than_one_resolve() -> None:
+    t = _tier()
+    with pytest.raises(ValueError, match="max_requests"):
+        PagePool(t, "cpu", PoolOptions(n_slots=10), max_requests=2 * 2 * 6)
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=10))
+    with pytest.raises(ValueError, match="expected \\[B, 2, kp\\]"):
+        pool.resolve(0, torch.zeros(1, 3, 4, dtype=torch.int32))
+
+
+def _reference_plan(kmin, kmax, q, layer, k_head, kp, n_recent) -> list:
+    """The planner's documented semantics, one row at a time in numpy."""
+    b, hq, d = q.shape
+    h = kmin.shape[1]
+    g = hq // h
+    p = kmin.shape[2]
+    out = []
+    for bi in range(b):
+        rows = []
+        for hi in range(h):
+            mn, mx = kmin[layer, hi].double().numpy(), kmax[layer, hi].double().numpy()
+            counts = np.zeros(p)
+            for gi in range(g):
+                qq = q[bi, hi * g + gi].double().numpy()
+                u = np.maximum(qq * mn, qq * mx).sum(axis=1)
+                counts[np.argsort(-u, kind="stable")[:k_head]] += 1
+            key = [(-math.inf if (x == 0 or x >= p - n_recent) else -counts[x], -x)
+                   for x in range(p)]
+            rows.append(set(sorted(range(p), key=lambda x: key[x])[:kp]))
+        out.append(rows)
+    return out
+
+
+def test_quest_planner_follows_the_documented_ranking() -> None:
+    t = _tier(layers=2, heads=2, n=16 * 40 - 5, d=32)
+    planner = QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=3, rho=0.1)
+    assert planner.kp == 4 + 3 and planner.k_head == 4  # ceil(0.1 * 635) // 16
+    g = torch.Generator().manual_seed(3)
+    for layer in range(2):
+        # Integer-valued queries: every bound is exact, no near-ties by rounding.
+        q = torch.randint(-4, 5, (3, 8, 32), generator=g).to(torch.bfloat16)
+        pages = planner.plan(layer, q)
+        want = _reference_plan(planner.kmin, planner.kmax, q, layer, planner.k_head,
+                               planner.kp, planner.n_recent)
+        for bi in range(3):
+            for hi in range(2):
+                assert set(pages[bi, hi].tolist()) == want[bi][hi], (layer, bi, hi)
+
+
+def test_quest_bounds_mask_the_partial_last_page() -> None:
+    k = torch.zeros(1, 32, 2, dtype=torch.bfloat16)
+    k[0, :20, 0] = torch.arange(20, dtype=torch.bfloat16) - 5
+    mn, mx = quest_bounds(k, 20, 16)
+    assert mn[0, 1, 0] == 11 and mx[0, 1, 0] == 14 and mn[0, 0, 0] == -5
+
+
+def test_engine_at_full_budget_equals_dense_for_a_batch() -> None:
+    t = _tier(layers=2, heads=2, n=333, d=32, seed=4)
+    b, hq = 3, 8
+    eng = ContextDecoder(t, "cpu", hq, b, 6, EngineOptions(rho=1.0, pool_fraction=1.0))
+    den = DenseDecoder(t.k[:, :, :t.n_tokens].contiguous(), t.v[:, :, :t.n_tokens].contiguous(),
+                       b, 6)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        eng.begin_step()
+        den.begin_step()
+        for layer in range(2):
+            q = torch.randn(b, hq, 32, generator=g).to(torch.bfloat16)
+            k = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            v = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            a, d = eng.attend(layer, q, k, v), den.attend(layer, q, k, v)
+            assert (a.float() - d.float()).abs().max().item() < 2e-2
+        eng.end_step()
+        den.end_step()
+    assert eng.own.length.tolist() == [4, 4, 4]
+    # Each sequence attends its own tokens only: another's differ.
+    assert not torch.equal(eng.own.k[0, 0], eng.own.k[0, 1])
+
+
+def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
+        client, demo_contexts) -> None:  # noqa: F811
+    """The engine's index is the stored Quest artifact (the C++ build), bit
+    for bit; its pages are the session core's (TorchQuestSession, itself
+    checked against the server) plus fillers when the core takes fewer."""
+    for ctx in demo_contexts:
+        arts = client.fetch_index(ctx.context_id, "quest")
+        if parse_quest_artifact(arts[(0, 0)]).page_size != 16:
+            continue  # the engine pages by the store's 16 tokens
+        m = ctx.model
+        keys = context_keys(client, ctx)
+        t = HostTier(m.n_layers, m.n_kv_heads, ctx.n_tokens, m.head_dim, pin=False)
+        t.token_view()[0].copy_(torch.as_tensor(keys).to(torch.bfloat16))
+        planner = QuestPlanner.from_tier(t, "cpu", m.n_q_heads, batch=1)
+        core = TorchQuestSession(arts, m.n_q_heads)
+        rng = np.random.default_rng(ctx.n_tokens)
+        for layer in range(m.n_layers):
+            for h in range(m.n_kv_heads):
+                a = parse_quest_artifact(arts[(layer, h)])
+                assert np.array_equal(planner.kmin[layer, h].float().numpy(), a.page_min)
+                assert np.array_equal(planner.kmax[layer, h].float().numpy(), a.page_max)
+            for _ in range(3):
+                q = torch.as_tensor(rng.integers(-3, 4, (m.n_q_heads, m.head_dim)),
+                                    dtype=torch.bfloat16)
+                plan = core.step(layer, q.float())
+                got = planner.plan(layer, q.unsqueeze(0))[0]
+                for h in range(m.n_kv_heads):
+                    want = set(torch.nonzero(plan.pages[h])[:, 0].tolist())
+                    have = set(got[h].tolist())
+                    assert len(have) == planner.kp
+                    assert want <= have, (ctx.name, layer, h, want - have)

@@ -222,7 +222,6 @@ def main() -> int:
     for b in batches:
         try:
             torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
             opts = EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction,
                                  select_algo=a.select_algo)
             dec = ContextDecoder(tier, dev, hq, b, a.warm + a.steps + 4, opts)
@@ -244,7 +243,6 @@ def main() -> int:
             row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
             row["gib_per_seq"] = gib((mem["pool"] + mem["index"]) / b + mem["own"] / b)
             row["index_fraction_of_kv"] = round(mem["index"] / (2 * L * H * n * d * 2), 4)
-            del base
             if a.profile and b == batches[0]:
                 row["profile"] = profile(st, dec, n)
             sparse_rows.append(row)

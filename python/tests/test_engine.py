@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ctxcache import native
 from ctxcache.engine import (ContextDecoder, DenseDecoder, EngineOptions, HostTier,
                              PagePool, PoolOptions, QuestPlanner, quest_bounds)
 from ctxcache.torch.artifacts import parse_quest_artifact
@@ -179,3 +180,21 @@ def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
                     have = set(got[h].tolist())
                     assert len(have) == planner.kp
                     assert want <= have, (ctx.name, layer, h, want - have)
+
+
+def test_host_tier_from_server_holds_the_stored_pages(server, client,
+                                                      demo_contexts) -> None:  # noqa: F811
+    """HostTier.from_server: the native bulk load fills the tier in the
+    background with the stored keys and values; the page padding stays zero."""
+    with native.NativeClient(server.address, timeout=60) as nc:
+        for ctx in demo_contexts:
+            t = HostTier.from_server(nc, ctx.context_id, streams=2, pin=False)
+            with t.load:
+                t.load.wait()
+            n = ctx.n_tokens
+            assert (t.n_layers, t.n_kv_heads, t.n_tokens) == (ctx.model.n_layers,
+                                                             ctx.model.n_kv_heads, n)
+            k, _ = t.token_view()
+            assert np.array_equal(k.float().numpy(), context_keys(client, ctx))
+            assert not bool(t.k[:, :, n:].any()) and not bool(t.v[:, :, n:].any())
+            assert bool(t.v[:, :, :n].any())

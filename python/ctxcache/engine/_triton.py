@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from ctxcache.torch import kernels as _k
+from ctxcache.torch.kernels import attend_rows
 
 
 @triton.jit
@@ -184,35 +185,16 @@ def _pool_attn_kernel(q_ptr, k_pool, v_pool, pages_ptr, slot_of_ptr, tail_k, tai
             unit = (layer * H + h).to(tl.int64) * P + page
             slot = tl.load(slot_of_ptr + unit, mask=ok, other=0)
             tok = slot.to(tl.int64) * PAGE + offs_n % PAGE
-            k = tl.load(k_pool + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale_log2
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_pool + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = attend_rows(q, k_pool, v_pool, tok, ok, offs_d, m_i, l_i, acc,
+                                        scale_log2, D)
     else:
         n_t = tl.load(tail_len + b)
         offs_t = tl.arange(0, BT)
         base = (b * H + h).to(tl.int64) * T
         for t0 in range(0, n_t, BT):
             j = t0 + offs_t
-            ok = j < n_t
-            k = tl.load(tail_k + (base + j)[:, None] * D + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-            sc = tl.dot(q, tl.trans(k)) * scale_log2
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(tail_v + (base + j)[:, None] * D + offs_d[None, :], mask=ok[:, None],
-                        other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = attend_rows(q, tail_k, tail_v, base + j, j < n_t, offs_d, m_i, l_i,
+                                        acc, scale_log2, D)
     out = (r * n_split + s) * G
     gmask = offs_g < G
     tl.store(acc_ptr + (out + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None])

@@ -73,8 +73,35 @@ class OwnTokens:
         """Tokens each sequence attends of its own during the current step."""
         return self._now
 
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
 
-class ContextDecoder:
+
+class _Decoder:
+    """The seam a model adapter calls: begin_step, attend per layer (the
+    step's k and v join each sequence's own tokens first), end_step.
+    Subclasses set ``own`` and implement ``_attend``."""
+
+    own: OwnTokens
+
+    def begin_step(self) -> None:
+        self.own.begin_step()
+
+    def end_step(self) -> None:
+        self.own.end_step()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, d], the step's k, v [B, H, d] -> [B, Hq, d]."""
+        self.own.put(layer, k, v)
+        return self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ContextDecoder(_Decoder):
     """B sequences decoding over one stored context through the engine: per
     layer, the planner picks pages from the queries, the pool makes them
     resident (misses copied from the host tier on the device), attention
@@ -96,16 +123,7 @@ class ContextDecoder:
                              tier.head_dim, tier.dtype, device)
         self.attention = PagedAttention(self.pool, batch, n_q_heads, kp)
 
-    def begin_step(self) -> None:
-        self.own.begin_step()
-
-    def end_step(self) -> None:
-        self.own.end_step()
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, d], the step's k, v [B, H, d] -> [B, Hq, d]."""
-        self.own.put(layer, k, v)
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         pages = self.planner.plan(layer, q)
         self.pool.resolve(layer, pages)
         return self.attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
@@ -113,11 +131,11 @@ class ContextDecoder:
 
     def memory(self) -> Dict[str, int]:
         """Device bytes by part: pool, planner index, own tokens."""
-        own = 2 * self.own.k.numel() * self.own.k.element_size()
-        return {"pool": self.pool.hbm_bytes, "index": self.planner.hbm_bytes, "own": own}
+        return {"pool": self.pool.hbm_bytes, "index": self.planner.hbm_bytes,
+                "own": self.own.nbytes}
 
 
-class DenseDecoder:
+class DenseDecoder(_Decoder):
     """The same seam over the whole context resident on the device.
     shared=False: each sequence reads the context as if it held its own copy
     (what a server without prefix sharing does; DenseContextAttention)."""
@@ -129,19 +147,11 @@ class DenseDecoder:
                              k.dtype, k.device)
         self.batch = batch
 
-    def begin_step(self) -> None:
-        self.own.begin_step()
-
-    def end_step(self) -> None:
-        self.own.end_step()
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        self.own.put(layer, k, v)
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self.attention(layer, q, self.own.k[layer], self.own.v[layer], self.own.now)
 
     def memory(self) -> Dict[str, int]:
+        """Device bytes: the context (B copies' worth when not shared), own tokens."""
         a = self.attention
-        own = 2 * self.own.k.numel() * self.own.k.element_size()
         ctx = 2 * a.k.numel() * a.k.element_size() * (1 if a.shared else self.batch)
-        return {"context": ctx, "own": own}
+        return {"context": ctx, "own": self.own.nbytes}

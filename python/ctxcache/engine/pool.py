@@ -142,7 +142,6 @@ class PagePool:
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._miss_units: Optional[torch.Tensor] = None
         self._miss_slots: Optional[torch.Tensor] = None
-        self._dummy = torch.zeros(1, **i32)
 
     def _distinct(self, n_req: int) -> int:
         """The most distinct units n_req requests of one layer can name."""

@@ -477,6 +477,23 @@ def select_top_pages(scores: torch.Tensor, k: int, n_recent: int = 0, reset: boo
 
 
 @triton.jit
+def attend_rows(q, k_ptr, v_ptr, tok, ok, offs_d, m_i, l_i, acc, scale_log2, D: tl.constexpr):
+    """One block of flash-decoding: the q rows [GP, D] attend the keys and
+    values at rows `tok` (int64, masked by `ok`) of k/v [*, D], folded into
+    the online softmax state (m_i, l_i, acc; base-2 logits). Returns it."""
+    k = tl.load(k_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    sc = tl.dot(q, tl.trans(k)) * scale_log2
+    sc = tl.where(ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, acc_ptr, m_ptr, l_ptr, KP, per_split,
                        scale_log2, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                        PAGE: tl.constexpr, PAGES_PER_BLOCK: tl.constexpr,
@@ -501,16 +518,8 @@ def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, acc_ptr, m_ptr, l_ptr, KP, 
         ok = slot < p_end
         page = tl.load(sel_ptr + r * KP + slot, mask=ok, other=0)
         tok = page * PAGE + offs_n % PAGE
-        k = tl.load(k_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        sc = tl.dot(q, tl.trans(k)) * scale_log2
-        sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + tok[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_rows(q, k_ptr, v_ptr, tok, ok, offs_d, m_i, l_i, acc, scale_log2,
+                                    D)
     base = (r * n_split + s) * G
     gmask = offs_g < G
     tl.store(acc_ptr + (base + offs_g[:, None]) * D + offs_d[None, :], acc, mask=gmask[:, None])

@@ -16,8 +16,16 @@ change every step) or --kv prefill (the model's own prefill of random
 tokens, through HF). The weights are random (--model llama8b, the
 Llama-3-8B shape) or a local HF model directory.
 
+--periods runs the engine with each search period (plan every P steps,
+EngineOptions.period); --contexts K spreads the batch over K contexts (one
+pool and index each, and K resident contexts for dense); --fidelity N
+decodes N steps teacher-forced on dense's greedy tokens and reports, per
+period, the agreement of the argmax with dense's and KL(dense || sparse) of
+the next-token distributions.
+
 Prints one JSON object; --check first asserts that the engine at full
-budget gives dense attention's outputs.
+budget gives dense attention's outputs and that the CUDA planner picks the
+CPU reference's pages.
 """
 from __future__ import annotations
 
@@ -28,8 +36,8 @@ import time
 
 import torch
 
-from ctxcache.engine import (ContextDecoder, DenseDecoder, EngineOptions,  # noqa: E402
-                             HostTier, LlamaStepper)
+from ctxcache.engine import (BatchDecoder, ContextDecoder, DenseDecoder,  # noqa: E402
+                             EngineOptions, HostTier, LlamaStepper, QuestPlanner)
 from gpu_e2e import load_model  # noqa: E402
 
 T0 = time.perf_counter()
@@ -44,22 +52,24 @@ def gib(x: int) -> float:
 
 
 @torch.no_grad()
-def make_context(model, n: int, how: str, dev: str, tokens_json: str = ""):
-    """K, V [L, H, n, d] bf16 on the GPU."""
+def make_context(model, n: int, how: str, dev: str, tokens_json: str = "", seed: int = 0):
+    """K, V [L, H, n, d] bf16 on the GPU (context `seed`: another seed, another
+    context)."""
     cfg = model.config
     L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if how == "random":
-        g = torch.Generator(device=dev).manual_seed(1)
+        g = torch.Generator(device=dev).manual_seed(1 + seed)
         k = torch.randn(L, H, n, d, device=dev, dtype=torch.bfloat16, generator=g)
         v = torch.randn(L, H, n, d, device=dev, dtype=torch.bfloat16, generator=g)
         return k, v
     if tokens_json:
         doc = [int(x) for x in json.load(open(tokens_json))]
+        doc = doc[seed * 997 % len(doc):] + doc[:seed * 997 % len(doc)]
         ids = torch.tensor([(doc * (n // len(doc) + 1))[:n]], device=dev)
     else:
         ids = torch.randint(3, cfg.vocab_size, (1, n), device=dev,
-                            generator=torch.Generator(device=dev).manual_seed(2))
+                            generator=torch.Generator(device=dev).manual_seed(2 + seed))
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     k = torch.empty(L, H, n, d, device=dev, dtype=torch.bfloat16)
@@ -79,17 +89,20 @@ def first_tokens(stepper: LlamaStepper, first: int) -> None:
 
 
 def time_steps(stepper: LlamaStepper, decoder, n: int, first: int, steps: int,
-               warm: int) -> dict:
+               warm: int, stats=None) -> dict:
+    """Graph replays: `warm` untimed, then `steps` timed; stats() (optional)
+    is read around the timed ones and the difference returned as "timed"."""
     first_tokens(stepper, first)
     stepper.position.fill_(n)
-    decoder.own.reset()
+    decoder.reset()
     stepper.capture()
     first_tokens(stepper, first)
     stepper.position.fill_(n)
-    decoder.own.reset()
+    decoder.reset()
     for _ in range(warm):
         stepper.replay()
     torch.cuda.synchronize()
+    s0 = stats() if stats else None
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record()
     for _ in range(steps):
@@ -97,7 +110,91 @@ def time_steps(stepper: LlamaStepper, decoder, n: int, first: int, steps: int,
     ev[1].record()
     torch.cuda.synchronize()
     ms = ev[0].elapsed_time(ev[1]) / steps
-    return {"ms_per_step": round(ms, 3), "tokens_per_s": round(stepper.batch * 1000.0 / ms, 1)}
+    out = {"ms_per_step": round(ms, 3), "tokens_per_s": round(stepper.batch * 1000.0 / ms, 1)}
+    if stats:
+        s1 = stats()
+        out["timed"] = {k: s1[k] - s0[k] for k in s0}
+    return out
+
+
+def pool_stats(dec) -> dict:
+    """Summed over the contexts' pools."""
+    tot: dict = {}
+    for d in getattr(dec, "decoders", [dec]):
+        for k, x in d.pool.stats().items():
+            if k != "n_slots":
+                tot[k] = tot.get(k, 0) + x
+    return tot
+
+
+def make_dense(kvs, b: int, max_new: int, shared: bool):
+    """One DenseDecoder per context, b / K rows each."""
+    per = split_batch(b, len(kvs))
+    decs = [DenseDecoder(k, v, bb, max_new, shared=shared) for (k, v), bb in zip(kvs, per)]
+    return decs[0] if len(decs) == 1 else BatchDecoder(decs)
+
+
+def make_sparse(tiers, dev, hq: int, b: int, max_new: int, opts: EngineOptions):
+    per = split_batch(b, len(tiers))
+    decs = [ContextDecoder(t, dev, hq, bb, max_new, opts) for t, bb in zip(tiers, per)]
+    return decs[0] if len(decs) == 1 else BatchDecoder(decs)
+
+
+def split_batch(b: int, k: int) -> list:
+    if b % k:
+        raise SystemExit(f"batch {b} is not a multiple of --contexts {k}")
+    return [b // k] * k
+
+
+@torch.no_grad()
+def fidelity(model, dense, sparse_by_period: dict, n: int, steps: int, first: int) -> dict:
+    """Teacher-forced on dense's greedy continuation: per period, agreement of
+    the argmax with dense's and mean KL(dense || sparse) per token."""
+    b = dense.batch
+    sd = LlamaStepper(model, dense, b, keep_logits=True)
+    first_tokens(sd, first)
+    sd.position.fill_(n)
+    dense.reset()
+    teacher, ref = [sd.tokens.clone()], []
+    for _ in range(steps):
+        sd.step()
+        ref.append(torch.log_softmax(sd.logits, dim=-1))
+        teacher.append(sd.tokens.clone())
+    out = {}
+    for period, sparse in sparse_by_period.items():
+        ss = LlamaStepper(model, sparse, b, keep_logits=True)
+        ss.position.fill_(n)
+        sparse.reset()
+        agree, kl = 0, 0.0
+        for i in range(steps):
+            ss.tokens.copy_(teacher[i])
+            ss.step()
+            lp = torch.log_softmax(ss.logits, dim=-1)
+            agree += int((lp.argmax(dim=-1) == ref[i].argmax(dim=-1)).sum())
+            kl += float((ref[i].exp() * (ref[i] - lp)).sum())
+        out[str(period)] = {"agreement": round(agree / (b * steps), 4),
+                            "kl_mean": round(kl / (b * steps), 5),
+                            "tokens": b * steps}
+    return out
+
+
+def check_planner(planner: QuestPlanner, layers: int) -> int:
+    """The CUDA planner (quest kernel, top-k, fused cap) against the CPU
+    reference on integer queries (exact bounds): rows whose pages differ."""
+    cpu = QuestPlanner(planner.kmin.cpu(), planner.kmax.cpu(), planner.n_tokens,
+                       planner.h * planner.g, planner.batch, planner.page, rho=planner.rho,
+                       recent_blocks=planner.n_recent - 1)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bad = 0
+    for layer in range(layers):
+        q = torch.randint(-3, 4, (planner.batch, planner.h * planner.g, planner.d),
+                          device="cuda", generator=g).to(torch.bfloat16)
+        got = planner.plan(layer, q).cpu()
+        want = cpu.plan(layer, q.cpu())
+        for bi in range(planner.batch):
+            for h in range(planner.h):
+                bad += int(set(got[bi, h].tolist()) != set(want[bi, h].tolist()))
+    return bad
 
 
 def check(model, tier, k, v, dev, n: int) -> dict:
@@ -124,31 +221,36 @@ def check(model, tier, k, v, dev, n: int) -> dict:
             worst = max(worst, (a.float() - s.float()).abs().max().item())
         dense.end_step()
         sparse.end_step()
-    dense.own.reset()
-    sparse.own.reset()
+    dense.reset()
+    sparse.reset()
     for _ in range(steps):
         same += int(torch.equal(sd.step(), ss.step()))
     sparse.pool.check()
     assert worst < 2e-2, f"engine at full budget differs from dense attention by {worst}"
+    planner = QuestPlanner(sparse.planner.kmin, sparse.planner.kmax, n, sparse.planner.h *
+                           sparse.planner.g, 3, rho=0.05)
+    bad = check_planner(planner, min(2, k.shape[0]))
+    assert bad == 0, f"the CUDA planner differs from the CPU reference in {bad} rows"
     return {"attention_max_abs_err": worst, "greedy_steps_identical": same,
-            "greedy_steps": steps}
+            "greedy_steps": steps, "planner_rows_differing": bad}
 
 
 def profile(stepper, decoder, n: int) -> list:
     from torch.profiler import ProfilerActivity, profile as prof
     stepper.tokens.fill_(5)
     stepper.position.fill_(n)
-    decoder.own.reset()
+    decoder.reset()
+    stepper.reset()
     stepper.step()
     torch.cuda.synchronize()
     with prof(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(3):
+        for _ in range(4):
             stepper.step()
         torch.cuda.synchronize()
     rows = []
     for e in sorted(p.key_averages(), key=lambda e: -e.self_device_time_total)[:14]:
-        rows.append({"kernel": e.key[:60], "us_per_step": round(e.self_device_time_total / 3, 1),
-                     "calls_per_step": e.count // 3})
+        rows.append({"kernel": e.key[:60], "us_per_step": round(e.self_device_time_total / 4, 1),
+                     "calls_per_step": e.count / 4})
     return rows
 
 
@@ -163,46 +265,72 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--rho", type=float, default=0.05)
+    ap.add_argument("--periods", default="1", help="search periods to run, e.g. 1,4")
+    ap.add_argument("--contexts", type=int, default=1, help="contexts the batch spreads over")
     ap.add_argument("--pool-fraction", type=float, default=0.1)
+    ap.add_argument("--cap", choices=("fused", "topk"), default="fused")
     ap.add_argument("--tokens-json", default="", help="context token ids (--kv prefill)")
     ap.add_argument("--dense-shared", type=int, default=1,
                     help="1: the batch shares the context (one flash call per layer); "
                          "0: each sequence reads it as its own copy")
     ap.add_argument("--select-algo", default="")
+    ap.add_argument("--fidelity", type=int, default=0,
+                    help="teacher-forced steps for agreement and KL vs dense (0: none)")
+    ap.add_argument("--fidelity-batch", type=int, default=4)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
+    periods = [int(x) for x in a.periods.split(",") if x]
     res = {"bench": "gpu_engine", "device": torch.cuda.get_device_name(), "model": a.model,
            "layers": a.layers, "tokens": a.tokens, "kv": a.kv, "rho": a.rho,
-           "pool_fraction": a.pool_fraction, "steps": a.steps,
+           "pool_fraction": a.pool_fraction, "steps": a.steps, "warm": a.warm,
+           "contexts": a.contexts, "periods": periods, "cap": a.cap,
            "dense_shared": bool(a.dense_shared), "select_algo": a.select_algo or "default"}
     model = load_model(a.model, a.layers, dev)
     weights = torch.cuda.memory_allocated()
     res["weights_gib"] = gib(weights)
     log(f"model {gib(weights)} GiB")
-    k, v = make_context(model, a.tokens, a.kv, dev, a.tokens_json)
-    L, H, n, d = k.shape
+    kvs, tiers = [], []
+    for c in range(a.contexts):
+        k, v = make_context(model, a.tokens, a.kv, dev, a.tokens_json, seed=c)
+        L, H, n, d = k.shape
+        tier = HostTier(L, H, n, d)
+        tk, tv = tier.token_view()
+        for i in range(L):
+            tk[i].copy_(k[i])
+            tv[i].copy_(v[i])
+        kvs.append((k, v))
+        tiers.append(tier)
     hq = model.config.num_attention_heads
-    log(f"context {tuple(k.shape)}")
-    tier = HostTier(L, H, n, d)
-    tk, tv = tier.token_view()
-    for i in range(L):
-        tk[i].copy_(k[i])
-        tv[i].copy_(v[i])
+    log(f"{a.contexts} context(s) {tuple(k.shape)}")
     res["context_kv_gib"] = gib(2 * k.numel() * 2)
     if a.check:
-        res["check"] = check(model, tier, k, v, dev, n)
+        res["check"] = check(model, tiers[0], kvs[0][0], kvs[0][1], dev, n)
         log(f"check {res['check']}")
     first = 11
+    max_new = a.warm + a.steps + 8 + a.fidelity
+
+    def options(period: int) -> EngineOptions:
+        return EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction, period=period,
+                             select_algo=a.select_algo, fused_cap=a.cap == "fused")
+
+    if a.fidelity:
+        fb = a.fidelity_batch
+        dense = make_dense(kvs, fb, max_new, True)
+        sparse = {p: make_sparse(tiers, dev, hq, fb, max_new, options(p)) for p in periods}
+        res["fidelity"] = fidelity(model, dense, sparse, n, a.fidelity, first)
+        log(f"fidelity {res['fidelity']}")
+        del dense, sparse
+        torch.cuda.empty_cache()
     dense_rows, sparse_rows = [], []
     batches = [int(x) for x in a.batches.split(",") if x]
     dbatches = [int(x) for x in (a.dense_batches or a.batches).split(",") if x]
     for b in dbatches:
         try:
             torch.cuda.reset_peak_memory_stats()
-            dec = DenseDecoder(k, v, b, a.warm + a.steps + 4, shared=bool(a.dense_shared))
+            dec = make_dense(kvs, b, max_new, bool(a.dense_shared))
             st = LlamaStepper(model, dec, b)
             row = {"batch": b, **time_steps(st, dec, n, first, a.steps, a.warm)}
             mem = dec.memory()
@@ -217,42 +345,41 @@ def main() -> int:
         finally:
             torch.cuda.empty_cache()
     res["dense"] = dense_rows
-    del k, v
+    del kvs, k, v
     torch.cuda.empty_cache()
-    for b in batches:
-        try:
-            torch.cuda.reset_peak_memory_stats()
-            opts = EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction,
-                                 select_algo=a.select_algo)
-            dec = ContextDecoder(tier, dev, hq, b, a.warm + a.steps + 4, opts)
-            st = LlamaStepper(model, dec, b)
-            s0 = dec.pool.stats()
-            row = {"batch": b, **time_steps(st, dec, n, first, a.steps, a.warm)}
-            s1 = dec.pool.stats()
-            replays = a.steps + a.warm  # capture's warm-up step is eager
-            req = (s1["hit_requests"] + s1["miss_requests"]) - (s0["hit_requests"] +
-                                                               s0["miss_requests"])
-            row["hit_ratio"] = round((s1["hit_requests"] - s0["hit_requests"]) / max(1, req), 4)
-            row["h2d_mib_per_step"] = round((s1["bytes_h2d"] - s0["bytes_h2d"]) / 2**20 /
-                                            (replays + 1), 2)
-            row["unplaced"] = s1["unplaced"]
-            mem = dec.memory()
-            row["kp"] = dec.planner.kp
-            row["pool_slots"] = dec.pool.n_slots
-            row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
-            row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
-            row["gib_per_seq"] = gib((mem["pool"] + mem["index"]) / b + mem["own"] / b)
-            row["index_fraction_of_kv"] = round(mem["index"] / (2 * L * H * n * d * 2), 4)
-            if a.profile and b == batches[0]:
-                row["profile"] = profile(st, dec, n)
-            sparse_rows.append(row)
-            log(f"sparse {row}")
-            del st, dec
-        except torch.cuda.OutOfMemoryError:
-            sparse_rows.append({"batch": b, "oom": True})
-            break
-        finally:
-            torch.cuda.empty_cache()
+    for period in periods:
+        for b in batches:
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                dec = make_sparse(tiers, dev, hq, b, max_new, options(period))
+                st = LlamaStepper(model, dec, b)
+                row = {"batch": b, "period": period,
+                       **time_steps(st, dec, n, first, a.steps, a.warm,
+                                    stats=lambda: pool_stats(dec))}
+                t = row.pop("timed")
+                req = t["hit_requests"] + t["miss_requests"]
+                row["hit_ratio_timed"] = round(t["hit_requests"] / max(1, req), 4)
+                row["h2d_mib_per_step_timed"] = round(t["bytes_h2d"] / 2**20 / a.steps, 2)
+                row["unplaced"] = pool_stats(dec)["unplaced"]
+                one = getattr(dec, "decoders", [dec])[0]
+                mem = dec.memory()
+                row["kp"] = one.planner.kp
+                row["pool_slots"] = one.pool.n_slots
+                row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
+                row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
+                row["gib_per_seq"] = gib((mem["pool"] + mem["index"]) / b + mem["own"] / b)
+                row["index_fraction_of_kv"] = round(
+                    mem["index"] / (a.contexts * 2 * L * H * n * d * 2), 4)
+                if a.profile and b == batches[0]:
+                    row["profile"] = profile(st, dec, n)
+                sparse_rows.append(row)
+                log(f"sparse {row}")
+                del st, dec
+            except torch.cuda.OutOfMemoryError:
+                sparse_rows.append({"batch": b, "period": period, "oom": True})
+                break
+            finally:
+                torch.cuda.empty_cache()
     res["sparse"] = sparse_rows
     by_b = {r["batch"]: r for r in dense_rows if "ms_per_step" in r}
     for r in sparse_rows:
@@ -260,8 +387,10 @@ def main() -> int:
             r["speedup_vs_dense_same_batch"] = round(by_b[r["batch"]]["ms_per_step"] /
                                                      r["ms_per_step"], 3)
     best_d = max((r["tokens_per_s"] for r in dense_rows if "tokens_per_s" in r), default=0)
-    best_s = max((r["tokens_per_s"] for r in sparse_rows if "tokens_per_s" in r), default=0)
-    res["throughput_ratio_best"] = round(best_s / best_d, 3) if best_d else None
+    for period in periods:
+        best_s = max((r["tokens_per_s"] for r in sparse_rows
+                      if r.get("period") == period and "tokens_per_s" in r), default=0)
+        res[f"throughput_ratio_best_p{period}"] = round(best_s / best_d, 3) if best_d else None
     print(json.dumps(res))
     return 0
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ctxcache import native
-from ctxcache.engine import (ContextDecoder, DenseDecoder, EngineOptions, HostTier,
+from ctxcache.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions, HostTier,
                              PagePool, PoolOptions, QuestPlanner, quest_bounds)
 from ctxcache.torch.artifacts import parse_quest_artifact
 from ctxcache.torch.gpu_session import TorchQuestSession
@@ -78,6 +78,80 @@ def test_pool_rejects_a_pool_smaller_than_one_resolve() -> None:
     pool = PagePool(t, "cpu", PoolOptions(n_slots=10))
     with pytest.raises(ValueError, match="expected \\[B, 2, kp\\]"):
         pool.resolve(0, torch.zeros(1, 3, 4, dtype=torch.int32))
+
+
+def test_pool_hold_keeps_a_whole_window_resident() -> None:
+    """Without a hold the next layer may evict the last one's pages; within a
+    hold every page resolved since stays, until the next hold."""
+    t = _tier(layers=2, heads=1, n=16 * 8)
+    per_layer = lambda p: torch.tensor([[p]], dtype=torch.int32)  # noqa: E731
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=6), max_requests=3)
+    for layer, pages in ((0, [0, 1, 2]), (1, [0, 1, 2]), (0, [3, 4, 5]), (0, [0, 1, 2])):
+        pool.resolve(layer, per_layer(pages))
+    assert all(int(pool.slot_of[t.n_pages + u]) < 0 for u in range(3)), \
+        "expected the unheld pool to evict layer 1's pages"
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=6), max_requests=3)
+    pool.hold()
+    pool.resolve(0, per_layer([0, 1, 2]))
+    pool.resolve(1, per_layer([0, 1, 2]))
+    assert all(int(pool.slot_of[layer * t.n_pages + u]) >= 0 for layer in (0, 1)
+               for u in range(3))
+    with pytest.raises(RuntimeError, match="no free slot"):
+        pool.resolve(0, per_layer([3, 4, 5]))  # 9 held units > 6 slots: the contract
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=6), max_requests=3)
+    pool.hold()
+    pool.resolve(0, per_layer([0, 1, 2]))
+    pool.resolve(1, per_layer([0, 1, 2]))
+    pool.hold()  # a new window: the last one's pages may go
+    pool.resolve(0, per_layer([5, 6, 7]))
+    pool.resolve(1, per_layer([5, 6, 7]))
+    assert all(int(pool.slot_of[layer * t.n_pages + u]) >= 0 for layer in (0, 1)
+               for u in (5, 6, 7))
+    pool.check()
+
+
+def test_a_search_period_reuses_the_plan_without_pool_traffic() -> None:
+    """period 2: odd steps attend the pages planned at the step before (with
+    their own tokens, which grow), and make no pool requests."""
+    t = _tier(layers=2, heads=2, n=16 * 30, d=32, seed=6)
+    b, hq = 2, 8
+    opts = EngineOptions(rho=0.1, period=2, pool_fraction=0.01)
+    eng = ContextDecoder(t, "cpu", hq, b, 6, opts)
+    assert eng.pool.n_slots >= eng.planner.step_units()  # sized to hold a step's pages
+    g = torch.Generator().manual_seed(7)
+    kept = {}
+    for step in range(4):
+        eng.planning = step % 2 == 0
+        eng.begin_step()
+        before = eng.pool.stats()
+        for layer in range(2):
+            q = torch.randint(-4, 5, (b, hq, 32), generator=g).to(torch.bfloat16)
+            k = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            v = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            out = eng.attend(layer, q, k, v)
+            pages = eng.planner.pages[layer].clone()
+            if eng.planning:
+                kept[layer] = pages
+            else:
+                assert torch.equal(pages, kept[layer])
+                want = eng.attention(layer, q, kept[layer], eng.own.k[layer],
+                                     eng.own.v[layer], eng.own.now)
+                assert torch.equal(out, want)
+                # A fresh plan for these queries would differ: reuse is not a no-op.
+                fresh = QuestPlanner(eng.planner.kmin, eng.planner.kmax, t.n_tokens, hq, b,
+                                     rho=0.1).plan(layer, q)
+                assert any(set(fresh[i, h].tolist()) != set(pages[i, h].tolist())
+                           for i in range(b) for h in range(2))
+        after = eng.pool.stats()
+        moved = (after["hit_requests"] + after["miss_requests"]
+                 - before["hit_requests"] - before["miss_requests"])
+        assert moved == (2 * b * 2 * eng.planner.kp if eng.planning else 0)
+        eng.end_step()
+    eng.pool.check()
+    with pytest.raises(ValueError, match="EngineOptions.period"):
+        ContextDecoder(t, "cpu", hq, b, 6, EngineOptions(period=0))
+    with pytest.raises(ValueError, match="EngineOptions.pool_slots"):
+        ContextDecoder(t, "cpu", hq, b, 6, EngineOptions(rho=0.1, period=2, pool_slots=10))
 
 
 def _reference_plan(kmin, kmax, q, layer, k_head, kp, n_recent) -> list:
@@ -147,6 +221,39 @@ def test_engine_at_full_budget_equals_dense_for_a_batch() -> None:
     assert eng.own.length.tolist() == [4, 4, 4]
     # Each sequence attends its own tokens only: another's differ.
     assert not torch.equal(eng.own.k[0, 0], eng.own.k[0, 1])
+
+
+def test_a_batch_over_two_contexts_equals_each_context_alone() -> None:
+    t1, t2 = _tier(n=400, seed=8), _tier(n=300, seed=9)
+
+    def make(t, b):
+        return ContextDecoder(t, "cpu", 8, b, 4, EngineOptions(rho=0.2))
+
+    both = BatchDecoder([make(t1, 2), make(t2, 1)])
+    alone = [make(t1, 2), make(t2, 1)]
+    assert both.batch == 3 and both.period == 1
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        for d in [both] + alone:
+            d.begin_step()
+        for layer in range(2):
+            q = torch.randn(3, 8, 32, generator=g).to(torch.bfloat16)
+            k = torch.randn(3, 2, 32, generator=g).to(torch.bfloat16)
+            v = torch.randn(3, 2, 32, generator=g).to(torch.bfloat16)
+            out = both.attend(layer, q, k, v)
+            assert torch.equal(out[:2], alone[0].attend(layer, q[:2], k[:2], v[:2]))
+            assert torch.equal(out[2:], alone[1].attend(layer, q[2:], k[2:], v[2:]))
+        for d in [both] + alone:
+            d.end_step()
+    # Each context's pool serves its own rows only.
+    second = both.decoders[1]
+    st = second.pool.stats()
+    # 3 steps x 2 layers x 1 row x 2 kv heads x kp pages.
+    assert st["hit_requests"] + st["miss_requests"] == 3 * 2 * 1 * 2 * second.planner.kp
+    with pytest.raises(ValueError, match="batch 2, expected 3"):
+        both.attend(0, q[:2], k[:2], v[:2])
+    with pytest.raises(ValueError, match="periods differ"):
+        BatchDecoder([make(t1, 1), ContextDecoder(t2, "cpu", 8, 1, 4, EngineOptions(period=2))])
 
 
 def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(

@@ -9,18 +9,20 @@ Seams (each its own module; a model adapter composes them):
   attention    :mod:`ctxcache.engine.attention`: PagedAttention (in place
                over pool pages plus own tokens), DenseContextAttention
   decode       :mod:`ctxcache.engine.engine`: ContextDecoder and DenseDecoder
-               (one context, B sequences, their own tokens)
+               (one context, B sequences, their own tokens), BatchDecoder
+               (a batch over several contexts)
   adapter      :mod:`ctxcache.engine.llama`: LlamaStepper (an HF Llama's
                decode step, capturable as one CUDA graph)
 No process-global state; the Triton kernels (CUDA) are in ``_triton`` and
 every one has a torch reference used on the CPU.
 """
 from ctxcache.engine.attention import DenseContextAttention, PagedAttention
-from ctxcache.engine.engine import ContextDecoder, DenseDecoder, EngineOptions, OwnTokens
+from ctxcache.engine.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions,
+                                   OwnTokens)
 from ctxcache.engine.llama import LlamaStepper
 from ctxcache.engine.planner import QuestPlanner, quest_bounds
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
 
-__all__ = ["ContextDecoder", "DenseContextAttention", "DenseDecoder", "EngineOptions",
-           "HostTier", "LlamaStepper", "OwnTokens", "PagePool", "PagedAttention",
-           "PoolOptions", "QuestPlanner", "quest_bounds"]
+__all__ = ["BatchDecoder", "ContextDecoder", "DenseContextAttention", "DenseDecoder",
+           "EngineOptions", "HostTier", "LlamaStepper", "OwnTokens", "PagePool",
+           "PagedAttention", "PoolOptions", "QuestPlanner", "quest_bounds"]

@@ -38,10 +38,14 @@ def _claim_kernel(pages_ptr, slot_of_ptr, stamp_ptr, ref_ptr, clock_ptr, n_miss_
 
 @triton.jit
 def _victim_kernel(stamp_ptr, ref_ptr, clock_ptr, n_miss_ptr, vict_ptr, counts_ptr, n_slots,
-                   BLOCK: tl.constexpr):
+                   HELD: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.load(n_miss_ptr)
     hand = tl.load(clock_ptr)
     now = tl.load(clock_ptr + 1)
+    if HELD:
+        floor = tl.load(clock_ptr + 2)
+    else:
+        floor = now
     offs = tl.arange(0, BLOCK)
     found = m * 0
     swept = m * 0
@@ -53,7 +57,7 @@ def _victim_kernel(stamp_ptr, ref_ptr, clock_ptr, n_miss_ptr, vict_ptr, counts_p
         idx = (hand + swept + offs) % n_slots
         st = tl.load(stamp_ptr + idx, mask=valid, other=0)
         rf = tl.load(ref_ptr + idx, mask=valid, other=0)
-        free = valid & (st != now)
+        free = valid & (st < floor)
         cand = free & (rf == 0)
         csum = tl.cumsum(cand.to(tl.int32), axis=0)
         take = cand & (found + csum <= m)
@@ -69,6 +73,8 @@ def _victim_kernel(stamp_ptr, ref_ptr, clock_ptr, n_miss_ptr, vict_ptr, counts_p
         swept += span
     tl.store(clock_ptr, (hand + swept) % n_slots)
     tl.store(clock_ptr + 1, now + 1)
+    if not HELD:
+        tl.store(clock_ptr + 2, now + 1)
     tl.store(n_miss_ptr + 1, found)
     tl.store(n_miss_ptr, m * 0)
     tl.atomic_add(counts_ptr + 2, found.to(tl.int64))
@@ -97,7 +103,7 @@ def _install_kernel(miss_ptr, vict_ptr, n_miss_ptr, slot_of_ptr, page_of_ptr, re
 
 
 def resolve(pool, layer: int, pages: torch.Tensor, miss_units: torch.Tensor,
-            miss_slots: torch.Tensor) -> None:
+            miss_slots: torch.Tensor, held: bool = False) -> None:
     t = pool.tier
     n_req = pages.numel()
     block = 1024
@@ -107,7 +113,7 @@ def resolve(pool, layer: int, pages: torch.Tensor, miss_units: torch.Tensor,
         pool.counts, layer, n_req, t.n_kv_heads, t.n_pages, pages.shape[2], BLOCK=block,
         num_warps=4)
     _victim_kernel[(1,)](pool.stamp, pool.ref, pool.clock, pool.n_miss, miss_slots,
-                         pool.counts, pool.n_slots, BLOCK=1024, num_warps=8)
+                         pool.counts, pool.n_slots, HELD=held, BLOCK=1024, num_warps=8)
     _install_kernel[(n_req,)](miss_units, miss_slots, pool.n_miss, pool.slot_of, pool.page_of,
                               pool.ref, t.k, t.v, pool.k, pool.v, UNIT=t.page * t.head_dim,
                               num_warps=4)
@@ -153,6 +159,83 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer:
     bp = 64
     _quest_kernel[(h, triton.cdiv(p, bp), triton.cdiv(nq, bq))](
         q, kmin, kmax, out, layer, h, p, nq, out.shape[1], G=g, D=d, BQ=bq, BP=bp, num_warps=4)
+
+
+@triton.jit
+def _cap_kernel(top_ptr, counts_ptr, out_ptr, P, KH1, KP, N_RECENT, G: tl.constexpr,
+                BT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row (b, kv head): count how many of its G q heads' top entries (global
+    ids row * (P + 1) + column; column 0 is the stand-in) name each page;
+    write page 0, the last N_RECENT pages and the KP - those best pages by
+    (count, page) descending to out[row, :KP] (any order); leave the counts
+    zero."""
+    row = tl.program_id(0)
+    zero = row * 0
+    cnt = counts_ptr + row.to(tl.int64) * P
+    offs_t = tl.arange(0, BT)
+    n_top = G * KH1
+    for start in range(0, n_top, BT):
+        i = start + offs_t
+        ok = i < n_top
+        ids = tl.load(top_ptr + row.to(tl.int64) * n_top + i, mask=ok, other=0)
+        page = (ids % (P + 1) - 1).to(tl.int32)
+        ok = ok & (page >= 0)
+        tl.atomic_add(cnt + page, 1 + tl.zeros_like(page), mask=ok)
+    tl.debug_barrier()
+    offs = tl.arange(0, BLOCK)
+    # Histogram of the counts of the pages not forced (counts are 0..G).
+    bins = tl.arange(0, 16)
+    hist = tl.zeros([16], dtype=tl.int32)
+    n_forced = zero
+    for start in range(0, P, BLOCK):
+        p = start + offs
+        ok = p < P
+        c = tl.load(cnt + p, mask=ok, other=0, cache_modifier=".cg")
+        forced = ok & ((p == 0) | (p >= P - N_RECENT))
+        free = ok & ~forced
+        n_forced += tl.sum(forced.to(tl.int32), axis=0)
+        for j in tl.static_range(G + 1):
+            hist += tl.where(bins == j, tl.sum((free & (c == j)).to(tl.int32), axis=0), 0)
+    r = KP - n_forced
+    # The threshold t: fewer than r pages have a count > t, at least r >= t.
+    n_ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+    t = tl.max(tl.where(n_ge >= r, bins, 0), axis=0)
+    n_gt = tl.sum(tl.where(bins > t, hist, 0), axis=0)
+    m = r - n_gt  # equal-count pages to take: the latest ones
+    n_out = zero
+    eq_seen = zero
+    nb = tl.cdiv(P, BLOCK)
+    for i in range(0, nb):
+        start = (nb - 1 - i) * BLOCK
+        p = start + offs
+        ok = p < P
+        c = tl.load(cnt + p, mask=ok, other=0, cache_modifier=".cg")
+        forced = ok & ((p == 0) | (p >= P - N_RECENT))
+        free = ok & ~forced
+        eq = free & (c == t)
+        eqi = eq.to(tl.int32)
+        # Equal pages at or after p within the block, plus those of later blocks.
+        after = tl.sum(eqi, axis=0) - tl.cumsum(eqi, axis=0) + eqi
+        take = forced | (free & (c > t)) | (eq & (eq_seen + after <= m))
+        ti = take.to(tl.int32)
+        pos = n_out + tl.cumsum(ti, axis=0) - 1
+        tl.store(out_ptr + row.to(tl.int64) * KP + pos, p, mask=take)
+        tl.store(cnt + p, tl.zeros_like(c), mask=ok)
+        n_out += tl.sum(ti, axis=0)
+        eq_seen += tl.sum(eqi, axis=0)
+
+
+def cap_pages(head_top: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, n_pages: int,
+              kp: int, n_recent: int, g: int) -> None:
+    """head_top int64 [R * G, KH1] (global ids of each q head's top entries,
+    rows (b, kv head, g)); counts int32 [R, P], zero (left zero); out int32
+    [R, kp]."""
+    rows = counts.shape[0]
+    assert g <= 15, "the cap kernel's histogram has 16 bins"
+    # Few wide blocks: the scans are latency-bound (a reduction per block).
+    block = min(4096, max(1024, triton.next_power_of_2(n_pages)))
+    _cap_kernel[(rows,)](head_top, counts, out, n_pages, head_top.shape[1], kp, n_recent, G=g,
+                         BT=1024, BLOCK=block, num_warps=8)
 
 
 @triton.jit

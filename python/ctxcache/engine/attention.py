@@ -117,5 +117,6 @@ class DenseContextAttention:
         o_t = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(st, dim=-1).nan_to_num(0.0),
                            tail_v.float())
         lse = torch.logaddexp(lse_ctx, lse_t)
-        o = o_ctx * torch.exp(lse_ctx - lse).unsqueeze(-1) + o_t * torch.exp(lse_t - lse).unsqueeze(-1)
+        o = (o_ctx * torch.exp(lse_ctx - lse).unsqueeze(-1)
+             + o_t * torch.exp(lse_t - lse).unsqueeze(-1))
         return o.reshape(b, hq, d).to(q.dtype)

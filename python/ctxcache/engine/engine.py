@@ -1,17 +1,19 @@
-"""Batched decode over one stored context: the sequences' own tokens and the
+"""Batched decode over stored contexts: the sequences' own tokens and the
 step's order of work (plan, resolve, attend).
 
 :class:`ContextDecoder` is what a model adapter calls once per layer of a
 decode step, for B sequences that read the same context: they share its
 host tier, HBM pool and planner index, and each owns its appended tokens.
 :class:`DenseDecoder` is the same seam over the whole context resident on
-the device (the baseline). Neither touches the network or syncs the host
-inside a step, so a model's whole step can be captured as one CUDA graph.
+the device (the baseline). :class:`BatchDecoder` puts decoders of several
+contexts in one batch (rows in order: the first decoder's sequences, then
+the next's). None touches the network or syncs the host inside a step, so
+a model's whole step can be captured as one CUDA graph.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -19,7 +21,7 @@ from ctxcache.engine.attention import DenseContextAttention, PagedAttention
 from ctxcache.engine.planner import QuestPlanner
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
 
-__all__ = ["ContextDecoder", "DenseDecoder", "EngineOptions", "OwnTokens"]
+__all__ = ["BatchDecoder", "ContextDecoder", "DenseDecoder", "EngineOptions", "OwnTokens"]
 
 
 @dataclass
@@ -36,6 +38,17 @@ class EngineOptions:
     # The planner's top-k algorithm (kernels.select_top_pages). Default: ""
     # = that module's default.
     select_algo: str = ""
+    # Search period P: the planner runs on every P-th step and the P - 1
+    # steps after it attend the same stored pages (plus their own tokens,
+    # which always grow), with no planning and no pool traffic: the
+    # session core's "search every P steps" schedules (index/csa.h). The
+    # pool then holds a planning step's pages of all layers until the next
+    # one. Default: 1 (plan every step).
+    period: int = 1
+    # CUDA: the planner's page cap as one counting kernel
+    # (QuestPlanner.fused_cap; the same pages as the scatter and top-k).
+    # Default: True.
+    fused_cap: bool = True
 
 
 class OwnTokens:
@@ -91,6 +104,10 @@ class _Decoder:
     def end_step(self) -> None:
         self.own.end_step()
 
+    def reset(self) -> None:
+        """Forgets every sequence's own tokens (a new batch of sequences)."""
+        self.own.reset()
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, d], the step's k, v [B, H, d] -> [B, Hq, d]."""
@@ -111,21 +128,45 @@ class ContextDecoder(_Decoder):
                  max_new_tokens: int, options: Optional[EngineOptions] = None,
                  planner: Optional[QuestPlanner] = None) -> None:
         o = options or EngineOptions()
+        if o.period < 1:
+            raise ValueError(f"EngineOptions.period: expected >= 1, got {o.period}")
         self.tier, self.device, self.batch = tier, torch.device(device), batch
+        self.period = o.period
+        # Whether the current step plans (the model adapter sets it from its
+        # step counter: steps 0, P, 2P, ... plan).
+        self.planning = True
         self.planner = planner or QuestPlanner.from_tier(
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
-            select_algo=o.select_algo)
+            select_algo=o.select_algo, fused_cap=o.fused_cap)
         kp = self.planner.kp
-        self.pool = PagePool(tier, device, PoolOptions(n_slots=o.pool_slots,
-                                                       fraction=o.pool_fraction),
+        # The pool holds at least one step's pages of every layer: otherwise
+        # pages used every step are evicted before their next use (CLOCK, like
+        # LRU, gets no hits on a cyclic sweep larger than the cache), and a
+        # period > 1 could not keep its planning step's pages.
+        need = self.planner.step_units()
+        if o.pool_slots and o.period > 1 and o.pool_slots < min(need, tier.n_units):
+            raise ValueError(f"EngineOptions.pool_slots: {o.pool_slots} cannot hold one "
+                             f"step's pages with period {o.period}: expected >= "
+                             f"{min(need, tier.n_units)} (or 0 to size it)")
+        self.pool = PagePool(tier, device,
+                             PoolOptions(n_slots=o.pool_slots, fraction=o.pool_fraction,
+                                         min_slots=0 if o.pool_slots else need),
                              max_requests=batch * tier.n_kv_heads * kp)
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
                              tier.head_dim, tier.dtype, device)
         self.attention = PagedAttention(self.pool, batch, n_q_heads, kp)
 
+    def begin_step(self) -> None:
+        super().begin_step()
+        if self.planning and self.period > 1:
+            self.pool.hold()
+
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        pages = self.planner.plan(layer, q)
-        self.pool.resolve(layer, pages)
+        if self.planning:
+            pages = self.planner.plan(layer, q)
+            self.pool.resolve(layer, pages)
+        else:
+            pages = self.planner.pages[layer]
         return self.attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
                               self.own.now)
 
@@ -155,3 +196,63 @@ class DenseDecoder(_Decoder):
         a = self.attention
         ctx = 2 * a.k.numel() * a.k.element_size() * (1 if a.shared else self.batch)
         return {"context": ctx, "own": self.own.nbytes}
+
+
+class BatchDecoder:
+    """One batch over several contexts: ``decoders`` (ContextDecoder or
+    DenseDecoder, each over its own context with its own batch) take
+    consecutive rows of the batch, in order. A model adapter sees one decoder
+    of batch sum(d.batch); each context keeps its own pool and index, shared
+    by its rows only. The decoders' search periods must agree."""
+
+    def __init__(self, decoders: List[Any]) -> None:
+        if not decoders:
+            raise ValueError("BatchDecoder: expected at least one decoder")
+        periods = {int(getattr(d, "period", 1)) for d in decoders}
+        if len(periods) != 1:
+            raise ValueError(f"BatchDecoder: the decoders' periods differ: {sorted(periods)}")
+        self.decoders = list(decoders)
+        self.period = periods.pop()
+        self.batch = sum(d.batch for d in decoders)
+        self._bounds = []
+        start = 0
+        for d in decoders:
+            self._bounds.append((start, start + d.batch))
+            start += d.batch
+
+    @property
+    def planning(self) -> bool:
+        return bool(getattr(self.decoders[0], "planning", True))
+
+    @planning.setter
+    def planning(self, value: bool) -> None:
+        for d in self.decoders:
+            d.planning = value
+
+    def begin_step(self) -> None:
+        for d in self.decoders:
+            d.begin_step()
+
+    def end_step(self) -> None:
+        for d in self.decoders:
+            d.end_step()
+
+    def reset(self) -> None:
+        for d in self.decoders:
+            d.reset()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, d], k, v [B, H, d] with B = sum of the decoders' batches."""
+        if q.shape[0] != self.batch:
+            raise ValueError(f"BatchDecoder.attend: batch {q.shape[0]}, expected {self.batch}")
+        return torch.cat([d.attend(layer, q[a:b], k[a:b], v[a:b])
+                          for d, (a, b) in zip(self.decoders, self._bounds)])
+
+    def memory(self) -> Dict[str, int]:
+        """Device bytes by part, summed over the decoders."""
+        out: Dict[str, int] = {}
+        for d in self.decoders:
+            for key, val in d.memory().items():
+                out[key] = out.get(key, 0) + val
+        return out

@@ -6,11 +6,14 @@ decoder of this package (:class:`ContextDecoder` or :class:`DenseDecoder`).
 The step is written out layer by layer over the model's own modules, so that
 it has static shapes and no host sync: :meth:`LlamaStepper.capture` records a
 whole step (every layer, the argmax, the position advance) as one CUDA graph
-and :meth:`replay` runs it.
+and :meth:`replay` runs it. A decoder with a search period P > 1 (its
+``period`` and ``planning`` attributes) gets two graphs, a planning step and
+a step that reuses the plan; the stepper's step counter picks one (steps 0,
+P, 2P, ... plan).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -27,7 +30,9 @@ class LlamaStepper:
     last token and ``position`` [B] its position (the context's length for
     the first step); each step writes the next tokens into ``tokens``."""
 
-    def __init__(self, model: Any, decoder: Any, batch: int) -> None:
+    def __init__(self, model: Any, decoder: Any, batch: int, keep_logits: bool = False) -> None:
+        """keep_logits: each step also writes its logits (float32 [B, vocab])
+        into ``logits`` (Default: False)."""
         self.model, self.decoder, self.batch = model, decoder, batch
         inner = model.model
         self.embed, self.layers, self.norm = inner.embed_tokens, inner.layers, inner.norm
@@ -38,11 +43,32 @@ class LlamaStepper:
         dev = next(model.parameters()).device
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=dev)
         self.position = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.logits: Optional[torch.Tensor] = None
+        if keep_logits:
+            self.logits = torch.zeros(batch, model.config.vocab_size, dtype=torch.float32,
+                                      device=dev)
+        self.period = int(getattr(decoder, "period", 1))
+        # Steps run since the last reset (planning steps: n_steps % period == 0).
+        self.n_steps = 0
+        self.graphs: Dict[bool, torch.cuda.CUDAGraph] = {}
+
+    def reset(self) -> None:
+        """The next step is step 0 again (a planning step)."""
+        self.n_steps = 0
+
+    def _mode(self) -> None:
+        if self.period > 1:
+            self.decoder.planning = self.n_steps % self.period == 0
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
         """One step, eagerly; returns ``tokens`` (now the next ones)."""
+        self._mode()
+        self._step()
+        self.n_steps += 1
+        return self.tokens
+
+    def _step(self) -> None:
         b = self.batch
         dec = self.decoder
         dec.begin_step()
@@ -61,22 +87,35 @@ class LlamaStepper:
             x = x + a.o_proj(o.reshape(b, self.hq * self.d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = self.lm_head(self.norm(x))
+        if self.logits is not None:
+            self.logits.copy_(logits)
         self.tokens.copy_(logits.argmax(dim=-1))
         self.position.add_(1)
         dec.end_step()
-        return self.tokens
 
     def capture(self) -> None:
-        """Records one step as a CUDA graph (after one eager warm-up step, whose
-        effects are undone by the caller resetting tokens, positions and the
-        decoder's own tokens)."""
-        self.step()
-        torch.cuda.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        """Records a step as a CUDA graph, one per mode (after one eager
+        warm-up step of each, whose effects are undone by the caller
+        resetting tokens, positions and the decoder's own tokens), and
+        resets the step counter."""
+        modes = [True, False] if self.period > 1 else [True]
+        self.reset()
+        for plan in modes:
+            self.n_steps = 0 if plan else 1
             self.step()
+        torch.cuda.synchronize()
+        for plan in modes:
+            self.n_steps = 0 if plan else 1
+            self._mode()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._step()
+            self.graphs[plan] = g
+        self.reset()
 
     def replay(self) -> torch.Tensor:
-        assert self.graph is not None, "capture() first"
-        self.graph.replay()
+        """One step by graph replay (the mode of the step counter)."""
+        assert self.graphs, "capture() first"
+        self.graphs[self.n_steps % self.period == 0].replay()
+        self.n_steps += 1
         return self.tokens

@@ -12,7 +12,10 @@ no host sync:
      (ties: the later page), the top ``page_budget`` kept (the core's
      CapSelectedPages ranking for selections without logits), plus page 0
      and the last ``recent_blocks + 1`` pages, which the core keeps beyond
-     the budget: ``kp = page_budget + recent_blocks + 2`` pages a row.
+     the budget: ``kp = page_budget + recent_blocks + 2`` pages a row. On
+     CUDA one kernel a layer counts the picks and takes the cap from a
+     histogram of the counts (the threshold count, then the latest pages
+     of that count), with no second top-k.
 When the union of step 1 holds fewer than kp pages the core keeps only
 those; the planner fills the rest with pages no q head took (the latest
 ones), a superset: attention over more pages, never fewer.
@@ -51,15 +54,18 @@ def quest_bounds(keys: torch.Tensor, n_tokens: int, page: int) -> tuple:
 
 class QuestPlanner:
     """Fixed-shape Quest page plans for B sequences over one context (module
-    docstring). ``plan`` writes into one buffer per instance: one call at a
-    time."""
+    docstring). ``plan(layer, ...)`` writes ``pages[layer]``, which holds that
+    layer's last plan until the next (a decoder that searches every P steps
+    reuses it): one call at a time."""
 
     def __init__(self, kmin: torch.Tensor, kmax: torch.Tensor, n_tokens: int, n_q_heads: int,
                  batch: int, page: int = 16, rho: float = 0.05, recent_blocks: int = 1,
-                 select_algo: str = "") -> None:
+                 select_algo: str = "", fused_cap: bool = True) -> None:
         """kmin/kmax [n_layers, n_kv_heads, n_pages, d] on the engine's device;
         select_algo: kernels.select_top_pages's algorithm (Default: "" = its
-        default)."""
+        default); fused_cap: on CUDA, step 2 is one kernel that counts the q
+        heads' picks and takes the cap by a histogram of the counts, instead
+        of a scatter and a second top-k (Default: True; the same pages)."""
         if kmin.shape != kmax.shape or kmin.dim() != 4:
             raise ValueError("QuestPlanner: kmin and kmax must both be [L, H, P, d]")
         if not 0.0 < rho <= 1.0:
@@ -69,7 +75,7 @@ class QuestPlanner:
         if n_q_heads % self.h:
             raise ValueError(f"n_q_heads {n_q_heads} is not a multiple of n_kv_heads {self.h}")
         self.g, self.batch, self.page, self.n_tokens = n_q_heads // self.h, batch, page, n_tokens
-        self.select_algo = select_algo
+        self.select_algo, self.fused_cap, self.rho = select_algo, fused_cap, rho
         budget = max(1, min(n_tokens, int(math.ceil(rho * n_tokens))))
         self.k_head = min(self.n_pages, max(1, budget // page))
         self.n_recent = min(self.n_pages, recent_blocks + 1)
@@ -77,7 +83,9 @@ class QuestPlanner:
         self.page_budget = max(1, int(math.ceil(rho * self.n_pages)))
         self.kp = min(self.n_pages, self.page_budget + self.n_recent + 1)
         dev = kmin.device
-        self.pages = torch.zeros(batch, self.h, self.kp, dtype=torch.int32, device=dev)
+        # The last plan of each layer: [L, B, H, kp].
+        self.pages = torch.zeros(self.n_layers, batch, self.h, self.kp, dtype=torch.int32,
+                                 device=dev)
         # Column 0 of each q head's row is a stand-in for "no page": the top-k
         # kernel always takes a row's first entry, which must not be page 0.
         self._scores = torch.zeros(batch * n_q_heads, self.n_pages + 1, dtype=torch.float32,
@@ -99,11 +107,13 @@ class QuestPlanner:
                                      device=dev)
         self._trash = batch * self.h * self.n_pages
         self._top = torch.zeros(batch * self.h, self.kp, dtype=torch.int64, device=dev)
+        self._icounts = torch.zeros(batch * self.h, self.n_pages, dtype=torch.int32, device=dev)
 
     @classmethod
     def from_tier(cls, tier: HostTier, device: Any, n_q_heads: int, batch: int,
                   rho: float = 0.05, recent_blocks: int = 1,
-                  layers: Optional[range] = None, select_algo: str = "") -> "QuestPlanner":
+                  layers: Optional[range] = None, select_algo: str = "",
+                  fused_cap: bool = True) -> "QuestPlanner":
         """Bounds from the tier's keys, one layer at a time through the device
         (waits for each layer of a background load)."""
         dev = torch.device(device)
@@ -118,11 +128,17 @@ class QuestPlanner:
             kmin[layer].copy_(mn)
             kmax[layer].copy_(mx)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
-                   select_algo)
+                   select_algo, fused_cap)
 
     @property
     def hbm_bytes(self) -> int:
+        """The index (the bounds) on the device."""
         return 2 * self.kmin.numel() * self.kmin.element_size()
+
+    def step_units(self) -> int:
+        """The most distinct units (page of a layer's kv head) one step's plans
+        can name over all layers, however the B sequences choose."""
+        return self.n_layers * self.h * min(self.batch * self.kp, self.n_pages)
 
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Quest bounds of every page for q [B, Hq, d]: [B * Hq, P + 1] float32,
@@ -141,12 +157,18 @@ class QuestPlanner:
 
     def plan(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The pages of every (sequence, kv head): int32 [B, H, kp], each row's
-        pages distinct (any order). q [B, Hq, d]."""
+        pages distinct (any order), a view of ``pages[layer]``. q [B, Hq, d]."""
         if q.shape[0] != self.batch:
             raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
         s = self.scores(layer, q)
         # Each q head's k_head best pages, plus the stand-in (column 0).
         top = self._top_k(s, self.k_head + 1, 0, self._head_top, self.select_algo)
+        out = self.pages[layer]
+        if s.is_cuda and self.fused_cap:
+            from ctxcache.engine import _triton
+            _triton.cap_pages(top, self._icounts, out.view(-1, self.kp), self.n_pages, self.kp,
+                              self.n_recent, self.g)
+            return out
         top = top % (self.n_pages + 1)
         kv = torch.where(top > 0, self._kv_base + top - 1,
                          torch.full_like(top, self._trash))
@@ -154,8 +176,8 @@ class QuestPlanner:
         torch.add(self._counts[:-1].view(-1, self.n_pages), self._later, out=self._cap)
         self._counts.zero_()
         top = self._top_k(self._cap, self.kp, self.n_recent, self._top, self.select_algo)
-        self.pages.view(-1, self.kp).copy_(top - self._row_base)
-        return self.pages
+        out.view(-1, self.kp).copy_(top - self._row_base)
+        return out
 
     @staticmethod
     def _top_k(x: torch.Tensor, k: int, n_recent: int, out: torch.Tensor,

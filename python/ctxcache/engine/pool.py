@@ -14,7 +14,8 @@ sequence that reads the context, for all layers. Device tables:
   page_of  int32 [n_slots]  the slot's unit, -1 empty
   stamp    int32 [n_slots]  the layer-step that last used the slot
   ref      int32 [n_slots]  CLOCK's reference bit
-  clock    int32 [2]        the hand, and the layer-step counter "now"
+  clock    int32 [3]        the hand, the layer-step counter "now", and
+                            "floor": slots stamped at or after it are in use
 
 :meth:`PagePool.resolve` makes the units a layer-step asks for resident, on
 the device and with no host sync, in three steps (CUDA: three Triton kernels
@@ -25,18 +26,27 @@ of fixed grids, so a step can be captured in a CUDA graph):
      so a page that several sequences miss is copied once;
   2. victims: the CLOCK hand sweeps the ring from where it stopped, clearing
      reference bits, and takes for each miss the first slot whose bit is
-     clear and that this layer-step does not use (stamp != now); the hand
-     stops after the last slot taken, and now advances;
+     clear and that is not in use (stamp < floor); the hand stops after the
+     last slot taken, and now advances;
   3. install: each miss evicts its victim's unit (slot_of = -1), takes the
      slot, and copies its K and V page from the pinned host tier (zero-copy
      reads over PCIe on CUDA).
 Attention then reads ``slot_of`` for the pages it attends (``slot_tables``).
 
+In use. By default a slot is in use only for the layer-step that stamped
+it: floor follows now, and the next layer may evict it. Between
+:meth:`PagePool.hold` and :meth:`PagePool.release` (device-side, capturable)
+floor stays put, so every unit resolved in that window stays resident until
+it ends: a decoder that reuses a step's pages for later steps holds the pool
+over the planning step (``hold_slots`` says how many slots that needs).
+
 Contract: a resolve (one layer) asks for at most ``n_slots`` distinct units
 (n_kv_heads * n_pages at most, however many sequences ask), so a slot
 not used by the layer-step always exists (ValueError at construction when
-``max_requests`` could exceed it). Between resolves the tables are
-consistent: ``slot_of[page_of[s]] == s`` for every filled slot.
+``max_requests`` could exceed it); inside a hold, the window's distinct
+units are at most ``n_slots`` (the caller sizes the pool with
+``min_slots``). Between resolves the tables are consistent:
+``slot_of[page_of[s]] == s`` for every filled slot.
 
 Thread-safety: one stream at a time; resolves of one pool must be ordered.
 """
@@ -110,6 +120,10 @@ class PoolOptions:
     # The most unit requests one resolve takes (rows x pages per row).
     # Default: 0 = set by the first resolve's shape.
     max_requests: int = 0
+    # The fewest slots, whatever n_slots or fraction say (a decoder's
+    # working set: the units one step, or one hold, may ask for; capped at
+    # the context's units). Default: 0.
+    min_slots: int = 0
 
 
 class PagePool:
@@ -121,7 +135,7 @@ class PagePool:
         self.tier, self.device = tier, torch.device(device)
         self.max_requests = max_requests or o.max_requests
         n = o.n_slots or max(int(math.ceil(o.fraction * tier.n_units)), self.max_requests, 1)
-        n = min(n, tier.n_units)
+        n = min(max(n, o.min_slots), tier.n_units)
         if self._distinct(self.max_requests) > n:
             raise ValueError(f"PagePool: n_slots {n} < the {self._distinct(self.max_requests)} "
                              f"distinct units a resolve of max_requests {self.max_requests} "
@@ -135,13 +149,14 @@ class PagePool:
         self.page_of = torch.full((n,), -1, **i32)
         self.stamp = torch.full((n,), -1, **i32)
         self.ref = torch.zeros(n, **i32)
-        self.clock = torch.zeros(2, **i32)        # hand, now
+        self.clock = torch.zeros(3, **i32)        # hand, now, floor
         self.n_miss = torch.zeros(2, **i32)       # being counted, of the last resolve
         # Hit requests, missed requests, units copied, units left unplaced
         # (the last only if the contract above is broken).
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._miss_units: Optional[torch.Tensor] = None
         self._miss_slots: Optional[torch.Tensor] = None
+        self._held = False
 
     def _distinct(self, n_req: int) -> int:
         """The most distinct units n_req requests of one layer can name."""
@@ -166,6 +181,18 @@ class PagePool:
             self._miss_slots = torch.zeros(n_req, dtype=torch.int32, device=self.device)
         return self._miss_units, self._miss_slots  # type: ignore[return-value]
 
+    def hold(self) -> None:
+        """From now until :meth:`release`, units resolved stay resident (no
+        host sync; capturable)."""
+        self._held = True
+        self.clock[2:3].copy_(self.clock[1:2])
+
+    def release(self) -> None:
+        """Ends a hold: from the next resolve on, a slot is in use only for its
+        own layer-step."""
+        self._held = False
+        self.clock[2:3].copy_(self.clock[1:2])
+
     def units(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Unit ids of ``pages`` [B, H, kp] (page ids per kv head) at ``layer``."""
         t = self.tier
@@ -181,7 +208,7 @@ class PagePool:
         mu, ms = self._buffers(pages.numel())
         if self.device.type == "cuda":
             from ctxcache.engine import _triton
-            _triton.resolve(self, layer, pages, mu, ms)
+            _triton.resolve(self, layer, pages, mu, ms, self._held)
         else:
             self._resolve_reference(layer, pages, mu, ms)
 
@@ -191,6 +218,7 @@ class PagePool:
         kernels claim in the order their atomics land)."""
         units = self.units(layer, pages).reshape(-1)
         now = int(self.clock[1])
+        floor = int(self.clock[2]) if self._held else now
         slots = self.slot_of[units]
         hit = slots >= 0
         self.stamp[slots[hit].long()] = now
@@ -208,7 +236,7 @@ class PagePool:
                 raise RuntimeError("resolve: no free slot (more distinct units than slots)")
             s = (hand + steps) % self.n_slots
             steps += 1
-            if int(self.stamp[s]) == now:
+            if int(self.stamp[s]) >= floor:
                 continue
             if int(self.ref[s]):
                 self.ref[s] = 0
@@ -218,6 +246,8 @@ class PagePool:
             found += 1
         self.clock[0] = (hand + steps) % self.n_slots
         self.clock[1] = now + 1
+        if not self._held:
+            self.clock[2] = now + 1
         p, t = self.tier.page, self.tier
         kf = t.k.view(-1, t.head_dim)
         vf = t.v.view(-1, t.head_dim)

@@ -232,6 +232,13 @@ class _Owned:
     _destroy = ""
     _h = ctypes.c_void_p()
 
+    def _live(self) -> ctypes.c_void_p:
+        """The handle; ValueError once closed (the library must never be
+        handed a freed object)."""
+        if not self._h:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._h
+
     def close(self) -> None:
         if self._h:
             getattr(_lib, self._destroy)(self._h)
@@ -256,7 +263,9 @@ class KVLoad(_Owned):
     Layers arrive in the order asked, except that one that :meth:`wait_layer`
     or :meth:`prioritize` names is taken next. Keeps the destination arrays
     alive until it is closed; closing (or garbage collection) cancels what is
-    left and waits for the library to stop writing.
+    left and waits for the library to stop writing. After close, :meth:`wait`
+    and :meth:`wait_layer` return at once if the load had finished, and raise
+    ValueError if it had not (the buffers are incomplete).
     """
 
     _destroy = "ctxcache_load_destroy"
@@ -264,35 +273,50 @@ class KVLoad(_Owned):
     def __init__(self, handle: int, keep: Tuple[Any, ...]) -> None:
         self._h = ctypes.c_void_p(handle)
         self._keep = keep
+        self._final: Optional[Dict[str, Any]] = None  # progress at close, if it had finished
+
+    def _finished_before_close(self) -> bool:
+        if self._h:
+            return False
+        if self._final is None:
+            raise ValueError("KVLoad was closed before the load finished: the buffers are "
+                             "incomplete")
+        return True
 
     def wait_layer(self, layer: int) -> None:
         """Blocks until ``layer`` (a context layer number) is in the buffers."""
-        _call("LoadKV", _lib.ctxcache_load_wait_layer, self._h, int(layer))  # type: ignore
+        if self._finished_before_close():
+            return
+        _call("LoadKV", _lib.ctxcache_load_wait_layer, self._live(), int(layer))  # type: ignore
 
     def prioritize(self, layer: int) -> None:
-        _call("LoadKV", _lib.ctxcache_load_prioritize, self._h, int(layer))  # type: ignore
+        _call("LoadKV", _lib.ctxcache_load_prioritize, self._live(), int(layer))  # type: ignore
 
     def wait(self) -> Dict[str, Any]:
         """Blocks until every layer is in; returns :meth:`progress`."""
-        _call("LoadKV", _lib.ctxcache_load_wait, self._h)  # type: ignore[union-attr]
+        if self._finished_before_close():
+            return dict(self._final)  # type: ignore[arg-type]
+        _call("LoadKV", _lib.ctxcache_load_wait, self._live())  # type: ignore[union-attr]
         return self.progress()
 
     def cancel(self) -> None:
-        _lib.ctxcache_load_cancel(self._h)  # type: ignore[union-attr]
+        _lib.ctxcache_load_cancel(self._live())  # type: ignore[union-attr]
 
     @property
     def done(self) -> bool:
-        return bool(_lib.ctxcache_load_done(self._h))  # type: ignore[union-attr]
+        return bool(_lib.ctxcache_load_done(self._live()))  # type: ignore[union-attr]
 
     def progress(self) -> Dict[str, Any]:
         """bytes_done, bytes_total, layers_done, layers_total, frames, seconds, gb_per_s."""
         p = _Progress()
-        _lib.ctxcache_load_progress(self._h, ctypes.byref(p))  # type: ignore[union-attr]
+        _lib.ctxcache_load_progress(self._live(), ctypes.byref(p))  # type: ignore[union-attr]
         out = {f: getattr(p, f) for f, _ in _Progress._fields_}
         out["gb_per_s"] = p.bytes_done / p.seconds / 1e9 if p.seconds > 0 else 0.0
         return out
 
     def close(self) -> None:
+        if self._h and self.done:
+            self._final = self.progress()
         super().close()
         self._keep = ()
 
@@ -313,7 +337,7 @@ class KVMap(_Owned):
     def __init__(self, handle: int) -> None:
         self._h = ctypes.c_void_p(handle)
         data, size, layout = ctypes.c_void_p(), ctypes.c_uint64(), _MapLayout()
-        _lib.ctxcache_map_get(self._h, ctypes.byref(data), ctypes.byref(size),  # type: ignore
+        _lib.ctxcache_map_get(self._live(), ctypes.byref(data), ctypes.byref(size),  # type: ignore
                               ctypes.byref(layout))
         self.address = int(data.value or 0)
         self.size = int(size.value)
@@ -322,10 +346,10 @@ class KVMap(_Owned):
 
     def wait_layer(self, layer: int) -> None:
         """Blocks until ``layer`` (a context layer number) is in the segment."""
-        _call("MapKV", _lib.ctxcache_map_wait_layer, self._h, int(layer))  # type: ignore
+        _call("MapKV", _lib.ctxcache_map_wait_layer, self._live(), int(layer))  # type: ignore
 
     def wait(self) -> None:
-        _call("MapKV", _lib.ctxcache_map_wait, self._h)  # type: ignore[union-attr]
+        _call("MapKV", _lib.ctxcache_map_wait, self._live())  # type: ignore[union-attr]
 
     def array(self) -> Any:
         import numpy as np
@@ -374,7 +398,7 @@ class NativeClient(_Owned):
 
     def context(self, context_id: str) -> ContextShape:
         c = _Context()
-        _call("GetContext", _lib.ctxcache_get_context, self._h,  # type: ignore[union-attr]
+        _call("GetContext", _lib.ctxcache_get_context, self._live(),  # type: ignore[union-attr]
               context_id.encode(), ctypes.byref(c), None, None)
         return ContextShape(c.n_tokens, c.n_layers, c.n_q_heads, c.n_kv_heads, c.head_dim,
                             c.block_tokens, _DTYPE_NAMES.get(c.kv_dtype, str(c.kv_dtype)), c.state)
@@ -384,7 +408,7 @@ class NativeClient(_Owned):
         indexes; returns its id."""
         arr = _u32_array(tokens)
         out = ctypes.c_void_p()
-        _call("BuildContext", _lib.ctxcache_build_tokens, self._h,  # type: ignore[union-attr]
+        _call("BuildContext", _lib.ctxcache_build_tokens, self._live(),  # type: ignore[union-attr]
               model.encode(), arr, len(tokens), ctypes.byref(out))
         try:
             return ctypes.string_at(out.value).decode()
@@ -411,7 +435,7 @@ class NativeClient(_Owned):
         layout = _Layout(k_addr, v_addr, k_cap, v_cap, k_str[0], k_str[1], k_str[2], dtype)
         arr = _u32_array(list(layers or []))
         h = ctypes.c_void_p()
-        _call("LoadKV", _lib.ctxcache_load_kv_start, self._h,  # type: ignore[union-attr]
+        _call("LoadKV", _lib.ctxcache_load_kv_start, self._live(),  # type: ignore[union-attr]
               context_id.encode(), arr, len(layers or []), int(streams), int(frame_bytes),
               ctypes.byref(layout), ctypes.byref(h))
         return KVLoad(h.value or 0, (k, v))
@@ -431,7 +455,7 @@ class NativeClient(_Owned):
         reachable (another host: use :meth:`load_kv`)."""
         arr = _u32_array(list(layers or []))
         h = ctypes.c_void_p()
-        _call("MapKV", _lib.ctxcache_map_kv_start, self._h,  # type: ignore[union-attr]
+        _call("MapKV", _lib.ctxcache_map_kv_start, self._live(),  # type: ignore[union-attr]
               context_id.encode(), arr, len(layers or []), ctypes.byref(h))
         return KVMap(h.value or 0)
 
@@ -439,7 +463,7 @@ class NativeClient(_Owned):
         """A method's serialized artifacts by (layer, kv head), crc32c-checked."""
         shape = self.context(context_id)
         h = ctypes.c_void_p()
-        _call("FetchIndex", _lib.ctxcache_fetch_index, self._h,  # type: ignore[union-attr]
+        _call("FetchIndex", _lib.ctxcache_fetch_index, self._live(),  # type: ignore[union-attr]
               context_id.encode(), method.encode(), ctypes.byref(h))
         out: Dict[Tuple[int, int], bytes] = {}
         try:

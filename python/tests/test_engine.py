@@ -305,3 +305,45 @@ def test_host_tier_from_server_holds_the_stored_pages(server, client,
             assert np.array_equal(k.float().numpy(), context_keys(client, ctx))
             assert not bool(t.k[:, :, n:].any()) and not bool(t.v[:, :, n:].any())
             assert bool(t.v[:, :, :n].any())
+
+
+def test_a_killed_ctxcached_neither_stops_decode_nor_hangs_a_new_load(make_server) -> None:
+    """The engine needs the server only to fill its host tier: decoding
+    after ctxcached dies gives the same outputs as before, and a load
+    started against the dead server fails with a clear error instead of
+    waiting."""
+    import ctxcache
+    from conftest import random_tokens
+    srv = make_server()
+    with native.NativeClient(srv.address, timeout=5, max_attempts=2) as nc:
+        cid = nc.build_tokens(random_tokens(700, 11))
+        shape = nc.context(cid)
+        tiers = [HostTier.from_server(nc, cid, streams=2, pin=False) for _ in range(2)]
+        for t in tiers:
+            with t.load:
+                t.load.wait()
+        hq, b = shape.n_q_heads, 2
+        decs = [ContextDecoder(t, "cpu", hq, b, 4, EngineOptions(rho=0.2)) for t in tiers]
+
+        def run(dec):
+            g = torch.Generator().manual_seed(12)
+            outs = []
+            for _ in range(2):
+                dec.begin_step()
+                for layer in range(shape.n_layers):
+                    q = torch.randn(b, hq, shape.head_dim, generator=g).to(torch.bfloat16)
+                    kv = torch.randn(2, b, shape.n_kv_heads, shape.head_dim,
+                                     generator=g).to(torch.bfloat16)
+                    outs.append(dec.attend(layer, q, kv[0], kv[1]))
+                dec.end_step()
+            return outs
+
+        before = run(decs[0])
+        srv.proc.kill()
+        srv.proc.wait(10)
+        after = run(decs[1])
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
+        with pytest.raises((ctxcache.Unavailable, ctxcache.DeadlineExceeded)):
+            t = HostTier.from_server(nc, cid, streams=2, pin=False)
+            with t.load:
+                t.load.wait()

@@ -222,3 +222,18 @@ def test_killed_worker_leaves_no_segment_behind(server, built):
         s.sendall(token.encode())
         msg, anc, _, _ = s.recvmsg(1, socket.CMSG_SPACE(4))
         assert msg == b"E" and not anc
+
+
+def test_closed_handles_raise_instead_of_reaching_the_library(server, built):
+    c = native.NativeClient(server.address, timeout=60)
+    s = c.context(built.context_id)
+    k = np.zeros(s.kv_shape(), np.uint16)
+    v = np.zeros_like(k)
+    load = c.start_load_kv(built.context_id, k, v)
+    load.wait()
+    load.close()
+    load.wait_layer(0)  # finished before close: nothing to wait for
+    assert load.wait()["layers_done"] == s.n_layers
+    c.close()
+    with pytest.raises(ValueError, match="NativeClient is closed"):
+        c.context(built.context_id)

@@ -347,3 +347,71 @@ def test_a_killed_ctxcached_neither_stops_decode_nor_hangs_a_new_load(make_serve
             t = HostTier.from_server(nc, cid, streams=2, pin=False)
             with t.load:
                 t.load.wait()
+
+
+def _ext_reference(k, v, n, q_all, k_all, v_all, pages=None, page=16):
+    """Attention of every new token (q_all [T, Hq, d]) over the stored tokens
+    (all, or those of ``pages`` [H, *] per kv head) and the new tokens up to
+    itself, in float64."""
+    t, hq, d = q_all.shape
+    h = k.shape[0]
+    g = hq // h
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    for j in range(hq):
+        hh = j // g
+        if pages is None:
+            keep = torch.arange(n)
+        else:
+            keep = (pages[hh].view(-1, 1) * page + torch.arange(page)).view(-1)
+            keep = keep[keep < n]
+        ks = torch.cat([k[hh, keep].double(), k_all[:, hh].double()])
+        vs = torch.cat([v[hh, keep].double(), v_all[:, hh].double()])
+        for i in range(t):
+            m = len(keep) + i + 1
+            w = torch.softmax(q_all[i, j].double() @ ks[:m].T / math.sqrt(d), dim=0)
+            out[i, j] = w @ vs[:m]
+    return out
+
+
+def test_extension_prefill_is_dense_at_full_budget_and_block_union_below() -> None:
+    from ctxcache.engine import (DenseExtendAttention, ExtendOptions, SparseExtendAttention,
+                                 chunk_pages)
+    t = _tier(layers=1, heads=2, n=16 * 12 - 7, d=32, seed=13)   # a partial last page
+    k, v, n = t.k, t.v, t.n_tokens
+    g = torch.Generator().manual_seed(14)
+    q = torch.randint(-3, 4, (7, 8, 32), generator=g).to(torch.bfloat16)
+    kn = torch.randn(7, 2, 32, generator=g).to(torch.bfloat16)
+    vn = torch.randn(7, 2, 32, generator=g).to(torch.bfloat16)
+    want = _ext_reference(k[0], v[0], n, q, kn, vn)
+    for make in (lambda: DenseExtendAttention(k, v, n, 8),
+                 lambda: SparseExtendAttention(k, v, n, 8, ExtendOptions(rho=1.0))):
+        att = make()
+        # Two chunks (4 + 3 tokens): the second attends the first in full.
+        got = torch.cat([att.attend(0, q[:4], kn[:4], vn[:4]),
+                         att.attend(0, q[4:], kn[4:], vn[4:])])
+        assert (got.double() - want).abs().max().item() < 2e-2
+        assert att.n_new == [7]
+    sp = SparseExtendAttention(k, v, n, 8, ExtendOptions(rho=0.25))
+    assert sp.kp == 3 + 3      # ceil(0.25 * 12) + page 0 + the last two
+    got = torch.cat([sp.attend(0, q[:4], kn[:4], vn[:4])])
+    pages = sp.last_pages
+    assert {0, 10, 11} <= set(pages[0].tolist()) and pages.shape == (2, 6)
+    want = _ext_reference(k[0], v[0], n, q[:4], kn[:4], vn[:4], pages)
+    assert (got.double() - want).abs().max().item() < 2e-2
+    # The table: per kv head, the pages with the largest bound over the
+    # chunk's queries and the group's heads.
+    mn, mx = sp.kmin[0].double(), sp.kmax[0].double()
+    for hh in range(2):
+        qs = q[:4, hh * 4:(hh + 1) * 4].reshape(-1, 32).double()
+        u = torch.maximum(qs[:, None] * mn[hh][None], qs[:, None] * mx[hh][None]).sum(-1)
+        best = u.amax(dim=0)
+        free = [p for p in range(1, 10)]
+        ranked = sorted(free, key=lambda p: (-best[p].item(), p))[:3]
+        assert set(pages[hh].tolist()) == {0, 10, 11} | set(ranked)
+    # The same table from the module function, and a bad budget is refused.
+    again = chunk_pages(q[:4], sp.kmin[0], sp.kmax[0], sp.kp, sp.n_recent)
+    assert torch.equal(torch.sort(again, dim=1).values, pages)
+    with pytest.raises(ValueError, match="ExtendOptions.rho"):
+        SparseExtendAttention(k, v, n, 8, ExtendOptions(rho=0.0))
+    with pytest.raises(ValueError, match="max_tokens 8"):
+        sp.attend(0, torch.cat([q, q])[:5], torch.cat([kn, kn])[:5], torch.cat([vn, vn])[:5])

@@ -11,18 +11,26 @@ Seams (each its own module; a model adapter composes them):
   decode       :mod:`ctxcache.engine.engine`: ContextDecoder and DenseDecoder
                (one context, B sequences, their own tokens), BatchDecoder
                (a batch over several contexts)
+  prefill      :mod:`ctxcache.engine.prefill`: SparseExtendAttention (chunked
+               prefill of an extension with block-union page tables over
+               the same compact index), DenseExtendAttention
   adapter      :mod:`ctxcache.engine.llama`: LlamaStepper (an HF Llama's
-               decode step, capturable as one CUDA graph)
+               decode step, capturable as one CUDA graph), LlamaExtender
+               (its chunked prefill of an extension)
 No process-global state; the Triton kernels (CUDA) are in ``_triton`` and
 every one has a torch reference used on the CPU.
 """
 from ctxcache.engine.attention import DenseContextAttention, PagedAttention
 from ctxcache.engine.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions,
                                    OwnTokens)
-from ctxcache.engine.llama import LlamaStepper
+from ctxcache.engine.llama import LlamaExtender, LlamaStepper
 from ctxcache.engine.planner import QuestPlanner, quest_bounds
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
+from ctxcache.engine.prefill import (DenseExtendAttention, ExtendOptions,
+                                    SparseExtendAttention, chunk_pages)
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseContextAttention", "DenseDecoder",
-           "EngineOptions", "HostTier", "LlamaStepper", "OwnTokens", "PagePool",
-           "PagedAttention", "PoolOptions", "QuestPlanner", "quest_bounds"]
+           "DenseExtendAttention", "EngineOptions", "ExtendOptions", "HostTier",
+           "LlamaExtender", "LlamaStepper", "OwnTokens", "PagePool", "PagedAttention",
+           "PoolOptions", "QuestPlanner", "SparseExtendAttention", "chunk_pages",
+           "quest_bounds"]

@@ -239,6 +239,48 @@ def cap_pages(head_top: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, n
 
 
 @triton.jit
+def _quest_max_kernel(q_ptr, kmin_ptr, kmax_ptr, out_ptr, H, P, NR, G: tl.constexpr,
+                      D: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr):
+    """Kv head h, a block of pages: the largest Quest bound over the NR = T *
+    G query rows (t, g) of the head's group (q [T, H * G, D])."""
+    h = tl.program_id(0)
+    pb = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    offs_p = pb * BP + tl.arange(0, BP)
+    pok = offs_p < P
+    base = (h * P + offs_p).to(tl.int64) * D
+    mx = tl.load(kmax_ptr + base[:, None] + offs_d[None, :], mask=pok[:, None], other=0.0)
+    mn = tl.load(kmin_ptr + base[:, None] + offs_d[None, :], mask=pok[:, None], other=0.0)
+    best = tl.full([BP], float("-inf"), tl.float32)
+    for r0 in range(0, NR, BQ):
+        offs_r = r0 + tl.arange(0, BQ)
+        rok = offs_r < NR
+        t = offs_r // G
+        g = offs_r % G
+        qrow = (t * H + h) * G + g
+        q = tl.load(q_ptr + qrow[:, None].to(tl.int64) * D + offs_d[None, :], mask=rok[:, None],
+                    other=0.0)
+        qp = tl.maximum(q, 0.0).to(q.dtype)
+        qn = tl.minimum(q, 0.0).to(q.dtype)
+        s = tl.dot(qp, tl.trans(mx)) + tl.dot(qn, tl.trans(mn))
+        s = tl.where(rok[:, None], s, float("-inf"))
+        best = tl.maximum(best, tl.max(s, axis=0))
+    tl.store(out_ptr + h * P + offs_p, best, mask=pok)
+
+
+def quest_max_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                     out: torch.Tensor) -> None:
+    """q [T, H*G, D]; kmin/kmax [H, P, D] (one layer); out float32 [H, P]: per
+    page the largest bound over the T * G rows of its kv head."""
+    t, hq, d = q.shape
+    h, p, _ = kmin.shape
+    g = hq // h
+    bp = 64
+    _quest_max_kernel[(h, triton.cdiv(p, bp))](q, kmin, kmax, out, h, p, t * g, G=g, D=d,
+                                                BQ=64, BP=bp, num_warps=4)
+
+
+@triton.jit
 def _pool_attn_kernel(q_ptr, k_pool, v_pool, pages_ptr, slot_of_ptr, tail_k, tail_v, tail_len,
                       acc_ptr, m_ptr, l_ptr, layer, H, P, n_ctx, KP, per_split, T, scale_log2,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,

@@ -15,6 +15,10 @@ Two modes (both may run in one call):
             sparse at each --rho), then the answer decoded greedily with
             dense attention over context + extension (DenseDecoder); a task
             is right when the first len(answer_ids) tokens are the answer.
+            With --decode-rho, the answer is also decoded through the GPU
+            engine (ContextDecoder: Quest pages at each budget, each
+            --periods search period) after the dense extension prefill, and
+            after the sparse one (the whole sparse path).
             The JSONL needs context_ids: --add-ids writes them (sentencepiece).
 
 Prints one JSON object.
@@ -22,14 +26,17 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
+from typing import Optional
 
 import torch
 
-from ctxcache.engine import (DenseDecoder, DenseExtendAttention, ExtendOptions,  # noqa: E402
-                             LlamaExtender, LlamaStepper, SparseExtendAttention)
+from ctxcache.engine import (ContextDecoder, DenseDecoder, DenseExtendAttention,  # noqa: E402
+                             EngineOptions, ExtendOptions, HostTier, LlamaExtender,
+                             LlamaStepper, SparseExtendAttention)
 
 T0 = time.perf_counter()
 
@@ -135,14 +142,20 @@ def stored_kv(model, ids: list):
 
 
 @torch.no_grad()
-def answer(model, k, v, n: int, att, question: list, n_answer: int) -> list:
+def answer(model, k, v, n: int, att, question: list, n_answer: int,
+           engine: Optional[EngineOptions] = None, tier: Optional[HostTier] = None) -> list:
     """Prefill the question through ``att``, then decode n_answer tokens
-    greedily with dense attention over context + extension."""
+    greedily over context + extension: dense attention, or the GPU engine
+    with ``engine``'s options over ``tier`` (the context in host memory)."""
     dev = "cuda"
     t = len(question)
     logits = LlamaExtender(model)(att, torch.tensor(question, device=dev), n)
     out = [int(logits.argmax())]
-    dec = DenseDecoder(k[:, :, :n], v[:, :, :n], 1, t + n_answer + 2)
+    if engine is None:
+        dec = DenseDecoder(k[:, :, :n], v[:, :, :n], 1, t + n_answer + 2)
+    else:
+        dec = ContextDecoder(tier, dev, model.config.num_attention_heads, 1, t + n_answer + 2,
+                             engine)
     dec.own.k[:, 0, :, :t].copy_(att.k_new[:, :, :t])
     dec.own.v[:, 0, :, :t].copy_(att.v_new[:, :, :t])
     dec.own.length.fill_(t)
@@ -154,7 +167,8 @@ def answer(model, k, v, n: int, att, question: list, n_answer: int) -> list:
     return out
 
 
-def tasks(model, path: str, rhos: list, limit: int) -> dict:
+def tasks(model, path: str, rhos: list, limit: int, decode_rhos: list = (),
+          periods: list = (1,), ranks: list = ("votes",), pairs: bool = True) -> dict:
     by = {}
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -164,15 +178,29 @@ def tasks(model, path: str, rhos: list, limit: int) -> dict:
         k, v, n = stored_kv(model, ids)
         q, a = t["question_ids"], t["answer_ids"]
         res = {"id": t["id"], "family": t["family"], "length": t["length"]}
-        runs = [("dense", DenseExtendAttention(k, v, n, len(q)))]
+        runs = [("dense", lambda: DenseExtendAttention(k, v, n, len(q)), None)]
         for rho in rhos:
-            runs.append((f"sparse_{rho}", SparseExtendAttention(k, v, n, len(q),
-                                                                ExtendOptions(rho=rho))))
-        for name, att in runs:
-            got = answer(model, k, v, n, att, q, len(a))
+            runs.append((f"sparse_{rho}", lambda rho=rho: SparseExtendAttention(
+                k, v, n, len(q), ExtendOptions(rho=rho)), None))
+        for rho, p, rk in itertools.product(decode_rhos, periods, ranks):
+            eo = EngineOptions(rho=rho, period=p, rank=rk)
+            tag = "" if rk == "votes" else f"_{rk}"
+            runs.append((f"decode_{rho}_p{p}{tag}", runs[0][1], eo))
+            if rhos and pairs:
+                runs.append((f"sparse_{rhos[-1]}+decode_{rho}_p{p}{tag}",
+                             runs[len(rhos)][1], eo))
+        tier = None
+        if decode_rhos:
+            L, H, _, d = k.shape
+            tier = HostTier(L, H, n, d)
+            tk, tv = tier.token_view()
+            tk.copy_(k[:, :, :n])
+            tv.copy_(v[:, :, :n])
+        for name, make, eo in runs:
+            got = answer(model, k, v, n, make(), q, len(a), eo, tier)
             res[name] = got == a
         rows.append(res)
-        for name, _ in runs:
+        for name, _, _ in runs:
             c = by.setdefault(name, {"right": 0, "tasks": 0, "families": {}})
             c["right"] += int(res[name])
             c["tasks"] += 1
@@ -204,6 +232,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tasks", default="", help="task JSONL with context_ids")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--decode-rho", default="", help="engine decode budgets (tasks)")
+    ap.add_argument("--periods", default="1", help="engine decode search periods (tasks)")
+    ap.add_argument("--ranks", default="votes", help="engine planner ranks (tasks)")
+    ap.add_argument("--no-pairs", action="store_true",
+                    help="skip sparse prefill + engine decode (tasks)")
     ap.add_argument("--add-ids", nargs=2, metavar=("IN", "OUT"))
     ap.add_argument("--tok", default="models/ctxcache-ref/tokenizer.model")
     a = ap.parse_args()
@@ -223,7 +256,10 @@ def main() -> int:
                                   a.chunk, rhos, a.reps)
             torch.cuda.empty_cache()
     if a.tasks:
-        res["tasks"] = tasks(model, a.tasks, rhos, a.limit)
+        res["tasks"] = tasks(model, a.tasks, rhos, a.limit,
+                             [float(x) for x in a.decode_rho.split(",") if x],
+                             [int(x) for x in a.periods.split(",") if x],
+                             a.ranks.split(","), not a.no_pairs)
         log(json.dumps(res["tasks"]["summary"]))
     print(json.dumps(res))
     return 0

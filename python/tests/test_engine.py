@@ -193,6 +193,26 @@ def test_quest_planner_follows_the_documented_ranking() -> None:
                 assert set(pages[bi, hi].tolist()) == want[bi][hi], (layer, bi, hi)
 
 
+def test_quest_planner_max_rank_takes_the_largest_bound_of_the_group() -> None:
+    t = _tier(layers=1, heads=2, n=16 * 40, d=32, seed=15)
+    planner = QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=2, rho=0.1, rank="max")
+    g = torch.Generator().manual_seed(16)
+    q = torch.randint(-4, 5, (2, 8, 32), generator=g).to(torch.bfloat16)
+    pages = planner.plan(0, q)
+    mn, mx = planner.kmin[0].double(), planner.kmax[0].double()
+    for bi in range(2):
+        for hh in range(2):
+            qs = q[bi, hh * 4:(hh + 1) * 4].double()
+            u = torch.maximum(qs[:, None] * mn[hh][None], qs[:, None] * mx[hh][None]).sum(-1)
+            best = u.amax(dim=0)
+            forced = {0} | set(range(40 - planner.n_recent, 40))
+            free = [p for p in range(40) if p not in forced]
+            ranked = sorted(free, key=lambda p: (-best[p].item(), p))[:planner.kp - len(forced)]
+            assert set(pages[bi, hh].tolist()) == forced | set(ranked)
+    with pytest.raises(ValueError, match="rank"):
+        QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=2, rank="sum")
+
+
 def test_quest_bounds_mask_the_partial_last_page() -> None:
     k = torch.zeros(1, 32, 2, dtype=torch.bfloat16)
     k[0, :20, 0] = torch.arange(20, dtype=torch.bfloat16) - 5

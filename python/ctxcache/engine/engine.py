@@ -49,6 +49,9 @@ class EngineOptions:
     # (QuestPlanner.fused_cap; the same pages as the scatter and top-k).
     # Default: True.
     fused_cap: bool = True
+    # How a kv head ranks pages for its budget (QuestPlanner.rank): "votes"
+    # (the session core's) or "max". Default: "votes".
+    rank: str = "votes"
 
 
 class OwnTokens:
@@ -137,7 +140,7 @@ class ContextDecoder(_Decoder):
         self.planning = True
         self.planner = planner or QuestPlanner.from_tier(
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
-            select_algo=o.select_algo, fused_cap=o.fused_cap)
+            select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank)
         kp = self.planner.kp
         # The pool holds at least one step's pages of every layer: otherwise
         # pages used every step are evicted before their next use (CLOCK, like

@@ -60,12 +60,20 @@ class QuestPlanner:
 
     def __init__(self, kmin: torch.Tensor, kmax: torch.Tensor, n_tokens: int, n_q_heads: int,
                  batch: int, page: int = 16, rho: float = 0.05, recent_blocks: int = 1,
-                 select_algo: str = "", fused_cap: bool = True) -> None:
+                 select_algo: str = "", fused_cap: bool = True, rank: str = "votes") -> None:
         """kmin/kmax [n_layers, n_kv_heads, n_pages, d] on the engine's device;
         select_algo: kernels.select_top_pages's algorithm (Default: "" = its
         default); fused_cap: on CUDA, step 2 is one kernel that counts the q
         heads' picks and takes the cap by a histogram of the counts, instead
-        of a scatter and a second top-k (Default: True; the same pages)."""
+        of a scatter and a second top-k (Default: True; the same pages);
+        rank: "votes" (the session core's: per q head top pages, a kv head's
+        pages ranked by how many of its heads took them) or "max" (a kv
+        head's pages ranked by the largest bound any of its q heads gives:
+        the extension prefill's block union at one query; not in the core)
+        (Default: "votes")."""
+        if rank not in ("votes", "max"):
+            raise ValueError(f"rank: expected 'votes' or 'max', got {rank!r}")
+        self.rank = rank
         if kmin.shape != kmax.shape or kmin.dim() != 4:
             raise ValueError("QuestPlanner: kmin and kmax must both be [L, H, P, d]")
         if not 0.0 < rho <= 1.0:
@@ -113,7 +121,7 @@ class QuestPlanner:
     def from_tier(cls, tier: HostTier, device: Any, n_q_heads: int, batch: int,
                   rho: float = 0.05, recent_blocks: int = 1,
                   layers: Optional[range] = None, select_algo: str = "",
-                  fused_cap: bool = True) -> "QuestPlanner":
+                  fused_cap: bool = True, rank: str = "votes") -> "QuestPlanner":
         """Bounds from the tier's keys, one layer at a time through the device
         (waits for each layer of a background load)."""
         dev = torch.device(device)
@@ -128,7 +136,7 @@ class QuestPlanner:
             kmin[layer].copy_(mn)
             kmax[layer].copy_(mx)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
-                   select_algo, fused_cap)
+                   select_algo, fused_cap, rank)
 
     @property
     def hbm_bytes(self) -> int:
@@ -161,9 +169,14 @@ class QuestPlanner:
         if q.shape[0] != self.batch:
             raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
         s = self.scores(layer, q)
+        out = self.pages[layer]
+        if self.rank == "max":
+            best = s.view(self.batch * self.h, self.g, self.n_pages + 1)[:, :, 1:].amax(dim=1)
+            top = self._top_k(best, self.kp, self.n_recent, self._top, self.select_algo)
+            out.view(-1, self.kp).copy_(top - self._row_base)
+            return out
         # Each q head's k_head best pages, plus the stand-in (column 0).
         top = self._top_k(s, self.k_head + 1, 0, self._head_top, self.select_algo)
-        out = self.pages[layer]
         if s.is_cuda and self.fused_cap:
             from ctxcache.engine import _triton
             _triton.cap_pages(top, self._icounts, out.view(-1, self.kp), self.n_pages, self.kp,

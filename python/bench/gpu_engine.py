@@ -161,7 +161,7 @@ def fidelity(model, dense, sparse_by_period: dict, n: int, steps: int, first: in
         ref.append(torch.log_softmax(sd.logits, dim=-1))
         teacher.append(sd.tokens.clone())
     out = {}
-    for period, sparse in sparse_by_period.items():
+    for name, sparse in sparse_by_period.items():
         ss = LlamaStepper(model, sparse, b, keep_logits=True)
         ss.position.fill_(n)
         sparse.reset()
@@ -172,7 +172,7 @@ def fidelity(model, dense, sparse_by_period: dict, n: int, steps: int, first: in
             lp = torch.log_softmax(ss.logits, dim=-1)
             agree += int((lp.argmax(dim=-1) == ref[i].argmax(dim=-1)).sum())
             kl += float((ref[i].exp() * (ref[i] - lp)).sum())
-        out[str(period)] = {"agreement": round(agree / (b * steps), 4),
+        out[name] = {"agreement": round(agree / (b * steps), 4),
                             "kl_mean": round(kl / (b * steps), 5),
                             "tokens": b * steps}
     return out
@@ -266,6 +266,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--periods", default="1", help="search periods to run, e.g. 1,4")
+    ap.add_argument("--union-rhos", default="0",
+                    help="batch-union budgets to run (0: each sequence its own pages)")
+    ap.add_argument("--rank", default="votes", choices=("votes", "max"))
     ap.add_argument("--contexts", type=int, default=1, help="contexts the batch spreads over")
     ap.add_argument("--pool-fraction", type=float, default=0.1)
     ap.add_argument("--cap", choices=("fused", "topk"), default="fused")
@@ -283,10 +286,13 @@ def main() -> int:
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
     periods = [int(x) for x in a.periods.split(",") if x]
+    unions = [float(x) for x in a.union_rhos.split(",") if x]
+    configs = [(p, u) for u in unions for p in periods]
     res = {"bench": "gpu_engine", "device": torch.cuda.get_device_name(), "model": a.model,
            "layers": a.layers, "tokens": a.tokens, "kv": a.kv, "rho": a.rho,
            "pool_fraction": a.pool_fraction, "steps": a.steps, "warm": a.warm,
-           "contexts": a.contexts, "periods": periods, "cap": a.cap,
+           "contexts": a.contexts, "periods": periods, "union_rhos": unions, "cap": a.cap,
+           "rank": a.rank,
            "dense_shared": bool(a.dense_shared), "select_algo": a.select_algo or "default"}
     model = load_model(a.model, a.layers, dev)
     weights = torch.cuda.memory_allocated()
@@ -312,14 +318,19 @@ def main() -> int:
     first = 11
     max_new = a.warm + a.steps + 8 + a.fidelity
 
-    def options(period: int) -> EngineOptions:
+    def options(period: int, union: float = 0.0) -> EngineOptions:
         return EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction, period=period,
-                             select_algo=a.select_algo, fused_cap=a.cap == "fused")
+                             select_algo=a.select_algo, fused_cap=a.cap == "fused",
+                             rank=a.rank, union_rho=union)
+
+    def tag(period: int, union: float) -> str:
+        return f"p{period}" + (f"_u{union}" if union else "")
 
     if a.fidelity:
         fb = a.fidelity_batch
         dense = make_dense(kvs, fb, max_new, True)
-        sparse = {p: make_sparse(tiers, dev, hq, fb, max_new, options(p)) for p in periods}
+        sparse = {tag(p, u): make_sparse(tiers, dev, hq, fb, max_new, options(p, u))
+                  for p, u in configs}
         res["fidelity"] = fidelity(model, dense, sparse, n, a.fidelity, first)
         log(f"fidelity {res['fidelity']}")
         del dense, sparse
@@ -347,13 +358,13 @@ def main() -> int:
     res["dense"] = dense_rows
     del kvs, k, v
     torch.cuda.empty_cache()
-    for period in periods:
+    for period, union in configs:
         for b in batches:
             try:
                 torch.cuda.reset_peak_memory_stats()
-                dec = make_sparse(tiers, dev, hq, b, max_new, options(period))
+                dec = make_sparse(tiers, dev, hq, b, max_new, options(period, union))
                 st = LlamaStepper(model, dec, b)
-                row = {"batch": b, "period": period,
+                row = {"batch": b, "period": period, "union_rho": union,
                        **time_steps(st, dec, n, first, a.steps, a.warm,
                                     stats=lambda: pool_stats(dec))}
                 t = row.pop("timed")
@@ -363,7 +374,7 @@ def main() -> int:
                 row["unplaced"] = pool_stats(dec)["unplaced"]
                 one = getattr(dec, "decoders", [dec])[0]
                 mem = dec.memory()
-                row["kp"] = one.planner.kp
+                row["kp"] = one.union_kp or one.planner.kp
                 row["pool_slots"] = one.pool.n_slots
                 row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
                 row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
@@ -376,7 +387,8 @@ def main() -> int:
                 log(f"sparse {row}")
                 del st, dec
             except torch.cuda.OutOfMemoryError:
-                sparse_rows.append({"batch": b, "period": period, "oom": True})
+                sparse_rows.append({"batch": b, "period": period, "union_rho": union,
+                                    "oom": True})
                 break
             finally:
                 torch.cuda.empty_cache()
@@ -387,10 +399,11 @@ def main() -> int:
             r["speedup_vs_dense_same_batch"] = round(by_b[r["batch"]]["ms_per_step"] /
                                                      r["ms_per_step"], 3)
     best_d = max((r["tokens_per_s"] for r in dense_rows if "tokens_per_s" in r), default=0)
-    for period in periods:
-        best_s = max((r["tokens_per_s"] for r in sparse_rows
-                      if r.get("period") == period and "tokens_per_s" in r), default=0)
-        res[f"throughput_ratio_best_p{period}"] = round(best_s / best_d, 3) if best_d else None
+    for period, union in configs:
+        best_s = max((r["tokens_per_s"] for r in sparse_rows if r.get("period") == period
+                      and r.get("union_rho") == union and "tokens_per_s" in r), default=0)
+        res[f"throughput_ratio_best_{tag(period, union)}"] = (round(best_s / best_d, 3)
+                                                             if best_d else None)
     print(json.dumps(res))
     return 0
 

@@ -243,6 +243,50 @@ def test_engine_at_full_budget_equals_dense_for_a_batch() -> None:
     assert not torch.equal(eng.own.k[0, 0], eng.own.k[0, 1])
 
 
+def test_batch_union_reads_one_table_per_kv_head_for_the_whole_batch() -> None:
+    from ctxcache.engine import chunk_pages
+    t = _tier(layers=2, heads=2, n=16 * 30 - 3, d=32, seed=17)
+    b, hq = 3, 8
+    dense = DenseDecoder(t.k[:, :, :t.n_tokens].contiguous(),
+                         t.v[:, :, :t.n_tokens].contiguous(), b, 4)
+    full = ContextDecoder(t, "cpu", hq, b, 4, EngineOptions(union_rho=1.0))
+    part = ContextDecoder(t, "cpu", hq, b, 4, EngineOptions(union_rho=0.2))
+    assert part.union_kp == 6 + 3 and part.pool.n_slots >= 2 * 2 * part.union_kp
+    g = torch.Generator().manual_seed(18)
+    for _ in range(2):
+        for d in (dense, full, part):
+            d.begin_step()
+        for layer in range(2):
+            q = torch.randint(-4, 5, (b, hq, 32), generator=g).to(torch.bfloat16)
+            k = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            v = torch.randn(b, 2, 32, generator=g).to(torch.bfloat16)
+            want = dense.attend(layer, q, k, v)
+            assert (full.attend(layer, q, k, v).float() - want.float()).abs().max() < 2e-2
+            got = part.attend(layer, q, k, v)
+            pages = part.union_pages[layer]
+            table = chunk_pages(q, part.planner.kmin[layer], part.planner.kmax[layer],
+                                part.union_kp, part.planner.n_recent)
+            assert torch.equal(pages.long(), torch.sort(table, dim=1).values)
+            # Each sequence: attention over the table's tokens plus its own.
+            for bi in range(b):
+                for j in range(hq):
+                    hh = j // 4
+                    tok = (pages[hh].long().view(-1, 1) * 16 + torch.arange(16)).view(-1)
+                    tok = tok[tok < t.n_tokens]
+                    n_own = int(part.own.now[bi])
+                    kk = torch.cat([t.k[layer, hh, tok], part.own.k[layer, bi, hh, :n_own]])
+                    vv = torch.cat([t.v[layer, hh, tok], part.own.v[layer, bi, hh, :n_own]])
+                    w = torch.softmax(q[bi, j].double() @ kk.double().T / math.sqrt(32), 0)
+                    ref = w @ vv.double()
+                    assert (got[bi, j].double() - ref).abs().max().item() < 2e-2
+        for d in (dense, full, part):
+            d.end_step()
+    st = part.pool.stats()
+    assert st["hit_requests"] + st["miss_requests"] == 2 * 2 * 2 * part.union_kp
+    with pytest.raises(ValueError, match="union_rho"):
+        ContextDecoder(t, "cpu", hq, b, 4, EngineOptions(union_rho=1.5))
+
+
 def test_a_batch_over_two_contexts_equals_each_context_alone() -> None:
     t1, t2 = _tier(n=400, seed=8), _tier(n=300, seed=9)
 

@@ -16,7 +16,7 @@ import torch
 
 from ctxcache.engine.pool import PagePool
 
-__all__ = ["DenseContextAttention", "PagedAttention"]
+__all__ = ["DenseContextAttention", "PagedAttention", "UnionAttention", "shared_attend"]
 
 
 class PagedAttention:
@@ -89,34 +89,86 @@ class DenseContextAttention:
                  tail_v: torch.Tensor, tail_len: torch.Tensor) -> torch.Tensor:
         b, hq, d = q.shape
         g = hq // self.h
-        scale = 1.0 / math.sqrt(d)
-        qh = q.view(b, self.h, g, d).permute(1, 0, 2, 3).reshape(1, self.h, b * g, d)
         if q.is_cuda and not self.shared:
+            scale = 1.0 / math.sqrt(d)
             kb = self.k[layer].unsqueeze(0).expand(b, -1, -1, -1)
             vb = self.v[layer].unsqueeze(0).expand(b, -1, -1, -1)
             o_ctx, lse_ctx = torch.ops.aten._scaled_dot_product_flash_attention(
                 q.view(b, self.h, g, d), kb, vb, 0.0, False, False, scale=scale)[:2]
             o_ctx = o_ctx.permute(1, 0, 2, 3)       # as the shared layout: [H, B, G, d]
             lse_ctx = lse_ctx.permute(1, 0, 2)
-        elif q.is_cuda:
-            o_ctx, lse_ctx = torch.ops.aten._scaled_dot_product_flash_attention(
-                qh, self.k[layer].unsqueeze(0), self.v[layer].unsqueeze(0), 0.0, False, False,
-                scale=scale)[:2]
-        else:
-            s = (qh.float() @ self.k[layer].float().transpose(-1, -2).unsqueeze(0)) * scale
-            lse_ctx = torch.logsumexp(s, dim=-1)
-            o_ctx = (torch.softmax(s, dim=-1) @ self.v[layer].float().unsqueeze(0)).to(q.dtype)
-        o_ctx = o_ctx.view(self.h, b, g, d).permute(1, 0, 2, 3).float()    # [B, H, G, d]
-        lse_ctx = lse_ctx.view(self.h, b, g).permute(1, 0, 2).float()       # [B, H, G]
-        qf = q.view(b, self.h, g, d).float()
-        st = torch.einsum("bhgd,bhtd->bhgt", qf, tail_k.float()) * scale
-        valid = torch.arange(tail_k.shape[2], device=q.device).view(1, 1, 1, -1) < \
-            tail_len.view(b, 1, 1, 1)
-        st = st.masked_fill(~valid, float("-inf"))
-        lse_t = torch.logsumexp(st, dim=-1)                                   # [B, H, G]
-        o_t = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(st, dim=-1).nan_to_num(0.0),
-                           tail_v.float())
-        lse = torch.logaddexp(lse_ctx, lse_t)
-        o = (o_ctx * torch.exp(lse_ctx - lse).unsqueeze(-1)
-             + o_t * torch.exp(lse_t - lse).unsqueeze(-1))
-        return o.reshape(b, hq, d).to(q.dtype)
+            return _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len)
+        return shared_attend(q, self.k[layer], self.v[layer], tail_k, tail_v, tail_len)
+
+
+def shared_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail_k: torch.Tensor,
+                  tail_v: torch.Tensor, tail_len: torch.Tensor) -> torch.Tensor:
+    """B sequences' attention over one set of context keys shared by all of
+    them (k/v [H, S, d]: the B * G query rows of a kv head are one query
+    block, one SDPA flash call on CUDA), plus each one's own tokens, merged
+    by log-sum-exp. q [B, Hq, d] -> [B, Hq, d]."""
+    b, hq, d = q.shape
+    h = k.shape[0]
+    g = hq // h
+    scale = 1.0 / math.sqrt(d)
+    qh = q.view(b, h, g, d).permute(1, 0, 2, 3).reshape(1, h, b * g, d)
+    if q.is_cuda:
+        o_ctx, lse_ctx = torch.ops.aten._scaled_dot_product_flash_attention(
+            qh, k.unsqueeze(0), v.unsqueeze(0), 0.0, False, False, scale=scale)[:2]
+    else:
+        s = (qh.float() @ k.float().transpose(-1, -2).unsqueeze(0)) * scale
+        lse_ctx = torch.logsumexp(s, dim=-1)
+        o_ctx = (torch.softmax(s, dim=-1) @ v.float().unsqueeze(0)).to(q.dtype)
+    return _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len)
+
+
+def _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len) -> torch.Tensor:
+    """The context part (o_ctx [.., H, B*G or B, G, d], lse) merged with each
+    sequence's own tokens by log-sum-exp."""
+    b, hq, d = q.shape
+    h = tail_k.shape[1]
+    g = hq // h
+    scale = 1.0 / math.sqrt(d)
+    o_ctx = o_ctx.reshape(h, b, g, d).permute(1, 0, 2, 3).float()    # [B, H, G, d]
+    lse_ctx = lse_ctx.reshape(h, b, g).permute(1, 0, 2).float()       # [B, H, G]
+    qf = q.view(b, h, g, d).float()
+    st = torch.einsum("bhgd,bhtd->bhgt", qf, tail_k.float()) * scale
+    valid = torch.arange(tail_k.shape[2], device=q.device).view(1, 1, 1, -1) < \
+        tail_len.view(b, 1, 1, 1)
+    st = st.masked_fill(~valid, float("-inf"))
+    lse_t = torch.logsumexp(st, dim=-1)                                   # [B, H, G]
+    o_t = torch.einsum("bhgt,bhtd->bhgd", torch.softmax(st, dim=-1).nan_to_num(0.0),
+                       tail_v.float())
+    lse = torch.logaddexp(lse_ctx, lse_t)
+    o = (o_ctx * torch.exp(lse_ctx - lse).unsqueeze(-1)
+         + o_t * torch.exp(lse_t - lse).unsqueeze(-1))
+    return o.reshape(b, hq, d).to(q.dtype)
+
+
+class UnionAttention:
+    """Batch union: every sequence of the batch attends one table of pool
+    pages per kv head (the union the planner chose for the whole batch),
+    plus its own tokens. The table's pages are gathered from the pool once
+    per layer-step and read by all B * G query rows of the kv head in one
+    flash call (shared_attend), so a page chosen for several sequences is
+    read once. Tokens past the context (the last page's padding) are
+    dropped: tables hold the last page, last after the sort."""
+
+    def __init__(self, pool: PagePool) -> None:
+        t = pool.tier
+        self.pool = pool
+        self._tok = torch.arange(t.page, device=pool.device, dtype=torch.int64)
+        self._pad = t.n_pages * t.page - t.n_tokens
+
+    def __call__(self, layer: int, q: torch.Tensor, pages: torch.Tensor, tail_k: torch.Tensor,
+                 tail_v: torch.Tensor, tail_len: torch.Tensor) -> torch.Tensor:
+        """pages [H, kp] (sorted ascending per row)."""
+        t, pool = self.pool.tier, self.pool
+        units = pool.units(layer, pages.unsqueeze(0))[0]                     # [H, kp]
+        slots = pool.slot_of[units].long()
+        rows = (slots.unsqueeze(-1) * t.page + self._tok).view(pages.shape[0], -1)
+        if self._pad:
+            rows = rows[:, :rows.shape[1] - self._pad]
+        k = pool.k[rows]                                                     # [H, S, d]
+        v = pool.v[rows]
+        return shared_attend(q, k, v, tail_k, tail_v, tail_len)

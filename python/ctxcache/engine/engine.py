@@ -12,14 +12,16 @@ a model's whole step can be captured as one CUDA graph.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from ctxcache.engine.attention import DenseContextAttention, PagedAttention
+from ctxcache.engine.attention import DenseContextAttention, PagedAttention, UnionAttention
 from ctxcache.engine.planner import QuestPlanner
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
+from ctxcache.engine.prefill import chunk_pages
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseDecoder", "EngineOptions", "OwnTokens"]
 
@@ -52,6 +54,13 @@ class EngineOptions:
     # How a kv head ranks pages for its budget (QuestPlanner.rank): "votes"
     # (the session core's) or "max". Default: "votes".
     rank: str = "votes"
+    # Batch union: > 0 makes the whole batch attend one table per kv head of
+    # this fraction of the context's pages (plus page 0 and the recent
+    # pages), the pages with the largest Quest bound over every sequence's
+    # queries and the group's heads (prefill.chunk_pages); each page is read
+    # once per layer-step for all the sequences. 0: each sequence attends
+    # its own rho of the pages. Default: 0.
+    union_rho: float = 0.0
 
 
 class OwnTokens:
@@ -142,11 +151,25 @@ class ContextDecoder(_Decoder):
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
             select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank)
         kp = self.planner.kp
+        self.union_kp = 0
+        if o.union_rho:
+            if not 0.0 < o.union_rho <= 1.0:
+                raise ValueError(f"EngineOptions.union_rho: expected in [0, 1], got "
+                                 f"{o.union_rho}")
+            p = self.planner.n_pages
+            self.union_kp = min(p, max(1, int(math.ceil(o.union_rho * p)))
+                                + self.planner.n_recent + 1)
+            h = tier.n_kv_heads
+            self.union_pages = torch.zeros(tier.n_layers, h, self.union_kp, dtype=torch.int32,
+                                           device=self.device)
+            self._scores = torch.empty(h, p, dtype=torch.float32, device=self.device)
+            self._top = torch.empty(h, self.union_kp, dtype=torch.int64, device=self.device)
         # The pool holds at least one step's pages of every layer: otherwise
         # pages used every step are evicted before their next use (CLOCK, like
         # LRU, gets no hits on a cyclic sweep larger than the cache), and a
         # period > 1 could not keep its planning step's pages.
-        need = self.planner.step_units()
+        need = (tier.n_layers * tier.n_kv_heads * self.union_kp if self.union_kp
+                else self.planner.step_units())
         if o.pool_slots and o.period > 1 and o.pool_slots < min(need, tier.n_units):
             raise ValueError(f"EngineOptions.pool_slots: {o.pool_slots} cannot hold one "
                              f"step's pages with period {o.period}: expected >= "
@@ -154,10 +177,11 @@ class ContextDecoder(_Decoder):
         self.pool = PagePool(tier, device,
                              PoolOptions(n_slots=o.pool_slots, fraction=o.pool_fraction,
                                          min_slots=0 if o.pool_slots else need),
-                             max_requests=batch * tier.n_kv_heads * kp)
+                             max_requests=tier.n_kv_heads * (self.union_kp or batch * kp))
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
                              tier.head_dim, tier.dtype, device)
         self.attention = PagedAttention(self.pool, batch, n_q_heads, kp)
+        self.union_attention = UnionAttention(self.pool) if self.union_kp else None
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -165,6 +189,16 @@ class ContextDecoder(_Decoder):
             self.pool.hold()
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        if self.union_attention is not None:
+            pages = self.union_pages[layer]
+            if self.planning:
+                pl = self.planner
+                top = chunk_pages(q, pl.kmin[layer], pl.kmax[layer], self.union_kp, pl.n_recent,
+                                  self._scores, self._top)
+                pages.copy_(torch.sort(top, dim=1).values)
+                self.pool.resolve(layer, pages.unsqueeze(0))
+            return self.union_attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
+                                        self.own.now)
         if self.planning:
             pages = self.planner.plan(layer, q)
             self.pool.resolve(layer, pages)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ctxcache.engine.pool import PagePool
+from ctxcache.engine.pool import PagePool, table_rows
 
 __all__ = ["DenseContextAttention", "PagedAttention", "UnionAttention", "shared_attend"]
 
@@ -155,20 +155,14 @@ class UnionAttention:
     dropped: tables hold the last page, last after the sort."""
 
     def __init__(self, pool: PagePool) -> None:
-        t = pool.tier
         self.pool = pool
-        self._tok = torch.arange(t.page, device=pool.device, dtype=torch.int64)
-        self._pad = t.n_pages * t.page - t.n_tokens
 
     def __call__(self, layer: int, q: torch.Tensor, pages: torch.Tensor, tail_k: torch.Tensor,
                  tail_v: torch.Tensor, tail_len: torch.Tensor) -> torch.Tensor:
         """pages [H, kp] (sorted ascending per row)."""
         t, pool = self.pool.tier, self.pool
         units = pool.units(layer, pages.unsqueeze(0))[0]                     # [H, kp]
-        slots = pool.slot_of[units].long()
-        rows = (slots.unsqueeze(-1) * t.page + self._tok).view(pages.shape[0], -1)
-        if self._pad:
-            rows = rows[:, :rows.shape[1] - self._pad]
+        rows = table_rows(pool.slot_of[units], t.page, t.n_tokens)
         k = pool.k[rows]                                                     # [H, S, d]
         v = pool.v[rows]
         return shared_attend(q, k, v, tail_k, tail_v, tail_len)

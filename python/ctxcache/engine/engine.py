@@ -12,14 +12,13 @@ a model's whole step can be captured as one CUDA graph.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from ctxcache.engine.attention import DenseContextAttention, PagedAttention, UnionAttention
-from ctxcache.engine.planner import QuestPlanner
+from ctxcache.engine.planner import QuestPlanner, page_cap
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
 from ctxcache.engine.prefill import chunk_pages
 
@@ -157,8 +156,7 @@ class ContextDecoder(_Decoder):
                 raise ValueError(f"EngineOptions.union_rho: expected in [0, 1], got "
                                  f"{o.union_rho}")
             p = self.planner.n_pages
-            self.union_kp = min(p, max(1, int(math.ceil(o.union_rho * p)))
-                                + self.planner.n_recent + 1)
+            self.union_kp = page_cap(o.union_rho, p, o.recent_blocks)[1]
             h = tier.n_kv_heads
             self.union_pages = torch.zeros(tier.n_layers, h, self.union_kp, dtype=torch.int32,
                                            device=self.device)

@@ -28,13 +28,22 @@ values per page of 16 tokens: 6.25% of the KV bytes in bf16.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from ctxcache.engine.pool import HostTier
 
-__all__ = ["QuestPlanner", "quest_bounds"]
+__all__ = ["QuestPlanner", "page_cap", "quest_bounds"]
+
+
+def page_cap(rho: float, n_pages: int, recent_blocks: int) -> Tuple[int, int]:
+    """(n_recent, kp): the last pages forced besides page 0 (recent_blocks + 1,
+    as the session core keeps), and the pages a table holds: the core's page
+    budget max(1, ceil(rho * n_pages)) plus page 0 and those, at most all."""
+    n_recent = min(n_pages, recent_blocks + 1)
+    budget = max(1, int(math.ceil(rho * n_pages)))
+    return n_recent, min(n_pages, budget + n_recent + 1)
 
 
 def quest_bounds(keys: torch.Tensor, n_tokens: int, page: int) -> tuple:
@@ -86,10 +95,9 @@ class QuestPlanner:
         self.select_algo, self.fused_cap, self.rho = select_algo, fused_cap, rho
         budget = max(1, min(n_tokens, int(math.ceil(rho * n_tokens))))
         self.k_head = min(self.n_pages, max(1, budget // page))
-        self.n_recent = min(self.n_pages, recent_blocks + 1)
         # The core's page budget, plus the pages it keeps beyond it.
         self.page_budget = max(1, int(math.ceil(rho * self.n_pages)))
-        self.kp = min(self.n_pages, self.page_budget + self.n_recent + 1)
+        self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_blocks)
         dev = kmin.device
         # The last plan of each layer: [L, B, H, kp].
         self.pages = torch.zeros(self.n_layers, batch, self.h, self.kp, dtype=torch.int32,

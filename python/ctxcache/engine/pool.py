@@ -58,7 +58,18 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["HostTier", "PagePool", "PoolOptions"]
+__all__ = ["HostTier", "PagePool", "PoolOptions", "table_rows"]
+
+
+def table_rows(pages: torch.Tensor, page: int, n_tokens: int) -> torch.Tensor:
+    """Token rows of page tables [H, kp] sorted ascending and holding the
+    context's last page (so last): int64 [H, kp * page - padding], the last
+    page's tokens past ``n_tokens`` dropped. Page ids give context rows; slot
+    ids give pool rows (the last page's slot stays last in the same order)."""
+    tok = torch.arange(page, device=pages.device, dtype=torch.int64)
+    rows = (pages.long().unsqueeze(-1) * page + tok).view(pages.shape[0], -1)
+    pad = (-n_tokens) % page
+    return rows[:, :rows.shape[1] - pad] if pad else rows
 
 
 class HostTier:

@@ -33,7 +33,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ctxcache.engine.planner import QuestPlanner, quest_bounds
+from ctxcache.engine.planner import QuestPlanner, page_cap, quest_bounds
+from ctxcache.engine.pool import table_rows
 
 __all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention", "chunk_pages",
            "chunk_scores"]
@@ -195,15 +196,9 @@ class SparseExtendAttention(_ExtendBase):
         if bounds is None:
             bounds = quest_bounds(k[:, :, :self.n_pages * page], n_tokens, page)
         self.kmin, self.kmax = bounds
-        self.n_recent = min(self.n_pages, o.recent_blocks + 1)
-        budget = max(1, int(math.ceil(o.rho * self.n_pages)))
-        self.kp = min(self.n_pages, budget + self.n_recent + 1)
+        self.n_recent, self.kp = page_cap(o.rho, self.n_pages, o.recent_blocks)
         self._scores = torch.empty(self.h, self.n_pages, dtype=torch.float32, device=k.device)
         self._top = torch.empty(self.h, self.kp, dtype=torch.int64, device=k.device)
-        self._tok = torch.arange(page, device=k.device, dtype=torch.int64)
-        # Tokens of the last page past the context: dropped from every table
-        # (the last page is in every table, last after the sort).
-        self._pad = self.n_pages * page - n_tokens
         self.last_pages: Optional[torch.Tensor] = None
 
     def _stored(self, layer, q, rows):
@@ -211,9 +206,7 @@ class SparseExtendAttention(_ExtendBase):
                             self._scores, self._top)
         pages = torch.sort(pages, dim=1).values
         self.last_pages = pages
-        tok = (pages.unsqueeze(-1) * self.page + self._tok).view(self.h, -1)
-        if self._pad:
-            tok = tok[:, :tok.shape[1] - self._pad]
+        tok = table_rows(pages, self.page, self.n_tokens)
         idx = tok.unsqueeze(-1).expand(-1, -1, self.d)
         ks = torch.gather(self.k[layer], 1, idx)
         vs = torch.gather(self.v[layer], 1, idx)

@@ -31,6 +31,12 @@ struct ctxcache_map_t {
 struct ctxcache_index_t {
   std::map<std::pair<uint32_t, uint32_t>, std::string> artifacts;
 };
+struct ctxcache_session_t {
+  std::unique_ptr<cc::DecodeSession> session;
+};
+struct ctxcache_step_t {
+  cc::SelectedKV kv;
+};
 
 namespace {
 
@@ -327,5 +333,100 @@ int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer, uint32_t kv_
 }
 
 void ctxcache_index_destroy(ctxcache_index_t* idx) { delete idx; }
+
+int ctxcache_session_open(ctxcache_client_t* c, const char* context_id, const char* method,
+                          const char* params, int client_mode, ctxcache_session_t** out,
+                          char** errptr) {
+  if (c == nullptr || context_id == nullptr || method == nullptr || out == nullptr) {
+    return Invalid("client, context_id, method and out must not be NULL", errptr);
+  }
+  *out = nullptr;
+  cc::SessionOptions o;
+  o.context_id = context_id;
+  o.method = method;
+  o.mode = client_mode ? cc::SelectMode::kClient : cc::SelectMode::kServer;
+  const std::string text = Str(params);
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(';', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string pair = text.substr(at, end - at);
+    at = end + 1;
+    if (pair.empty()) continue;
+    const size_t eq = pair.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return Invalid("params: expected key=value pairs separated by ';', got \"" + pair + "\"",
+                     errptr);
+    }
+    o.params[pair.substr(0, eq)] = pair.substr(eq + 1);
+  }
+  auto session = c->client->OpenSession(o);
+  if (!session.ok()) return Report(session.status(), errptr);
+  *out = new ctxcache_session_t{std::move(*session)};
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_session_step(ctxcache_session_t* s, uint32_t layer, const float* queries,
+                          ctxcache_step_t** out, char** errptr) {
+  if (s == nullptr || out == nullptr) return Invalid("session and out must not be NULL", errptr);
+  *out = nullptr;
+  auto step = std::make_unique<ctxcache_step_t>();
+  Status st = s->session->Step(layer, queries, &step->kv);
+  if (!st.ok()) return Report(st, errptr);
+  *out = step.release();
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_session_append(ctxcache_session_t* s, const float* k, const float* v,
+                            const float* q, char** errptr) {
+  if (s == nullptr || k == nullptr || v == nullptr) {
+    return Invalid("session, k and v must not be NULL", errptr);
+  }
+  return Report(s->session->Append(k, v, q), errptr);
+}
+
+int64_t ctxcache_session_n_tokens(const ctxcache_session_t* s) { return s->session->n_tokens(); }
+
+void ctxcache_session_destroy(ctxcache_session_t* s) {
+  if (s == nullptr) return;
+  (void)s->session->Close();  // best effort: the stream may already be gone
+  delete s;
+}
+
+uint32_t ctxcache_step_n_heads(const ctxcache_step_t* st) {
+  return static_cast<uint32_t>(st->kv.heads.size());
+}
+
+uint32_t ctxcache_step_group(const ctxcache_step_t* st, uint32_t kv_head) {
+  if (kv_head >= st->kv.heads.size()) return 0;
+  return static_cast<uint32_t>(st->kv.heads[kv_head].per_q_head.size());
+}
+
+int ctxcache_step_head(const ctxcache_step_t* st, uint32_t kv_head, const int32_t** ids,
+                       size_t* n_ids, const float** k, const float** v, const uint32_t** pages,
+                       size_t* n_pages) {
+  if (kv_head >= st->kv.heads.size()) return static_cast<int>(StatusCode::kNotFound);
+  const auto& h = st->kv.heads[kv_head];
+  *ids = h.ids.data();
+  *n_ids = h.ids.size();
+  *k = h.k.data();
+  *v = h.v.data();
+  *pages = h.pages.data();
+  *n_pages = h.pages.size();
+  return 0;
+}
+
+int ctxcache_step_q_head(const ctxcache_step_t* st, uint32_t kv_head, uint32_t g,
+                         const int32_t** ids, size_t* n) {
+  if (kv_head >= st->kv.heads.size() || g >= st->kv.heads[kv_head].per_q_head.size()) {
+    return static_cast<int>(StatusCode::kNotFound);
+  }
+  const auto& q = st->kv.heads[kv_head].per_q_head[g];
+  *ids = q.data();
+  *n = q.size();
+  return 0;
+}
+
+void ctxcache_step_destroy(ctxcache_step_t* st) { delete st; }
 
 }  // extern "C"

@@ -29,9 +29,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ctxcache import errors
 
-__all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "library_path", "load_library"]
+__all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "DecodeSession", "HeadStep",
+           "library_path", "load_library"]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _ITEMSIZE = {1: 4, 2: 2, 3: 2}
@@ -153,6 +154,19 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_index_get": (I, [P, U32, U32, ctypes.POINTER(ctypes.c_void_p),
                                        ctypes.POINTER(ctypes.c_size_t)]),
             "ctxcache_index_destroy": (None, [P]),
+            "ctxcache_session_open": (I, [P, S, S, S, I, ctypes.POINTER(P), E]),
+            "ctxcache_session_step": (I, [P, U32, P, ctypes.POINTER(P), E]),
+            "ctxcache_session_append": (I, [P, P, P, P, E]),
+            "ctxcache_session_n_tokens": (ctypes.c_int64, [P]),
+            "ctxcache_session_destroy": (None, [P]),
+            "ctxcache_step_n_heads": (U32, [P]),
+            "ctxcache_step_group": (U32, [P, U32]),
+            "ctxcache_step_head": (I, [P, U32, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_size_t),
+                                       ctypes.POINTER(P), ctypes.POINTER(P), ctypes.POINTER(P),
+                                       ctypes.POINTER(ctypes.c_size_t)]),
+            "ctxcache_step_q_head": (I, [P, U32, U32, ctypes.POINTER(P),
+                                         ctypes.POINTER(ctypes.c_size_t)]),
+            "ctxcache_step_destroy": (None, [P]),
         }
         for name, (res, args) in sig.items():
             f = getattr(lib, name)
@@ -365,6 +379,94 @@ class KVMap(_Owned):
         a.flags.writeable = False
         return a
 
+class HeadStep(NamedTuple):
+    """One kv head of a layer-step (ctxcache/client.h SelectedKV::Head)."""
+    ids: Any          # int32 [n]: the union of the group's selections, sorted
+    per_q_head: List[Any]  # per q head of the group: int32 token ids, sorted
+    pages: Any        # uint32: the pages fetched, sorted
+    k: Any            # float32 [n, head_dim]: K of ids
+    v: Any            # float32 [n, head_dim]
+
+
+class DecodeSession(_Owned):
+    """A decode session through the native library
+    (:meth:`NativeClient.open_session`): the C++ session core, run by the
+    server (``client_mode=False``) or in this process over the fetched
+    index (``client_mode=True``). Closing ends it."""
+
+    _destroy = "ctxcache_session_destroy"
+
+    def __init__(self, handle: int, shape: ContextShape) -> None:
+        self._h = ctypes.c_void_p(handle)
+        self.shape = shape
+
+    @property
+    def n_tokens(self) -> int:
+        """The context plus the tokens appended."""
+        return int(_lib.ctxcache_session_n_tokens(self._live()))  # type: ignore[union-attr]
+
+    def step(self, layer: int, queries: Any) -> List[HeadStep]:
+        """One layer-step; queries float32 [n_q_heads, head_dim] (post-RoPE).
+        Returns one HeadStep per kv head (copies: they outlive the call)."""
+        import numpy as np
+        s = self.shape
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if q.shape != (s.n_q_heads, s.head_dim):
+            raise errors.InvalidArgument(f"queries: shape {q.shape}, expected "
+                                         f"({s.n_q_heads}, {s.head_dim})")
+        st = ctypes.c_void_p()
+        _call("Decode", _lib.ctxcache_session_step, self._live(),  # type: ignore[union-attr]
+              int(layer), q.ctypes.data, ctypes.byref(st))
+        try:
+            return [self._head(st, h) for h in range(_lib.ctxcache_step_n_heads(st))]
+        finally:
+            _lib.ctxcache_step_destroy(st)  # type: ignore[union-attr]
+
+    def _head(self, st: ctypes.c_void_p, h: int) -> HeadStep:
+        import numpy as np
+        ids, k, v, pages = (ctypes.c_void_p() for _ in range(4))
+        n, n_pages = ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.ctxcache_step_head(st, h, ctypes.byref(ids), ctypes.byref(n), ctypes.byref(k),
+                                ctypes.byref(v), ctypes.byref(pages), ctypes.byref(n_pages))
+        d = self.shape.head_dim
+
+        def arr(ptr, count, ctype, dtype):
+            if not count:
+                return np.zeros(0, dtype)
+            return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)),
+                                         (count,)).astype(dtype, copy=True)
+
+        per_q = []
+        for g in range(_lib.ctxcache_step_group(st, h)):
+            qi, qn = ctypes.c_void_p(), ctypes.c_size_t()
+            _lib.ctxcache_step_q_head(st, h, g, ctypes.byref(qi), ctypes.byref(qn))
+            per_q.append(arr(qi, qn.value, ctypes.c_int32, np.int32))
+        return HeadStep(arr(ids, n.value, ctypes.c_int32, np.int32), per_q,
+                        arr(pages, n_pages.value, ctypes.c_uint32, np.uint32),
+                        arr(k, n.value * d, ctypes.c_float, np.float32).reshape(-1, d),
+                        arr(v, n.value * d, ctypes.c_float, np.float32).reshape(-1, d))
+
+    def append(self, k: Any, v: Any, q: Any = None) -> None:
+        """The new token's post-RoPE K, V float32 [n_layers, n_kv_heads,
+        head_dim] and Q [n_layers, n_q_heads, head_dim] (optional)."""
+        import numpy as np
+        s = self.shape
+        kv_shape = (s.n_layers, s.n_kv_heads, s.head_dim)
+        arrays = []
+        for name, x, shape in (("k", k, kv_shape), ("v", v, kv_shape),
+                               ("q", q, (s.n_layers, s.n_q_heads, s.head_dim))):
+            if x is None:
+                arrays.append(None)
+                continue
+            a = np.ascontiguousarray(x, dtype=np.float32)
+            if a.shape != shape:
+                raise errors.InvalidArgument(f"{name}: shape {a.shape}, expected {shape}")
+            arrays.append(a)
+        ka, va, qa = arrays
+        _call("Decode", _lib.ctxcache_session_append, self._live(),  # type: ignore[union-attr]
+              ka.ctypes.data, va.ctypes.data, None if qa is None else qa.ctypes.data)
+
+
 class NativeClient(_Owned):
     """A connection to ctxcached through the native library.
 
@@ -458,6 +560,20 @@ class NativeClient(_Owned):
         _call("MapKV", _lib.ctxcache_map_kv_start, self._live(),  # type: ignore[union-attr]
               context_id.encode(), arr, len(layers or []), ctypes.byref(h))
         return KVMap(h.value or 0)
+
+    def open_session(self, context_id: str, method: str = "csa",
+                     params: Optional[Dict[str, Any]] = None,
+                     client_mode: bool = True) -> DecodeSession:
+        """A decode session on a context with ``method`` and session ``params``
+        (docs/api.md): the C++ session core here over the fetched index
+        (``client_mode``), or on the server."""
+        text = ";".join(f"{k}={v}" for k, v in (params or {}).items())
+        shape = self.context(context_id)
+        h = ctypes.c_void_p()
+        _call("Decode", _lib.ctxcache_session_open, self._live(),  # type: ignore[union-attr]
+              context_id.encode(), method.encode(), text.encode(), int(bool(client_mode)),
+              ctypes.byref(h))
+        return DecodeSession(h.value or 0, shape)
 
     def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
         """A method's serialized artifacts by (layer, kv head), crc32c-checked."""

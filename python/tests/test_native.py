@@ -5,6 +5,7 @@ buffers are refused naming the field with nothing written; a corrupted page
 is DataLoss; index fetches equal the gRPC client's."""
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import subprocess
@@ -237,3 +238,68 @@ def test_closed_handles_raise_instead_of_reaching_the_library(server, built):
     c.close()
     with pytest.raises(ValueError, match="NativeClient is closed"):
         c.context(built.context_id)
+
+
+METHODS = ("csa", "tactic", "lfps", "quest", "streaming", "oracle", "full")
+
+
+@pytest.fixture(scope="module")
+def all_methods(client):
+    """A 700-token context with every method's index (a short last page)."""
+    indexes = [m for m in METHODS if m != "full"]
+    return client.build(tokens=random_tokens(700, 21), indexes=indexes).context
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_session_core_through_the_library_equals_the_server_with_appends(
+        server, all_methods, method):
+    """The C++ session core in this process (client mode, through the C ABI)
+    selects what ctxcached's does, step after step, across appends; both
+    return the stored pages' K/V."""
+    cid = all_methods.context_id
+    rng = np.random.default_rng(22)
+    params = {"rho": "0.1"} if method not in ("full", "streaming") else {}
+    with native.NativeClient(server.address, timeout=60) as c:
+        s = c.context(cid)
+        with c.open_session(cid, method, params, client_mode=True) as here, \
+                c.open_session(cid, method, params, client_mode=False) as there:
+            for step in range(3):
+                for layer in range(s.n_layers):
+                    q = rng.standard_normal((s.n_q_heads, s.head_dim)).astype(np.float32)
+                    a, b = here.step(layer, q), there.step(layer, q)
+                    assert len(a) == len(b) == s.n_kv_heads
+                    for h, (x, y) in enumerate(zip(a, b)):
+                        where = f"{method} step {step} layer {layer} kv head {h}"
+                        assert len(x.per_q_head) == s.n_q_heads // s.n_kv_heads, where
+                        for g, (qa, qb) in enumerate(zip(x.per_q_head, y.per_q_head)):
+                            assert np.array_equal(qa, qb), f"{where} q head {g}"
+                        assert np.array_equal(x.ids, y.ids), where
+                        assert np.array_equal(x.pages, y.pages), where
+                        assert x.k.shape == (len(x.ids), s.head_dim)
+                        # Stored rows are the same bytes; the server keeps the
+                        # appended rows in the kv dtype (bf16), client mode in fp32.
+                        old = x.ids < s.n_tokens
+                        assert np.array_equal(x.k[old], y.k[old]), where
+                        assert np.array_equal(x.v[old], y.v[old]), where
+                        np.testing.assert_allclose(x.k[~old], y.k[~old], rtol=1e-2, atol=1e-2)
+                        np.testing.assert_allclose(x.v[~old], y.v[~old], rtol=1e-2, atol=1e-2)
+                k = rng.standard_normal((s.n_layers, s.n_kv_heads, s.head_dim))
+                v = rng.standard_normal((s.n_layers, s.n_kv_heads, s.head_dim))
+                q = rng.standard_normal((s.n_layers, s.n_q_heads, s.head_dim))
+                here.append(k, v, q)
+                there.append(k, v, q)
+                assert here.n_tokens == there.n_tokens == s.n_tokens + step + 1
+        with pytest.raises(ctxcache.InvalidArgument, match="queries: shape"):
+            with c.open_session(cid, method, params) as bad:
+                bad.step(0, np.zeros((1, 1), np.float32))
+
+
+def test_session_params_are_checked(nc, all_methods):
+    lib = native.load_library()
+    h = ctypes.c_void_p()
+    with pytest.raises(ctxcache.InvalidArgument, match='params: expected key=value.*"rho"'):
+        native._call("Decode", lib.ctxcache_session_open, nc._live(),
+                     all_methods.context_id.encode(), b"quest", b"rho", 1, ctypes.byref(h))
+    assert not h.value
+    with pytest.raises(ctxcache.InvalidArgument, match="rho"):
+        nc.open_session(all_methods.context_id, "quest", {"rho": "2.5"})

@@ -423,6 +423,86 @@ TEST_F(CApiTest, SegmentSocketRefusesUnknownTokens) {
   }
 }
 
+// A decode session through the C ABI: the session core in this process
+// (client mode) selects and returns what the server's does, across an
+// append; full selects every token with its stored K; bad params and bad
+// handles are INVALID_ARGUMENT or NOT_FOUND.
+TEST_F(CApiTest, SessionCoreInClientModeEqualsServerMode) {
+  const uint32_t hq = ctx_.n_q_heads, d = ctx_.head_dim, layers = ctx_.n_layers;
+  const uint32_t g = hq / ctx_.n_kv_heads;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  ctxcache_session_t* here = nullptr;
+  ctxcache_session_t* there = nullptr;
+  Err e1, e2;
+  ASSERT_EQ(ctxcache_session_open(conn_->c, id_.c_str(), "csa", "rho=0.1;", 1, &here, &e1.msg),
+            0)
+      << e1.str();
+  ASSERT_EQ(ctxcache_session_open(conn_->c, id_.c_str(), "csa", "rho=0.1", 0, &there, &e2.msg),
+            0)
+      << e2.str();
+  for (int step = 0; step < 2; ++step) {
+    for (uint32_t layer = 0; layer < layers; ++layer) {
+      std::vector<float> q(size_t{hq} * d);
+      for (float& x : q) x = normal(rng);
+      ctxcache_step_t* a = nullptr;
+      ctxcache_step_t* b = nullptr;
+      ASSERT_EQ(ctxcache_session_step(here, layer, q.data(), &a, nullptr), 0);
+      ASSERT_EQ(ctxcache_session_step(there, layer, q.data(), &b, nullptr), 0);
+      ASSERT_EQ(ctxcache_step_n_heads(a), ctx_.n_kv_heads);
+      for (uint32_t h = 0; h < ctx_.n_kv_heads; ++h) {
+        ASSERT_EQ(ctxcache_step_group(a, h), g);
+        const int32_t *ia, *ib;
+        const float *ka, *kb, *va, *vb;
+        const uint32_t *pa, *pb;
+        size_t na, nb, npa, npb;
+        ASSERT_EQ(ctxcache_step_head(a, h, &ia, &na, &ka, &va, &pa, &npa), 0);
+        ASSERT_EQ(ctxcache_step_head(b, h, &ib, &nb, &kb, &vb, &pb, &npb), 0);
+        ASSERT_GT(na, 0u);
+        ASSERT_LT(na, static_cast<size_t>(kTokens));  // rho 0.1: a selection, not all
+        EXPECT_EQ(std::vector<int32_t>(ia, ia + na), std::vector<int32_t>(ib, ib + nb));
+        EXPECT_EQ(std::vector<uint32_t>(pa, pa + npa), std::vector<uint32_t>(pb, pb + npb));
+        for (size_t i = 0; i < na; ++i) {  // stored rows: the same values
+          if (ia[i] >= kTokens) continue;
+          EXPECT_EQ(std::memcmp(ka + i * d, kb + i * d, d * 4), 0) << "token " << ia[i];
+        }
+        for (uint32_t j = 0; j < g; ++j) {
+          const int32_t *qa, *qb;
+          size_t nqa, nqb;
+          ASSERT_EQ(ctxcache_step_q_head(a, h, j, &qa, &nqa), 0);
+          ASSERT_EQ(ctxcache_step_q_head(b, h, j, &qb, &nqb), 0);
+          EXPECT_EQ(std::vector<int32_t>(qa, qa + nqa), std::vector<int32_t>(qb, qb + nqb));
+        }
+      }
+      const int32_t* ids;
+      const float *k, *v;
+      const uint32_t* pages;
+      size_t n, np;
+      EXPECT_EQ(ctxcache_step_head(a, ctx_.n_kv_heads, &ids, &n, &k, &v, &pages, &np), 5);
+      EXPECT_EQ(ctxcache_step_q_head(a, 0, g, &ids, &n), 5);
+      ctxcache_step_destroy(a);
+      ctxcache_step_destroy(b);
+    }
+    std::vector<float> kv(size_t{layers} * ctx_.n_kv_heads * d), qs(size_t{layers} * hq * d);
+    for (float& x : kv) x = normal(rng);
+    for (float& x : qs) x = normal(rng);
+    ASSERT_EQ(ctxcache_session_append(here, kv.data(), kv.data(), qs.data(), nullptr), 0);
+    ASSERT_EQ(ctxcache_session_append(there, kv.data(), kv.data(), qs.data(), nullptr), 0);
+    EXPECT_EQ(ctxcache_session_n_tokens(here), kTokens + step + 1);
+    EXPECT_EQ(ctxcache_session_n_tokens(there), kTokens + step + 1);
+  }
+  ctxcache_session_destroy(here);
+  ctxcache_session_destroy(there);
+
+  ctxcache_session_t* bad = nullptr;
+  Err e3;
+  EXPECT_EQ(ctxcache_session_open(conn_->c, id_.c_str(), "csa", "rho", 1, &bad, &e3.msg), 3);
+  EXPECT_NE(e3.str().find("params: expected key=value"), std::string::npos) << e3.str();
+  EXPECT_EQ(bad, nullptr);
+  Err e4;
+  EXPECT_EQ(ctxcache_session_append(nullptr, nullptr, nullptr, nullptr, &e4.msg), 3);
+}
+
 TEST(CApiMapOffTest, MapKVOffIsFailedPrecondition) {
   TempDir tmp;
   ServerProcess server;

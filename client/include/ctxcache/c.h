@@ -35,13 +35,15 @@ typedef struct ctxcache_client_t ctxcache_client_t;
 typedef struct ctxcache_load_t ctxcache_load_t;
 typedef struct ctxcache_index_t ctxcache_index_t;
 typedef struct ctxcache_map_t ctxcache_map_t;
+typedef struct ctxcache_session_t ctxcache_session_t;
+typedef struct ctxcache_step_t ctxcache_step_t;
 
 /* Element types (ctxcache.v1.DType). */
 enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
 
 /* The ABI version this header describes; ctxcache_abi_version() returns the
  * library's. They must be equal. */
-#define CTXCACHE_ABI_VERSION 1
+#define CTXCACHE_ABI_VERSION 2
 CTXCACHE_EXPORT int ctxcache_abi_version(void);
 
 CTXCACHE_EXPORT void ctxcache_free(void* ptr);
@@ -207,6 +209,51 @@ CTXCACHE_EXPORT int ctxcache_fetch_index(ctxcache_client_t* c, const char* conte
 CTXCACHE_EXPORT int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer,
                                        uint32_t kv_head, const char** data, size_t* len);
 CTXCACHE_EXPORT void ctxcache_index_destroy(ctxcache_index_t* idx);
+
+/* ---- decode sessions (the session core) --------------------------------- */
+
+/* Opens a decode session on a context (ctxcache/client.h SessionOptions).
+ * method: csa | tactic | lfps | quest | streaming | oracle | full. params:
+ * session params as "key=value" pairs separated by ';' (docs/api.md; NULL
+ * or "" for none). client_mode 0: the server runs the session core and
+ * sends the pages (one round trip per layer-step); 1: the C++ session core
+ * (session/sparse_session.h) runs in this process over the fetched index,
+ * pages from FetchPages. INVALID_ARGUMENT for a malformed params string
+ * (naming the pair); the server's errors otherwise. */
+CTXCACHE_EXPORT int ctxcache_session_open(ctxcache_client_t* c, const char* context_id,
+                                          const char* method, const char* params,
+                                          int client_mode, ctxcache_session_t** out,
+                                          char** errptr);
+/* One layer-step: queries [n_q_heads][head_dim] fp32, post-RoPE. *out holds
+ * the selections and their K/V (fp32) until ctxcache_step_destroy. */
+CTXCACHE_EXPORT int ctxcache_session_step(ctxcache_session_t* s, uint32_t layer,
+                                          const float* queries, ctxcache_step_t** out,
+                                          char** errptr);
+/* The new token's post-RoPE K, V [n_layers][n_kv_heads][head_dim] and Q
+ * [n_layers][n_q_heads][head_dim] (q may be NULL), fp32. */
+CTXCACHE_EXPORT int ctxcache_session_append(ctxcache_session_t* s, const float* k,
+                                            const float* v, const float* q, char** errptr);
+/* Tokens of the session's sequence: the context plus those appended. */
+CTXCACHE_EXPORT int64_t ctxcache_session_n_tokens(const ctxcache_session_t* s);
+/* Closes the session (its Decode stream) and frees it. */
+CTXCACHE_EXPORT void ctxcache_session_destroy(ctxcache_session_t* s);
+
+/* A step's kv heads, and the q heads of kv head h's group. */
+CTXCACHE_EXPORT uint32_t ctxcache_step_n_heads(const ctxcache_step_t* st);
+CTXCACHE_EXPORT uint32_t ctxcache_step_group(const ctxcache_step_t* st, uint32_t kv_head);
+/* Kv head h: the union of its q heads' token ids (sorted; n_ids), their K
+ * and V rows ([n_ids][head_dim] fp32), the pages fetched (sorted;
+ * n_pages). Pointers stay valid until the step is destroyed. NOT_FOUND (5)
+ * for h out of range. */
+CTXCACHE_EXPORT int ctxcache_step_head(const ctxcache_step_t* st, uint32_t kv_head,
+                                       const int32_t** ids, size_t* n_ids, const float** k,
+                                       const float** v, const uint32_t** pages,
+                                       size_t* n_pages);
+/* Q head g of kv head h's group: the token ids it attends (sorted).
+ * NOT_FOUND (5) for h or g out of range. */
+CTXCACHE_EXPORT int ctxcache_step_q_head(const ctxcache_step_t* st, uint32_t kv_head,
+                                         uint32_t g, const int32_t** ids, size_t* n);
+CTXCACHE_EXPORT void ctxcache_step_destroy(ctxcache_step_t* st);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -18,7 +18,6 @@ from ctxcache import native
 from ctxcache.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions, HostTier,
                              PagePool, PoolOptions, QuestPlanner, quest_bounds)
 from ctxcache.torch.artifacts import parse_quest_artifact
-from ctxcache.torch.gpu_session import TorchQuestSession
 from test_gpu_selection import context_keys, demo_contexts  # noqa: F401 (fixture)
 
 
@@ -321,10 +320,11 @@ def test_a_batch_over_two_contexts_equals_each_context_alone() -> None:
 
 
 def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
-        client, demo_contexts) -> None:  # noqa: F811
+        server, client, demo_contexts) -> None:  # noqa: F811
     """The engine's index is the stored Quest artifact (the C++ build), bit
-    for bit; its pages are the session core's (TorchQuestSession, itself
-    checked against the server) plus fillers when the core takes fewer."""
+    for bit; its pages are the C++ session core's (run through the native
+    library, in this process) plus fillers when the core takes fewer."""
+    nc = native.NativeClient(server.address, timeout=60)
     for ctx in demo_contexts:
         arts = client.fetch_index(ctx.context_id, "quest")
         if parse_quest_artifact(arts[(0, 0)]).page_size != 16:
@@ -334,7 +334,7 @@ def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
         t = HostTier(m.n_layers, m.n_kv_heads, ctx.n_tokens, m.head_dim, pin=False)
         t.token_view()[0].copy_(torch.as_tensor(keys).to(torch.bfloat16))
         planner = QuestPlanner.from_tier(t, "cpu", m.n_q_heads, batch=1)
-        core = TorchQuestSession(arts, m.n_q_heads)
+        core = nc.open_session(ctx.context_id, "quest", client_mode=True)
         rng = np.random.default_rng(ctx.n_tokens)
         for layer in range(m.n_layers):
             for h in range(m.n_kv_heads):
@@ -344,13 +344,16 @@ def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
             for _ in range(3):
                 q = torch.as_tensor(rng.integers(-3, 4, (m.n_q_heads, m.head_dim)),
                                     dtype=torch.bfloat16)
-                plan = core.step(layer, q.float())
+                plan = core.step(layer, q.float().numpy())
                 got = planner.plan(layer, q.unsqueeze(0))[0]
                 for h in range(m.n_kv_heads):
-                    want = set(torch.nonzero(plan.pages[h])[:, 0].tolist())
+                    want = set(plan[h].pages.tolist())
                     have = set(got[h].tolist())
+                    assert want, "the core selected no page"
                     assert len(have) == planner.kp
                     assert want <= have, (ctx.name, layer, h, want - have)
+        core.close()
+    nc.close()
 
 
 def test_host_tier_from_server_holds_the_stored_pages(server, client,

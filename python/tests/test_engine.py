@@ -262,7 +262,7 @@ def test_batch_union_reads_one_table_per_kv_head_for_the_whole_batch() -> None:
             want = dense.attend(layer, q, k, v)
             assert (full.attend(layer, q, k, v).float() - want.float()).abs().max() < 2e-2
             got = part.attend(layer, q, k, v)
-            pages = part.union_pages[layer]
+            pages = part.planner.union_pages[layer]
             table = chunk_pages(q, part.planner.kmin[layer], part.planner.kmax[layer],
                                 part.union_kp, part.planner.n_recent)
             assert torch.equal(pages.long(), torch.sort(table, dim=1).values)
@@ -282,7 +282,7 @@ def test_batch_union_reads_one_table_per_kv_head_for_the_whole_batch() -> None:
             d.end_step()
     st = part.pool.stats()
     assert st["hit_requests"] + st["miss_requests"] == 2 * 2 * 2 * part.union_kp
-    with pytest.raises(ValueError, match="union_rho"):
+    with pytest.raises(ValueError, match="union_rho: expected in"):
         ContextDecoder(t, "cpu", hq, b, 4, EngineOptions(union_rho=1.5))
 
 

@@ -24,10 +24,9 @@ from ctxcache.engine.attention import DenseContextAttention, PagedAttention
 from ctxcache.engine.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions,
                                    OwnTokens)
 from ctxcache.engine.llama import LlamaExtender, LlamaStepper
-from ctxcache.engine.planner import QuestPlanner, quest_bounds
+from ctxcache.engine.planner import QuestPlanner, chunk_pages, quest_bounds
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
-from ctxcache.engine.prefill import (DenseExtendAttention, ExtendOptions,
-                                    SparseExtendAttention, chunk_pages)
+from ctxcache.engine.prefill import DenseExtendAttention, ExtendOptions, SparseExtendAttention
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseContextAttention", "DenseDecoder",
            "DenseExtendAttention", "EngineOptions", "ExtendOptions", "HostTier",

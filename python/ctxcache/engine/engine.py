@@ -18,9 +18,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ctxcache.engine.attention import DenseContextAttention, PagedAttention, UnionAttention
-from ctxcache.engine.planner import QuestPlanner, page_cap
+from ctxcache.engine.planner import QuestPlanner
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
-from ctxcache.engine.prefill import chunk_pages
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseDecoder", "EngineOptions", "OwnTokens"]
 
@@ -148,20 +147,10 @@ class ContextDecoder(_Decoder):
         self.planning = True
         self.planner = planner or QuestPlanner.from_tier(
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
-            select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank)
+            select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank,
+            union_rho=o.union_rho)
         kp = self.planner.kp
-        self.union_kp = 0
-        if o.union_rho:
-            if not 0.0 < o.union_rho <= 1.0:
-                raise ValueError(f"EngineOptions.union_rho: expected in [0, 1], got "
-                                 f"{o.union_rho}")
-            p = self.planner.n_pages
-            self.union_kp = page_cap(o.union_rho, p, o.recent_blocks)[1]
-            h = tier.n_kv_heads
-            self.union_pages = torch.zeros(tier.n_layers, h, self.union_kp, dtype=torch.int32,
-                                           device=self.device)
-            self._scores = torch.empty(h, p, dtype=torch.float32, device=self.device)
-            self._top = torch.empty(h, self.union_kp, dtype=torch.int64, device=self.device)
+        self.union_kp = self.planner.union_kp
         # The pool holds at least one step's pages of every layer: otherwise
         # pages used every step are evicted before their next use (CLOCK, like
         # LRU, gets no hits on a cyclic sweep larger than the cache), and a
@@ -188,12 +177,9 @@ class ContextDecoder(_Decoder):
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if self.union_attention is not None:
-            pages = self.union_pages[layer]
+            pages = self.planner.union_pages[layer]
             if self.planning:
-                pl = self.planner
-                top = chunk_pages(q, pl.kmin[layer], pl.kmax[layer], self.union_kp, pl.n_recent,
-                                  self._scores, self._top)
-                pages.copy_(torch.sort(top, dim=1).values)
+                self.planner.plan_union(layer, q)
                 self.pool.resolve(layer, pages.unsqueeze(0))
             return self.union_attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
                                         self.own.now)

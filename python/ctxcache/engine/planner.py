@@ -34,7 +34,7 @@ import torch
 
 from ctxcache.engine.pool import HostTier
 
-__all__ = ["QuestPlanner", "page_cap", "quest_bounds"]
+__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "page_cap", "quest_bounds"]
 
 
 def page_cap(rho: float, n_pages: int, recent_blocks: int) -> Tuple[int, int]:
@@ -69,7 +69,8 @@ class QuestPlanner:
 
     def __init__(self, kmin: torch.Tensor, kmax: torch.Tensor, n_tokens: int, n_q_heads: int,
                  batch: int, page: int = 16, rho: float = 0.05, recent_blocks: int = 1,
-                 select_algo: str = "", fused_cap: bool = True, rank: str = "votes") -> None:
+                 select_algo: str = "", fused_cap: bool = True, rank: str = "votes",
+                 union_rho: float = 0.0) -> None:
         """kmin/kmax [n_layers, n_kv_heads, n_pages, d] on the engine's device;
         select_algo: kernels.select_top_pages's algorithm (Default: "" = its
         default); fused_cap: on CUDA, step 2 is one kernel that counts the q
@@ -79,7 +80,9 @@ class QuestPlanner:
         pages ranked by how many of its heads took them) or "max" (a kv
         head's pages ranked by the largest bound any of its q heads gives:
         the extension prefill's block union at one query; not in the core)
-        (Default: "votes")."""
+        (Default: "votes"); union_rho: > 0 also keeps a batch-union table of
+        that fraction of the pages per kv head (:meth:`plan_union`)
+        (Default: 0)."""
         if rank not in ("votes", "max"):
             raise ValueError(f"rank: expected 'votes' or 'max', got {rank!r}")
         self.rank = rank
@@ -124,12 +127,24 @@ class QuestPlanner:
         self._trash = batch * self.h * self.n_pages
         self._top = torch.zeros(batch * self.h, self.kp, dtype=torch.int64, device=dev)
         self._icounts = torch.zeros(batch * self.h, self.n_pages, dtype=torch.int32, device=dev)
+        self.union_kp = 0
+        if union_rho:
+            if not 0.0 < union_rho <= 1.0:
+                raise ValueError(f"union_rho: expected in (0, 1] (or 0: off), got {union_rho}")
+            self.union_kp = page_cap(union_rho, self.n_pages, recent_blocks)[1]
+            # The last union table of each layer: [L, H, union_kp], sorted.
+            self.union_pages = torch.zeros(self.n_layers, self.h, self.union_kp,
+                                           dtype=torch.int32, device=dev)
+            self._union_scores = torch.empty(self.h, self.n_pages, dtype=torch.float32,
+                                             device=dev)
+            self._union_top = torch.empty(self.h, self.union_kp, dtype=torch.int64, device=dev)
 
     @classmethod
     def from_tier(cls, tier: HostTier, device: Any, n_q_heads: int, batch: int,
                   rho: float = 0.05, recent_blocks: int = 1,
                   layers: Optional[range] = None, select_algo: str = "",
-                  fused_cap: bool = True, rank: str = "votes") -> "QuestPlanner":
+                  fused_cap: bool = True, rank: str = "votes",
+                  union_rho: float = 0.0) -> "QuestPlanner":
         """Bounds from the tier's keys, one layer at a time through the device
         (waits for each layer of a background load)."""
         dev = torch.device(device)
@@ -144,7 +159,7 @@ class QuestPlanner:
             kmin[layer].copy_(mn)
             kmax[layer].copy_(mx)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
-                   select_algo, fused_cap, rank)
+                   select_algo, fused_cap, rank, union_rho)
 
     @property
     def hbm_bytes(self) -> int:
@@ -200,6 +215,20 @@ class QuestPlanner:
         out.view(-1, self.kp).copy_(top - self._row_base)
         return out
 
+    def plan_union(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The batch's one table per kv head: the ``union_kp`` pages with the
+        largest bound over every sequence's queries and the group's heads
+        (page 0 and the recent pages first; :func:`chunk_pages` with the
+        batch as the chunk), sorted: int32 [H, union_kp], a view of
+        ``union_pages[layer]``. q [B, Hq, d]."""
+        if not self.union_kp:
+            raise ValueError("plan_union: the planner was made with union_rho 0")
+        top = chunk_pages(q, self.kmin[layer], self.kmax[layer], self.union_kp, self.n_recent,
+                          self._union_scores, self._union_top)
+        out = self.union_pages[layer]
+        out.copy_(torch.sort(top, dim=1).values)
+        return out
+
     @staticmethod
     def _top_k(x: torch.Tensor, k: int, n_recent: int, out: torch.Tensor,
                algo: str = "") -> torch.Tensor:
@@ -219,3 +248,42 @@ class QuestPlanner:
         base = torch.arange(rows, device=x.device, dtype=torch.int64).view(-1, 1) * p
         out.copy_(order + base)
         return out
+
+
+def chunk_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per kv head and stored page, the largest Quest bound over the chunk's
+    queries and the group's q heads: float32 [H, P]. q [T, Hq, d]; kmin/kmax
+    [H, P, d] (one layer)."""
+    t, hq, d = q.shape
+    h, p, _ = kmin.shape
+    g = hq // h
+    if out is None:
+        out = torch.empty(h, p, dtype=torch.float32, device=q.device)
+    if q.is_cuda:
+        from ctxcache.engine import _triton
+        _triton.quest_max_scores(q.contiguous(), kmin, kmax, out)
+        return out
+    qf = q.float().view(t, h, g, d).permute(1, 0, 2, 3).reshape(h, t * g, 1, d)
+    mn, mx = kmin.float().unsqueeze(1), kmax.float().unsqueeze(1)      # [H, 1, P, d]
+    step = max(1, (1 << 22) // max(1, p * d))
+    for r in range(0, t * g, step):
+        s = torch.maximum(qf[:, r:r + step] * mn, qf[:, r:r + step] * mx).sum(-1)
+        m = s.amax(dim=1)
+        out.copy_(m if r == 0 else torch.maximum(out, m))
+    return out
+
+
+def chunk_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kp: int,
+                n_recent: int, scores: Optional[torch.Tensor] = None,
+                top: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The block-union table of a chunk: int64 [H, kp] page ids per kv head,
+    page 0 and the last n_recent pages first, then the best by
+    :func:`chunk_scores` (ties: the lower page); any order."""
+    h, p, _ = kmin.shape
+    s = chunk_scores(q, kmin, kmax, scores)
+    if top is None:
+        top = torch.empty(h, kp, dtype=torch.int64, device=q.device)
+    ids = QuestPlanner._top_k(s, kp, n_recent, top)
+    base = torch.arange(h, device=q.device, dtype=torch.int64).view(-1, 1) * p
+    return ids - base

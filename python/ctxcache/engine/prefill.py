@@ -8,7 +8,7 @@ Per layer and chunk of new tokens (q [T, Hq, d] at positions n, n + 1, ...):
      a page's score for the chunk is the largest bound any of them gives
      (the union over the chunk's query blocks and the group's heads, at one
      threshold), and the ``kp`` best pages per kv head are kept, plus page 0
-     and the last ``recent_blocks + 1`` pages (``chunk_pages``). One table
+     and the last ``recent_blocks + 1`` pages (``planner.chunk_pages``). One table
      per kv head serves all of the chunk's queries and heads.
   2. attention: each query attends the selected stored pages (non-causal:
      they all precede it), the extension's earlier chunks and its own
@@ -33,11 +33,10 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ctxcache.engine.planner import QuestPlanner, page_cap, quest_bounds
+from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
 
-__all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention", "chunk_pages",
-           "chunk_scores"]
+__all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention"]
 
 
 @dataclass
@@ -47,45 +46,6 @@ class ExtendOptions:
     rho: float = 0.1
     # Recent pages forced besides page 0 and the last page. Default: 1.
     recent_blocks: int = 1
-
-
-def chunk_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Per kv head and stored page, the largest Quest bound over the chunk's
-    queries and the group's q heads: float32 [H, P]. q [T, Hq, d]; kmin/kmax
-    [H, P, d] (one layer)."""
-    t, hq, d = q.shape
-    h, p, _ = kmin.shape
-    g = hq // h
-    if out is None:
-        out = torch.empty(h, p, dtype=torch.float32, device=q.device)
-    if q.is_cuda:
-        from ctxcache.engine import _triton
-        _triton.quest_max_scores(q.contiguous(), kmin, kmax, out)
-        return out
-    qf = q.float().view(t, h, g, d).permute(1, 0, 2, 3).reshape(h, t * g, 1, d)
-    mn, mx = kmin.float().unsqueeze(1), kmax.float().unsqueeze(1)      # [H, 1, P, d]
-    step = max(1, (1 << 22) // max(1, p * d))
-    for r in range(0, t * g, step):
-        s = torch.maximum(qf[:, r:r + step] * mn, qf[:, r:r + step] * mx).sum(-1)
-        m = s.amax(dim=1)
-        out.copy_(m if r == 0 else torch.maximum(out, m))
-    return out
-
-
-def chunk_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kp: int,
-                n_recent: int, scores: Optional[torch.Tensor] = None,
-                top: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The block-union table of a chunk: int64 [H, kp] page ids per kv head,
-    page 0 and the last n_recent pages first, then the best by
-    :func:`chunk_scores` (ties: the lower page); any order."""
-    h, p, _ = kmin.shape
-    s = chunk_scores(q, kmin, kmax, scores)
-    if top is None:
-        top = torch.empty(h, kp, dtype=torch.int64, device=q.device)
-    ids = QuestPlanner._top_k(s, kp, n_recent, top)
-    base = torch.arange(h, device=q.device, dtype=torch.int64).view(-1, 1) * p
-    return ids - base
 
 
 def _merge(parts) -> torch.Tensor:

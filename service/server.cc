@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
@@ -11,6 +13,7 @@
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +22,7 @@
 #include <cctype>
 
 #include "common/logging.h"
+#include "grpc/health/v1/health.pb.h"
 #include "service/access.h"
 #include "service/admin_service.h"
 #include "service/cluster_service.h"
@@ -61,6 +65,22 @@ Status CheckPem(const std::string& path, const char* flag, const char* what) {
   }
   return Status::OK();
 }
+
+// Linking grpc++_reflection registers its plugin with every ServerBuilder at
+// static initialisation (gRPC 1.51), so a server serves reflection unless the
+// plugin is removed from its builder: this option does that.
+class WithoutReflectionOption : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    using grpc::reflection::ProtoServerReflectionPlugin;
+    auto is_reflection = [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return dynamic_cast<ProtoServerReflectionPlugin*>(p.get()) != nullptr;
+    };
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
+                   plugins->end());
+  }
+};
 
 }  // namespace
 
@@ -170,8 +190,15 @@ class ServerImpl {
     }
 
     grpc::EnableDefaultHealthCheckService(true);
+    // Reflection describes services from protobuf's generated pool; gRPC's
+    // health service is built on upb, so health.proto's C++ descriptors are
+    // linked in (and referenced here, so the linker keeps them).
+    const google::protobuf::Descriptor* health_descriptor =
+        grpc::health::v1::HealthCheckRequest::descriptor();
+    (void)health_descriptor;
     if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
+    if (!c.reflection) builder.SetOption(std::make_unique<WithoutReflectionOption>());
     int bound_port = 0;
     builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
@@ -216,10 +243,14 @@ class ServerImpl {
       }
       std::rename(tmp.c_str(), c.port_file.c_str());
     }
+    std::string services =
+        "ctxcache.v1.ContextAdmin, ctxcache.v1.DecodeService, ctxcache.v1.ClusterService, "
+        "grpc.health.v1.Health";
+    if (c.reflection) services += ", grpc.reflection.v1alpha.ServerReflection";
     spdlog::info(
-        "serving gRPC on port {} (ContextAdmin, DecodeService, health{}) over {}{}; "
+        "serving gRPC on port {} ({}) over {}{}; "
         "authentication {}; metrics on {}{}; MapKV segments on {}",
-        port_, c.reflection ? ", reflection" : "", c.tls_cert.empty() ? "plaintext" : "TLS",
+        port_, services, c.tls_cert.empty() ? "plaintext" : "TLS",
         c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
         ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
         metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",

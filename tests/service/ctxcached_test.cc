@@ -71,6 +71,56 @@ TEST_F(CtxcachedTest, ReflectionListsServices) {
   EXPECT_TRUE(names.count("grpc.reflection.v1alpha.ServerReflection")) << resp.DebugString();
 }
 
+// Sends one reflection request and returns the server's one answer.
+grpc::Status Reflect(const std::shared_ptr<grpc::Channel>& channel,
+                     const grpc::reflection::v1alpha::ServerReflectionRequest& req,
+                     grpc::reflection::v1alpha::ServerReflectionResponse* resp) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  stream->Write(req);
+  stream->WritesDone();
+  stream->Read(resp);
+  return stream->Finish();
+}
+
+// docs/api.md's grpcurl example: reflection must describe the health service
+// (gRPC's health service is upb-based and adds nothing to protobuf's pool).
+TEST_F(CtxcachedTest, ReflectionDescribesHealthService) {
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_file_containing_symbol("grpc.health.v1.Health");
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  ASSERT_TRUE(Reflect(channel_, req, &resp).ok());
+  ASSERT_FALSE(resp.has_error_response()) << resp.DebugString();
+  ASSERT_GT(resp.file_descriptor_response().file_descriptor_proto_size(), 0);
+  EXPECT_NE(resp.file_descriptor_response().file_descriptor_proto(0).find("HealthCheckRequest"),
+            std::string::npos);
+}
+
+TEST_F(CtxcachedTest, StartupLogListsServicesServed) {
+  std::string log = server_.log();
+  EXPECT_NE(log.find("grpc.health.v1.Health"), std::string::npos) << log;
+  EXPECT_NE(log.find("grpc.reflection.v1alpha.ServerReflection"), std::string::npos) << log;
+}
+
+// Regression: linking grpc++_reflection registered its plugin at static
+// initialisation, so --reflection false still served reflection.
+TEST(CtxcachedFlagsTest, ReflectionFalseTurnsReflectionOff) {
+  TempDir tmp;
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(tmp.path() + "/data", {"--reflection", "false"})) << server.log();
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("*");
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  grpc::Status s = Reflect(channel, req, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED) << resp.DebugString();
+  std::string log = server.log();
+  EXPECT_NE(log.find("grpc.health.v1.Health"), std::string::npos) << log;
+  EXPECT_EQ(log.find("ServerReflection"), std::string::npos) << log;
+}
+
 TEST_F(CtxcachedTest, MetricsEndpointServesBuildInfo) {
   std::string resp = HttpGet(server_.metrics_port(), "/metrics");
   EXPECT_NE(resp.find("HTTP/1.1 200 OK"), std::string::npos) << resp;

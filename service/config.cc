@@ -142,7 +142,8 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
                  "Unix socket for MapKV's shared-memory segments ('' = <data-dir>/shm.sock, "
                  "off = no MapKV)");
   app.add_option("--max-streams-per-connection", c.max_streams_per_connection,
-                 "Concurrent calls per client connection")
+                 "Streaming calls one client connection may have open; the one past it "
+                 "fails with RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1u, 100000u))
       ->capture_default_str();
   app.add_option("--cluster", c.cluster,

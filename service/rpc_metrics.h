@@ -23,6 +23,7 @@
 
 #include "auth/principal.h"
 #include "service/access.h"
+#include "service/connection_streams.h"
 #include "service/grpc_status.h"
 #include "service/metrics.h"
 #include "service/service_context.h"
@@ -55,8 +56,15 @@ class RpcScope {
   // False when the call may not run: bad credentials, a role without the
   // permission, or the tenant's message rate exceeded; auth_status() says.
   bool authorized() const { return auth_status_.ok(); }
-  // Streaming calls: holds one of the tenant's max_streams until Finish.
+  // Streaming calls: holds one of the connection's streams
+  // (--max-streams-per-connection; calls forwarded by a cluster peer are not
+  // counted) and one of the tenant's max_streams until the scope ends.
   grpc::Status AdmitStream() {
+    if (!context_->client_metadata().count("ctxcache-forwarded")) {
+      auto c = ctx_->connection_streams.Admit(context_->peer());
+      if (!c.ok()) return ToGrpc(c.status());
+      connection_stream_ = std::move(c).value();
+    }
     auto g = ctx_->quotas->AdmitStream(principal_.tenant);
     if (!g.ok()) return ToGrpc(g.status());
     stream_ = std::move(g).value();
@@ -131,6 +139,7 @@ class RpcScope {
   auth::Action action_;
   std::chrono::steady_clock::time_point start_;
   auth::Principal principal_;
+  ConnectionStreams::Guard connection_stream_;
   QuotaGuard stream_;
   bool authenticated_ = false;
   grpc::Status auth_status_;

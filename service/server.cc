@@ -201,8 +201,12 @@ class ServerImpl {
     if (!c.reflection) builder.SetOption(std::make_unique<WithoutReflectionOption>());
     int bound_port = 0;
     builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                               static_cast<int>(c.max_streams_per_connection));
+    // Streaming calls are counted per connection by ConnectionStreams, which
+    // refuses the one past the limit; HTTP/2 only caps the sum with unary calls.
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONCURRENT_STREAMS,
+        static_cast<int>(std::min<uint64_t>(
+            uint64_t{c.max_streams_per_connection} + kUnaryStreamHeadroom, INT32_MAX)));
     builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,

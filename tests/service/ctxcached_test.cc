@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <memory>
 #include <set>
 #include <string>
 
+#include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "tests/service/http_get.h"
@@ -154,6 +156,63 @@ TEST_F(CtxcachedTest, SecondInstanceOnSameDirFailsFastNamingTheLock) {
   EXPECT_NE(second.Stop(), 0);
   // The first one is unaffected.
   EXPECT_EQ(Health(""), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// One Decode stream on a shared channel, answered once by the handler (an
+// Open of an unknown context: an error response, the stream stays open).
+struct DecodeStream {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> rw;
+
+  // True when the server's handler answered (it admitted the stream).
+  bool OpenUnknown(v1::DecodeService::Stub* stub) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    rw = stub->Decode(&ctx);
+    v1::DecodeRequest req;
+    req.set_request_id(1);
+    req.mutable_open()->set_context_id(std::string(32, '0'));
+    req.mutable_open()->set_method("full");
+    v1::DecodeResponse resp;
+    return rw->Write(req) && rw->Read(&resp) && resp.has_error();
+  }
+  grpc::Status Close() {
+    rw->WritesDone();
+    v1::DecodeResponse resp;
+    while (rw->Read(&resp)) {
+    }
+    return rw->Finish();
+  }
+};
+
+// Regression: with HTTP/2's limit alone, the stream past
+// --max-streams-per-connection waited in the client (7 s and more) with no
+// error. It must fail at once with RESOURCE_EXHAUSTED naming the flag.
+TEST(CtxcachedFlagsTest, StreamPastMaxStreamsPerConnectionFailsFast) {
+  TempDir tmp;
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(tmp.path() + "/data", {"--max-streams-per-connection", "2"}))
+      << server.log();
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::DecodeService::NewStub(channel);
+  DecodeStream first, second, third, fourth;
+  ASSERT_TRUE(first.OpenUnknown(stub.get()));
+  ASSERT_TRUE(second.OpenUnknown(stub.get()));
+  EXPECT_FALSE(third.OpenUnknown(stub.get()));
+  grpc::Status refused = third.rw->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("--max-streams-per-connection=2"), std::string::npos)
+      << refused.error_message();
+  // Unary calls still pass on the same connection.
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext hctx;
+  grpc::health::v1::HealthCheckRequest hreq;
+  grpc::health::v1::HealthCheckResponse hresp;
+  EXPECT_TRUE(health->Check(&hctx, hreq, &hresp).ok());
+  // A closed stream gives its place back.
+  EXPECT_TRUE(first.Close().ok());
+  EXPECT_TRUE(fourth.OpenUnknown(stub.get()));
+  EXPECT_TRUE(second.Close().ok());
+  EXPECT_TRUE(fourth.Close().ok());
 }
 
 TEST(CtxcachedFlagsTest, BadFlagIsAClearError) {

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -228,6 +229,7 @@ class ServerImpl {
     health->SetServingStatus("ctxcache.v1.ContextAdmin", true);
     health->SetServingStatus("ctxcache.v1.DecodeService", true);
     health->SetServingStatus("ctxcache.v1.ClusterService", true);
+    health->SetServingStatus(kPrefillHealthService, CheckModelDir());
 
     if (!c.metrics_listen.empty()) {
       metrics_http_ = std::make_unique<MetricsHttpServer>(&ctx_.metrics);
@@ -311,6 +313,40 @@ class ServerImpl {
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
 
  private:
+  // Whether --default-model is hosted, so builds from text or token ids can
+  // run; warns otherwise. Sessions, reads and ingests need no model, so the
+  // server still serves: only the kPrefillHealthService status says so.
+  bool CheckModelDir() const {
+    const ServerConfig& c = ctx_.config;
+    std::error_code ec;
+    const std::string where =
+        std::filesystem::absolute(c.model_dir, ec).lexically_normal().string();
+    const char* consequence =
+        "builds from text or token ids fail with NOT_FOUND; sessions, reads and ingests work. "
+        "Pass --model-dir with an absolute path (docs/api.md, \"Health\")";
+    if (!std::filesystem::is_directory(c.model_dir, ec)) {
+      spdlog::warn("--model-dir '{}' ({}) is not a directory: {}", c.model_dir, where,
+                   consequence);
+      return false;
+    }
+    const std::vector<std::string> models = ctx_.models.Available();
+    if (models.empty()) {
+      spdlog::warn("--model-dir '{}' ({}) holds no model (no <name>/config.json): {}",
+                   c.model_dir, where, consequence);
+      return false;
+    }
+    std::string names;
+    for (const auto& m : models) names += (names.empty() ? "" : ", ") + m;
+    if (!ctx_.models.IsHosted(c.default_model)) {
+      spdlog::warn("--default-model '{}' is not in --model-dir '{}' ({}; holds {}): builds that "
+                   "name no model fail with NOT_FOUND",
+                   c.default_model, c.model_dir, where, names);
+      return false;
+    }
+    spdlog::info("models in {}: {} (default {})", where, names, c.default_model);
+    return true;
+  }
+
   // Joins the --cluster (before serving: handlers read ctx_.cluster).
   Status StartCluster() {
     const ServerConfig& c = ctx_.config;

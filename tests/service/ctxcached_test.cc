@@ -215,6 +215,49 @@ TEST(CtxcachedFlagsTest, StreamPastMaxStreamsPerConnectionFailsFast) {
   EXPECT_TRUE(fourth.Close().ok());
 }
 
+grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(const ServerProcess& server,
+                                                              const std::string& service) {
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp.status();
+}
+
+// Regression: a missing or empty --model-dir reported SERVING with no word.
+// It warns, and the "ctxcache.prefill" health status says builds cannot run
+// (sessions, reads and ingests need no model, so the server still serves).
+TEST(CtxcachedFlagsTest, MissingOrEmptyModelDirWarnsAndPrefillIsNotServing) {
+  TempDir tmp;
+  for (const std::string& dir : {tmp.path() + "/no-such-dir", tmp.path()}) {
+    ServerProcess server;
+    ASSERT_TRUE(server.Start(tmp.path() + "/data", {"--model-dir", dir})) << server.log();
+    const std::string log = server.log();
+    EXPECT_NE(log.find(" W [ctxcached] --model-dir '" + dir + "'"), std::string::npos) << log;
+    EXPECT_EQ(HealthOf(server, "ctxcache.prefill"),
+              grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+    EXPECT_EQ(HealthOf(server, ""), grpc::health::v1::HealthCheckResponse::SERVING);
+    EXPECT_EQ(server.Stop(), 0);
+  }
+}
+
+TEST(CtxcachedFlagsTest, HostedDefaultModelMakesPrefillServing) {
+  TempDir tmp;
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(tmp.path() + "/data",
+                           {"--model-dir", testing::SourceDir() + "/tests/data/golden",
+                            "--default-model", "llama3"}))
+      << server.log();
+  EXPECT_EQ(HealthOf(server, "ctxcache.prefill"), grpc::health::v1::HealthCheckResponse::SERVING)
+      << server.log();
+  EXPECT_NE(server.log().find("(default llama3)"), std::string::npos) << server.log();
+}
+
 TEST(CtxcachedFlagsTest, BadFlagIsAClearError) {
   std::string out;
   int code =

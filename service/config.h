@@ -179,8 +179,12 @@ struct ServerConfig {
   std::string ToToml() const;
 };
 
-// Parses argv (and --config FILE if given). On --help, prints usage and
-// returns a CANCELLED status whose message is the help text.
+// Parses argv (and --config FILE if given). On --help or --version returns
+// a CANCELLED status whose message is the text to print (the help, or
+// VersionString("ctxcached")).
 StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv);
+
+// "<program> <version> (revision <git revision>)", as --version prints it.
+std::string VersionString(const char* program);
 
 }  // namespace ctxcache::service

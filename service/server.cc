@@ -532,7 +532,7 @@ void Server::Reload() { impl_->Reload(); }
 int RunCtxcached(int argc, char** argv) {
   auto config = ParseServerConfig(argc, argv);
   if (!config.ok()) {
-    if (config.status().code() == StatusCode::kCancelled) {  // --help
+    if (config.status().code() == StatusCode::kCancelled) {  // --help, --version
       std::cout << config.status().message();
       return 0;
     }

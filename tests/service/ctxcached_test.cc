@@ -258,6 +258,15 @@ TEST(CtxcachedFlagsTest, HostedDefaultModelMakesPrefillServing) {
   EXPECT_NE(server.log().find("(default llama3)"), std::string::npos) << server.log();
 }
 
+TEST(CtxcachedFlagsTest, VersionPrintsVersionAndRevision) {
+  std::string out;
+  int code = ServerProcess::RunCapture({testing::BinDir() + "/ctxcached", "--version"}, &out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(out.rfind("ctxcached ", 0), 0u) << out;
+  EXPECT_NE(out.find("(revision "), std::string::npos) << out;
+  EXPECT_EQ(out.find("effective config"), std::string::npos) << out;
+}
+
 TEST(CtxcachedFlagsTest, BadFlagIsAClearError) {
   std::string out;
   int code =

@@ -79,17 +79,13 @@ class RpcScope {
   grpc::Status Finish(const grpc::Status& status) {
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     auto& m = ctx_->metrics;
+    // Errors are ctxcache_rpc_total{code!="OK"}: no separate error counter.
     m.GetCounter("ctxcache_rpc_total", "RPCs handled, by method and status code",
                  {{"method", method_}, {"code", CodeName(status.error_code())}})
         ->Inc();
     m.GetHistogram("ctxcache_rpc_duration_seconds", "RPC handling time, by method",
                    {{"method", method_}})
         ->Observe(secs);
-    if (!status.ok()) {
-      m.GetCounter("ctxcache_rpc_errors_total", "RPCs that failed, by method",
-                   {{"method", method_}})
-          ->Inc();
-    }
     spdlog::debug("rpc method={} code={} duration_us={:.0f} msg=\"{}\"", method_,
                   CodeName(status.error_code()), secs * 1e6, status.error_message());
     const bool refused = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||

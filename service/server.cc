@@ -29,6 +29,7 @@
 #include "service/cluster_service.h"
 #include "service/decode_service.h"
 #include "service/metrics.h"
+#include "service/process_metrics.h"
 #include "service/service_context.h"
 #include "storage/store.h"
 
@@ -167,7 +168,7 @@ class ServerImpl {
       }
     }
 
-    RegisterProcessMetrics();
+    RegisterServerMetrics();
 
     if (c.shm_socket != "off") {
       const std::string path =
@@ -420,7 +421,7 @@ class ServerImpl {
                          [n] { return static_cast<double>(n->GetStats().replication_errors); });
   }
 
-  void RegisterProcessMetrics() {
+  void RegisterServerMetrics() {
     auto& m = ctx_.metrics;
     m.GetGauge("ctxcache_build_info", "Build information (value 1); version and revision in labels",
                {{"version", CTXCACHE_VERSION}, {"revision", CTXCACHE_GIT_REVISION}})
@@ -437,12 +438,16 @@ class ServerImpl {
     m.AddCallbackCounter(
         "ctxcache_policy_evictions_total", "Contexts evicted by TTL or the capacity watermarks",
         [this] { return static_cast<double>(ctx_.store->GetStats().policy_evictions); });
-    m.AddCallbackGauge("ctxcache_block_cache_hit_ratio",
-                       "RocksDB block cache hits / (hits + misses) since start", [this] {
-                         auto st = ctx_.store->GetStats();
-                         uint64_t total = st.block_cache_hits + st.block_cache_misses;
-                         return total ? static_cast<double>(st.block_cache_hits) / total : 0.0;
-                       });
+    // Counters, not a ratio since start: PromQL takes the ratio over any window.
+    m.AddCallbackCounter(
+        "ctxcache_block_cache_hits_total", "RocksDB block cache hits",
+        [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_hits); });
+    m.AddCallbackCounter(
+        "ctxcache_block_cache_misses_total", "RocksDB block cache misses",
+        [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_misses); });
+    // Exported from the start (0), not from the first EvictContext.
+    m.GetCounter("ctxcache_evictions_total", kEvictionsHelp);
+    RegisterProcessMetrics(&m);
     m.AddCallbackGauge(
         "ctxcache_block_cache_bytes", "Bytes held by the RocksDB block cache",
         [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_usage_bytes); });

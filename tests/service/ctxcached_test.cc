@@ -129,9 +129,38 @@ TEST_F(CtxcachedTest, MetricsEndpointServesBuildInfo) {
   EXPECT_NE(resp.find("ctxcache_build_info{"), std::string::npos) << resp;
   EXPECT_NE(resp.find("ctxcache_uptime_seconds"), std::string::npos) << resp;
   EXPECT_NE(resp.find("ctxcache_storage_bytes{kind=\"pages\"}"), std::string::npos) << resp;
-  EXPECT_NE(resp.find("ctxcache_block_cache_hit_ratio"), std::string::npos) << resp;
   EXPECT_NE(resp.find("# TYPE ctxcache_policy_evictions_total counter"), std::string::npos) << resp;
   EXPECT_NE(HttpGet(server_.metrics_port(), "/nope").find("404"), std::string::npos);
+}
+
+// Regression: no process_* metrics; the block-cache hit ratio was a gauge
+// since start (counters let PromQL take it over a window); rpc_errors_total
+// repeated rpc_total{code}; ctxcache_evictions_total appeared only after the
+// first eviction.
+TEST_F(CtxcachedTest, MetricsFollowPrometheusConventions) {
+  // One failed call, which used to add an rpc_errors_total series.
+  auto stub = v1::ContextAdmin::NewStub(channel_);
+  grpc::ClientContext ctx;
+  v1::GetContextRequest req;
+  req.set_context_id(std::string(32, '0'));
+  v1::ContextInfo info;
+  EXPECT_EQ(stub->GetContext(&ctx, req, &info).error_code(), grpc::StatusCode::NOT_FOUND);
+  const std::string resp = HttpGet(server_.metrics_port(), "/metrics");
+  for (const char* line : {"# TYPE process_cpu_seconds_total counter",
+                           "# TYPE process_resident_memory_bytes gauge",
+                           "# TYPE process_virtual_memory_bytes gauge",
+                           "# TYPE process_open_fds gauge", "# TYPE process_max_fds gauge",
+                           "# TYPE process_start_time_seconds gauge",
+                           "# TYPE ctxcache_block_cache_hits_total counter",
+                           "# TYPE ctxcache_block_cache_misses_total counter",
+                           "ctxcache_evictions_total 0",
+                           "ctxcache_rpc_total{code=\"NOT_FOUND\",method=\"GetContext\"} 1"}) {
+    EXPECT_NE(resp.find(line), std::string::npos) << line << "\n" << resp;
+  }
+  EXPECT_EQ(resp.find("ctxcache_block_cache_hit_ratio"), std::string::npos) << resp;
+  EXPECT_EQ(resp.find("ctxcache_rpc_errors_total"), std::string::npos) << resp;
+  EXPECT_EQ(resp.find("process_resident_memory_bytes 0\n"), std::string::npos) << resp;
+  EXPECT_EQ(resp.find("process_open_fds 0\n"), std::string::npos) << resp;
 }
 
 TEST_F(CtxcachedTest, SigtermExitsZeroWithinFiveSeconds) {
@@ -256,6 +285,37 @@ TEST(CtxcachedFlagsTest, HostedDefaultModelMakesPrefillServing) {
   EXPECT_EQ(HealthOf(server, "ctxcache.prefill"), grpc::health::v1::HealthCheckResponse::SERVING)
       << server.log();
   EXPECT_NE(server.log().find("(default llama3)"), std::string::npos) << server.log();
+}
+
+// docs/api.md: ctxcache_evictions_total counts contexts evicted by EvictContext.
+TEST(CtxcachedFlagsTest, ExplicitEvictionCountsInEvictionsTotal) {
+  TempDir tmp;
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(tmp.path() + "/data",
+                           {"--model-dir", testing::SourceDir() + "/tests/data/golden",
+                            "--default-model", "llama3"}))
+      << server.log();
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::ContextAdmin::NewStub(channel);
+  v1::BuildContextRequest build;
+  for (uint32_t t = 1; t <= 40; ++t) build.mutable_tokens()->add_ids(t);
+  grpc::ClientContext bctx;
+  bctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  auto reader = stub->BuildContext(&bctx, build);
+  v1::BuildProgress progress, last;
+  while (reader->Read(&progress)) last = progress;
+  ASSERT_TRUE(reader->Finish().ok());
+  ASSERT_EQ(last.phase(), v1::BuildProgress::DONE);
+  const std::string before = HttpGet(server.metrics_port(), "/metrics");
+  EXPECT_NE(before.find("\nctxcache_evictions_total 0\n"), std::string::npos) << before;
+  grpc::ClientContext ectx;
+  v1::EvictContextRequest evict;
+  evict.set_context_id(last.context().context_id());
+  v1::EvictContextResponse evicted;
+  ASSERT_TRUE(stub->EvictContext(&ectx, evict, &evicted).ok());
+  const std::string after = HttpGet(server.metrics_port(), "/metrics");
+  EXPECT_NE(after.find("\nctxcache_evictions_total 1\n"), std::string::npos) << after;
+  EXPECT_NE(after.find("\nctxcache_policy_evictions_total 0\n"), std::string::npos) << after;
 }
 
 TEST(CtxcachedFlagsTest, VersionPrintsVersionAndRevision) {

@@ -370,6 +370,11 @@ class ServerImpl {
       o.node_id = c.node_id;
     }
     o.zone = c.zone;
+    if (c.zone.empty() && c.replicas > 1) {
+      spdlog::warn("--zone is empty: a context's {} copies are placed without failure domains "
+                   "(pass --zone; on Kubernetes, ctxcache-config's zone key, docs/deploy.md)",
+                   c.replicas);
+    }
     o.capacity_bytes = c.capacity_bytes;
     o.replicas = c.replicas;
     o.min_replicas = c.min_replicas == 0 ? c.replicas : c.min_replicas;

@@ -126,6 +126,31 @@ def test_client_rejects_bad_arguments() -> None:
             c.build(tokens=[1, -2])
 
 
+# Regression: build(tokens=[1.9, 2.7]) truncated to [1, 2] and built another
+# context. Non-integers are a TypeError naming the field, before any call.
+@pytest.mark.parametrize("tokens", [
+    [1.9, 2.7], [1, 2.0], (3, "4"), [True, 2], np.array([1.9, 2.7]),
+    np.array([1.0, 2.0], dtype=np.float32),
+])
+def test_build_rejects_non_integer_tokens_naming_the_field(tokens) -> None:
+    with ctxcache.Client("127.0.0.1:1") as c:
+        with pytest.raises(TypeError, match="tokens: expected integer token ids"):
+            c.build(tokens=tokens)
+        with pytest.raises(TypeError, match="tokens: expected integer token ids"):
+            c.extend("00" * 16, tokens=tokens)
+
+
+@pytest.mark.parametrize("tokens", [
+    [1, 2, 3], (1, 2, 3), [np.int32(1), np.uint16(2), np.int64(3)],
+    np.array([1, 2, 3], dtype=np.int32), np.array([1, 2, 3], dtype=np.uint32),
+    np.array([1, 2, 3], dtype=np.int64),
+])
+def test_token_ids_accept_python_and_numpy_integers(tokens) -> None:
+    from ctxcache.client import _token_ids
+    ids = _token_ids(tokens)
+    assert ids == [1, 2, 3] and all(type(t) is int for t in ids)
+
+
 def test_crc32c_many_matches_one_at_a_time() -> None:
     from ctxcache.crc32c import crc32c, crc32c_many
     rng = np.random.default_rng(7)

@@ -14,7 +14,7 @@ PACKAGES=(
   libfaiss-dev libopenblas-dev
   fio curl procps xz-utils shellcheck
   etcd-server etcd-client golang-etcd-server-dev
-  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv
+  python3-grpcio python3-protobuf python3-numpy python3-crc32c python3-pytest python3-venv
   python3-setuptools python3-wheel
   python3-sentencepiece
   python3-matplotlib linux-perf python3-torch python3-yaml

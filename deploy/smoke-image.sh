@@ -6,8 +6,8 @@
 #      mmdebstrap --variant=minbase bookworm with this host's apt sources
 #      (no registry needed), piped into `podman import`;
 #   2. `podman build` of deploy/Dockerfile (ctxcache:local) and
-#      deploy/etcd.Dockerfile (ctxcache-etcd:local), from a clean
-#      `git archive HEAD` of this repository (no build dirs in the context);
+#      deploy/etcd.Dockerfile (ctxcache-etcd:local), from this working tree
+#      as it is, built or not (.dockerignore keeps build dirs and .git out);
 #   3. one container of ctxcache:local with its default CMD (TLS, keys file,
 #      metrics token; as the image's non-root uid 10001) and secrets from
 #      deploy/make-secrets.sh: `ctxcache health` over TLS must answer SERVING
@@ -64,9 +64,7 @@ if ! podman image exists debian:12; then
     podman import - localhost/debian:12
 fi
 
-# 2. Images, from a clean export of HEAD.
-mkdir -p "$work/src"
-git -C "$root" archive HEAD | tar -x -C "$work/src"
+# 2. Images, from the working tree (.dockerignore: no build dirs, no .git).
 build() {  # build DOCKERFILE TAG CONTEXT
   # chroot isolation and the host network: the RUN steps need neither
   # namespaces nor a container network, only Debian's archive.
@@ -77,12 +75,12 @@ if [ "${CTXCACHE_SMOKE_NO_BUILD:-0}" = 1 ]; then
     { echo "smoke-image: CTXCACHE_SMOKE_NO_BUILD=1 but the images are missing" >&2; exit 1; }
 else
   log "building ctxcache:local (compiles the project; 11-17 min on 2 cores)"
-  build "$work/src/deploy/Dockerfile" localhost/ctxcache:local "$work/src"
-  build "$work/src/deploy/etcd.Dockerfile" localhost/ctxcache-etcd:local "$work/src/deploy"
+  build "$root/deploy/Dockerfile" localhost/ctxcache:local "$root"
+  build "$root/deploy/etcd.Dockerfile" localhost/ctxcache-etcd:local "$root/deploy"
 fi
 
 # Secrets (as compose.yaml expects them: next to the compose file).
-cp "$work/src/deploy/compose.yaml" "$work/compose.yaml"
+cp "$root/deploy/compose.yaml" "$work/compose.yaml"
 "$root/deploy/make-secrets.sh" "$work/secrets" >/dev/null
 s="$work/secrets"
 tls=(--tls-ca "$s/ca.pem")

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the README's example scripts (scripts/demo.sh,
 # scripts/secure-demo.sh): source it from the repository root.
 #   demo_build                 install dependencies and build (Release), unless
@@ -40,5 +41,6 @@ demo_start_server() {
     sleep 0.1
   done
   [ -s "$WORK/ports" ] || { echo "ctxcached did not start in 30 s"; cat "$WORK/ctxcached.log"; exit 1; }
+  # shellcheck disable=SC2034  # PORT is read by the scripts that source this file
   PORT="$(sed -n 1p "$WORK/ports")"
 }

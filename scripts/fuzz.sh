@@ -41,8 +41,8 @@ status=0
 for t in $run; do
   corpus=build-fuzz/fuzz/corpus/$t
   mkdir -p "$corpus" build-fuzz/fuzz/artifacts
-  seeds=(build-fuzz/fuzz/seeds/$t)
-  [ -d fuzz/seeds/$t ] && seeds+=(fuzz/seeds/$t)
+  seeds=("build-fuzz/fuzz/seeds/$t")
+  [ -d "fuzz/seeds/$t" ] && seeds+=("fuzz/seeds/$t")
   echo "== $t for ${seconds}s"
   build-fuzz/bin/$t -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -print_final_stats=1 -artifact_prefix=build-fuzz/fuzz/artifacts/$t- "$@" \

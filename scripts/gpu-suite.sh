@@ -30,7 +30,7 @@
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

@@ -12,9 +12,10 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev prometheus-cpp-dev
   libfaiss-dev libopenblas-dev
-  fio curl procps xz-utils
+  fio curl procps xz-utils shellcheck
   etcd-server etcd-client golang-etcd-server-dev
-  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-venv python3-setuptools python3-wheel
+  python3-grpcio python3-protobuf python3-numpy python3-crc32c python3-pytest python3-venv
+  python3-setuptools python3-wheel
   python3-sentencepiece
   python3-matplotlib linux-perf python3-torch python3-yaml
 )

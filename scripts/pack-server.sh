@@ -58,4 +58,8 @@ done
 strip --strip-unneeded "${bins[@]/#/$pkg/bin/}" "$pkg"/lib/*.so* 2>/dev/null || true
 tar -C "$tmp" -cf - ctxcache | xz -9e -T0 >"$out/ctxcache-server.tar.xz.tmp"
 mv -f "$out/ctxcache-server.tar.xz.tmp" "$out/ctxcache-server.tar.xz"
-echo "pack-server: $(du -h "$out/ctxcache-server.tar.xz" | cut -f1) $out/ctxcache-server.tar.xz ($(ls "$pkg/bin" | grep -cv '\.sh$') binaries, $(ls "$pkg/lib" | wc -l) libraries)"
+n_bins=0
+for f in "$pkg"/bin/*; do [[ "$f" == *.sh ]] || n_bins=$((n_bins + 1)); done
+n_libs=$(find "$pkg/lib" -mindepth 1 -maxdepth 1 | wc -l)
+echo "pack-server: $(du -h "$out/ctxcache-server.tar.xz" | cut -f1) $out/ctxcache-server.tar.xz" \
+  "($n_bins binaries, $n_libs libraries)"

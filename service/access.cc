@@ -45,6 +45,20 @@ StatusOr<auth::Principal> AccessControl::Authenticate(const grpc::ServerContext*
   return p;
 }
 
+Status AccessControl::Recheck(const grpc::ServerContext* context, const auth::Principal& p) {
+  if (!keys_) return Status::OK();
+  auto now = Authenticate(context);
+  if (!now.ok()) {
+    return UnauthenticatedError("the credentials of this stream were revoked (" +
+                                std::string(now.status().message()) + "); the stream ends");
+  }
+  if (now->id != p.id || now->tenant != p.tenant || now->role != p.role) {
+    return UnauthenticatedError("the credentials of this stream (" + p.id +
+                                ") changed tenant or role; open a new stream");
+  }
+  return Status::OK();
+}
+
 Status AccessControl::CheckRole(const auth::Principal& p, auth::Action action, const char* rpc) {
   if (auth::RoleAllows(p.role, action)) return Status::OK();
   return PermissionDeniedError("role '" + std::string(auth::RoleName(p.role)) + "' may not call " +

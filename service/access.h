@@ -42,6 +42,11 @@ class AccessControl {
 
   // The caller, if its credentials are valid (UNAUTHENTICATED otherwise).
   StatusOr<auth::Principal> Authenticate(const grpc::ServerContext* context);
+  // For a stream already open as `p`: whether the call's credentials still
+  // authenticate as `p` under the keys file in force now (it may have been
+  // reloaded since). UNAUTHENTICATED when the key or certificate mapping was
+  // revoked or now names another tenant or role; the stream must end.
+  Status Recheck(const grpc::ServerContext* context, const auth::Principal& p);
   // PERMISSION_DENIED (naming `rpc` and the permission) unless p's role may
   // perform `action`.
   static Status CheckRole(const auth::Principal& p, auth::Action action, const char* rpc);

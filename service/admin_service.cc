@@ -567,8 +567,7 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
     response->set_deferred(*deferred);
     response->set_evicted(!*deferred);
     response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());
-    ctx_->metrics.GetCounter("ctxcache_evictions_total", "Contexts evicted (explicit and policy)")
-        ->Inc();
+    ctx_->metrics.GetCounter("ctxcache_evictions_total", kEvictionsHelp)->Inc();
     ctx_->events.Publish(v1::ContextEvent::EVICTED, ManifestToInfo(*m));
     return rpc.Finish(grpc::Status::OK);
   });

@@ -3,7 +3,19 @@
 #include <CLI/CLI.hpp>
 #include <sstream>
 
+#ifndef CTXCACHE_VERSION
+#define CTXCACHE_VERSION "0.0.0"
+#endif
+#ifndef CTXCACHE_GIT_REVISION
+#define CTXCACHE_GIT_REVISION "unknown"
+#endif
+
 namespace ctxcache::service {
+
+std::string VersionString(const char* program) {
+  return std::string(program) + " " + CTXCACHE_VERSION + " (revision " + CTXCACHE_GIT_REVISION +
+         ")";
+}
 
 std::string ServerConfig::ToToml() const {
   std::ostringstream os;
@@ -61,6 +73,7 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   ServerConfig c;
   CLI::App app{"ctxcached: persistent context-cache server (gRPC + RocksDB)", "ctxcached"};
   app.set_config("--config", "", "Read options from a TOML/INI file (flags override it)");
+  app.set_version_flag("--version", VersionString("ctxcached"), "Print the version and exit");
   app.add_option("--data-dir", c.data_dir, "RocksDB data directory")->capture_default_str();
   app.add_option("--listen", c.listen, "gRPC listen address HOST:PORT")->capture_default_str();
   app.add_option("--metrics-listen", c.metrics_listen, "Prometheus endpoint HOST:PORT ('' = off)")
@@ -142,7 +155,8 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
                  "Unix socket for MapKV's shared-memory segments ('' = <data-dir>/shm.sock, "
                  "off = no MapKV)");
   app.add_option("--max-streams-per-connection", c.max_streams_per_connection,
-                 "Concurrent calls per client connection")
+                 "Streaming calls one client connection may have open; the one past it "
+                 "fails with RESOURCE_EXHAUSTED")
       ->check(CLI::Range(1u, 100000u))
       ->capture_default_str();
   app.add_option("--cluster", c.cluster,
@@ -179,6 +193,8 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     return CancelledError(app.help());
+  } catch (const CLI::CallForVersion& v) {
+    return CancelledError(std::string(v.what()) + "\n");
   } catch (const CLI::ParseError& e) {
     return InvalidArgumentError(std::string(e.what()) + "; run ctxcached --help for the options");
   }

@@ -13,6 +13,10 @@
 
 namespace ctxcache::service {
 
+// HTTP/2 streams a connection may open beyond max_streams_per_connection,
+// for unary calls (server.cc advertises the sum as MAX_CONCURRENT_STREAMS).
+inline constexpr uint32_t kUnaryStreamHeadroom = 64;
+
 struct ServerConfig {
   // --- Addresses and paths ---
   // RocksDB data directory; created if missing. Default: ./ctxcache-data
@@ -61,6 +65,8 @@ struct ServerConfig {
   uint64_t max_context_tokens = 0;
 
   // --- Sessions ---
+  // Open decode sessions, all clients together; an Open past it is
+  // RESOURCE_EXHAUSTED. Default: 256 (= max_streams_per_connection).
   uint32_t max_sessions = 256;
   // Budget for decode-session memory, MiB: the loaded index tables (once
   // per context and method, shared by its sessions) plus every session's
@@ -122,9 +128,14 @@ struct ServerConfig {
   // File holding a bearer token the metrics endpoint requires
   // ("Authorization: Bearer <token>"). Default: "" (open).
   std::string metrics_token_file;
-  // Concurrent streams (calls) per client connection (HTTP/2
-  // MAX_CONCURRENT_STREAMS). Default: 128.
-  uint32_t max_streams_per_connection = 128;
+  // Streaming calls (Decode, FetchKV, Watch, ...) one client connection may
+  // have open at once; the one past it fails with RESOURCE_EXHAUSTED. HTTP/2
+  // MAX_CONCURRENT_STREAMS is advertised as this plus kUnaryStreamHeadroom,
+  // so unary calls still pass, and a stream past the limit reaches the
+  // server and is refused instead of waiting in the client. Equal to
+  // max_sessions by default: one worker's channel can hold every session.
+  // Default: 256.
+  uint32_t max_streams_per_connection = 256;
 
   // --- Cluster (docs/cluster.md) ---
   // etcd://host:port[,host:port...]/<cluster-name>; "" = a single node, no
@@ -168,8 +179,12 @@ struct ServerConfig {
   std::string ToToml() const;
 };
 
-// Parses argv (and --config FILE if given). On --help, prints usage and
-// returns a CANCELLED status whose message is the help text.
+// Parses argv (and --config FILE if given). On --help or --version returns
+// a CANCELLED status whose message is the text to print (the help, or
+// VersionString("ctxcached")).
 StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv);
+
+// "<program> <version> (revision <git revision>)", as --version prints it.
+std::string VersionString(const char* program);
 
 }  // namespace ctxcache::service

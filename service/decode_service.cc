@@ -397,6 +397,10 @@ grpc::Status DecodeServiceImpl::Decode(
     for (bool more = have_first; more; more = stream->Read(&req)) {
       key->last_activity_ms = NowMs();
       if (req.has_open()) key->opened = true;
+      // A key revoked while the session is open ends it (docs/security.md).
+      if (Status s = ctx_->access->Recheck(context, rpc.principal()); !s.ok()) {
+        return rpc.Finish(ToGrpc(s));
+      }
       if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
         stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
         continue;
@@ -748,7 +752,10 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
     v1::ContextEvent hello;
     hello.set_type(v1::ContextEvent::TYPE_UNSPECIFIED);
     if (!writer->Write(hello)) return rpc.Finish(grpc::Status::OK);
+    // A key revoked while watching ends the watch before it sees another event.
+    auto still_valid = [&] { return ctx_->access->Recheck(context, rpc.principal()); };
     while (!context->IsCancelled() && !ctx_->draining) {
+      if (Status s = still_valid(); !s.ok()) return rpc.Finish(ToGrpc(s));
       std::unique_lock<std::mutex> lock(sub->mu);
       sub->cv.wait_for(lock, std::chrono::milliseconds(200),
                        [&] { return !sub->queue.empty() || sub->closed; });
@@ -764,7 +771,10 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
           auto it = ev.context().labels().find(k);
           match = match && it != ev.context().labels().end() && it->second == v;
         }
-        if (match && !writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
+        if (match) {
+          if (Status s = still_valid(); !s.ok()) return rpc.Finish(ToGrpc(s));
+          if (!writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
+        }
         lock.lock();
       }
     }

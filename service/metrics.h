@@ -4,7 +4,8 @@
 // them (prometheus::Exposer, civetweb) on GET /metrics.
 //
 // Naming: every ctxcache metric starts with "ctxcache_", uses base units
-// (seconds, bytes) and carries no per-context labels (bounded cardinality).
+// (seconds, bytes) and carries no per-context labels (bounded cardinality);
+// the process_* metrics (process_metrics.h) keep their standard names.
 // The endpoint also serves prometheus-cpp's own exposer_* scrape metrics.
 //
 // Thread-safety: metric updates are prometheus-cpp's (atomics; a histogram
@@ -32,6 +33,12 @@ class Exposer;
 }  // namespace prometheus
 
 namespace ctxcache::service {
+
+// The help text of ctxcache_evictions_total (registered at start and where
+// EvictContext counts).
+inline constexpr const char kEvictionsHelp[] =
+    "Contexts evicted by EvictContext (explicit); TTL and capacity evictions are "
+    "ctxcache_policy_evictions_total";
 
 // A metric handle. Handles returned by MetricsRegistry are registered (they
 // appear in Render() and on /metrics); a default-constructed one is a

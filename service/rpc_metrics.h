@@ -23,6 +23,7 @@
 
 #include "auth/principal.h"
 #include "service/access.h"
+#include "service/connection_streams.h"
 #include "service/grpc_status.h"
 #include "service/metrics.h"
 #include "service/service_context.h"
@@ -55,8 +56,15 @@ class RpcScope {
   // False when the call may not run: bad credentials, a role without the
   // permission, or the tenant's message rate exceeded; auth_status() says.
   bool authorized() const { return auth_status_.ok(); }
-  // Streaming calls: holds one of the tenant's max_streams until Finish.
+  // Streaming calls: holds one of the connection's streams
+  // (--max-streams-per-connection; calls forwarded by a cluster peer are not
+  // counted) and one of the tenant's max_streams until the scope ends.
   grpc::Status AdmitStream() {
+    if (!context_->client_metadata().count("ctxcache-forwarded")) {
+      auto c = ctx_->connection_streams.Admit(context_->peer());
+      if (!c.ok()) return ToGrpc(c.status());
+      connection_stream_ = std::move(c).value();
+    }
     auto g = ctx_->quotas->AdmitStream(principal_.tenant);
     if (!g.ok()) return ToGrpc(g.status());
     stream_ = std::move(g).value();
@@ -71,17 +79,13 @@ class RpcScope {
   grpc::Status Finish(const grpc::Status& status) {
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     auto& m = ctx_->metrics;
+    // Errors are ctxcache_rpc_total{code!="OK"}: no separate error counter.
     m.GetCounter("ctxcache_rpc_total", "RPCs handled, by method and status code",
                  {{"method", method_}, {"code", CodeName(status.error_code())}})
         ->Inc();
     m.GetHistogram("ctxcache_rpc_duration_seconds", "RPC handling time, by method",
                    {{"method", method_}})
         ->Observe(secs);
-    if (!status.ok()) {
-      m.GetCounter("ctxcache_rpc_errors_total", "RPCs that failed, by method",
-                   {{"method", method_}})
-          ->Inc();
-    }
     spdlog::debug("rpc method={} code={} duration_us={:.0f} msg=\"{}\"", method_,
                   CodeName(status.error_code()), secs * 1e6, status.error_message());
     const bool refused = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
@@ -131,6 +135,7 @@ class RpcScope {
   auth::Action action_;
   std::chrono::steady_clock::time_point start_;
   auth::Principal principal_;
+  ConnectionStreams::Guard connection_stream_;
   QuotaGuard stream_;
   bool authenticated_ = false;
   grpc::Status auth_status_;

@@ -3,6 +3,8 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
@@ -11,19 +13,23 @@
 #include <spdlog/sinks/basic_file_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <cctype>
 
 #include "common/logging.h"
+#include "grpc/health/v1/health.pb.h"
 #include "service/access.h"
 #include "service/admin_service.h"
 #include "service/cluster_service.h"
 #include "service/decode_service.h"
 #include "service/metrics.h"
+#include "service/process_metrics.h"
 #include "service/service_context.h"
 #include "storage/store.h"
 
@@ -61,6 +67,22 @@ Status CheckPem(const std::string& path, const char* flag, const char* what) {
   }
   return Status::OK();
 }
+
+// Linking grpc++_reflection registers its plugin with every ServerBuilder at
+// static initialisation (gRPC 1.51), so a server serves reflection unless the
+// plugin is removed from its builder: this option does that.
+class WithoutReflectionOption : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    using grpc::reflection::ProtoServerReflectionPlugin;
+    auto is_reflection = [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return dynamic_cast<ProtoServerReflectionPlugin*>(p.get()) != nullptr;
+    };
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(), is_reflection),
+                   plugins->end());
+  }
+};
 
 }  // namespace
 
@@ -146,7 +168,7 @@ class ServerImpl {
       }
     }
 
-    RegisterProcessMetrics();
+    RegisterServerMetrics();
 
     if (c.shm_socket != "off") {
       const std::string path =
@@ -170,12 +192,23 @@ class ServerImpl {
     }
 
     grpc::EnableDefaultHealthCheckService(true);
+    // Reflection describes services from protobuf's generated pool; gRPC's
+    // health service is built on upb, so health.proto's C++ descriptors are
+    // linked in (and referenced here, so the linker keeps them).
+    const google::protobuf::Descriptor* health_descriptor =
+        grpc::health::v1::HealthCheckRequest::descriptor();
+    (void)health_descriptor;
     if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
+    if (!c.reflection) builder.SetOption(std::make_unique<WithoutReflectionOption>());
     int bound_port = 0;
     builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                               static_cast<int>(c.max_streams_per_connection));
+    // Streaming calls are counted per connection by ConnectionStreams, which
+    // refuses the one past the limit; HTTP/2 only caps the sum with unary calls.
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONCURRENT_STREAMS,
+        static_cast<int>(std::min<uint64_t>(
+            uint64_t{c.max_streams_per_connection} + kUnaryStreamHeadroom, INT32_MAX)));
     builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
     builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
@@ -197,6 +230,7 @@ class ServerImpl {
     health->SetServingStatus("ctxcache.v1.ContextAdmin", true);
     health->SetServingStatus("ctxcache.v1.DecodeService", true);
     health->SetServingStatus("ctxcache.v1.ClusterService", true);
+    health->SetServingStatus(kPrefillHealthService, CheckModelDir());
 
     if (!c.metrics_listen.empty()) {
       metrics_http_ = std::make_unique<MetricsHttpServer>(&ctx_.metrics);
@@ -216,10 +250,14 @@ class ServerImpl {
       }
       std::rename(tmp.c_str(), c.port_file.c_str());
     }
+    std::string services =
+        "ctxcache.v1.ContextAdmin, ctxcache.v1.DecodeService, ctxcache.v1.ClusterService, "
+        "grpc.health.v1.Health";
+    if (c.reflection) services += ", grpc.reflection.v1alpha.ServerReflection";
     spdlog::info(
-        "serving gRPC on port {} (ContextAdmin, DecodeService, health{}) over {}{}; "
+        "serving gRPC on port {} ({}) over {}{}; "
         "authentication {}; metrics on {}{}; MapKV segments on {}",
-        port_, c.reflection ? ", reflection" : "", c.tls_cert.empty() ? "plaintext" : "TLS",
+        port_, services, c.tls_cert.empty() ? "plaintext" : "TLS",
         c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
         ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
         metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",
@@ -276,6 +314,40 @@ class ServerImpl {
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
 
  private:
+  // Whether --default-model is hosted, so builds from text or token ids can
+  // run; warns otherwise. Sessions, reads and ingests need no model, so the
+  // server still serves: only the kPrefillHealthService status says so.
+  bool CheckModelDir() const {
+    const ServerConfig& c = ctx_.config;
+    std::error_code ec;
+    const std::string where =
+        std::filesystem::absolute(c.model_dir, ec).lexically_normal().string();
+    const char* consequence =
+        "builds from text or token ids fail with NOT_FOUND; sessions, reads and ingests work. "
+        "Pass --model-dir with an absolute path (docs/api.md, \"Health\")";
+    if (!std::filesystem::is_directory(c.model_dir, ec)) {
+      spdlog::warn("--model-dir '{}' ({}) is not a directory: {}", c.model_dir, where,
+                   consequence);
+      return false;
+    }
+    const std::vector<std::string> models = ctx_.models.Available();
+    if (models.empty()) {
+      spdlog::warn("--model-dir '{}' ({}) holds no model (no <name>/config.json): {}",
+                   c.model_dir, where, consequence);
+      return false;
+    }
+    std::string names;
+    for (const auto& m : models) names += (names.empty() ? "" : ", ") + m;
+    if (!ctx_.models.IsHosted(c.default_model)) {
+      spdlog::warn("--default-model '{}' is not in --model-dir '{}' ({}; holds {}): builds that "
+                   "name no model fail with NOT_FOUND",
+                   c.default_model, c.model_dir, where, names);
+      return false;
+    }
+    spdlog::info("models in {}: {} (default {})", where, names, c.default_model);
+    return true;
+  }
+
   // Joins the --cluster (before serving: handlers read ctx_.cluster).
   Status StartCluster() {
     const ServerConfig& c = ctx_.config;
@@ -298,6 +370,11 @@ class ServerImpl {
       o.node_id = c.node_id;
     }
     o.zone = c.zone;
+    if (c.zone.empty() && c.replicas > 1) {
+      spdlog::warn("--zone is empty: a context's {} copies are placed without failure domains "
+                   "(pass --zone; on Kubernetes, ctxcache-config's zone key, docs/deploy.md)",
+                   c.replicas);
+    }
     o.capacity_bytes = c.capacity_bytes;
     o.replicas = c.replicas;
     o.min_replicas = c.min_replicas == 0 ? c.replicas : c.min_replicas;
@@ -349,7 +426,7 @@ class ServerImpl {
                          [n] { return static_cast<double>(n->GetStats().replication_errors); });
   }
 
-  void RegisterProcessMetrics() {
+  void RegisterServerMetrics() {
     auto& m = ctx_.metrics;
     m.GetGauge("ctxcache_build_info", "Build information (value 1); version and revision in labels",
                {{"version", CTXCACHE_VERSION}, {"revision", CTXCACHE_GIT_REVISION}})
@@ -366,12 +443,16 @@ class ServerImpl {
     m.AddCallbackCounter(
         "ctxcache_policy_evictions_total", "Contexts evicted by TTL or the capacity watermarks",
         [this] { return static_cast<double>(ctx_.store->GetStats().policy_evictions); });
-    m.AddCallbackGauge("ctxcache_block_cache_hit_ratio",
-                       "RocksDB block cache hits / (hits + misses) since start", [this] {
-                         auto st = ctx_.store->GetStats();
-                         uint64_t total = st.block_cache_hits + st.block_cache_misses;
-                         return total ? static_cast<double>(st.block_cache_hits) / total : 0.0;
-                       });
+    // Counters, not a ratio since start: PromQL takes the ratio over any window.
+    m.AddCallbackCounter(
+        "ctxcache_block_cache_hits_total", "RocksDB block cache hits",
+        [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_hits); });
+    m.AddCallbackCounter(
+        "ctxcache_block_cache_misses_total", "RocksDB block cache misses",
+        [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_misses); });
+    // Exported from the start (0), not from the first EvictContext.
+    m.GetCounter("ctxcache_evictions_total", kEvictionsHelp);
+    RegisterProcessMetrics(&m);
     m.AddCallbackGauge(
         "ctxcache_block_cache_bytes", "Bytes held by the RocksDB block cache",
         [this] { return static_cast<double>(ctx_.store->GetStats().block_cache_usage_bytes); });
@@ -461,7 +542,7 @@ void Server::Reload() { impl_->Reload(); }
 int RunCtxcached(int argc, char** argv) {
   auto config = ParseServerConfig(argc, argv);
   if (!config.ok()) {
-    if (config.status().code() == StatusCode::kCancelled) {  // --help
+    if (config.status().code() == StatusCode::kCancelled) {  // --help, --version
       std::cout << config.status().message();
       return 0;
     }

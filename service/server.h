@@ -21,6 +21,12 @@ namespace ctxcache::service {
 
 class ServerImpl;
 
+// The health service name that is SERVING when --default-model is hosted
+// (builds from text or token ids can run). The overall status ("") and the
+// gRPC services' stay SERVING without a model: sessions, reads and ingests
+// need none.
+inline constexpr const char kPrefillHealthService[] = "ctxcache.prefill";
+
 // Whether a --listen address only accepts local connections (127.0.0.0/8,
 // ::1, localhost, unix:).
 bool IsLoopbackListen(const std::string& listen);

@@ -12,6 +12,7 @@
 #include "service/access.h"
 #include "service/build_queue.h"
 #include "service/config.h"
+#include "service/connection_streams.h"
 #include "service/events.h"
 #include "service/metrics.h"
 #include "service/model_registry.h"
@@ -46,6 +47,8 @@ struct ServiceContext {
   // Set when SIGTERM drain starts; new sessions/builds get UNAVAILABLE.
   std::atomic<bool> draining{false};
   std::atomic<uint32_t> open_sessions{0};
+  // Streaming calls per client connection (--max-streams-per-connection).
+  ConnectionStreams connection_streams{config.max_streams_per_connection};
   // Decode sessions' memory (service/session_memory.h).
   MemoryBudget session_memory{
       config.session_memory_mb << 20,

@@ -163,13 +163,13 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
   int sources = !file_.empty() + !text_.empty() + stdin_ + !token_ids_.empty();
   if (sources != 1) {
     err << "ctxcache: build needs exactly one of --file, --text, --stdin or --tokens\n";
-    return 2;
+    return kExitUsage;
   }
   if (!file_.empty()) {
     std::ifstream f(file_);
     if (!f) {
       err << "ctxcache: cannot read --file " << file_ << "\n";
-      return 2;
+      return kExitUsage;
     }
     std::stringstream ss;
     ss << f.rdbuf();
@@ -190,7 +190,7 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
   req.set_pin(pin_);
   req.set_add_bos(bos_);
   std::map<std::string, std::string> labels;
-  if (!ParseKeyValues(labels_, "--label", &labels, err)) return 2;
+  if (!ParseKeyValues(labels_, "--label", &labels, err)) return kExitUsage;
   req.mutable_labels()->insert(labels.begin(), labels.end());
   std::map<std::string, v1::IndexSpec*> by_method;
   for (const auto& m : indexes_) {
@@ -203,7 +203,7 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
     auto eq = p.find('=');
     if (dot == std::string::npos || eq == std::string::npos || eq < dot) {
       err << "ctxcache: --index-param '" << p << "' must look like METHOD.KEY=VALUE\n";
-      return 2;
+      return kExitUsage;
     }
     std::string method = p.substr(0, dot);
     if (!by_method.count(method)) {
@@ -213,8 +213,9 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
     }
     (*by_method[method]->mutable_params())[p.substr(dot + 1, eq - dot - 1)] = p.substr(eq + 1);
   }
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   ProgressPrinter printer(err);
   auto t0 = std::chrono::steady_clock::now();
   auto done = client->Build(req, [&](const v1::BuildProgress& p) {
@@ -245,11 +246,12 @@ void ListCommand::Configure(CLI::App* sub) {
 int ListCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
   v1::ListContextsRequest req;
   std::map<std::string, std::string> labels;
-  if (!ParseKeyValues(labels_, "--label", &labels, err)) return 2;
+  if (!ParseKeyValues(labels_, "--label", &labels, err)) return kExitUsage;
   req.mutable_label_filter()->insert(labels.begin(), labels.end());
   req.set_tenant(tenant_);
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   std::vector<v1::ContextInfo> all;
   while (all.size() < limit_) {
     req.set_page_size(std::min<uint32_t>(1000, limit_ - static_cast<uint32_t>(all.size())));
@@ -287,8 +289,9 @@ void ShowCommand::Configure(CLI::App* sub) {
 }
 
 int ShowCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto info = client->GetContext(id_);
   if (!info.ok()) return Fail(info.status(), global, err);
   if (global.json) {
@@ -304,8 +307,9 @@ void EvictCommand::Configure(CLI::App* sub) {
 }
 
 int EvictCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto r = client->Evict(id_);
   if (!r.ok()) return Fail(r.status(), global, err);
   if (global.json) {
@@ -326,8 +330,9 @@ int EvictCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
 void PinCommand::Configure(CLI::App* sub) { sub->add_option("ID", id_, "Context id")->required(); }
 
 int PinCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto r = client->Pin(id_, pin_);
   if (!r.ok()) return Fail(r.status(), global, err);
   if (global.json) {
@@ -343,8 +348,9 @@ void ShareCommand::Configure(CLI::App* sub) {
 }
 
 int ShareCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto r = client->Share(id_, share_);
   if (!r.ok()) return Fail(r.status(), global, err);
   if (global.json) {
@@ -356,8 +362,9 @@ int ShareCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
 }
 
 int StatsCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto s = client->GetStats();
   if (!s.ok()) return Fail(s.status(), global, err);
   std::string models;
@@ -395,8 +402,9 @@ void WatchCommand::Configure(CLI::App* sub) {
 }
 
 int WatchCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   v1::WatchRequest req;
   req.set_context_id(id_);
   uint32_t seen = 0;

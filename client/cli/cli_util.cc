@@ -1,11 +1,22 @@
 #include "client/cli/cli_util.h"
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <ctime>
+#include <fstream>
+
+#include "client/sdk/channel.h"
 
 namespace ctxcache::cli {
+
+namespace {
+
+bool IsUnreachable(StatusCode code) {
+  return code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded;
+}
+
+}  // namespace
 
 Status ApplyCredentials(const GlobalOptions& global, client::ClientOptions* o) {
   o->tls_ca = global.tls_ca;
@@ -26,21 +37,44 @@ Status ApplyCredentials(const GlobalOptions& global, client::ClientOptions* o) {
   return Status::OK();
 }
 
-std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err) {
+std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err,
+                                                 int* exit_code) {
   client::ClientOptions o;
   o.server = global.server;
   o.timeout_s = global.timeout_s;
   o.max_attempts = 2;
-  auto creds = ApplyCredentials(global, &o);
-  if (!creds.ok()) {
+  *exit_code = kExitUsage;
+  if (Status creds = ApplyCredentials(global, &o); !creds.ok()) {
     err << "ctxcache: " << creds.message() << "\n";
     return nullptr;
+  }
+  if (global.dial_timeout_s <= 0) {
+    err << "ctxcache: --dial-timeout must be > 0 seconds\n";
+    return nullptr;
+  }
+  if (global.server.rfind("etcd://", 0) != 0) {
+    auto channel = client::internal::MakeChannel(o);
+    if (!channel.ok()) {
+      err << "ctxcache: " << channel.status().message() << "\n";
+      return nullptr;
+    }
+    const auto dial = std::chrono::milliseconds(static_cast<int64_t>(global.dial_timeout_s * 1000));
+    const auto deadline = std::chrono::system_clock::now() + dial;
+    if (!(*channel)->WaitForConnected(deadline)) {
+      err << "ctxcache: cannot reach ctxcached at " << global.server << " within "
+          << global.dial_timeout_s
+          << " s (--dial-timeout); is it running? pass --server HOST:PORT\n";
+      *exit_code = kExitUnreachable;
+      return nullptr;
+    }
   }
   auto c = client::Client::Connect(o);
   if (!c.ok()) {
     err << "ctxcache: " << c.status().message() << "\n";
+    *exit_code = IsUnreachable(c.status().code()) ? kExitUnreachable : kExitUsage;
     return nullptr;
   }
+  *exit_code = kExitOk;
   return std::move(c).value();
 }
 
@@ -48,7 +82,12 @@ int Fail(const Status& s, const GlobalOptions& global, std::ostream& err) {
   if (s.code() == StatusCode::kUnavailable) {
     err << "ctxcache: cannot reach ctxcached at " << global.server
         << "; is it running? pass --server HOST:PORT\n";
-    return 2;
+    return kExitUnreachable;
+  }
+  if (s.code() == StatusCode::kDeadlineExceeded) {
+    err << "ctxcache: no answer from ctxcached at " << global.server << " within "
+        << global.timeout_s << " s (--timeout): " << s.message() << "\n";
+    return kExitUnreachable;
   }
   std::string msg(s.message());
   if (s.code() == StatusCode::kNotFound) {
@@ -56,7 +95,7 @@ int Fail(const Status& s, const GlobalOptions& global, std::ostream& err) {
   } else {
     err << "ctxcache: " << StatusCodeName(s.code()) << ": " << msg << "\n";
   }
-  return 1;
+  return kExitFailed;
 }
 
 std::string HumanBytes(uint64_t b) {

@@ -17,11 +17,15 @@ namespace ctxcache::cli {
 // $CTXCACHE_API_KEY or --api-key) into `o`.
 Status ApplyCredentials(const GlobalOptions& global, client::ClientOptions* o);
 
-// Connects with the global options; prints the error and returns null on failure.
-std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err);
+// Connects with the global options and waits up to --dial-timeout for the
+// connection. On failure prints the error, sets *exit_code (kExitUsage for
+// bad options, kExitUnreachable when the server cannot be reached) and
+// returns null.
+std::unique_ptr<client::Client> ConnectOrExplain(const GlobalOptions& global, std::ostream& err,
+                                                 int* exit_code);
 
-// Prints "ctxcache: <message>" for a failed call and returns the exit code
-// (2 for an unreachable server, 1 otherwise).
+// Prints "ctxcache: <message>" for a failed call and returns the exit code:
+// kExitUnreachable for UNAVAILABLE and DEADLINE_EXCEEDED, else kExitFailed.
 int Fail(const Status& s, const GlobalOptions& global, std::ostream& err);
 
 // 1234567 -> "1.2 MB".

@@ -43,7 +43,10 @@ int ClusterCommand::Run(const GlobalOptions& global, std::ostream& out, std::ost
     auto nodes = NodesFromEtcd(global.server);
     if (!nodes.ok()) {
       err << "ctxcache: " << nodes.status().message() << "\n";
-      return 2;
+      const StatusCode code = nodes.status().code();
+      return code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded
+                 ? kExitUnreachable
+                 : kExitUsage;
     }
     servers = *nodes;
   }
@@ -55,12 +58,12 @@ int ClusterCommand::Run(const GlobalOptions& global, std::ostream& out, std::ost
     o.server = server;
     if (Status s = ApplyCredentials(global, &o); !s.ok()) {
       err << "ctxcache: " << s.message() << "\n";
-      return 2;
+      return kExitUsage;
     }
     auto channel = client::internal::MakeChannel(o);
     if (!channel.ok()) {
       err << "ctxcache: " << channel.status().message() << "\n";
-      return 2;
+      return kExitUsage;
     }
     grpc::ClientContext ctx;
     client::internal::AddCallCredentials(o, &ctx);
@@ -83,7 +86,10 @@ int ClusterCommand::Run(const GlobalOptions& global, std::ostream& out, std::ost
                 ? "; is ctxcached running? pass --server HOST:PORT or etcd://HOST:PORT/<cluster>"
                 : "")
         << "\n";
-    return 2;
+    return last.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                   last.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+               ? kExitUnreachable
+               : kExitFailed;
   }
   bool healthy = true;
   for (const auto& n : st.nodes()) {

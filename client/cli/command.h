@@ -13,12 +13,26 @@
 
 namespace ctxcache::cli {
 
+// Exit codes of every subcommand (docs/cli.md).
+enum ExitCode : int {
+  kExitOk = 0,
+  // The server refused the call (any gRPC error but the two below), health
+  // is not SERVING, or an offline check found a problem (fsck).
+  kExitFailed = 1,
+  // Bad flags, values or input files: nothing was sent.
+  kExitUsage = 2,
+  // The server (or etcd) could not be reached, or the deadline passed.
+  kExitUnreachable = 3,
+};
+
 // Options shared by every subcommand.
 struct GlobalOptions {
   std::string server = "127.0.0.1:7700";
   bool json = false;
   // Deadline for each RPC, seconds.
   double timeout_s = 10.0;
+  // Time to wait for the connection before the first call, seconds.
+  double dial_timeout_s = 5.0;
   // TLS and credentials (client::ClientOptions; docs/security.md).
   std::string tls_ca, tls_cert, tls_key, tls_server_name;
   // The API key: --api-key-file, else $CTXCACHE_API_KEY, else --api-key.
@@ -36,5 +50,8 @@ class Command {
 
 // Entry point of the CLI (the 3-line main calls this).
 int RunCli(int argc, char** argv);
+
+// "ctxcache <version> (revision <git revision>)", as --version prints it.
+std::string VersionString();
 
 }  // namespace ctxcache::cli

@@ -33,7 +33,7 @@ int FsckCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
   std::error_code ec;
   if (!std::filesystem::is_directory(data_dir_, ec)) {
     err << "ctxcache: fsck: no data dir at '" << data_dir_ << "'; pass --data-dir DIR\n";
-    return 2;
+    return kExitUsage;
   }
   storage::StoreOptions so;
   so.background_interval_ms = 0;  // no eviction while checking
@@ -48,14 +48,14 @@ int FsckCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
       err << "ctxcache: fsck: cannot open data dir '" << data_dir_
           << "': " << store.status().ToString() << "\n";
     }
-    return 2;
+    return kExitFailed;
   }
   storage::FsckOptions fo;
   fo.quarantine = quarantine_;
   auto report = storage::Fsck(store->get(), fo);
   if (!report.ok()) {
     err << "ctxcache: fsck: " << report.status().ToString() << "\n";
-    return 2;
+    return kExitFailed;
   }
   if (global.json) {
     nlohmann::json j;

@@ -56,8 +56,9 @@ void GenerateCommand::Configure(CLI::App* sub) {
 int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
   client::GenerateOptions go;
   if (int rc = SessionOptionsFromFlags(&go, err); rc != 0) return rc;
-  auto client = ConnectOrExplain(global, err);
-  if (!client) return 2;
+  int code = kExitOk;
+  auto client = ConnectOrExplain(global, err, &code);
+  if (!client) return code;
   auto info = client->GetContext(context_);
   if (!info.ok()) return Fail(info.status(), global, err);
   Worker worker;
@@ -96,11 +97,11 @@ int GenerateCommand::Run(const GlobalOptions& global, std::ostream& out, std::os
 int GenerateCommand::SessionOptionsFromFlags(client::GenerateOptions* go, std::ostream& err) const {
   if (max_tokens_ < 1) {
     err << "ctxcache: --max-tokens must be >= 1\n";
-    return 2;
+    return kExitUsage;
   }
   if (!(rho_ > 0 && rho_ <= 1)) {
     err << "ctxcache: --rho must be in (0, 1]\n";
-    return 2;
+    return kExitUsage;
   }
   go->session.context_id = context_;
   go->session.method = method_;
@@ -110,7 +111,7 @@ int GenerateCommand::SessionOptionsFromFlags(client::GenerateOptions* go, std::o
     const size_t eq = kv.find('=');
     if (eq == std::string::npos || eq == 0) {
       err << "ctxcache: --param expects KEY=VALUE, got '" << kv << "'\n";
-      return 2;
+      return kExitUsage;
     }
     go->session.params[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
@@ -127,7 +128,7 @@ int GenerateCommand::LoadWorker(const v1::ContextInfo& info, const GlobalOptions
   if (!model.ok()) {
     err << "ctxcache: cannot load the worker's model from " << dir.string() << ": "
         << model.status().message() << "; pass --model-dir\n";
-    return 1;
+    return kExitUsage;
   }
   w->model = std::move(model).value();
   const std::string& fp = info.model().fingerprint();
@@ -136,13 +137,13 @@ int GenerateCommand::LoadWorker(const v1::ContextInfo& info, const GlobalOptions
           w->model->spec().fingerprint) {
     err << "ctxcache: the local model " << dir.string() << " differs from the one context "
         << context_ << " was built with (fingerprint mismatch)\n";
-    return 1;
+    return kExitUsage;
   }
   if (std::filesystem::exists(dir / "tokenizer.model")) {
     auto t = model::Tokenizer::Load((dir / "tokenizer.model").string());
     if (!t.ok()) {
       err << "ctxcache: " << t.status().message() << "\n";
-      return 1;
+      return kExitUsage;
     }
     w->tokenizer = std::move(t).value();
   }
@@ -151,7 +152,7 @@ int GenerateCommand::LoadWorker(const v1::ContextInfo& info, const GlobalOptions
   }
   if (w->prompt.empty()) {
     err << "ctxcache: the prompt tokenizes to 0 tokens\n";
-    return 2;
+    return kExitUsage;
   }
   return 0;
 }

@@ -20,12 +20,12 @@ int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostr
   o.server = global.server;
   if (Status s = ApplyCredentials(global, &o); !s.ok()) {
     err << "ctxcache: " << s.message() << "\n";
-    return 2;
+    return kExitUsage;
   }
   auto channel = client::internal::MakeChannel(o);
   if (!channel.ok()) {
     err << "ctxcache: " << channel.status().message() << "\n";
-    return 2;
+    return kExitUsage;
   }
   auto stub = grpc::health::v1::Health::NewStub(*channel);
   grpc::ClientContext ctx;
@@ -40,10 +40,10 @@ int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostr
         s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       err << "ctxcache: cannot reach ctxcached at " << global.server << " (" << s.error_message()
           << "); is it running? pass --server HOST:PORT\n";
-    } else {
-      err << "ctxcache: health check failed: " << s.error_message() << "\n";
+      return kExitUnreachable;
     }
-    return 2;
+    err << "ctxcache: health check failed: " << s.error_message() << "\n";
+    return kExitFailed;
   }
   bool serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
   std::string status = serving ? "SERVING"
@@ -57,7 +57,7 @@ int HealthCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostr
   } else {
     out << status << "\n";
   }
-  return serving ? 0 : 1;
+  return serving ? kExitOk : kExitFailed;
 }
 
 }  // namespace ctxcache::cli

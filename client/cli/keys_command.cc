@@ -37,7 +37,7 @@ void KeysCommand::Configure(CLI::App* sub) {
 int KeysCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {
   auto fail = [&](const Status& s) {
     err << "ctxcache keys: " << s.message() << "\n";
-    return 1;
+    return kExitFailed;
   };
   // A missing file starts empty (create / map-cert make it).
   auth::KeysFile file;

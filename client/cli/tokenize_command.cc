@@ -23,7 +23,7 @@ int TokenizeCommand::Run(const GlobalOptions&, std::ostream& out, std::ostream& 
   auto tok = model::Tokenizer::Load(path.string());
   if (!tok.ok()) {
     err << "ctxcache tokenize: " << tok.status().message() << "\n";
-    return 1;
+    return kExitUsage;
   }
   std::vector<int32_t> ids;
   if (bos_ && (*tok)->bos_id() >= 0) ids.push_back((*tok)->bos_id());
@@ -32,7 +32,7 @@ int TokenizeCommand::Run(const GlobalOptions&, std::ostream& out, std::ostream& 
     std::ifstream in(f);
     if (!in) {
       err << "ctxcache tokenize: cannot read --file " << f << "\n";
-      return 2;
+      return kExitUsage;
     }
     std::stringstream ss;
     ss << in.rdbuf();
@@ -43,7 +43,7 @@ int TokenizeCommand::Run(const GlobalOptions&, std::ostream& out, std::ostream& 
     std::vector<int32_t> part;
     if (Status s = (*tok)->Encode(t, &part); !s.ok()) {
       err << "ctxcache tokenize: " << s.message() << "\n";
-      return 1;
+      return kExitFailed;
     }
     ids.insert(ids.end(), part.begin(), part.end());
   }

@@ -18,6 +18,7 @@ Thread-safety: a Client may be shared by threads (one channel, many calls); a
 """
 from __future__ import annotations
 
+import numbers
 import sys
 import os
 import time
@@ -76,8 +77,16 @@ def _index_specs(indexes: Optional[Union[IndexArg, Iterable[IndexArg]]]) -> List
 
 
 def _token_ids(tokens: TokensArg) -> List[int]:
+    """Token ids as Python ints. Non-integers (floats, bools, strings, float
+    arrays) are a TypeError naming the field: int() would truncate 1.9 to 1
+    and build another context."""
     if isinstance(tokens, (list, tuple)):
-        ids = [int(t) for t in tokens]
+        ids = []
+        for i, t in enumerate(tokens):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"tokens: expected integer token ids, got "
+                                f"{type(t).__name__} {t!r} at index {i}")
+            ids.append(int(t))
     else:
         if _t._is_torch(tokens):
             tokens = tokens.detach().cpu().numpy()
@@ -85,7 +94,7 @@ def _token_ids(tokens: TokensArg) -> List[int]:
         if arr.ndim != 1:
             raise ValueError(f"tokens: expected a 1-D sequence, got shape {list(arr.shape)}")
         if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"tokens: expected integers, got {arr.dtype}")
+            raise TypeError(f"tokens: expected integer token ids, got a {arr.dtype} array")
         ids = arr.astype(np.int64).tolist()
     for t in ids:
         if not 0 <= t < (1 << 32):

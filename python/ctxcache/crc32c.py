@@ -4,12 +4,10 @@ The same variant as the server's common/crc32c.h (iSCSI/ext4/RocksDB):
 reflected polynomial 0x82F63B78, initial value and final xor 0xFFFFFFFF;
 ``crc32c(b"123456789") == 0xE3069283``.
 
-Pure Python and numpy, no extension needed: small inputs run a byte-table
-loop; large ones split the data into stripes that numpy advances in
-lock step (one table look-up per byte of every stripe at once), then merge
-the stripe CRCs pairwise with the "append n zero bytes" operator of the
-CRC (a GF(2)-linear map, applied through four byte tables), which is the
-zlib crc32_combine method vectorised. Throughput is roughly 100-300 MB/s.
+On the host the ``crc32c`` extension computes it (Debian's python3-crc32c,
+PyPI's crc32c: the SSE4.2 instruction where the CPU has it, several GB/s).
+Without it, a byte-table loop in pure Python gives the same values at a few
+MB/s, with a RuntimeWarning saying what to install.
 
 Rows that are already torch tensors (pages on a GPU) go through
 crc32c_rows_torch: the CRC as two GF(2) matrix products, exact in floating
@@ -21,6 +19,11 @@ import functools
 from typing import TYPE_CHECKING, Dict, List, Tuple, Union
 
 import numpy as np
+
+try:
+    import crc32c as _native  # the extension module, not this one (absolute import)
+except ImportError:  # pragma: no cover - depends on the host
+    _native = None
 
 if TYPE_CHECKING:
     import torch
@@ -113,46 +116,31 @@ def _zeros_after(n: int, x):
             ^ tabs[3][x >> 24])
 
 
-_STRIPE = 256          # bytes per stripe (a power of two)
-_MIN_VECTOR = 16384    # below this the plain loop is faster
+def _flat(data: Buffer) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
 
 
-def _stripes(flat: np.ndarray, init: int) -> int:
-    """Raw register after feeding flat (len a multiple of _STRIPE) to init."""
-    n_stripes = flat.size // _STRIPE
-    # Pad to a power of two with leading zero stripes: their register stays 0
-    # and Z(0) = 0, so they change nothing.
-    total = 1 << (n_stripes - 1).bit_length()
-    cols = np.zeros((_STRIPE, total), dtype=np.uint8)
-    cols[:, total - n_stripes:] = flat.reshape(n_stripes, _STRIPE).T
-    r = np.zeros(total, dtype=np.uint32)
-    r[total - n_stripes] = init
-    t = _TABLE_NP
-    for j in range(_STRIPE):
-        r = t[(r ^ cols[j]) & 0xFF] ^ (r >> 8)
-    length = _STRIPE
-    while r.size > 1:
-        r = _zeros_after(length, r[0::2]) ^ r[1::2]
-        length *= 2
-    return int(r[0])
+def _host_crc(flat: np.ndarray, crc: int = 0) -> int:
+    if _native is not None:
+        return int(_native.crc32c(flat, crc))
+    _warn_no_extension()
+    return crc32c_py(flat.tobytes(), crc)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_extension() -> None:
+    import warnings
+    warnings.warn("ctxcache: the crc32c extension is missing, so page and index checksums "
+                  "run in pure Python (a few MB/s): apt-get install python3-crc32c (Debian) "
+                  "or pip install crc32c", RuntimeWarning, stacklevel=3)
 
 
 def crc32c(data: Buffer, crc: int = 0) -> int:
     """CRC-32C of ``data`` (bytes-like or a numpy array's raw bytes), continuing
     from ``crc`` (0 to start): ``crc32c(b, crc32c(a)) == crc32c(a + b)``."""
-    if isinstance(data, np.ndarray):
-        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    else:
-        flat = np.frombuffer(data, dtype=np.uint8)
-    n = flat.size
-    if n < _MIN_VECTOR:
-        return crc32c_py(flat.tobytes(), crc)
-    main = n - n % _STRIPE
-    r = _stripes(flat[:main], ~crc & 0xFFFFFFFF)
-    out = ~r & 0xFFFFFFFF
-    if main < n:
-        out = crc32c_py(flat[main:].tobytes(), out)
-    return out
+    return _host_crc(_flat(data), crc)
 
 
 # --- many equal-length rows as one matrix product ----------------------------
@@ -269,12 +257,10 @@ def crc32c_rows_torch(rows: "torch.Tensor") -> "torch.Tensor":
 
 # crc32c_many's contract for gpu=True: a group of equal-length buffers holding
 # at least _TORCH_MIN_BYTES goes to crc32c_rows_torch on the CUDA device when
-# torch imports and sees one; smaller groups stay on numpy and never import
-# torch or touch the device. The GPU path's cost is one host-to-device copy
-# and a fixed ~15 kernels whatever the group, the numpy path's ~256 steps per
-# group, so from 64 KiB (16 pages of 4 KiB) up the GPU is the faster one by a
-# wide margin. Without CUDA everything stays on numpy: the matrix products
-# take ~512 flops per byte, which a CPU runs slower than the numpy steps.
+# torch imports and sees one; smaller groups stay on the host and never
+# import torch or touch the device. Without CUDA everything stays on the host:
+# the matrix products take ~512 flops per byte, far slower on a CPU than the
+# extension.
 _TORCH_MIN_BYTES = 64 << 10
 
 
@@ -320,16 +306,13 @@ def _crc32c_blocked(torch, flats: "List[np.ndarray]", device) -> List[int]:
 
 def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
     """CRC-32C of each buffer (from 0), as uint32 values: many small buffers
-    (decode pages, a few KB each) in one pass. Buffers of equal length go
-    through the stripe lock step together, so the cost is ~256 numpy steps
-    per distinct length instead of a Python loop over every byte. With
-    ``gpu`` and torch seeing a CUDA device, groups of at least 64 KiB go to
+    (decode pages, a few KB each) in one pass, on the host by the extension.
+    With ``gpu`` and torch seeing a CUDA device, groups of at least 64 KiB go to
     crc32c_rows_torch on the GPU instead (see _TORCH_MIN_BYTES), and so do
     the whole 64 KiB blocks of buffers of 64 KiB or more (index artifacts:
     one row length for all of them, chained on the host)."""
     out = np.zeros(len(buffers), dtype=np.uint32)
-    flats = [np.ascontiguousarray(b).reshape(-1).view(np.uint8) if isinstance(b, np.ndarray)
-             else np.frombuffer(b, dtype=np.uint8) for b in buffers]
+    flats = [_flat(b) for b in buffers]
     big = [i for i, f in enumerate(flats) if f.size >= _BLOCK]
     blocked = _torch_cuda() if gpu and big else None
     if blocked is not None:
@@ -344,33 +327,6 @@ def crc32c_many(buffers: "List[Buffer]", gpu: bool = True) -> np.ndarray:
             rows = torch.from_numpy(np.stack([flats[i] for i in idx])).to("cuda")
             out[idx] = crc32c_rows_torch(rows).cpu().numpy()
             continue
-        main = n - n % _STRIPE
-        if main == 0 or len(idx) == 1 and n >= _MIN_VECTOR:
-            for i in idx:
-                out[i] = crc32c(flats[i])
-            continue
-        n_stripes = main // _STRIPE
-        total = 1 << (n_stripes - 1).bit_length()
-        m = len(idx)
-        mat = np.stack([flats[i][:main] for i in idx])  # [m, main]
-        cols = np.zeros((_STRIPE, m, total), dtype=np.uint8)
-        cols[:, :, total - n_stripes:] = mat.reshape(m, n_stripes, _STRIPE).transpose(2, 0, 1)
-        cols = cols.reshape(_STRIPE, m * total)
-        r = np.zeros((m, total), dtype=np.uint32)
-        r[:, total - n_stripes] = 0xFFFFFFFF
-        r = r.reshape(-1)
-        t = _TABLE_NP
-        for j in range(_STRIPE):
-            r = t[(r ^ cols[j]) & 0xFF] ^ (r >> 8)
-        r = r.reshape(m, total)
-        length = _STRIPE
-        while r.shape[1] > 1:
-            r = _zeros_after(length, r[:, 0::2]) ^ r[:, 1::2]
-            length *= 2
-        vals = ~r[:, 0] & np.uint32(0xFFFFFFFF)
-        for k, i in enumerate(idx):
-            v = int(vals[k])
-            if main < n:
-                v = crc32c_py(flats[i][main:].tobytes(), v)
-            out[i] = v
+        for i in idx:
+            out[i] = _host_crc(flats[i])
     return out

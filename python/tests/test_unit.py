@@ -25,8 +25,29 @@ def test_crc32c_known_vectors(data: bytes, want: int) -> None:
     assert crc32c_py(data) == want
 
 
+def test_host_crc32c_is_the_native_extension() -> None:
+    # The numpy implementation (100-300 MB/s) is gone: the host path is the
+    # crc32c extension (Debian's python3-crc32c).
+    import importlib
+    mod = importlib.import_module("ctxcache.crc32c")
+    assert mod._native is importlib.import_module("crc32c")
+    assert not hasattr(mod, "_stripes")
+
+
+def test_without_the_extension_crc32c_warns_and_stays_correct(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    mod = importlib.import_module("ctxcache.crc32c")
+    monkeypatch.setattr(mod, "_native", None)
+    mod._warn_no_extension.cache_clear()
+    with pytest.warns(RuntimeWarning, match="python3-crc32c"):
+        assert mod.crc32c(b"123456789") == 0xE3069283
+    bufs = [bytes([i]) * 100 for i in range(5)]
+    assert [int(x) for x in mod.crc32c_many(bufs, gpu=False)] == [crc32c_py(b) for b in bufs]
+
+
 @pytest.mark.parametrize("n", [1, 255, 16383, 16384, 16385, 70000, 1 << 20, (1 << 20) + 77])
-def test_crc32c_vectorised_equals_bytewise_and_extends(n: int) -> None:
+def test_crc32c_native_equals_bytewise_and_extends(n: int) -> None:
     data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
     want = crc32c_py(data)
     assert crc32c(data) == want
@@ -124,6 +145,31 @@ def test_client_rejects_bad_arguments() -> None:
             c.build()
         with pytest.raises(ValueError, match="uint32"):
             c.build(tokens=[1, -2])
+
+
+# Regression: build(tokens=[1.9, 2.7]) truncated to [1, 2] and built another
+# context. Non-integers are a TypeError naming the field, before any call.
+@pytest.mark.parametrize("tokens", [
+    [1.9, 2.7], [1, 2.0], (3, "4"), [True, 2], np.array([1.9, 2.7]),
+    np.array([1.0, 2.0], dtype=np.float32),
+])
+def test_build_rejects_non_integer_tokens_naming_the_field(tokens) -> None:
+    with ctxcache.Client("127.0.0.1:1") as c:
+        with pytest.raises(TypeError, match="tokens: expected integer token ids"):
+            c.build(tokens=tokens)
+        with pytest.raises(TypeError, match="tokens: expected integer token ids"):
+            c.extend("00" * 16, tokens=tokens)
+
+
+@pytest.mark.parametrize("tokens", [
+    [1, 2, 3], (1, 2, 3), [np.int32(1), np.uint16(2), np.int64(3)],
+    np.array([1, 2, 3], dtype=np.int32), np.array([1, 2, 3], dtype=np.uint32),
+    np.array([1, 2, 3], dtype=np.int64),
+])
+def test_token_ids_accept_python_and_numpy_integers(tokens) -> None:
+    from ctxcache.client import _token_ids
+    ids = _token_ids(tokens)
+    assert ids == [1, 2, 3] and all(type(t) is int for t in ids)
 
 
 def test_crc32c_many_matches_one_at_a_time() -> None:

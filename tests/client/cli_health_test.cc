@@ -31,7 +31,7 @@ TEST(CliHealthTest, DownServerPrintsOneClearLine) {
   // Port 1 on loopback: nothing listens there.
   int code = ServerProcess::RunCapture(
       {Cli(), "health", "--server", "127.0.0.1:1", "--timeout", "2"}, &out);
-  EXPECT_EQ(code, 2);
+  EXPECT_EQ(code, 3);  // unreachable (docs/cli.md)
   EXPECT_NE(out.find("cannot reach ctxcached at 127.0.0.1:1"), std::string::npos) << out;
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
 }

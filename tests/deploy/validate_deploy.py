@@ -70,6 +70,30 @@ check("PodDisruptionBudget" in kinds, "k8s: PodDisruptionBudget")
 check("etcd" in kinds.get("ConfigMap", {}).get("data", {}), "k8s: etcd endpoints ConfigMap")
 secret_vol = [v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v]
 check(bool(secret_vol), "k8s: keys and certificates from a Secret")
+# Pod Security "restricted" admits the pods.
+pod_sc = sts["spec"]["template"]["spec"].get("securityContext", {})
+ctr_sc = ctr.get("securityContext", {})
+check(pod_sc.get("runAsNonRoot") is True or ctr_sc.get("runAsNonRoot") is True,
+      "k8s restricted: runAsNonRoot")
+check(ctr_sc.get("allowPrivilegeEscalation") is False,
+      "k8s restricted: allowPrivilegeEscalation false")
+check(ctr_sc.get("capabilities", {}).get("drop") == ["ALL"], "k8s restricted: drop ALL")
+check((ctr_sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
+      in ("RuntimeDefault", "Localhost"), "k8s restricted: seccompProfile RuntimeDefault")
+check(ctr_sc.get("readOnlyRootFilesystem") is True, "k8s: read-only root filesystem")
+# The downward API reads the pod's own labels: a zone taken from them is
+# empty (the zone label is the node's), so zone spreading would be off.
+zone_env = [e for e in ctr.get("env", []) if e["name"] == "ZONE"]
+check(bool(zone_env) and "metadata.labels" not in json.dumps(zone_env),
+      "k8s: ZONE does not come from the pod's labels")
+zone_key = [e["valueFrom"]["configMapKeyRef"]["key"] for e in zone_env
+            if "configMapKeyRef" in e.get("valueFrom", {})]
+check(all(k in kinds.get("ConfigMap", {}).get("data", {}) for k in zone_key),
+      "k8s: the ConfigMap holds the ZONE key (an unset variable stays literal in args)")
+for f in ("statefulset.yaml", "config.yaml", "service.yaml", "pdb.yaml"):
+    text = open(os.path.join(DEPLOY, "k8s", f)).read()
+    for ref in re.findall(r"(?:scripts|tests|deploy)/[\w./-]+\.(?:sh|py|yaml|md)", text):
+        check(os.path.exists(os.path.join(SRC, ref)), f"k8s/{f}: {ref} exists")
 
 # 2. flags ------------------------------------------------------------------
 server_flags = help_flags(os.path.join(BIN, "ctxcached"))

@@ -25,8 +25,22 @@ echo "== venv $venv ($("$PYTHON" --version 2>&1), system site packages)"
 echo "== pip install --no-index --no-build-isolation $src/python"
 # setuptools keeps stale modules in build/lib and stale file lists in *.egg-info
 rm -rf "$src/python/build" "$src/python/ctxcache.egg-info"
+# What the install writes into the checkout (build/, *.egg-info, the generated
+# stubs) must be ignored: git sees no new file (python/.gitignore).
+untracked() { git -C "$src" ls-files --others --exclude-standard -- python | sort; }
+in_git=0
+if git -C "$src" rev-parse --is-inside-work-tree >/dev/null 2>&1; then in_git=1; fi
+[ "$in_git" = 1 ] && untracked > "$build/python-untracked.before"
 "$venv/bin/python" -m pip install --quiet --no-index --no-build-isolation --no-cache-dir \
   "$src/python"
+if [ "$in_git" = 1 ]; then
+  new="$(untracked | comm -13 "$build/python-untracked.before" -)"
+  if [ -n "$new" ]; then
+    echo "pip install ./python left files git does not ignore:"
+    echo "$new"
+    exit 1
+  fi
+fi
 "$venv/bin/python" -c 'import ctxcache, google.protobuf, grpc, sys
 print("ctxcache from", ctxcache.__file__)
 print("grpcio", grpc.__version__, "protobuf", google.protobuf.__version__, "python", sys.version.split()[0])'

@@ -305,9 +305,14 @@ class Caller {
   }
   grpc::Status StopWatch() {
     watch_ctx_->TryCancel();
+    return WaitWatch();
+  }
+  // Waits for the server to end the watch (or its 60 s deadline).
+  grpc::Status WaitWatch() {
     watch_thread_.join();
     return watch_reader_->Finish();
   }
+  v1::DecodeService::Stub* decode() { return decode_.get(); }
   ~Caller() { CloseSessions(); }
 
  private:
@@ -508,6 +513,59 @@ TEST_F(SecurityTest, MissingWrongAndRevokedKeysAreUnauthenticated) {
   EXPECT_EQ(file.find(other.substr(16)), std::string::npos);
   // The server log never shows a key.
   EXPECT_EQ(server_.log().find(other.substr(16)), std::string::npos);
+}
+
+// Regression: after a revocation, new calls with the key were refused, yet a
+// Decode session opened before still served, and a Watch still delivered
+// events (a new context's name among them). Both streams now end with
+// UNAUTHENTICATED.
+TEST_F(SecurityTest, RevokedKeyEndsOpenDecodeAndWatchStreams) {
+  const std::string builder = CreateKey(keys_file_, "acme", "builder");
+  const std::string reader = CreateKey(keys_file_, "acme", "reader");
+  StartTlsWithKeys();
+  Caller b(server_.address(), Tls(builder));
+  v1::BuildProgress done;
+  ASSERT_TRUE(b.Build(Tokens(48, 5), &done, "acme").ok()) << server_.log();
+  const std::string id = done.context().context_id();
+
+  Caller r(server_.address(), Tls(reader));
+  grpc::ClientContext dctx;
+  r.Prepare(&dctx, 120);
+  auto session = r.decode()->Decode(&dctx);
+  v1::DecodeRequest open;
+  open.set_request_id(1);
+  open.mutable_open()->set_context_id(id);
+  open.mutable_open()->set_method("streaming");
+  v1::DecodeResponse resp;
+  ASSERT_TRUE(session->Write(open) && session->Read(&resp));
+  ASSERT_TRUE(resp.has_opened()) << resp.DebugString();
+  std::vector<v1::ContextEvent> events;
+  std::mutex mu;
+  ASSERT_TRUE(r.StartWatch(&events, &mu).ok());
+
+  std::string out;
+  ASSERT_EQ(Cli({"keys", "revoke", "--keys-file", keys_file_, "--id", KeyId(reader)}, &out), 0)
+      << out;
+  // The keys file is re-read at most once a second: poll with messages (an
+  // Open on an open session is an in-stream error that keeps it open).
+  bool ended = false;
+  for (int i = 0; i < 60 && !ended; ++i) {
+    open.set_request_id(2 + i);
+    ended = !session->Write(open) || !session->Read(&resp);
+    if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(ended);
+  grpc::Status s = session->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("revoked"), std::string::npos) << s.error_message();
+  // The watch ends too, and a context built afterwards never reaches it.
+  ASSERT_TRUE(b.Build(Tokens(40, 6), &done, "acme").ok());
+  grpc::Status w = r.WaitWatch();
+  EXPECT_EQ(w.error_code(), grpc::StatusCode::UNAUTHENTICATED) << w.error_message();
+  std::lock_guard<std::mutex> l(mu);
+  for (const auto& ev : events) {
+    EXPECT_NE(ev.context().context_id(), done.context().context_id()) << ev.DebugString();
+  }
 }
 
 TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {

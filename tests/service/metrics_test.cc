@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "service/process_metrics.h"
 
 #include "tests/service/http_get.h"
 
@@ -254,6 +257,29 @@ TEST(MetricsHttpServerTest, BadAddressesAreErrors) {
   Status n = by_name.Start("localhost:0");
   ASSERT_TRUE(n.ok()) << n.ToString();
   EXPECT_GT(by_name.port(), 0);
+}
+
+// The process_* metrics read /proc/self: this process runs, holds memory and
+// open files (stdin/out/err at least), and started before now.
+TEST(ProcessMetricsTest, ReadsThisProcessAndRegistersStandardNames) {
+  const ProcessStats st = ReadProcessStats();
+  EXPECT_GT(st.resident_bytes, 0u);
+  EXPECT_GE(st.virtual_bytes, st.resident_bytes);
+  EXPECT_GE(st.open_fds, 3u);
+  EXPECT_GE(st.max_fds, st.open_fds);
+  EXPECT_GE(st.cpu_seconds, 0.0);
+  const double now = std::chrono::duration<double>(
+                         std::chrono::system_clock::now().time_since_epoch()).count();
+  EXPECT_LE(st.start_time_seconds, now + 1);
+  EXPECT_GT(st.start_time_seconds, now - 86400 * 365);
+  MetricsRegistry m;
+  RegisterProcessMetrics(&m);
+  const std::string text = m.Render();
+  EXPECT_TRUE(HasLine(text, "# TYPE process_cpu_seconds_total counter")) << text;
+  for (const char* g : {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+                        "process_open_fds", "process_max_fds", "process_start_time_seconds"}) {
+    EXPECT_TRUE(HasLine(text, std::string("# TYPE ") + g + " gauge")) << text;
+  }
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "service/build_pipeline.h"
 #include "service/build_queue.h"
 #include "service/config.h"
+#include "service/connection_streams.h"
 #include "service/decode_session.h"
 #include "service/events.h"
 #include "storage/store.h"
@@ -136,6 +137,35 @@ TEST(ConfigTest, FlagsFileAndOverrides) {
       << overridden->ToToml();
   EXPECT_FALSE(Parse({"--no-such-flag"}).ok());
   EXPECT_FALSE(Parse({"--max-sessions", "lots"}).ok());
+}
+
+// One worker's channel must be able to hold every session the server allows.
+TEST(ConfigTest, DefaultStreamsPerConnectionHoldMaxSessions) {
+  auto def = Parse({});
+  ASSERT_TRUE(def.ok()) << def.status().ToString();
+  EXPECT_GE(def->max_streams_per_connection, def->max_sessions);
+}
+
+// Regression: the stream past --max-streams-per-connection waited in the
+// client for a free HTTP/2 stream; now it is refused at once, naming the flag.
+TEST(ConnectionStreamsTest, RefusesTheStreamPastTheLimitAndCountsPerPeer) {
+  ConnectionStreams streams(2);
+  const std::string a = "ipv4:127.0.0.1:40000", b = "ipv6:[::1]:40001";
+  auto a1 = streams.Admit(a);
+  auto a2 = streams.Admit(a);
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  auto a3 = streams.Admit(a);
+  ASSERT_FALSE(a3.ok());
+  EXPECT_EQ(a3.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(a3.status().message().find("--max-streams-per-connection=2"), std::string::npos)
+      << a3.status().ToString();
+  EXPECT_TRUE(streams.Admit(b).ok()) << "another connection has its own count";
+  { ConnectionStreams::Guard released = std::move(a1).value(); }
+  EXPECT_EQ(streams.open(a), 1u);
+  auto a4 = streams.Admit(a);
+  EXPECT_TRUE(a4.ok());
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(streams.Admit("unix:").ok()) << "unix peers share a name";
+  EXPECT_EQ(streams.open("unix:"), 0u);
 }
 
 // --------------------------------------------------------- CheckReusable --

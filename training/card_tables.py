@@ -3,7 +3,7 @@
 output: perplexity by context length, attention on token 0 by layer, and
 full-attention task accuracy by family x length and by depth.
 
-Usage: python3 model/train/card_tables.py model/train/results/v2-run3/eval.json
+Usage: python3 training/card_tables.py training/results/v2-run3/eval.json
 """
 import json
 import sys

@@ -1,8 +1,8 @@
 #!/bin/sh
 # Trains the reference-model tokenizer (sentencepiece BPE, vocab 8192, byte fallback).
-# Usage: sh model/train/train_tokenizer.sh [WORK]   (after make_corpus.py)
+# Usage: sh training/train_tokenizer.sh [WORK]   (after make_corpus.py)
 set -e
-W=${1:-model/train/work}
+W=${1:-training/work}
 mkdir -p "$W/tok"
 spm_train --input="$W/corpus/train.txt" --model_prefix="$W/tok/tokenizer" \
   --vocab_size=8192 --model_type=bpe --byte_fallback=true \

@@ -33,7 +33,7 @@
 #           training corpus (see do_evalsaved); TINY=1 evaluates the dry run's.
 #
 # TINY=1: the same sequence on the CPU with a 2-layer model, 512/1024-token
-# tasks and a 3 MB slice of the carried corpus, in $W=model/train/work/tiny
+# tasks and a 3 MB slice of the carried corpus, in $W=training/work/tiny
 # (about 2-4 minutes on one core): checks the script and train.py end to end
 # before device time is spent. Steps that need transformers (hfcheck,
 # make_golden.py) or a GPU are skipped with a note when those are missing.
@@ -42,12 +42,12 @@ export PYTHONUNBUFFERED=1
 # tune with EVAL_ALSO runs two processes on the GPU: growable segments fragment less.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 T0=$(date +%s)
-C=${C:-model/train/work/carry}  # the carried corpus (NOTES.md "Steps")
+C=${C:-training/work/carry}  # the carried corpus (NOTES.md "Steps")
 EVAL_DOCS=tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt,tests/data/demo/linux_firmware_guide.txt,tests/data/demo/document.txt
 if [ "${TINY:-0}" = 1 ]; then
   PY=${PY:-/usr/bin/python3}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  W=${W:-model/train/work/tiny}
+  W=${W:-training/work/tiny}
   OUT=${OUT:-$W/out}
   STOP_AT=${STOP_AT:-600}
   DEV="--device cpu"
@@ -82,7 +82,7 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
-  # tune = run 7 (session 14): run 6's weights (xz'd in model/train/work/run6c)
+  # tune = run 7 (session 14): run 6's weights (xz'd in training/work/run6c)
   # trained 9 more minutes with --extra-questions 4 (an 18-minute attempt was
   # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each
   # training task row asks up to 4 of its other needles after its answer, so
@@ -180,7 +180,7 @@ watch() {
     echo "training still running after $(( $(date +%s) - T0 )) s: call watch again"; fi
 }
 start_training() {
-  setsid nohup $PY model/train/train.py train --data $W/data --run $W/run --resume \
+  setsid nohup $PY training/train.py train --data $W/data --run $W/run --resume \
     $DEV $MODEL $TRAIN_ARGS > $W/train.log 2>&1 < /dev/null &
   echo $! > $W/train.pid
   echo "training started: train.py train --data $W/data --run $W/run --resume" \
@@ -196,21 +196,21 @@ tiny_carry() {  # TINY: a 3 MB slice of the carried corpus, the real held-out sp
 do_prep() {
   if [ "${TINY:-0}" = 1 ]; then tiny_carry; else
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; fi
-  $PY model/train/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
+  $PY training/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
     $TASK_ARGS --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
-  if [ "${BENCH:-0}" = 1 ]; then $PY model/train/train.py bench 2>&1 | grep '^{'; fi
+  if [ "${BENCH:-0}" = 1 ]; then $PY training/train.py bench 2>&1 | grep '^{'; fi
   rm -rf $W/smoke
   # The smoke run: the real phases, mix and loss for a few steps (all phases
   # at --minutes 0.5), so a crash at 32K shows here and not in the real run.
   local keep
   keep=$(echo "$TRAIN_ARGS" |
     sed -E 's/--(minutes|steps|warmup|val-every|log-every|ckpt-every) [0-9.]+//g')
-  $PY model/train/train.py train --data $W/data --run $W/smoke $DEV $MODEL $keep $SMOKE_ARGS 2>&1 | grep -v Warn | tail -2 | cut -c1-300
+  $PY training/train.py train --data $W/data --run $W/smoke $DEV $MODEL $keep $SMOKE_ARGS 2>&1 | grep -v Warn | tail -2 | cut -c1-300
   cp $C/tokenizer.model $W/smoke/final/
   if have_hf; then
-    $PY model/train/train.py hfcheck --model $W/smoke/final $DEV 2>&1 | grep -v Warn
+    $PY training/train.py hfcheck --model $W/smoke/final $DEV 2>&1 | grep -v Warn
   else echo "hfcheck skipped: no transformers here"; fi
-  $PY model/train/train.py eval --data $W/data --model $W/smoke/final --run $W/smoke $DEV \
+  $PY training/train.py eval --data $W/data --model $W/smoke/final --run $W/smoke $DEV \
     --out $W/smoke/eval $SMOKE_EVAL 2>&1 | grep -v Warn | tail -2 | cut -c1-300
   test -f $W/smoke/eval/eval.json
   echo "smoke test passed after $(( $(date +%s) - T0 )) s"
@@ -227,7 +227,7 @@ do_tune() {
   if [ "${TINY:-0}" = 1 ]; then tiny_carry; else
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader; fi
   unxz_dir $TUNE_INIT
-  $PY model/train/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
+  $PY training/train.py prep --corpus $C --tok $C/tokenizer.model --data $W/data \
     $TUNE_TASK_ARGS --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
   rm -rf $W/run $W/evalsaved $W/evalsaved.log $W/evalsaved.pid
   TRAIN_ARGS="$TUNE_ARGS --init-from $TUNE_INIT"
@@ -240,7 +240,7 @@ do_tune() {
   watch
 }
 run_eval() {  # train.py eval with the flags every evaluation shares, then $@
-  $PY model/train/train.py eval $DEV --exclude '^erlang-doc/' $EVAL_ARGS "$@" 2>&1 | grep -v Warn
+  $PY training/train.py eval $DEV --exclude '^erlang-doc/' $EVAL_ARGS "$@" 2>&1 | grep -v Warn
 }
 do_finish() {
   while [ ! -f $W/run/DONE ]; do
@@ -251,22 +251,22 @@ do_finish() {
   F=$W/run/final
   cp $C/tokenizer.model $F/
   if have_hf; then
-    $PY model/train/train.py hfcheck --model $F $DEV 2>&1 | grep -v Warn
+    $PY training/train.py hfcheck --model $F $DEV 2>&1 | grep -v Warn
   else echo "hfcheck skipped: no transformers here"; fi
   run_eval --data $W/data --model $F --run $W/run --out $W/eval --names $C/docs.tsv \
     $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
   # Chain binding without the recency cue (NOTES.md, run 12): 1-hop chains with
   # the other chain's value nearer the question; v2.2 answers 6 of 20 at 4K.
-  if ! $PY model/train/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
+  if ! $PY training/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
       --var-links 2 --var-distractor-late 1.0 --out $W/eval/bind1.json > $W/bind1.log 2>&1; then
     echo "var_track_attention failed: no bind1.json"; fi
   grep -v Warn $W/bind1.log | tail -3 | cut -c1-200
   rm -rf $W/golden-ref $W/pack
   mkdir -p $W/golden-ref $W/pack $OUT
   if have_hf; then
-    $PY model/train/make_golden.py ref --model $F --input-text tests/data/demo/document.txt \
+    $PY training/make_golden.py ref --model $F --input-text tests/data/demo/document.txt \
       --out $W/golden-ref 2>&1 | grep -v Warn | tee $W/golden-ref/report.txt
-    $PY model/train/make_golden.py tiny --out $W/tiny 2>&1 | grep '^{' | cut -c1-200
+    $PY training/make_golden.py tiny --out $W/tiny 2>&1 | grep '^{' | cut -c1-200
     for n in llama3 qwen2 mistral smollm; do
       cmp $W/tiny/$n/golden.safetensors tests/data/golden/$n/golden.safetensors \
         && cmp $W/tiny/$n/model.safetensors tests/data/golden/$n/model.safetensors \
@@ -288,20 +288,20 @@ do_finish() {
 do_evalsaved() {
   # A saved model evaluated without the training corpus (the tree, the corpus
   # and a model's xz'd shards do not fit one 64 MiB carry). $S (default
-  # model/train/work/saved, carried) holds config.json,
+  # training/work/saved, carried) holds config.json,
   # model.safetensors.index.json, the shards (*.safetensors or
   # *.safetensors.xz), heldout.txt(.xz), docs.tsv and unigram_counts.npy
   # (np.bincount of the training tokens, minlength 8192). Writes $OUT/eval
   # (train.py eval's files) and $OUT/card.md.
-  S=${S:-model/train/work/saved}
+  S=${S:-training/work/saved}
   unxz_dir $S
   [ -f $S/tokenizer.model ] || cp models/ctxcache-ref/tokenizer.model $S/
-  $PY model/train/train.py prep --corpus $S --splits heldout --tok $S/tokenizer.model \
+  $PY training/train.py prep --corpus $S --splits heldout --tok $S/tokenizer.model \
     --data $W/evdata --eval-docs $EVAL_DOCS $EVAL_TASK_ARGS
   mkdir -p $OUT/eval
   run_eval --data $W/evdata --model $S --out $OUT/eval --names $S/docs.tsv \
     --unigram-counts $S/unigram_counts.npy
-  $PY model/train/card_tables.py $OUT/eval/eval.json > $OUT/card.md
+  $PY training/card_tables.py $OUT/eval/eval.json > $OUT/card.md
   echo "evalsaved done after $(( $(date +%s) - T0 )) s"
 }
 case "$1" in

@@ -14,7 +14,7 @@ Runs on the CPU machine with the standard library only (plus `apt-get`,
      perluniprops table and source listings are skipped) plus shorter ones up
      to 0.8% of the text,
   6. write WORK/corpus/{train,heldout}.txt (documents separated by a line that
-     holds only "\x1e"), WORK/corpus/docs.tsv and model/train/corpus_manifest.txt,
+     holds only "\x1e"), WORK/corpus/docs.tsv and training/corpus_manifest.txt,
   7. extra training-only batch (EXTRA_TRAIN_PACKAGES, handlers in EXTRA_TRAIN:
      sphinx/info/html/text as above, HTML cut to the content region of its
      generator (mdBook, rustdoc, Scribble, qdoc, javadoc, DocBook, gtk-doc),
@@ -25,8 +25,8 @@ Runs on the CPU machine with the standard library only (plus `apt-get`,
      selection, so steps 1-6 and their outputs do not depend on it; the manifest
      gets a separate section (extra_package / extra_documents / extra_chars).
 
-Usage: python3 model/train/make_corpus.py [WORK] [--extra-only | --no-extra] [--only=PKG,...]
-  (default WORK model/train/work; default builds everything. --extra-only
+Usage: python3 training/make_corpus.py [WORK] [--extra-only | --no-extra] [--only=PKG,...]
+  (default WORK training/work; default builds everything. --extra-only
   rebuilds only train_extra.txt/docs_extra.tsv and the manifest's extra section,
   --no-extra only steps 1-6; --only= with --extra-only writes an extra batch of
   just those packages for inspection and leaves the manifest alone.)
@@ -796,7 +796,7 @@ def build_main():
             fd.write(f"{split}\t{name}\t{len(text)}\n")
     ntrain = sum(len(docs[i][1]) for i in range(len(docs)) if i not in held)
     with open(os.path.join(HERE, "corpus_manifest.txt"), "w") as fm:
-        fm.write("# Corpus of the ctxcache reference model (rebuild: python3 model/train/make_corpus.py)\n")
+        fm.write("# Corpus of the ctxcache reference model (rebuild: python3 training/make_corpus.py)\n")
         fm.write("# Debian 12 (bookworm) packages, fetched with apt-get download:\n")
         for p, v in PACKAGES:
             fm.write(f"package\t{p}\t{v}\n")

@@ -20,7 +20,7 @@ a task's accuracy is the mean over the files) by:
                              queried chain's first and last line;
   chain_span                 the queried chain's extent, in quarters of the context.
 
-  python3 model/train/var_track_layout.py model/train/results/v2-run11/eval.json \\
+  python3 training/var_track_layout.py training/results/v2-run11/eval.json \\
       [more eval.json(.xz) ...]
 Prints one JSON object: {"tasks": N, "models": M, "by": {feature: {value: [acc, n]}}}.
 device_sweep.sh puts each variant's distractor_head_after groups
@@ -34,9 +34,12 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The task generator lives in evals/ beside this folder.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "evals"))
 import longctx_tasks as lt  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 LINE = re.compile(r"VAR (\w+) = (VAR \w+|\d+)\.")
 
 

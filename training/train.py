@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Trains the ctxcache reference model: a small LLaMA-architecture model
-(model/train/llama.py: plain torch with HF LlamaForCausalLM's names and
+(training/llama.py: plain torch with HF LlamaForCausalLM's names and
 checkpoint layout; nothing downloaded). Reference model v2 (issue 17) mixes the
 documentation corpus with synthetic long-context retrieval tasks
-(model/train/longctx_tasks.py) at 4K-32K tokens.
+(evals/longctx_tasks.py) at 4K-32K tokens.
 
 Subcommands (run from the repository root; GPU machine unless --device cpu):
 
@@ -71,11 +71,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The task generator lives in evals/ beside this folder.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "evals"))
 import llama  # noqa: E402
 import longctx_tasks as lt  # noqa: E402
 
 BOS, EOS = llama.BOS, llama.EOS
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def model_config(a):

@@ -19,7 +19,7 @@ and whether that output occurs in the context verbatim: a value that does is
 a wrong binding (the distractor chain of var_track, another key's needle of
 niah_multi); one that does not is a copy that drifted.
 
-  python3 model/train/diag_tasks.py --model models/ctxcache-ref \\
+  python3 training/diag_tasks.py --model models/ctxcache-ref \\
       --train-docs work/diag/train_slice.txt.xz --heldout work/diag/heldout.txt.xz \\
       --lengths 4096,16384 --per-cell 2 --out diag.json
 Prints one JSON line per (model, set); writes every task's row to --out.
@@ -33,11 +33,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The task generator lives in evals/ beside this folder.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "evals"))
 import llama  # noqa: E402
 import longctx_tasks as lt  # noqa: E402
 from train import BOS, default_device, miss_detail, read_docs  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEPTHS = [0.05, 0.25, 0.5, 0.75, 0.95]
 
 

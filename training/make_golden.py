@@ -3,11 +3,11 @@
 
 Two modes (run on the GPU machine, or on any machine with torch+transformers):
 
-  python3 model/train/make_golden.py tiny --out tests/data/golden
+  python3 training/make_golden.py tiny --out tests/data/golden
       Four seeded random-init configs (llama3, qwen2, mistral, smollm). For each,
       <out>/<name>/{config.json, model.safetensors, golden.safetensors}.
 
-  python3 model/train/make_golden.py ref --model models/ctxcache-ref \
+  python3 training/make_golden.py ref --model models/ctxcache-ref \
       --input-text tests/data/demo/document.txt --out tests/data/golden/ctxcache-ref
       Logits for a fixed 512-token held-out input (<s> + the first 511 tokens of
       the text) and three greedy continuations with the trained reference model
@@ -258,7 +258,7 @@ def main():
     ap.add_argument("mode", choices=["tiny", "ref"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="models/ctxcache-ref")
-    ap.add_argument("--heldout", default="model/train/work/corpus/heldout.txt")
+    ap.add_argument("--heldout", default="training/work/corpus/heldout.txt")
     ap.add_argument("--input-text", default="",
                     help="text whose first 511 tokens (after <s>) form the 512-token input")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

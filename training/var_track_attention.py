@@ -20,7 +20,7 @@ head puts on each group (a head that finds a line puts most of its mass
 there), split by whether the predicted deciding token is right, and
 whether it is the other chain's value's token instead.
 
-  /usr/bin/python3 model/train/var_track_attention.py [--model models/ctxcache-ref] \\
+  /usr/bin/python3 training/var_track_attention.py [--model models/ctxcache-ref] \\
       [--lengths 4096,8192] [--per-cell 4] [--var-links 4 --var-distractor-late 0] [--out F.json]
 --var-links / --var-distractor-late draw other chain shapes from the same seeds
 (longctx_tasks.make_task's options): fewer hops, or the other chain's value
@@ -36,6 +36,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The task generator lives in evals/ beside this folder.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "evals"))
 import llama  # noqa: E402
 import longctx_tasks as lt  # noqa: E402
 import var_track_layout as vl  # noqa: E402

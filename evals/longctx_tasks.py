@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Synthetic long-context retrieval tasks placed inside real documents (issue 17).
 
-One generator serves both sides: model/train/train.py mixes its tasks into the
+One generator serves both sides: training/train.py mixes its tasks into the
 training data of the reference model, and `ctxcache-bench tasks` scores the
 held-out tasks through ctxcached. Only the standard library and the python
 sentencepiece module (for exact token lengths) are needed.
@@ -53,7 +53,7 @@ token ids, so the bench needs no tokenizer; it checks the server's token count
 of the context against the generator's n_tokens.
 
 Usage:
-  python3 model/train/longctx_tasks.py --tok models/ctxcache-ref/tokenizer.model \\
+  python3 evals/longctx_tasks.py --tok models/ctxcache-ref/tokenizer.model \\
       --docs tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt \\
       --lengths 4096,8192 --depths 0.1,0.5,0.9 --per-cell 2 --out tasks.jsonl
 Writes one JSON object per line (fields: see Task.to_json).
@@ -69,7 +69,7 @@ import sys
 FAMILIES = ("niah_single", "niah_multi", "kv_table", "var_track", "section_copy")
 EVAL_SEED = 917_000_017  # held-out evaluation seed; never used for training
 # The held-out evaluation documents (train.py eval's tasks; never training text).
-EVAL_DOCS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+EVAL_DOCS = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                           "data", "demo", n + ".txt")
              for n in ("vim_help", "r_admin", "linux_firmware_guide", "document")]
 BOS = 1

@@ -28,7 +28,7 @@
 #           heldout.txt.xz and unigram_counts.npy); shards plus unpacked
 #           small.tar are the evalsaved layout, a later tune's TUNE_INIT.
 #   report: the state of every variant, and the evaluated ones' 16K accuracy.
-#   stage:  copy the carried model/train/work/stage/* to $STAGE (kept while the
+#   stage:  copy the carried training/work/stage/* to $STAGE (kept while the
 #           machine stays warm): data that does not fit into start's carry
 #           beside the init model and the corpus, e.g. make_corpus.py's
 #           train_extra.txt.xz for a variant's "--extra-train $STAGE/...".
@@ -45,7 +45,7 @@
 # a longer one (stage, start, wait) risks a gap for each extra call.
 # VARIANTS: one "NAME|TUNE_TASK_MORE|TUNE_MORE" per line (the default below).
 # TINY=1: the same on the CPU with device_run.sh's tiny model (TUNE_INIT
-# defaults to the dry run's saved model), R=model/train/work/sweep-tiny.
+# defaults to the dry run's saved model), R=training/work/sweep-tiny.
 set -e
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -59,9 +59,9 @@ STOP_AT=${STOP_AT:-560}
 # run 9 (84.4%) (NOTES.md, run 9).
 SPARSE_MAX_KL=${SPARSE_MAX_KL:-0.055}
 if [ "${TINY:-0}" = 1 ]; then
-  R=${R:-model/train/work/sweep-tiny}
-  STAGE=${STAGE:-model/train/work/stage-tiny}
-  TUNE_INIT=${TUNE_INIT:-model/train/work/tiny/saved}
+  R=${R:-training/work/sweep-tiny}
+  STAGE=${STAGE:-training/work/stage-tiny}
+  TUNE_INIT=${TUNE_INIT:-training/work/tiny/saved}
   STOP_AT=${STOP_AT_TINY:-$STOP_AT}
   PY=${PY:-/usr/bin/python3}  # as device_run.sh's TINY: Debian's, with sentencepiece
 else
@@ -103,7 +103,7 @@ run_for() {  # run_for NAME CMD: device_run.sh CMD for variant NAME
   local n=$1; shift
   env W=$R/$n OUT=$R/$n/out CUDA_VISIBLE_DEVICES=$(gpu_of $n) \
     TUNE_TASK_MORE="$SWEEP_TASK_MORE $(field $n 2)" TUNE_MORE="$SWEEP_MORE $(field $n 3)" \
-    bash model/train/device_run.sh "$@"
+    bash training/device_run.sh "$@"
 }
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 state_of() {  # training | DONE | evaluating | evaluated | eval failed | training died
@@ -141,7 +141,7 @@ need_sweep() {
 start_evals() {
   for n in $(names); do
     if [ "$(state_of $n)" = DONE ]; then
-      setsid nohup bash model/train/device_sweep.sh finish1 $n > $R/$n.finish.log 2>&1 < /dev/null &
+      setsid nohup bash training/device_sweep.sh finish1 $n > $R/$n.finish.log 2>&1 < /dev/null &
       echo $! > $R/$n/finish.pid
       echo "$(( $(date +%s) - T0 )) s: $n DONE, evaluating"
     fi
@@ -165,7 +165,7 @@ wait_loop() {
 }
 do_stage() {
   mkdir -p $STAGE
-  cp model/train/work/stage/* $STAGE/
+  cp training/work/stage/* $STAGE/
   for f in $STAGE/*.xz; do [ -f "$f" ] && xz -t "$f"; done
   ls -la $STAGE
 }
@@ -200,7 +200,7 @@ do_start() {
   fi
   # Once here (the init model, the carried held-out text), not in each
   # variant's tune at the same time.
-  bash model/train/device_run.sh unpack
+  bash training/device_run.sh unpack
   local pids=""
   mkdir -p $R
   for n in $(names); do
@@ -234,7 +234,7 @@ e = json.load(open(sys.argv[2]))
 cache = os.path.join(os.path.dirname(sys.argv[2]), "var_track_layout.json")
 try:
     if not os.path.exists(cache):
-        sys.path.insert(0, "model/train")
+        sys.path.insert(0, "training")
         import var_track_layout
         with open(cache + ".tmp", "w") as f:
             json.dump(var_track_layout.eval_summary(e["tasks"]["tasks"]), f)

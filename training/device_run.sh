@@ -82,7 +82,7 @@ else
   # Enough tasks that each is seen ~1-2 times at --task-frac 0.6 (~185M tokens).
   TASK_ARGS=${TASK_ARGS:-"--task-lengths 4096,8192,16384,32768 \
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
-  # tune = run 7 (session 14): run 6's weights (xz'd in training/work/run6c)
+  # tune = v2 run 7's recipe: run 6's weights (xz'd in training/work/run6c)
   # trained 9 more minutes with --extra-questions 4 (an 18-minute attempt was
   # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each
   # training task row asks up to 4 of its other needles after its answer, so
@@ -97,7 +97,7 @@ else
   # --task-frac 0.8 --lr 5e-4, task seed 3) gained 3 tasks of 200; run 3's
   # recipe: "--minutes 10 --phase-frac 0.15,0.25,0.35,0.25 --task-frac 0.7
   # --lr 6e-4" with --tasks-per-length 4096,4096,3072,1536 --task-seed 2.
-  # Run 10 (session 17, v2.1) used this recipe through device_sweep.sh with
+  # Run 10 (v2.1) used this recipe through device_sweep.sh with
   # --layers 8 --minutes 3.3, lr 5e-4, --extra-questions 8
   # --no-distractor-questions, var_track weight 4 and make_corpus.py's extra
   # text (NOTES.md "v2 run 10"). The defaults start from the shipped model at

@@ -68,8 +68,8 @@ else
   PY=${PY:-python3}
   R=${R:-/root/sweep}
   STAGE=${STAGE:-/root/stage}
-  # The shipped model: runs 5-9's weights lived in the ignored work/ and did
-  # not survive into session 17 (NOTES.md, run 10).
+  # The shipped model: runs 5-9's weights lived in the ignored work/ and were
+  # gone by run 10 (NOTES.md, run 10).
   TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
@@ -79,7 +79,7 @@ if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # four variants prepped by 173 s, trained by 385 s, evaluated by ~640 s: a
   # wait call after start). 60% of the time at 16K (run 12's g1 / g2).
   SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.1 --phase-frac 0.1,0.15,0.6,0.15"}; fi
-# Run 13 (session 20, NOTES.md "v2 run 13") moved var_track to its chain answer
+# Run 13 (NOTES.md "v2 run 13") moved var_track to its chain answer
 # (--var-answer chain, longctx_tasks.VAR_ANSWER: " VAR C = VAR B = VAR A = 48213",
 # one lookup per answer step, as RULER's variable tracking answers) and shipped
 # round 1's cb as v2.3: every family >= 19 of 20 at 16K, with no task to spare in

@@ -123,9 +123,8 @@ class GeneratorTest(unittest.TestCase):
         # Every model since v2 is scored on the same held-out tasks (EVAL_SEED),
         # so the generator's draws must not move: these digests of var_track
         # tasks (and a training task's extra questions) were taken before the
-        # training-only chain-shape options existed (session 18; the value
-        # format, v2-v2.2's) and when the chain format became the default
-        # (session 20, v2.3).
+        # training-only chain-shape options existed (the value format,
+        # v2-v2.2's) and when the chain format became the default (v2.3).
         import hashlib
         import json
         for fmt, want in (("value", "f630b88f1801f92a824efc42d153a095cffa34af"),

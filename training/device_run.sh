@@ -1,6 +1,6 @@
 #!/bin/bash
 # Reference model v2 (issue 17) on the GPU machine, in calls of at most 10
-# minutes each. Runs from the repository root; see NOTES.md ("v2") for the
+# minutes each. Runs from the repository root; see docs/history.md ("v2") for the
 # order of the calls and what to carry. State lives in $W (outside the tree,
 # kept while the machine stays warm); what ships goes to $OUT (files <= 16 MiB).
 #   prep:   tokenize the corpus, generate the training tasks and the held-out
@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1
 # tune with EVAL_ALSO runs two processes on the GPU: growable segments fragment less.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 T0=$(date +%s)
-C=${C:-training/work/carry}  # the carried corpus (NOTES.md "Steps")
+C=${C:-training/work/carry}  # the carried corpus (docs/history.md "Steps")
 EVAL_DOCS=tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt,tests/data/demo/linux_firmware_guide.txt,tests/data/demo/document.txt
 if [ "${TINY:-0}" = 1 ]; then
   PY=${PY:-/usr/bin/python3}
@@ -84,7 +84,7 @@ else
     --tasks-per-length 12288,6144,3072,1024 --task-seed 1"}
   # tune = v2 run 7's recipe: run 6's weights (xz'd in training/work/run6c)
   # trained 9 more minutes with --extra-questions 4 (an 18-minute attempt was
-  # lost with its machine; NOTES.md "v2 runs 5 (evaluated), 6 and 7"): each
+  # lost with its machine; docs/history.md "v2 runs 5 (evaluated), 6 and 7"): each
   # training task row asks up to 4 of its other needles after its answer, so
   # a 16K context trains ~4x the retrievals for ~1% more tokens (runs 3-6 gave
   # each long row one answer of ~10 tokens). Result: 321/400, four families
@@ -100,7 +100,7 @@ else
   # Run 10 (v2.1) used this recipe through device_sweep.sh with
   # --layers 8 --minutes 3.3, lr 5e-4, --extra-questions 8
   # --no-distractor-questions, var_track weight 4 and make_corpus.py's extra
-  # text (NOTES.md "v2 run 10"). The defaults start from the shipped model at
+  # text (docs/history.md "v2 run 10"). The defaults start from the shipped model at
   # its depth: weights kept in the ignored work/ do not survive a session.
   TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
   TUNE_ARGS=${TUNE_ARGS:-"--layers 8 --minutes 9 --phases 4096:32,8192:16,16384:8,32768:4 \
@@ -255,7 +255,7 @@ do_finish() {
   else echo "hfcheck skipped: no transformers here"; fi
   run_eval --data $W/data --model $F --run $W/run --out $W/eval --names $C/docs.tsv \
     $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
-  # Chain binding without the recency cue (NOTES.md, run 12): 1-hop chains with
+  # Chain binding without the recency cue (docs/history.md, run 12): 1-hop chains with
   # the other chain's value nearer the question; v2.2 answers 6 of 20 at 4K.
   if ! $PY training/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
       --var-links 2 --var-distractor-late 1.0 --out $W/eval/bind1.json > $W/bind1.log 2>&1; then

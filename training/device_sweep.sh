@@ -41,7 +41,7 @@
 # The machine goes back 30 s after a call ends; a next call that comes later
 # gets a fresh machine, where wait/take/report stop at once (exit 3) instead
 # of waiting on a sweep that is gone. That lost runs 8 and 9's first attempt
-# (3 of ~13 gaps, NOTES.md), so the default is a sweep inside one start call;
+# (3 of ~13 gaps, docs/history.md), so the default is a sweep inside one start call;
 # a longer one (stage, start, wait) risks a gap for each extra call.
 # VARIANTS: one "NAME|TUNE_TASK_MORE|TUNE_MORE" per line (the default below).
 # TINY=1: the same on the CPU with device_run.sh's tiny model (TUNE_INIT
@@ -56,7 +56,7 @@ STOP_AT=${STOP_AT:-560}
 # (with a warning). 0.055: the proxy gave v2 0.028, run 6 0.054, run 7 0.057
 # and run 9 0.062, in the order of the C++ csa's KL, and cli_test's agreement
 # acceptance passes on run 6 (93.8%), barely on run 7 (90.6%) and fails on
-# run 9 (84.4%) (NOTES.md, run 9).
+# run 9 (84.4%) (docs/history.md, run 9).
 SPARSE_MAX_KL=${SPARSE_MAX_KL:-0.055}
 if [ "${TINY:-0}" = 1 ]; then
   R=${R:-training/work/sweep-tiny}
@@ -69,7 +69,7 @@ else
   R=${R:-/root/sweep}
   STAGE=${STAGE:-/root/stage}
   # The shipped model: runs 5-9's weights lived in the ignored work/ and were
-  # gone by run 10 (NOTES.md, run 10).
+  # gone by run 10 (docs/history.md, run 10).
   TUNE_INIT=${TUNE_INIT:-models/ctxcache-ref}
 fi
 # Shared by every variant, after device_run.sh's tune recipe (run 7's).
@@ -79,7 +79,7 @@ if [ "${TINY:-0}" = 1 ]; then SWEEP_MORE=${SWEEP_MORE:-}; else
   # four variants prepped by 173 s, trained by 385 s, evaluated by ~640 s: a
   # wait call after start). 60% of the time at 16K (run 12's g1 / g2).
   SWEEP_MORE=${SWEEP_MORE:-"--minutes 3.1 --phase-frac 0.1,0.15,0.6,0.15"}; fi
-# Run 13 (NOTES.md "v2 run 13") moved var_track to its chain answer
+# Run 13 (docs/history.md "v2 run 13") moved var_track to its chain answer
 # (--var-answer chain, longctx_tasks.VAR_ANSWER: " VAR C = VAR B = VAR A = 48213",
 # one lookup per answer step, as RULER's variable tracking answers) and shipped
 # round 1's cb as v2.3: every family >= 19 of 20 at 16K, with no task to spare in

@@ -853,7 +853,7 @@ def cmd_eval(a):
         if not prompts:
             raise SystemExit(f"--sparse-prompts: {a.sparse_prompts} holds no prompt")
         # fp32 as on the CPU, where SPARSE_MAX_KL (device_sweep.sh) was set:
-        # in bf16 v2's KL is 0.0263 against 0.0277 (H100, NOTES.md run 9).
+        # in bf16 v2's KL is 0.0263 against 0.0277 (H100, docs/history.md run 9).
         sf = sparse_fidelity(model.float(), context, prompts, a.sparse_new, a.sparse_rho)
         model.to(dtype)
         sf["seconds"] = time.time() - t0

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Reference model v2 (issue 17) on the GPU machine, in calls of at most 10
-# minutes each. Runs from the repository root; see docs/history.md ("v2") for the
+# minutes each. Runs from the repository root; see training/README.md for the
 # order of the calls and what to carry. State lives in $W (outside the tree,
 # kept while the machine stays warm); what ships goes to $OUT (files <= 16 MiB).
 #   prep:   tokenize the corpus, generate the training tasks and the held-out
@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1
 # tune with EVAL_ALSO runs two processes on the GPU: growable segments fragment less.
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 T0=$(date +%s)
-C=${C:-training/work/carry}  # the carried corpus (docs/history.md "Steps")
+C=${C:-training/work/carry}  # the carried corpus (training/README.md)
 EVAL_DOCS=tests/data/demo/vim_help.txt,tests/data/demo/r_admin.txt,tests/data/demo/linux_firmware_guide.txt,tests/data/demo/document.txt
 if [ "${TINY:-0}" = 1 ]; then
   PY=${PY:-/usr/bin/python3}

@@ -48,9 +48,10 @@ except ImportError as _e:  # pragma: no cover - a source checkout without stubs
         "python3 python/gen_protos.py"
     ) from _e
 
-from ctxcache.client import Client, Watcher, decode_page
+from ctxcache.client import Client, Watcher
 from ctxcache.cluster import ClusterClient, FailoverSession
 from ctxcache.crc32c import crc32c
+from ctxcache.page_codec import decode_page
 from ctxcache.errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                              Error, FailedPrecondition, Internal, InvalidArgument, NotFound,
                              OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,

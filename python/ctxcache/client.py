@@ -298,17 +298,11 @@ class Client:
 
     Usable as a context manager (closes the channel).
 
-    ``address`` may also be ``etcd://host:port[,host:port...]/<cluster>``: the
-    result is then a :class:`ctxcache.cluster.ClusterClient` (same methods)
-    that routes each call to a node holding its context and fails over.
+    A cluster address, ``etcd://host:port[,host:port...]/<cluster>``, is
+    :func:`ctxcache.connect`'s (a :class:`ctxcache.ClusterClient`, same
+    methods, that routes each call to a node holding its context and fails
+    over); Client raises ValueError for it.
     """
-
-    def __new__(cls, address: str = "127.0.0.1:7700", *args: Any, **kwargs: Any) -> Any:
-        # etcd://host:port/<cluster>: a routing client over the cluster.
-        if cls is Client and isinstance(address, str) and address.startswith("etcd://"):
-            from ctxcache.cluster import ClusterClient
-            return ClusterClient(address, *args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(self, address: str = "127.0.0.1:7700", timeout: float = 30.0,
                  max_attempts: int = 5, initial_backoff: float = 0.1,
@@ -319,6 +313,9 @@ class Client:
                  api_key: Optional[str] = None) -> None:
         if not address:
             raise ValueError("address is empty")
+        if address.startswith("etcd://"):
+            raise ValueError(f"{address} is a cluster address: use ctxcache.connect(address) "
+                             "(or ctxcache.ClusterClient) for a routing client")
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         self.address = address

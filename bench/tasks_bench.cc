@@ -1,6 +1,6 @@
 // ctxcache-bench tasks: the long-context retrieval task suite through a real
 // ctxcached (issue 17). The tasks come from the one generator,
-// model/train/longctx_tasks.py (niah_single, niah_multi, kv_table, var_track,
+// evals/longctx_tasks.py (niah_single, niah_multi, kv_table, var_track,
 // section_copy), written as JSONL with its held-out seed.
 //
 // Workload (one run):
@@ -361,7 +361,7 @@ int RunTasks(int argc, char** argv) {
                                      budgets_arg = "0.02,0.05,0.10";
   int limit = 0;
   double expect_full_min = -1, expect_far_gap = -1;
-  app.add_option("--tasks", tasks_path, "JSONL from model/train/longctx_tasks.py")->required();
+  app.add_option("--tasks", tasks_path, "JSONL from evals/longctx_tasks.py")->required();
   app.add_option("--model", model_dir, "HF model directory (default models/ctxcache-ref)");
   app.add_option("--methods", methods_arg, "Comma-separated methods");
   app.add_option("--budgets", budgets_arg, "Comma-separated page budgets, fractions in (0, 1]");

@@ -37,8 +37,9 @@
 // tokens are sketch-scored too). The query side is quantized too, so the sum
 // is exact integer arithmetic: qs = max|q_j| / 2047, qi_j = round(q_j / qs)
 // (ties to even), r_i = float(double(sum_j qi_j * code_ij) * (double(qs) *
-// double(scale_i))); a client computes the same r_i bit for bit. Why: the centroid estimate alone reaches
-// ~0.6 recall@5% on the reference model (docs/algorithms.md "Session 10").
+// double(scale_i))); a client computes the same r_i bit for bit. Why: the
+// centroid estimate alone reaches ~0.6 recall@5% on the reference model
+// (docs/algorithms.md "Two-stage retrieval").
 // The sketch costs d + 2 bytes per token.
 //
 // Append (§3.3 (5)): the new key is scored against every centroid and
@@ -103,7 +104,7 @@ struct CsaOptions {
   // Subspaces; must divide head_dim. 0 = chosen by head_dim at build
   // (CsaSubspaces: 16 subspaces of 4 dims at d 64, of 8 dims at d 128); a
   // built or loaded selector always holds the resolved m. Why not the
-  // paper's 8: docs/algorithms.md, "Session 6". Default: 0.
+  // paper's 8: docs/algorithms.md, "Subspaces and α". Default: 0.
   int m = 0;
   // Centroids per subspace; <= n_tokens and <= pooled query rows. Default: 128.
   int C = 128;

@@ -44,7 +44,7 @@ echo "== ctxcache generate --method csa --compare full (prompt: \"Truncate the f
 
 # A question whose answer is far back: the document with one fact inserted
 # after its first paragraph break past 10% of its lines (token ~1,085 of
-# 9,537), in the needle format of the task suite (model/train/longctx_tasks.py).
+# 9,537), in the needle format of the task suite (evals/longctx_tasks.py).
 FACT_DOC="$WORK/document-with-fact.txt"
 ANSWER=731942
 awk -v fact="The special magic number for the ctxcache demo is $ANSWER." \

@@ -10,7 +10,7 @@
 #
 # Needs a Release build in build/ (cmake --build build --target ctxcached ctxcache).
 # MODEL_DIR (default: models) is the folder holding ctxcache-ref/, to score
-# other weights, e.g. a training run's (model/train/NOTES.md).
+# other weights, e.g. a training run's (docs/history.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 METHOD=csa

@@ -24,7 +24,7 @@
 #      task suite (ctxcache-bench tasks, docs/benchmarks.md "Long-context
 #      tasks") on the host's CPUs, CTXCACHE_TASKS_SHARDS (default 8) processes
 #      side by side, each with its own ctxcached, on CTXCACHE_TASKS_FILE (JSONL
-#      from model/train/longctx_tasks.py, carried; default build/tasks/tasks.jsonl);
+#      from evals/longctx_tasks.py, carried; default build/tasks/tasks.jsonl);
 #      CTXCACHE_TASKS_SECONDS (default 540) bounds it. $OUT/tasks.tgz holds
 #      each shard's JSON (tasks-I.json, every task it finished) and log.
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own

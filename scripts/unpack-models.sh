@@ -6,7 +6,7 @@
 # kept. Writes to a temp file and renames, so an interrupted run leaves no
 # truncated shard. Uses xz(1), or Python's lzma where xz is absent.
 #   unpack-models.sh [ROOT [DIR]]   ROOT: the repository (default: this script's);
-#   DIR: the folder searched instead of ROOT/models (model/train/device_run.sh
+#   DIR: the folder searched instead of ROOT/models (training/device_run.sh
 #   unpacks a saved model it carries this way).
 set -euo pipefail
 root="${1:-$(cd "$(dirname "$0")/.." && pwd)}"

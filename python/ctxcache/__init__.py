@@ -4,7 +4,7 @@ Usable from PyTorch workers: arrays go in and come out as numpy arrays, or
 as torch tensors when asked (``as_torch=True``; torch is optional).
 
 >>> import ctxcache
->>> with ctxcache.Client("127.0.0.1:7700") as client:
+>>> with ctxcache.connect("127.0.0.1:7700") as client:
 ...     done = client.build(tokens=list(range(1, 300)), name="doc")
 ...     ctx = done.context                       # a ContextInfo message
 ...     with client.open_session(ctx.context_id, method="csa") as s:
@@ -13,6 +13,9 @@ as torch tensors when asked (``as_torch=True``; torch is optional).
 
 Contents:
 
+* :func:`connect`: a :class:`Client` for ``HOST:PORT``, a :class:`ClusterClient`
+  (same methods, routed to the nodes holding each context) for
+  ``etcd://host:port/<cluster>``.
 * :class:`Client`: every RPC (build, extend, ingest, get, list, evict, pin,
   stats, watch, fetch_index, fetch_pages, open_session, health), with
   deadlines and retries on UNAVAILABLE like the C++ SDK.
@@ -48,9 +51,10 @@ except ImportError as _e:  # pragma: no cover - a source checkout without stubs
         "python3 python/gen_protos.py"
     ) from _e
 
-from ctxcache.client import Client, Watcher, decode_page
-from ctxcache.cluster import ClusterClient, FailoverSession
+from ctxcache.client import Client, Watcher
+from ctxcache.cluster import ClusterClient, FailoverSession, connect
 from ctxcache.crc32c import crc32c
+from ctxcache.page_codec import decode_page
 from ctxcache.errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded,
                              Error, FailedPrecondition, Internal, InvalidArgument, NotFound,
                              OutOfRange, PermissionDenied, ResourceExhausted, Unauthenticated,
@@ -61,8 +65,8 @@ from ctxcache.types import HeadResult, Page, StepResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "ClusterClient", "FailoverSession", "Session", "Watcher", "Page", "HeadResult",
-    "StepResult", "crc32c",
+    "connect", "Client", "ClusterClient", "FailoverSession", "Session", "Watcher", "Page",
+    "HeadResult", "StepResult", "crc32c",
     "decode_page", "pb", "storage_pb", "error_for_code",
     "Error", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted",

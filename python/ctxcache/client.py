@@ -31,7 +31,8 @@ import numpy as np
 
 from ctxcache import errors
 from ctxcache import tensors as _t
-from ctxcache.crc32c import crc32c, crc32c_many
+from ctxcache.crc32c import crc32c_many
+from ctxcache.page_codec import check_page_crcs, decode_page, page_crc_error  # noqa: F401
 from ctxcache.session import Session
 from ctxcache.types import Page
 from ctxcache.v1 import ctxcache_service_pb2 as pb
@@ -50,7 +51,6 @@ _BUILD_TIMEOUT_S = 3600.0
 _MAX_BACKOFF_S = 5.0
 _INGEST_MESSAGE_BYTES = 4 << 20
 _PHASE_NAMES = {v: k.lower() for k, v in pb.BuildProgress.Phase.items()}
-_DTYPE_SHORT = {st.DTYPE_F32: "f32", st.DTYPE_F16: "f16", st.DTYPE_BF16: "bf16"}
 
 
 def _index_specs(indexes: Optional[Union[IndexArg, Iterable[IndexArg]]]) -> List["pb.IndexSpec"]:
@@ -307,17 +307,11 @@ class Client:
 
     Usable as a context manager (closes the channel).
 
-    ``address`` may also be ``etcd://host:port[,host:port...]/<cluster>``: the
-    result is then a :class:`ctxcache.cluster.ClusterClient` (same methods)
-    that routes each call to a node holding its context and fails over.
+    A cluster address, ``etcd://host:port[,host:port...]/<cluster>``, is
+    :func:`ctxcache.connect`'s (a :class:`ctxcache.ClusterClient`, same
+    methods, that routes each call to a node holding its context and fails
+    over); Client raises ValueError for it.
     """
-
-    def __new__(cls, address: str = "127.0.0.1:7700", *args: Any, **kwargs: Any) -> Any:
-        # etcd://host:port/<cluster>: a routing client over the cluster.
-        if cls is Client and isinstance(address, str) and address.startswith("etcd://"):
-            from ctxcache.cluster import ClusterClient
-            return ClusterClient(address, *args, **kwargs)
-        return super().__new__(cls)
 
     def __init__(self, address: str = "127.0.0.1:7700", timeout: float = 30.0,
                  max_attempts: int = 5, initial_backoff: float = 0.1,
@@ -328,6 +322,9 @@ class Client:
                  api_key: Optional[str] = None) -> None:
         if not address:
             raise ValueError("address is empty")
+        if address.startswith("etcd://"):
+            raise ValueError(f"{address} is a cluster address: use ctxcache.connect(address) "
+                             "(or ctxcache.ClusterClient) for a routing client")
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
         self.address = address
@@ -832,44 +829,6 @@ def _page_table(t: Any) -> "pb.PageTable":
                             blocks=[int(b) for b in t["blocks"]])
     layer, kv_head, blocks = t
     return pb.PageTable(layer=int(layer), kv_head=int(kv_head), blocks=[int(b) for b in blocks])
-
-
-def page_crc_error(p: "pb.Page", rpc: str = "") -> "errors.DataLoss":
-    """The :class:`ctxcache.DataLoss` for a wire page whose crc32c does not match."""
-    return errors.DataLoss(f"page crc32c mismatch (layer {p.layer}, kv head {p.kv_head}, "
-                           f"block {p.block}): the page was corrupted in transit", rpc=rpc)
-
-
-def check_page_crcs(pages: Sequence["pb.Page"], rpc: str = "") -> None:
-    """Checks the crc32c of many wire pages in one pass (crc32c_many);
-    :class:`ctxcache.DataLoss` naming the first bad one."""
-    if not pages:
-        return
-    got = crc32c_many([p.k + p.v for p in pages])
-    for p, c in zip(pages, got):
-        if int(c) != p.crc32c:
-            raise page_crc_error(p, rpc)
-
-
-def decode_page(p: "pb.Page", dtype: str = "float32", as_torch: bool = False,
-                rpc: str = "", crc_checked: bool = False) -> Page:
-    """A :class:`ctxcache.Page` of a wire ``Page``, after checking its crc32c
-    (unless the caller did, with :func:`check_page_crcs`) and size
-    (:class:`ctxcache.DataLoss`)."""
-    if not crc_checked and crc32c(p.v, crc32c(p.k)) != p.crc32c:
-        raise page_crc_error(p, rpc)
-    size = _t._ITEMSIZE.get(p.dtype)
-    if size is None:
-        raise errors.DataLoss(f"page of block {p.block} has unknown dtype {p.dtype}", rpc=rpc)
-    if p.n_tokens == 0 or len(p.k) != len(p.v) or len(p.k) % (p.n_tokens * size):
-        raise errors.DataLoss(f"page of block {p.block} has the wrong size", rpc=rpc)
-    d = len(p.k) // (p.n_tokens * size)
-    k = _t.decode_array(p.k, p.dtype, (p.n_tokens, d), dtype)
-    v = _t.decode_array(p.v, p.dtype, (p.n_tokens, d), dtype)
-    if as_torch:
-        k, v = _t.to_torch(k, p.dtype), _t.to_torch(v, p.dtype)
-    return Page(layer=p.layer, kv_head=p.kv_head, block=p.block, n_tokens=p.n_tokens,
-                dtype=_DTYPE_SHORT[p.dtype], k=k, v=v, crc32c=p.crc32c)
 
 
 _health_mod: Any = None

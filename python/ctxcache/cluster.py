@@ -1,7 +1,7 @@
 """Routing client for a ctxcached cluster (docs/cluster.md).
 
 ``ClusterClient("etcd://host:port[,host:port...]/<cluster>")`` (or
-``ctxcache.Client`` given such an address) keeps the cluster's membership
+``ctxcache.connect`` given such an address) keeps the cluster's membership
 and holders from a watch of its etcd prefix through etcd's JSON gateway
 (``POST /v3/kv/range``, then ``POST /v3/watch`` from the next revision, on
 the client port; no etcd Python package needed): a node that leaves is out
@@ -32,9 +32,10 @@ import urllib.request
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 from ctxcache import errors
+from ctxcache.client import Client
 
-__all__ = ["ClusterClient", "FailoverSession", "NodeInfo", "parse_cluster_uri", "owners_of",
-           "rendezvous_score"]
+__all__ = ["connect", "ClusterClient", "FailoverSession", "NodeInfo", "parse_cluster_uri",
+           "owners_of", "rendezvous_score"]
 
 T = TypeVar("T")
 
@@ -312,7 +313,6 @@ class ClusterClient:
         return out
 
     def client_for(self, address: str) -> Any:
-        from ctxcache.client import Client
         with self._lock:
             c = self._clients.get(address)
             if c is None:
@@ -477,3 +477,18 @@ class FailoverSession:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def connect(address: str = "127.0.0.1:7700", **options: Any) -> Any:
+    """A client for ``address``: a :class:`ctxcache.ClusterClient` for a cluster
+    address ``etcd://host:port[,host:port...]/<cluster>`` (``options`` may add
+    its ``replicas`` and ``idle_relist_s``), else a :class:`ctxcache.Client`
+    for ``HOST:PORT``. ``options`` are Client's keyword arguments (timeout,
+    TLS, api_key, ...); both clients have the same methods.
+
+    >>> with ctxcache.connect("etcd://10.0.0.9:2379/prod") as c:
+    ...     c.get(context_id)
+    """
+    if address.startswith("etcd://"):
+        return ClusterClient(address, **options)
+    return Client(address, **options)

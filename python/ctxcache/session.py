@@ -29,6 +29,7 @@ import numpy as np
 
 from ctxcache import errors
 from ctxcache import tensors as _t
+from ctxcache.page_codec import check_page_crcs, decode_page
 from ctxcache.types import HeadResult, Page, StepResult
 from ctxcache.v1 import ctxcache_service_pb2 as pb
 
@@ -223,8 +224,6 @@ class Session:
         return self._assemble(resp.step, batches)
 
     def _assemble(self, step: "pb.StepResult", batches: List["pb.PageBatch"]) -> StepResult:
-        from ctxcache.client import check_page_crcs, decode_page
-
         m = self.model
         n_q, n_kv = m.n_q_heads, m.n_kv_heads
         g = max(1, n_q // n_kv)

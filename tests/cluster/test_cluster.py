@@ -92,7 +92,7 @@ def test_built_through_one_node_readable_through_every_node(cluster: Cluster) ->
     assert m.get('ctxcache_forwarded_requests_total{method="GetContext"}', 0) >= 1
     assert m.get('ctxcache_forwarded_requests_total{method="FetchPages"}', 0) >= 1
     # The routing client reaches an owner directly and reads the same bytes.
-    rc = ctxcache.Client(cluster.uri)
+    rc = ctxcache.connect(cluster.uri)
     assert isinstance(rc, ctxcache.ClusterClient)
     owners = owners_of(ctx, rc.nodes(), R)
     assert sorted(o.node_id for o in owners) == holders(cluster, ctx)
@@ -105,7 +105,7 @@ def test_built_through_one_node_readable_through_every_node(cluster: Cluster) ->
 
 
 def test_pin_and_evict_are_cluster_wide(cluster: Cluster) -> None:
-    rc = ctxcache.Client(cluster.uri)
+    rc = ctxcache.connect(cluster.uri)
     ctx = rc.build(tokens=list(range(5, 105)), name="lifecycle").context.context_id
     settle(cluster, ctx)
     # Pin through a node that does not hold it: forwarded, recorded in etcd,
@@ -158,7 +158,7 @@ def _decode(session, steps: int, seed: int, on_step=None) -> List[List[List[int]
 
 
 def test_decode_session_through_a_node_without_the_context(cluster: Cluster) -> None:
-    rc = ctxcache.Client(cluster.uri)
+    rc = ctxcache.connect(cluster.uri)
     ctx = rc.build(tokens=[(i * 17) % 450 + 2 for i in range(200)]).context.context_id
     owners = settle(cluster, ctx)
     holder = next(n for n in cluster.nodes if n.name in owners)
@@ -174,7 +174,7 @@ def test_decode_session_through_a_node_without_the_context(cluster: Cluster) -> 
 
 def test_sigkill_owner_mid_session_continues_on_replica_then_rereplicates(
         cluster: Cluster) -> None:
-    rc = ctxcache.Client(cluster.uri)
+    rc = ctxcache.connect(cluster.uri)
     ctx = rc.build(tokens=[(i * 31) % 400 + 3 for i in range(250)],
                    name="failover").context.context_id
     settle(cluster, ctx)

@@ -25,7 +25,7 @@ def holders(cluster: Cluster, context_id: str) -> List[str]:
 def test_join_rebalances_to_new_owners(bin_dir: str, model_dir: str) -> None:
     c = Cluster(3, bin_dir, model_dir, extra=["--replicas", str(R), "--etcd-lease-ttl-s", "2"])
     try:
-        rc = ctxcache.Client(c.uri)
+        rc = ctxcache.connect(c.uri)
         ids = [rc.build(tokens=[(i * 13 + j) % 500 + 1 for i in range(64)]).context.context_id
                for j in range(12)]
         c.add_node()
@@ -49,7 +49,7 @@ def test_join_rebalances_to_new_owners(bin_dir: str, model_dir: str) -> None:
 def test_etcd_restart_keeps_reads_and_nodes_reregister(bin_dir: str, model_dir: str) -> None:
     c = Cluster(3, bin_dir, model_dir, extra=["--replicas", str(R), "--etcd-lease-ttl-s", "2"])
     try:
-        rc = ctxcache.Client(c.uri)
+        rc = ctxcache.connect(c.uri)
         ctx = rc.build(tokens=list(range(1, 120))).context.context_id
         wait_for(lambda: len(holders(c, ctx)) == R, 10, "R holders")
         c.etcd.stop()

@@ -54,7 +54,7 @@ def secured(bin_dir: str, model_dir: str, tmp_path_factory):
 
 def test_tenancy_survives_replication_and_forwarding(secured) -> None:
     c, keys = secured
-    alice = ctxcache.Client(c.uri, api_key=keys["alice"])
+    alice = ctxcache.connect(c.uri, api_key=keys["alice"])
     ctx = alice.build(tokens=list(range(1, 90)), name="alice-doc").context.context_id
     rc = ctxcache.ClusterClient(c.uri)
 
@@ -70,7 +70,7 @@ def test_tenancy_survives_replication_and_forwarding(secured) -> None:
         with pytest.raises(ctxcache.Unauthenticated):
             ctxcache.Client(n.address, api_key="ck_wrong", max_attempts=1).get(ctx)
     # The same prompt built by bob is another context (another id namespace).
-    bob_ctx = ctxcache.Client(c.uri, api_key=keys["bob"]).build(
+    bob_ctx = ctxcache.connect(c.uri, api_key=keys["bob"]).build(
         tokens=list(range(1, 90))).context.context_id
     assert bob_ctx != ctx
 

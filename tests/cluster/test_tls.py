@@ -59,7 +59,7 @@ def test_replication_and_forwarding_over_mutual_tls(bin_dir: str, model_dir: str
         "--tls-key", f"{d}/node.key", "--tls-client-ca", f"{d}/ca.pem", "--keys-file", keys,
         "--cluster-key-file", f"{d}/cluster.key", "--id-secret-file", f"{d}/ID_SECRET"])
     try:
-        ctx = ctxcache.Client(c.uri, api_key=builder, **tls).build(
+        ctx = ctxcache.connect(c.uri, api_key=builder, **tls).build(
             tokens=list(range(3, 150))).context.context_id
         rc = ctxcache.ClusterClient(c.uri)
 

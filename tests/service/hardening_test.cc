@@ -57,7 +57,7 @@ class HardeningTest : public ::testing::Test {
     return r->Finish();
   }
 
-  // A csa index with L = N/4 (alpha 0.25, the default before session 6): the
+  // A csa index with L = N/4 (alpha 0.25, the paper's, csa's default before 0.125): the
   // memory figures of the tests below assume its size, not the defaults'.
   static void AddCsa(v1::BuildContextRequest* req) {
     v1::IndexSpec* spec = req->add_indexes();

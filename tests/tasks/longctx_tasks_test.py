@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tests of the long-context task generator (model/train/longctx_tasks.py).
+"""Tests of the long-context task generator (evals/longctx_tasks.py).
 
 Run by ctest (longctx_tasks_generator) as
   python3 tests/tasks/longctx_tasks_test.py REPO_ROOT
@@ -11,7 +11,9 @@ import sys
 import unittest
 
 ROOT = sys.argv.pop(1) if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "model", "train"))
+sys.path.insert(0, os.path.join(ROOT, "evals"))
+# The var_track probes (var_track_layout.py, var_track_attention.py) are training tools.
+sys.path.insert(0, os.path.join(ROOT, "training"))
 import longctx_tasks as lt  # noqa: E402
 
 TOK = os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model")
@@ -121,9 +123,8 @@ class GeneratorTest(unittest.TestCase):
         # Every model since v2 is scored on the same held-out tasks (EVAL_SEED),
         # so the generator's draws must not move: these digests of var_track
         # tasks (and a training task's extra questions) were taken before the
-        # training-only chain-shape options existed (session 18; the value
-        # format, v2-v2.2's) and when the chain format became the default
-        # (session 20, v2.3).
+        # training-only chain-shape options existed (the value format,
+        # v2-v2.2's) and when the chain format became the default (v2.3).
         import hashlib
         import json
         for fmt, want in (("value", "f630b88f1801f92a824efc42d153a095cffa34af"),
@@ -343,7 +344,7 @@ class GeneratorTest(unittest.TestCase):
                     "tok = lt.Tokenizer(sys.argv[2]); pool = lt.DocumentPool(lt.read_docs("
                     "sys.argv[3:]), tok); print(json.dumps([t.to_json() for t in lt.generate("
                     "pool, tok, lt.FAMILIES, [2048], [0.2, 0.8], 2, lt.EVAL_SEED)]))")
-            r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "model", "train"),
+            r = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "evals"),
                                 TOK] + DOCS, env=dict(os.environ, PYTHONHASHSEED=hs),
                                stdout=subprocess.PIPE, check=True, text=True)
             outs.append(r.stdout)

@@ -12,7 +12,7 @@ root="$1"
 bin="$2"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-/usr/bin/python3 "$root/model/train/longctx_tasks.py" \
+/usr/bin/python3 "$root/evals/longctx_tasks.py" \
   --tok "$root/models/ctxcache-ref/tokenizer.model" \
   --docs "$root/tests/data/demo/vim_help.txt,$root/tests/data/demo/r_admin.txt,$root/tests/data/demo/linux_firmware_guide.txt,$root/tests/data/demo/document.txt" \
   --lengths 4096 --depths 0.1,0.9 --per-cell 2 --out "$work/tasks.jsonl"

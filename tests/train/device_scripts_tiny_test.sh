@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-machine scripts (model/train/device_run.sh, device_sweep.sh) end to
+# The GPU-machine scripts (training/device_run.sh, device_sweep.sh) end to
 # end on the CPU with their TINY=1 2-layer model, in a temp folder, from a
 # small corpus made of the demo documents: the dry run (prep, smoke test,
 # training, finish), a sweep round of device_sweep.sh's default variants (the
@@ -27,7 +27,7 @@ printf 'split\tname\tchars\nheldout\tpython3.11-doc/library#9\t%s\n' \
   "$(wc -c < "$demo/document.txt")" > "$C/docs.tsv"
 cp models/ctxcache-ref/tokenizer.model "$C/"
 export TINY=1
-W="$work/tiny" OUT="$work/tiny/out" bash model/train/device_run.sh dry > "$work/dry.log" 2>&1 ||
+W="$work/tiny" OUT="$work/tiny/out" bash training/device_run.sh dry > "$work/dry.log" 2>&1 ||
   { tail -30 "$work/dry.log"; exit 1; }
 grep -q "dry run passed" "$work/dry.log" || { tail -30 "$work/dry.log"; echo "no 'dry run passed'"; exit 1; }
 test -f "$work/tiny/out/pack.tar"
@@ -35,7 +35,7 @@ export R="$work/sweep" SWEEP_MORE="" STOP_AT=900 STAGE="$work/stage"
 mkdir -p "$STAGE"
 { cat "$demo/r_admin.txt"; printf '\x1e\n'; } | xz -1 > "$STAGE/train_extra.txt.xz"
 TUNE_INIT="$work/tiny/run/final" OUT="$work/o1" \
-  bash model/train/device_sweep.sh start > "$work/s1.log" 2>&1 || { tail -30 "$work/s1.log"; exit 1; }
+  bash training/device_sweep.sh start > "$work/s1.log" 2>&1 || { tail -30 "$work/s1.log"; exit 1; }
 best1=$(cat "$R/BEST")
 # The default variants' task flags reached train.py prep.
 names=$(grep -o '^started [a-z0-9]*' "$work/s1.log" | cut -d' ' -f2 | tr '\n' ' ')
@@ -58,7 +58,7 @@ test -f "$work/o1/packs.tar.xz" && test -f "$work/o1/$best1/small.tar"
 ls "$work/o1/$best1"/*.safetensors.xz > /dev/null
 # Round 2 on the same machine from round 1's pick, a variant reusing its name.
 TUNE_INIT=last-best OUT="$work/o2" VARIANTS="$best1||
-c||--lr 5e-4" bash model/train/device_sweep.sh start > "$work/s2.log" 2>&1 ||
+c||--lr 5e-4" bash training/device_sweep.sh start > "$work/s2.log" 2>&1 ||
   { tail -30 "$work/s2.log"; exit 1; }
 grep -q "TUNE_INIT=last-best: $best1's weights" "$work/s2.log"
 for n in "$best1" c; do
@@ -68,7 +68,7 @@ test "$(grep -c '^{"variant"' "$work/o2/summary16k.jsonl")" = 2
 # A fresh machine has no earlier round: exit 3 at once.
 set +e
 R="$work/fresh" TUNE_INIT=last-best OUT="$work/o3" VARIANTS="a||" \
-  bash model/train/device_sweep.sh start > "$work/s3.log" 2>&1
+  bash training/device_sweep.sh start > "$work/s3.log" 2>&1
 rc=$?
 set -e
 test "$rc" = 3 || { cat "$work/s3.log"; echo "fresh last-best: exit $rc, want 3"; exit 1; }

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""model/train/llama.py (the training model) against HF transformers' golden
+"""training/llama.py (the training model) against HF transformers' golden
 logits, and its checkpoint format.
 
   python3 tests/train/llama_test.py REPO_ROOT
@@ -17,7 +17,7 @@ try:
 except ImportError:
     print("torch is not installed; skipped")
     sys.exit(77)
-sys.path.insert(0, os.path.join(ROOT, "model", "train"))
+sys.path.insert(0, os.path.join(ROOT, "training"))
 import llama  # noqa: E402
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "golden")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The reference-model training pipeline (model/train/train.py, issue #17) on
+# The reference-model training pipeline (training/train.py, issue #17) on
 # CPU with a tiny config: prep (corpus tokenizing, training tasks, held-out
 # evaluation tasks), two resumed training chunks, eval (perplexity, sinks,
 # full-attention task accuracy). Checks that every stage runs and writes its
@@ -22,7 +22,7 @@ for f in vim_help r_admin linux_firmware_guide; do cat "$demo/$f.txt"; printf '\
   > "$work/corpus/train.txt"
 { cat "$demo/document.txt"; printf '\x1e\n'; } > "$work/corpus/heldout.txt"
 tok="$root/models/ctxcache-ref/tokenizer.model"
-T="$py $root/model/train/train.py"
+T="$py $root/training/train.py"
 $T prep --corpus "$work/corpus" --tok "$tok" --data "$work/data" --procs 2 \
   --tasks-per-length 10 --task-lengths 1024,2048 --eval-docs "$demo/document.txt" \
   --eval-lengths 1024,2048 --eval-depths 0.1,0.9 --eval-per-cell 1
@@ -39,8 +39,8 @@ grep -q '^{"resumed": {"step": 4,' "$work/chunk2.log"
 $T eval --device cpu --data "$work/data" --model "$work/run/final" --run "$work/run" \
   --out "$work/eval" --ppl-lengths 256,512 --eval-tokens 2048 --sink-len 256 --tok "$tok" \
   --task-limit 4 --sparse-new 8
-# The model card's tables from that eval.json (model/train/card_tables.py).
-"$py" "$root/model/train/card_tables.py" "$work/eval/eval.json" > "$work/card.md"
+# The model card's tables from that eval.json (training/card_tables.py).
+"$py" "$root/training/card_tables.py" "$work/eval/eval.json" > "$work/card.md"
 grep -q '^| 256 | ' "$work/card.md"   # perplexity at the eval's lengths
 grep -q '^| 1 | ' "$work/card.md"     # attention sinks of layer 1 (2 layers)
 grep -q '^| all | ' "$work/card.md"   # task accuracy by length
@@ -94,10 +94,10 @@ assert sf["context_tokens"] > 9000 and len(sf["per_prompt"]) == 6, sf
 assert 0 <= sf["agreement_min"] <= sf["agreement_mean"] <= 1 and sf["mean_kl"] >= 0, sf
 print("train_cpu_smoke: steps", s["steps"], "task rows", s["task_rows"], "of", s["rows"])
 PY
-# The miss diagnosis (model/train/diag_tasks.py): accuracy on three task sets
+# The miss diagnosis (training/diag_tasks.py): accuracy on three task sets
 # and, per miss, wrong binding vs copy drift. The 2-layer model misses nearly
 # everything, so every row of a miss must carry its diagnosis.
-"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu \
+"$py" "$root/training/diag_tasks.py" --model "$work/run/final" --device cpu \
   --train-docs "$work/corpus/train.txt" --heldout "$work/corpus/heldout.txt" \
   --lengths 1024 --per-cell 1 --limit 3 --out "$work/diag.json" > "$work/diag.log"
 "$py" - "$work/diag.json" <<'PY'
@@ -116,7 +116,7 @@ PY
 # --teacher-forced decides from one forward what greedy decoding decides token
 # by token: the same verdict, and for a miss the same first wrong position
 # (greedy's tokens before it are the answer's, so the prefixes agree there).
-"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
+"$py" "$root/training/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
   --lengths 1024 --per-cell 1 --limit 3 --out "$work/diag-tf.json" > "$work/diag-tf.log"
 "$py" - "$work/diag.json" "$work/diag-tf.json" <<'PY'
 import json, sys
@@ -129,7 +129,7 @@ for a, b in zip(g, t):
 print("diag_tasks --teacher-forced: same verdicts as greedy", [r["correct"] for r in t])
 PY
 # --families narrows every set to the named families; an unknown one is an error.
-"$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
+"$py" "$root/training/diag_tasks.py" --model "$work/run/final" --device cpu --teacher-forced \
   --families var_track,kv_table --lengths 1024 --per-cell 1 --limit 4 \
   --out "$work/diag-fam.json" > "$work/diag-fam.log"
 "$py" - "$work/diag-fam.json" <<'PY'
@@ -138,7 +138,7 @@ rows = next(v for k, v in json.load(open(sys.argv[1])).items() if k.endswith("|e
 assert len(rows) == 4 and {r["family"] for r in rows} == {"var_track", "kv_table"}, rows
 print("diag_tasks --families: ok")
 PY
-if "$py" "$root/model/train/diag_tasks.py" --model "$work/run/final" --device cpu \
+if "$py" "$root/training/diag_tasks.py" --model "$work/run/final" --device cpu \
     --families var_trak --out "$work/diag-bad.json" 2> "$work/diag-bad.err"; then
   echo "diag_tasks accepted an unknown family"; exit 1; fi
 grep -q "^--families: unknown var_trak" "$work/diag-bad.err"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""model/train/train.py's training loss and batches (issue #17, reference model
+"""training/train.py's training loss and batches (issue #17, reference model
 v2): the answer-token weighting, the alignment of the answer mask with the
 answer targets.
 
@@ -34,14 +34,15 @@ except ImportError as e:
     print(f"{e.name} is not installed; skipped")
     sys.exit(77)
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.join(ROOT, "model", "train"))
+sys.path.insert(0, os.path.join(ROOT, "training"))
+sys.path.insert(0, os.path.join(ROOT, "evals"))
 import longctx_tasks as lt  # noqa: E402
 import llama  # noqa: E402
 import train  # noqa: E402
 
 TOK = os.path.join(ROOT, "models", "ctxcache-ref", "tokenizer.model")
 DEMO = os.path.join(ROOT, "tests", "data", "demo")
-TRAIN_PY = os.path.join(ROOT, "model", "train", "train.py")
+TRAIN_PY = os.path.join(ROOT, "training", "train.py")
 
 
 def tiny_model(seed=0):

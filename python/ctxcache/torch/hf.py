@@ -449,7 +449,7 @@ class GpuPagePool:
         or dtype."""
         from ctxcache import errors
         from ctxcache import tensors as _t
-        from ctxcache.client import check_page_crcs, page_crc_error
+        from ctxcache.page_codec import check_page_crcs, page_crc_error
 
         dev = self.k.device
         n, (b, d) = len(wire), self.k.shape[1:]

@@ -54,7 +54,7 @@ SELECT_ALGO = os.environ.get("CTXCACHE_SELECT_ALGO", "radix")
 # Bits per radix digit, 5 to 8 (tl.histogram needs >= 32 bins). Its cost per
 # key grows with the bins (~log2(bins) + bins / 32 * (log2(bins) + 1) ops per
 # thread), so narrow digits can win despite more rounds. Default: 5 (the
-# sweep: docs/benchmarks.md, "Session 7"). Override: CTXCACHE_RADIX_BITS.
+# sweep: docs/benchmarks.md, "Narrow radix digits"). Override: CTXCACHE_RADIX_BITS.
 RADIX_BITS = int(os.environ.get("CTXCACHE_RADIX_BITS", "5"))
 # Programmatic dependent launch (compute capability >= 9): each kernel of a
 # decode step is launched while the one before it still runs and waits for
@@ -62,7 +62,7 @@ RADIX_BITS = int(os.environ.get("CTXCACHE_RADIX_BITS", "5"))
 # "1" on, "0" off, "auto" (default) on for steps of at most PDL_AUTO_ROWS
 # rows (batch x kv heads), where every kernel of the step is one wave; with
 # more rows the next grid's waiting programs take SM slots (measurements:
-# docs/benchmarks.md, "Session 7"). Override: CTXCACHE_PDL.
+# docs/benchmarks.md, "Narrow radix digits"). Override: CTXCACHE_PDL.
 PDL = os.environ.get("CTXCACHE_PDL", "auto")
 PDL_AUTO_ROWS = 16
 

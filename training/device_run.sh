@@ -143,18 +143,18 @@ PYEOF
 evalsaved_out() {  # tune's background evalsaved (EVAL_ALSO): its state, its files to $OUT
   [ -f $W/evalsaved.pid ] || return 0
   if [ "${1:-}" = wait ]; then
-    while kill -0 $(cat $W/evalsaved.pid) 2>/dev/null; do sleep 5; done; fi
+    while kill -0 "$(cat $W/evalsaved.pid)" 2>/dev/null; do sleep 5; done; fi
   if [ -f $W/evalsaved/card.md ]; then
     if [ -n "${OUT:-}" ] && [ ! -f $OUT/evalsaved/card.md ]; then
       mkdir -p $OUT && cp -r $W/evalsaved $OUT/ && echo "evalsaved: done, in \$OUT/evalsaved"; fi
-  elif kill -0 $(cat $W/evalsaved.pid) 2>/dev/null; then
+  elif kill -0 "$(cat $W/evalsaved.pid)" 2>/dev/null; then
     echo "evalsaved: running"; tail -2 $W/evalsaved.log | cut -c1-300
   else echo "evalsaved: failed"; tail -5 $W/evalsaved.log | cut -c1-300; fi
 }
 watch() {
   while [ $(( $(date +%s) - T0 )) -lt $STOP_AT ]; do
     if [ -f $W/run/DONE ]; then break; fi
-    if ! kill -0 $(cat $W/train.pid) 2>/dev/null; then
+    if ! kill -0 "$(cat $W/train.pid)" 2>/dev/null; then
       echo "training process is gone"; tail -30 $W/train.log; exit 1; fi
     sleep 15
   done
@@ -244,7 +244,7 @@ run_eval() {  # train.py eval with the flags every evaluation shares, then $@
 }
 do_finish() {
   while [ ! -f $W/run/DONE ]; do
-    kill -0 $(cat $W/train.pid) 2>/dev/null || { tail -30 $W/train.log; exit 1; }
+    kill -0 "$(cat $W/train.pid)" 2>/dev/null || { tail -30 $W/train.log; exit 1; }
     sleep 5
   done
   grep -v Warning $W/train.log | tail -2 | cut -c1-600
@@ -253,8 +253,10 @@ do_finish() {
   if have_hf; then
     $PY training/train.py hfcheck --model $F $DEV 2>&1 | grep -v Warn
   else echo "hfcheck skipped: no transformers here"; fi
+  unigram=()
+  [ -f $C/unigram_counts_train.npy ] && unigram=(--unigram-counts "$C/unigram_counts_train.npy")
   run_eval --data $W/data --model $F --run $W/run --out $W/eval --names $C/docs.tsv \
-    $([ -f $C/unigram_counts_train.npy ] && echo --unigram-counts $C/unigram_counts_train.npy)
+    "${unigram[@]}"
   # Chain binding without the recency cue (docs/history.md, run 12): 1-hop chains with
   # the other chain's value nearer the question; v2.2 answers 6 of 20 at 4K.
   if ! $PY training/var_track_attention.py --model $F --lengths $BIND_LENGTH --per-cell 4 \
@@ -312,7 +314,7 @@ watch) watch ;;
 progress) progress ;;
 unpack) unxz_dir $TUNE_INIT ;;
 resume)
-  if kill -0 $(cat $W/train.pid) 2>/dev/null; then echo "still running"; else start_training; fi
+  if kill -0 "$(cat $W/train.pid)" 2>/dev/null; then echo "still running"; else start_training; fi
   watch
   ;;
 finish) do_finish ;;

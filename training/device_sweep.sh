@@ -101,7 +101,7 @@ env_of() {  # the environment device_run.sh runs one variant with
 }
 run_for() {  # run_for NAME CMD: device_run.sh CMD for variant NAME
   local n=$1; shift
-  env W=$R/$n OUT=$R/$n/out CUDA_VISIBLE_DEVICES=$(gpu_of $n) \
+  env W=$R/$n OUT=$R/$n/out CUDA_VISIBLE_DEVICES="$(gpu_of $n)" \
     TUNE_TASK_MORE="$SWEEP_TASK_MORE $(field $n 2)" TUNE_MORE="$SWEEP_MORE $(field $n 3)" \
     bash training/device_run.sh "$@"
 }
@@ -195,7 +195,7 @@ do_start() {
     nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
     local gpus
     gpus=$(nvidia-smi -L | wc -l)
-    if [ $(names | wc -l) -gt $gpus ]; then
+    if [ "$(names | wc -l)" -gt $gpus ]; then
       echo "$(names | wc -l) variants for $gpus GPUs: one GPU each (VARIANTS)"; exit 2; fi
   fi
   # Once here (the init model, the carried held-out text), not in each
@@ -204,7 +204,7 @@ do_start() {
   local pids=""
   mkdir -p $R
   for n in $(names); do
-    rm -rf $R/$n $R/$n.*.log && mkdir -p $R/$n
+    rm -rf "${R:?}/$n" "$R/$n".*.log && mkdir -p $R/$n
     # STOP_AT=0: tune preps, starts the training in the background and returns.
     (STOP_AT=0 run_for $n tune > $R/$n.tune.log 2>&1) &
     pids="$pids $!"
@@ -269,7 +269,8 @@ do_take() {  # $OUT/NAME/: the xz'd shards (4), and small.tar with the rest
   # .part, then renamed: a call that ends mid-take (run 12's last call:
   # timeout_s only 25 s past STOP_AT) returns no shard that looks whole.
   for f in $R/$n/run/final/*.safetensors; do
-    xz -T0 -6 -c $f > $d/$(basename $f).xz.part && mv $d/$(basename $f).xz.part $d/$(basename $f).xz
+    b=$(basename $f)
+    xz -T0 -6 -c $f > $d/$b.xz.part && mv $d/$b.xz.part $d/$b.xz
   done
   cp $R/$n/run/final/config.json $R/$n/run/final/model.safetensors.index.json /tmp/take-$n/
   for f in tokenizer.model docs.tsv heldout.txt.xz unigram_counts.npy; do

@@ -20,6 +20,7 @@ Thread-safety: a Client may be shared by threads (one channel, many calls); a
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 import random
 import sys
@@ -295,8 +296,10 @@ class Client:
     Args:
         address: ``HOST:PORT`` of ctxcached (default ``127.0.0.1:7700``).
         timeout: deadline of each call attempt and of each session message, seconds.
-        max_attempts: attempts for calls failing with UNAVAILABLE (1 = no retry).
-        initial_backoff: first retry delay, seconds; doubled each attempt (cap 5 s).
+        max_attempts: attempts for idempotent calls failing with UNAVAILABLE
+            (1 = no retry; evict is never retried).
+        initial_backoff: bound of the first retry delay, seconds; doubled each
+            attempt (cap 5 s); each delay is drawn from [bound / 2, bound].
         max_message_bytes: largest gRPC message sent or received (default 16 MiB;
             the server's own limit is 8 MiB).
         options: extra gRPC channel options ``[(name, value), ...]``.
@@ -805,6 +808,12 @@ _STREAMING = {
     "ExtendContext": (False, True), "Decode": (True, True), "FetchIndex": (False, True),
     "FetchPages": (False, True), "WatchContexts": (False, True),
 }
+
+
+# inspect.signature(Client) would show __new__'s (address, *args, **kwargs):
+# give it __init__'s parameters, so help() and IDEs list the real ones.
+Client.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    list(inspect.signature(Client.__init__).parameters.values())[1:])
 
 
 def _make_stub(channel: grpc.Channel, service: str) -> Any:

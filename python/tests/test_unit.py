@@ -172,6 +172,16 @@ def test_token_ids_accept_python_and_numpy_integers(tokens) -> None:
     assert ids == [1, 2, 3] and all(type(t) is int for t in ids)
 
 
+# Regression: inspect.signature(ctxcache.Client) showed __new__'s
+# (address, *args, **kwargs).
+def test_client_signature_lists_its_parameters() -> None:
+    import inspect
+    params = inspect.signature(ctxcache.Client).parameters
+    assert list(params)[:3] == ["address", "timeout", "max_attempts"]
+    assert "api_key" in params and "args" not in params and "kwargs" not in params
+    assert params["timeout"].default == 30.0
+
+
 def test_crc32c_many_matches_one_at_a_time() -> None:
     from ctxcache.crc32c import crc32c, crc32c_many
     rng = np.random.default_rng(7)

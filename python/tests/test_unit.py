@@ -174,6 +174,18 @@ def test_token_ids_accept_python_and_numpy_integers(tokens) -> None:
 
 # Regression: inspect.signature(ctxcache.Client) showed __new__'s
 # (address, *args, **kwargs).
+def test_errors_subclass_the_matching_builtins() -> None:
+    nf = ctxcache.errors.error_for_code(grpc.StatusCode.NOT_FOUND, "no such context",
+                                        rpc="GetContext")
+    de = ctxcache.errors.error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, "late")
+    assert isinstance(nf, LookupError) and isinstance(nf, ctxcache.Error)
+    assert isinstance(de, TimeoutError) and isinstance(de, ctxcache.Error)
+    assert str(nf) == "NOT_FOUND: GetContext: no such context"
+    assert nf.message == "no such context" and de.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(LookupError):
+        raise nf
+
+
 def test_client_signature_lists_its_parameters() -> None:
     import inspect
     params = inspect.signature(ctxcache.Client).parameters

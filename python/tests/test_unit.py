@@ -186,6 +186,27 @@ def test_errors_subclass_the_matching_builtins() -> None:
         raise nf
 
 
+# protoc 3.20+ writes .pyi stubs of the messages (--pyi_out): the build installs
+# them next to the modules, so type checkers see fields instead of Any.
+def test_message_type_stubs_are_installed() -> None:
+    import importlib
+    import os
+    import re
+    import shutil
+    import subprocess
+    protoc = shutil.which("protoc")
+    if not protoc:
+        pytest.skip("no protoc on PATH")
+    out = subprocess.run([protoc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"(\d+)\.(\d+)", out)
+    if not m or (int(m.group(1)), int(m.group(2))) < (3, 20):
+        pytest.skip(f"protoc without --pyi_out: {out.strip()}")
+    mod = importlib.import_module("ctxcache.v1.ctxcache_service_pb2")
+    pyi = os.path.splitext(mod.__file__)[0] + ".pyi"
+    assert os.path.isfile(pyi), pyi
+    assert "class BuildContextRequest(" in open(pyi).read()
+
+
 def test_client_signature_lists_its_parameters() -> None:
     import inspect
     params = inspect.signature(ctxcache.Client).parameters

@@ -50,6 +50,15 @@ class ClientImpl final : public Client {
     });
   }
 
+  // One attempt, for calls that are not idempotent.
+  template <typename Fn>
+  grpc::Status Once(Fn fn) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(options_.timeout_s));
+    internal::AddCallCredentials(options_, &ctx);
+    return fn(&ctx);
+  }
+
   std::string Unreachable(const grpc::Status& s) const {
     return "cannot reach ctxcached at " + options_.server + " (" + s.error_message() + ")";
   }
@@ -116,7 +125,9 @@ class ClientImpl final : public Client {
     v1::EvictContextRequest req;
     req.set_context_id(id);
     v1::EvictContextResponse resp;
-    auto s = WithRetry([&](grpc::ClientContext* c) { return admin_->EvictContext(c, req, &resp); });
+    // Not retried: a retry after an eviction that reached the server would
+    // fail with NOT_FOUND.
+    auto s = Once([&](grpc::ClientContext* c) { return admin_->EvictContext(c, req, &resp); });
     if (!s.ok()) return Convert(s, "EvictContext");
     return resp;
   }

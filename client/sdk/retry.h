@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -32,10 +33,18 @@ bool IsUnavailable(const StatusOr<T>& s) {
   return !s.ok() && s.status().code() == StatusCode::kUnavailable;
 }
 
+// A delay in [bound / 2, bound], uniformly: clients that failed together do
+// not retry together.
+inline double JitteredBackoff(double bound) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return std::uniform_real_distribution<double>(bound / 2, bound)(rng);
+}
+
 // Runs attempt() until it returns something other than UNAVAILABLE, at most
-// options.max_attempts times (at least once), sleeping
-// options.initial_backoff_s between tries, doubled each time up to 5 s.
-// Returns the last result.
+// options.max_attempts times (at least once), sleeping JitteredBackoff(b)
+// between tries, b = options.initial_backoff_s doubled each time up to 5 s.
+// Only for idempotent calls (EvictContext is not retried). Returns the last
+// result.
 template <typename Fn>
 auto RetryUnavailable(const ClientOptions& options, Fn attempt) -> decltype(attempt()) {
   double backoff = options.initial_backoff_s;
@@ -43,7 +52,8 @@ auto RetryUnavailable(const ClientOptions& options, Fn attempt) -> decltype(atte
   for (int i = 1;; ++i) {
     auto result = attempt();
     if (!IsUnavailable(result) || i >= attempts) return result;
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<int64_t>(backoff * 1e6)));
+    std::this_thread::sleep_for(
+        std::chrono::microseconds(static_cast<int64_t>(JitteredBackoff(backoff) * 1e6)));
     backoff = std::min(5.0, backoff * 2);
   }
 }

@@ -4,11 +4,13 @@ Semantics follow the C++ SDK (client/include/ctxcache/client.h):
 
 * every unary call and every stream has a deadline (``timeout`` seconds per
   attempt; builds, extends and ingests get ``max(timeout, 3600)``);
-* calls failing with UNAVAILABLE (server down, restarting or draining) are
-  retried ``max_attempts`` times in all, sleeping ``initial_backoff`` seconds
-  before the first retry, doubled each time up to 5 s (client/sdk/retry.h);
-  ``ingest`` (its request stream cannot be replayed) and ``watch`` are not
-  retried;
+* idempotent calls failing with UNAVAILABLE (server down, restarting or
+  draining) are retried ``max_attempts`` times in all, sleeping between half
+  and all of ``initial_backoff`` seconds before the first retry (jitter, so
+  clients that failed together do not retry together), the bound doubled each
+  time up to 5 s (client/sdk/retry.h); ``evict`` (a retry after an eviction
+  that reached the server would fail with NOT_FOUND), ``ingest`` (its request
+  stream cannot be replayed) and ``watch`` are not retried;
 * every page and index artifact received is checked against its crc32c
   (:class:`ctxcache.DataLoss` on mismatch);
 * errors raise one exception class per status code (:mod:`ctxcache.errors`).
@@ -18,7 +20,9 @@ Thread-safety: a Client may be shared by threads (one channel, many calls); a
 """
 from __future__ import annotations
 
+import inspect
 import numbers
+import random
 import sys
 import os
 import time
@@ -292,8 +296,10 @@ class Client:
     Args:
         address: ``HOST:PORT`` of ctxcached (default ``127.0.0.1:7700``).
         timeout: deadline of each call attempt and of each session message, seconds.
-        max_attempts: attempts for calls failing with UNAVAILABLE (1 = no retry).
-        initial_backoff: first retry delay, seconds; doubled each attempt (cap 5 s).
+        max_attempts: attempts for idempotent calls failing with UNAVAILABLE
+            (1 = no retry; evict is never retried).
+        initial_backoff: bound of the first retry delay, seconds; doubled each
+            attempt (cap 5 s); each delay is drawn from [bound / 2, bound].
         max_message_bytes: largest gRPC message sent or received (default 16 MiB;
             the server's own limit is 8 MiB).
         options: extra gRPC channel options ``[(name, value), ...]``.
@@ -384,23 +390,26 @@ class Client:
                                       rpc=rpc)
         return errors.from_rpc_error(e, rpc)
 
-    def _retry(self, rpc: str, attempt: Callable[[], T]) -> T:
+    def _retry(self, rpc: str, attempt: Callable[[], T], idempotent: bool = True) -> T:
         """Runs attempt() until it fails with something other than UNAVAILABLE,
-        at most max_attempts times, with exponential backoff (client/sdk/retry.h)."""
+        at most max_attempts times (once unless ``idempotent``), with jittered
+        exponential backoff (client/sdk/retry.h)."""
         backoff = self.initial_backoff
-        for i in range(1, self.max_attempts + 1):
+        attempts = self.max_attempts if idempotent else 1
+        for i in range(1, attempts + 1):
             try:
                 return attempt()
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE and i < self.max_attempts:
-                    time.sleep(backoff)
+                if e.code() == grpc.StatusCode.UNAVAILABLE and i < attempts:
+                    time.sleep(random.uniform(backoff / 2, backoff))
                     backoff = min(_MAX_BACKOFF_S, backoff * 2)
                     continue
                 raise self._convert(e, rpc) from None
         raise AssertionError("unreachable")
 
-    def _unary(self, rpc: str, method: Callable[..., T], request: Any) -> T:
-        return self._retry(rpc, lambda: method(request, timeout=self.timeout))
+    def _unary(self, rpc: str, method: Callable[..., T], request: Any,
+               idempotent: bool = True) -> T:
+        return self._retry(rpc, lambda: method(request, timeout=self.timeout), idempotent)
 
     def _stream(self, rpc: str, method: Callable[..., Any], request: Any,
                 consume: Callable[[Iterator[Any]], T], timeout: Optional[float] = None) -> T:
@@ -667,7 +676,7 @@ class Client:
         """Deletes a context now, or when its last session closes (``deferred``).
         Pinned contexts and parents: :class:`ctxcache.FailedPrecondition`."""
         return self._unary("EvictContext", self._admin.EvictContext,
-                           pb.EvictContextRequest(context_id=context_id))
+                           pb.EvictContextRequest(context_id=context_id), idempotent=False)
 
     def pin(self, context_id: str, pinned: bool = True) -> "pb.ContextInfo":
         """Pins (never evicted) or, with ``pinned=False``, unpins a context."""
@@ -796,6 +805,12 @@ _STREAMING = {
     "ExtendContext": (False, True), "Decode": (True, True), "FetchIndex": (False, True),
     "FetchPages": (False, True), "WatchContexts": (False, True),
 }
+
+
+# inspect.signature(Client) would show __new__'s (address, *args, **kwargs):
+# give it __init__'s parameters, so help() and IDEs list the real ones.
+Client.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    list(inspect.signature(Client.__init__).parameters.values())[1:])
 
 
 def _make_stub(channel: grpc.Channel, service: str) -> Any:

@@ -1,4 +1,6 @@
-"""Exceptions: one class per gRPC status code, all subclasses of :class:`Error`.
+"""Exceptions: one class per gRPC status code, all subclasses of :class:`Error`;
+:class:`NotFound` is also a :class:`LookupError` and :class:`DeadlineExceeded`
+a :class:`TimeoutError`, so code written against the built-ins catches them.
 
 Every failed call raises the class of its status code, carrying the server's
 message (``.message``), the code (``.code``, a :class:`grpc.StatusCode`) and
@@ -85,14 +87,15 @@ class InvalidArgument(Error):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class DeadlineExceeded(Error):
-    """DEADLINE_EXCEEDED: the call's deadline (``Client(timeout=...)``) passed."""
+class DeadlineExceeded(Error, TimeoutError):
+    """DEADLINE_EXCEEDED: the call's deadline (``Client(timeout=...)``) passed.
+    Also a :class:`TimeoutError`."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-class NotFound(Error):
-    """NOT_FOUND: unknown context or model."""
+class NotFound(Error, LookupError):
+    """NOT_FOUND: unknown context or model. Also a :class:`LookupError`."""
 
     code = grpc.StatusCode.NOT_FOUND
 

@@ -53,6 +53,7 @@ class Admin:
     def __init__(self) -> None:
         self.unavailable_left = 0
         self.stats_calls = 0
+        self.evict_calls = 0
 
     def GetStats(self, request, context):
         self.stats_calls += 1
@@ -60,6 +61,10 @@ class Admin:
             self.unavailable_left -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
         return pb.ServerStats(version="fake", n_contexts=3)
+
+    def EvictContext(self, request, context):
+        self.evict_calls += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
 
     def GetContext(self, request, context):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tenant may not read {request.context_id}")
@@ -186,6 +191,28 @@ def test_unavailable_is_retried_exactly_max_attempts_times(fake) -> None:
     with pytest.raises(ctxcache.Unavailable, match="warming up"):
         client.stats()
     assert admin.stats_calls == client.max_attempts == 5
+    admin.unavailable_left = 0
+
+
+# Regression: evict was retried on UNAVAILABLE, so an eviction that reached the
+# server before the connection dropped came back as NOT_FOUND.
+def test_evict_is_not_retried(fake) -> None:
+    client, admin = fake
+    with pytest.raises(ctxcache.Unavailable, match="draining"):
+        client.evict(CID)
+    assert admin.evict_calls == 1
+
+
+def test_retry_sleeps_are_jittered_within_the_backoff(fake, monkeypatch) -> None:
+    client, admin = fake
+    slept: List[float] = []
+    import importlib
+    monkeypatch.setattr(importlib.import_module("ctxcache.client").time, "sleep", slept.append)
+    admin.unavailable_left, admin.stats_calls = 4, 0
+    client.stats()
+    bounds = [client.initial_backoff * 2 ** i for i in range(4)]
+    assert len(slept) == 4 and all(b / 2 <= s <= b for s, b in zip(slept, bounds)), slept
+    assert slept != bounds  # jittered, not the bounds themselves
     admin.unavailable_left = 0
 
 

@@ -172,6 +172,49 @@ def test_token_ids_accept_python_and_numpy_integers(tokens) -> None:
     assert ids == [1, 2, 3] and all(type(t) is int for t in ids)
 
 
+# Regression: inspect.signature(ctxcache.Client) showed __new__'s
+# (address, *args, **kwargs).
+def test_errors_subclass_the_matching_builtins() -> None:
+    nf = ctxcache.errors.error_for_code(grpc.StatusCode.NOT_FOUND, "no such context",
+                                        rpc="GetContext")
+    de = ctxcache.errors.error_for_code(grpc.StatusCode.DEADLINE_EXCEEDED, "late")
+    assert isinstance(nf, LookupError) and isinstance(nf, ctxcache.Error)
+    assert isinstance(de, TimeoutError) and isinstance(de, ctxcache.Error)
+    assert str(nf) == "NOT_FOUND: GetContext: no such context"
+    assert nf.message == "no such context" and de.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(LookupError):
+        raise nf
+
+
+# protoc 3.20+ writes .pyi stubs of the messages (--pyi_out): the build installs
+# them next to the modules, so type checkers see fields instead of Any.
+def test_message_type_stubs_are_installed() -> None:
+    import importlib
+    import os
+    import re
+    import shutil
+    import subprocess
+    protoc = shutil.which("protoc")
+    if not protoc:
+        pytest.skip("no protoc on PATH")
+    out = subprocess.run([protoc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"(\d+)\.(\d+)", out)
+    if not m or (int(m.group(1)), int(m.group(2))) < (3, 20):
+        pytest.skip(f"protoc without --pyi_out: {out.strip()}")
+    mod = importlib.import_module("ctxcache.v1.ctxcache_service_pb2")
+    pyi = os.path.splitext(mod.__file__)[0] + ".pyi"
+    assert os.path.isfile(pyi), pyi
+    assert "class BuildContextRequest(" in open(pyi).read()
+
+
+def test_client_signature_lists_its_parameters() -> None:
+    import inspect
+    params = inspect.signature(ctxcache.Client).parameters
+    assert list(params)[:3] == ["address", "timeout", "max_attempts"]
+    assert "api_key" in params and "args" not in params and "kwargs" not in params
+    assert params["timeout"].default == 30.0
+
+
 def test_crc32c_many_matches_one_at_a_time() -> None:
     from ctxcache.crc32c import crc32c, crc32c_many
     rng = np.random.default_rng(7)

@@ -7,8 +7,10 @@
 
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 
+#include "client/sdk/retry.h"
 #include "client/worker/decode_worker.h"
 #include "ctxcache/client.h"
 #include "model/model.h"
@@ -412,6 +414,19 @@ TEST(SdkTest, RetriesAcrossAServerRestart) {
   so.method = "streaming";
   auto session = client->OpenSession(so);
   EXPECT_TRUE(session.ok()) << session.status().ToString();
+}
+
+// Retry delays are jittered within [bound / 2, bound], so clients that failed
+// together do not retry in lock step.
+TEST(SdkTest, RetryBackoffIsJitteredWithinItsBound) {
+  std::set<double> seen;
+  for (int i = 0; i < 64; ++i) {
+    const double d = client::internal::JitteredBackoff(0.4);
+    EXPECT_GE(d, 0.2);
+    EXPECT_LE(d, 0.4);
+    seen.insert(d);
+  }
+  EXPECT_GT(seen.size(), 1u);
 }
 
 TEST(SdkTest, UnreachableServerIsUnavailableAfterRetries) {

@@ -39,9 +39,11 @@ struct ClientOptions {
   uint32_t cluster_replicas = 2;
   // Deadline of each unary call and of each session message, seconds. Default: 30.
   double timeout_s = 30.0;
-  // Attempts for calls failing with UNAVAILABLE (1 = no retry). Default: 5.
+  // Attempts for idempotent calls failing with UNAVAILABLE (1 = no retry;
+  // Evict is never retried). Default: 5.
   int max_attempts = 5;
-  // First retry delay, doubled each attempt (capped at 5 s). Default: 0.1 s.
+  // Bound of the first retry delay, doubled each attempt (capped at 5 s);
+  // each delay is drawn uniformly from [bound / 2, bound]. Default: 0.1 s.
   double initial_backoff_s = 0.1;
   // Max gRPC message size received, bytes. Default: 16 MiB.
   int max_message_bytes = 16 << 20;

@@ -20,7 +20,6 @@ Thread-safety: a Client may be shared by threads (one channel, many calls); a
 """
 from __future__ import annotations
 
-import inspect
 import numbers
 import random
 import sys
@@ -805,12 +804,6 @@ _STREAMING = {
     "ExtendContext": (False, True), "Decode": (True, True), "FetchIndex": (False, True),
     "FetchPages": (False, True), "WatchContexts": (False, True),
 }
-
-
-# inspect.signature(Client) would show __new__'s (address, *args, **kwargs):
-# give it __init__'s parameters, so help() and IDEs list the real ones.
-Client.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    list(inspect.signature(Client.__init__).parameters.values())[1:])
 
 
 def _make_stub(channel: grpc.Channel, service: str) -> Any:

@@ -11,12 +11,10 @@
 #include "service/grpc_status.h"
 #include "service/rpc_metrics.h"
 #include "service/wire.h"
+#include "common/version.h"
 #include "storage/context_reader.h"
 #include "storage/context_writer.h"
 
-#ifndef CTXCACHE_VERSION
-#define CTXCACHE_VERSION "0.0.0"
-#endif
 
 namespace ctxcache::service {
 
@@ -643,14 +641,14 @@ grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::
       // Non-admins see their own tenant only: nothing about other tenants'
       // contexts (counts and bytes would leak their activity).
       TenantUsage u = ctx_->quotas->Usage(rpc.principal().tenant);
-      response->set_version(CTXCACHE_VERSION);
+      response->set_version(std::string(Version()));
       response->set_n_contexts(u.contexts);
       response->set_stored_bytes(u.stored_bytes);
       for (const auto& m : ctx_->models.Available()) response->add_models(m);
       return rpc.Finish(grpc::Status::OK);
     }
     storage::StoreStats st = ctx_->store->GetStats();
-    response->set_version(CTXCACHE_VERSION);
+    response->set_version(std::string(Version()));
     response->set_uptime_s(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_->start_time).count());
     response->set_n_contexts(st.ready_contexts);

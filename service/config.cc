@@ -3,19 +3,10 @@
 #include <CLI/CLI.hpp>
 #include <sstream>
 
-#ifndef CTXCACHE_VERSION
-#define CTXCACHE_VERSION "0.0.0"
-#endif
-#ifndef CTXCACHE_GIT_REVISION
-#define CTXCACHE_GIT_REVISION "unknown"
-#endif
+#include "common/version.h"
+
 
 namespace ctxcache::service {
-
-std::string VersionString(const char* program) {
-  return std::string(program) + " " + CTXCACHE_VERSION + " (revision " + CTXCACHE_GIT_REVISION +
-         ")";
-}
 
 std::string ServerConfig::ToToml() const {
   std::ostringstream os;

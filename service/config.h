@@ -181,10 +181,7 @@ struct ServerConfig {
 
 // Parses argv (and --config FILE if given). On --help or --version returns
 // a CANCELLED status whose message is the text to print (the help, or
-// VersionString("ctxcached")).
+// ctxcache::VersionString("ctxcached"), common/version.h).
 StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv);
-
-// "<program> <version> (revision <git revision>)", as --version prints it.
-std::string VersionString(const char* program);
 
 }  // namespace ctxcache::service

@@ -23,6 +23,7 @@
 #include <cctype>
 
 #include "common/logging.h"
+#include "common/version.h"
 #include "grpc/health/v1/health.pb.h"
 #include "service/access.h"
 #include "service/admin_service.h"
@@ -33,12 +34,6 @@
 #include "service/service_context.h"
 #include "storage/store.h"
 
-#ifndef CTXCACHE_VERSION
-#define CTXCACHE_VERSION "0.0.0"
-#endif
-#ifndef CTXCACHE_GIT_REVISION
-#define CTXCACHE_GIT_REVISION "unknown"
-#endif
 
 namespace ctxcache::service {
 
@@ -429,7 +424,7 @@ class ServerImpl {
   void RegisterServerMetrics() {
     auto& m = ctx_.metrics;
     m.GetGauge("ctxcache_build_info", "Build information (value 1); version and revision in labels",
-               {{"version", CTXCACHE_VERSION}, {"revision", CTXCACHE_GIT_REVISION}})
+               {{"version", std::string(Version())}, {"revision", std::string(GitRevision())}})
         ->Set(1);
     m.AddCallbackGauge("ctxcache_uptime_seconds", "Seconds since ctxcached started", [this] {
       return std::chrono::duration<double>(std::chrono::steady_clock::now() - ctx_.start_time)
@@ -562,8 +557,9 @@ int RunCtxcached(int argc, char** argv) {
   sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  std::fprintf(stderr, "ctxcached %s (%s) effective config:\n%s", CTXCACHE_VERSION,
-               CTXCACHE_GIT_REVISION, config->ToToml().c_str());
+  std::fprintf(stderr, "ctxcached %s (%s) effective config:\n%s",
+               std::string(Version()).c_str(), std::string(GitRevision()).c_str(),
+               config->ToToml().c_str());
   Server server(*config);
   if (Status s = server.Start(); !s.ok()) {
     spdlog::error("{}", s.ToString());

@@ -10,19 +10,10 @@
 #include "client/cli/health_command.h"
 #include "client/cli/keys_command.h"
 #include "client/cli/tokenize_command.h"
+#include "common/version.h"
 
-#ifndef CTXCACHE_VERSION
-#define CTXCACHE_VERSION "0.0.0"
-#endif
-#ifndef CTXCACHE_GIT_REVISION
-#define CTXCACHE_GIT_REVISION "unknown"
-#endif
 
 namespace ctxcache::cli {
-
-std::string VersionString() {
-  return std::string("ctxcache ") + CTXCACHE_VERSION + " (revision " + CTXCACHE_GIT_REVISION + ")";
-}
 
 namespace {
 
@@ -80,7 +71,8 @@ int RunCli(int argc, char** argv) {
   GlobalOptions global;
   AddConnectionFlags(&app, &global, /*with_env=*/true);
   AddOutputFlags(&app, &global, /*with_env=*/true);
-  app.set_version_flag("--version", VersionString(), "Print the version and exit");
+  app.set_version_flag("--version", ctxcache::VersionString("ctxcache"),
+                       "Print the version and exit");
   app.footer(kFooter);
   app.require_subcommand(1);
 

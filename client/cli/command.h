@@ -51,7 +51,4 @@ class Command {
 // Entry point of the CLI (the 3-line main calls this).
 int RunCli(int argc, char** argv);
 
-// "ctxcache <version> (revision <git revision>)", as --version prints it.
-std::string VersionString();
-
 }  // namespace ctxcache::cli

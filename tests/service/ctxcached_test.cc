@@ -21,6 +21,20 @@ using testing::HttpGet;
 using testing::ServerProcess;
 using testing::TempDir;
 
+// The health status of `service` on `server` (a fresh channel, 5 s deadline).
+grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(const ServerProcess& server,
+                                                              const std::string& service) {
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return resp.status();
+}
 
 class CtxcachedTest : public ::testing::Test {
  protected:
@@ -31,15 +45,7 @@ class CtxcachedTest : public ::testing::Test {
   }
 
   grpc::health::v1::HealthCheckResponse::ServingStatus Health(const std::string& service) {
-    auto stub = grpc::health::v1::Health::NewStub(channel_);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest req;
-    req.set_service(service);
-    grpc::health::v1::HealthCheckResponse resp;
-    grpc::Status s = stub->Check(&ctx, req, &resp);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    return resp.status();
+    return HealthOf(server_, service);
   }
 
   TempDir tmp_;
@@ -242,20 +248,6 @@ TEST(CtxcachedFlagsTest, StreamPastMaxStreamsPerConnectionFailsFast) {
   EXPECT_TRUE(fourth.OpenUnknown(stub.get()));
   EXPECT_TRUE(second.Close().ok());
   EXPECT_TRUE(fourth.Close().ok());
-}
-
-grpc::health::v1::HealthCheckResponse::ServingStatus HealthOf(const ServerProcess& server,
-                                                              const std::string& service) {
-  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
-  auto stub = grpc::health::v1::Health::NewStub(channel);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::health::v1::HealthCheckRequest req;
-  req.set_service(service);
-  grpc::health::v1::HealthCheckResponse resp;
-  grpc::Status s = stub->Check(&ctx, req, &resp);
-  EXPECT_TRUE(s.ok()) << s.error_message();
-  return resp.status();
 }
 
 // Regression: a missing or empty --model-dir reported SERVING with no word.

@@ -567,6 +567,10 @@ class NativeClient(_Owned):
         """A decode session on a context with ``method`` and session ``params``
         (docs/api.md): the C++ session core here over the fetched index
         (``client_mode``), or on the server."""
+        for k, v in (params or {}).items():
+            if not str(k) or any(c in str(k) for c in ";=") or ";" in str(v):
+                raise errors.InvalidArgument(f"params: {k!r}={v!r}: keys must be non-empty "
+                                             "without ';' or '=', values without ';'")
         text = ";".join(f"{k}={v}" for k, v in (params or {}).items())
         shape = self.context(context_id)
         h = ctypes.c_void_p()

@@ -5,7 +5,6 @@ buffers are refused naming the field with nothing written; a corrupted page
 is DataLoss; index fetches equal the gRPC client's."""
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import subprocess
@@ -295,11 +294,9 @@ def test_session_core_through_the_library_equals_the_server_with_appends(
 
 
 def test_session_params_are_checked(nc, all_methods):
-    lib = native.load_library()
-    h = ctypes.c_void_p()
-    with pytest.raises(ctxcache.InvalidArgument, match='params: expected key=value.*"rho"'):
-        native._call("Decode", lib.ctxcache_session_open, nc._live(),
-                     all_methods.context_id.encode(), b"quest", b"rho", 1, ctypes.byref(h))
-    assert not h.value
+    # The separator inside a value would split it: refused, naming the pair
+    # (the library's own check of the string is in c_api_test).
+    with pytest.raises(ctxcache.InvalidArgument, match="params: 'rho'='0.1;x'"):
+        nc.open_session(all_methods.context_id, "quest", {"rho": "0.1;x"})
     with pytest.raises(ctxcache.InvalidArgument, match="rho"):
         nc.open_session(all_methods.context_id, "quest", {"rho": "2.5"})

@@ -147,7 +147,7 @@ def split_batch(b: int, k: int) -> list:
 
 
 @torch.no_grad()
-def fidelity(model, dense, sparse_by_period: dict, n: int, steps: int, first: int) -> dict:
+def fidelity(model, dense, sparse_by_name: dict, n: int, steps: int, first: int) -> dict:
     """Teacher-forced on dense's greedy continuation: per period, agreement of
     the argmax with dense's and mean KL(dense || sparse) per token."""
     b = dense.batch
@@ -161,7 +161,7 @@ def fidelity(model, dense, sparse_by_period: dict, n: int, steps: int, first: in
         ref.append(torch.log_softmax(sd.logits, dim=-1))
         teacher.append(sd.tokens.clone())
     out = {}
-    for name, sparse in sparse_by_period.items():
+    for name, sparse in sparse_by_name.items():
         ss = LlamaStepper(model, sparse, b, keep_logits=True)
         ss.position.fill_(n)
         sparse.reset()

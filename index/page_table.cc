@@ -95,14 +95,19 @@ StatusOr<std::vector<PageTable>> BuildPageTables(
   return tables;
 }
 
-int64_t PageBudget(double fraction, int64_t n_tokens, int page_size) {
-  const int64_t pages = (n_tokens + page_size - 1) / std::max(1, page_size);
-  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(fraction * pages)));
+int64_t PageBudget(double fraction, int64_t n_tokens, int page_size, int64_t min_tokens) {
+  const int64_t b = std::max(1, page_size);
+  const int64_t pages = (n_tokens + b - 1) / b;
+  const int64_t floor_pages = (std::max<int64_t>(0, min_tokens) + b - 1) / b;
+  const int64_t budget =
+      std::max({int64_t{1}, static_cast<int64_t>(std::ceil(fraction * pages)), floor_pages});
+  return std::max<int64_t>(1, std::min(budget, pages));
 }
 
 StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
     const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
-    int64_t max_pages, int recent_blocks, const std::vector<std::vector<float>>* logits) {
+    int64_t max_pages, int recent_blocks, const std::vector<std::vector<float>>* logits,
+    PageRank rank) {
   if (max_pages < 1) return InvalidArgumentError("page cap: max_pages must be >= 1");
   if (page_size < 1) return InvalidArgumentError("page cap: page_size must be >= 1");
   const int64_t n_pages = (n_tokens + page_size - 1) / page_size;
@@ -112,15 +117,29 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
       if (id >= 0 && id < n_tokens) count[id / page_size]++;
     }
   }
-  // With logit estimates for every head: rank by the estimated softmax mass
-  // (over each head's selection) that falls in the page, summed over heads.
-  bool use_mass = logits != nullptr && logits->size() == per_q_head.size();
-  for (size_t h = 0; use_mass && h < per_q_head.size(); ++h) {
-    use_mass = (*logits)[h].size() == per_q_head[h].size();
+  bool has_logits = logits != nullptr && logits->size() == per_q_head.size();
+  for (size_t h = 0; has_logits && h < per_q_head.size(); ++h) {
+    has_logits = (*logits)[h].size() == per_q_head[h].size();
   }
-  std::vector<double> mass;
-  if (use_mass) {
-    mass.assign(static_cast<size_t>(n_pages), 0.0);
+  if (rank == PageRank::kAuto || !has_logits) {
+    rank = has_logits ? PageRank::kMass : PageRank::kVotes;
+  }
+  // The score a page is ranked by: votes, summed softmax mass or best logit.
+  std::vector<double> score(static_cast<size_t>(n_pages), 0.0);
+  if (rank == PageRank::kVotes) {
+    for (int64_t p = 0; p < n_pages; ++p) score[p] = static_cast<double>(count[p]);
+  } else if (rank == PageRank::kMax) {
+    std::fill(score.begin(), score.end(), -std::numeric_limits<double>::infinity());
+    for (size_t h = 0; h < per_q_head.size(); ++h) {
+      const auto& lg = (*logits)[h];
+      for (size_t i = 0; i < lg.size(); ++i) {
+        const int32_t id = per_q_head[h][i];
+        if (id >= 0 && id < n_tokens) {
+          score[id / page_size] = std::max(score[id / page_size], static_cast<double>(lg[i]));
+        }
+      }
+    }
+  } else {
     for (size_t h = 0; h < per_q_head.size(); ++h) {
       const auto& lg = (*logits)[h];
       float mx = -std::numeric_limits<float>::infinity();
@@ -131,7 +150,7 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
       for (size_t i = 0; i < lg.size(); ++i) {
         const int32_t id = per_q_head[h][i];
         if (id >= 0 && id < n_tokens)
-          mass[id / page_size] += std::exp(static_cast<double>(lg[i] - mx)) / z;
+          score[id / page_size] += std::exp(static_cast<double>(lg[i] - mx)) / z;
       }
     }
   }
@@ -142,14 +161,13 @@ StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
   for (int64_t p = 0; p < n_pages; ++p) {
     if (!keep[p] && count[p] > 0) order.push_back(p);
   }
-  if (use_mass) {
-    std::sort(order.begin(), order.end(),
-              [&](int64_t a, int64_t b) { return mass[a] != mass[b] ? mass[a] > mass[b] : a > b; });
-  } else {
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return count[a] != count[b] ? count[a] > count[b] : a > b;
-    });
-  }
+  // Ties: the later page, except by max, which breaks them as Quest ranks a
+  // head's pages (the lower page).
+  const bool lower_first = rank == PageRank::kMax;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    if (score[a] != score[b]) return score[a] > score[b];
+    return lower_first ? a < b : a > b;
+  });
   for (size_t i = 0; i < order.size() && static_cast<int64_t>(i) < max_pages; ++i) {
     keep[order[i]] = 1;
   }

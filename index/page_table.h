@@ -70,25 +70,42 @@ int64_t PageTokens(int32_t page, int page_size, int64_t n_tokens);
 // Sum of selected over sum of fetched tokens across `tables`.
 double PageEfficiency(const std::vector<PageTable>& tables);
 
+// How CapSelectedPages ranks the pages of a group's selections.
+enum class PageRank {
+  // kMass when per_q_head_logits covers every selected token of every head,
+  // else kVotes.
+  kAuto,
+  // How many selected tokens of all q heads fall in the page (ties: the later
+  // page).
+  kVotes,
+  // The estimated softmax mass in the page: softmax over each head's
+  // selection of its logit estimates, summed over heads (ties: the later
+  // page). Keeps one page holding a dominant key over a page of many marginal
+  // ones (docs/benchmarks.md).
+  kMass,
+  // The largest logit estimate any head gives a token of the page (ties: the
+  // lower page, as Quest ranks one head's pages). With Quest's page bounds: a kv head's pages by the best
+  // bound of its q heads, among the pages some head selected.
+  kMax,
+};
+
 // Page-budgeted selection: keeps at most `max_pages` pages for the whole
 // group (plus page 0, for the sinks, and the last recent_blocks + 1 pages),
-// ranked by the estimated attention mass in each page when
-// `per_q_head_logits` gives a logit estimate for every selected token of
-// every head (Selection::per_head_logits: softmax over each head's
-// selection, summed over heads), else by how many selected tokens of all q
-// heads fall in each page (ties: the later page), and drops the selected
-// tokens of every other page. Mass ranking keeps one page holding a dominant
-// key over a page of many marginal ones (docs/benchmarks.md).
+// ranked by `rank`, and drops the selected tokens of every other page. Any
+// rank falls back to kVotes on a step whose per_q_head_logits do not cover
+// every selected token of every head (csa reusing a selection gives none).
 // This bounds the bytes fetched per step at the cost of recall: token-level
 // selections at 5% spread over most pages of a 16-token layout.
 // InvalidArgument for max_pages < 1 or page_size < 1.
-// The page budget for a fraction of the pages: max(1, ceil(fraction * pages)).
-int64_t PageBudget(double fraction, int64_t n_tokens, int page_size);
-
 StatusOr<std::vector<std::vector<int32_t>>> CapSelectedPages(
     const std::vector<std::vector<int32_t>>& per_q_head, int page_size, int64_t n_tokens,
     int64_t max_pages, int recent_blocks,
-    const std::vector<std::vector<float>>* per_q_head_logits = nullptr);
+    const std::vector<std::vector<float>>* per_q_head_logits = nullptr,
+    PageRank rank = PageRank::kAuto);
+
+// The page budget for a fraction of the pages: max(1, ceil(fraction * pages),
+// ceil(min_tokens / page_size)), at most the pages.
+int64_t PageBudget(double fraction, int64_t n_tokens, int page_size, int64_t min_tokens = 0);
 
 // Whole-page attention: returns, per q head (group_size of them), every token
 // in [0, n_tokens) of every page in its subgroup's table, sorted. The pages

@@ -66,6 +66,10 @@ Status QuestSelector::Select(const SelectInput& in, Selection* out, WorkStats* s
   out->per_head.assign(in.n_queries, {});
   out->merged.clear();
   out->estimated_mass = -1.0;
+  out->per_head_logits.clear();
+  out->per_head_log_normalizer.clear();
+  if (in.want_logits) out->per_head_logits.assign(in.n_queries, {});
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(head_dim_));
   std::vector<float> score(P);
   std::vector<int32_t> order(P);
   std::vector<int32_t> pages;
@@ -87,10 +91,13 @@ Status QuestSelector::Select(const SelectInput& in, Selection* out, WorkStats* s
     std::sort(pages.begin(), pages.end());
     std::vector<int32_t>& ids = out->per_head[h];
     ids.reserve(taken);
+    if (in.want_logits) out->per_head_logits[h].reserve(taken);
     for (int32_t p : pages) {
       const int64_t end = std::min<int64_t>(n, static_cast<int64_t>(p + 1) * B);
-      for (int64_t i = static_cast<int64_t>(p) * B; i < end; ++i)
+      for (int64_t i = static_cast<int64_t>(p) * B; i < end; ++i) {
         ids.push_back(static_cast<int32_t>(i));
+        if (in.want_logits) out->per_head_logits[h].push_back(score[p] * inv_sqrt_d);
+      }
     }
   }
   for (const auto& ids : out->per_head)

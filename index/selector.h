@@ -80,6 +80,10 @@ struct SelectInput {
   const KeySource* keys = nullptr;  // required by oracle/tactic/lfps; may be null otherwise
   // Fill Selection::per_head_log_normalizer (methods that can: csa, oracle).
   bool want_log_normalizer = false;
+  // Fill Selection::per_head_logits where the method returns them only on
+  // request (quest: each selected token gets its page's bound U / sqrt(d)).
+  // csa and oracle fill them regardless.
+  bool want_logits = false;
 };
 
 struct Selection {

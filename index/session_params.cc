@@ -15,6 +15,21 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
   s.table_options.page_size = page_size;
   bool has_whole_pages = false;
   for (const auto& [k, v] : params) {
+    if (k == "page_rank") {
+      if (v == "auto") {
+        s.page_rank = PageRank::kAuto;
+      } else if (v == "votes") {
+        s.page_rank = PageRank::kVotes;
+      } else if (v == "mass") {
+        s.page_rank = PageRank::kMass;
+      } else if (v == "max") {
+        s.page_rank = PageRank::kMax;
+      } else {
+        return InvalidArgumentError("session param page_rank='" + v +
+                                    "': expected auto, votes, mass or max");
+      }
+      continue;
+    }
     char* end = nullptr;
     const double x = std::strtod(v.c_str(), &end);
     if (v.empty() || *end != '\0' || !std::isfinite(x)) {
@@ -26,6 +41,9 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
     } else if (k == "budget") {
       if (x < 1) return InvalidArgumentError("session param budget must be >= 1 token");
       s.budget = static_cast<int64_t>(x);
+    } else if (k == "min_budget") {
+      if (x < 0) return InvalidArgumentError("session param min_budget must be >= 0 tokens");
+      s.min_budget = static_cast<int64_t>(x);
     } else if (k == "page_fraction") {
       if (!(x > 0 && x <= 1)) {
         return InvalidArgumentError("session param page_fraction must be in (0, 1]");
@@ -59,9 +77,15 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
       s.selector_overrides[k] = v;
     } else {
       return InvalidArgumentError("unknown session param '" + k +
-                                  "'; expected rho, budget, page_fraction, whole_pages, "
-                                  "subgroup, recent_blocks, estimate_mass or rerank (csa)");
+                                  "'; expected rho, budget, min_budget, page_fraction, "
+                                  "page_rank, whole_pages, subgroup, recent_blocks, "
+                                  "estimate_mass or rerank (csa)");
     }
+  }
+  if (s.WantsLogits() && method != "csa" && method != "oracle" && method != "quest") {
+    return InvalidArgumentError("session param page_rank mass or max needs a method that "
+                                "scores its selections (csa, oracle or quest); this "
+                                "session's method is " + method);
   }
   // Default page budget: the token budget's fraction of the pages (rho), so a
   // 5% session fetches ~5% of the KV. Token-level selections unioned over a
@@ -77,7 +101,8 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
 
 int64_t SessionParams::TokenBudget(int64_t n) const {
   if (budget > 0) return std::max<int64_t>(1, std::min(budget, n));
-  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(rho * static_cast<double>(n))));
+  const int64_t by_rho = static_cast<int64_t>(std::ceil(rho * static_cast<double>(n)));
+  return std::max<int64_t>(1, std::min(std::max(by_rho, min_budget), std::max<int64_t>(n, 1)));
 }
 
 Status SessionParams::PageStep(int64_t n_tokens, std::vector<std::vector<int32_t>>* per_q_head,
@@ -86,8 +111,10 @@ Status SessionParams::PageStep(int64_t n_tokens, std::vector<std::vector<int32_t
   const int b = table_options.page_size;
   if (page_fraction > 0) {
     ASSIGN_OR_RETURN(*per_q_head, CapSelectedPages(*per_q_head, b, n_tokens,
-                                                   PageBudget(page_fraction, n_tokens, b),
-                                                   table_options.recent_blocks, logits));
+                                                   PageBudget(page_fraction, n_tokens, b,
+                                                              budget > 0 ? 0 : min_budget),
+                                                   table_options.recent_blocks, logits,
+                                                   page_rank));
   }
   ASSIGN_OR_RETURN(*tables, BuildPageTables(*per_q_head, n_tokens, table_options));
   if (whole_pages) {

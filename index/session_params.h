@@ -2,10 +2,22 @@
 // session: the server (service/decode_session) and the SDK's client-side
 // selection (client/sdk). Keeping one parser keeps the two modes identical.
 //
-// Params (string -> number, all optional; docs/api.md):
+// Params (string -> number unless noted, all optional; docs/api.md):
 //   rho            token budget per q head as a fraction of the session's
 //                  tokens, (0, 1]. Default: 0.05.
 //   budget         token budget per q head, >= 1 (overrides rho). Default: unset.
+//   min_budget     floor of the rho budget, in tokens, >= 0: the token budget
+//                  is max(rho * n, min_budget) and the page cap at least
+//                  min_budget / page_size pages (both at most the session's
+//                  tokens). Short contexts keep enough pages for bound-based
+//                  selections to find their keys. Default: 0 (no floor).
+//   page_rank      (a word) how the page cap ranks a group's selected pages:
+//                  "auto" (by estimated mass when the method scores its
+//                  selections, else "votes"), "votes" (selected tokens per
+//                  page), "mass" (estimated softmax mass) or "max" (the best
+//                  score any q head gives the page; for quest its page bound).
+//                  "mass" and "max" need a method that scores its
+//                  selections (csa, oracle, quest). Default: "auto".
 //   page_fraction  cap on the pages fetched per (layer, kv head), as a fraction
 //                  of the pages, (0, 1]; 1 = no cap. Default: rho for sparse
 //                  methods; no cap for `full` or when `budget` is given.
@@ -41,6 +53,8 @@ namespace ctxcache::index {
 struct SessionParams {
   double rho = 0.05;
   int64_t budget = 0;        // 0 = use rho
+  int64_t min_budget = 0;    // floor of the rho budget, tokens
+  PageRank page_rank = PageRank::kAuto;
   double page_fraction = 0;  // 0 = no page cap
   bool whole_pages = false;
   bool estimate_mass = false;
@@ -57,6 +71,12 @@ struct SessionParams {
 
   // Tokens per q head for a session of n tokens (>= 1, <= n when n >= 1).
   int64_t TokenBudget(int64_t n) const;
+
+  // Whether the method should return per-token logit estimates
+  // (SelectInput::want_logits): the page cap ranks by them.
+  bool WantsLogits() const {
+    return page_rank == PageRank::kMass || page_rank == PageRank::kMax;
+  }
 
   // One (layer, kv head) step after the method's Select: applies the page
   // cap, builds the page tables and, with whole_pages, widens each q head's

@@ -211,6 +211,7 @@ Status SparseSession::PlanHeadWith(int layer, index::Selector* selector,
   in.budget = params_.TokenBudget(n);
   in.keys = keys;
   in.want_log_normalizer = params_.estimate_mass;
+  in.want_logits = params_.WantsLogits();
   index::Selection sel;
   index::WorkStats ws;
   RETURN_IF_ERROR(selector->Select(in, &sel, &ws));

@@ -168,7 +168,8 @@ def answer(model, k, v, n: int, att, question: list, n_answer: int,
 
 
 def tasks(model, path: str, rhos: list, limit: int, decode_rhos: list = (),
-          periods: list = (1,), ranks: list = ("votes",), pairs: bool = True) -> dict:
+          periods: list = (1,), ranks: list = ("votes",), pairs: bool = True,
+          min_budgets: list = (0,)) -> dict:
     by = {}
     rows = []
     with open(path, encoding="utf-8") as f:
@@ -182,9 +183,9 @@ def tasks(model, path: str, rhos: list, limit: int, decode_rhos: list = (),
         for rho in rhos:
             runs.append((f"sparse_{rho}", lambda rho=rho: SparseExtendAttention(
                 k, v, n, len(q), ExtendOptions(rho=rho)), None))
-        for rho, p, rk in itertools.product(decode_rhos, periods, ranks):
-            eo = EngineOptions(rho=rho, period=p, rank=rk)
-            tag = "" if rk == "votes" else f"_{rk}"
+        for rho, p, rk, mb in itertools.product(decode_rhos, periods, ranks, min_budgets):
+            eo = EngineOptions(rho=rho, period=p, rank=rk, min_budget=mb)
+            tag = ("" if rk == "votes" else f"_{rk}") + (f"_min{mb}" if mb else "")
             runs.append((f"decode_{rho}_p{p}{tag}", runs[0][1], eo))
             if rhos and pairs:
                 runs.append((f"sparse_{rhos[-1]}+decode_{rho}_p{p}{tag}",
@@ -235,6 +236,8 @@ def main() -> int:
     ap.add_argument("--decode-rho", default="", help="engine decode budgets (tasks)")
     ap.add_argument("--periods", default="1", help="engine decode search periods (tasks)")
     ap.add_argument("--ranks", default="votes", help="engine planner ranks (tasks)")
+    ap.add_argument("--min-budgets", default="0",
+                    help="engine budget floors in tokens, comma-separated (tasks)")
     ap.add_argument("--no-pairs", action="store_true",
                     help="skip sparse prefill + engine decode (tasks)")
     ap.add_argument("--add-ids", nargs=2, metavar=("IN", "OUT"))
@@ -259,7 +262,8 @@ def main() -> int:
         res["tasks"] = tasks(model, a.tasks, rhos, a.limit,
                              [float(x) for x in a.decode_rho.split(",") if x],
                              [int(x) for x in a.periods.split(",") if x],
-                             a.ranks.split(","), not a.no_pairs)
+                             a.ranks.split(","), not a.no_pairs,
+                             [int(x) for x in a.min_budgets.split(",")])
         log(json.dumps(res["tasks"]["summary"]))
     print(json.dumps(res))
     return 0

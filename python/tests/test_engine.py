@@ -193,6 +193,9 @@ def test_quest_planner_follows_the_documented_ranking() -> None:
 
 
 def test_quest_planner_max_rank_takes_the_largest_bound_of_the_group() -> None:
+    """"max" (the core's page_rank=max): among the pages some q head of the
+    group took (its k_head best), those with the best bound any head gives
+    them; page 0 and the recent pages first."""
     t = _tier(layers=1, heads=2, n=16 * 40, d=32, seed=15)
     planner = QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=2, rho=0.1, rank="max")
     g = torch.Generator().manual_seed(16)
@@ -203,13 +206,31 @@ def test_quest_planner_max_rank_takes_the_largest_bound_of_the_group() -> None:
         for hh in range(2):
             qs = q[bi, hh * 4:(hh + 1) * 4].double()
             u = torch.maximum(qs[:, None] * mn[hh][None], qs[:, None] * mx[hh][None]).sum(-1)
+            taken = set()
+            for row in u:  # each head's k_head best, ties to the lower page
+                taken |= set(sorted(range(40), key=lambda p: (-row[p].item(), p))
+                             [:planner.k_head])
             best = u.amax(dim=0)
             forced = {0} | set(range(40 - planner.n_recent, 40))
-            free = [p for p in range(40) if p not in forced]
+            free = [p for p in taken if p not in forced]
             ranked = sorted(free, key=lambda p: (-best[p].item(), p))[:planner.kp - len(forced)]
-            assert set(pages[bi, hh].tolist()) == forced | set(ranked)
+            have = set(pages[bi, hh].tolist())
+            assert len(have) == planner.kp and forced | set(ranked) <= have
+            if len(forced) + len(free) >= planner.kp:
+                assert have == forced | set(ranked)
     with pytest.raises(ValueError, match="rank"):
         QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=2, rank="sum")
+
+
+def test_quest_planner_min_budget_floors_the_budgets_as_the_core() -> None:
+    t = _tier(layers=1, heads=2, n=16 * 40, d=32)
+    planner = QuestPlanner.from_tier(t, "cpu", n_q_heads=8, batch=1, rho=0.05,
+                                     min_budget=160)
+    assert planner.k_head == 10 and planner.page_budget == 10 and planner.kp == 10 + 3
+    assert QuestPlanner.from_tier(t, "cpu", 8, 1, rho=0.05).k_head == 2  # ceil(32) // 16
+    assert QuestPlanner.from_tier(t, "cpu", 8, 1, rho=0.05, min_budget=10**6).kp == 40
+    with pytest.raises(ValueError, match="min_budget"):
+        QuestPlanner.from_tier(t, "cpu", 8, 1, min_budget=-1)
 
 
 def test_quest_bounds_mask_the_partial_last_page() -> None:
@@ -333,8 +354,18 @@ def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
         keys = context_keys(client, ctx)
         t = HostTier(m.n_layers, m.n_kv_heads, ctx.n_tokens, m.head_dim, pin=False)
         t.token_view()[0].copy_(torch.as_tensor(keys).to(torch.bfloat16))
-        planner = QuestPlanner.from_tier(t, "cpu", m.n_q_heads, batch=1)
-        core = nc.open_session(ctx.context_id, "quest", client_mode=True)
+        for rank, min_budget in (("votes", 0), ("max", 0), ("max", 256)):
+            _planner_covers_the_core(nc, ctx, t, arts, rank, min_budget)
+    nc.close()
+
+
+def _planner_covers_the_core(nc, ctx, t, arts, rank: str, min_budget: int) -> None:
+    m = ctx.model
+    planner = QuestPlanner.from_tier(t, "cpu", m.n_q_heads, batch=1, rank=rank,
+                                     min_budget=min_budget)
+    params = {"page_rank": rank, "min_budget": min_budget}
+    core = nc.open_session(ctx.context_id, "quest", params, client_mode=True)
+    try:
         rng = np.random.default_rng(ctx.n_tokens)
         for layer in range(m.n_layers):
             for h in range(m.n_kv_heads):
@@ -351,9 +382,9 @@ def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
                     have = set(got[h].tolist())
                     assert want, "the core selected no page"
                     assert len(have) == planner.kp
-                    assert want <= have, (ctx.name, layer, h, want - have)
+                    assert want <= have, (ctx.name, rank, layer, h, want - have)
+    finally:
         core.close()
-    nc.close()
 
 
 def test_host_tier_from_server_holds_the_stored_pages(server, client,

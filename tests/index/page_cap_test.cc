@@ -38,6 +38,28 @@ TEST(CapSelectedPagesTest, LogitsRankPagesByEstimatedMass) {
   EXPECT_EQ((*fallback)[0], (std::vector<int32_t>{20, 21, 22}));
 }
 
+TEST(CapSelectedPagesTest, MaxRanksByTheBestHeadsLogit) {
+  // 10 pages of 4 tokens, one slot. Head 0 puts three tokens of moderate
+  // logit in page 5 (most votes, most summed mass); head 1 gives page 2 the
+  // single best logit. By max page 2 wins, by votes and by mass page 5.
+  std::vector<std::vector<int32_t>> sel = {{20, 21, 22}, {9, 20}};
+  std::vector<std::vector<float>> logits = {{2.0f, 2.0f, 2.0f}, {3.0f, 2.9f}};
+  auto by_max = CapSelectedPages(sel, 4, 40, 1, 0, &logits, PageRank::kMax);
+  ASSERT_TRUE(by_max.ok());
+  EXPECT_EQ((*by_max)[0], (std::vector<int32_t>{}));
+  EXPECT_EQ((*by_max)[1], (std::vector<int32_t>{9}));
+  auto by_mass = CapSelectedPages(sel, 4, 40, 1, 0, &logits, PageRank::kMass);
+  ASSERT_TRUE(by_mass.ok());
+  EXPECT_EQ((*by_mass)[1], (std::vector<int32_t>{20}));
+  auto by_votes = CapSelectedPages(sel, 4, 40, 1, 0, &logits, PageRank::kVotes);
+  ASSERT_TRUE(by_votes.ok());
+  EXPECT_EQ((*by_votes)[0], (std::vector<int32_t>{20, 21, 22}));
+  // No logits: max falls back to votes.
+  auto fallback = CapSelectedPages(sel, 4, 40, 1, 0, nullptr, PageRank::kMax);
+  ASSERT_TRUE(fallback.ok());
+  EXPECT_EQ((*fallback)[0], (std::vector<int32_t>{20, 21, 22}));
+}
+
 TEST(CapSelectedPagesTest, PropertyBoundedPagesAndSubsetOfInput) {
   std::mt19937 rng(5);
   for (int trial = 0; trial < 100; ++trial) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 
 namespace ctxcache::index {
@@ -77,10 +78,36 @@ TEST(QuestTest, SelectsTopPagesWithinBudget) {
   EXPECT_EQ(out.merged, out.per_head[0]);
   EXPECT_EQ(st.entries_touched, 40u);
   EXPECT_EQ(st.keys_scored, 0u);
+  EXPECT_TRUE(out.per_head_logits.empty());  // only on request
   // Default budget: rho = 5% of 640 = 32 tokens = 2 pages.
   in.budget = 0;
   ASSERT_TRUE((*sel)->Select(in, &out, nullptr).ok());
   EXPECT_EQ(out.per_head[0].size(), 32u);
+}
+
+TEST(QuestTest, LogitsOnRequestAreThePageBoundScaled) {
+  const int d = 16;
+  const int64_t n = 333;  // last page partial
+  auto keys = RandomMatrix(n, d, 11, 1.0f);
+  auto queries = RandomMatrix(2, d, 12, 1.0f);
+  auto sel = QuestSelector::Build(keys.data(), n, d, QuestOptions{});
+  ASSERT_TRUE(sel.ok());
+  SelectInput in;
+  in.queries = queries.data();
+  in.n_queries = 2;
+  in.budget = 100;
+  in.want_logits = true;
+  Selection out;
+  ASSERT_TRUE((*sel)->Select(in, &out, nullptr).ok());
+  ASSERT_EQ(out.per_head_logits.size(), 2u);
+  for (int h = 0; h < 2; ++h) {
+    ASSERT_EQ(out.per_head_logits[h].size(), out.per_head[h].size());
+    for (size_t i = 0; i < out.per_head[h].size(); ++i) {
+      const int64_t page = out.per_head[h][i] / 16;
+      EXPECT_FLOAT_EQ(out.per_head_logits[h][i],
+                      (*sel)->PageScore(queries.data() + h * d, page) / std::sqrt(16.0f));
+    }
+  }
 }
 
 TEST(QuestTest, AppendMatchesRebuildAndRoundTrips) {

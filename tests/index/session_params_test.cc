@@ -72,7 +72,8 @@ TEST(SessionParamsTest, BadValuesNameTheParam) {
       {"rho", "0"},      {"rho", "1.5"},          {"rho", "x"},
       {"budget", "0"},   {"page_fraction", "0"},  {"whole_pages", "2"},
       {"subgroup", "0"}, {"recent_blocks", "-1"}, {"rho", ""},
-      {"rho", "nan"},    {"estimate_mass", "2"}};
+      {"rho", "nan"},    {"estimate_mass", "2"},  {"min_budget", "-1"},
+      {"page_rank", "best"}};
   for (const auto& [k, v] : bad) {
     auto p = SessionParams::Parse("csa", {{k, v}}, 16);
     ASSERT_FALSE(p.ok()) << k << "=" << v;
@@ -82,6 +83,38 @@ TEST(SessionParamsTest, BadValuesNameTheParam) {
   auto unknown = SessionParams::Parse("csa", {{"rhoo", "0.1"}}, 16);
   ASSERT_FALSE(unknown.ok());
   EXPECT_NE(unknown.status().message().find("rhoo"), std::string::npos);
+}
+
+TEST(SessionParamsTest, MinBudgetFloorsTheTokenAndPageBudgets) {
+  auto p = SessionParams::Parse("quest", {{"rho", "0.05"}, {"min_budget", "1024"}}, 16);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(p->min_budget, 1024);
+  EXPECT_EQ(p->TokenBudget(4096), 1024);    // 5% would be 205
+  EXPECT_EQ(p->TokenBudget(100000), 5000);  // 5% is above the floor
+  EXPECT_EQ(p->TokenBudget(500), 500);      // at most the session's tokens
+  EXPECT_EQ(PageBudget(0.05, 4096, 16, 1024), 64);
+  EXPECT_EQ(PageBudget(0.05, 4096, 16), 13);
+  EXPECT_EQ(PageBudget(0.05, 500, 16, 1024), 32);  // all 32 pages
+  auto none = SessionParams::Parse("quest", {}, 16);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->TokenBudget(4096), 205);
+}
+
+TEST(SessionParamsTest, PageRankIsAWordAndNeedsAScoringMethod) {
+  for (const auto& [word, rank] : std::vector<std::pair<std::string, PageRank>>{
+           {"auto", PageRank::kAuto},
+           {"votes", PageRank::kVotes},
+           {"mass", PageRank::kMass},
+           {"max", PageRank::kMax}}) {
+    auto p = SessionParams::Parse("quest", {{"page_rank", word}}, 16);
+    ASSERT_TRUE(p.ok()) << word << ": " << p.status().message();
+    EXPECT_EQ(p->page_rank, rank);
+  }
+  auto tactic = SessionParams::Parse("tactic", {{"page_rank", "max"}}, 16);
+  ASSERT_FALSE(tactic.ok());
+  EXPECT_EQ(tactic.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(tactic.status().message().find("page_rank"), std::string::npos);
+  EXPECT_TRUE(SessionParams::Parse("tactic", {{"page_rank", "votes"}}, 16).ok());
 }
 
 TEST(SessionParamsTest, WholePagesGivesEveryTokenOfTheFetchedPages) {

@@ -49,9 +49,12 @@ class EngineOptions:
     # (QuestPlanner.fused_cap; the same pages as the scatter and top-k).
     # Default: True.
     fused_cap: bool = True
-    # How a kv head ranks pages for its budget (QuestPlanner.rank): "votes"
-    # (the session core's) or "max". Default: "votes".
+    # How a kv head ranks pages for its budget (QuestPlanner.rank; the
+    # session core's page_rank): "votes" or "max". Default: "votes".
     rank: str = "votes"
+    # Floor of the token and page budgets in tokens (the core's min_budget):
+    # short contexts keep at least this many tokens' pages. Default: 0.
+    min_budget: int = 0
     # Batch union: > 0 makes the whole batch attend one table per kv head of
     # this fraction of the context's pages (plus page 0 and the recent
     # pages), the pages with the largest Quest bound over every sequence's
@@ -148,7 +151,7 @@ class ContextDecoder(_Decoder):
         self.planner = planner or QuestPlanner.from_tier(
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
             select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank,
-            union_rho=o.union_rho)
+            union_rho=o.union_rho, min_budget=o.min_budget)
         kp = self.planner.kp
         self.union_kp = self.planner.union_kp
         # The pool holds at least one step's pages of every layer: otherwise

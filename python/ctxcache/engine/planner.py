@@ -34,15 +34,30 @@ import torch
 
 from ctxcache.engine.pool import HostTier
 
-__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "page_cap", "quest_bounds"]
+__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "page_budget", "page_cap",
+           "quest_bounds", "token_budget"]
 
 
-def page_cap(rho: float, n_pages: int, recent_blocks: int) -> Tuple[int, int]:
+def page_budget(rho: float, n_pages: int, page: int = 16, min_budget: int = 0) -> int:
+    """The session core's page budget (index::PageBudget): max(1,
+    ceil(rho * n_pages), ceil(min_budget / page)), at most n_pages."""
+    floor_pages = -(-max(0, min_budget) // page)
+    return max(1, min(n_pages, max(int(math.ceil(rho * n_pages)), floor_pages)))
+
+
+def token_budget(rho: float, n_tokens: int, min_budget: int = 0) -> int:
+    """The session core's token budget per q head (SessionParams::TokenBudget
+    without ``budget``): max(ceil(rho * n), min_budget), in [1, n]."""
+    return max(1, min(max(n_tokens, 1), max(int(math.ceil(rho * n_tokens)), min_budget)))
+
+
+def page_cap(rho: float, n_pages: int, recent_blocks: int, page: int = 16,
+             min_budget: int = 0) -> Tuple[int, int]:
     """(n_recent, kp): the last pages forced besides page 0 (recent_blocks + 1,
     as the session core keeps), and the pages a table holds: the core's page
-    budget max(1, ceil(rho * n_pages)) plus page 0 and those, at most all."""
+    budget (:func:`page_budget`) plus page 0 and those, at most all."""
     n_recent = min(n_pages, recent_blocks + 1)
-    budget = max(1, int(math.ceil(rho * n_pages)))
+    budget = page_budget(rho, n_pages, page, min_budget)
     return n_recent, min(n_pages, budget + n_recent + 1)
 
 
@@ -70,18 +85,19 @@ class QuestPlanner:
     def __init__(self, kmin: torch.Tensor, kmax: torch.Tensor, n_tokens: int, n_q_heads: int,
                  batch: int, page: int = 16, rho: float = 0.05, recent_blocks: int = 1,
                  select_algo: str = "", fused_cap: bool = True, rank: str = "votes",
-                 union_rho: float = 0.0) -> None:
+                 union_rho: float = 0.0, min_budget: int = 0) -> None:
         """kmin/kmax [n_layers, n_kv_heads, n_pages, d] on the engine's device;
         select_algo: kernels.select_top_pages's algorithm (Default: "" = its
         default); fused_cap: on CUDA, step 2 is one kernel that counts the q
         heads' picks and takes the cap by a histogram of the counts, instead
         of a scatter and a second top-k (Default: True; the same pages);
-        rank: "votes" (the session core's: per q head top pages, a kv head's
-        pages ranked by how many of its heads took them) or "max" (a kv
-        head's pages ranked by the largest bound any of its q heads gives:
-        the extension prefill's block union at one query; not in the core)
-        (Default: "votes"); union_rho: > 0 also keeps a batch-union table of
-        that fraction of the pages per kv head (:meth:`plan_union`)
+        rank: the core's ``page_rank``: "votes" (per q head top pages, a kv
+        head's pages ranked by how many of its heads took them) or "max"
+        (the same per-head pages, ranked by the largest bound any of its q
+        heads gives) (Default: "votes"); union_rho: > 0 also keeps a
+        batch-union table of that fraction of the pages per kv head
+        (:meth:`plan_union`) (Default: 0); min_budget: the core's
+        ``min_budget``, a floor in tokens of the token and page budgets
         (Default: 0)."""
         if rank not in ("votes", "max"):
             raise ValueError(f"rank: expected 'votes' or 'max', got {rank!r}")
@@ -96,11 +112,14 @@ class QuestPlanner:
             raise ValueError(f"n_q_heads {n_q_heads} is not a multiple of n_kv_heads {self.h}")
         self.g, self.batch, self.page, self.n_tokens = n_q_heads // self.h, batch, page, n_tokens
         self.select_algo, self.fused_cap, self.rho = select_algo, fused_cap, rho
-        budget = max(1, min(n_tokens, int(math.ceil(rho * n_tokens))))
+        if min_budget < 0:
+            raise ValueError(f"min_budget: expected >= 0 tokens, got {min_budget}")
+        self.min_budget = min_budget
+        budget = token_budget(rho, n_tokens, min_budget)
         self.k_head = min(self.n_pages, max(1, budget // page))
         # The core's page budget, plus the pages it keeps beyond it.
-        self.page_budget = max(1, int(math.ceil(rho * self.n_pages)))
-        self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_blocks)
+        self.page_budget = page_budget(rho, self.n_pages, page, min_budget)
+        self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_blocks, page, min_budget)
         dev = kmin.device
         # The last plan of each layer: [L, B, H, kp].
         self.pages = torch.zeros(self.n_layers, batch, self.h, self.kp, dtype=torch.int32,
@@ -127,6 +146,8 @@ class QuestPlanner:
         self._trash = batch * self.h * self.n_pages
         self._top = torch.zeros(batch * self.h, self.kp, dtype=torch.int64, device=dev)
         self._icounts = torch.zeros(batch * self.h, self.n_pages, dtype=torch.int32, device=dev)
+        if rank == "max":
+            self._picked = torch.empty_like(self._scores)
         self.union_kp = 0
         if union_rho:
             if not 0.0 < union_rho <= 1.0:
@@ -144,7 +165,7 @@ class QuestPlanner:
                   rho: float = 0.05, recent_blocks: int = 1,
                   layers: Optional[range] = None, select_algo: str = "",
                   fused_cap: bool = True, rank: str = "votes",
-                  union_rho: float = 0.0) -> "QuestPlanner":
+                  union_rho: float = 0.0, min_budget: int = 0) -> "QuestPlanner":
         """Bounds from the tier's keys, one layer at a time through the device
         (waits for each layer of a background load)."""
         dev = torch.device(device)
@@ -159,7 +180,7 @@ class QuestPlanner:
             kmin[layer].copy_(mn)
             kmax[layer].copy_(mx)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
-                   select_algo, fused_cap, rank, union_rho)
+                   select_algo, fused_cap, rank, union_rho, min_budget)
 
     @property
     def hbm_bytes(self) -> int:
@@ -193,13 +214,19 @@ class QuestPlanner:
             raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
         s = self.scores(layer, q)
         out = self.pages[layer]
-        if self.rank == "max":
-            best = s.view(self.batch * self.h, self.g, self.n_pages + 1)[:, :, 1:].amax(dim=1)
-            top = self._top_k(best, self.kp, self.n_recent, self._top, self.select_algo)
-            out.view(-1, self.kp).copy_(top - self._row_base)
-            return out
         # Each q head's k_head best pages, plus the stand-in (column 0).
         top = self._top_k(s, self.k_head + 1, 0, self._head_top, self.select_algo)
+        if self.rank == "max":
+            # The core ranks the pages some q head took by the best bound
+            # they got; pages no head took rank last (a superset's fill).
+            local = top % (self.n_pages + 1)
+            self._picked.fill_(-3.0e38)
+            self._picked.scatter_(1, local, s.gather(1, local))
+            best = self._picked.view(self.batch * self.h, self.g, self.n_pages + 1)[:, :, 1:]
+            top = self._top_k(best.amax(dim=1), self.kp, self.n_recent, self._top,
+                              self.select_algo)
+            out.view(-1, self.kp).copy_(top - self._row_base)
+            return out
         if s.is_cuda and self.fused_cap:
             from ctxcache.engine import _triton
             _triton.cap_pages(top, self._icounts, out.view(-1, self.kp), self.n_pages, self.kp,

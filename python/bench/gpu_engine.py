@@ -183,7 +183,8 @@ def check_planner(planner: QuestPlanner, layers: int) -> int:
     reference on integer queries (exact bounds): rows whose pages differ."""
     cpu = QuestPlanner(planner.kmin.cpu(), planner.kmax.cpu(), planner.n_tokens,
                        planner.h * planner.g, planner.batch, planner.page, rho=planner.rho,
-                       recent_blocks=planner.n_recent - 1)
+                       recent_blocks=planner.n_recent - 1, rank=planner.rank,
+                       min_budget=planner.min_budget)
     g = torch.Generator(device="cuda").manual_seed(5)
     bad = 0
     for layer in range(layers):
@@ -227,9 +228,12 @@ def check(model, tier, k, v, dev, n: int) -> dict:
         same += int(torch.equal(sd.step(), ss.step()))
     sparse.pool.check()
     assert worst < 2e-2, f"engine at full budget differs from dense attention by {worst}"
-    planner = QuestPlanner(sparse.planner.kmin, sparse.planner.kmax, n, sparse.planner.h *
-                           sparse.planner.g, 3, rho=0.05)
-    bad = check_planner(planner, min(2, k.shape[0]))
+    bad = 0
+    for rank, min_budget in (("votes", 0), ("max", 0), ("max", 1024)):
+        planner = QuestPlanner(sparse.planner.kmin, sparse.planner.kmax, n,
+                               sparse.planner.h * sparse.planner.g, 3, rho=0.05, rank=rank,
+                               min_budget=min_budget)
+        bad += check_planner(planner, min(2, k.shape[0]))
     assert bad == 0, f"the CUDA planner differs from the CPU reference in {bad} rows"
     return {"attention_max_abs_err": worst, "greedy_steps_identical": same,
             "greedy_steps": steps, "planner_rows_differing": bad}
@@ -269,6 +273,7 @@ def main() -> int:
     ap.add_argument("--union-rhos", default="0",
                     help="batch-union budgets to run (0: each sequence its own pages)")
     ap.add_argument("--rank", default="votes", choices=("votes", "max"))
+    ap.add_argument("--min-budget", type=int, default=0, help="budget floor, tokens")
     ap.add_argument("--contexts", type=int, default=1, help="contexts the batch spreads over")
     ap.add_argument("--pool-fraction", type=float, default=0.1)
     ap.add_argument("--cap", choices=("fused", "topk"), default="fused")
@@ -292,7 +297,7 @@ def main() -> int:
            "layers": a.layers, "tokens": a.tokens, "kv": a.kv, "rho": a.rho,
            "pool_fraction": a.pool_fraction, "steps": a.steps, "warm": a.warm,
            "contexts": a.contexts, "periods": periods, "union_rhos": unions, "cap": a.cap,
-           "rank": a.rank,
+           "rank": a.rank, "min_budget": a.min_budget,
            "dense_shared": bool(a.dense_shared), "select_algo": a.select_algo or "default"}
     model = load_model(a.model, a.layers, dev)
     weights = torch.cuda.memory_allocated()
@@ -321,7 +326,7 @@ def main() -> int:
     def options(period: int, union: float = 0.0) -> EngineOptions:
         return EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction, period=period,
                              select_algo=a.select_algo, fused_cap=a.cap == "fused",
-                             rank=a.rank, union_rho=union)
+                             rank=a.rank, union_rho=union, min_budget=a.min_budget)
 
     def tag(period: int, union: float) -> str:
         return f"p{period}" + (f"_u{union}" if union else "")

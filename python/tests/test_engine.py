@@ -233,6 +233,58 @@ def test_quest_planner_min_budget_floors_the_budgets_as_the_core() -> None:
         QuestPlanner.from_tier(t, "cpu", 8, 1, min_budget=-1)
 
 
+def test_a_pool_with_a_slot_for_every_page_preloads_the_context() -> None:
+    t = _tier(layers=2, heads=2, n=16 * 12 - 5, d=32, seed=21)
+    dec = ContextDecoder(t, "cpu", 8, 2, 4, EngineOptions(rho=0.2, pool_fraction=1.0))
+    pool = dec.pool
+    assert pool.stats()["copies"] == t.n_units
+    pool.check()
+    assert torch.equal(pool.k.view(t.n_layers, t.n_kv_heads, -1, 32), t.k)
+    g = torch.Generator().manual_seed(22)
+    dec.begin_step()
+    for layer in range(2):
+        dec.attend(layer, torch.randn(2, 8, 32, generator=g).to(torch.bfloat16),
+                   torch.randn(2, 2, 32, generator=g).to(torch.bfloat16),
+                   torch.randn(2, 2, 32, generator=g).to(torch.bfloat16))
+    dec.end_step()
+    st = pool.stats()
+    assert st["miss_requests"] == 0 and st["hit_requests"] > 0 and st["copies"] == t.n_units
+    # Smaller than the context: nothing preloaded, the first step misses.
+    small = ContextDecoder(t, "cpu", 8, 1, 4, EngineOptions(rho=0.2, pool_fraction=0.5))
+    assert small.pool.stats()["copies"] == 0 and not small.pool.preload()
+    off = ContextDecoder(t, "cpu", 8, 1, 4, EngineOptions(pool_fraction=1.0, preload=False))
+    assert off.pool.stats()["copies"] == 0
+
+
+def test_union_tables_kept_between_planning_steps_equal_a_fresh_gather() -> None:
+    from ctxcache.engine.attention import UnionAttention
+    t = _tier(layers=2, heads=2, n=16 * 20 - 7, d=32, seed=23)
+    dec = ContextDecoder(t, "cpu", 8, 3, 4, EngineOptions(union_rho=0.3, period=2))
+    assert dec.attention is None and not dec.planner.per_sequence
+    with pytest.raises(ValueError, match="union"):
+        dec.planner.plan(0, torch.zeros(3, 8, 32, dtype=torch.bfloat16))
+    kept, fresh = dec.union_attention, UnionAttention(dec.pool)
+    assert kept.hbm_bytes > 0 and dec.memory()["union_tables"] == kept.hbm_bytes
+    g = torch.Generator().manual_seed(24)
+    dec.begin_step()  # step 0 plans
+    qs = []
+    for layer in range(2):
+        q = torch.randint(-4, 5, (3, 8, 32), generator=g).to(torch.bfloat16)
+        dec.attend(layer, q, torch.randn(3, 2, 32, generator=g).to(torch.bfloat16),
+                   torch.randn(3, 2, 32, generator=g).to(torch.bfloat16))
+        qs.append(q)
+    dec.end_step()
+    for layer in range(2):
+        q = torch.randn(3, 8, 32, generator=g).to(torch.bfloat16)
+        pages = dec.planner.union_pages[layer]
+        own = (dec.own.k[layer], dec.own.v[layer], dec.own.length)
+        a = kept(layer, q, pages, *own, refresh=False)
+        b = fresh(layer, q, pages, *own)
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="keep"):
+        fresh(0, q, dec.planner.union_pages[0], *own, refresh=False)
+
+
 def test_quest_bounds_mask_the_partial_last_page() -> None:
     k = torch.zeros(1, 32, 2, dtype=torch.bfloat16)
     k[0, :20, 0] = torch.arange(20, dtype=torch.bfloat16) - 5

@@ -363,3 +363,62 @@ class PoolAttention:
             SP=max(2, triton.next_power_of_2(self.splits)), num_warps=4, GDC=False,
             launch_pdl=False)
         return self.out
+
+
+@triton.jit
+def _tail_merge_kernel(q_ptr, tail_k, tail_v, tail_len, o_ctx, lse_ctx, out_ptr, H, T,
+                       s_ob, s_oh, s_og, s_lb, s_lh, s_lg, scale_log2, G: tl.constexpr,
+                       GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
+    r = tl.program_id(0)  # b * H + h
+    h = r % H
+    b = r // H
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    q = tl.load(q_ptr + (r * G + offs_g[:, None]) * D + offs_d[None, :], mask=gmask[:, None],
+                other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    n_t = tl.load(tail_len + b)
+    offs_t = tl.arange(0, BT)
+    base = r.to(tl.int64) * T
+    for t0 in range(0, n_t, BT):
+        j = t0 + offs_t
+        m_i, l_i, acc = attend_rows(q, tail_k, tail_v, base + j, j < n_t, offs_d, m_i, l_i, acc,
+                                    scale_log2, D)
+    # The context part: normalized output and natural-log LSE, as one state
+    # of the online softmax (base 2: m = lse * log2(e), l = 1).
+    oc = tl.load(o_ctx + b * s_ob + h * s_oh + offs_g[:, None] * s_og + offs_d[None, :],
+                 mask=gmask[:, None], other=0.0).to(tl.float32)
+    mc = tl.load(lse_ctx + b * s_lb + h * s_lh + offs_g * s_lg, mask=gmask,
+                 other=0.0) * 1.4426950408889634
+    m = tl.maximum(m_i, mc)
+    a = tl.exp2(m_i - m)
+    c = tl.exp2(mc - m)
+    o = (acc * a[:, None] + oc * c[:, None]) / (l_i * a + c)[:, None]
+    tl.store(out_ptr + (r * G + offs_g[:, None]) * D + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+def tail_merge(q: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
+               tail_len: torch.Tensor, o_ctx: torch.Tensor, lse_ctx: torch.Tensor) -> torch.Tensor:
+    """Each sequence's attention over its own tokens merged by log-sum-exp with
+    the context part, in one kernel. q [B, Hq, d] contiguous; tail_k/v
+    [B, H, T, d] contiguous, the first tail_len[b] valid; o_ctx [B, H, G, d]
+    (any strides, last dim contiguous) normalized over the context, lse_ctx
+    [B, H, G] its natural-log normalizer (float32). Returns [B, Hq, d] in
+    q's dtype."""
+    b, hq, d = q.shape
+    h, t = tail_k.shape[1], tail_k.shape[2]
+    g = hq // h
+    if o_ctx.stride(-1) != 1:
+        o_ctx = o_ctx.contiguous()
+    tail_k, tail_v = tail_k.contiguous(), tail_v.contiguous()
+    out = torch.empty_like(q)
+    _tail_merge_kernel[(b * h,)](
+        q, tail_k, tail_v, tail_len, o_ctx, lse_ctx, out, h, t, o_ctx.stride(0),
+        o_ctx.stride(1), o_ctx.stride(2), lse_ctx.stride(0), lse_ctx.stride(1),
+        lse_ctx.stride(2), (1.0 / math.sqrt(d)) * math.log2(math.e), G=g,
+        GP=max(16, triton.next_power_of_2(g)), D=d, BT=16, num_warps=4)
+    return out

@@ -95,8 +95,6 @@ class DenseContextAttention:
             vb = self.v[layer].unsqueeze(0).expand(b, -1, -1, -1)
             o_ctx, lse_ctx = torch.ops.aten._scaled_dot_product_flash_attention(
                 q.view(b, self.h, g, d), kb, vb, 0.0, False, False, scale=scale)[:2]
-            o_ctx = o_ctx.permute(1, 0, 2, 3)       # as the shared layout: [H, B, G, d]
-            lse_ctx = lse_ctx.permute(1, 0, 2)
             return _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len)
         return shared_attend(q, self.k[layer], self.v[layer], tail_k, tail_v, tail_len)
 
@@ -119,18 +117,26 @@ def shared_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tail_k: tor
         s = (qh.float() @ k.float().transpose(-1, -2).unsqueeze(0)) * scale
         lse_ctx = torch.logsumexp(s, dim=-1)
         o_ctx = (torch.softmax(s, dim=-1) @ v.float().unsqueeze(0)).to(q.dtype)
+    # [1, H, B * G, ...] as views [B, H, G, ...]
+    o_ctx = o_ctx.view(h, b, g, d).permute(1, 0, 2, 3)
+    lse_ctx = lse_ctx.view(h, b, g).permute(1, 0, 2)
     return _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len)
 
 
 def _merge_own(q, o_ctx, lse_ctx, tail_k, tail_v, tail_len) -> torch.Tensor:
-    """The context part (o_ctx [.., H, B*G or B, G, d], lse) merged with each
-    sequence's own tokens by log-sum-exp."""
+    """The context part (o_ctx [B, H, G, d] normalized, lse_ctx [B, H, G] its
+    natural-log normalizer; any strides) merged with each sequence's own
+    tokens by log-sum-exp: one Triton kernel on CUDA, torch on the CPU."""
     b, hq, d = q.shape
     h = tail_k.shape[1]
     g = hq // h
+    if q.is_cuda:
+        from ctxcache.engine import _triton
+        return _triton.tail_merge(q.contiguous(), tail_k, tail_v, tail_len, o_ctx,
+                                  lse_ctx.float())
     scale = 1.0 / math.sqrt(d)
-    o_ctx = o_ctx.reshape(h, b, g, d).permute(1, 0, 2, 3).float()    # [B, H, G, d]
-    lse_ctx = lse_ctx.reshape(h, b, g).permute(1, 0, 2).float()       # [B, H, G]
+    o_ctx = o_ctx.float()
+    lse_ctx = lse_ctx.float()
     qf = q.view(b, h, g, d).float()
     st = torch.einsum("bhgd,bhtd->bhgt", qf, tail_k.float()) * scale
     valid = torch.arange(tail_k.shape[2], device=q.device).view(1, 1, 1, -1) < \
@@ -152,17 +158,52 @@ class UnionAttention:
     per layer-step and read by all B * G query rows of the kv head in one
     flash call (shared_attend), so a page chosen for several sequences is
     read once. Tokens past the context (the last page's padding) are
-    dropped: tables hold the last page, last after the sort."""
+    dropped: tables hold the last page, last after the sort.
 
-    def __init__(self, pool: PagePool) -> None:
+    With ``keep`` (a search period above 1), each layer's gathered table
+    stays on the device between planning steps ([n_layers, H, S, d] for K
+    and for V, S the table's tokens): the steps that reuse a plan read it
+    without gathering again."""
+
+    def __init__(self, pool: PagePool, table_pages: int = 0, keep: bool = False) -> None:
+        """table_pages: the pages of a table (the planner's union_kp); needed
+        with keep. keep: Default False."""
         self.pool = pool
+        self._k: Optional[torch.Tensor] = None
+        self._v: Optional[torch.Tensor] = None
+        if keep:
+            t = pool.tier
+            if table_pages < 1:
+                raise ValueError("UnionAttention: keep needs table_pages >= 1")
+            s = table_pages * t.page - (-t.n_tokens) % t.page
+            shape = (t.n_layers, t.n_kv_heads, s, t.head_dim)
+            self._k = torch.empty(shape, dtype=t.dtype, device=pool.device)
+            self._v = torch.empty(shape, dtype=t.dtype, device=pool.device)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Device bytes of the kept tables (0 without keep)."""
+        if self._k is None:
+            return 0
+        return 2 * self._k.numel() * self._k.element_size()
 
     def __call__(self, layer: int, q: torch.Tensor, pages: torch.Tensor, tail_k: torch.Tensor,
-                 tail_v: torch.Tensor, tail_len: torch.Tensor) -> torch.Tensor:
-        """pages [H, kp] (sorted ascending per row)."""
+                 tail_v: torch.Tensor, tail_len: torch.Tensor,
+                 refresh: bool = True) -> torch.Tensor:
+        """pages [H, kp] (sorted ascending per row). refresh: the plan is new
+        (gather the table); False reads the kept table of this layer (only
+        with keep)."""
         t, pool = self.pool.tier, self.pool
-        units = pool.units(layer, pages.unsqueeze(0))[0]                     # [H, kp]
-        rows = table_rows(pool.slot_of[units], t.page, t.n_tokens)
-        k = pool.k[rows]                                                     # [H, S, d]
-        v = pool.v[rows]
+        if self._k is None or self._v is None:
+            if not refresh:
+                raise ValueError("UnionAttention: refresh=False needs keep")
+            units = pool.units(layer, pages.unsqueeze(0))[0]                 # [H, kp]
+            rows = table_rows(pool.slot_of[units], t.page, t.n_tokens)
+            return shared_attend(q, pool.k[rows], pool.v[rows], tail_k, tail_v, tail_len)
+        k, v = self._k[layer], self._v[layer]
+        if refresh:
+            units = pool.units(layer, pages.unsqueeze(0))[0]
+            rows = table_rows(pool.slot_of[units], t.page, t.n_tokens).reshape(-1)
+            torch.index_select(pool.k, 0, rows, out=k.view(-1, t.head_dim))
+            torch.index_select(pool.v, 0, rows, out=v.view(-1, t.head_dim))
         return shared_attend(q, k, v, tail_k, tail_v, tail_len)

@@ -55,6 +55,10 @@ class EngineOptions:
     # Floor of the token and page budgets in tokens (the core's min_budget):
     # short contexts keep at least this many tokens' pages. Default: 0.
     min_budget: int = 0
+    # When the pool has a slot for every page of the context (pool_fraction
+    # 1, or a large batch's working set), load them all before the first
+    # step (PagePool.preload): no step then misses. Default: True.
+    preload: bool = True
     # Batch union: > 0 makes the whole batch attend one table per kv head of
     # this fraction of the context's pages (plus page 0 and the recent
     # pages), the pages with the largest Quest bound over every sequence's
@@ -168,10 +172,15 @@ class ContextDecoder(_Decoder):
                              PoolOptions(n_slots=o.pool_slots, fraction=o.pool_fraction,
                                          min_slots=0 if o.pool_slots else need),
                              max_requests=tier.n_kv_heads * (self.union_kp or batch * kp))
+        if o.preload:
+            self.pool.preload()
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
                              tier.head_dim, tier.dtype, device)
-        self.attention = PagedAttention(self.pool, batch, n_q_heads, kp)
-        self.union_attention = UnionAttention(self.pool) if self.union_kp else None
+        # Per-sequence tables, or the batch union (then no per-sequence buffers).
+        self.attention = None if self.union_kp else PagedAttention(self.pool, batch,
+                                                                   n_q_heads, kp)
+        self.union_attention = (UnionAttention(self.pool, self.union_kp, keep=o.period > 1)
+                                if self.union_kp else None)
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -185,7 +194,7 @@ class ContextDecoder(_Decoder):
                 self.planner.plan_union(layer, q)
                 self.pool.resolve(layer, pages.unsqueeze(0))
             return self.union_attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
-                                        self.own.now)
+                                        self.own.now, refresh=self.planning)
         if self.planning:
             pages = self.planner.plan(layer, q)
             self.pool.resolve(layer, pages)
@@ -196,8 +205,11 @@ class ContextDecoder(_Decoder):
 
     def memory(self) -> Dict[str, int]:
         """Device bytes by part: pool, planner index, own tokens."""
-        return {"pool": self.pool.hbm_bytes, "index": self.planner.hbm_bytes,
-                "own": self.own.nbytes}
+        out = {"pool": self.pool.hbm_bytes, "index": self.planner.hbm_bytes,
+               "own": self.own.nbytes}
+        if self.union_attention is not None and self.union_attention.hbm_bytes:
+            out["union_tables"] = self.union_attention.hbm_bytes
+        return out
 
 
 class DenseDecoder(_Decoder):

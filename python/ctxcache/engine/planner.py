@@ -121,6 +121,23 @@ class QuestPlanner:
         self.page_budget = page_budget(rho, self.n_pages, page, min_budget)
         self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_blocks, page, min_budget)
         dev = kmin.device
+        # Per-sequence tables, unless the planner keeps the batch union only.
+        self.per_sequence = not union_rho
+        if self.per_sequence:
+            self._alloc_rows(batch, n_q_heads, rank, dev)
+        self.union_kp = 0
+        if union_rho:
+            if not 0.0 < union_rho <= 1.0:
+                raise ValueError(f"union_rho: expected in (0, 1] (or 0: off), got {union_rho}")
+            self.union_kp = page_cap(union_rho, self.n_pages, recent_blocks)[1]
+            # The last union table of each layer: [L, H, union_kp], sorted.
+            self.union_pages = torch.zeros(self.n_layers, self.h, self.union_kp,
+                                           dtype=torch.int32, device=dev)
+            self._union_scores = torch.empty(self.h, self.n_pages, dtype=torch.float32,
+                                             device=dev)
+            self._union_top = torch.empty(self.h, self.union_kp, dtype=torch.int64, device=dev)
+
+    def _alloc_rows(self, batch: int, n_q_heads: int, rank: str, dev: Any) -> None:
         # The last plan of each layer: [L, B, H, kp].
         self.pages = torch.zeros(self.n_layers, batch, self.h, self.kp, dtype=torch.int32,
                                  device=dev)
@@ -148,17 +165,6 @@ class QuestPlanner:
         self._icounts = torch.zeros(batch * self.h, self.n_pages, dtype=torch.int32, device=dev)
         if rank == "max":
             self._picked = torch.empty_like(self._scores)
-        self.union_kp = 0
-        if union_rho:
-            if not 0.0 < union_rho <= 1.0:
-                raise ValueError(f"union_rho: expected in (0, 1] (or 0: off), got {union_rho}")
-            self.union_kp = page_cap(union_rho, self.n_pages, recent_blocks)[1]
-            # The last union table of each layer: [L, H, union_kp], sorted.
-            self.union_pages = torch.zeros(self.n_layers, self.h, self.union_kp,
-                                           dtype=torch.int32, device=dev)
-            self._union_scores = torch.empty(self.h, self.n_pages, dtype=torch.float32,
-                                             device=dev)
-            self._union_top = torch.empty(self.h, self.union_kp, dtype=torch.int64, device=dev)
 
     @classmethod
     def from_tier(cls, tier: HostTier, device: Any, n_q_heads: int, batch: int,
@@ -210,6 +216,9 @@ class QuestPlanner:
     def plan(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The pages of every (sequence, kv head): int32 [B, H, kp], each row's
         pages distinct (any order), a view of ``pages[layer]``. q [B, Hq, d]."""
+        if not self.per_sequence:
+            raise ValueError("plan: this planner keeps the batch union only (union_rho > 0); "
+                             "use plan_union")
         if q.shape[0] != self.batch:
             raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
         s = self.scores(layer, q)

@@ -192,6 +192,30 @@ class PagePool:
             self._miss_slots = torch.zeros(n_req, dtype=torch.int32, device=self.device)
         return self._miss_units, self._miss_slots  # type: ignore[return-value]
 
+    def preload(self) -> bool:
+        """When the pool has a slot for every unit of the context: copies them
+        all in, unit u to slot u (one bulk copy per layer, waiting for each
+        layer of a background load), so no step misses. Returns whether it
+        did (False: the pool is smaller than the context; nothing changes).
+        Not capturable (call it before the first step)."""
+        t = self.tier
+        if self.n_slots < t.n_units:
+            return False
+        per_layer = t.n_kv_heads * t.n_pages * t.page
+        for layer in range(t.n_layers):
+            if t.load is not None:
+                t.load.wait_layer(layer)
+            rows = slice(layer * per_layer, (layer + 1) * per_layer)
+            self.k[rows].copy_(t.k[layer].reshape(-1, t.head_dim), non_blocking=True)
+            self.v[rows].copy_(t.v[layer].reshape(-1, t.head_dim), non_blocking=True)
+        units = torch.arange(t.n_units, dtype=torch.int32, device=self.device)
+        self.slot_of.copy_(units)
+        self.page_of.fill_(-1)
+        self.page_of[:t.n_units].copy_(units)
+        self.ref.zero_()
+        self.counts[2] += t.n_units
+        return True
+
     def hold(self) -> None:
         """From now until :meth:`release`, units resolved stay resident (no
         host sync; capturable)."""

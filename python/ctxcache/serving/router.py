@@ -226,8 +226,15 @@ class Resolver:
         return self.load(self.resolve_prefix(prompt, context_id))
 
     def close(self) -> None:
+        """Closes the clients and drops the host KV."""
         self.kv_cache.close()
         self.client.close()
+
+    def __enter__(self) -> "Resolver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def publish(client: Any, model: Mapping[str, Any], tokens: Sequence[int],
@@ -237,13 +244,21 @@ def publish(client: Any, model: Mapping[str, Any], tokens: Sequence[int],
     ``ctxcache.token_key`` label, so any engine with the same model
     fingerprint can prefix-match it. With ``resolver``, that engine also
     learns its token ids (requests may then name it by id). Returns the
-    ContextInfo."""
+    ContextInfo; :class:`ctxcache.AlreadyExists` when the same model and
+    tokens were ingested before without the label (ingest is idempotent and
+    keeps the first labels)."""
     fp = model["fingerprint"]
     fp = bytes.fromhex(fp) if isinstance(fp, str) else bytes(fp)
     ids = [int(t) for t in tokens]
     all_labels = dict(labels or {})
     all_labels[TOKEN_KEY_LABEL] = token_key(fp, ids)
     info = client.ingest(model, ids, layers, labels=all_labels, **ingest_kwargs)
+    if info.labels.get(TOKEN_KEY_LABEL) != all_labels[TOKEN_KEY_LABEL]:
+        # Ingest is idempotent: the same model and tokens return the stored
+        # context, with the labels of its first ingest.
+        raise errors.AlreadyExists(
+            f"context {info.context_id} was stored before without the {TOKEN_KEY_LABEL} label; "
+            "evict it and publish again to make it prefix-matchable", rpc="IngestContext")
     if resolver is not None:
         resolver.tokens.put(info, ids)
         resolver.index.add(info)

@@ -34,6 +34,7 @@ manager's hash table) are touched only in :func:`_seed_blocks` and
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -52,9 +53,14 @@ from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
 
 __all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
-           "TESTED_TRANSFORMERS"]
+           "REQUEST_CONTEXT_ID", "TESTED_TRANSFORMERS"]
 
 TESTED_TRANSFORMERS = "5.17"
+# The stored context a request names when its caller cannot pass
+# ``context_id=`` to add_request (transformers serve's handlers call
+# add_request themselves): set around the call, read by add_request.
+REQUEST_CONTEXT_ID: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
+    "ctxcache_request_context_id", default=None)
 log = logging.getLogger("ctxcache.serving")
 
 
@@ -419,9 +425,12 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
                     record_timestamps: bool = False, eos_token_id: Any = None,
                     context_id: Optional[str] = None, **logit_processor_kwargs: Any
                     ) -> Optional[str]:
-        """As ``ContinuousBatchingManager.add_request``, after routing: raises
-        the ctxcache error when the policy says "error" (nothing is
-        submitted then)."""
+        """As ``ContinuousBatchingManager.add_request``, after routing
+        (``context_id``, else :data:`REQUEST_CONTEXT_ID`, names a stored
+        context): raises the ctxcache error when the policy says "error"
+        (nothing is submitted then)."""
+        if context_id is None:
+            context_id = REQUEST_CONTEXT_ID.get()
         r = self.ctxcache.route(list(input_ids), context_id)
         if request_id is None:
             with self._request_lock:

@@ -256,7 +256,7 @@ def _tiny_model(device: str):
     import torch
     path = os.path.join(REPO, "tests", "data", "golden", "llama3")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation="sdpa_paged").to(device).eval()
+        path, dtype=torch.bfloat16, attn_implementation="paged|sdpa").to(device).eval()
     return model
 
 

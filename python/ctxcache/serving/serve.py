@@ -68,7 +68,7 @@ def _handler_class(base: type, request_context: contextvars.ContextVar) -> type:
 
 def build_app(model: str, ctxcache_address: str, options: ServingOptions, *,
               fingerprints: Optional[Sequence[bytes]] = None, device: str = "auto",
-              dtype: str = "auto", attn_implementation: Optional[str] = "sdpa_paged",
+              dtype: str = "auto", attn_implementation: Optional[str] = "paged|sdpa",
               cb_config: Optional[Dict[str, Any]] = None, enable_cors: bool = False,
               client_kwargs: Optional[Dict[str, Any]] = None) -> Any:
     """The FastAPI app of ``transformers serve`` with ctxcache (see the
@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
                          "default: SHA-256 over the weights, as ctxcache.torch.hf.model_spec)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--attn-implementation", default="sdpa_paged")
+    ap.add_argument("--attn-implementation", default="paged|sdpa",
+                    help="the paged attention of transformers 5.17 (\"sdpa_paged\")")
     ap.add_argument("--cb-block-size", type=int)
     ap.add_argument("--cb-num-blocks", type=int)
     ap.add_argument("--cb-max-batch-tokens", type=int)

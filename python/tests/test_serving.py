@@ -255,8 +255,10 @@ def _tiny_model(device: str):
     transformers = pytest.importorskip("transformers")
     import torch
     path = os.path.join(REPO, "tests", "data", "golden", "llama3")
+    # fp32 weights and KV (stored as f32): greedy ties cannot flip on rounding
+    # differences between batch shapes.
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation="paged|sdpa").to(device).eval()
+        path, dtype=torch.float32, attn_implementation="paged|sdpa").to(device).eval()
     return model
 
 
@@ -294,7 +296,7 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
         mgr.stop(block=True, timeout=BOUND_S)
         mgr.destroy()
     assert kv is not None and kv[0].shape[2] == len(ctx)
-    spec = hf.model_spec(model, "tiny-llama3")
+    spec = dict(hf.model_spec(model, "tiny-llama3"), kv_dtype="f32")
     publish(client, spec, ctx, [(kv[0][i], kv[1][i]) for i in range(kv[0].shape[0])],
             indexes=["streaming"])
     backend = tcb.CtxcacheBackend(server.address, model, [spec["fingerprint"]],
@@ -309,3 +311,24 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     assert [list(o.generated_tokens) for o in got.values()] == want
     assert stats["outcomes"].get("hit", 0) == 6 and stats["outcomes"]["no_match"] == 1
     assert stats["kv_loads"] == 1 and stats["seeded_blocks"] >= 4
+    # ctxcached unreachable: "prefill" gives the same tokens, "error" fails
+    # every request with a message (nothing hangs: bounded by the options).
+    dead = f"127.0.0.1:{free_port()}"
+    for policy in ("prefill", "error"):
+        b = tcb.CtxcacheBackend(dead, model, [spec["fingerprint"]],
+                                ServingOptions(on_missing=policy, rpc_timeout_s=1.0,
+                                               rpc_attempts=1))
+        try:
+            t0 = time.monotonic()
+            outs = b.generate_batch(prompts, generation_config=gen,
+                                    continuous_batching_config=cb_cfg(), warmup=False,
+                                    timeout_s=120)
+            assert time.monotonic() - t0 < 120
+        finally:
+            b.close()
+        if policy == "prefill":
+            assert [list(o.generated_tokens) for o in outs.values()] == want
+        else:
+            assert len(outs) == len(prompts)
+            assert all(o.error is not None and "UNAVAILABLE" in o.error
+                       for o in outs.values())

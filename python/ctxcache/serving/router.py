@@ -24,8 +24,9 @@ malformed id                   InvalidArgument             InvalidArgument
 =============================  ==========================  ======================
 
 "Plain request" means the engine prefills the whole prompt: the same tokens
-as without ctxcache, never different ones. A context evicted after its KV
-reached this process keeps serving from that copy (contexts are immutable).
+as without ctxcache, never different ones. A request whose KV reached this
+process before its context was evicted completes from that copy (contexts
+are immutable); later requests find the context gone.
 """
 from __future__ import annotations
 
@@ -161,6 +162,7 @@ class Resolver:
                 info = self.client.get(cid)
             except errors.NotFound:
                 self.index.remove(cid)  # evicted since the last refresh
+                self.kv_cache.drop(cid)
                 continue
             except errors.Error as e:
                 return self._fallback(ids, e)

@@ -14,6 +14,9 @@ manager, handlers and ``build_server``), with two changes:
   ID}``); its prompt is then the context's tokens followed by the request's.
   The field is removed before transformers validates the body.
 
+``--context-file doc.txt`` stores a document as a context when the model
+loads (tokenized like a prompt, built by ctxcached) and prints its id.
+
 ctxcache errors become HTTP errors: InvalidArgument 400, NotFound 404,
 FailedPrecondition 409, Unavailable 503, DeadlineExceeded 504 (only with
 ``--on-missing error``, or for requests no fallback can serve).
@@ -66,8 +69,30 @@ def _handler_class(base: type, request_context: contextvars.ContextVar) -> type:
     return Handler
 
 
+def _store_context_files(address: str, tokenizer_path: str, paths: Sequence[str],
+                         client_kwargs: Optional[Dict[str, Any]]) -> List[tuple]:
+    """Tokenizes each file with the served model's tokenizer (as a request's
+    prompt is tokenized, BOS included) and builds it on ctxcached (idempotent:
+    a stored context is found, not rebuilt). Returns ``[(ContextInfo, ids)]``."""
+    from transformers import AutoTokenizer
+
+    from ctxcache.client import Client
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    out = []
+    with Client(address, timeout=3600, **(client_kwargs or {})) as c:
+        for path in paths:
+            with open(path, encoding="utf-8") as f:
+                ids = list(tok(f.read())["input_ids"])
+            info = c.build(tokens=ids, name=path, progress=False).context
+            print(f"ctxcache: context {info.context_id}: {len(ids)} tokens of {path}",
+                  file=sys.stderr, flush=True)
+            out.append((info, ids))
+    return out
+
+
 def build_app(model: str, ctxcache_address: str, options: ServingOptions, *,
-              fingerprints: Optional[Sequence[bytes]] = None, device: str = "auto",
+              fingerprints: Optional[Sequence[bytes]] = None,
+              context_files: Sequence[str] = (), device: str = "auto",
               dtype: str = "auto", attn_implementation: Optional[str] = "paged|sdpa",
               cb_config: Optional[Dict[str, Any]] = None, enable_cors: bool = False,
               client_kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -95,8 +120,22 @@ def build_app(model: str, ctxcache_address: str, options: ServingOptions, *,
         def init_cb(self, model_: Any, gen_config: Any) -> None:
             if self._cb is not None:
                 return
-            self.backend = CtxcacheBackend(ctxcache_address, model_, fingerprints, options,
+            fps = list(fingerprints or [])
+            if not fps:
+                from ctxcache.torch import hf
+                fps.append(hf.model_spec(model_, "")["fingerprint"])
+            stored = _store_context_files(ctxcache_address, model, context_files, client_kwargs)
+            # Contexts ctxcached built carry its model's fingerprint: accepted
+            # for the files given here (the same model, served by both).
+            fps += [bytes(info.model.fingerprint) for info, _ in stored]
+            self.backend = CtxcacheBackend(ctxcache_address, model_, fps, options,
                                            client_kwargs=client_kwargs)
+            for info, ids in stored:
+                self.backend.resolver.tokens.put(info, ids)
+                self.backend.resolver.index.add(info)
+            from transformers import AutoTokenizer
+            bos = AutoTokenizer.from_pretrained(model).bos_token_id
+            self.backend.named_drop_leading = bos  # the request's BOS, after the context's
             self._cb = self.backend.manager(gen_config, self._cb_config)
             self._cb.start()
 
@@ -153,6 +192,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fingerprint", action="append", default=[], metavar="HEX",
                     help="model fingerprint whose stored KV this model may use (repeatable; "
                          "default: SHA-256 over the weights, as ctxcache.torch.hf.model_spec)")
+    ap.add_argument("--context-file", action="append", default=[], metavar="PATH",
+                    help="a text file stored as a context when the model loads (tokenized "
+                         "like a prompt, built by ctxcached); its id is printed, requests may "
+                         "name it or start with its text (repeatable)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attn-implementation", default="paged|sdpa",
@@ -186,7 +229,8 @@ def main(argv: Optional[List[str]] = None) -> int:
           if v is not None}
     import os
     key = os.environ.get(a.api_key_env, "")
-    app = build_app(a.model, a.ctxcache, options, fingerprints=fps, device=a.device,
+    app = build_app(a.model, a.ctxcache, options, fingerprints=fps,
+                    context_files=a.context_file, device=a.device,
                     dtype=a.dtype, attn_implementation=a.attn_implementation, cb_config=cb,
                     client_kwargs={"api_key": key} if key else None)
     import uvicorn

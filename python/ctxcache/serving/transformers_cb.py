@@ -224,6 +224,10 @@ class CtxcacheBackend:
         self._scheduler_names: Dict[str, str] = {}
         self.seeded_blocks = 0
         self.seed_failures = 0
+        # A request that names a context and whose own ids start with this
+        # token (its tokenizer's BOS, added to every prompt) drops it: the
+        # context already starts the sequence. None = keep the ids as given.
+        self.named_drop_leading: Optional[int] = None
 
     # ------------------------------------------------------------ routing --
 
@@ -431,7 +435,11 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
         (nothing is submitted then)."""
         if context_id is None:
             context_id = REQUEST_CONTEXT_ID.get()
-        r = self.ctxcache.route(list(input_ids), context_id)
+        ids = list(input_ids)
+        drop = self.ctxcache.named_drop_leading
+        if context_id is not None and drop is not None and ids[:1] == [drop]:
+            ids = ids[1:]
+        r = self.ctxcache.route(ids, context_id)
         if request_id is None:
             with self._request_lock:
                 request_id = f"req_{self._request_counter}"

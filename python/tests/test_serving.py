@@ -130,6 +130,11 @@ def test_named_context_prepends_its_tokens_and_loads_its_kv_once(client, server,
             t.join(BOUND_S)
         assert len(got) == 16 and all(g.kv is res.kv for g in got)
         assert r.kv_cache.loads == 1 and r.kv_cache.hits >= 16
+        # prefetch: routing for its side effects, uncounted, never raising.
+        before = dict(r.outcomes)
+        r.prefetch(toks + [3])
+        r.prefetch([1], context_id="nope")
+        assert r.outcomes == before
         # The KV is the stored pages' (bf16 bits), layer 1, kv head 1, page 2.
         page = client.fetch_pages(info.context_id, [(1, 1, [2])], dtype="raw")[0]
         assert np.array_equal(_bf16_bits(res.kv.k[1, 1, 32:48]),

@@ -114,11 +114,14 @@ class Resolver:
                            if k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name",
                                     "api_key")})
         self._lock = threading.Lock()
+        self._quiet = threading.local()  # set by prefetch(): its routing is not counted
         self.outcomes: Dict[str, int] = {}
 
     # ------------------------------------------------------------ policy --
 
     def _count(self, outcome: str) -> None:
+        if getattr(self._quiet, "on", False):
+            return
         with self._lock:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
@@ -226,6 +229,18 @@ class Resolver:
     def resolve(self, prompt: Sequence[int], context_id: Optional[str] = None) -> Resolution:
         """:meth:`resolve_prefix`, then :meth:`load`."""
         return self.load(self.resolve_prefix(prompt, context_id))
+
+    def prefetch(self, prompt: Sequence[int], context_id: Optional[str] = None) -> None:
+        """:meth:`resolve` for its side effects only (the context's KV in host
+        memory, the index refreshed), not counted in :attr:`outcomes`. Never
+        raises: the request's own routing applies the policy."""
+        self._quiet.on = True
+        try:
+            self.resolve(prompt, context_id)
+        except Exception:  # reported by the request's own routing
+            pass
+        finally:
+            self._quiet.on = False
 
     def close(self) -> None:
         """Closes the clients and drops the host KV."""

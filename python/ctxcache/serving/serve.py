@@ -24,6 +24,7 @@ FailedPrecondition 409, Unavailable 503, DeadlineExceeded 504 (only with
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import sys
 from typing import Any, Dict, List, Optional, Sequence
@@ -138,6 +139,16 @@ def build_app(model: str, ctxcache_address: str, options: ServingOptions, *,
             self.backend.named_drop_leading = bos  # the request's BOS, after the context's
             self._cb = self.backend.manager(gen_config, self._cb_config)
             self._cb.start()
+
+        async def generate_non_streaming(self, model_: Any, processor: Any, inputs: dict,
+                                         gen_config: Any, request_id: str) -> Any:
+            # Load the context's KV off the event loop first, so that the
+            # routing inside add_request finds it in host memory.
+            if self.backend is not None:
+                ids = list(inputs["input_ids"])
+                await asyncio.to_thread(self.backend.prefetch, ids, REQUEST_CONTEXT_ID.get())
+            return await super().generate_non_streaming(model_, processor, inputs, gen_config,
+                                                        request_id)
 
         def stop(self) -> None:
             super().stop()

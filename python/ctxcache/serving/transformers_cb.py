@@ -35,6 +35,7 @@ manager's hash table) are touched only in :func:`_seed_blocks` and
 from __future__ import annotations
 
 import contextvars
+import copy
 import logging
 import threading
 import time
@@ -220,7 +221,7 @@ class CtxcacheBackend:
         self._lock = threading.Lock()
         # request id -> (context id, its engine block hashes, host KV)
         self._pending: Dict[str, Tuple[str, List[int], Resolution]] = {}
-        self._hashes: Dict[Tuple[str, int, int], List[int]] = {}
+        self._hashes: Dict[Tuple[str, int, int, int], List[int]] = {}
         self._scheduler_names: Dict[str, str] = {}
         self.seeded_blocks = 0
         self.seed_failures = 0
@@ -235,6 +236,17 @@ class CtxcacheBackend:
         """Resolves and loads a request's stored prefix (bounded; raises per
         the ``on_missing`` policy, see :mod:`ctxcache.serving.router`)."""
         return self.resolver.resolve(prompt, context_id)
+
+    def prefetch(self, prompt: Sequence[int], context_id: Optional[str] = None) -> None:
+        """Routes a request ahead of time so that its context's KV is in host
+        memory when the request is added (for callers that must not block,
+        e.g. an event loop: run this in a thread first). Never raises: the
+        request's own routing applies the policy."""
+        ids = list(prompt)
+        if context_id is not None and self.named_drop_leading is not None \
+                and ids[:1] == [self.named_drop_leading]:
+            ids = ids[1:]
+        self.resolver.prefetch(ids, context_id)
 
     def _track(self, request_id: str, r: Resolution) -> None:
         if r.context_id is None or r.kv is None:
@@ -276,7 +288,7 @@ class CtxcacheBackend:
             return name
 
     def _hashes_for(self, cache: Any, r: Resolution) -> List[int]:
-        key = (str(r.context_id), r.prefix_tokens, id(cache))
+        key = (str(r.context_id), r.prefix_tokens, id(cache), int(cache.block_size))
         with self._lock:
             got = self._hashes.get(key)
         if got is None:
@@ -412,7 +424,8 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
                  continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
                  workload_hints: Any = None) -> None:
         model = backend.model
-        cfg = continuous_batching_config or ContinuousBatchingConfig()
+        # A copy: the caller's config keeps its own scheduler_type.
+        cfg = copy.copy(continuous_batching_config or ContinuousBatchingConfig())
         if not getattr(cfg, "allow_block_sharing", True):
             raise ValueError("continuous_batching_config.allow_block_sharing: False, expected True "
                              "(ctxcache serves prefixes through the paged cache's block sharing)")

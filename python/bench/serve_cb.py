@@ -316,7 +316,9 @@ def speed_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, An
             if r["throughput_tok_s"] and base["throughput_tok_s"]:
                 r["throughput_speedup"] = round(r["throughput_tok_s"] / base["throughput_tok_s"],
                                                 3)
-        r.pop("_tokens", None)
+    for r in runs.values():
+        if r is not None:
+            r.pop("_tokens", None)  # after every comparison
     case["runs"] = runs
     case["backend"] = backend.stats()
     return case

@@ -163,7 +163,7 @@ def capture_prefix_kv(manager: ContinuousBatchingManager, tokens: Sequence[int]
     any block is no longer cached. What :func:`ctxcache.serving.publish`
     stores so that ``full`` matches plain generation token for token."""
     bp = manager.batch_processor
-    if bp is None:
+    if bp is None or not bp.cache.use_prefix_sharing:
         return None
     cache = bp.cache
     bm = _block_manager(cache)
@@ -195,11 +195,12 @@ class CtxcacheBackend:
     Args:
         address: ctxcached's ``HOST:PORT``.
         model: the HF causal LM (a full-attention LLaMA-family model on its
-            device, loaded with ``attn_implementation="sdpa_paged"`` or
-            another paged implementation).
+            device, loaded with ``attn_implementation="paged|sdpa"``, the
+            paged SDPA of ``integrations/sdpa_paged.py``, or another paged
+            implementation).
         fingerprints: model fingerprints whose stored KV this model can use.
             Default: ``ctxcache.torch.hf.model_spec(model)``'s (SHA-256 over
-            the weights), the one :func:`publish_from_model` stores.
+            the weights), the one to :func:`ctxcache.serving.publish` with.
         options: :class:`ServingOptions`.
         client_kwargs: TLS / API key arguments of the clients.
 
@@ -219,8 +220,8 @@ class CtxcacheBackend:
                                  client_kwargs=client_kwargs, label_filter=label_filter)
         self.options = self.resolver.options
         self._lock = threading.Lock()
-        # request id -> (context id, its engine block hashes, host KV)
-        self._pending: Dict[str, Tuple[str, List[int], Resolution]] = {}
+        # request id -> (context id, its resolution with the host KV)
+        self._pending: Dict[str, Tuple[str, Resolution]] = {}
         self._hashes: Dict[Tuple[str, int, int, int], List[int]] = {}
         self._scheduler_names: Dict[str, str] = {}
         self.seeded_blocks = 0
@@ -252,7 +253,7 @@ class CtxcacheBackend:
         if r.context_id is None or r.kv is None:
             return
         with self._lock:
-            self._pending[request_id] = (r.context_id, [], r)
+            self._pending[request_id] = (r.context_id, r)
 
     # ---------------------------------------------------------- scheduling --
 
@@ -305,7 +306,7 @@ class CtxcacheBackend:
             todo = [(rid, p) for rid, p in self._pending.items() if rid in waiting]
         held: List[int] = []
         seen = set()
-        for rid, (cid, _, r) in todo:
+        for rid, (cid, r) in todo:
             state = waiting[rid]
             if state.status != RequestStatus.PENDING or (cid, r.prefix_tokens) in seen:
                 continue

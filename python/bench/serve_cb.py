@@ -149,9 +149,10 @@ def configs(a: Any) -> tuple:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     def cb() -> Any:
-        return ContinuousBatchingConfig(block_size=a.block_size,
-                                        max_batch_tokens=a.max_batch_tokens,
-                                        allow_block_sharing=True)
+        cfg = ContinuousBatchingConfig(block_size=a.block_size,
+                                       max_batch_tokens=a.max_batch_tokens)
+        cfg.allow_block_sharing = True  # prefix sharing, for plain and ctxcache alike
+        return cfg
     gen = GenerationConfig(max_new_tokens=a.new_tokens, do_sample=False, eos_token_id=-1)
     return cb, gen
 

@@ -280,8 +280,11 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _tiny_model(device)
     block = 32
-    cb_cfg = lambda: transformers.ContinuousBatchingConfig(  # noqa: E731
-        block_size=block, num_blocks=64, max_batch_tokens=256, allow_block_sharing=True)
+    def cb_cfg() -> "transformers.ContinuousBatchingConfig":
+        cfg = transformers.ContinuousBatchingConfig(block_size=block, num_blocks=64,
+                                                    max_batch_tokens=256)
+        cfg.allow_block_sharing = True  # prefix sharing: how stored prefixes are served
+        return cfg
     gen = transformers.GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1)
     ctx = random_tokens(4 * block, 111)
     prompts = [ctx + [7 + i, 8, 9] for i in range(6)] + [random_tokens(40, 112)]

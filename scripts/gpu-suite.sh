@@ -27,6 +27,10 @@
 #      from evals/longctx_tasks.py, carried; default build/tasks/tasks.jsonl);
 #      CTXCACHE_TASKS_SECONDS (default 540) bounds it. $OUT/tasks.tgz holds
 #      each shard's JSON (tasks-I.json, every task it finished) and log.
+#   8. serve_cb: python/bench/serve_cb.py, transformers' continuous batching
+#      with and without ctxcache as its prefix store (greedy tokens against
+#      plain generate_batch, TTFT, throughput); CTXCACHE_SERVE_ARGS (default
+#      --quick) picks the workload.
 # Writes logs and JSON under $OUT (default ./gpu-out). Each stage has its own
 # time limit; a failed stage is recorded and the next one still runs.
 set -uo pipefail
@@ -159,4 +163,8 @@ stage tasks "${CTXCACHE_TASKS_SECONDS:-540}" bash -c "
   for j in \$(jobs -p); do wait \$j || rc=1; done
   pack
   exit \$rc"
+# 8. Continuous batching with and without ctxcache (python/bench/serve_cb.py).
+stage serve_cb 900 bash -c "
+  PYTHONPATH='$WORK/site' CTXCACHE_BIN_DIR='$WORK/bin' python3 python/bench/serve_cb.py \
+    --out '$OUT/serve_cb.json' \${CTXCACHE_SERVE_ARGS:---quick}"
 exit $status

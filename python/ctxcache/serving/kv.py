@@ -1,0 +1,230 @@
+"""Host-side cache of stored contexts' dense KV, loaded once through the
+native bulk path (``NativeClient.start_load_kv``: large frames, crc32c
+checked natively, GIL released) and shared by every request on the context.
+
+Sixty-four requests over one context make one load: the first caller loads,
+the others wait for it (single flight). Every wait is bounded
+(``load_timeout_s``); a load past it is cancelled and the callers get
+:class:`ctxcache.DeadlineExceeded`. A failed load is not cached: the next
+request tries again.
+
+The buffers are torch CPU tensors (pinned when CUDA is available, for fast
+copies to the GPU) of the context's kv dtype when torch is importable, else
+numpy arrays (bf16 as uint16). Shape ``[n_layers, n_kv_heads, n_tokens,
+head_dim]``. A stored context is immutable (content-addressed), so its KV
+stays correct after ctxcached evicts it: a request that has its KV keeps it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from ctxcache import errors
+from ctxcache.native import ContextShape, NativeClient
+
+__all__ = ["HostKV", "HostKVCache"]
+
+_POLL_S = 0.005
+
+
+@dataclass
+class HostKV:
+    """One context's K and V in host memory (read-only by contract)."""
+    context_id: str
+    shape: ContextShape
+    k: Any  # [n_layers, n_kv_heads, n_tokens, head_dim]
+    v: Any
+    nbytes: int
+    load_s: float
+
+
+def _buffers(shape: ContextShape, use_torch: Optional[bool]) -> tuple:
+    n = shape.kv_shape()
+    torch = None
+    if use_torch is not False:
+        try:
+            import torch  # type: ignore[no-redef]
+        except ImportError:
+            if use_torch:
+                raise
+            torch = None
+    if torch is not None:
+        dt = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[shape.kv_dtype]
+        pin = bool(torch.cuda.is_available())
+        k = torch.empty(n, dtype=dt, pin_memory=pin)
+        v = torch.empty(n, dtype=dt, pin_memory=pin)
+        return k, v, 2 * k.numel() * k.element_size()
+    import numpy as np
+    dt = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[shape.kv_dtype]
+    k = np.empty(n, dt)
+    v = np.empty(n, dt)
+    return k, v, 2 * k.nbytes
+
+
+class _Flight:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.kv: Optional[HostKV] = None
+        self.error: Optional[BaseException] = None
+
+
+class HostKVCache:
+    """Contexts' dense KV in host memory, least recently used out past
+    ``capacity_bytes``.
+
+    Args:
+        address: ctxcached's ``HOST:PORT`` (a NativeClient is made lazily,
+            with ``rpc_timeout_s`` per call attempt and ``rpc_attempts``).
+        capacity_bytes: bytes kept; a larger context is loaded, returned and
+            not kept.
+        load_timeout_s: bound of one load, and of a caller's wait for it.
+        streams: parallel streams per load.
+        use_torch: True / False / None (torch when importable).
+        native_kwargs: extra NativeClient arguments (tls_ca, api_key, ...).
+
+    Thread-safe. Counters: ``loads`` (loads started), ``hits`` (gets served
+    without a load of their own), ``failures``.
+    """
+
+    def __init__(self, address: str, *, capacity_bytes: int = 8 << 30,
+                 load_timeout_s: float = 120.0, streams: int = 4,
+                 rpc_timeout_s: float = 2.0, rpc_attempts: int = 2,
+                 use_torch: Optional[bool] = None,
+                 native_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self.address = address
+        self.capacity_bytes = int(capacity_bytes)
+        self.load_timeout_s = float(load_timeout_s)
+        self.streams = int(streams)
+        self._rpc_timeout_s = float(rpc_timeout_s)
+        self._rpc_attempts = int(rpc_attempts)
+        self._use_torch = use_torch
+        self._native_kwargs = dict(native_kwargs or {})
+        self._nc: Optional[NativeClient] = None
+        self._lock = threading.Lock()
+        self._kept: "OrderedDict[str, HostKV]" = OrderedDict()
+        self._bytes = 0
+        self._flights: Dict[str, _Flight] = {}
+        self.loads = 0
+        self.hits = 0
+        self.failures = 0
+
+    def _client(self) -> NativeClient:
+        with self._lock:
+            if self._nc is None:
+                # The layer deadline of a load is the client's timeout: a load
+                # may take up to load_timeout_s, so its layers may too.
+                self._nc = NativeClient(self.address, timeout=self.load_timeout_s,
+                                        max_attempts=self._rpc_attempts, **self._native_kwargs)
+            return self._nc
+
+    @property
+    def bytes_kept(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def cached(self, context_id: str) -> Optional[HostKV]:
+        """The kept KV of a context, without loading (None if not kept)."""
+        with self._lock:
+            kv = self._kept.get(context_id)
+            if kv is not None:
+                self._kept.move_to_end(context_id)
+            return kv
+
+    def drop(self, context_id: str) -> None:
+        with self._lock:
+            kv = self._kept.pop(context_id, None)
+            if kv is not None:
+                self._bytes -= kv.nbytes
+
+    def get(self, context_id: str, shape: Optional[ContextShape] = None,
+            timeout_s: Optional[float] = None) -> HostKV:
+        """The context's KV, loading it if needed (one load per context at a
+        time). Raises the load's :class:`ctxcache.Error` (NotFound: gone;
+        Unavailable: ctxcached unreachable; DataLoss; DeadlineExceeded past
+        ``timeout_s``, default ``load_timeout_s``)."""
+        timeout = self.load_timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            kv = self._kept.get(context_id)
+            if kv is not None:
+                self._kept.move_to_end(context_id)
+                self.hits += 1
+                return kv
+            flight = self._flights.get(context_id)
+            leader = flight is None
+            if leader:
+                flight = _Flight()
+                self._flights[context_id] = flight
+                self.loads += 1
+            else:
+                self.hits += 1
+        if leader:
+            try:
+                flight.kv = self._load(context_id, shape, timeout)
+                self._keep(flight.kv)
+            except BaseException as e:  # handed to every waiter, then re-raised
+                flight.error = e
+                with self._lock:
+                    self.failures += 1
+            finally:
+                with self._lock:
+                    self._flights.pop(context_id, None)
+                flight.done.set()
+        elif not flight.done.wait(timeout):
+            raise errors.DeadlineExceeded(f"context {context_id}: KV load still running after "
+                                          f"{timeout:g} s", rpc="LoadKV")
+        if flight.error is not None:
+            raise flight.error
+        assert flight.kv is not None
+        return flight.kv
+
+    def _keep(self, kv: HostKV) -> None:
+        with self._lock:
+            if kv.nbytes > self.capacity_bytes:
+                return
+            self._kept[kv.context_id] = kv
+            self._bytes += kv.nbytes
+            while self._bytes > self.capacity_bytes and self._kept:
+                _, old = self._kept.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def _load(self, context_id: str, shape: Optional[ContextShape], timeout: float) -> HostKV:
+        nc = self._client()
+        t0 = time.monotonic()
+        if shape is None:
+            shape = nc.context(context_id)
+        if shape.state != 2:
+            raise errors.FailedPrecondition(f"context {context_id} is not READY "
+                                            f"(state {shape.state})", rpc="LoadKV")
+        k, v, nbytes = _buffers(shape, self._use_torch)
+        load = nc.start_load_kv(context_id, k, v, streams=self.streams, shape=shape)
+        try:
+            deadline = t0 + timeout
+            while not load.done:
+                if time.monotonic() >= deadline:
+                    load.cancel()
+                    raise errors.DeadlineExceeded(
+                        f"context {context_id}: KV load not done after {timeout:g} s "
+                        f"({load.progress()['bytes_done']} of {nbytes} bytes)", rpc="LoadKV")
+                time.sleep(_POLL_S)
+            load.wait()  # raises the load's error, if any
+        finally:
+            load.close()
+        return HostKV(context_id, shape, k, v, nbytes, time.monotonic() - t0)
+
+    def close(self) -> None:
+        with self._lock:
+            nc, self._nc = self._nc, None
+            self._kept.clear()
+            self._bytes = 0
+        if nc is not None:
+            nc.close()
+
+    def __enter__(self) -> "HostKVCache":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

@@ -1,0 +1,84 @@
+"""Settings of the serving backend: what to do when a stored prefix cannot be
+used, and how long each step may wait.
+
+Every wait the backend makes is bounded by one of these numbers; none of
+them is "forever". :meth:`ServingOptions.validate` raises ``ValueError``
+naming the field and the expected value.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["ServingOptions", "ON_MISSING_CHOICES"]
+
+# "prefill": the request runs as if ctxcache were absent (the engine
+# prefills the whole prompt). "error": the request fails with the
+# ctxcache error that stopped it (NotFound, Unavailable, ...).
+ON_MISSING_CHOICES = ("prefill", "error")
+
+
+@dataclass
+class ServingOptions:
+    """Settings of a serving backend. Safe to share between threads once built
+    (read-only after :meth:`validate`)."""
+
+    # What a request gets when its stored prefix cannot be used: the context
+    # is missing, ctxcached is down or restarting, or the context is evicted
+    # while its KV is being loaded. "prefill" (the engine prefills the whole
+    # prompt: same tokens, no speed-up) or "error" (the request fails with the
+    # ctxcache error). A request that names a context whose token ids this
+    # process does not know always fails: without them it cannot be prefilled.
+    # Default: "prefill".
+    on_missing: str = "prefill"
+    # Deadline of each metadata RPC (GetContext, ListContexts), seconds.
+    # Default: 2.
+    rpc_timeout_s: float = 2.0
+    # Attempts of a metadata RPC that fails with UNAVAILABLE (1 = no retry).
+    # Default: 2.
+    rpc_attempts: int = 2
+    # Longest a KV load from ctxcached may take, seconds; past it the load is
+    # cancelled and the request takes the on_missing path. Default: 120.
+    load_timeout_s: float = 120.0
+    # Refresh the list of stored contexts (ListContexts) when it is older
+    # than this, seconds; 0 = before every match. Default: 5.
+    refresh_interval_s: float = 5.0
+    # Shortest stored prefix worth using, tokens. Default: 16.
+    min_prefix_tokens: int = 16
+    # Bytes of context KV kept in host memory (least recently used out); a
+    # context larger than this is loaded, used and not kept. Default: 8 GiB.
+    host_cache_bytes: int = 8 << 30
+    # Parallel streams of a bulk KV load (NativeClient.start_load_kv).
+    # Default: 4.
+    load_streams: int = 4
+
+    def validate(self) -> "ServingOptions":
+        """Returns self; ``ValueError`` naming the first bad field."""
+        if self.on_missing not in ON_MISSING_CHOICES:
+            raise ValueError(f"on_missing: {self.on_missing!r}, expected one of "
+                             f"{', '.join(ON_MISSING_CHOICES)}")
+        for name in ("rpc_timeout_s", "load_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name}: {v!r}, expected a number of seconds > 0")
+        if not isinstance(self.refresh_interval_s, (int, float)) or self.refresh_interval_s < 0:
+            raise ValueError(f"refresh_interval_s: {self.refresh_interval_s!r}, expected a "
+                             "number of seconds >= 0")
+        for name, low in (("rpc_attempts", 1), ("min_prefix_tokens", 1),
+                          ("host_cache_bytes", 0), ("load_streams", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}: {v!r}, expected an integer >= {low}")
+        return self
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ServingOptions":
+        """Options from a mapping (e.g. parsed flags); an unknown key is a
+        ``ValueError`` naming it and the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown serving option(s) {unknown}; expected some of "
+                             f"{sorted(known)}")
+        return cls(**dict(values)).validate()

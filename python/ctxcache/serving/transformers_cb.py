@@ -1,0 +1,471 @@
+"""ctxcache as the prefix store of transformers' continuous batching
+(transformers 5.17: ``generate_batch``, ``ContinuousBatchingManager``,
+``PagedAttentionCache``, ``attn_implementation="sdpa_paged"``).
+
+How it works (dense-resident path). transformers' paged cache already
+shares prefixes: a complete block of ``block_size`` tokens gets a hash
+chained over its tokens and its parent's hash, and a new request's prompt
+is matched block by block against those hashes
+(``PagedAttentionCache.search_prefix_match``); matched blocks are not
+prefilled. This backend fills that table from ctxcache: before the
+scheduler looks at a waiting request whose prompt starts with a stored
+context, the context's KV (loaded once into host memory,
+:class:`~ctxcache.serving.kv.HostKVCache`) is copied into free blocks of the
+paged cache and those blocks are registered under the hashes the engine
+would have computed for the same tokens. The engine then skips the
+context's prefill by its own rules; the rest of the prompt (and the last
+``n mod block_size`` context tokens) is prefilled as usual. A request with
+no stored prefix meets an unchanged engine. Because the copied KV is the
+engine's own format (post-RoPE K, V per layer and kv head, the model's
+dtype), ``full`` attention over it gives the tokens plain generation gives
+when the stored KV is the one the engine computes (``capture_prefix_kv``).
+
+Seeded blocks are held (ref-counted) only while the scheduler runs; after
+that the requests using them hold them, and when none does they are the
+engine's "initialized" blocks, reclaimed under memory pressure like any
+other cached prefix; a later request re-seeds what was reclaimed.
+
+Hooks: a scheduler subclass registered under its own name in
+``SCHEDULER_MAPPING`` (``continuous_batching_config.scheduler_type``), and a
+``ContinuousBatchingManager`` subclass whose ``add_request`` routes the
+request first. The private parts of transformers this needs (the block
+manager's hash table) are touched only in :func:`_seed_blocks` and
+:func:`capture_prefix_kv`.
+"""
+from __future__ import annotations
+
+import contextvars
+import copy
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+from transformers.generation.continuous_batching.requests import RequestStatus
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+
+from ctxcache import errors
+from ctxcache.serving.options import ServingOptions
+from ctxcache.serving.router import ModelShape, Resolution, Resolver
+
+__all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
+           "REQUEST_CONTEXT_ID", "TESTED_TRANSFORMERS"]
+
+TESTED_TRANSFORMERS = "5.17"
+# The stored context a request names when its caller cannot pass
+# ``context_id=`` to add_request (transformers serve's handlers call
+# add_request themselves): set around the call, read by add_request.
+REQUEST_CONTEXT_ID: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar(
+    "ctxcache_request_context_id", default=None)
+log = logging.getLogger("ctxcache.serving")
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The paged-cache shape of an HF causal LM (its text config)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    n_q = int(cfg.num_attention_heads)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    return ModelShape(int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", n_q)),
+                      int(d))
+
+
+# ----------------------------------------------- transformers internals --
+# Everything below up to the next rule reads or writes private state of
+# transformers 5.17 (PagedAttentionCache._block_manager: BlockManager with
+# _hash_to_id / _id_to_block, Block.hash / parent_id / ref_count). Another
+# version may need changes here only.
+
+def _block_manager(cache: Any) -> Any:
+    return cache._block_manager
+
+
+def _chain_hashes(cache: Any, tokens: Sequence[int]) -> List[int]:
+    """The engine's hash of each complete block of ``tokens`` (group 0)."""
+    bm = _block_manager(cache)
+    bs = cache.block_size
+    out: List[int] = []
+    parent: Optional[int] = None
+    for b in range(len(tokens) // bs):
+        parent = bm.compute_hash(parent, list(tokens[b * bs:(b + 1) * bs]), 0)
+        out.append(parent)
+    return out
+
+
+def _seed_blocks(cache: Any, hashes: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> List[int]:
+    """Makes the blocks of ``hashes`` resident: present ones are held, missing
+    ones are allocated, filled from ``k``/``v`` (host ``[n_layers, n_kv_heads,
+    >= len(hashes) * block_size, head_dim]``) and registered. Returns the
+    held block ids (one reference each, released by :func:`_release_blocks`);
+    [] when the cache has no prefix sharing or too few free blocks."""
+    if not hashes or not cache.use_prefix_sharing:
+        return []
+    bm = _block_manager(cache)
+    bs = cache.block_size
+    held: List[int] = []
+    chain: List[Optional[int]] = []
+    missing: List[int] = []
+    for i, h in enumerate(hashes):
+        bid = bm._hash_to_id.get(h)
+        if bid is not None:
+            bm.increase_ref_count(bid)
+            held.append(bid)
+        else:
+            missing.append(i)
+        chain.append(bid)
+    if missing:
+        new_ids = bm.get_free_blocks(len(missing), None, True, 0)
+        if new_ids is None:
+            _release_blocks(cache, held)
+            return []
+        for i, bid in zip(missing, new_ids):
+            chain[i] = bid
+        idx = torch.tensor(missing, dtype=torch.long, device=cache.device)
+        dst = torch.tensor(new_ids, dtype=torch.long, device=cache.device)
+        n_pad = len(hashes) * bs
+        for layer, (group, j) in sorted(cache.layer_index_to_group_indices.items()):
+            if group != 0:
+                continue
+            for host, paged in ((k, cache.key_cache[j]), (v, cache.value_cache[j])):
+                src = host[layer, :, :n_pad].to(cache.device, non_blocking=True)  # [H, n, d]
+                h_, _, d_ = src.shape
+                src = src.reshape(h_, len(hashes), bs, d_).index_select(1, idx)
+                src = src.permute(1, 2, 0, 3).to(cache.dtype)    # [blocks, bs, H, d]
+                paged.view(-1, bs, h_, d_).index_copy_(0, dst, src)
+        if str(cache.device).startswith("cuda"):
+            torch.cuda.synchronize(cache.device)
+        for i, bid in zip(missing, new_ids):
+            blk = bm._id_to_block[bid]
+            blk.parent_id = chain[i - 1] if i else None
+            blk.hash = hashes[i]
+            bm._hash_to_id[hashes[i]] = bid
+        held.extend(new_ids)
+    return held
+
+
+def _release_blocks(cache: Any, held: Iterable[int]) -> None:
+    bm = _block_manager(cache)
+    for bid in held:
+        bm.decrease_ref_count(bid)
+
+
+def capture_prefix_kv(manager: ContinuousBatchingManager, tokens: Sequence[int]
+                      ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The engine's own KV of the complete blocks of ``tokens`` from a
+    manager's paged cache (after a run that prefilled them, e.g.
+    ``generate_batch(..., persistent_manager=True)``): CPU ``(k, v)`` of
+    ``[n_layers, n_kv_heads, n_blocks * block_size, head_dim]``, or None when
+    any block is no longer cached. What :func:`ctxcache.serving.publish`
+    stores so that ``full`` matches plain generation token for token."""
+    bp = manager.batch_processor
+    if bp is None or not bp.cache.use_prefix_sharing:
+        return None
+    cache = bp.cache
+    bm = _block_manager(cache)
+    ids = []
+    for h in _chain_hashes(cache, tokens):
+        bid = bm._hash_to_id.get(h)
+        if bid is None:
+            return None
+        ids.append(bid)
+    if not ids:
+        return None
+    bs = cache.block_size
+    sel = torch.tensor(ids, dtype=torch.long, device=cache.device)
+    layers = sorted(cache.layer_index_to_group_indices.items())
+    ks, vs = [], []
+    for _layer, (_group, j) in layers:
+        for paged, out in ((cache.key_cache[j], ks), (cache.value_cache[j], vs)):
+            blocks = paged.view(-1, bs, paged.shape[-2], paged.shape[-1]).index_select(0, sel)
+            out.append(blocks.reshape(-1, paged.shape[-2], paged.shape[-1])
+                       .permute(1, 0, 2).to("cpu"))
+    return torch.stack(ks), torch.stack(vs)
+
+# -------------------------------------------------- end of the internals --
+
+
+class CtxcacheBackend:
+    """ctxcache as the prefix store of one model's continuous batching.
+
+    Args:
+        address: ctxcached's ``HOST:PORT``.
+        model: the HF causal LM (a full-attention LLaMA-family model on its
+            device, loaded with ``attn_implementation="paged|sdpa"``, the
+            paged SDPA of ``integrations/sdpa_paged.py``, or another paged
+            implementation).
+        fingerprints: model fingerprints whose stored KV this model can use.
+            Default: ``ctxcache.torch.hf.model_spec(model)``'s (SHA-256 over
+            the weights), the one to :func:`ctxcache.serving.publish` with.
+        options: :class:`ServingOptions`.
+        client_kwargs: TLS / API key arguments of the clients.
+
+    Thread-safe: requests may be added from several threads.
+    """
+
+    def __init__(self, address: str, model: Any, fingerprints: Optional[Iterable[bytes]] = None,
+                 options: Optional[ServingOptions] = None, *,
+                 client_kwargs: Optional[Dict[str, Any]] = None,
+                 label_filter: Optional[Dict[str, str]] = None) -> None:
+        if fingerprints is None:
+            from ctxcache.torch import hf
+            fingerprints = [hf.model_spec(model, "")["fingerprint"]]
+        self.model = model
+        self.shape = model_shape(model)
+        self.resolver = Resolver(address, fingerprints, self.shape, options,
+                                 client_kwargs=client_kwargs, label_filter=label_filter)
+        self.options = self.resolver.options
+        self._lock = threading.Lock()
+        # request id -> (context id, its resolution with the host KV)
+        self._pending: Dict[str, Tuple[str, Resolution]] = {}
+        self._hashes: Dict[Tuple[str, int, int, int], List[int]] = {}
+        self._scheduler_names: Dict[str, str] = {}
+        self.seeded_blocks = 0
+        self.seed_failures = 0
+        # A request that names a context and whose own ids start with this
+        # token (its tokenizer's BOS, added to every prompt) drops it: the
+        # context already starts the sequence. None = keep the ids as given.
+        self.named_drop_leading: Optional[int] = None
+
+    # ------------------------------------------------------------ routing --
+
+    def route(self, prompt: Sequence[int], context_id: Optional[str] = None) -> Resolution:
+        """Resolves and loads a request's stored prefix (bounded; raises per
+        the ``on_missing`` policy, see :mod:`ctxcache.serving.router`)."""
+        return self.resolver.resolve(prompt, context_id)
+
+    def prefetch(self, prompt: Sequence[int], context_id: Optional[str] = None) -> None:
+        """Routes a request ahead of time so that its context's KV is in host
+        memory when the request is added (for callers that must not block,
+        e.g. an event loop: run this in a thread first). Never raises: the
+        request's own routing applies the policy."""
+        ids = list(prompt)
+        if context_id is not None and self.named_drop_leading is not None \
+                and ids[:1] == [self.named_drop_leading]:
+            ids = ids[1:]
+        self.resolver.prefetch(ids, context_id)
+
+    def _track(self, request_id: str, r: Resolution) -> None:
+        if r.context_id is None or r.kv is None:
+            return
+        with self._lock:
+            self._pending[request_id] = (r.context_id, r)
+
+    # ---------------------------------------------------------- scheduling --
+
+    def scheduler_name(self, base: str = "fifo") -> str:
+        """The ``scheduler_type`` of a scheduler that seeds stored prefixes
+        before ``base``'s scheduling (registered once per backend)."""
+        if base.startswith("ctxcache:"):
+            return base
+        with self._lock:
+            name = self._scheduler_names.get(base)
+            if name is not None:
+                return name
+            parent = SCHEDULER_MAPPING.get(base)
+            if parent is None:
+                raise ValueError(f"continuous_batching_config.scheduler_type: {base!r}, expected "
+                                 f"one of {sorted(k for k in SCHEDULER_MAPPING if ':' not in k)}")
+            backend = self
+
+            class CtxcacheScheduler(parent):  # type: ignore[misc, valid-type]
+                """``parent`` plus ctxcache's prefixes seeded into the paged
+                cache before each scheduling pass (generation thread)."""
+
+                def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
+                    held, seen = backend._before_schedule(self.cache, self.waiting_requests)
+                    try:
+                        return super().schedule_batch(token_budget, cache_budget)
+                    finally:
+                        backend._after_schedule(self.cache, held, seen, self.waiting_requests)
+
+            name = f"ctxcache:{base}:{uuid.uuid4().hex[:8]}"
+            SCHEDULER_MAPPING[name] = CtxcacheScheduler
+            self._scheduler_names[base] = name
+            return name
+
+    def _hashes_for(self, cache: Any, r: Resolution) -> List[int]:
+        key = (str(r.context_id), r.prefix_tokens, id(cache), int(cache.block_size))
+        with self._lock:
+            got = self._hashes.get(key)
+        if got is None:
+            got = _chain_hashes(cache, r.prompt[:r.prefix_tokens])
+            with self._lock:
+                self._hashes[key] = got
+        return got
+
+    def _before_schedule(self, cache: Any, waiting: Dict[str, Any]) -> Tuple[List[int], List[str]]:
+        """Seeds the stored prefixes of the waiting (PENDING) requests. Returns
+        the block references held for this pass and the request ids looked
+        at. Never raises: a failure leaves the request to ordinary prefill."""
+        with self._lock:
+            todo = [(rid, p) for rid, p in self._pending.items() if rid in waiting]
+        held: List[int] = []
+        seen = set()
+        for rid, (cid, r) in todo:
+            state = waiting[rid]
+            if state.status != RequestStatus.PENDING or (cid, r.prefix_tokens) in seen:
+                continue
+            seen.add((cid, r.prefix_tokens))
+            try:
+                hashes = self._hashes_for(cache, r)
+                got = _seed_blocks(cache, hashes, r.kv.k, r.kv.v)  # type: ignore[union-attr]
+            except Exception as e:  # a GPU-side failure: the engine prefills instead
+                log.warning("ctxcache: seeding context %s failed (%s); prefilling", cid, e)
+                with self._lock:
+                    self.seed_failures += 1
+                continue
+            with self._lock:
+                self.seeded_blocks += len(got)
+            held.extend(got)
+        return held, [rid for rid, _ in todo]
+
+    def _after_schedule(self, cache: Any, held: List[int], looked_at: List[str],
+                        waiting: Dict[str, Any]) -> None:
+        """Releases this pass's references; forgets the requests that left
+        PENDING (their blocks are now theirs). A request submitted but not yet
+        waiting was not looked at and stays tracked."""
+        _release_blocks(cache, held)
+        with self._lock:
+            for rid in looked_at:
+                st = waiting.get(rid)
+                if st is None or st.status != RequestStatus.PENDING:
+                    self._pending.pop(rid, None)
+
+    # ------------------------------------------------------------ engines --
+
+    def manager(self, generation_config: Optional[GenerationConfig] = None,
+                continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
+                workload_hints: Any = None) -> "CtxcacheBatchingManager":
+        """A continuous batching manager of the model that routes every
+        request through this backend (start it with ``.start()``, or use
+        :meth:`generate_batch`)."""
+        return CtxcacheBatchingManager(self, generation_config, continuous_batching_config,
+                                       workload_hints)
+
+    @torch.no_grad()
+    def generate_batch(self, inputs: List[List[int]], *,
+                       context_ids: Optional[Sequence[Optional[str]]] = None,
+                       generation_config: Optional[GenerationConfig] = None,
+                       continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
+                       max_new_tokens: Optional[int] = None, warmup: bool = True,
+                       timeout_s: float = 600.0, record_timestamps: bool = True
+                       ) -> Dict[str, Any]:
+        """``model.generate_batch`` through this backend: ``{request_id:
+        GenerationOutput}`` in input order. ``context_ids[i]`` names a stored
+        context for request i (its prompt is then the context's tokens plus
+        ``inputs[i]``). A request refused by the policy gets a
+        GenerationOutput with ``error`` set and no tokens. Waits at most
+        ``timeout_s`` for all results (then the missing ones are absent)."""
+        if context_ids is not None and len(context_ids) != len(inputs):
+            raise ValueError(f"context_ids: {len(context_ids)} entries, expected one per input "
+                             f"({len(inputs)})")
+        mgr = self.manager(generation_config, continuous_batching_config)
+        if warmup:
+            mgr.warmup()
+        mgr.start()
+        ids: List[str] = []
+        results: Dict[str, Any] = {}
+        try:
+            for i, prompt in enumerate(inputs):
+                rid = f"req_{i}"
+                ids.append(rid)
+                ctx = context_ids[i] if context_ids is not None else None
+                try:
+                    mgr.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens,
+                                    record_timestamps=record_timestamps, context_id=ctx)
+                except errors.Error as e:
+                    results[rid] = _failed_output(rid, prompt, e)
+            deadline = time.monotonic() + timeout_s
+            while len(results) < len(ids) and time.monotonic() < deadline:
+                out = mgr.get_result(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+                if out is not None and out.is_finished():
+                    results[out.request_id] = out
+                elif out is None and not mgr.is_running():
+                    break
+        finally:
+            mgr.stop(block=True, timeout=30)
+            mgr.destroy()
+        return {rid: results[rid] for rid in ids if rid in results}
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters: routing outcomes, host loads, seeded blocks."""
+        kv = self.resolver.kv_cache
+        return {"outcomes": dict(self.resolver.outcomes), "kv_loads": kv.loads,
+                "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
+                "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures}
+
+    def close(self) -> None:
+        self.resolver.close()
+
+
+def _failed_output(rid: str, prompt: Sequence[int], e: BaseException) -> Any:
+    from transformers.generation.continuous_batching.requests import GenerationOutput
+    return GenerationOutput(request_id=rid, prompt_ids=list(prompt), error=str(e),
+                            status=RequestStatus.FAILED)
+
+
+class CtxcacheBatchingManager(ContinuousBatchingManager):
+    """transformers' ``ContinuousBatchingManager`` whose requests go through a
+    :class:`CtxcacheBackend` first: ``add_request`` resolves and loads the
+    stored prefix (``context_id=`` names one), then submits the (possibly
+    extended) prompt. Everything else is the engine's own.
+
+    ``continuous_batching_config.allow_block_sharing`` must stay True (the
+    prefixes are served through block sharing); its ``scheduler_type``
+    (default "fifo") is wrapped by the backend's seeding scheduler.
+    """
+
+    def __init__(self, backend: CtxcacheBackend,
+                 generation_config: Optional[GenerationConfig] = None,
+                 continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
+                 workload_hints: Any = None) -> None:
+        model = backend.model
+        # A copy: the caller's config keeps its own scheduler_type.
+        cfg = copy.copy(continuous_batching_config or ContinuousBatchingConfig())
+        if not getattr(cfg, "allow_block_sharing", True):
+            raise ValueError("continuous_batching_config.allow_block_sharing: False, expected True "
+                             "(ctxcache serves prefixes through the paged cache's block sharing)")
+        cfg.scheduler_type = backend.scheduler_name(getattr(cfg, "scheduler_type", None) or "fifo")
+        gen = generation_config if generation_config is not None else model.generation_config
+        if gen.eos_token_id is None:
+            gen.eos_token_id = -1
+        super().__init__(model=model, generation_config=gen, continuous_batching_config=cfg,
+                         workload_hints=workload_hints)
+        self.ctxcache = backend
+
+    def add_request(self, input_ids: List[int], request_id: Optional[str] = None,
+                    max_new_tokens: Optional[int] = None, streaming: bool = False,
+                    record_timestamps: bool = False, eos_token_id: Any = None,
+                    context_id: Optional[str] = None, **logit_processor_kwargs: Any
+                    ) -> Optional[str]:
+        """As ``ContinuousBatchingManager.add_request``, after routing
+        (``context_id``, else :data:`REQUEST_CONTEXT_ID`, names a stored
+        context): raises the ctxcache error when the policy says "error"
+        (nothing is submitted then)."""
+        if context_id is None:
+            context_id = REQUEST_CONTEXT_ID.get()
+        ids = list(input_ids)
+        drop = self.ctxcache.named_drop_leading
+        if context_id is not None and drop is not None and ids[:1] == [drop]:
+            ids = ids[1:]
+        r = self.ctxcache.route(ids, context_id)
+        if request_id is None:
+            with self._request_lock:
+                request_id = f"req_{self._request_counter}"
+                self._request_counter += 1
+        self.ctxcache._track(request_id, r)
+        return super().add_request(r.prompt, request_id=request_id,
+                                   max_new_tokens=max_new_tokens, streaming=streaming,
+                                   record_timestamps=record_timestamps,
+                                   eos_token_id=eos_token_id, **logit_processor_kwargs)
+
+
+def transformers_version_ok() -> bool:
+    """Whether the installed transformers is the version this adapter was
+    written against (others may work; the internals section may need care)."""
+    return transformers.__version__.startswith(TESTED_TRANSFORMERS)

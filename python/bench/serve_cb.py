@@ -173,7 +173,7 @@ def capture_and_publish(model: Any, client: Any, spec: Dict[str, Any], contexts:
                                              continuous_batching_config=cb())
         mgr.start()
         try:
-            mgr.add_request(ctx + [ctx[-1]], request_id="capture", max_new_tokens=1)
+            mgr.add_request(ctx + [ctx[-1]], request_id="capture", max_new_tokens=2)
             r = mgr.get_result(request_id="capture", timeout=timeout_s)
             if r is None or r.error is not None:
                 raise RuntimeError(f"capture prefill failed: {getattr(r, 'error', 'timeout')}")

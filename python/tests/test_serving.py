@@ -296,7 +296,7 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
                                          continuous_batching_config=cb_cfg())
     mgr.start()
     try:
-        mgr.add_request(ctx + [1], request_id="capture", max_new_tokens=1)
+        mgr.add_request(ctx + [1], request_id="capture", max_new_tokens=2)
         out = mgr.get_result(request_id="capture", timeout=BOUND_S)
         assert out is not None and out.error is None
         kv = tcb.capture_prefix_kv(mgr, ctx)

@@ -161,7 +161,10 @@ def capture_prefix_kv(manager: ContinuousBatchingManager, tokens: Sequence[int]
     ``generate_batch(..., persistent_manager=True)``): CPU ``(k, v)`` of
     ``[n_layers, n_kv_heads, n_blocks * block_size, head_dim]``, or None when
     any block is no longer cached. What :func:`ctxcache.serving.publish`
-    stores so that ``full`` matches plain generation token for token."""
+    stores so that ``full`` matches plain generation token for token.
+    The run must generate at least 2 tokens: transformers 5.17 registers a
+    prefill's complete blocks when the first token comes back, and skips that
+    for a request that finishes with it (max_new_tokens=1)."""
     bp = manager.batch_processor
     if bp is None or not bp.cache.use_prefix_sharing:
         return None

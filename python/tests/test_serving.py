@@ -340,3 +340,17 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
             assert len(outs) == len(prompts)
             assert all(o.error is not None and "UNAVAILABLE" in o.error
                        for o in outs.values())
+
+
+def test_serve_without_the_server_packages_says_which_are_missing(capsys) -> None:
+    """transformers serve imports fastapi, uvicorn and openai: without them the
+    launcher exits 2 naming the missing ones, before loading anything."""
+    from ctxcache.serving import serve
+    missing = serve.missing_server_packages()
+    if not missing:
+        pytest.skip("fastapi, uvicorn and openai are installed")
+    rc = serve.main(["--model", "models/ctxcache-ref", "--ctxcache", "127.0.0.1:1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    for m in missing:
+        assert m in err

@@ -220,6 +220,13 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def missing_server_packages() -> List[str]:
+    """The packages ``transformers serve`` imports that are not installed
+    (transformers 5.17's serving module needs fastapi, uvicorn and openai)."""
+    import importlib.util
+    return [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = _parser().parse_args(argv)
     try:
@@ -238,6 +245,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "max_batch_tokens": a.cb_max_batch_tokens,
                             "max_memory_percent": a.cb_max_memory_percent}.items()
           if v is not None}
+    missing = missing_server_packages()
+    if missing:
+        print(f"ctxcache.serving.serve: transformers serve needs the Python packages "
+              f"{', '.join(missing)}, which are not installed (transformers' 'serving' "
+              f"extra: fastapi, uvicorn, openai)", file=sys.stderr)
+        return 2
     import os
     key = os.environ.get(a.api_key_env, "")
     app = build_app(a.model, a.ctxcache, options, fingerprints=fps,

@@ -183,6 +183,33 @@ StatusOr<std::vector<IndexRequest>> ChildIndexRequests(const v1::IngestHeader& h
   return out;
 }
 
+// The tokens, name, labels and indexes of an ingest: the header's, and for a
+// child (parent != null) the parent's tokens first, its name, labels and
+// indexes as defaults, after checking the child's model against it.
+Status IngestContents(const v1::IngestHeader& h, const storage::ContextReader* parent,
+                      const std::string& default_indexes, IngestBuilder::Header* header) {
+  if (parent) {
+    const v1::ContextManifest& pm = parent->manifest();
+    RETURN_IF_ERROR(CheckChildSpec(pm.model(), h.model()));
+    if (h.tokens().ids().empty()) {
+      return InvalidArgumentError(
+          "header.tokens: a child (header.parent_id set) needs at least one appended token");
+    }
+    ASSIGN_OR_RETURN(header->tokens, parent->ReadTokens());
+    header->parent = parent->id();
+    header->name = h.name().empty() ? pm.name() : h.name();
+    header->labels.insert(pm.labels().begin(), pm.labels().end());
+  } else {
+    header->name = h.name();
+  }
+  header->tokens.insert(header->tokens.end(), h.tokens().ids().begin(), h.tokens().ids().end());
+  for (const auto& [k, v] : h.labels()) header->labels[k] = v;
+  ASSIGN_OR_RETURN(header->indexes,
+                   parent ? ChildIndexRequests(h, parent->manifest(), default_indexes)
+                          : IndexRequests(h.indexes(), default_indexes));
+  return Status::OK();
+}
+
 }  // namespace
 
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
@@ -361,28 +388,10 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
         !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
-    if (parent) {
-      const v1::ContextManifest& pm = parent->manifest();
-      if (Status s = CheckChildSpec(pm.model(), h.model()); !s.ok()) return rpc.Finish(ToGrpc(s));
-      if (h.tokens().ids().empty()) {
-        return rpc.Finish(Invalid(
-            "header.tokens: a child (header.parent_id set) needs at least one appended token"));
-      }
-      auto parent_tokens = parent->ReadTokens();
-      if (!parent_tokens.ok()) return rpc.Finish(ToGrpc(parent_tokens.status()));
-      header.tokens = std::move(parent_tokens).value();
-      header.parent = parent->id();
-      header.name = h.name().empty() ? pm.name() : h.name();
-      header.labels.insert(pm.labels().begin(), pm.labels().end());
-    } else {
-      header.name = h.name();
+    if (Status s = IngestContents(h, parent.get(), ctx_->config.default_indexes, &header);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
     }
-    header.tokens.insert(header.tokens.end(), h.tokens().ids().begin(), h.tokens().ids().end());
-    for (const auto& [k, v] : h.labels()) header.labels[k] = v;
-    auto idx = parent ? ChildIndexRequests(h, parent->manifest(), ctx_->config.default_indexes)
-                      : IndexRequests(h.indexes(), ctx_->config.default_indexes);
-    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-    header.indexes = std::move(idx).value();
     std::shared_ptr<const LoadedModel> hosted_model;
     if (ctx_->models.IsHosted(h.model().name())) {
       auto hosted = ctx_->models.Get(h.model().name());

@@ -131,6 +131,85 @@ Status CheckIngestSpec(const v1::ModelSpec& hosted, const v1::ModelSpec& got) {
   return Status::OK();
 }
 
+// A child ingest (IngestHeader.parent_id) stores KV next to its parent's
+// pages: its model must be the parent's in every fact that shapes or
+// positions the KV.
+Status CheckChildSpec(const v1::ModelSpec& parent, const v1::ModelSpec& got) {
+  auto mismatch = [](const std::string& field, const std::string& want, const std::string& have) {
+    return FailedPreconditionError("header.model." + field + ": the parent context has " +
+                                   want + ", the ingest says " + have +
+                                   "; a child's model must equal its parent's");
+  };
+  auto number = [&](const char* field, uint64_t want, uint64_t have) -> Status {
+    if (want == have) return Status::OK();
+    return mismatch(field, std::to_string(want), std::to_string(have));
+  };
+  if (parent.name() != got.name()) {
+    return mismatch("name", "'" + Clip(parent.name()) + "'", "'" + Clip(got.name()) + "'");
+  }
+  RETURN_IF_ERROR(number("n_layers", parent.n_layers(), got.n_layers()));
+  RETURN_IF_ERROR(number("n_q_heads", parent.n_q_heads(), got.n_q_heads()));
+  RETURN_IF_ERROR(number("n_kv_heads", parent.n_kv_heads(), got.n_kv_heads()));
+  RETURN_IF_ERROR(number("head_dim", parent.head_dim(), got.head_dim()));
+  if (parent.kv_dtype() != got.kv_dtype()) {
+    return mismatch("kv_dtype", v1::DType_Name(parent.kv_dtype()),
+                    v1::DType_Name(got.kv_dtype()));
+  }
+  if (parent.fingerprint() != got.fingerprint()) {
+    return mismatch("fingerprint", "another fingerprint", "this one");
+  }
+  if (parent.rope().SerializeAsString() != got.rope().SerializeAsString()) {
+    return mismatch("rope", "{" + parent.rope().ShortDebugString() + "}",
+                    "{" + got.rope().ShortDebugString() + "}");
+  }
+  return Status::OK();
+}
+
+// Index requests of a child ingest: the header's, or (none given) the
+// parent's methods and parameters as ExtendContext takes them.
+StatusOr<std::vector<IndexRequest>> ChildIndexRequests(const v1::IngestHeader& h,
+                                                       const v1::ContextManifest& parent,
+                                                       const std::string& defaults) {
+  if (!h.indexes().empty()) return IndexRequests(h.indexes(), defaults);
+  std::vector<IndexRequest> out;
+  for (const auto& ip : parent.index_params()) {
+    IndexRequest r;
+    r.method = ip.method();
+    ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(r.method));
+    r.params = index::ParamsForExtend(*info, index::MethodParams(ip.params().begin(),
+                                                                 ip.params().end()));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// The tokens, name, labels and indexes of an ingest: the header's, and for a
+// child (parent != null) the parent's tokens first, its name, labels and
+// indexes as defaults, after checking the child's model against it.
+Status IngestContents(const v1::IngestHeader& h, const storage::ContextReader* parent,
+                      const std::string& default_indexes, IngestBuilder::Header* header) {
+  if (parent) {
+    const v1::ContextManifest& pm = parent->manifest();
+    RETURN_IF_ERROR(CheckChildSpec(pm.model(), h.model()));
+    if (h.tokens().ids().empty()) {
+      return InvalidArgumentError(
+          "header.tokens: a child (header.parent_id set) needs at least one appended token");
+    }
+    ASSIGN_OR_RETURN(header->tokens, parent->ReadTokens());
+    header->parent = parent->id();
+    header->name = h.name().empty() ? pm.name() : h.name();
+    header->labels.insert(pm.labels().begin(), pm.labels().end());
+  } else {
+    header->name = h.name();
+  }
+  header->tokens.insert(header->tokens.end(), h.tokens().ids().begin(), h.tokens().ids().end());
+  for (const auto& [k, v] : h.labels()) header->labels[k] = v;
+  ASSIGN_OR_RETURN(header->indexes,
+                   parent ? ChildIndexRequests(h, parent->manifest(), default_indexes)
+                          : IndexRequests(h.indexes(), default_indexes));
+  return Status::OK();
+}
+
 }  // namespace
 
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
@@ -279,17 +358,37 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       return rpc.Finish(Invalid("the first IngestChunk must carry the header"));
     }
     const v1::IngestHeader& h = msg.header();
+    // A child goes where its parent is stored (cluster), whole stream and all.
+    std::unique_ptr<storage::ContextReader> parent;
+    if (!h.parent_id().empty()) {
+      auto pid = ParseContextId(h.parent_id(), "header.parent_id");
+      if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status()));
+      rpc.set_context_id(pid->ToHex());
+      grpc::Status refuse;
+      if (auto target = ForwardTarget(ctx_, context, *pid, &refuse)) {
+        return rpc.Finish(ForwardClientStream(
+            ctx_, context, "IngestContext", *target, msg, reader, response,
+            [](auto ch, grpc::ClientContext* cc, v1::ContextInfo* r) {
+              return v1::ContextAdmin::NewStub(ch)->IngestContext(cc, r);
+            }));
+      }
+      if (!refuse.ok()) return rpc.Finish(refuse);
+      // As ExtendContext: any parent the caller may read (a shared one too).
+      auto r =
+          AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *pid, auth::Action::kRead);
+      if (!r.ok()) return rpc.Finish(ToGrpc(r.status().WithContext("header.parent_id")));
+      parent = std::move(r).value();
+    }
     IngestBuilder::Header header;
     header.model = h.model();
-    header.tokens.assign(h.tokens().ids().begin(), h.tokens().ids().end());
-    auto idx = IndexRequests(h.indexes(), ctx_->config.default_indexes);
-    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-    header.indexes = std::move(idx).value();
-    header.name = h.name();
     if (Status s = ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."); !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
     if (Status s = ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes);
+        !s.ok()) {
+      return rpc.Finish(ToGrpc(s));
+    }
+    if (Status s = IngestContents(h, parent.get(), ctx_->config.default_indexes, &header);
         !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
@@ -308,7 +407,13 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
         !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
-    auto tenant = ctx_->access->TenantFor(rpc.principal(), h.tenant());
+    // A child belongs to the caller's tenant, as in ExtendContext (an admin's
+    // child without header.tenant: the parent's).
+    const std::string& want_tenant =
+        parent && h.tenant().empty() && rpc.principal().role == auth::Role::kAdmin
+            ? parent->manifest().tenant()
+            : h.tenant();
+    auto tenant = ctx_->access->TenantFor(rpc.principal(), want_tenant);
     if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
     rpc.set_tenant(*tenant);
     header.tenant = *tenant;
@@ -316,15 +421,17 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     // ones, so a later BuildContext of the same tokens never reuses it.
     header.id_namespace = ctx_->access->IdNamespace(*tenant, /*ingested=*/true);
     header.provenance = v1::PROVENANCE_INGESTED;
-    header.labels.insert(h.labels().begin(), h.labels().end());
     header.ttl_ms = h.ttl_seconds() * 1000;
     header.pinned = h.pin();
-    auto quota = ctx_->quotas->AdmitBuild(*tenant, header.tokens.size());
+    const uint64_t new_tokens = static_cast<uint64_t>(h.tokens().ids_size());
+    auto quota = ctx_->quotas->AdmitBuild(*tenant, new_tokens);
     if (!quota.ok()) return rpc.Finish(ToGrpc(quota.status()));
     header.before_commit = [this, t = *tenant, g = &*quota](uint64_t bytes) {
       return ctx_->quotas->AdmitCommit(t, bytes, g);
     };
+    const bool child = parent != nullptr;
     auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
+    parent.reset();  // the build (or the reused child) holds the parent now
     if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
     IngestBuilder& b = **builder;
     if (b.reused()) {  // already stored with these indexes: drain the stream, return it
@@ -373,7 +480,8 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     }
     *response = ManifestToInfo(*manifest);
     rpc.set_context_id(response->context_id());
-    ctx_->events.Publish(v1::ContextEvent::CREATED, *response);
+    ctx_->events.Publish(child ? v1::ContextEvent::EXTENDED : v1::ContextEvent::CREATED,
+                         *response);
     ctx_->events.Publish(v1::ContextEvent::READY, *response);
     return rpc.Finish(grpc::Status::OK);
   });

@@ -135,33 +135,67 @@ class QuerySink final : public model::PrefillSink {
   std::vector<LayerQueries> layers_;
 };
 
-// Loads a READY parent's KV into `cache` (extend builds).
-Status LoadParentKv(storage::Store* store, const storage::ContextId& parent,
-                    const model::ModelSpec& spec, model::KvCache* cache) {
+// Reads a READY parent's KV as stored, one (layer, kv head) at a time in
+// layer order: head(layer, kv_head, n_tokens, k, v) with k and v
+// [n_tokens][head_dim] fp32 (valid during the call).
+using ParentHeadFn =
+    std::function<void(int layer, int kv_head, int64_t n, const float* k, const float* v)>;
+Status ReadParentKv(storage::Store* store, const storage::ContextId& parent,
+                    const model::ModelSpec& spec, const ParentHeadFn& head) {
   ASSIGN_OR_RETURN(auto reader, store->OpenReader(parent));
   const uint32_t n_blocks = reader->n_blocks();
   const int64_t n = static_cast<int64_t>(reader->manifest().n_tokens());
   std::vector<uint32_t> blocks(n_blocks);
   for (uint32_t b = 0; b < n_blocks; ++b) blocks[b] = b;
-  const int d = spec.head_dim, nkv = spec.n_kv_heads;
-  std::vector<float> k(static_cast<size_t>(n) * nkv * d), v(k.size());
+  const int d = spec.head_dim;
+  std::vector<float> k(static_cast<size_t>(n) * d), v(k.size());
   storage::PageBatch batch;
   for (int layer = 0; layer < spec.n_layers; ++layer) {
-    for (int h = 0; h < nkv; ++h) {
+    for (int h = 0; h < spec.n_kv_heads; ++h) {
       RETURN_IF_ERROR(reader->ReadPages(layer, h, blocks, &batch));
       int64_t tok = 0;
       for (size_t i = 0; i < batch.size(); ++i) {
-        for (uint32_t t = 0; t < batch.n_tokens[i]; ++t, ++tok) {
-          const size_t row = (static_cast<size_t>(tok) * nkv + h) * d;
-          const size_t elem = DTypeSize(batch.dtype);
-          ConvertToFloat(batch.dtype, batch.K(i) + size_t{t} * d * elem, k.data() + row, d);
-          ConvertToFloat(batch.dtype, batch.V(i) + size_t{t} * d * elem, v.data() + row, d);
+        const size_t rows = batch.n_tokens[i];
+        if (tok + static_cast<int64_t>(rows) > n) {
+          return DataLossError("the parent's pages hold more than its " + std::to_string(n) +
+                               " tokens");
         }
+        ConvertToFloat(batch.dtype, batch.K(i), k.data() + static_cast<size_t>(tok) * d,
+                       rows * d);
+        ConvertToFloat(batch.dtype, batch.V(i), v.data() + static_cast<size_t>(tok) * d,
+                       rows * d);
+        tok += static_cast<int64_t>(rows);
       }
+      if (tok != n) {
+        return DataLossError("the parent's pages of layer " + std::to_string(layer) +
+                             " kv head " + std::to_string(h) + " hold " + std::to_string(tok) +
+                             " tokens, its manifest " + std::to_string(n));
+      }
+      head(layer, h, n, k.data(), v.data());
     }
-    cache->Append(layer, static_cast<int>(n), k.data(), v.data(), int64_t{nkv} * d);
   }
   return Status::OK();
+}
+
+// Loads a READY parent's KV into `cache` (extend builds).
+Status LoadParentKv(storage::Store* store, const storage::ContextId& parent,
+                    const model::ModelSpec& spec, model::KvCache* cache) {
+  const int d = spec.head_dim, nkv = spec.n_kv_heads;
+  std::vector<float> k, v;  // one layer: [n][nkv][d]
+  return ReadParentKv(store, parent, spec,
+                      [&](int layer, int h, int64_t n, const float* kh, const float* vh) {
+                        k.resize(static_cast<size_t>(n) * nkv * d);
+                        v.resize(k.size());
+                        for (int64_t t = 0; t < n; ++t) {
+                          const size_t row = (static_cast<size_t>(t) * nkv + h) * d;
+                          std::copy(kh + t * d, kh + (t + 1) * d, k.data() + row);
+                          std::copy(vh + t * d, vh + (t + 1) * d, v.data() + row);
+                        }
+                        if (h == nkv - 1) {
+                          cache->Append(layer, static_cast<int>(n), k.data(), v.data(),
+                                        int64_t{nkv} * d);
+                        }
+                      });
 }
 
 // The params a build of `req` uses on n_keys keys and n_rows query rows
@@ -287,9 +321,11 @@ std::string Describe(const std::string& method, const index::MethodParams& param
 Status CheckReusable(const v1::ContextManifest& existing,
                      const std::vector<IndexRequest>& requested, int group_size) {
   const int64_t n = static_cast<int64_t>(existing.n_tokens());
+  // A child's builds sample queries of its own tokens only (extend, ingest).
+  const int64_t own = n - static_cast<int64_t>(existing.prefix_tokens());
   for (const IndexRequest& r : requested) {
     ASSIGN_OR_RETURN(const index::MethodParams want,
-                     ResolvedParams(r, n, n * std::max(1, group_size),
+                     ResolvedParams(r, n, own * std::max(1, group_size),
                                     static_cast<int>(existing.model().head_dim())));
     bool found = false;
     for (const auto& ip : existing.index_params()) {
@@ -488,20 +524,34 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
   b->indexes_ = std::move(header.indexes);
   b->before_commit_ = std::move(header.before_commit);
-  ASSIGN_OR_RETURN(storage::BuildStart start,
-                   store->BeginBuild(StoreRequest(spec, header.tokens, header)));
+  storage::BuildRequest req = StoreRequest(spec, header.tokens, header);
+  req.parent = header.parent;
+  ASSIGN_OR_RETURN(storage::BuildStart start, store->BeginBuild(req));
   if (!start.writer) {
     RETURN_IF_ERROR(CheckReusable(start.existing, b->indexes_, b->spec_.group_size()));
     b->existing_ = std::move(start.existing);
     return b;
   }
   b->writer_ = std::move(start.writer);
+  b->first_token_ = static_cast<int64_t>(b->writer_->first_token());
   const size_t heads = static_cast<size_t>(b->spec_.n_layers) * b->spec_.n_kv_heads;
   b->keys_.resize(heads);
   b->vals_.resize(heads);
-  b->next_.assign(static_cast<size_t>(b->spec_.n_layers), 0);
+  if (b->first_token_ > 0) {
+    // The child's indexes cover the parent's tokens too: its KV as stored.
+    const int nkv = b->spec_.n_kv_heads, d = b->spec_.head_dim;
+    Status s = ReadParentKv(store, *header.parent, b->spec_,
+                            [&](int layer, int h, int64_t n, const float* k, const float* v) {
+                              const size_t slot = static_cast<size_t>(layer) * nkv + h;
+                              b->keys_[slot].assign(k, k + n * d);
+                              b->vals_[slot].assign(v, v + n * d);
+                            });
+    if (!s.ok()) return s.WithContext("reading the parent's KV");
+  }
+  b->next_.assign(static_cast<size_t>(b->spec_.n_layers), b->first_token_);
   b->queries_ = std::make_unique<Queries>(b->spec_, options.query_cap);
-  RETURN_IF_ERROR(b->queries_->sink.OnBegin(b->spec_, 0, b->n_tokens_));
+  RETURN_IF_ERROR(
+      b->queries_->sink.OnBegin(b->spec_, b->first_token_, b->n_tokens_ - b->first_token_));
   return b;
 }
 
@@ -522,10 +572,14 @@ Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const 
   }
   int64_t& next = next_[static_cast<size_t>(layer)];
   if (token_start != next || n <= 0 || next + n > n_tokens_) {
+    const std::string child =
+        first_token_ > 0 ? " (a child's chunks count from its token 0 and start at the "
+                           "parent's n_tokens, " + std::to_string(first_token_) + ")"
+                         : "";
     return InvalidArgumentError("chunk for layer " + std::to_string(layer) + ": token_start " +
                                 std::to_string(token_start) + " n_tokens " + std::to_string(n) +
                                 ", expected start " + std::to_string(next) +
-                                " and an end <= " + std::to_string(n_tokens_));
+                                " and an end <= " + std::to_string(n_tokens_) + child);
   }
   const size_t per_head = static_cast<size_t>(n) * D;
   kc_.resize(per_head * DTypeSize(kv_dtype_));
@@ -556,8 +610,8 @@ StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
   for (int l = 0; l < spec_.n_layers; ++l) {
     if (next_[l] != n_tokens_) {
       return FailedPreconditionError("IngestCommit before layer " + std::to_string(l) +
-                                     " was complete (" + std::to_string(next_[l]) + " of " +
-                                     std::to_string(n_tokens_) + " tokens)");
+                                     " was complete (KV up to token " + std::to_string(next_[l]) +
+                                     " of " + std::to_string(n_tokens_) + ")");
     }
   }
   const int NKV = spec_.n_kv_heads;

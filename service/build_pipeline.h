@@ -112,7 +112,8 @@ Status ValidateIndexRequests(const std::vector<IndexRequest>& indexes);
 
 // A build whose tokens are already stored returns the stored context, but
 // only if it holds every requested index with the same effective params
-// (context-dependent defaults such as csa's C included). Otherwise
+// (context-dependent defaults such as csa's C included, resolved for the
+// query rows a build samples: a child's from its own tokens). Otherwise
 // ALREADY_EXISTS, naming the stored and the requested indexes and the fix
 // (evict first, or request the stored indexes).
 Status CheckReusable(const v1::ContextManifest& existing,
@@ -123,12 +124,24 @@ Status CheckReusable(const v1::ContextManifest& existing,
 // chunks arrive; the index builds run at Commit over the KV as stored
 // (rounded to kv_dtype), with the same query sampling as a BuildContext, so
 // both paths produce the same artifacts for the same KV.
+//
+// A child (Header::parent): the chunks carry the KV of the appended tokens
+// only, from token first_token() == the parent's n_tokens; the child
+// references the parent's pages as an ExtendContext child does
+// (storage::BuildRequest::parent). Begin reads the parent's KV as stored,
+// since the child's indexes cover every token; queries come from the
+// appended tokens only, as in an extend build.
+// Memory: the context's KV in fp32 (parent's part included) until Commit.
 // Thread-safety: one caller at a time.
 class IngestBuilder {
  public:
   struct Header {
     v1::ModelSpec model;  // shape, fingerprint and kv_dtype are required
+    // All tokens of the context (for a child: the parent's, then the new ones).
     std::vector<uint32_t> tokens;
+    // A child of this READY context, whose tokens must be a prefix of
+    // `tokens` and whose model must be `model`. Default: none.
+    std::optional<storage::ContextId> parent;
     std::vector<IndexRequest> indexes;
     std::string name;
     std::string tenant;
@@ -154,10 +167,13 @@ class IngestBuilder {
   int n_q_heads() const { return spec_.n_q_heads; }
   int n_kv_heads() const { return spec_.n_kv_heads; }
   int head_dim() const { return spec_.head_dim; }
+  // The first token the chunks carry: 0, or a child's parent's n_tokens.
+  int64_t first_token() const { return first_token_; }
 
   // Tokens [token_start, token_start + n) of `layer`: k and v
   // [n_kv_heads][n][head_dim], q [n_q_heads][n][head_dim] or null, fp32.
-  // Chunks of a layer must be contiguous and in order (InvalidArgument).
+  // Chunks of a layer must be contiguous and in order from first_token()
+  // (InvalidArgument).
   Status AddChunk(int layer, int64_t token_start, int64_t n, const float* k, const float* v,
                   const float* q);
   // Builds the indexes and flips the context to READY. FailedPrecondition
@@ -172,6 +188,7 @@ class IngestBuilder {
   model::ModelSpec spec_;
   DType kv_dtype_ = DType::kBF16;
   int64_t n_tokens_ = 0;
+  int64_t first_token_ = 0;
   std::vector<IndexRequest> indexes_;
   std::function<Status(uint64_t)> before_commit_;
   std::unique_ptr<storage::ContextWriter> writer_;

@@ -93,4 +93,21 @@ grpc::Status ForwardServerStream(ServiceContext* ctx, grpc::ServerContext* in, c
   return reader->Finish();
 }
 
+// Proxies a client-streaming call whose first message (already read) is
+// `first`: relays it and every further message, then the peer's response.
+template <typename Req, typename Resp, typename StartFn>
+grpc::Status ForwardClientStream(ServiceContext* ctx, grpc::ServerContext* in, const char* method,
+                                 const std::string& target, const Req& first,
+                                 grpc::ServerReader<Req>* reader, Resp* response, StartFn start) {
+  grpc::ClientContext out;
+  PrepareForward(ctx, in, &out, method);
+  auto channel = ctx->cluster->peers()->Get(target);
+  auto writer = start(channel, &out, response);
+  bool ok = writer->Write(first);
+  Req msg;
+  while (ok && reader->Read(&msg)) ok = writer->Write(msg);
+  if (ok) writer->WritesDone();
+  return writer->Finish();
+}
+
 }  // namespace ctxcache::service

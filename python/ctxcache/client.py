@@ -539,11 +539,13 @@ class Client:
         return self._run_build("ExtendContext", self._admin.ExtendContext, req, on_progress,
                                progress)
 
-    def ingest_chunks(self, chunks: Iterable["pb.IngestChunk"]) -> "pb.ContextInfo":
+    def ingest_chunks(self, chunks: Iterable["pb.IngestChunk"],
+                      timeout: Optional[float] = None) -> "pb.ContextInfo":
         """Streams raw ``IngestChunk`` messages (header first, then layer chunks,
         then the commit) and returns the stored ``ContextInfo``. Not retried.
         An exception raised by the iterator cancels the upload (nothing is
-        stored) and is re-raised here."""
+        stored) and is re-raised here. ``timeout``: the whole stream's
+        deadline in seconds (None: ``max(timeout, 3600)``)."""
         failure: List[BaseException] = []
 
         def guarded() -> Iterator["pb.IngestChunk"]:
@@ -554,49 +556,79 @@ class Client:
                 raise
 
         try:
-            return self._admin.IngestContext(guarded(),
-                                             timeout=max(self.timeout, _BUILD_TIMEOUT_S))
+            return self._admin.IngestContext(
+                guarded(),
+                timeout=max(self.timeout, _BUILD_TIMEOUT_S) if timeout is None else timeout)
         except grpc.RpcError as e:
             if failure:
                 raise failure[0] from None
             raise self._convert(e, "IngestContext") from None
 
-    def ingest(self, model: Union["st.ModelSpec", Mapping[str, Any]], tokens: TokensArg,
-               layers: Iterable[Sequence[Any]], *,
+    def ingest(self, model: Optional[Union["st.ModelSpec", Mapping[str, Any]]],
+               tokens: TokensArg, layers: Iterable[Sequence[Any]], *,
                indexes: Optional[Union[IndexArg, Iterable[IndexArg]]] = None, name: str = "",
                labels: Optional[Mapping[str, Any]] = None, ttl_seconds: int = 0,
                pin: bool = False, tenant: str = "", dtype: Any = None,
-               max_message_bytes: int = _INGEST_MESSAGE_BYTES) -> "pb.ContextInfo":
-        """Stores a context from KV computed elsewhere (e.g. a GPU engine's prefill).
+               max_message_bytes: int = _INGEST_MESSAGE_BYTES, parent_id: str = "",
+               parent_tokens: Optional[int] = None,
+               timeout: Optional[float] = None) -> "pb.ContextInfo":
+        """Stores a context from KV computed elsewhere (e.g. a GPU engine's prefill),
+        or, with ``parent_id``, a child of a stored context from the KV of the
+        tokens appended to it (e.g. an extension's prefill, decoded tokens).
 
         Args:
             model: the ``ModelSpec`` (or a dict of its fields: name, n_layers,
                 n_q_heads, n_kv_heads, head_dim, rope, kv_dtype ("bf16" when
                 unset), fingerprint (bytes or hex; required: it decides KV
-                compatibility and is part of the context id)).
-            tokens: all token ids of the context.
+                compatibility and is part of the context id)). With
+                ``parent_id`` it must equal the parent's
+                (:class:`ctxcache.FailedPrecondition` otherwise); None takes
+                the parent's.
+            tokens: all token ids of the context; with ``parent_id``, the
+                appended tokens only (the child's tokens are the parent's
+                followed by these).
             layers: one item per layer, in order: ``(k, v)`` or ``(k, v, q)`` with
                 post-RoPE K, V ``[n_kv_heads, n_tokens, head_dim]`` and Q
                 ``[n_q_heads, n_tokens, head_dim]`` (needed by query-centric
                 indexes such as csa; may be None), numpy arrays or torch tensors
-                (any device). A generator is consumed lazily, so layers can be
-                produced one at a time.
-            indexes, name, labels, ttl_seconds, pin, tenant: as for :meth:`build`.
+                (any device), ``n_tokens = len(tokens)``. A generator is consumed
+                lazily, so layers can be produced one at a time.
+            indexes, name, labels, ttl_seconds, pin, tenant: as for :meth:`build`
+                (a child's defaults: the parent's indexes, name and labels).
             dtype: wire dtype of the chunks ("bf16", "f16", "f32"; None = the
                 arrays' own: f32/f16/bf16 kept, others sent as f32). The server
                 converts to the model's kv_dtype.
             max_message_bytes: each IngestChunk message stays under this (4 MiB).
+            parent_id: ingest a child of this stored context ("" = none). The
+                child shares the parent's pages as an :meth:`extend` child does.
+            parent_tokens: the parent's n_tokens when the caller knows it (the
+                chunks' token_start counts from the child's token 0); None asks
+                the server (one GetContext, which also supplies ``model``).
+            timeout: the stream's deadline in seconds (None: ``max(timeout, 3600)``).
 
         Returns:
-            The stored ``ContextInfo``. Validation failures raise
-            :class:`ctxcache.InvalidArgument` and store nothing.
+            The stored ``ContextInfo`` (or the stored one with the same tokens
+            and indexes). Validation failures raise
+            :class:`ctxcache.InvalidArgument` and store nothing; an unknown
+            parent :class:`ctxcache.NotFound`.
         """
+        start = 0
+        if parent_id:
+            if parent_tokens is None or model is None:
+                pinfo = self.get(parent_id)
+                start = int(pinfo.n_tokens)
+                if model is None:
+                    model = pinfo.model
+            if parent_tokens is not None:
+                start = int(parent_tokens)
+        elif model is None:
+            raise ValueError("model: required unless parent_id is given")
         spec = _model_spec(model)
         ids = _token_ids(tokens)
         n_tokens = len(ids)
         header = pb.IngestHeader(indexes=_index_specs(indexes), name=name,
                                  labels=_labels(labels), ttl_seconds=int(ttl_seconds),
-                                 pin=pin, tenant=tenant)
+                                 pin=pin, tenant=tenant, parent_id=parent_id)
         header.model.CopyFrom(spec)
         header.tokens.ids.extend(ids)
         nkv, nq, d = spec.n_kv_heads, spec.n_q_heads, spec.head_dim
@@ -618,7 +650,8 @@ class Client:
                 step = max(1, (int(max_message_bytes) - 4096) // max(1, per_token))
                 for t0 in range(0, n_tokens, step):
                     t1 = min(n_tokens, t0 + step)
-                    c = pb.IngestLayerChunk(layer=layer, token_start=t0, n_tokens=t1 - t0)
+                    c = pb.IngestLayerChunk(layer=layer, token_start=start + t0,
+                                            n_tokens=t1 - t0)
                     c.k.CopyFrom(_t.encode_tensor(k[:, t0:t1], name="k", dtype=dtype))
                     c.v.CopyFrom(_t.encode_tensor(v[:, t0:t1], name="v", dtype=dtype))
                     if q is not None:
@@ -629,7 +662,7 @@ class Client:
                 raise ValueError(f"got {n_layers} layers of KV, the model has {spec.n_layers}")
             yield pb.IngestChunk(commit=pb.IngestCommit())
 
-        return self.ingest_chunks(messages())
+        return self.ingest_chunks(messages(), timeout=timeout)
 
     def get(self, context_id: str) -> "pb.ContextInfo":
         """The ``ContextInfo`` of a context (:class:`ctxcache.NotFound` if unknown,

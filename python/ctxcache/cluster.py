@@ -369,6 +369,9 @@ class ClusterClient:
         return self._any(lambda c: c.build(*args, **kwargs))
 
     def ingest(self, *args: Any, **kwargs: Any) -> Any:
+        parent_id = kwargs.get("parent_id") or ""
+        if parent_id:  # a child goes to a holder of its parent
+            return self._ctx(parent_id, lambda c: c.ingest(*args, **kwargs))
         return self._any(lambda c: c.ingest(*args, **kwargs))
 
     def extend(self, parent_id: str, *args: Any, **kwargs: Any) -> Any:

@@ -92,13 +92,13 @@ def test_ingest_chunks_stay_under_the_message_limit(client: ctxcache.Client,
     kinds: List[str] = []
     real = client.ingest_chunks
 
-    def recording(chunks: Iterator[ctxcache.pb.IngestChunk]) -> Any:
+    def recording(chunks: Iterator[ctxcache.pb.IngestChunk], **kwargs: Any) -> Any:
         def rec() -> Iterator[ctxcache.pb.IngestChunk]:
             for c in chunks:
                 sizes.append(c.ByteSize())
                 kinds.append(c.WhichOneof("msg"))
                 yield c
-        return real(rec())
+        return real(rec(), **kwargs)
 
     monkeypatch.setattr(client, "ingest_chunks", recording)
     kv = synthetic_kv(2)
@@ -161,3 +161,96 @@ def test_ingest_errors_store_nothing(client: ctxcache.Client) -> None:
     with pytest.raises(ctxcache.Aborted, match="nothing was stored"):
         client.ingest_chunks(iter([ctxcache.pb.IngestChunk(header=header)]))
     assert {c.context_id for c in client.list(page_size=1000)} == before
+
+
+# ------------------------------------------------------- a child (parent_id) --
+
+def _pages(client: ctxcache.Client, cid: str, n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The stored K, V of every token: [L, NKV, n, D] float32."""
+    k = np.zeros((L, NKV, n, D), np.float32)
+    v = np.zeros_like(k)
+    blocks = list(range((n + B - 1) // B))
+    for p in client.fetch_pages(cid, [(l, h, blocks) for l in range(L) for h in range(NKV)]):
+        lo = p.block * B
+        k[p.layer, p.kv_head, lo:lo + p.n_tokens] = p.k
+        v[p.layer, p.kv_head, lo:lo + p.n_tokens] = p.v
+    return k, v
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return tensors.bf16_to_float32(tensors.float32_to_bf16(a))
+
+
+def test_ingest_child_shares_the_parents_pages_and_holds_the_appended_kv(
+        client: ctxcache.Client, ingested) -> None:
+    parent, kv = ingested
+    extra = synthetic_kv(7, 37)  # the parent's last page (8 tokens) is shared in part
+    ids = list(range(3000, 3037))
+    child = client.ingest(None, ids, extra, parent_id=parent.context_id)
+    assert child.n_tokens == T + 37 and child.parent_id == parent.context_id
+    assert child.prefix_tokens == T
+    assert child.provenance == ctxcache.storage_pb.PROVENANCE_INGESTED
+    assert child.name == "ingested" and child.labels["source"] == "synthetic"
+    assert [i.method for i in child.indexes] == [i.method for i in parent.indexes]  # csa
+    k, v = _pages(client, child.context_id, T + 37)
+    for layer in range(L):
+        assert np.array_equal(k[layer, :, :T], _bf16(kv[layer][0]))
+        assert np.array_equal(v[layer, :, :T], _bf16(kv[layer][1]))
+        assert np.array_equal(k[layer, :, T:], _bf16(extra[layer][0]))
+        assert np.array_equal(v[layer, :, T:], _bf16(extra[layer][1]))
+    # A decode session reads the child: the appended tokens are selectable.
+    rng = np.random.default_rng(3)
+    with client.open_session(child.context_id, "csa", {"budget": 24}) as s:
+        assert s.n_tokens == T + 37
+        r = s.step(0, rng.standard_normal((NQ, D)).astype(np.float32))
+        assert any((sel >= T).any() for h in r.heads for sel in h.per_q_head)
+    # The same child again (parent_tokens given: no GetContext) is reused.
+    again = client.ingest(spec(), ids, extra, parent_id=parent.context_id, parent_tokens=T)
+    assert again.context_id == child.context_id and again.stored_bytes == child.stored_bytes
+    # A child of the child: a chain.
+    grand = client.ingest(None, [7], synthetic_kv(8, 1), parent_id=child.context_id)
+    assert grand.n_tokens == T + 38 and grand.parent_id == child.context_id
+    k2, _ = _pages(client, grand.context_id, T + 38)
+    assert np.array_equal(k2[:, :, :T + 37], k)
+    with pytest.raises(ctxcache.FailedPrecondition):  # the parent stays while referenced
+        client.evict(parent.context_id)
+
+
+def test_ingest_child_errors_name_the_field_and_store_nothing(client: ctxcache.Client,
+                                                               ingested) -> None:
+    parent, _ = ingested
+    n = len(list(client.list()))
+    extra = synthetic_kv(9, 4)
+    with pytest.raises(ctxcache.InvalidArgument, match="header.parent_id"):
+        client.ingest(spec(), [1, 2, 3, 4], extra, parent_id="not-hex", parent_tokens=T)
+    with pytest.raises(ctxcache.NotFound):
+        client.ingest(spec(), [1, 2, 3, 4], extra, parent_id="ab" * 16, parent_tokens=T)
+    with pytest.raises(ctxcache.FailedPrecondition, match="header.model.fingerprint"):
+        client.ingest(spec(b"another-model-fingerprint"), [1, 2, 3, 4], extra,
+                      parent_id=parent.context_id, parent_tokens=T)
+    other = dict(spec(), kv_dtype="f16")
+    with pytest.raises(ctxcache.FailedPrecondition, match="header.model.kv_dtype"):
+        client.ingest(other, [1, 2, 3, 4], extra, parent_id=parent.context_id, parent_tokens=T)
+    # Chunks must start at the parent's n_tokens (the child's token numbering).
+    with pytest.raises(ctxcache.InvalidArgument, match=f"expected start {T}"):
+        client.ingest(spec(), [1, 2, 3, 4], extra, parent_id=parent.context_id, parent_tokens=0)
+    # Past the server's --max-context-tokens 65536, parent included.
+    header = ctxcache.pb.IngestHeader(parent_id=parent.context_id)
+    header.model.CopyFrom(parent.model)
+    header.tokens.ids.extend([1] * (65536 - T + 1))
+    with pytest.raises(ctxcache.InvalidArgument, match="65537 tokens"):
+        client.ingest_chunks([ctxcache.pb.IngestChunk(header=header),
+                              ctxcache.pb.IngestChunk(commit=ctxcache.pb.IngestCommit())])
+    assert len(list(client.list())) == n
+
+
+def test_regression_a_small_child_is_reused_with_csa_c_of_its_own_queries(
+        client: ctxcache.Client, built) -> None:
+    """A child's csa C is clamped to the query rows of its own tokens (here
+    10 * 2 < 128); the reuse check once resolved C over every token's rows and
+    refused the same extension again with ALREADY_EXISTS."""
+    first = client.extend(built.context_id, tokens=[3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    csa = {i.method: i for i in first.context.indexes}["csa"]
+    assert csa.params["C"] == "20"
+    again = client.extend(built.context_id, tokens=[3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    assert again.reused and again.context.context_id == first.context.context_id

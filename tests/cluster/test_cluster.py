@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ctxcache
+from ctxcache import tensors
 from ctxcache.cluster import owners_of
 from cluster_harness import Cluster, wait_for
 
@@ -102,6 +103,31 @@ def test_built_through_one_node_readable_through_every_node(cluster: Cluster) ->
         # Each node's view refreshes every second.
         wait_for(lambda: n.metrics()["ctxcache_cluster_nodes"] == 3, 5, "3 nodes seen")
         wait_for(lambda: n.metrics()["ctxcache_replication_lag_contexts"] == 0, 5, "no lag")
+
+
+def test_an_ingested_child_through_a_node_without_its_parent_is_forwarded(
+        cluster: Cluster) -> None:
+    """IngestContext with parent_id goes, whole stream and all, to a node
+    that holds the parent; the child shares its pages there."""
+    rc = ctxcache.connect(cluster.uri)
+    parent = rc.build(tokens=[(i * 31) % 500 + 1 for i in range(100)], name="turns").context
+    settle(cluster, parent.context_id)
+    other = [n for n in cluster.nodes if n.name not in holders(cluster, parent.context_id)][0]
+    m = parent.model
+    rng = np.random.default_rng(3)
+    kv = [(rng.standard_normal((m.n_kv_heads, 20, m.head_dim)).astype(np.float32),
+           rng.standard_normal((m.n_kv_heads, 20, m.head_dim)).astype(np.float32))
+          for _ in range(m.n_layers)]
+    before = other.metrics().get('ctxcache_forwarded_requests_total{method="IngestContext"}', 0)
+    with ctxcache.Client(other.address) as c:
+        child = c.ingest(m, list(range(7, 27)), kv, indexes=["streaming"],
+                         parent_id=parent.context_id, parent_tokens=100)
+    assert child.parent_id == parent.context_id and child.n_tokens == 120
+    after = other.metrics()['ctxcache_forwarded_requests_total{method="IngestContext"}']
+    assert after == before + 1
+    got = rc.fetch_pages(child.context_id, [(1, 0, [6, 7])])
+    want = tensors.bf16_to_float32(tensors.float32_to_bf16(kv[1][0][0]))
+    assert np.array_equal(np.concatenate([p.k for p in got])[4:], want)
 
 
 def test_pin_and_evict_are_cluster_wide(cluster: Cluster) -> None:

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 #include <set>
 #include <thread>
@@ -825,6 +826,194 @@ TEST_F(ServiceTest, IngestEqualsBuildAndACutStreamStoresNothing) {
   Bf16ToFloat(reinterpret_cast<const uint16_t*>(pages[0].k().data()), k.data(), k.size());
   cache.Read(1, 1, 7 * 16, 8 * 16, want.data(), nullptr);
   EXPECT_EQ(k, want);
+}
+
+// IngestContext with header.parent_id stores a child exactly as
+// ExtendContext does when the client sends the KV the server's model would
+// compute: the same pages (the parent's shared, the appended ones as sent),
+// the same index artifacts and the same decode. Reuse, and every bad header.
+TEST_F(ServiceTest, IngestChildEqualsExtendChild) {
+  auto parent_tokens = RandomTokens(600, 21);  // 37.5 pages: the last one is shared in part
+  auto parent = Build(parent_tokens);
+  ASSERT_TRUE(parent.ok()) << parent.status().ToString();
+  const v1::ContextInfo& pinfo = parent->context();
+  std::vector<int32_t> appended = RandomTokens(100, 22);
+  v1::ExtendContextRequest ereq;
+  ereq.set_parent_id(pinfo.context_id());
+  for (int32_t t : appended) ereq.mutable_tokens()->add_ids(static_cast<uint32_t>(t));
+  auto extended = client_->Extend(ereq, nullptr);
+  ASSERT_TRUE(extended.ok()) << extended.status().ToString();
+  const v1::ContextInfo& einfo = extended->context();
+
+  // The appended tokens' Q/K/V as the server's model computes them on top of
+  // the parent's KV.
+  auto model = model::Model::Load(ModelDir() + "/llama3");
+  ASSERT_TRUE(model.ok());
+  const auto& spec = (*model)->spec();
+  model::KvCache cache(spec, DType::kBF16);
+  model::PrefillResult pr;
+  ASSERT_TRUE(model::Prefill(**model, parent_tokens, &cache, {}, {}, &pr).ok());
+  CaptureSink sink(spec);
+  ASSERT_TRUE(model::Prefill(**model, appended, &cache, {&sink}, {}, &pr).ok());
+
+  auto ch = grpc::CreateChannel(server_.address(), grpc::InsecureChannelCredentials());
+  auto admin = v1::ContextAdmin::NewStub(ch);
+  // header edits the header; chunks start at token_start0 (the child's
+  // convention: the parent's n_tokens).
+  auto ingest = [&](const std::function<void(v1::IngestHeader*)>& header, v1::ContextInfo* info,
+                    uint64_t token_start0 = 600) {
+    grpc::ClientContext ctx;
+    auto writer = admin->IngestContext(&ctx, info);
+    v1::IngestChunk h;
+    v1::IngestHeader* hd = h.mutable_header();
+    *hd->mutable_model() = pinfo.model();
+    hd->set_parent_id(pinfo.context_id());
+    for (int32_t t : appended) hd->mutable_tokens()->add_ids(static_cast<uint32_t>(t));
+    header(hd);
+    bool ok = writer->Write(h);
+    for (int64_t t0 = 0; ok && t0 < 100; t0 += 50) {
+      for (int l = 0; ok && l < spec.n_layers; ++l) {
+        v1::IngestChunk c;
+        auto* lc = c.mutable_chunk();
+        lc->set_layer(l);
+        lc->set_token_start(token_start0 + t0);
+        lc->set_n_tokens(50);
+        *lc->mutable_k() = MakeTensor(sink.k_[l], t0, 50, spec.head_dim);
+        *lc->mutable_v() = MakeTensor(sink.v_[l], t0, 50, spec.head_dim);
+        *lc->mutable_q() = MakeTensor(sink.q_[l], t0, 50, spec.head_dim);
+        ok = writer->Write(c);
+      }
+    }
+    v1::IngestChunk c;
+    c.mutable_commit();
+    if (ok) writer->Write(c);
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  v1::ContextInfo info;
+  grpc::Status s = ingest([](v1::IngestHeader*) {}, &info);
+  ASSERT_TRUE(s.ok()) << s.error_message() << server_.log();
+  EXPECT_EQ(info.n_tokens(), 700u);
+  EXPECT_EQ(info.parent_id(), pinfo.context_id());
+  EXPECT_EQ(info.prefix_tokens(), 600u);
+  EXPECT_EQ(info.provenance(), v1::PROVENANCE_INGESTED);
+  EXPECT_NE(info.context_id(), einfo.context_id());  // ingested ids live apart
+  EXPECT_EQ(info.raw_kv_bytes(), einfo.raw_kv_bytes());  // only its own pages
+  EXPECT_EQ(info.name(), pinfo.name());
+  EXPECT_EQ(info.labels().at("suite"), "service");
+  ASSERT_EQ(info.indexes_size(), einfo.indexes_size());  // the parent's methods
+
+  // Every page of the child equals the extend child's; the shared ones the
+  // parent's.
+  for (int l = 0; l < spec.n_layers; ++l) {
+    for (int h = 0; h < spec.n_kv_heads; ++h) {
+      auto fetch = [&](const std::string& id, uint32_t n_blocks) {
+        v1::FetchPagesRequest fp;
+        fp.set_context_id(id);
+        auto* t = fp.add_tables();
+        t->set_layer(l);
+        t->set_kv_head(h);
+        for (uint32_t b = 0; b < n_blocks; ++b) t->add_blocks(b);
+        std::vector<v1::Page> pages;
+        EXPECT_TRUE(client_->FetchPages(fp, &pages).ok());
+        return pages;
+      };
+      auto got = fetch(info.context_id(), 44), want = fetch(einfo.context_id(), 44);
+      auto par = fetch(pinfo.context_id(), 38);
+      ASSERT_EQ(got.size(), 44u);
+      ASSERT_EQ(want.size(), 44u);
+      for (size_t i = 0; i < got.size(); ++i) {
+        SCOPED_TRACE("layer " + std::to_string(l) + " head " + std::to_string(h) + " block " +
+                     std::to_string(i));
+        EXPECT_EQ(got[i].n_tokens(), want[i].n_tokens());
+        EXPECT_EQ(got[i].k(), want[i].k());
+        EXPECT_EQ(got[i].v(), want[i].v());
+        if (i < 37) {
+          EXPECT_EQ(got[i].k(), par[i].k());
+          EXPECT_EQ(got[i].v(), par[i].v());
+        }
+      }
+      // The last parent page, partly shared: its first 8 tokens are the parent's.
+      EXPECT_EQ(got[37].k().substr(0, 8 * 32 * 2), par[37].k());
+    }
+  }
+  // Same index artifacts for every method.
+  for (const auto& ip : einfo.indexes()) {
+    SCOPED_TRACE(ip.method());
+    auto a = client_->FetchIndex(info.context_id(), ip.method());
+    auto b = client_->FetchIndex(einfo.context_id(), ip.method());
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString() << b.status().ToString();
+    EXPECT_EQ(*a, *b);
+  }
+  // A decode session on the child reads it as it reads the extend child.
+  for (const char* method : {"csa", "quest"}) {
+    std::vector<int32_t> tokens[2];
+    int i = 0;
+    for (const std::string& id : {info.context_id(), einfo.context_id()}) {
+      client::GenerateOptions go;
+      go.session.context_id = id;
+      go.session.method = method;
+      go.session.params["budget"] = "48";
+      go.max_new_tokens = 8;
+      auto r = client::GenerateRemote(**model, client_.get(), {5, 17, 300}, go);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      tokens[i++] = r->tokens;
+    }
+    EXPECT_EQ(tokens[0], tokens[1]) << method;
+  }
+
+  // The same child again: reused, nothing new stored.
+  const int n_stored = client_->ListContexts({})->contexts_size();
+  v1::ContextInfo again;
+  s = ingest([](v1::IngestHeader*) {}, &again);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(again.context_id(), info.context_id());
+  EXPECT_EQ(again.stored_bytes(), info.stored_bytes());
+
+  // Bad headers and chunks: the right code, the field named, nothing stored.
+  struct Bad {
+    const char* what;
+    std::function<void(v1::IngestHeader*)> edit;
+    uint64_t token_start0;
+    grpc::StatusCode code;
+    const char* names;
+  };
+  const std::string unknown(32, 'a');
+  const std::vector<Bad> bad = {
+      {"malformed parent", [](v1::IngestHeader* h) { h->set_parent_id("xyz"); }, 600,
+       grpc::StatusCode::INVALID_ARGUMENT, "header.parent_id"},
+      {"unknown parent", [&](v1::IngestHeader* h) { h->set_parent_id(unknown); }, 600,
+       grpc::StatusCode::NOT_FOUND, "header.parent_id"},
+      {"other fingerprint",
+       [](v1::IngestHeader* h) { h->mutable_model()->set_fingerprint("another model"); }, 600,
+       grpc::StatusCode::FAILED_PRECONDITION, "header.model.fingerprint"},
+      {"other kv_dtype",
+       [](v1::IngestHeader* h) { h->mutable_model()->set_kv_dtype(v1::DTYPE_F32); }, 600,
+       grpc::StatusCode::FAILED_PRECONDITION, "header.model.kv_dtype"},
+      {"other head_dim", [](v1::IngestHeader* h) { h->mutable_model()->set_head_dim(64); }, 600,
+       grpc::StatusCode::FAILED_PRECONDITION, "header.model.head_dim"},
+      {"no appended tokens", [](v1::IngestHeader* h) { h->mutable_tokens()->clear_ids(); }, 600,
+       grpc::StatusCode::INVALID_ARGUMENT, "header.tokens"},
+      {"chunks from 0",  // (other tokens: the stored child would be reused)
+       [](v1::IngestHeader* h) { h->mutable_tokens()->set_ids(0, 1); }, 0,
+       grpc::StatusCode::INVALID_ARGUMENT, "start at the parent's n_tokens, 600"},
+      {"too long",
+       [](v1::IngestHeader* h) {
+         for (int i = 0; i < 65536; ++i) h->mutable_tokens()->add_ids(1);
+       },
+       600, grpc::StatusCode::INVALID_ARGUMENT, "65536"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    v1::ContextInfo none;
+    grpc::Status r = ingest(b.edit, &none, b.token_start0);
+    EXPECT_EQ(r.error_code(), b.code) << r.error_message();
+    EXPECT_NE(r.error_message().find(b.names), std::string::npos) << r.error_message();
+  }
+  EXPECT_EQ(client_->ListContexts({})->contexts_size(), n_stored);
+  // The parent stays while the child references its pages.
+  EXPECT_EQ(client_->Evict(pinfo.context_id()).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Healthy());
 }
 
 TEST_F(ServiceTest, FullQueueIsResourceExhaustedAndCancelCleansUp) {

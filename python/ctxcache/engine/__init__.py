@@ -17,6 +17,10 @@ Seams (each its own module; a model adapter composes them):
   adapter      :mod:`ctxcache.engine.llama`: LlamaStepper (an HF Llama's
                decode step, capturable as one CUDA graph), LlamaExtender
                (its chunked prefill of an extension)
+  write-back   :mod:`ctxcache.engine.writeback`: WriteBack (a sequence's
+               appended tokens, from the extension's K/V and its own
+               tokens, copied off the device on a side stream and stored
+               as child contexts of the stored one, in the background)
 No process-global state; the Triton kernels (CUDA) are in ``_triton`` and
 every one has a torch reference used on the CPU.
 """
@@ -27,9 +31,10 @@ from ctxcache.engine.llama import LlamaExtender, LlamaStepper
 from ctxcache.engine.planner import QuestPlanner, chunk_pages, quest_bounds
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
 from ctxcache.engine.prefill import DenseExtendAttention, ExtendOptions, SparseExtendAttention
+from ctxcache.engine.writeback import WriteBack, WriteBackOptions
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseContextAttention", "DenseDecoder",
            "DenseExtendAttention", "EngineOptions", "ExtendOptions", "HostTier",
            "LlamaExtender", "LlamaStepper", "OwnTokens", "PagePool", "PagedAttention",
-           "PoolOptions", "QuestPlanner", "SparseExtendAttention", "chunk_pages",
-           "quest_bounds"]
+           "PoolOptions", "QuestPlanner", "SparseExtendAttention", "WriteBack",
+           "WriteBackOptions", "chunk_pages", "quest_bounds"]

@@ -70,7 +70,9 @@ class EngineOptions:
 
 class OwnTokens:
     """Each sequence's appended K and V per layer: [n_layers, B, H, T, d], and
-    how many each holds (int32 [B] on the device)."""
+    how many each holds (int32 [B] on the device). Row t of sequence b holds
+    the post-RoPE K/V of the token fed at its step t;
+    :meth:`ctxcache.engine.WriteBack.append_own` stores rows on the server."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_tokens: int,
                  head_dim: int, dtype: torch.dtype, device: Any) -> None:

@@ -20,6 +20,11 @@ With ``rho`` = 1 every page is kept and the result is dense attention over
 context + extension (tests check it). ``DenseExtendAttention`` is the dense
 baseline: the whole stored context for every query.
 
+The extension's post-RoPE K/V (``k_new``/``v_new``) are what the server
+stores: :meth:`ctxcache.engine.WriteBack.append_extension` sends them as a
+child of the stored context (an ExtendContext's result, without the server
+running the model).
+
 Shapes: the stored context ``k``/``v`` [n_layers, H, n_pad, d] (page-padded
 as a :class:`~ctxcache.engine.pool.HostTier`; tokens past ``n_tokens`` are
 never attended); a chunk's q [T, Hq, d], k/v [T, H, d]; q head j reads kv

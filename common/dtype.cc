@@ -2,6 +2,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -170,6 +171,29 @@ bool HasNonFinite(const float* x, size_t n) {
     if (!std::isfinite(x[i])) return true;
   }
   return false;
+}
+
+bool HasNonFinite(DType dtype, const void* x, size_t n) {
+  if (dtype == DType::kF32) {
+    const auto* b = static_cast<const uint8_t*>(x);
+    float buf[256];
+    for (size_t i = 0; i < n; i += 256) {
+      const size_t m = std::min<size_t>(256, n - i);
+      std::memcpy(buf, b + i * 4, m * 4);
+      if (HasNonFinite(buf, m)) return true;
+    }
+    return false;
+  }
+  // bf16: 8 exponent bits (0x7f80); f16: 5 (0x7c00). All ones: Inf or NaN.
+  const uint16_t exp = dtype == DType::kBF16 ? 0x7f80 : 0x7c00;
+  const auto* b = static_cast<const uint8_t*>(x);
+  uint16_t hit = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint16_t u;
+    std::memcpy(&u, b + 2 * i, 2);
+    hit |= static_cast<uint16_t>((u & exp) == exp);
+  }
+  return hit != 0;
 }
 
 }  // namespace ctxcache

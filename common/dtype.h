@@ -54,5 +54,8 @@ void ConvertFromFloat(DType dtype, const float* src, void* dst, size_t n);
 
 // True if any of the n floats is NaN or +-Inf.
 bool HasNonFinite(const float* x, size_t n);
+// The same for n elements of `dtype` at `x` (no alignment needed), read
+// as stored: the exponent bits, no conversion.
+bool HasNonFinite(DType dtype, const void* x, size_t n);
 
 }  // namespace ctxcache

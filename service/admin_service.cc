@@ -455,6 +455,22 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       }
       const v1::IngestLayerChunk& c = msg.chunk();
       const int64_t n = c.n_tokens();
+      const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
+      // K and V already in the stored dtype, and no queries: stored as they
+      // came, with no conversion (the usual GPU worker's bf16 KV).
+      const bool has_q_data = c.has_q() && !c.q().data().empty();
+      const auto k_dtype = FromProtoDType(c.k().dtype());
+      if (n > 0 && !has_q_data && k_dtype.ok() && *k_dtype == b.kv_dtype() &&
+          c.v().dtype() == c.k().dtype()) {
+        Status s = CheckStoredTensor(c.k(), {NKV, n, D}, b.kv_dtype(), "chunk.k");
+        if (s.ok()) s = CheckStoredTensor(c.v(), {NKV, n, D}, b.kv_dtype(), "chunk.v");
+        if (s.ok()) {
+          s = b.AddStoredChunk(layer, static_cast<int64_t>(c.token_start()), n,
+                               c.k().data().data(), c.v().data().data());
+        }
+        if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
+        continue;
+      }
       Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
       if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
       const bool has_q = c.has_q() && !c.q().data().empty();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <span>
 
@@ -535,16 +536,30 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->writer_ = std::move(start.writer);
   b->first_token_ = static_cast<int64_t>(b->writer_->first_token());
   const size_t heads = static_cast<size_t>(b->spec_.n_layers) * b->spec_.n_kv_heads;
+  const size_t head_bytes =
+      static_cast<size_t>(b->n_tokens_) * b->spec_.head_dim * DTypeSize(b->kv_dtype_);
   b->keys_.resize(heads);
   b->vals_.resize(heads);
+  try {
+    for (size_t i = 0; i < heads; ++i) {
+      b->keys_[i] = MappedBytes(head_bytes);  // uninitialized: filled in token order
+      b->vals_[i] = MappedBytes(head_bytes);
+    }
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("ingest: cannot map " + std::to_string(2 * heads * head_bytes) +
+                                  " bytes for the context's K and V");
+  }
   if (b->first_token_ > 0) {
-    // The child's indexes cover the parent's tokens too: its KV as stored.
+    // The child's indexes cover the parent's tokens too: its KV as stored
+    // (the parent's values are exact in kv_dtype_, so the round trip through
+    // fp32 loses nothing).
     const int nkv = b->spec_.n_kv_heads, d = b->spec_.head_dim;
     Status s = ReadParentKv(store, *header.parent, b->spec_,
                             [&](int layer, int h, int64_t n, const float* k, const float* v) {
                               const size_t slot = static_cast<size_t>(layer) * nkv + h;
-                              b->keys_[slot].assign(k, k + n * d);
-                              b->vals_[slot].assign(v, v + n * d);
+                              const size_t m = static_cast<size_t>(std::min(n, b->n_tokens_)) * d;
+                              ConvertFromFloat(b->kv_dtype_, k, b->keys_[slot].data(), m);
+                              ConvertFromFloat(b->kv_dtype_, v, b->vals_[slot].data(), m);
                             });
     if (!s.ok()) return s.WithContext("reading the parent's KV");
   }
@@ -562,15 +577,14 @@ void IngestBuilder::Abort() {
   writer_.reset();
 }
 
-Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const float* k,
-                               const float* v, const float* q) {
+Status IngestBuilder::CheckChunk(int layer, int64_t token_start, int64_t n) const {
   if (!writer_) return FailedPreconditionError("ingest: the build is not open");
-  const int L = spec_.n_layers, NKV = spec_.n_kv_heads, D = spec_.head_dim;
+  const int L = spec_.n_layers;
   if (layer < 0 || layer >= L) {
     return InvalidArgumentError("chunk.layer " + std::to_string(layer) + " out of range [0, " +
                                 std::to_string(L) + ")");
   }
-  int64_t& next = next_[static_cast<size_t>(layer)];
+  const int64_t next = next_[static_cast<size_t>(layer)];
   if (token_start != next || n <= 0 || next + n > n_tokens_) {
     const std::string child =
         first_token_ > 0 ? " (a child's chunks count from its token 0 and start at the "
@@ -581,27 +595,52 @@ Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const 
                                 ", expected start " + std::to_string(next) +
                                 " and an end <= " + std::to_string(n_tokens_) + child);
   }
-  const size_t per_head = static_cast<size_t>(n) * D;
+  return Status::OK();
+}
+
+Status IngestBuilder::StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
+                                const void* v) {
+  RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
+                                    static_cast<uint64_t>(token_start), static_cast<uint32_t>(n),
+                                    kv_dtype_, k, v));
+  // Indexes are built over the KV as stored, as in BuildContext.
+  const size_t row = static_cast<size_t>(spec_.head_dim) * DTypeSize(kv_dtype_);
+  const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
+  std::memcpy(keys_[slot].data() + static_cast<size_t>(token_start) * row, k,
+              static_cast<size_t>(n) * row);
+  std::memcpy(vals_[slot].data() + static_cast<size_t>(token_start) * row, v,
+              static_cast<size_t>(n) * row);
+  return Status::OK();
+}
+
+Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const float* k,
+                               const float* v, const float* q) {
+  RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
+  const size_t per_head = static_cast<size_t>(n) * spec_.head_dim;
   kc_.resize(per_head * DTypeSize(kv_dtype_));
   vc_.resize(kc_.size());
-  for (int h = 0; h < NKV; ++h) {
+  for (int h = 0; h < spec_.n_kv_heads; ++h) {
     ConvertFromFloat(kv_dtype_, k + h * per_head, kc_.data(), per_head);
     ConvertFromFloat(kv_dtype_, v + h * per_head, vc_.data(), per_head);
-    RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
-                                      static_cast<uint64_t>(token_start),
-                                      static_cast<uint32_t>(n), kv_dtype_, kc_.data(),
-                                      vc_.data()));
-    // Indexes are built over the KV as stored, as in BuildContext.
-    auto& kk = keys_[static_cast<size_t>(layer) * NKV + h];
-    auto& vv = vals_[static_cast<size_t>(layer) * NKV + h];
-    const size_t off = kk.size();
-    kk.resize(off + per_head);
-    vv.resize(off + per_head);
-    ConvertToFloat(kv_dtype_, kc_.data(), kk.data() + off, per_head);
-    ConvertToFloat(kv_dtype_, vc_.data(), vv.data() + off, per_head);
+    RETURN_IF_ERROR(StoreHead(layer, h, token_start, n, kc_.data(), vc_.data()));
   }
   if (q != nullptr) RETURN_IF_ERROR(queries_->sink.OnChunk(layer, token_start, n, q, k, v));
-  next += n;
+  next_[static_cast<size_t>(layer)] += n;
+  return Status::OK();
+}
+
+Status IngestBuilder::AddStoredChunk(int layer, int64_t token_start, int64_t n, const void* k,
+                                     const void* v) {
+  RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
+  const size_t head_bytes =
+      static_cast<size_t>(n) * spec_.head_dim * DTypeSize(kv_dtype_);
+  const auto* kb = static_cast<const uint8_t*>(k);
+  const auto* vb = static_cast<const uint8_t*>(v);
+  for (int h = 0; h < spec_.n_kv_heads; ++h) {
+    RETURN_IF_ERROR(StoreHead(layer, h, token_start, n, kb + h * head_bytes,
+                              vb + h * head_bytes));
+  }
+  next_[static_cast<size_t>(layer)] += n;
   return Status::OK();
 }
 
@@ -620,8 +659,9 @@ StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
       IndexShape{spec_.n_layers, NKV, spec_.head_dim, spec_.group_size(), n_tokens_}, indexes_,
       [&](int layer, int h, float* kout, float* vout) {
         const size_t slot = static_cast<size_t>(layer) * NKV + h;
-        std::copy(keys_[slot].begin(), keys_[slot].end(), kout);
-        std::copy(vals_[slot].begin(), vals_[slot].end(), vout);
+        const size_t m = static_cast<size_t>(n_tokens_) * spec_.head_dim;
+        ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, m);
+        ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, m);
       },
       [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
         queries_->sink.Gather(layer, h, q, pos);

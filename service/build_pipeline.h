@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/large_buffer.h"
 #include "common/status.h"
 #include "ctxcache/v1/ctxcache_service.pb.h"
 #include "index/selector.h"
@@ -176,6 +177,12 @@ class IngestBuilder {
   // (InvalidArgument).
   Status AddChunk(int layer, int64_t token_start, int64_t n, const float* k, const float* v,
                   const float* q);
+  // The same with k and v already in the context's kv dtype (kv_dtype()),
+  // as they are stored: no conversion, one copy (what a client sends when
+  // its wire dtype is the model's kv_dtype). No queries.
+  Status AddStoredChunk(int layer, int64_t token_start, int64_t n, const void* k,
+                        const void* v);
+  DType kv_dtype() const { return kv_dtype_; }
   // Builds the indexes and flips the context to READY. FailedPrecondition
   // when a layer is incomplete.
   StatusOr<v1::ContextManifest> Commit();
@@ -194,7 +201,16 @@ class IngestBuilder {
   std::unique_ptr<storage::ContextWriter> writer_;
   v1::ContextManifest existing_;
   std::vector<int64_t> next_;                     // per layer: the next token expected
-  std::vector<std::vector<float>> keys_, vals_;   // [layer * n_kv + head]: as stored, fp32
+  // Checks a chunk's layer and token range against what the layer expects.
+  Status CheckChunk(int layer, int64_t token_start, int64_t n) const;
+  // Stores (layer, kv head)'s rows [token_start, token_start + n), k and v in
+  // kv_dtype_, and keeps them for the index build.
+  Status StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
+                   const void* v);
+  // [layer * n_kv + head]: the context's K and V as stored (kv_dtype_), for
+  // the index build; n_tokens_ * head_dim elements each, allocated once at
+  // Begin (no regrowth, no zero fill) and filled in token order.
+  std::vector<MappedBytes> keys_, vals_;
   std::unique_ptr<Queries> queries_;
   std::vector<uint8_t> kc_, vc_;
 };

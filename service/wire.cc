@@ -129,8 +129,11 @@ v1::BuildProgress ProgressToProto(const BuildProgress& p) {
   return out;
 }
 
-Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
-                     std::vector<float>* out) {
+namespace {
+
+// Checks t's shape, dtype and byte count; *n_out = elements, *dtype_out = its dtype.
+Status CheckTensor(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
+                   int64_t* n_out, DType* dtype_out) {
   std::string want = "[";
   int64_t n = 1;
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -153,9 +156,36 @@ Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, con
                                 " data bytes, expected " + std::to_string(n * DTypeSize(dt)) +
                                 " for shape " + want + " in " + std::string(DTypeName(dt)));
   }
+  *n_out = n;
+  *dtype_out = dt;
+  return Status::OK();
+}
+
+}  // namespace
+
+Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
+                     std::vector<float>* out) {
+  int64_t n = 0;
+  DType dt = DType::kF32;
+  RETURN_IF_ERROR(CheckTensor(t, shape, what, &n, &dt));
   out->resize(static_cast<size_t>(n));
   ConvertToFloat(dt, t.data().data(), out->data(), static_cast<size_t>(n));
   if (HasNonFinite(out->data(), out->size())) {
+    return InvalidArgumentError(std::string(what) + " contains NaN or Inf");
+  }
+  return Status::OK();
+}
+
+Status CheckStoredTensor(const v1::Tensor& t, const std::vector<int64_t>& shape, DType dtype,
+                         const char* what) {
+  int64_t n = 0;
+  DType dt = DType::kF32;
+  RETURN_IF_ERROR(CheckTensor(t, shape, what, &n, &dt));
+  if (dt != dtype) {
+    return InvalidArgumentError(std::string(what) + ": dtype " + std::string(DTypeName(dt)) +
+                                ", expected " + std::string(DTypeName(dtype)));
+  }
+  if (HasNonFinite(dt, t.data().data(), static_cast<size_t>(n))) {
     return InvalidArgumentError(std::string(what) + " contains NaN or Inf");
   }
   return Status::OK();

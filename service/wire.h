@@ -60,6 +60,11 @@ v1::BuildProgress ProgressToProto(const BuildProgress& p);
 // names the field in errors (InvalidArgument).
 Status TensorToFloat(const v1::Tensor& t, const std::vector<int64_t>& shape, const char* what,
                      std::vector<float>* out);
+// Checks a Tensor meant to be used as it is on the wire: its shape, that its
+// dtype is `dtype`, its byte count and finiteness (InvalidArgument naming
+// `what`). No conversion.
+Status CheckStoredTensor(const v1::Tensor& t, const std::vector<int64_t>& shape, DType dtype,
+                         const char* what);
 
 // Page i of a stored batch of (layer, kv_head), bytes as stored, with its
 // crc32c.

@@ -139,6 +139,36 @@ def test_ingest_bf16_torch_tensors(client: ctxcache.Client) -> None:
     assert torch.equal(p.k, layers[1][0][0, 32:48]) and torch.equal(p.v, layers[1][1][0, 32:48])
 
 
+def test_ingest_kv_in_the_stored_dtype_is_stored_as_sent(client: ctxcache.Client) -> None:
+    """K/V already in the model's kv_dtype and no queries take the server's
+    path without conversion: the pages and the Quest index equal those of the
+    same KV sent as fp32; a NaN in such a chunk is refused, naming it."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    t = 3 * B + 5
+    layers = [(torch.randn(NKV, t, D, generator=g).to(torch.bfloat16),
+               torch.randn(NKV, t, D, generator=g).to(torch.bfloat16)) for _ in range(L)]
+    toks = list(range(7000, 7000 + t))
+    raw = client.ingest(spec(), toks, layers, indexes=["quest"])
+    f32 = client.ingest(spec(), list(range(7100, 7100 + t)),
+                        [(k.float().numpy(), v.float().numpy()) for k, v in layers],
+                        indexes=["quest"])
+    for layer in range(L):
+        for h in range(NKV):
+            want = client.fetch_pages(f32.context_id, [(layer, h, [0, 1, 2, 3])], dtype="raw")
+            got = client.fetch_pages(raw.context_id, [(layer, h, [0, 1, 2, 3])], dtype="raw")
+            for a, b in zip(got, want):
+                assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+    assert (client.fetch_index(raw.context_id, "quest")
+            == client.fetch_index(f32.context_id, "quest"))
+    bad = [(k.clone(), v) for k, v in layers]
+    bad[1][1][0, 4, 2] = float("inf")
+    with pytest.raises(ctxcache.InvalidArgument, match="chunk.v contains NaN or Inf"):
+        client.ingest(spec(), list(range(7200, 7200 + t)), bad, indexes=["quest"])
+    client.evict(raw.context_id)
+    client.evict(f32.context_id)
+
+
 def test_ingest_errors_store_nothing(client: ctxcache.Client) -> None:
     before = {c.context_id for c in client.list(page_size=1000)}
     kv = synthetic_kv(4, t=40)

@@ -166,5 +166,27 @@ TEST(DTypeBulkTest, ConvertDispatchAndNonFinite) {
   EXPECT_TRUE(HasNonFinite(src.data(), src.size()));
 }
 
+TEST(DTypeBulkTest, NonFiniteAsStored) {
+  std::vector<float> src(300);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = 0.25f * static_cast<float>(i) - 30.0f;
+  src[7] = std::numeric_limits<float>::max();  // finite in f32, Inf in f16
+  for (DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+    std::vector<float> x = src;
+    if (dt == DType::kF16) x[7] = 65504.0f;  // f16's largest finite
+    if (dt == DType::kBF16) x[7] = 3.0e38f;  // FLT_MAX rounds to Inf in bf16
+    std::vector<uint8_t> buf(x.size() * DTypeSize(dt) + 1);
+    // At an odd offset: stored bytes need no alignment.
+    ConvertFromFloat(dt, x.data(), buf.data() + 1, x.size());
+    EXPECT_FALSE(HasNonFinite(dt, buf.data() + 1, x.size())) << DTypeName(dt);
+    for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                      std::nanf("")}) {
+      std::vector<float> y = x;
+      y[299] = bad;
+      ConvertFromFloat(dt, y.data(), buf.data() + 1, y.size());
+      EXPECT_TRUE(HasNonFinite(dt, buf.data() + 1, y.size())) << DTypeName(dt) << " " << bad;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ctxcache

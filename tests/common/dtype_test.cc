@@ -178,8 +178,8 @@ TEST(DTypeBulkTest, NonFiniteAsStored) {
     // At an odd offset: stored bytes need no alignment.
     ConvertFromFloat(dt, x.data(), buf.data() + 1, x.size());
     EXPECT_FALSE(HasNonFinite(dt, buf.data() + 1, x.size())) << DTypeName(dt);
-    for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                      std::nanf("")}) {
+    const float inf = std::numeric_limits<float>::infinity();
+    for (float bad : {inf, -inf, std::nanf("")}) {
       std::vector<float> y = x;
       y[299] = bad;
       ConvertFromFloat(dt, y.data(), buf.data() + 1, y.size());

@@ -7,6 +7,7 @@
 #include "common/thread_pool.h"
 #include "index/methods.h"
 #include "service/metrics.h"
+#include "session/sparse_session.h"
 
 namespace ctxcache::service {
 
@@ -75,9 +76,19 @@ StatusOr<std::vector<std::unique_ptr<index::Selector>>> LoadContextIndex(
     }
     auto sel = index::LoadSelector(method, *bytes);
     if (!sel.ok()) {
-      return sel.status().WithContext("loading the " + method + " index of layer " +
-                                      std::to_string(layer) + " kv head " + std::to_string(h));
+      const std::string where =
+          "loading the " + method + " index of layer " + std::to_string(layer) + " kv head " +
+          std::to_string(h);
+      // Stored bytes that passed their checksum but do not parse are stored
+      // data in error, not the caller's.
+      if (sel.status().code() == StatusCode::kInvalidArgument) {
+        return DataLossError(where + ": " + std::string(sel.status().message()));
+      }
+      return sel.status().WithContext(where);
     }
+    RETURN_IF_ERROR(session::SparseSession::CheckStoredSelector(
+        **sel, static_cast<int>(layer), static_cast<int>(h),
+        static_cast<int64_t>(m.n_tokens()), static_cast<int>(m.model().head_dim())));
     selectors[i] = std::move(sel).value();
     return Status::OK();
   };

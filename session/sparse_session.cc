@@ -116,6 +116,17 @@ Status SparseSession::CheckSelectors(const SessionShape& shape,
   return Status::OK();
 }
 
+Status SparseSession::CheckStoredSelector(const index::Selector& selector, int layer,
+                                          int kv_head, int64_t n_tokens, int head_dim) {
+  if (selector.n_tokens() == n_tokens && selector.head_dim() == head_dim) return Status::OK();
+  return DataLossError("the stored " + std::string(selector.method()) + " index of layer " +
+                       std::to_string(layer) + " kv head " + std::to_string(kv_head) +
+                       " covers " + std::to_string(selector.n_tokens()) + " tokens of dim " +
+                       std::to_string(selector.head_dim()) + ", the context's manifest " +
+                       std::to_string(n_tokens) + " of dim " + std::to_string(head_dim) +
+                       ": the stored context is inconsistent (ctxcache fsck)");
+}
+
 StatusOr<std::unique_ptr<SparseSession>> SparseSession::Create(
     const SessionShape& shape, const index::SessionParams& params,
     std::vector<std::unique_ptr<index::Selector>> selectors, PageFetcher* fetcher) {

@@ -97,6 +97,14 @@ class SparseSession {
   // or a selector that does not match the shape. params.selector_overrides
   // (csa's rerank) are applied to these selectors; InvalidArgument from
   // Selector::ApplySessionOverrides when one cannot take them.
+  // A selector loaded from a stored context's index artifact against the
+  // context's manifest (n_tokens, head_dim): DataLoss when they disagree (the
+  // stored context is inconsistent: `ctxcache fsck` finds it), naming the
+  // layer, kv head and both counts. Where a session is opened on stored
+  // data, this runs before Create, whose InvalidArgument is for callers'
+  // selectors.
+  static Status CheckStoredSelector(const index::Selector& selector, int layer, int kv_head,
+                                    int64_t n_tokens, int head_dim);
   static StatusOr<std::unique_ptr<SparseSession>> Create(
       const SessionShape& shape, const index::SessionParams& params,
       std::vector<std::unique_ptr<index::Selector>> selectors, PageFetcher* fetcher);

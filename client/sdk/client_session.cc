@@ -111,6 +111,9 @@ Status ClientModeSession::Open() {
         return DataLossError("FetchIndex returned no artifact for layer " + std::to_string(l));
       }
       ASSIGN_OR_RETURN(auto sel, index::LoadSelector(options_.method, it->second));
+      RETURN_IF_ERROR(session::SparseSession::CheckStoredSelector(
+          *sel, static_cast<int>(l), static_cast<int>(h),
+          static_cast<int64_t>(info_.n_tokens()), static_cast<int>(d_)));
       selectors.push_back(std::move(sel));
     }
   }

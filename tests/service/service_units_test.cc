@@ -19,6 +19,8 @@
 #include "service/connection_streams.h"
 #include "service/decode_session.h"
 #include "service/events.h"
+#include "storage/keys.h"
+#include "storage/manifest_codec.h"
 #include "storage/store.h"
 #include "tests/storage/test_util.h"
 
@@ -271,6 +273,42 @@ class SessionStoreTest : public ::testing::Test {
   std::unique_ptr<storage::Store> store_;
   std::vector<float> k_, v_, q_;  // [layer][head][token][d]
 };
+
+TEST_F(SessionStoreTest, AManifestThatDisagreesWithItsIndexIsDataLoss) {
+  // A manifest rewritten with a valid frame and checksum but n_tokens - 1:
+  // the stored csa index covers one token more. Opening a session on it is
+  // DATA_LOSS (stored data in error), not the caller's INVALID_ARGUMENT.
+  auto manifest = Ingest();
+  ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();
+  auto id = storage::ContextId::FromBytes(manifest->context_id());
+  ASSERT_TRUE(id.ok());
+  store_.reset();
+  {
+    auto raw = storage::testing::OpenRaw(dir_.Sub("db"));
+    ASSERT_NE(raw, nullptr);
+    std::string v;
+    ASSERT_TRUE(raw->db->Get(rocksdb::ReadOptions(), raw->cf("meta"),
+                             storage::ManifestKey(*id), &v).ok());
+    v1::ContextManifest m;
+    ASSERT_TRUE(storage::DecodeManifest(v, &m).ok());
+    m.set_n_tokens(m.n_tokens() - 1);
+    ASSERT_TRUE(raw->db->Put(rocksdb::WriteOptions(), raw->cf("meta"), storage::ManifestKey(*id),
+                             storage::EncodeManifest(m)).ok());
+  }
+  auto store = storage::Store::Open(storage::StoreOptions{}, dir_.Sub("db"));
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  store_ = std::move(store).value();
+  auto reader = store_->OpenReader(*id);
+  ASSERT_TRUE(reader.ok()) << reader.status().ToString();
+  auto session = DecodeSession::Open(std::move(reader).value(), "csa", {}, /*want_pages=*/true);
+  ASSERT_FALSE(session.ok());
+  EXPECT_EQ(session.status().code(), StatusCode::kDataLoss) << session.status().ToString();
+  EXPECT_NE(session.status().message().find("covers " + std::to_string(kN) + " tokens"),
+            std::string::npos)
+      << session.status().ToString();
+  // fsck's verification finds the same context inconsistent (its token ids).
+  EXPECT_EQ(store_->Verify(*id).code(), StatusCode::kDataLoss);
+}
 
 TEST_F(SessionStoreTest, IngestRejectsBadChunksAndAbortsWithoutCommit) {
   {

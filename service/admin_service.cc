@@ -165,19 +165,21 @@ Status CheckChildSpec(const v1::ModelSpec& parent, const v1::ModelSpec& got) {
   return Status::OK();
 }
 
-// Index requests of a child ingest: the header's, or (none given) the
-// parent's methods and parameters as ExtendContext takes them.
-StatusOr<std::vector<IndexRequest>> ChildIndexRequests(const v1::IngestHeader& h,
-                                                       const v1::ContextManifest& parent,
-                                                       const std::string& defaults) {
-  if (!h.indexes().empty()) return IndexRequests(h.indexes(), defaults);
+// Index requests of a child (ExtendContext, or an ingest with a parent):
+// the requested ones, or (none given) the parent's methods and parameters,
+// minus those derived from the parent's size (index::ParamsForExtend).
+StatusOr<std::vector<IndexRequest>> ChildIndexRequests(
+    const google::protobuf::RepeatedPtrField<v1::IndexSpec>& requested,
+    const v1::ContextManifest& parent, const std::string& defaults) {
+  if (!requested.empty()) return IndexRequests(requested, defaults);
   std::vector<IndexRequest> out;
   for (const auto& ip : parent.index_params()) {
     IndexRequest r;
     r.method = ip.method();
-    ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(r.method));
-    r.params = index::ParamsForExtend(*info, index::MethodParams(ip.params().begin(),
-                                                                 ip.params().end()));
+    auto info = index::FindMethodInfo(r.method);
+    if (!info.ok()) return info.status().WithContext("parent index");
+    r.params = index::ParamsForExtend(**info, index::MethodParams(ip.params().begin(),
+                                                                  ip.params().end()));
     out.push_back(std::move(r));
   }
   return out;
@@ -205,7 +207,7 @@ Status IngestContents(const v1::IngestHeader& h, const storage::ContextReader* p
   header->tokens.insert(header->tokens.end(), h.tokens().ids().begin(), h.tokens().ids().end());
   for (const auto& [k, v] : h.labels()) header->labels[k] = v;
   ASSIGN_OR_RETURN(header->indexes,
-                   parent ? ChildIndexRequests(h, parent->manifest(), default_indexes)
+                   parent ? ChildIndexRequests(h.indexes(), parent->manifest(), default_indexes)
                           : IndexRequests(h.indexes(), default_indexes));
   return Status::OK();
 }
@@ -311,23 +313,11 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                            (*model)->name);
     if (!s.ok()) return rpc.Finish(ToGrpc(s));
     job.parent = *pid;
-    // Default: the parent's index methods and parameters, minus those derived
-    // from the parent's size (CSA's C is re-derived for the child).
-    if (request->indexes().empty()) {
-      for (const auto& ip : parent.index_params()) {
-        IndexRequest r;
-        r.method = ip.method();
-        index::MethodParams parent_params(ip.params().begin(), ip.params().end());
-        auto info = index::FindMethodInfo(r.method);
-        if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("parent index")));
-        r.params = index::ParamsForExtend(**info, parent_params);
-        job.indexes.push_back(std::move(r));
-      }
-    } else {
-      auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
-      if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
-      job.indexes = std::move(idx).value();
-    }
+    // Default: the parent's index methods and parameters (CSA's C is
+    // re-derived for the child).
+    auto idx = ChildIndexRequests(request->indexes(), parent, ctx_->config.default_indexes);
+    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+    job.indexes = std::move(idx).value();
     job.name = request->name().empty() ? parent.name() : request->name();
     // The child belongs to the caller's tenant (an admin's: the parent's), and
     // inherits the parent's provenance: a child of ingested KV is ingested.
@@ -456,11 +446,11 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       const v1::IngestLayerChunk& c = msg.chunk();
       const int64_t n = c.n_tokens();
       const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
+      const bool has_q = c.has_q() && !c.q().data().empty();
       // K and V already in the stored dtype, and no queries: stored as they
       // came, with no conversion (the usual GPU worker's bf16 KV).
-      const bool has_q_data = c.has_q() && !c.q().data().empty();
       const auto k_dtype = FromProtoDType(c.k().dtype());
-      if (n > 0 && !has_q_data && k_dtype.ok() && *k_dtype == b.kv_dtype() &&
+      if (n > 0 && !has_q && k_dtype.ok() && *k_dtype == b.kv_dtype() &&
           c.v().dtype() == c.k().dtype()) {
         Status s = CheckStoredTensor(c.k(), {NKV, n, D}, b.kv_dtype(), "chunk.k");
         if (s.ok()) s = CheckStoredTensor(c.v(), {NKV, n, D}, b.kv_dtype(), "chunk.v");
@@ -473,11 +463,9 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       }
       Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
       if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
-      const bool has_q = c.has_q() && !c.q().data().empty();
       if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
       if (s.ok()) {
-        s = b.AddChunk(static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX)),
-                       static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
+        s = b.AddChunk(layer, static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
                        has_q ? q.data() : nullptr);
       }
       if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written

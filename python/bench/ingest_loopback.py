@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,24 +19,8 @@ import time
 import torch
 
 import ctxcache
+from bench_server import start_ctxcached, stop_ctxcached
 from ctxcache import tensors as _t
-
-
-def start_server(bin_dir: str, data: str) -> tuple:
-    port_file = os.path.join(data, "port")
-    log = open(os.path.join(data, "ctxcached.log"), "w")
-    srv = subprocess.Popen([os.path.join(bin_dir, "ctxcached"), "--data-dir",
-                            os.path.join(data, "store"), "--listen", "127.0.0.1:0",
-                            "--port-file", port_file, "--metrics-listen", ""],
-                           stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(300):
-        if os.path.exists(port_file) and open(port_file).read().strip():
-            return srv, "127.0.0.1:" + open(port_file).read().split()[0]
-        if srv.poll() is not None:
-            break
-        time.sleep(0.1)
-    srv.kill()
-    raise RuntimeError("ctxcached did not start; see " + log.name)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -84,7 +67,7 @@ def main() -> int:
     gib = L * H * N * D * 2 * 2 / 2**30
     runs, server_cpu, peak = [], [], 0.0
     with tempfile.TemporaryDirectory() as data:
-        srv, addr = start_server(a.bin_dir, data)
+        srv, addr = start_ctxcached(a.bin_dir, data)
         try:
             c = ctxcache.connect(addr)
             for rep in range(a.reps):
@@ -101,8 +84,7 @@ def main() -> int:
                 assert info.n_tokens == N
             c.close()
         finally:
-            srv.terminate()
-            srv.wait(timeout=30)
+            stop_ctxcached(srv)
     best = min(runs)
     print(json.dumps({"bench": "ingest_loopback", "layers": L, "tokens": N, "kv_heads": H,
                       "head_dim": D, "wire": a.wire, "indexes": a.indexes,

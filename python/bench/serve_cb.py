@@ -37,14 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List
+
+from bench_server import start_ctxcached, stop_ctxcached
 
 T0 = time.perf_counter()
 
@@ -97,33 +97,9 @@ class Steps:
 
 
 def start_server(bin_dir: str, work: str, timeout_s: float = 60.0) -> tuple:
-    ports = os.path.join(work, "ports")
-    logf = open(os.path.join(work, "ctxcached.log"), "ab")
-    proc = subprocess.Popen(
-        [os.path.join(bin_dir, "ctxcached"), "--data-dir", os.path.join(work, "data"),
-         "--listen", "127.0.0.1:0", "--port-file", ports, "--metrics-listen", "",
-         "--model-dir", "models", "--default-model", "ctxcache-ref",
-         "--max-context-tokens", "140000", "--session-memory-mb", "65536"],
-        stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ctxcached exited with {proc.returncode} (log {work})")
-        if os.path.exists(ports) and os.path.getsize(ports) > 0:
-            return proc, "127.0.0.1:" + open(ports).read().split()[0]
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"ctxcached wrote no port file in {timeout_s} s")
-
-
-def stop_server(proc: Any) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return start_ctxcached(bin_dir, work, ["--model-dir", "models", "--default-model",
+                                           "ctxcache-ref", "--max-context-tokens", "140000",
+                                           "--session-memory-mb", "65536"], timeout_s)
 
 
 def fingerprint(model: Any, name: str) -> bytes:
@@ -440,7 +416,7 @@ def main() -> int:
                 backend.close()
             except Exception:
                 pass
-        stop_server(proc)
+        stop_ctxcached(proc)
     res["ok"] = not res["errors"]
     res["wall_s"] = round(time.perf_counter() - T0, 1)
     line = json.dumps(res, default=str)

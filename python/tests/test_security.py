@@ -93,18 +93,16 @@ def test_an_ingested_child_needs_a_parent_the_caller_may_read(secured) -> None:
     """IngestContext with parent_id opens the parent as ExtendContext does:
     another tenant's context is NOT_FOUND (as an unknown id); the owner's
     builder stores the child in its tenant."""
-    s, keys, pki = secured
-    ca = os.path.join(pki, "ca.pem")
-    cert = {"tls_cert": os.path.join(pki, "client-a.pem"),
-            "tls_key": os.path.join(pki, "client-a.key")}
-    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["a-builder"], **cert) as ab:
+    s, keys, _ = secured
+    tls = s.client_kwargs  # the CA and tenant a's client certificate
+    with ctxcache.Client(s.address, api_key=keys["a-builder"], **tls) as ab:
         parent = ab.build(tokens=random_tokens(40, 5)).context
     m = parent.model
     kv = [(np.zeros((m.n_kv_heads, 3, m.head_dim), np.float32),) * 2] * m.n_layers
-    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["b-builder"], **cert) as bb:
+    with ctxcache.Client(s.address, api_key=keys["b-builder"], **tls) as bb:
         with pytest.raises(errors.NotFound, match="header.parent_id"):
             bb.ingest(m, [1, 2, 3], kv, parent_id=parent.context_id, parent_tokens=40)
-    with ctxcache.Client(s.address, tls_ca=ca, api_key=keys["a-builder"], **cert) as ab:
+    with ctxcache.Client(s.address, api_key=keys["a-builder"], **tls) as ab:
         child = ab.ingest(m, [1, 2, 3], kv, parent_id=parent.context_id, parent_tokens=40)
         assert child.tenant == "a" and child.parent_id == parent.context_id
         assert child.n_tokens == 43

@@ -70,8 +70,9 @@ def token_key(fingerprint: bytes, tokens: Sequence[int], namespace: bytes = b"")
     return h.hexdigest()[:32]
 
 
-def _is_hex32(s: str) -> bool:
-    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+def is_context_id(s: Any) -> bool:
+    """Whether ``s`` has a context id's form: 32 hex characters (any case)."""
+    return isinstance(s, str) and len(s) == 32 and all(c in "0123456789abcdefABCDEF" for c in s)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def _known(info: Any) -> Optional[KnownContext]:
     if int(info.state) != _READY or int(info.n_tokens) <= 0:
         return None
     label = str(info.labels.get(TOKEN_KEY_LABEL, "")).lower()
-    if _is_hex32(label):
+    if is_context_id(label):
         key = label
     elif not info.tenant and int(info.provenance) == _BUILT:
         key = info.context_id

@@ -39,7 +39,7 @@ from ctxcache.client import Client
 from ctxcache.serving.kv import HostKV, HostKVCache
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.prefix import (TOKEN_KEY_LABEL, PrefixIndex, TokenStore,
-                                     check_error_is_missing, token_key)
+                                     check_error_is_missing, is_context_id, token_key)
 
 __all__ = ["Resolution", "Resolver", "ModelShape", "publish"]
 
@@ -72,10 +72,6 @@ class Resolution:
     kv: Optional[HostKV] = None
     outcome: str = "no_match"
     error: Optional[BaseException] = field(default=None, repr=False)
-
-
-def _is_hex32(s: Any) -> bool:
-    return isinstance(s, str) and len(s) == 32 and all(c in "0123456789abcdefABCDEF" for c in s)
 
 
 class Resolver:
@@ -178,7 +174,7 @@ class Resolver:
         return Resolution(ids, None, 0, None, "no_match")
 
     def _resolve_named(self, ids: List[int], context_id: str) -> Resolution:
-        if not _is_hex32(context_id):
+        if not is_context_id(context_id):
             raise errors.InvalidArgument(f"context_id: {context_id!r}, expected 32 hex characters")
         cid = context_id.lower()
         known = self.tokens.get(cid)

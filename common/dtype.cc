@@ -91,7 +91,10 @@ void FloatToBf16(const float* src, uint16_t* dst, size_t n) {
     packed = _mm256_permute4x64_epi64(packed, 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
   }
-  for (; i < n; ++i) dst[i] = FloatToBf16(src[i]);
+  for (; i < n; ++i) {
+    const uint16_t v = FloatToBf16(src[i]);  // dst may be unaligned (stored bytes)
+    std::memcpy(reinterpret_cast<char*>(dst) + 2 * i, &v, 2);
+  }
 }
 
 void Bf16ToFloat(const uint16_t* src, float* dst, size_t n) {
@@ -114,7 +117,10 @@ void FloatToHalf(const float* src, uint16_t* dst, size_t n) {
     __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
-  for (; i < n; ++i) dst[i] = FloatToHalf(src[i]);
+  for (; i < n; ++i) {
+    const uint16_t v = FloatToHalf(src[i]);  // dst may be unaligned (stored bytes)
+    std::memcpy(reinterpret_cast<char*>(dst) + 2 * i, &v, 2);
+  }
 }
 
 void HalfToFloat(const uint16_t* src, float* dst, size_t n) {

@@ -2,6 +2,7 @@
 // ownership only; every behaviour is the SDK's.
 #include "ctxcache/c.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -37,6 +38,9 @@ struct ctxcache_session_t {
 struct ctxcache_step_t {
   cc::SelectedKV kv;
 };
+struct ctxcache_ingest_t {
+  std::unique_ptr<cc::IngestStream> stream;
+};
 
 namespace {
 
@@ -68,6 +72,28 @@ void ToLayout(const ctxcache_kv_layout_t& in, cc::KVLayout* out) {
   out->head_stride = in.head_stride;
   out->token_stride = in.token_stride;
   out->dtype = static_cast<ctxcache::v1::DType>(in.dtype);
+}
+
+// The shape (out, may be null) and the serialized message (proto, may be
+// null) of a ContextInfo.
+void ToContext(const ctxcache::v1::ContextInfo& info, ctxcache_context_t* out, char** proto,
+               size_t* proto_len) {
+  if (out != nullptr) {
+    const auto& m = info.model();
+    out->n_tokens = info.n_tokens();
+    out->n_layers = m.n_layers();
+    out->n_q_heads = m.n_q_heads();
+    out->n_kv_heads = m.n_kv_heads();
+    out->head_dim = m.head_dim();
+    out->block_tokens = info.block_tokens() ? info.block_tokens() : 16;
+    out->kv_dtype = static_cast<int32_t>(m.kv_dtype());
+    out->state = static_cast<int32_t>(info.state());
+  }
+  if (proto != nullptr) {
+    const std::string bytes = info.SerializeAsString();
+    *proto = CopyString(bytes);
+    if (proto_len != nullptr) *proto_len = bytes.size();
+  }
 }
 
 void ToProgress(const cc::KVLoadProgress& p, ctxcache_load_progress_t* out) {
@@ -135,20 +161,7 @@ int ctxcache_get_context(ctxcache_client_t* c, const char* context_id, ctxcache_
   }
   auto info = c->client->GetContext(context_id);
   if (!info.ok()) return Report(info.status(), errptr);
-  const auto& m = info->model();
-  out->n_tokens = info->n_tokens();
-  out->n_layers = m.n_layers();
-  out->n_q_heads = m.n_q_heads();
-  out->n_kv_heads = m.n_kv_heads();
-  out->head_dim = m.head_dim();
-  out->block_tokens = info->block_tokens() ? info->block_tokens() : 16;
-  out->kv_dtype = static_cast<int32_t>(m.kv_dtype());
-  out->state = static_cast<int32_t>(info->state());
-  if (proto != nullptr) {
-    const std::string bytes = info->SerializeAsString();
-    *proto = CopyString(bytes);
-    if (proto_len != nullptr) *proto_len = bytes.size();
-  }
+  ToContext(*info, out, proto, proto_len);
   return Report(Status::OK(), errptr);
 }
 
@@ -333,6 +346,59 @@ int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer, uint32_t kv_
 }
 
 void ctxcache_index_destroy(ctxcache_index_t* idx) { delete idx; }
+
+int ctxcache_ingest_start(ctxcache_client_t* c, const char* header, size_t header_len,
+                          uint32_t frame_bytes, ctxcache_ingest_t** out, char** errptr) {
+  if (c == nullptr || out == nullptr || (header == nullptr && header_len > 0)) {
+    return Invalid("client, header and out must not be NULL", errptr);
+  }
+  *out = nullptr;
+  ctxcache::v1::IngestHeader h;
+  if (header_len > static_cast<size_t>(INT32_MAX) ||
+      !h.ParseFromArray(header, static_cast<int>(header_len))) {
+    return Invalid("header: not a serialized ctxcache.v1.IngestHeader", errptr);
+  }
+  cc::IngestOptions options;
+  if (frame_bytes != 0) options.frame_bytes = frame_bytes;
+  auto stream = c->client->StartIngest(h, options);
+  if (!stream.ok()) return Report(stream.status(), errptr);
+  *out = new ctxcache_ingest_t{std::move(stream).value()};
+  return Report(Status::OK(), errptr);
+}
+
+int ctxcache_ingest_write_layer(ctxcache_ingest_t* in, uint32_t layer,
+                                const ctxcache_ingest_layer_t* layout, char** errptr) {
+  if (in == nullptr || layout == nullptr) {
+    return Invalid("ingest and layout must not be NULL", errptr);
+  }
+  cc::IngestLayerLayout l;
+  l.k = layout->k;
+  l.v = layout->v;
+  l.q = layout->q;
+  l.k_capacity = layout->k_capacity;
+  l.v_capacity = layout->v_capacity;
+  l.q_capacity = layout->q_capacity;
+  l.head_stride = layout->head_stride;
+  l.token_stride = layout->token_stride;
+  l.q_head_stride = layout->q_head_stride;
+  l.q_token_stride = layout->q_token_stride;
+  l.dtype = static_cast<ctxcache::v1::DType>(layout->dtype);
+  return Report(in->stream->WriteLayer(layer, l), errptr);
+}
+
+int ctxcache_ingest_commit(ctxcache_ingest_t* in, ctxcache_context_t* out, char** context_id,
+                           char** proto, size_t* proto_len, char** errptr) {
+  if (in == nullptr) return Invalid("ingest must not be NULL", errptr);
+  if (context_id != nullptr) *context_id = nullptr;
+  if (proto != nullptr) *proto = nullptr;
+  auto info = in->stream->Commit();
+  if (!info.ok()) return Report(info.status(), errptr);
+  ToContext(*info, out, proto, proto_len);
+  if (context_id != nullptr) *context_id = CopyString(info->context_id());
+  return Report(Status::OK(), errptr);
+}
+
+void ctxcache_ingest_destroy(ctxcache_ingest_t* in) { delete in; }
 
 int ctxcache_session_open(ctxcache_client_t* c, const char* context_id, const char* method,
                           const char* params, int client_mode, ctxcache_session_t** out,

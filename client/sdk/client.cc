@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "client/sdk/channel.h"
+#include "client/sdk/ingest.h"
 #include "client/sdk/kv_load.h"
 #include "client/sdk/kv_map.h"
 #include "client/sdk/retry.h"
@@ -254,6 +255,34 @@ class ClientImpl final : public Client {
   StatusOr<std::unique_ptr<KVMapping>> MapKV(const std::string& context_id,
                                              const std::vector<uint32_t>& layers) override {
     return internal::OpenKVMapping(options_, decode_.get(), context_id, layers);
+  }
+
+  StatusOr<std::unique_ptr<IngestStream>> StartIngest(const v1::IngestHeader& header,
+                                                      const IngestOptions& options) override {
+    v1::IngestHeader h = header;
+    internal::IngestShape shape;
+    if (!h.parent_id().empty()) {
+      StatusOr<v1::ContextInfo> parent = GetContext(h.parent_id());
+      if (!parent.ok()) return parent.status().WithContext("header.parent_id");
+      shape.token_start = parent->n_tokens();
+      if (!h.has_model()) *h.mutable_model() = parent->model();
+    }
+    const v1::ModelSpec& m = h.model();
+    shape.n_layers = m.n_layers();
+    shape.n_kv_heads = m.n_kv_heads();
+    shape.n_q_heads = m.n_q_heads();
+    shape.head_dim = m.head_dim();
+    shape.n_tokens = static_cast<uint64_t>(h.tokens().ids_size());
+    if (shape.n_tokens == 0) return InvalidArgumentError("header.tokens: empty");
+    for (auto [name, value] : {std::pair<const char*, uint32_t>{"n_layers", shape.n_layers},
+                               {"n_kv_heads", shape.n_kv_heads},
+                               {"n_q_heads", shape.n_q_heads},
+                               {"head_dim", shape.head_dim}}) {
+      if (value == 0) {
+        return InvalidArgumentError(std::string("header.model.") + name + ": 0, expected > 0");
+      }
+    }
+    return internal::OpenIngest(options_, admin_.get(), h, shape, options);
   }
 
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {

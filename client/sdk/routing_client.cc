@@ -230,6 +230,14 @@ class RoutingClient final : public Client {
     return OnContext<std::unique_ptr<KVMapping>>(id,
                                                  [&](Client* c) { return c->MapKV(id, layers); });
   }
+  // The node is chosen when the stream opens (a child's: one holding its
+  // parent); a node lost mid-stream fails the ingest (nothing stored).
+  StatusOr<std::unique_ptr<IngestStream>> StartIngest(const v1::IngestHeader& header,
+                                                      const IngestOptions& options) override {
+    auto open = [&](Client* c) { return c->StartIngest(header, options); };
+    if (header.parent_id().empty()) return OnAny<std::unique_ptr<IngestStream>>(open);
+    return OnContext<std::unique_ptr<IngestStream>>(header.parent_id(), open);
+  }
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
     auto s = std::make_unique<FailoverSession>(this, options);
     RETURN_IF_ERROR(s->Reopen(""));

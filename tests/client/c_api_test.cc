@@ -503,6 +503,174 @@ TEST_F(CApiTest, SessionCoreInClientModeEqualsServerMode) {
   EXPECT_EQ(ctxcache_session_append(nullptr, nullptr, nullptr, nullptr, &e4.msg), 3);
 }
 
+// Protobuf wire encoding, enough for an IngestHeader: the test uses only
+// the C ABI, which takes the header serialized.
+void PutVarint(uint64_t v, std::string* out) {
+  for (; v >= 0x80; v >>= 7) out->push_back(static_cast<char>((v & 0x7F) | 0x80));
+  out->push_back(static_cast<char>(v));
+}
+void PutBytes(int field, const std::string& bytes, std::string* out) {
+  PutVarint(static_cast<uint64_t>(field) << 3 | 2, out);
+  PutVarint(bytes.size(), out);
+  *out += bytes;
+}
+// Field `field` (length-delimited) of a serialized message; "" if absent.
+std::string FindBytes(const std::string& msg, int field) {
+  size_t i = 0;
+  auto varint = [&] {
+    uint64_t v = 0;
+    for (int shift = 0; i < msg.size(); shift += 7) {
+      const auto b = static_cast<uint8_t>(msg[i++]);
+      v |= uint64_t{b & 0x7Fu} << shift;
+      if (b < 0x80) break;
+    }
+    return v;
+  };
+  while (i < msg.size()) {
+    const uint64_t key = varint();
+    switch (key & 7) {
+      case 0: varint(); break;
+      case 1: i += 8; break;
+      case 5: i += 4; break;
+      case 2: {
+        const uint64_t n = varint();
+        if (static_cast<int>(key >> 3) == field) return msg.substr(i, n);
+        i += n;
+        break;
+      }
+      default: return "";
+    }
+  }
+  return "";
+}
+
+// An IngestHeader: the model spec (serialized), tokens, one quest index, a name.
+std::string IngestHeader(const std::string& model, const std::vector<uint32_t>& tokens) {
+  std::string ids, token_ids, index, out;
+  for (uint32_t t : tokens) PutVarint(t, &ids);
+  PutBytes(1, ids, &token_ids);  // TokenIds.ids, packed
+  PutBytes(1, "quest", &index);  // IndexSpec.method
+  PutBytes(1, model, &out);
+  PutBytes(2, token_ids, &out);
+  PutBytes(3, index, &out);
+  PutBytes(4, "ingested-by-c", &out);
+  return out;
+}
+
+float Bf16ToFloat(uint16_t b) {
+  const uint32_t bits = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Ingest through the C ABI equals what was loaded: layer 0 from a
+// token-major bf16 buffer ([t][h][d], strided), layer 1 from dense f32
+// (the server converts: bf16 values round-trip exactly), in frames far
+// smaller than a layer. Refused layouts, out-of-order layers and an early
+// commit name the field and leave the stream usable.
+TEST_F(CApiTest, IngestFromCallerBuffersEqualsLoad) {
+  const uint32_t L = ctx_.n_layers, H = ctx_.n_kv_heads, D = ctx_.head_dim;
+  const size_t elems = size_t{L} * H * kTokens * D;
+  std::vector<uint16_t> k(elems), v(elems);
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  Err e;
+  ASSERT_EQ(ctxcache_load_kv(conn_->c, id_.c_str(), nullptr, 0, 2, 0, &layout, nullptr, &e.msg),
+            0)
+      << e.str();
+  char* proto = nullptr;
+  size_t len = 0;
+  ctxcache_context_t info{};
+  ASSERT_EQ(ctxcache_get_context(conn_->c, id_.c_str(), &info, &proto, &len, nullptr), 0);
+  const std::string model = FindBytes(std::string(proto, len), 5);  // ContextInfo.model
+  ctxcache_free(proto);
+  ASSERT_FALSE(model.empty());
+  std::mt19937 rng(1);  // BuildRandom's tokens
+  std::vector<uint32_t> tokens(kTokens);
+  for (auto& t : tokens) t = rng() % 512;
+  const std::string header = IngestHeader(model, tokens);
+
+  Err bad;
+  ctxcache_ingest_t* in = nullptr;
+  EXPECT_EQ(ctxcache_ingest_start(conn_->c, "\xff\xff", 2, 0, &in, &bad.msg), 3);
+  EXPECT_NE(bad.str().find("header: not a serialized"), std::string::npos) << bad.str();
+  EXPECT_EQ(in, nullptr);
+  Err no_tokens;
+  std::string empty;
+  PutBytes(1, model, &empty);
+  EXPECT_EQ(ctxcache_ingest_start(conn_->c, empty.data(), empty.size(), 0, &in, &no_tokens.msg),
+            3);
+  EXPECT_NE(no_tokens.str().find("header.tokens: empty"), std::string::npos) << no_tokens.str();
+
+  ASSERT_EQ(ctxcache_ingest_start(conn_->c, header.data(), header.size(), 1000, &in, &e.msg), 0)
+      << e.str();
+  // Layer 0, token-major: element (h, t, j) at (t * H + h) * D + j.
+  const size_t layer_elems = size_t{H} * kTokens * D;
+  std::vector<uint16_t> k0(layer_elems), v0(layer_elems);
+  for (uint32_t h = 0; h < H; ++h) {
+    for (size_t t = 0; t < kTokens; ++t) {
+      const size_t from = (size_t{h} * kTokens + t) * D, to = (t * H + h) * D;
+      std::memcpy(&k0[to], &k[from], D * 2);
+      std::memcpy(&v0[to], &v[from], D * 2);
+    }
+  }
+  ctxcache_ingest_layer_t l0{k0.data(), v0.data(), nullptr, layer_elems * 2, layer_elems * 2,
+                             0, int64_t{D} * 2, int64_t{H} * D * 2, 0, 0, CTXCACHE_BF16};
+  struct Case {
+    uint32_t layer;
+    ctxcache_ingest_layer_t layout;
+    std::string field;
+  };
+  std::vector<Case> cases;
+  cases.push_back({1, l0, "layer: 1, expected 0"});
+  cases.push_back({0, l0, "layout.k_capacity"});
+  cases.back().layout.k_capacity -= 1;
+  cases.push_back({0, l0, "layout.token_stride"});
+  cases.back().layout.token_stride = 2;
+  cases.push_back({0, l0, "layout.head_stride"});
+  cases.back().layout.head_stride = -2;
+  cases.push_back({0, l0, "layout.dtype"});
+  cases.back().layout.dtype = 9;
+  cases.push_back({0, l0, "layout.v: null buffer"});
+  cases.back().layout.v = nullptr;
+  for (const Case& c : cases) {
+    Err err;
+    EXPECT_EQ(ctxcache_ingest_write_layer(in, c.layer, &c.layout, &err.msg), 3) << c.field;
+    EXPECT_NE(err.str().find(c.field), std::string::npos) << err.str();
+  }
+  ASSERT_EQ(ctxcache_ingest_write_layer(in, 0, &l0, &e.msg), 0) << e.str();
+  Err early;
+  EXPECT_EQ(ctxcache_ingest_commit(in, nullptr, nullptr, nullptr, nullptr, &early.msg), 9);
+  EXPECT_NE(early.str().find("Commit after 1 layers"), std::string::npos) << early.str();
+  std::vector<float> k1(layer_elems), v1(layer_elems);
+  for (size_t i = 0; i < layer_elems; ++i) {
+    k1[i] = Bf16ToFloat(k[layer_elems + i]);
+    v1[i] = Bf16ToFloat(v[layer_elems + i]);
+  }
+  ctxcache_ingest_layer_t l1{k1.data(), v1.data(), nullptr, layer_elems * 4, layer_elems * 4,
+                             0, 0, 0, 0, 0, CTXCACHE_F32};
+  ASSERT_EQ(ctxcache_ingest_write_layer(in, 1, &l1, &e.msg), 0) << e.str();
+  ctxcache_context_t stored{};
+  char* stored_id = nullptr;
+  ASSERT_EQ(ctxcache_ingest_commit(in, &stored, &stored_id, nullptr, nullptr, &e.msg), 0)
+      << e.str();
+  ctxcache_ingest_destroy(in);
+  const std::string ingested = stored_id;
+  ctxcache_free(stored_id);
+  EXPECT_NE(ingested, id_);  // ingested KV lives apart from built KV
+  EXPECT_EQ(stored.n_tokens, static_cast<uint64_t>(kTokens));
+  EXPECT_EQ(stored.state, 2);
+
+  std::vector<uint16_t> k2(elems), v2(elems);
+  ctxcache_kv_layout_t back{k2.data(), v2.data(), elems * 2, elems * 2, 0, 0, 0, CTXCACHE_BF16};
+  ASSERT_EQ(ctxcache_load_kv(conn_->c, ingested.c_str(), nullptr, 0, 1, 0, &back, nullptr,
+                             &e.msg),
+            0)
+      << e.str();
+  EXPECT_EQ(k2, k);
+  EXPECT_EQ(v2, v);
+}
+
 TEST(CApiMapOffTest, MapKVOffIsFailedPrecondition) {
   TempDir tmp;
   ServerProcess server;

@@ -37,13 +37,14 @@ typedef struct ctxcache_index_t ctxcache_index_t;
 typedef struct ctxcache_map_t ctxcache_map_t;
 typedef struct ctxcache_session_t ctxcache_session_t;
 typedef struct ctxcache_step_t ctxcache_step_t;
+typedef struct ctxcache_ingest_t ctxcache_ingest_t;
 
 /* Element types (ctxcache.v1.DType). */
 enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
 
 /* The ABI version this header describes; ctxcache_abi_version() returns the
  * library's. They must be equal. */
-#define CTXCACHE_ABI_VERSION 2
+#define CTXCACHE_ABI_VERSION 3
 CTXCACHE_EXPORT int ctxcache_abi_version(void);
 
 CTXCACHE_EXPORT void ctxcache_free(void* ptr);
@@ -209,6 +210,53 @@ CTXCACHE_EXPORT int ctxcache_fetch_index(ctxcache_client_t* c, const char* conte
 CTXCACHE_EXPORT int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer,
                                        uint32_t kv_head, const char** data, size_t* len);
 CTXCACHE_EXPORT void ctxcache_index_destroy(ctxcache_index_t* idx);
+
+/* ---- ingest ------------------------------------------------------------ */
+
+/* One layer's post-RoPE K, V and (optionally) Q in caller memory
+ * (ctxcache/client.h IngestLayerLayout), n = the header's token count:
+ * element (kv head h, token t, dim j) of K at byte offset h * head_stride +
+ * t * token_stride + j * element size from k, V likewise from v, Q's (q head
+ * h) with q_head_stride and q_token_stride from q. Strides of 0 = dense
+ * [heads][n][head_dim]. */
+typedef struct {
+  const void* k;
+  const void* v;
+  const void* q; /* NULL: no queries */
+  size_t k_capacity; /* bytes */
+  size_t v_capacity;
+  size_t q_capacity;
+  int64_t head_stride;
+  int64_t token_stride;
+  int64_t q_head_stride;
+  int64_t q_token_stride;
+  int32_t dtype; /* CTXCACHE_F32, CTXCACHE_F16 or CTXCACHE_BF16: sent as is */
+} ctxcache_ingest_layer_t;
+
+/* Opens an ingest (IngestContext): header is a serialized
+ * ctxcache.v1.IngestHeader (docs/api.md: model, tokens, indexes, name, ...,
+ * parent_id). frame_bytes: payload per message (0 = 4 MiB). A header that
+ * does not parse, has no tokens or a zero model dimension is
+ * INVALID_ARGUMENT naming the field; the server may refuse the header here. */
+CTXCACHE_EXPORT int ctxcache_ingest_start(ctxcache_client_t* c, const char* header,
+                                          size_t header_len, uint32_t frame_bytes,
+                                          ctxcache_ingest_t** out, char** errptr);
+/* Sends layer `layer` (layers in order, 0 first), copied once from the
+ * caller's memory into frames. A bad layout, too-small buffer or a layer
+ * out of order is INVALID_ARGUMENT naming the field, with nothing sent (the
+ * ingest stays usable); a server error ends the ingest. */
+CTXCACHE_EXPORT int ctxcache_ingest_write_layer(ctxcache_ingest_t* in, uint32_t layer,
+                                                const ctxcache_ingest_layer_t* layout,
+                                                char** errptr);
+/* Commits after the model's last layer. out (may be NULL) gets the stored
+ * context's shape; *context_id (may be NULL) its id (malloc'd); *proto /
+ * *proto_len (may be NULL) its serialized ctxcache.v1.ContextInfo (free
+ * with ctxcache_free). */
+CTXCACHE_EXPORT int ctxcache_ingest_commit(ctxcache_ingest_t* in, ctxcache_context_t* out,
+                                           char** context_id, char** proto, size_t* proto_len,
+                                           char** errptr);
+/* Frees the ingest; one not committed is cancelled and nothing is stored. */
+CTXCACHE_EXPORT void ctxcache_ingest_destroy(ctxcache_ingest_t* in);
 
 /* ---- decode sessions (the session core) --------------------------------- */
 

@@ -234,6 +234,59 @@ class KVMapping {
   virtual const KVMapLayout& layout() const = 0;
 };
 
+// Caller memory holding one layer's post-RoPE K, V and (optionally) Q for
+// IngestStream::WriteLayer, with n = the header's token count: element
+// (kv head h, token t, dim j) of K is at byte offset h * head_stride +
+// t * token_stride + j * element size from `k`, V's likewise from `v`, and
+// Q's (q head h) at h * q_head_stride + t * q_token_stride + j * element
+// size from `q`. Strides of 0 mean the dense layout [heads][n][head_dim].
+// Every element read lies inside [k, k + k_capacity) (v, q likewise), or
+// the layer is refused with INVALID_ARGUMENT naming the field and nothing
+// is sent.
+struct IngestLayerLayout {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* q = nullptr;  // null: no queries (query-centric indexes need them)
+  size_t k_capacity = 0;    // bytes
+  size_t v_capacity = 0;    // bytes
+  size_t q_capacity = 0;    // bytes
+  int64_t head_stride = 0;     // bytes, K and V; >= 0
+  int64_t token_stride = 0;    // bytes, K and V; 0 or >= head_dim * element size
+  int64_t q_head_stride = 0;   // bytes; >= 0
+  int64_t q_token_stride = 0;  // bytes; 0 or >= head_dim * element size
+  // What k, v and q hold: f32, f16 or bf16. Sent as is; the server stores
+  // the model's kv_dtype (no conversion when they are equal and there is no
+  // q). Default: bf16.
+  v1::DType dtype = v1::DTYPE_BF16;
+};
+
+struct IngestOptions {
+  // Payload bytes per IngestChunk message; the server's
+  // --max-message-bytes (default 8 MiB) bounds a message. Default: 4 MiB.
+  uint32_t frame_bytes = 4u << 20;
+  // Deadline of the whole stream, seconds. Default: 0 = max(timeout_s, 3600).
+  double timeout_s = 0;
+};
+
+// One ingest (IngestContext) in progress: layers go to the server as they
+// are written, in frames of IngestOptions::frame_bytes, each copied once
+// from the caller's memory into its message. Not retried: a failure ends
+// the stream and nothing is stored. Destroying it before Commit cancels it
+// (nothing is stored). Not thread-safe: one writer.
+class IngestStream {
+ public:
+  virtual ~IngestStream() = default;
+  // Sends layer `layer`'s K, V (and Q): layers must come in order, 0 first.
+  // A refused layout or an out-of-order layer is INVALID_ARGUMENT naming
+  // the field, with nothing sent: the stream stays usable. A server error
+  // (e.g. a model mismatch) ends the stream with the server's status.
+  virtual Status WriteLayer(uint32_t layer, const IngestLayerLayout& layout) = 0;
+  // After the model's n_layers layers: commits and returns the stored
+  // context (or the stored one with the same tokens and indexes).
+  // FAILED_PRECONDITION before every layer was written.
+  virtual StatusOr<v1::ContextInfo> Commit() = 0;
+};
+
 class DecodeSession {
  public:
   virtual ~DecodeSession() = default;
@@ -324,6 +377,15 @@ class Client {
   // StartLoadKV, then Wait. `progress` (may be null) gets the final counts.
   Status LoadKV(const std::string& context_id, const KVLoadOptions& options,
                 const KVLayout& layout, KVLoadProgress* progress = nullptr);
+
+  // Stores a context from KV computed elsewhere (IngestContext; docs/api.md):
+  // `header` as the first message of the stream (its model and tokens; with
+  // parent_id, a child of that context, the tokens then being the appended
+  // ones and a missing model the parent's), then IngestStream::WriteLayer
+  // per layer and Commit. INVALID_ARGUMENT naming the field for a header
+  // without tokens or with a zero model dimension; the server's errors.
+  virtual StatusOr<std::unique_ptr<IngestStream>> StartIngest(const v1::IngestHeader& header,
+                                                              const IngestOptions& options) = 0;
 
   virtual StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) = 0;
 

@@ -143,6 +143,23 @@ def _model_spec(model: Union["st.ModelSpec", Mapping[str, Any]]) -> "st.ModelSpe
     return spec
 
 
+def ingest_header(model: Optional[Union["st.ModelSpec", Mapping[str, Any]]], tokens: TokensArg,
+                  *, indexes: Optional[Union[IndexArg, Iterable[IndexArg]]] = None,
+                  name: str = "", labels: Optional[Mapping[str, Any]] = None,
+                  ttl_seconds: int = 0, pin: bool = False, tenant: str = "",
+                  parent_id: str = "") -> "pb.IngestHeader":
+    """The ``IngestHeader`` of an ingest (arguments as :meth:`Client.ingest`;
+    ``model`` None leaves it unset: a child's is then its parent's). Used by
+    :meth:`Client.ingest` and the native client's ingest."""
+    header = pb.IngestHeader(indexes=_index_specs(indexes), name=name, labels=_labels(labels),
+                             ttl_seconds=int(ttl_seconds), pin=pin, tenant=tenant,
+                             parent_id=parent_id)
+    if model is not None:
+        header.model.CopyFrom(_model_spec(model))
+    header.tokens.ids.extend(_token_ids(tokens))
+    return header
+
+
 class _TqdmBar:
     """A tqdm progress bar for build/extend (tokens prefilled, then layers indexed)."""
 
@@ -623,14 +640,11 @@ class Client:
                 start = int(parent_tokens)
         elif model is None:
             raise ValueError("model: required unless parent_id is given")
-        spec = _model_spec(model)
-        ids = _token_ids(tokens)
-        n_tokens = len(ids)
-        header = pb.IngestHeader(indexes=_index_specs(indexes), name=name,
-                                 labels=_labels(labels), ttl_seconds=int(ttl_seconds),
-                                 pin=pin, tenant=tenant, parent_id=parent_id)
-        header.model.CopyFrom(spec)
-        header.tokens.ids.extend(ids)
+        header = ingest_header(model, tokens, indexes=indexes, name=name, labels=labels,
+                               ttl_seconds=ttl_seconds, pin=pin, tenant=tenant,
+                               parent_id=parent_id)
+        spec = header.model
+        n_tokens = len(header.tokens.ids)
         nkv, nq, d = spec.n_kv_heads, spec.n_q_heads, spec.head_dim
 
         def messages() -> Iterator["pb.IngestChunk"]:

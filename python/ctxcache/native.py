@@ -32,7 +32,7 @@ from ctxcache import errors
 __all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "DecodeSession", "HeadStep",
            "library_path", "load_library"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _ITEMSIZE = {1: 4, 2: 2, 3: 2}
@@ -64,6 +64,14 @@ class _MapLayout(ctypes.Structure):
                 ("n_tokens", ctypes.c_uint64), ("n_kv_heads", ctypes.c_uint32),
                 ("head_dim", ctypes.c_uint32), ("n_slots", ctypes.c_uint32),
                 ("dtype", ctypes.c_int32)]
+
+
+class _IngestLayer(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("q", ctypes.c_void_p),
+                ("k_capacity", ctypes.c_size_t), ("v_capacity", ctypes.c_size_t),
+                ("q_capacity", ctypes.c_size_t), ("head_stride", ctypes.c_int64),
+                ("token_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64),
+                ("q_token_stride", ctypes.c_int64), ("dtype", ctypes.c_int32)]
 
 
 class ContextShape(NamedTuple):
@@ -167,6 +175,11 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_step_q_head": (I, [P, U32, U32, ctypes.POINTER(P),
                                          ctypes.POINTER(ctypes.c_size_t)]),
             "ctxcache_step_destroy": (None, [P]),
+            "ctxcache_ingest_start": (I, [P, P, ctypes.c_size_t, U32, ctypes.POINTER(P), E]),
+            "ctxcache_ingest_write_layer": (I, [P, U32, ctypes.POINTER(_IngestLayer), E]),
+            "ctxcache_ingest_commit": (I, [P, ctypes.POINTER(_Context), E, E,
+                                           ctypes.POINTER(ctypes.c_size_t), E]),
+            "ctxcache_ingest_destroy": (None, [P]),
         }
         for name, (res, args) in sig.items():
             f = getattr(lib, name)
@@ -237,6 +250,67 @@ def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int
                                      "be contiguous and no stride negative")
     extent = sum((n - 1) * s for n, s in zip(shape, strides)) + item if all(shape) else 0
     return addr, extent, strides
+
+
+_TORCH_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+
+
+def _host_source(a: Any, name: str, expected: Tuple[int, int, int]) -> Any:
+    """A layer's K, V or Q ([heads, tokens, head_dim]) as host memory the
+    library can read: torch tensors on another device are copied to the CPU,
+    dtypes other than f32/f16/bf16 (numpy uint16/int16: bf16 bits) become
+    f32, and a layout whose last dimension is not contiguous is made so.
+    InvalidArgument naming ``name`` for another shape."""
+    if tuple(a.shape) != tuple(expected):
+        raise errors.InvalidArgument(f"{name}: shape {list(a.shape)}, expected "
+                                     f"{list(expected)} (heads, tokens, head_dim)")
+    if hasattr(a, "data_ptr"):  # torch
+        if a.device.type != "cpu":
+            a = a.to("cpu")
+        if str(a.dtype).replace("torch.", "") not in _TORCH_DTYPES:
+            a = a.float()
+        if a.stride(2) != 1 or any(st < 0 for st in a.stride()):
+            a = a.contiguous()
+        return a
+    import numpy as np
+    arr = np.asarray(a)
+    if arr.dtype.type not in (np.float32, np.float16, np.uint16, np.int16):
+        arr = arr.astype(np.float32)
+    if arr.strides[2] != arr.itemsize or any(st < 0 for st in arr.strides):
+        arr = np.ascontiguousarray(arr)
+    return arr
+
+
+def _as_f32(a: Any) -> Any:
+    """A :func:`_host_source` result as f32 (numpy uint16/int16 hold bf16 bits)."""
+    if hasattr(a, "data_ptr"):
+        return a.float()
+    import numpy as np
+    if a.dtype.type in (np.uint16, np.int16):
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _contiguous(a: Any) -> Any:
+    if hasattr(a, "data_ptr"):
+        return a.contiguous()
+    import numpy as np
+    return np.ascontiguousarray(a)
+
+
+def _source_layout(a: Any) -> Tuple[int, int, int, int, int]:
+    """(address, capacity bytes, head stride, token stride, C dtype) of a
+    :func:`_host_source` result."""
+    if hasattr(a, "data_ptr"):
+        item = a.element_size()
+        strides = [int(st) * item for st in a.stride()]
+        addr, dtype = int(a.data_ptr()), _TORCH_DTYPES[str(a.dtype).replace("torch.", "")]
+    else:
+        import numpy as np
+        item, strides, addr = a.itemsize, [int(st) for st in a.strides], int(a.ctypes.data)
+        dtype = {np.float32: 1, np.float16: 2}.get(a.dtype.type, 3)
+    extent = sum((n - 1) * st for n, st in zip(a.shape, strides)) + item if all(a.shape) else 0
+    return addr, extent, strides[0], strides[1], dtype
 
 
 class _Owned:
@@ -578,6 +652,74 @@ class NativeClient(_Owned):
               context_id.encode(), method.encode(), text.encode(), int(bool(client_mode)),
               ctypes.byref(h))
         return DecodeSession(h.value or 0, shape)
+
+    def ingest(self, model: Any, tokens: Any, layers: Any, *, indexes: Any = None,
+               name: str = "", labels: Optional[Dict[str, Any]] = None, ttl_seconds: int = 0,
+               pin: bool = False, tenant: str = "", parent_id: str = "",
+               frame_bytes: int = 0) -> Any:
+        """Stores a context from KV computed elsewhere, through the library:
+        arguments as :meth:`ctxcache.Client.ingest` (``model`` None with
+        ``parent_id``: the parent's). Each layer's ``(k, v)`` or ``(k, v, q)``
+        (numpy arrays or torch tensors on any device, [heads, tokens,
+        head_dim], any strides) is read in place when it is host memory of
+        f32, f16 or bf16 with a contiguous last dimension, and copied once
+        per frame of ``frame_bytes`` (0: 4 MiB) into its message, with the
+        GIL released. A generator of layers is consumed lazily. Returns the
+        stored ``ContextInfo``. Validation failures raise
+        :class:`ctxcache.InvalidArgument` (or TypeError for non-integer
+        tokens) and store nothing."""
+        from ctxcache.client import ingest_header
+        from ctxcache.v1 import ctxcache_service_pb2 as pb
+        if model is None and not parent_id:
+            raise ValueError("model: required unless parent_id is given")
+        header = ingest_header(model, tokens, indexes=indexes, name=name, labels=labels,
+                               ttl_seconds=ttl_seconds, pin=pin, tenant=tenant,
+                               parent_id=parent_id)
+        if header.HasField("model"):
+            m = header.model
+            nl, nq, nkv, d = m.n_layers, m.n_q_heads, m.n_kv_heads, m.head_dim
+        else:
+            p = self.context(parent_id)
+            nl, nq, nkv, d = p.n_layers, p.n_q_heads, p.n_kv_heads, p.head_dim
+        n = len(header.tokens.ids)
+        data = header.SerializeToString()
+        h = ctypes.c_void_p()
+        _call("IngestContext", _lib.ctxcache_ingest_start,  # type: ignore[union-attr]
+              self._live(), data, len(data), int(frame_bytes), ctypes.byref(h))
+        try:
+            n_layers = 0
+            for layer, item in enumerate(layers):
+                if len(item) not in (2, 3):
+                    raise ValueError(f"layer {layer}: expected (k, v) or (k, v, q)")
+                srcs = [_host_source(item[0], "k", (nkv, n, d)),
+                        _host_source(item[1], "v", (nkv, n, d))]
+                if len(item) == 3 and item[2] is not None:
+                    srcs.append(_host_source(item[2], "q", (nq, n, d)))
+                parts = [_source_layout(x) for x in srcs]
+                if len({x[4] for x in parts}) > 1:  # one dtype per layer: f32 for all
+                    srcs = [_as_f32(x) for x in srcs]
+                    parts = [_source_layout(x) for x in srcs]
+                if parts[0][2:4] != parts[1][2:4]:  # one stride pair for K and V
+                    srcs[:2] = [_contiguous(x) for x in srcs[:2]]
+                    parts = [_source_layout(x) for x in srcs]
+                qp = parts[2] if len(parts) == 3 else (0, 0, 0, 0, 0)
+                st = _IngestLayer(parts[0][0], parts[1][0], qp[0] or None, parts[0][1],
+                                  parts[1][1], qp[1], parts[0][2], parts[0][3], qp[2], qp[3],
+                                  parts[0][4])
+                _call("IngestContext", _lib.ctxcache_ingest_write_layer,  # type: ignore
+                      h, layer, ctypes.byref(st))
+                n_layers += 1
+            if n_layers != nl:
+                raise ValueError(f"got {n_layers} layers of KV, the model has {nl}")
+            proto, size = ctypes.c_void_p(), ctypes.c_size_t()
+            _call("IngestContext", _lib.ctxcache_ingest_commit,  # type: ignore[union-attr]
+                  h, None, None, ctypes.byref(proto), ctypes.byref(size))
+            try:
+                return pb.ContextInfo.FromString(ctypes.string_at(proto.value, size.value))
+            finally:
+                _lib.ctxcache_free(proto)  # type: ignore[union-attr]
+        finally:
+            _lib.ctxcache_ingest_destroy(h)  # type: ignore[union-attr]
 
     def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
         """A method's serialized artifacts by (layer, kv head), crc32c-checked."""

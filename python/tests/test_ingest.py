@@ -284,3 +284,85 @@ def test_regression_a_small_child_is_reused_with_csa_c_of_its_own_queries(
     assert csa.params["C"] == "20"
     again = client.extend(built.context_id, tokens=[3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
     assert again.reused and again.context.context_id == first.context.context_id
+
+
+# ------------------------------------------- through the native library --
+
+@pytest.fixture(scope="module")
+def nc(server):
+    from ctxcache import native
+    with native.NativeClient(server.address, timeout=60) as c:
+        yield c
+
+
+def test_native_ingest_equals_the_grpc_clients(client: ctxcache.Client, nc) -> None:
+    """The same K, V and Q through both clients: equal pages and equal csa
+    artifacts (built from the queries), in frames far smaller than a layer."""
+    kv = synthetic_kv(21)
+    toks = list(range(11000, 11000 + T))
+    a = client.ingest(spec(b"native-ingest-vs-grpc-ingest-a--"), toks, kv, indexes=["csa"])
+    b = nc.ingest(spec(b"native-ingest-vs-grpc-ingest-b--"), toks, iter(kv), indexes=["csa"],
+                  name="native", labels={"via": "c-abi"}, frame_bytes=5000)
+    assert b.context_id != a.context_id and b.n_tokens == T and b.name == "native"
+    assert client.get(b.context_id).labels["via"] == "c-abi"
+    ka, va = _pages(client, a.context_id, T)
+    kb, vb = _pages(client, b.context_id, T)
+    assert np.array_equal(ka, kb) and np.array_equal(va, vb)
+    assert np.array_equal(kb[1], np.stack([_bf16(kv[1][0][h]) for h in range(NKV)]))
+    assert client.fetch_index(a.context_id, "csa") == client.fetch_index(b.context_id, "csa")
+    # The same again is the stored one.
+    assert nc.ingest(spec(b"native-ingest-vs-grpc-ingest-b--"), toks, kv,
+                     indexes=["csa"]).context_id == b.context_id
+
+
+def test_native_ingest_reads_strided_torch_tensors_and_makes_a_child(client: ctxcache.Client,
+                                                                     nc) -> None:
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(4)
+    t = 45
+    # Token-major memory [t, heads, d], passed as [heads, t, d] views (strided).
+    layers = [tuple(torch.randn(t, NKV, D, generator=gen).to(torch.bfloat16).permute(1, 0, 2)
+                    for _ in range(2)) for _ in range(L)]
+    assert not layers[0][0].is_contiguous()
+    parent = nc.ingest(spec(), list(range(12000, 12000 + t)), layers, indexes=["quest"])
+    k, v = _pages(client, parent.context_id, t)
+    for layer in range(L):
+        assert np.array_equal(k[layer], layers[layer][0].float().numpy())
+        assert np.array_equal(v[layer], layers[layer][1].float().numpy())
+    # A child (model from the parent), its KV mixed f16 and f32: sent as f32.
+    extra = [(torch.randn(NKV, 3, D, generator=gen).half(), torch.randn(NKV, 3, D, generator=gen))
+             for _ in range(L)]
+    child = nc.ingest(None, [5, 6, 7], extra, parent_id=parent.context_id)
+    assert child.n_tokens == t + 3 and child.parent_id == parent.context_id
+    k2, v2 = _pages(client, child.context_id, t + 3)
+    assert np.array_equal(k2[:, :, :t], k)
+    for layer in range(L):
+        assert np.array_equal(k2[layer, :, t:], _bf16(extra[layer][0].float().numpy()))
+        assert np.array_equal(v2[layer, :, t:], _bf16(extra[layer][1].numpy()))
+
+
+def test_native_ingest_errors_name_the_field_and_store_nothing(client: ctxcache.Client,
+                                                               nc, ingested) -> None:
+    before = {c.context_id for c in client.list(page_size=1000)}
+    kv = synthetic_kv(22, 20)
+    toks = list(range(13000, 13020))
+    with pytest.raises(ctxcache.InvalidArgument, match=r"k: shape \[2, 19, 32\]"):
+        nc.ingest(spec(), toks, [(k[:, :19], v, q) for k, v, q in kv])
+    with pytest.raises(TypeError, match="tokens"):
+        nc.ingest(spec(), [1.5] * 20, kv)
+    with pytest.raises(ValueError, match="got 1 layers of KV, the model has 2"):
+        nc.ingest(spec(), toks, kv[:1])
+    with pytest.raises(ctxcache.InvalidArgument, match="header.tokens: empty"):
+        nc.ingest(spec(), [], [])
+    with pytest.raises(ctxcache.FailedPrecondition, match="header.model.fingerprint"):
+        nc.ingest(spec(b"another-model-fingerprint"), [1], synthetic_kv(23, 1),
+                  parent_id=ingested[0].context_id)
+    with pytest.raises(ctxcache.NotFound):
+        nc.ingest(None, [1], synthetic_kv(23, 1), parent_id="ab" * 16)
+
+    def failing():  # the caller's generator fails mid-way: the ingest is cancelled
+        yield kv[0]
+        raise RuntimeError("prefill failed")
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        nc.ingest(spec(), toks, failing())
+    assert {c.context_id for c in client.list(page_size=1000)} == before

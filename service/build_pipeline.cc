@@ -223,11 +223,10 @@ Status BuildArtifact(storage::ContextWriter* writer, int layer, int kv_head,
 
 }  // namespace
 
-Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
-                           const std::vector<IndexRequest>& requested, const ReadKvFn& read_kv,
-                           const ReadQueriesFn& read_queries,
-                           const std::function<void(int)>& layer_done,
-                           const std::atomic<bool>* cancel) {
+namespace {
+
+// The requested methods plus the always-built ones.
+std::vector<IndexRequest> MethodsToBuild(const std::vector<IndexRequest>& requested) {
   std::vector<IndexRequest> methods = requested;
   for (const index::MethodInfo& m : index::Methods()) {
     if (!m.always_built) continue;
@@ -235,22 +234,34 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
     for (const auto& r : methods) present = present || r.method == m.name;
     if (!present) methods.push_back(IndexRequest{std::string(m.name), {}});
   }
+  return methods;
+}
+
+// Builds and stores `methods`' artifacts of layers [first_layer, end_layer),
+// every (layer, kv head) in parallel on ThreadPool::Default().
+Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
+                           const std::vector<IndexRequest>& methods, int first_layer,
+                           int end_layer, const ReadKvFn& read_kv,
+                           const ReadQueriesFn& read_queries,
+                           const std::function<void(int)>& layer_done,
+                           const std::atomic<bool>* cancel) {
   const int64_t n = shape.n_tokens;
   const int d = shape.head_dim;
   // One item per (layer, kv head), all in one parallel loop (a per-layer
   // loop left most cores idle on models with few kv heads); an item reads its
   // keys once for every method. layer_done(l + 1) runs, under `mu` and in
-  // order, once every head of layers 0..l is built.
-  const size_t n_items = static_cast<size_t>(shape.n_layers) * shape.n_kv_heads;
+  // order, once every head of layers first_layer..l is built.
+  const int n_layers = end_layer - first_layer;
+  const size_t n_items = static_cast<size_t>(n_layers) * shape.n_kv_heads;
   std::vector<Status> results(n_items);
-  std::vector<int> heads_left(static_cast<size_t>(shape.n_layers), shape.n_kv_heads);
+  std::vector<int> heads_left(static_cast<size_t>(n_layers), shape.n_kv_heads);
   std::mutex mu;
   int layers_reported = 0;  // guarded by mu
   ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
     std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), q;
     std::vector<int64_t> positions;
     for (size_t item = b; item < e; ++item) {
-      const int layer = static_cast<int>(item / shape.n_kv_heads);
+      const int layer = first_layer + static_cast<int>(item / shape.n_kv_heads);
       const int h = static_cast<int>(item % shape.n_kv_heads);
       if (cancel && cancel->load()) {
         results[item] = CancelledError("build cancelled");
@@ -276,18 +287,24 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
         }
       }
       std::lock_guard<std::mutex> lock(mu);
-      --heads_left[static_cast<size_t>(layer)];
+      --heads_left[static_cast<size_t>(layer - first_layer)];
       const int before = layers_reported;
-      while (layers_reported < shape.n_layers &&
+      while (layers_reported < n_layers &&
              heads_left[static_cast<size_t>(layers_reported)] == 0) {
         ++layers_reported;
       }
-      if (layer_done && layers_reported != before) layer_done(layers_reported);
+      if (layer_done && layers_reported != before) layer_done(first_layer + layers_reported);
     }
   });
   for (const auto& s : results) RETURN_IF_ERROR(s);
-  // Record the parameters actually used (defaults that depend on the context
-  // included), e.g. csa {C, format}.
+  return Status::OK();
+}
+
+// Records the parameters actually used (defaults that depend on the context
+// included), e.g. csa {C, format}.
+Status RecordIndexParams(storage::ContextWriter* writer, const IndexShape& shape,
+                         const std::vector<IndexRequest>& requested,
+                         const ReadQueriesFn& read_queries) {
   std::vector<float> q0;
   std::vector<int64_t> pos0;
   read_queries(0, 0, &q0, &pos0);
@@ -295,7 +312,8 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
     v1::IndexParams ip;
     ip.set_method(r.method);
     ASSIGN_OR_RETURN(index::MethodParams resolved,
-                     ResolvedParams(r, n, static_cast<int64_t>(pos0.size()) * shape.group_size,
+                     ResolvedParams(r, shape.n_tokens,
+                                    static_cast<int64_t>(pos0.size()) * shape.group_size,
                                     shape.head_dim));
     for (const auto& [key, val] : resolved) {
       (*ip.mutable_params())[key] = val;
@@ -303,6 +321,18 @@ Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& sha
     writer->AddIndexParams(ip);
   }
   return Status::OK();
+}
+
+}  // namespace
+
+Status BuildIndexArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
+                           const std::vector<IndexRequest>& requested, const ReadKvFn& read_kv,
+                           const ReadQueriesFn& read_queries,
+                           const std::function<void(int)>& layer_done,
+                           const std::atomic<bool>* cancel) {
+  RETURN_IF_ERROR(BuildLayerArtifacts(writer, shape, MethodsToBuild(requested), 0,
+                                      shape.n_layers, read_kv, read_queries, layer_done, cancel));
+  return RecordIndexParams(writer, shape, requested, read_queries);
 }
 
 namespace {
@@ -524,6 +554,7 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->spec_.head_dim = static_cast<int>(spec.head_dim());
   b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
   b->indexes_ = std::move(header.indexes);
+  b->methods_ = MethodsToBuild(b->indexes_);
   b->before_commit_ = std::move(header.before_commit);
   storage::BuildRequest req = StoreRequest(spec, header.tokens, header);
   req.parent = header.parent;
@@ -567,14 +598,86 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->queries_ = std::make_unique<Queries>(b->spec_, options.query_cap);
   RETURN_IF_ERROR(
       b->queries_->sink.OnBegin(b->spec_, b->first_token_, b->n_tokens_ - b->first_token_));
+  for (int l = 0; l < b->spec_.n_layers; ++l) {  // a child of no new tokens: complete now
+    if (b->next_[static_cast<size_t>(l)] == b->n_tokens_) b->LayerComplete(l);
+  }
   return b;
 }
 
 IngestBuilder::~IngestBuilder() { Abort(); }
 
 void IngestBuilder::Abort() {
+  StopIndexBuilds();
   if (writer_) writer_->Abort().IgnoreError();
   writer_.reset();
+}
+
+void IngestBuilder::StopIndexBuilds() {
+  index_cancel_ = true;
+  {
+    std::lock_guard<std::mutex> lock(index_mu_);
+    index_stop_ = true;
+    index_queue_.clear();
+  }
+  index_cv_.notify_all();
+  if (index_thread_.joinable()) index_thread_.join();
+}
+
+int IngestBuilder::layers_indexed() {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  return layers_indexed_;
+}
+
+Status IngestBuilder::IndexStatus() {
+  std::lock_guard<std::mutex> lock(index_mu_);
+  return index_status_;
+}
+
+void IngestBuilder::LayerComplete(int layer) {
+  {
+    std::lock_guard<std::mutex> lock(index_mu_);
+    index_queue_.push_back(layer);
+  }
+  index_cv_.notify_all();
+  if (!index_thread_.joinable()) index_thread_ = std::thread([this] { RunIndexBuilds(); });
+}
+
+void IngestBuilder::RunIndexBuilds() {
+  const int NKV = spec_.n_kv_heads;
+  const IndexShape shape{spec_.n_layers, NKV, spec_.head_dim, spec_.group_size(), n_tokens_};
+  const size_t m = static_cast<size_t>(n_tokens_) * spec_.head_dim;
+  for (;;) {
+    int layer = 0;
+    {
+      std::unique_lock<std::mutex> lock(index_mu_);
+      index_cv_.wait(lock, [&] { return index_stop_ || !index_queue_.empty(); });
+      if (index_queue_.empty() || index_cancel_) return;
+      layer = index_queue_.front();
+      index_queue_.pop_front();
+    }
+    Status s = BuildLayerArtifacts(
+        writer_.get(), shape, methods_, layer, layer + 1,
+        [&](int l, int h, float* kout, float* vout) {
+          const size_t slot = static_cast<size_t>(l) * NKV + h;
+          ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, m);
+          ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, m);
+        },
+        [&](int l, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
+          queries_->sink.Gather(l, h, q, pos);
+        },
+        nullptr, &index_cancel_);
+    for (int h = 0; h < NKV; ++h) {  // no chunk of a complete layer is accepted
+      const size_t slot = static_cast<size_t>(layer) * NKV + h;
+      keys_[slot] = MappedBytes();
+      vals_[slot] = MappedBytes();
+    }
+    {
+      std::lock_guard<std::mutex> lock(index_mu_);
+      if (!s.ok() && index_status_.ok()) index_status_ = s;
+      ++layers_indexed_;
+    }
+    index_cv_.notify_all();
+  }
 }
 
 Status IngestBuilder::CheckChunk(int layer, int64_t token_start, int64_t n) const {
@@ -616,6 +719,7 @@ Status IngestBuilder::StoreHead(int layer, int h, int64_t token_start, int64_t n
 Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const float* k,
                                const float* v, const float* q) {
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
+  RETURN_IF_ERROR(IndexStatus());
   const size_t per_head = static_cast<size_t>(n) * spec_.head_dim;
   kc_.resize(per_head * DTypeSize(kv_dtype_));
   vc_.resize(kc_.size());
@@ -626,12 +730,14 @@ Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const 
   }
   if (q != nullptr) RETURN_IF_ERROR(queries_->sink.OnChunk(layer, token_start, n, q, k, v));
   next_[static_cast<size_t>(layer)] += n;
+  if (next_[static_cast<size_t>(layer)] == n_tokens_) LayerComplete(layer);
   return Status::OK();
 }
 
 Status IngestBuilder::AddStoredChunk(int layer, int64_t token_start, int64_t n, const void* k,
                                      const void* v) {
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
+  RETURN_IF_ERROR(IndexStatus());
   const size_t head_bytes =
       static_cast<size_t>(n) * spec_.head_dim * DTypeSize(kv_dtype_);
   const auto* kb = static_cast<const uint8_t*>(k);
@@ -641,6 +747,7 @@ Status IngestBuilder::AddStoredChunk(int layer, int64_t token_start, int64_t n, 
                               vb + h * head_bytes));
   }
   next_[static_cast<size_t>(layer)] += n;
+  if (next_[static_cast<size_t>(layer)] == n_tokens_) LayerComplete(layer);
   return Status::OK();
 }
 
@@ -653,20 +760,20 @@ StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
                                      " of " + std::to_string(n_tokens_) + ")");
     }
   }
-  const int NKV = spec_.n_kv_heads;
-  RETURN_IF_ERROR(BuildIndexArtifacts(
+  {
+    std::unique_lock<std::mutex> lock(index_mu_);
+    index_cv_.wait(lock,
+                   [&] { return layers_indexed_ == spec_.n_layers || !index_status_.ok(); });
+  }
+  Status built = IndexStatus();
+  StopIndexBuilds();
+  RETURN_IF_ERROR(built);
+  RETURN_IF_ERROR(RecordIndexParams(
       writer_.get(),
-      IndexShape{spec_.n_layers, NKV, spec_.head_dim, spec_.group_size(), n_tokens_}, indexes_,
-      [&](int layer, int h, float* kout, float* vout) {
-        const size_t slot = static_cast<size_t>(layer) * NKV + h;
-        const size_t m = static_cast<size_t>(n_tokens_) * spec_.head_dim;
-        ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, m);
-        ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, m);
-      },
-      [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
+      IndexShape{spec_.n_layers, spec_.n_kv_heads, spec_.head_dim, spec_.group_size(), n_tokens_},
+      indexes_, [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
         queries_->sink.Gather(layer, h, q, pos);
-      },
-      nullptr, nullptr));
+      }));
   if (before_commit_) RETURN_IF_ERROR(before_commit_(writer_->bytes_written()));
   ASSIGN_OR_RETURN(v1::ContextManifest manifest, writer_->Commit());
   writer_.reset();

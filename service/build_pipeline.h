@@ -11,10 +11,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/dtype.h"
@@ -122,9 +125,14 @@ Status CheckReusable(const v1::ContextManifest& existing,
 
 // An external engine's prefill (IngestContext): per-layer K/V (and
 // optionally Q) chunks in token order, then Commit. Pages are written as the
-// chunks arrive; the index builds run at Commit over the KV as stored
-// (rounded to kv_dtype), with the same query sampling as a BuildContext, so
-// both paths produce the same artifacts for the same KV.
+// chunks arrive. A layer's index builds start as soon as its KV is complete,
+// on a thread of the builder's (the layer's heads in parallel on
+// ThreadPool::Default()), while later layers' chunks arrive; the layer's
+// K/V copy is then released, so a client that sends layer by layer holds a
+// few layers in memory, not the context. Commit waits for the builds. They
+// run over the KV as stored (rounded to kv_dtype), with the same query
+// sampling as a BuildContext, so both paths produce the same artifacts for
+// the same KV.
 //
 // A child (Header::parent): the chunks carry the KV of the appended tokens
 // only, from token first_token() == the parent's n_tokens; the child
@@ -183,8 +191,11 @@ class IngestBuilder {
   Status AddStoredChunk(int layer, int64_t token_start, int64_t n, const void* k,
                         const void* v);
   DType kv_dtype() const { return kv_dtype_; }
-  // Builds the indexes and flips the context to READY. FailedPrecondition
-  // when a layer is incomplete.
+  // Layers whose index builds are done (progress; they run in the background).
+  int layers_indexed();
+  // Waits for the index builds and flips the context to READY.
+  // FailedPrecondition when a layer is incomplete; a failed index build's
+  // status (also returned by the next AddChunk once it is known).
   StatusOr<v1::ContextManifest> Commit();
   // Removes everything written.
   void Abort();
@@ -208,11 +219,27 @@ class IngestBuilder {
   Status StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
                    const void* v);
   // [layer * n_kv + head]: the context's K and V as stored (kv_dtype_), for
-  // the index build; n_tokens_ * head_dim elements each, allocated once at
-  // Begin (no regrowth, no zero fill) and filled in token order.
+  // the index build; n_tokens_ * head_dim elements each, mapped once at
+  // Begin (no regrowth, no zero fill beyond the kernel's), filled in token
+  // order and released once the layer's indexes are built.
   std::vector<MappedBytes> keys_, vals_;
   std::unique_ptr<Queries> queries_;
   std::vector<uint8_t> kc_, vc_;
+
+  // Per-layer index builds (see the class comment).
+  void LayerComplete(int layer);  // queues the layer's build
+  void RunIndexBuilds();          // index_thread_'s loop
+  Status IndexStatus();           // the first failed build's status, else OK
+  void StopIndexBuilds();         // cancels queued and running builds, joins
+  std::vector<IndexRequest> methods_;  // indexes_ plus the always-built methods
+  std::mutex index_mu_;
+  std::condition_variable index_cv_;
+  std::deque<int> index_queue_;  // guarded by index_mu_: layers complete, not yet built
+  int layers_indexed_ = 0;       // guarded by index_mu_
+  bool index_stop_ = false;      // guarded by index_mu_
+  Status index_status_;          // guarded by index_mu_
+  std::atomic<bool> index_cancel_{false};
+  std::thread index_thread_;
 };
 
 // Runs a build. `progress` (may be empty) is called from this thread;

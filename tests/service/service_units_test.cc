@@ -334,6 +334,39 @@ TEST_F(SessionStoreTest, IngestRejectsBadChunksAndAbortsWithoutCommit) {
             StatusCode::kInvalidArgument);
 }
 
+TEST_F(SessionStoreTest, IngestBuildsALayersIndexesOnceTheLayerIsComplete) {
+  // Layer 0's indexes are built while layer 1 has not arrived (bounded wait:
+  // the build runs on the builder's thread); then the rest commits. A
+  // builder destroyed while a layer's build runs leaves nothing stored.
+  for (bool commit : {false, true}) {
+    auto b = IngestBuilder::Begin(store_.get(), Header(), BuildOptions{});
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    std::vector<float> k, v, q;
+    for (int start = 0; start < kN; start += 40) {
+      const int n = std::min(40, kN - start);
+      Chunk(0, start, n, &k, &v, &q);
+      ASSERT_TRUE((*b)->AddChunk(0, start, n, k.data(), v.data(), q.data()).ok());
+    }
+    if (!commit) continue;  // destroyed with layer 0's build queued or running
+    for (int i = 0; i < 20000 && (*b)->layers_indexed() < 1; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ((*b)->layers_indexed(), 1);
+    for (int layer = 1; layer < kL; ++layer) {
+      for (int start = 0; start < kN; start += 40) {
+        const int n = std::min(40, kN - start);
+        Chunk(layer, start, n, &k, &v, &q);
+        ASSERT_TRUE((*b)->AddChunk(layer, start, n, k.data(), v.data(), q.data()).ok());
+      }
+    }
+    auto m = (*b)->Commit();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    EXPECT_EQ((*b)->layers_indexed(), kL);
+    EXPECT_EQ(store_->ListContexts().size(), 1u);
+    return;
+  }
+}
+
 TEST_F(SessionStoreTest, SessionServesSelectedPagesAndAssemblesAppendedOnes) {
   auto manifest = Ingest();
   ASSERT_TRUE(manifest.ok()) << manifest.status().ToString();

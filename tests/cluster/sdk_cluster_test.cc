@@ -97,6 +97,27 @@ TEST(SdkClusterTest, RoutesAndFailsOverMidSessionWithIdenticalSelections) {
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->n_tokens(), 240u);
 
+  // A routed ingest from caller buffers: a child of the context (the node
+  // holding the parent takes it), its model the parent's.
+  v1::IngestHeader ih;
+  ih.set_parent_id(id);
+  for (uint32_t t : {7u, 8u, 9u}) ih.mutable_tokens()->add_ids(t);
+  ih.add_indexes()->set_method("quest");
+  auto ingest = (*client)->StartIngest(ih, IngestOptions{});
+  ASSERT_TRUE(ingest.ok()) << ingest.status().ToString();
+  std::vector<float> kv(2 * 3 * 32, 0.5f);  // [kv heads][tokens][d]
+  IngestLayerLayout layout;
+  layout.k = layout.v = kv.data();
+  layout.k_capacity = layout.v_capacity = kv.size() * sizeof(float);
+  layout.dtype = v1::DTYPE_F32;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE((*ingest)->WriteLayer(layer, layout).ok());
+  }
+  auto child = (*ingest)->Commit();
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  EXPECT_EQ(child->n_tokens(), 243u);
+  EXPECT_EQ(child->parent_id(), id);
+
   // The reference: an uninterrupted session.
   SessionOptions so;
   so.context_id = id;

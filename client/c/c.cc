@@ -348,7 +348,8 @@ int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer, uint32_t kv_
 void ctxcache_index_destroy(ctxcache_index_t* idx) { delete idx; }
 
 int ctxcache_ingest_start(ctxcache_client_t* c, const char* header, size_t header_len,
-                          uint32_t frame_bytes, ctxcache_ingest_t** out, char** errptr) {
+                          const ctxcache_ingest_options_t* opts, ctxcache_ingest_t** out,
+                          char** errptr) {
   if (c == nullptr || out == nullptr || (header == nullptr && header_len > 0)) {
     return Invalid("client, header and out must not be NULL", errptr);
   }
@@ -359,7 +360,11 @@ int ctxcache_ingest_start(ctxcache_client_t* c, const char* header, size_t heade
     return Invalid("header: not a serialized ctxcache.v1.IngestHeader", errptr);
   }
   cc::IngestOptions options;
-  if (frame_bytes != 0) options.frame_bytes = frame_bytes;
+  if (opts != nullptr) {
+    if (opts->frame_bytes != 0) options.frame_bytes = opts->frame_bytes;
+    if (opts->timeout_s > 0) options.timeout_s = opts->timeout_s;
+    if (opts->parent_tokens > 0) options.parent_tokens = opts->parent_tokens;
+  }
   auto stream = c->client->StartIngest(h, options);
   if (!stream.ok()) return Report(stream.status(), errptr);
   *out = new ctxcache_ingest_t{std::move(stream).value()};

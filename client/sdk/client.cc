@@ -262,10 +262,15 @@ class ClientImpl final : public Client {
     v1::IngestHeader h = header;
     internal::IngestShape shape;
     if (!h.parent_id().empty()) {
-      StatusOr<v1::ContextInfo> parent = GetContext(h.parent_id());
-      if (!parent.ok()) return parent.status().WithContext("header.parent_id");
-      shape.token_start = parent->n_tokens();
-      if (!h.has_model()) *h.mutable_model() = parent->model();
+      if (options.parent_tokens >= 0) {
+        shape.token_start = static_cast<uint64_t>(options.parent_tokens);
+      }
+      if (options.parent_tokens < 0 || !h.has_model()) {
+        StatusOr<v1::ContextInfo> parent = GetContext(h.parent_id());
+        if (!parent.ok()) return parent.status().WithContext("header.parent_id");
+        if (options.parent_tokens < 0) shape.token_start = parent->n_tokens();
+        if (!h.has_model()) *h.mutable_model() = parent->model();
+      }
     }
     const v1::ModelSpec& m = h.model();
     shape.n_layers = m.n_layers();

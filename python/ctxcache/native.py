@@ -74,6 +74,11 @@ class _IngestLayer(ctypes.Structure):
                 ("q_token_stride", ctypes.c_int64), ("dtype", ctypes.c_int32)]
 
 
+class _IngestOptions(ctypes.Structure):
+    _fields_ = [("frame_bytes", ctypes.c_uint32), ("timeout_s", ctypes.c_double),
+                ("parent_tokens", ctypes.c_int64)]
+
+
 class ContextShape(NamedTuple):
     """What a bulk load needs to know about a stored context."""
     n_tokens: int
@@ -175,7 +180,8 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_step_q_head": (I, [P, U32, U32, ctypes.POINTER(P),
                                          ctypes.POINTER(ctypes.c_size_t)]),
             "ctxcache_step_destroy": (None, [P]),
-            "ctxcache_ingest_start": (I, [P, P, ctypes.c_size_t, U32, ctypes.POINTER(P), E]),
+            "ctxcache_ingest_start": (I, [P, P, ctypes.c_size_t, ctypes.POINTER(_IngestOptions),
+                                          ctypes.POINTER(P), E]),
             "ctxcache_ingest_write_layer": (I, [P, U32, ctypes.POINTER(_IngestLayer), E]),
             "ctxcache_ingest_commit": (I, [P, ctypes.POINTER(_Context), E, E,
                                            ctypes.POINTER(ctypes.c_size_t), E]),
@@ -279,6 +285,22 @@ def _host_source(a: Any, name: str, expected: Tuple[int, int, int]) -> Any:
     if arr.strides[2] != arr.itemsize or any(st < 0 for st in arr.strides):
         arr = np.ascontiguousarray(arr)
     return arr
+
+
+def _to_wire(a: Any, dtype: int) -> Any:
+    """A :func:`_host_source` result converted to the wire dtype (1 f32,
+    2 f16, 3 bf16; numpy bf16 as uint16 bits)."""
+    if hasattr(a, "data_ptr"):
+        import torch
+        return a.to({1: torch.float32, 2: torch.float16, 3: torch.bfloat16}[dtype])
+    import numpy as np
+    f32 = _as_f32(a)
+    if dtype == 1:
+        return f32
+    if dtype == 2:
+        return f32.astype(np.float16)
+    from ctxcache import tensors
+    return tensors.float32_to_bf16(np.ascontiguousarray(f32))
 
 
 def _as_f32(a: Any) -> Any:
@@ -655,7 +677,8 @@ class NativeClient(_Owned):
 
     def ingest(self, model: Any, tokens: Any, layers: Any, *, indexes: Any = None,
                name: str = "", labels: Optional[Dict[str, Any]] = None, ttl_seconds: int = 0,
-               pin: bool = False, tenant: str = "", parent_id: str = "",
+               pin: bool = False, tenant: str = "", dtype: Any = None, parent_id: str = "",
+               parent_tokens: Optional[int] = None, timeout: Optional[float] = None,
                frame_bytes: int = 0) -> Any:
         """Stores a context from KV computed elsewhere, through the library:
         arguments as :meth:`ctxcache.Client.ingest` (``model`` None with
@@ -664,8 +687,11 @@ class NativeClient(_Owned):
         head_dim], any strides) is read in place when it is host memory of
         f32, f16 or bf16 with a contiguous last dimension, and copied once
         per frame of ``frame_bytes`` (0: 4 MiB) into its message, with the
-        GIL released. A generator of layers is consumed lazily. Returns the
-        stored ``ContextInfo``. Validation failures raise
+        GIL released. ``dtype`` ("bf16", "f16", "f32"; None: the arrays'
+        own) converts first. ``parent_tokens``: the parent's n_tokens if
+        known (saves a GetContext); ``timeout``: the stream's deadline in
+        seconds (None: max(timeout, 3600)). A generator of layers is
+        consumed lazily. Returns the stored ``ContextInfo``. Validation failures raise
         :class:`ctxcache.InvalidArgument` (or TypeError for non-integer
         tokens) and store nothing."""
         from ctxcache.client import ingest_header
@@ -682,10 +708,16 @@ class NativeClient(_Owned):
             p = self.context(parent_id)
             nl, nq, nkv, d = p.n_layers, p.n_q_heads, p.n_kv_heads, p.head_dim
         n = len(header.tokens.ids)
+        wire = None
+        if dtype is not None:  # the C ABI's dtype codes are the proto's DType values
+            from ctxcache import tensors
+            wire = tensors.parse_dtype(dtype)
         data = header.SerializeToString()
+        opts = _IngestOptions(int(frame_bytes), float(timeout or 0),
+                              int(parent_tokens) if parent_tokens is not None else -1)
         h = ctypes.c_void_p()
         _call("IngestContext", _lib.ctxcache_ingest_start,  # type: ignore[union-attr]
-              self._live(), data, len(data), int(frame_bytes), ctypes.byref(h))
+              self._live(), data, len(data), ctypes.byref(opts), ctypes.byref(h))
         try:
             n_layers = 0
             for layer, item in enumerate(layers):
@@ -695,6 +727,8 @@ class NativeClient(_Owned):
                         _host_source(item[1], "v", (nkv, n, d))]
                 if len(item) == 3 and item[2] is not None:
                     srcs.append(_host_source(item[2], "q", (nq, n, d)))
+                if wire is not None:
+                    srcs = [_to_wire(x, wire) for x in srcs]
                 parts = [_source_layout(x) for x in srcs]
                 if len({x[4] for x in parts}) > 1:  # one dtype per layer: f32 for all
                     srcs = [_as_f32(x) for x in srcs]

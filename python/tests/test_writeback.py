@@ -79,13 +79,17 @@ def _decode(own: OwnTokens, steps: int, seed: int) -> None:
         own.end_step()
 
 
-def test_extension_and_decoded_tokens_are_stored_as_a_chain_of_children(server, client) -> None:
-    parent, pk, pv = _store(client, 1, "wb-parent")
+@pytest.mark.parametrize("via", ["grpc", "native"])
+def test_extension_and_decoded_tokens_are_stored_as_a_chain_of_children(server, client,
+                                                                        via) -> None:
+    """Through the gRPC client, or the native library's ingest (the C ABI)."""
+    parent, pk, pv = _store(client, 1 if via == "grpc" else 11, f"wb-parent-{via}")
     att = _extension(pk, pv, 24, seed=2)
     own = OwnTokens(L, 2, NKV, 32, D, torch.bfloat16, "cpu")
     _decode(own, 10, seed=3)
     ext_ids, own_ids = list(range(500, 524)), list(range(600, 610))
-    wb = WriteBack(client, parent, WriteBackOptions(flush_tokens=0, timeout_s=60))
+    writer = client if via == "grpc" else native.NativeClient(server.address, timeout=60)
+    wb = WriteBack(writer, parent, WriteBackOptions(flush_tokens=0, timeout_s=60))
     wb.append_extension(att, ext_ids)                 # the turn's extension
     first = wb.flush()
     wb.append_own(own, 1, torch.tensor(own_ids[:6]), 0)   # sequence 1's decoded tokens

@@ -592,17 +592,19 @@ TEST_F(CApiTest, IngestFromCallerBuffersEqualsLoad) {
 
   Err bad;
   ctxcache_ingest_t* in = nullptr;
-  EXPECT_EQ(ctxcache_ingest_start(conn_->c, "\xff\xff", 2, 0, &in, &bad.msg), 3);
+  EXPECT_EQ(ctxcache_ingest_start(conn_->c, "\xff\xff", 2, nullptr, &in, &bad.msg), 3);
   EXPECT_NE(bad.str().find("header: not a serialized"), std::string::npos) << bad.str();
   EXPECT_EQ(in, nullptr);
   Err no_tokens;
   std::string empty;
   PutBytes(1, model, &empty);
-  EXPECT_EQ(ctxcache_ingest_start(conn_->c, empty.data(), empty.size(), 0, &in, &no_tokens.msg),
+  EXPECT_EQ(ctxcache_ingest_start(conn_->c, empty.data(), empty.size(), nullptr, &in,
+                                  &no_tokens.msg),
             3);
   EXPECT_NE(no_tokens.str().find("header.tokens: empty"), std::string::npos) << no_tokens.str();
 
-  ASSERT_EQ(ctxcache_ingest_start(conn_->c, header.data(), header.size(), 1000, &in, &e.msg), 0)
+  const ctxcache_ingest_options_t small{1000, 0, 0};  // frames far below a layer
+  ASSERT_EQ(ctxcache_ingest_start(conn_->c, header.data(), header.size(), &small, &in, &e.msg), 0)
       << e.str();
   // Layer 0, token-major: element (h, t, j) at (t * H + h) * D + j.
   const size_t layer_elems = size_t{H} * kTokens * D;

@@ -233,13 +233,21 @@ typedef struct {
   int32_t dtype; /* CTXCACHE_F32, CTXCACHE_F16 or CTXCACHE_BF16: sent as is */
 } ctxcache_ingest_layer_t;
 
+/* Options of an ingest (ctxcache/client.h IngestOptions); zeros = defaults. */
+typedef struct {
+  uint32_t frame_bytes;  /* payload per message; 0 = 4 MiB */
+  double timeout_s;      /* the whole stream's deadline; 0 = max(client timeout, 3600) */
+  int64_t parent_tokens; /* a child's parent's n_tokens if known; <= 0 = ask the server */
+} ctxcache_ingest_options_t;
+
 /* Opens an ingest (IngestContext): header is a serialized
  * ctxcache.v1.IngestHeader (docs/api.md: model, tokens, indexes, name, ...,
- * parent_id). frame_bytes: payload per message (0 = 4 MiB). A header that
- * does not parse, has no tokens or a zero model dimension is
- * INVALID_ARGUMENT naming the field; the server may refuse the header here. */
+ * parent_id); options may be NULL (defaults). A header that does not parse,
+ * has no tokens or a zero model dimension is INVALID_ARGUMENT naming the
+ * field; the server may refuse the header here. */
 CTXCACHE_EXPORT int ctxcache_ingest_start(ctxcache_client_t* c, const char* header,
-                                          size_t header_len, uint32_t frame_bytes,
+                                          size_t header_len,
+                                          const ctxcache_ingest_options_t* options,
                                           ctxcache_ingest_t** out, char** errptr);
 /* Sends layer `layer` (layers in order, 0 first), copied once from the
  * caller's memory into frames. A bad layout, too-small buffer or a layer

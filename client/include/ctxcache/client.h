@@ -266,6 +266,10 @@ struct IngestOptions {
   uint32_t frame_bytes = 4u << 20;
   // Deadline of the whole stream, seconds. Default: 0 = max(timeout_s, 3600).
   double timeout_s = 0;
+  // A child's parent's n_tokens when the caller knows it (its chunks count
+  // from the parent's end), saving a GetContext unless the header lacks a
+  // model. Default: -1 = ask the server.
+  int64_t parent_tokens = -1;
 };
 
 // One ingest (IngestContext) in progress: layers go to the server as they

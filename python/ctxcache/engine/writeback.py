@@ -109,7 +109,9 @@ class WriteBack:
 
     def __init__(self, client: Any, parent: Any, options: Optional[WriteBackOptions] = None,
                  executor: Optional[Executor] = None) -> None:
-        """client: a :class:`ctxcache.Client` (or ClusterClient); parent: the
+        """client: a :class:`ctxcache.Client`, ClusterClient or
+        :class:`ctxcache.native.NativeClient` (ingest through the C ABI, the
+        GIL released during transfers); parent: the
         stored context's ``ContextInfo`` (``client.get(id)``: its id, model and
         n_tokens); executor: runs the ingests (shared by many writers: each
         keeps one ingest in flight); None = a private one-thread executor."""

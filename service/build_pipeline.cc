@@ -258,7 +258,11 @@ Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   std::mutex mu;
   int layers_reported = 0;  // guarded by mu
   ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
-    std::vector<float> k(static_cast<size_t>(n) * d), v(k.size()), q;
+    // Uninitialized: read_kv writes every element (no zero fill per layer).
+    const size_t elems = static_cast<size_t>(n) * d;
+    auto k = std::make_unique_for_overwrite<float[]>(elems);
+    auto v = std::make_unique_for_overwrite<float[]>(elems);
+    std::vector<float> q;
     std::vector<int64_t> positions;
     for (size_t item = b; item < e; ++item) {
       const int layer = first_layer + static_cast<int>(item / shape.n_kv_heads);
@@ -267,14 +271,14 @@ Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& sha
         results[item] = CancelledError("build cancelled");
         continue;
       }
-      read_kv(layer, h, k.data(), v.data());
+      read_kv(layer, h, k.get(), v.get());
       read_queries(layer, h, &q, &positions);
       index::HeadPrefill hp;
       hp.n_tokens = n;
       hp.head_dim = d;
       hp.group_size = shape.group_size;
-      hp.keys = k.data();
-      hp.values = v.data();
+      hp.keys = k.get();
+      hp.values = v.get();
       hp.n_queries = static_cast<int64_t>(positions.size());
       hp.query_positions = positions.empty() ? nullptr : positions.data();
       hp.queries = q.empty() ? nullptr : q.data();
@@ -567,20 +571,12 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->writer_ = std::move(start.writer);
   b->first_token_ = static_cast<int64_t>(b->writer_->first_token());
   const size_t heads = static_cast<size_t>(b->spec_.n_layers) * b->spec_.n_kv_heads;
-  const size_t head_bytes =
+  b->head_bytes_ =
       static_cast<size_t>(b->n_tokens_) * b->spec_.head_dim * DTypeSize(b->kv_dtype_);
   b->keys_.resize(heads);
   b->vals_.resize(heads);
-  try {
-    for (size_t i = 0; i < heads; ++i) {
-      b->keys_[i] = MappedBytes(head_bytes);  // uninitialized: filled in token order
-      b->vals_[i] = MappedBytes(head_bytes);
-    }
-  } catch (const std::bad_alloc&) {
-    return ResourceExhaustedError("ingest: cannot map " + std::to_string(2 * heads * head_bytes) +
-                                  " bytes for the context's K and V");
-  }
   if (b->first_token_ > 0) {
+    for (int l = 0; l < b->spec_.n_layers; ++l) RETURN_IF_ERROR(b->MapLayer(l));
     // The child's indexes cover the parent's tokens too: its KV as stored
     // (the parent's values are exact in kv_dtype_, so the round trip through
     // fp32 loses nothing).
@@ -666,13 +662,17 @@ void IngestBuilder::RunIndexBuilds() {
           queries_->sink.Gather(l, h, q, pos);
         },
         nullptr, &index_cancel_);
-    for (int h = 0; h < NKV; ++h) {  // no chunk of a complete layer is accepted
-      const size_t slot = static_cast<size_t>(layer) * NKV + h;
-      keys_[slot] = MappedBytes();
-      vals_[slot] = MappedBytes();
-    }
     {
+      // No chunk of a complete layer is accepted: its buffers go to the
+      // spares (reused without a new zero fill), up to one layer's worth.
       std::lock_guard<std::mutex> lock(index_mu_);
+      for (int h = 0; h < NKV; ++h) {
+        const size_t slot = static_cast<size_t>(layer) * NKV + h;
+        for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
+          if (spare_.size() < 2 * static_cast<size_t>(NKV)) spare_.push_back(std::move(*m));
+          *m = MappedBytes();
+        }
+      }
       if (!s.ok() && index_status_.ok()) index_status_ = s;
       ++layers_indexed_;
     }
@@ -701,6 +701,28 @@ Status IngestBuilder::CheckChunk(int layer, int64_t token_start, int64_t n) cons
   return Status::OK();
 }
 
+Status IngestBuilder::MapLayer(int layer) {
+  const int NKV = spec_.n_kv_heads;
+  std::lock_guard<std::mutex> lock(index_mu_);
+  try {
+    for (int h = 0; h < NKV; ++h) {
+      const size_t slot = static_cast<size_t>(layer) * NKV + h;
+      for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
+        if (!spare_.empty()) {
+          *m = std::move(spare_.back());
+          spare_.pop_back();
+        } else {
+          *m = MappedBytes(head_bytes_);  // uninitialized: filled in token order
+        }
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("ingest: cannot map " + std::to_string(2 * NKV * head_bytes_) +
+                                  " bytes for layer " + std::to_string(layer) + "'s K and V");
+  }
+  return Status::OK();
+}
+
 Status IngestBuilder::StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
                                 const void* v) {
   RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
@@ -720,6 +742,7 @@ Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const 
                                const float* v, const float* q) {
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
   RETURN_IF_ERROR(IndexStatus());
+  if (token_start == first_token_ && first_token_ == 0) RETURN_IF_ERROR(MapLayer(layer));
   const size_t per_head = static_cast<size_t>(n) * spec_.head_dim;
   kc_.resize(per_head * DTypeSize(kv_dtype_));
   vc_.resize(kc_.size());
@@ -738,6 +761,7 @@ Status IngestBuilder::AddStoredChunk(int layer, int64_t token_start, int64_t n, 
                                      const void* v) {
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
   RETURN_IF_ERROR(IndexStatus());
+  if (token_start == first_token_ && first_token_ == 0) RETURN_IF_ERROR(MapLayer(layer));
   const size_t head_bytes =
       static_cast<size_t>(n) * spec_.head_dim * DTypeSize(kv_dtype_);
   const auto* kb = static_cast<const uint8_t*>(k);

@@ -219,10 +219,16 @@ class IngestBuilder {
   Status StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
                    const void* v);
   // [layer * n_kv + head]: the context's K and V as stored (kv_dtype_), for
-  // the index build; n_tokens_ * head_dim elements each, mapped once at
-  // Begin (no regrowth, no zero fill beyond the kernel's), filled in token
-  // order and released once the layer's indexes are built.
+  // the index build; head_bytes_ each (n_tokens_ * head_dim elements),
+  // mapped when the layer's first chunk arrives (a child's at Begin, with
+  // the parent's KV), filled in token order, and moved to spare_ once the
+  // layer's indexes are built (no regrowth; the kernel's zero fill only for
+  // buffers not reused). keys_/vals_ slots of a layer are touched by one
+  // thread at a time: the chunks' until complete, then the build's.
   std::vector<MappedBytes> keys_, vals_;
+  size_t head_bytes_ = 0;
+  std::vector<MappedBytes> spare_;  // guarded by index_mu_
+  Status MapLayer(int layer);       // fills the layer's slots (ResourceExhausted)
   std::unique_ptr<Queries> queries_;
   std::vector<uint8_t> kc_, vc_;
 

@@ -25,6 +25,7 @@ import random
 import sys
 import os
 import time
+import threading
 import types
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional,
                     Sequence, Tuple, TypeVar, Union)
@@ -326,6 +327,11 @@ class Client:
             instead of the host in ``address``.
         api_key: sent as ``authorization: Bearer <key>`` on every call
             (default: ``$CTXCACHE_API_KEY`` if set).
+        sessions_per_connection: decode sessions (one stream each) per
+            connection: more open sessions go to further connections of
+            their own. Set it to the server's ``--max-streams-per-connection``
+            (default 256) less the other streams kept open on the client's
+            connection (``watch``).
 
     Usable as a context manager (closes the channel).
 
@@ -341,7 +347,7 @@ class Client:
                  options: Optional[Sequence[Tuple[str, Any]]] = None,
                  tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None, sessions_per_connection: int = 256) -> None:
         if not address:
             raise ValueError("address is empty")
         if address.startswith("etcd://"):
@@ -360,26 +366,40 @@ class Client:
             opts.append(("grpc.ssl_target_name_override", tls_server_name))
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
-        if tls_ca:
-            def read(path: str) -> bytes:
-                with open(path, "rb") as f:
-                    return f.read()
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=read(tls_ca),
-                private_key=read(tls_key) if tls_key else None,
-                certificate_chain=read(tls_cert) if tls_cert else None)
-            channel = grpc.secure_channel(address, creds, options=opts)
-        elif tls_cert:
+        if tls_cert and not tls_ca:
             raise ValueError("tls_cert/tls_key (mTLS) need tls_ca (the server's CA)")
-        else:
-            channel = grpc.insecure_channel(address, options=opts)
-        self._raw_channel = channel
+        if int(sessions_per_connection) < 1:
+            raise ValueError(f"sessions_per_connection: {sessions_per_connection}, expected >= 1")
         key = api_key if api_key is not None else os.environ.get("CTXCACHE_API_KEY", "")
-        if key:
-            channel = grpc.intercept_channel(channel, _BearerKey(key))
+
+        def make_channel(extra: Sequence[Tuple[str, Any]] = ()) -> Tuple[Any, Any]:
+            """(raw channel, channel with the API key) to ``address``."""
+            o = opts + list(extra)
+            if tls_ca:
+                def read(path: str) -> bytes:
+                    with open(path, "rb") as f:
+                        return f.read()
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=read(tls_ca),
+                    private_key=read(tls_key) if tls_key else None,
+                    certificate_chain=read(tls_cert) if tls_cert else None)
+                raw = grpc.secure_channel(address, creds, options=o)
+            else:
+                raw = grpc.insecure_channel(address, options=o)
+            return raw, grpc.intercept_channel(raw, _BearerKey(key)) if key else raw
+
+        self._raw_channel, channel = make_channel()
         self._channel = channel
         self._admin = _make_stub(self._channel, "ContextAdmin")
         self._decode = _make_stub(self._channel, "DecodeService")
+        # Decode sessions (one stream each) spread over connections of at most
+        # sessions_per_connection streams: the first is the channel above,
+        # the others channels of their own (a local subchannel pool: gRPC
+        # would otherwise share one connection per target).
+        self.sessions_per_connection = int(sessions_per_connection)
+        self._make_channel = make_channel
+        self._session_lock = threading.Lock()
+        self._session_conns: List[List[Any]] = [[self._decode, 0, None]]  # [stub, open, channel]
         self._health_check = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=_health().HealthCheckRequest.SerializeToString,
@@ -388,8 +408,38 @@ class Client:
     # ------------------------------------------------------------ plumbing --
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channels; calls in flight are cancelled."""
         self._channel.close()
+        for _, _, channel in self._session_conns[1:]:
+            channel.close()
+
+    def _session_stub(self) -> Tuple[Any, Callable[[], None]]:
+        """The DecodeService stub of a connection with room for one more
+        session stream, and the callable that gives the room back (once)."""
+        with self._session_lock:
+            for conn in self._session_conns:
+                if conn[1] < self.sessions_per_connection:
+                    break
+            else:
+                n = len(self._session_conns)
+                raw, channel = self._make_channel([("grpc.use_local_subchannel_pool", 1),
+                                                   ("ctxcache.connection", n)])
+                conn = [_make_stub(channel, "DecodeService"), 0, raw]
+                self._session_conns.append(conn)
+            conn[1] += 1
+        released = []
+
+        def release() -> None:
+            with self._session_lock:
+                if not released:
+                    released.append(True)
+                    conn[1] -= 1
+        return conn[0], release
+
+    def sessions_per_connection_open(self) -> List[int]:
+        """Open session streams per connection (the first: the client's own)."""
+        with self._session_lock:
+            return [c[1] for c in self._session_conns]
 
     def __enter__(self) -> "Client":
         return self

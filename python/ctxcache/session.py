@@ -22,7 +22,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import grpc
 import numpy as np
@@ -102,6 +103,7 @@ class Session:
     def __init__(self) -> None:  # use Client.open_session
         self._stream: Optional[_Stream] = None
         self._closed = True
+        self._release: Callable[[], None] = lambda: None  # its connection's room
 
     @classmethod
     def _open(cls, client: "Client", context_id: str, method: str,
@@ -123,7 +125,9 @@ class Session:
                                                    params=s.params, want_pages=True))
         backoff = client.initial_backoff
         for attempt in range(1, client.max_attempts + 1):
-            s._stream = _Stream(client._decode.Decode)
+            stub, s._release = client._session_stub()
+            weakref.finalize(s, s._release)  # a session dropped unclosed
+            s._stream = _Stream(stub.Decode)
             s._closed = False
             try:
                 resp = s._round_trip(req)
@@ -154,6 +158,7 @@ class Session:
         if self._stream is not None:
             self._stream.cancel()
         self._closed = True
+        self._release()
 
     def _receive(self, rid: int) -> "pb.DecodeResponse":
         assert self._stream is not None
@@ -326,6 +331,7 @@ class Session:
         finally:
             self._closed = True
             self._stream.finish(self.timeout)
+            self._release()
 
     def __enter__(self) -> "Session":
         return self

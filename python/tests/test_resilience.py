@@ -134,3 +134,33 @@ def test_sigterm_stops_the_server_cleanly(make_server) -> None:
         assert c.health() == "SERVING"
         assert c.health("ctxcache.v1.DecodeService") == "SERVING"
     assert srv.stop() == 0
+
+
+def test_sessions_past_a_connections_stream_limit_open_on_further_connections(
+        make_server) -> None:
+    """The server takes 3 streams per connection: a client that assumes 3
+    per connection opens 8 sessions over 3 connections, all usable at once,
+    and a closed session's room is reused; one that assumes more gets the
+    server's RESOURCE_EXHAUSTED naming the flag on its 4th session."""
+    srv = make_server(["--max-streams-per-connection", "3"])
+    with ctxcache.Client(srv.address, sessions_per_connection=3) as c:
+        info = c.build(tokens=list(range(1, 97))).context
+        q = np.ones((int(info.model.n_q_heads), int(info.model.head_dim)), np.float32)
+        sessions = [c.open_session(info.context_id, "streaming") for _ in range(8)]
+        assert c.sessions_per_connection_open() == [3, 3, 2]
+        for s in sessions:
+            assert len(s.step(0, q).heads) == int(info.model.n_kv_heads)
+        sessions[0].close()
+        sessions[1].close()
+        assert c.sessions_per_connection_open() == [1, 3, 2]
+        sessions.append(c.open_session(info.context_id, "streaming"))
+        assert c.sessions_per_connection_open() == [2, 3, 2]
+        for s in sessions[2:]:
+            s.close()
+        assert c.sessions_per_connection_open() == [0, 0, 0]
+    with ctxcache.Client(srv.address, sessions_per_connection=100, max_attempts=1) as c:
+        held = [c.open_session(info.context_id, "streaming") for _ in range(3)]
+        with pytest.raises(ctxcache.ResourceExhausted, match="max-streams-per-connection"):
+            c.open_session(info.context_id, "streaming")
+        for s in held:
+            s.close()

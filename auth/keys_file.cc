@@ -49,20 +49,33 @@ Status ParseTenantRole(const std::map<std::string, std::string>& kv, const std::
   if (!parsed.ok()) return parsed.status().WithContext(where);
   *role = *parsed;
   if (t->second == "-") {
-    if (*role != Role::kAdmin) {
-      return InvalidArgumentError(where +
-                                  ": tenant '-' (the default namespace) is for admin entries "
-                                  "only; give builder and reader entries a tenant");
-    }
+    RETURN_IF_ERROR(ValidateEntryTenant("", *role, "tenant '-'").WithContext(where));
     tenant->clear();
   } else {
-    RETURN_IF_ERROR(ValidateTenantName(t->second, "tenant").WithContext(where));
+    RETURN_IF_ERROR(ValidateEntryTenant(t->second, *role, "tenant").WithContext(where));
     *tenant = t->second;
   }
   return Status::OK();
 }
 
 }  // namespace
+
+Status ValidateEntryTenant(std::string_view tenant, Role role, std::string_view field) {
+  if (!tenant.empty()) return ValidateTenantName(tenant, field);
+  if (role == Role::kOperator) return Status::OK();
+  // An admin without a tenant was the server-wide role before admins were
+  // scoped to their tenant: say how to migrate rather than quietly narrowing
+  // it to the default namespace.
+  if (role == Role::kAdmin) {
+    return InvalidArgumentError(std::string(field) +
+                                ": role admin is scoped to one tenant and needs one; a "
+                                "server-wide key has role operator (docs/security.md "
+                                "\"Migrating admin keys\")");
+  }
+  return InvalidArgumentError(std::string(field) + ": role " + std::string(RoleName(role)) +
+                              " needs a tenant; only operator entries may have none (the "
+                              "default namespace)");
+}
 
 StatusOr<KeysFile> KeysFile::Parse(std::string_view text) {
   KeysFile out;
@@ -182,13 +195,7 @@ Status KeysFile::Write(const std::string& path) const {
 }
 
 StatusOr<GeneratedKey> GenerateKey(const std::string& tenant, Role role) {
-  if (tenant.empty()) {
-    if (role != Role::kAdmin) {
-      return InvalidArgumentError("--tenant is required for builder and reader keys");
-    }
-  } else {
-    RETURN_IF_ERROR(ValidateTenantName(tenant, "--tenant"));
-  }
+  RETURN_IF_ERROR(ValidateEntryTenant(tenant, role, "--tenant"));
   ASSIGN_OR_RETURN(std::string id, RandomBytes(kIdBytes));
   ASSIGN_OR_RETURN(std::string secret, RandomBytes(kSecretBytes));
   ASSIGN_OR_RETURN(std::string salt, RandomBytes(kSaltBytes));

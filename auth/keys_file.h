@@ -7,8 +7,12 @@
 // (one entry per line, '#' comments; docs/security.md):
 //   key <id> tenant=<T> role=<R> salt=<32 hex> sha256=<64 hex> [created=<unix s>]
 //   cert cn=<certificate subject CN> tenant=<T> role=<R>
-// tenant "-" stands for the default (no-tenant) namespace; only admin
-// entries may use it.
+// role is reader, builder, admin (scoped to its tenant) or operator
+// (server-wide); auth/principal.h says what each may do. tenant "-" stands
+// for the default (no-tenant) namespace; only operator entries may use it.
+// An admin entry with tenant "-" (the server-wide admin of files written
+// before operators existed) is refused with a message naming the migration:
+// role=operator, or a tenant (docs/security.md "Migrating admin keys").
 //
 // Thread-safety: KeysFile and GeneratedKey are values. KeyStore is safe for
 // concurrent use; Authenticate* may run while another thread reloads.
@@ -20,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "auth/principal.h"
@@ -47,7 +52,8 @@ struct KeysFile {
   std::vector<SubjectEntry> subjects;
 
   // INVALID_ARGUMENT naming the line and field on any malformed entry, a
-  // duplicate key id or CN, or a non-admin entry without a tenant.
+  // duplicate key id or CN, an unknown role (naming the expected values), or
+  // an entry other than an operator without a tenant.
   static StatusOr<KeysFile> Parse(std::string_view text);
   std::string Serialize() const;
 
@@ -62,7 +68,14 @@ struct GeneratedKey {
   KeyEntry entry;   // what the keys file stores
 };
 
-// A fresh key for (tenant, role); tenant "" = the default namespace.
+// A keys-file entry's tenant for `role`: "" (the default namespace) for an
+// operator only, else a valid tenant name. INVALID_ARGUMENT naming `field`
+// otherwise; for an admin without a tenant the message names the migration
+// (role operator for a server-wide key).
+Status ValidateEntryTenant(std::string_view tenant, Role role, std::string_view field);
+
+// A fresh key for (tenant, role); tenant "" = the default namespace, for
+// operator keys only (INVALID_ARGUMENT otherwise).
 StatusOr<GeneratedKey> GenerateKey(const std::string& tenant, Role role);
 
 // The server's view of the keys file.

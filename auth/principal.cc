@@ -4,6 +4,8 @@ namespace ctxcache::auth {
 
 std::string_view RoleName(Role role) {
   switch (role) {
+    case Role::kOperator:
+      return "operator";
     case Role::kAdmin:
       return "admin";
     case Role::kBuilder:
@@ -15,10 +17,11 @@ std::string_view RoleName(Role role) {
 }
 
 StatusOr<Role> ParseRole(std::string_view name) {
+  if (name == "operator") return Role::kOperator;
   if (name == "admin") return Role::kAdmin;
   if (name == "builder") return Role::kBuilder;
   if (name == "reader") return Role::kReader;
-  return InvalidArgumentError("role: expected admin, builder or reader, got '" +
+  return InvalidArgumentError("role: expected reader, builder, admin or operator, got '" +
                               std::string(name.substr(0, 32)) + "'");
 }
 
@@ -28,18 +31,22 @@ std::string_view ActionName(Action action) {
       return "read";
     case Action::kBuild:
       return "build";
-    case Action::kAdmin:
-      return "admin";
+    case Action::kShare:
+      return "share";
     case Action::kStats:
       return "stats";
+    case Action::kCluster:
+      return "cluster";
   }
   return "?";
 }
 
 bool RoleAllows(Role role, Action action) {
   switch (role) {
-    case Role::kAdmin:
+    case Role::kOperator:
       return true;
+    case Role::kAdmin:
+      return action != Action::kCluster;
     case Role::kBuilder:
       return action == Action::kBuild || action == Action::kStats;
     case Role::kReader:
@@ -47,6 +54,8 @@ bool RoleAllows(Role role, Action action) {
   }
   return false;
 }
+
+bool IsServerWide(Role role) { return role == Role::kOperator; }
 
 Status ValidateTenantName(std::string_view name, std::string_view field) {
   if (name.empty() || name.size() > 64) {

@@ -32,7 +32,7 @@
 namespace ctxcache::cluster {
 
 struct PeerOptions {
-  // API key (admin role) sent as "authorization: Bearer <key>"; "" = none.
+  // API key (operator role) sent as "authorization: Bearer <key>"; "" = none.
   std::string cluster_key;
   // PEM contents; root_ca empty = plaintext channels. cert/key (both or
   // neither) are presented as the client certificate (mTLS).

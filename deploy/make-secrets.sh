@@ -6,9 +6,10 @@
 #                      *.ctxcache.<namespace>.svc(.cluster.local) (k8s), localhost,
 #                      127.0.0.1; serverAuth + clientAuth (nodes dial each other)
 #   client.{pem,key}   CN=admin, clientAuth: the operator's mTLS certificate
-#   keys               ctxcached --keys-file, with one admin key
-#   admin.key          that admin key (ctxcache --api-key-file)
-#   cluster.key        a second admin key, what nodes present to each other
+#   keys               ctxcached --keys-file, with two operator keys (server-wide role;
+#                      tenants' keys: `ctxcache keys create --tenant T --role admin|builder|reader`)
+#   operator.key       the first operator key (ctxcache --api-key-file)
+#   cluster.key        the second operator key, what nodes present to each other
 #   metrics-token      bearer token of the metrics endpoint
 #   id-secret          the id secret every node shares (--id-secret-file)
 # Usage: make-secrets.sh OUTDIR [NAMESPACE]   (needs openssl and the ctxcache
@@ -39,8 +40,8 @@ DNS:*.ctxcache.$ns.svc,DNS:*.ctxcache.$ns.svc.cluster.local
 extendedKeyUsage=serverAuth,clientAuth"
 leaf client admin "extendedKeyUsage=clientAuth"
 rm -f keys
-"$cli" keys create --keys-file keys --role admin | tail -1 > admin.key
-"$cli" keys create --keys-file keys --role admin | tail -1 > cluster.key
+"$cli" keys create --keys-file keys --role operator | tail -1 > operator.key
+"$cli" keys create --keys-file keys --role operator | tail -1 > cluster.key
 openssl rand -hex 32 > metrics-token
 openssl rand -hex 32 > id-secret
 # The image runs as uid 10001: it must be able to read what it mounts.

@@ -13,7 +13,7 @@
 #      deploy/make-secrets.sh: `ctxcache health` over TLS must answer SERVING
 #      and an API call without a key must be refused;
 #   4. deploy/compose.yaml with podman-compose (etcd + node1..3):
-#      `ctxcache cluster status` over mutual TLS with the admin key must list
+#      `ctxcache cluster status` over mutual TLS with the operator key must list
 #      3 nodes; a context built through node1 is readable through node3;
 #   5. everything it started is removed (containers, volumes, network).
 # Needs root (or rootless podman with a full uid map), podman, podman-compose,
@@ -85,7 +85,7 @@ cp "$root/deploy/compose.yaml" "$work/compose.yaml"
 s="$work/secrets"
 tls=(--tls-ca "$s/ca.pem")
 mtls=(--tls-ca "$s/ca.pem" --tls-cert "$s/client.pem" --tls-key "$s/client.key"
-      --api-key-file "$s/admin.key")
+      --api-key-file "$s/operator.key")
 
 single=ctxcache-smoke-single
 project=ctxcache-smoke
@@ -128,8 +128,9 @@ if "$cli" "${tls[@]}" --server 127.0.0.1:17700 --timeout 5 ls >/dev/null 2>&1; t
   echo "smoke-image: ListContexts without an API key was accepted" >&2
   exit 1
 fi
-"$cli" "${tls[@]}" --api-key-file "$s/admin.key" --server 127.0.0.1:17700 --timeout 5 ls >/dev/null
-log "single node: health SERVING over TLS, keyless call refused, admin key accepted"
+"$cli" "${tls[@]}" --api-key-file "$s/operator.key" --server 127.0.0.1:17700 --timeout 5 \
+  ls >/dev/null
+log "single node: health SERVING over TLS, keyless call refused, operator key accepted"
 podman rm -f -t 10 "$single" >/dev/null
 
 # 4. compose: etcd + 3 nodes.

@@ -152,7 +152,7 @@ void TextSeeds() {
   keys.keys.push_back(k);
   k.id = "0123456789ab";
   k.tenant = "-";
-  k.role = auth::Role::kAdmin;
+  k.role = auth::Role::kOperator;
   keys.keys.push_back(k);
   keys.subjects.push_back({"worker-a", "acme", auth::Role::kReader});
   Put("fuzz_keys_file", "generated", keys.Serialize());

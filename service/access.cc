@@ -26,7 +26,7 @@ StatusOr<std::unique_ptr<AccessControl>> AccessControl::Create(const ServerConfi
 }
 
 StatusOr<auth::Principal> AccessControl::Authenticate(const grpc::ServerContext* context) {
-  if (!keys_) return auth::Principal{};  // no authentication: the anonymous admin
+  if (!keys_) return auth::Principal{};  // no authentication: the anonymous operator
   if (auto reloaded = keys_->ReloadIfChanged(); !reloaded.ok()) {
     spdlog::error("keys file: {}; the previous keys stay in force", reloaded.status().ToString());
   } else if (*reloaded) {
@@ -59,6 +59,22 @@ Status AccessControl::Recheck(const grpc::ServerContext* context, const auth::Pr
   return Status::OK();
 }
 
+Status AccessControl::CheckPeerKey(const std::string& key, const char* flag) const {
+  if (!keys_) return Status::OK();
+  auto p = keys_->AuthenticateBearer("Bearer " + key);
+  if (!p.ok()) {
+    spdlog::warn("{}: this node's keys file has no entry for the key; its peers must have one",
+                 flag);
+    return Status::OK();
+  }
+  if (auth::IsServerWide(p->role)) return Status::OK();
+  return FailedPreconditionError(
+      std::string(flag) + ": key " + p->id + " has role " + std::string(auth::RoleName(p->role)) +
+      " (tenant '" + p->tenant + "'); nodes replicate every tenant's contexts and need an " +
+      "operator key: `ctxcache keys create --role operator` (docs/security.md \"Migrating admin " +
+      "keys\")");
+}
+
 Status AccessControl::CheckRole(const auth::Principal& p, auth::Action action, const char* rpc) {
   if (auth::RoleAllows(p.role, action)) return Status::OK();
   return PermissionDeniedError("role '" + std::string(auth::RoleName(p.role)) + "' may not call " +
@@ -70,14 +86,16 @@ StatusOr<std::string> AccessControl::TenantFor(const auth::Principal& p,
                                                const std::string& requested) const {
   if (requested.empty()) return p.tenant;
   RETURN_IF_ERROR(auth::ValidateTenantName(requested, "tenant"));
-  if (p.role == auth::Role::kAdmin || requested == p.tenant) return requested;
-  return PermissionDeniedError("tenant: the caller belongs to tenant '" + p.tenant +
-                               "' and may not act for tenant '" + requested + "'");
+  if (auth::IsServerWide(p.role) || requested == p.tenant) return requested;
+  return PermissionDeniedError("tenant: the caller (role " + std::string(auth::RoleName(p.role)) +
+                               ") belongs to tenant '" + p.tenant +
+                               "' and may not act for tenant '" + requested +
+                               "' (only an operator acts for other tenants)");
 }
 
 bool AccessControl::CanAccess(const auth::Principal& p, const std::string& tenant, bool shared,
                               auth::Action action) {
-  if (p.role == auth::Role::kAdmin) return true;
+  if (auth::IsServerWide(p.role)) return true;
   if (tenant == p.tenant) return true;
   return shared && action == auth::Action::kRead;
 }

@@ -4,11 +4,14 @@
 // Every ContextAdmin and DecodeService handler calls Authorize() (through
 // RpcScope) first. With a keys file, a call authenticates with an API key
 // ("authorization: Bearer <key>") or, over mTLS, with a client certificate
-// whose subject CN the keys file maps; without one, every caller is the
-// anonymous admin (and ctxcached only listens on loopback unless
-// --insecure). A context that the caller's tenant may not see is reported
-// exactly like a context that does not exist (NOT_FOUND with the same
-// message), so no error reveals whether another tenant stores a prompt.
+// whose subject CN the keys file maps (a mapped certificate gets the role
+// and tenant of its `cert` line, an unmapped one UNAUTHENTICATED: there is
+// no default role); without one, every caller is the anonymous operator
+// (and ctxcached only listens on loopback unless --insecure). Only the
+// operator role reaches across tenants: an admin, like a builder or reader,
+// acts within its own tenant. A context that the caller's tenant may not see
+// is reported exactly like a context that does not exist (NOT_FOUND with the
+// same message), so no error reveals whether another tenant stores a prompt.
 //
 // Thread-safety: safe for concurrent use; Reload() may run at any time.
 #pragma once
@@ -47,17 +50,25 @@ class AccessControl {
   // reloaded since). UNAUTHENTICATED when the key or certificate mapping was
   // revoked or now names another tenant or role; the stream must end.
   Status Recheck(const grpc::ServerContext* context, const auth::Principal& p);
+  // For --cluster-key-file: the key the nodes present to each other must be
+  // an operator's (the ClusterService needs that role). FAILED_PRECONDITION
+  // naming `flag`, the key id and its role when this keys file gives the key
+  // another role; OK when it has no entry for the key (another node's keys
+  // file may) or when authentication is off.
+  Status CheckPeerKey(const std::string& key, const char* flag) const;
   // PERMISSION_DENIED (naming `rpc` and the permission) unless p's role may
   // perform `action`.
   static Status CheckRole(const auth::Principal& p, auth::Action action, const char* rpc);
 
-  // The tenant a new context of this caller belongs to: an admin may name
-  // any tenant (default: its own); others may name only their own
-  // (PERMISSION_DENIED otherwise).
+  // The tenant a new context of this caller belongs to: an operator may
+  // name any tenant (default: its own); every other role only its own
+  // (PERMISSION_DENIED naming the field otherwise).
   StatusOr<std::string> TenantFor(const auth::Principal& p, const std::string& requested) const;
 
-  // Whether `p` may perform `action` on a context of `tenant` (shared:
-  // readable by every tenant).
+  // Whether `p` may perform `action` on a context of `tenant`: an operator
+  // on every context, the other roles on their own tenant's, and a `shared`
+  // context is readable (kRead) by every tenant. The role's own permission
+  // is CheckRole's business.
   static bool CanAccess(const auth::Principal& p, const std::string& tenant, bool shared,
                         auth::Action action);
   // The context's reader (lease) or manifest if `p` may perform `action` on

@@ -319,10 +319,10 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
     if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
     job.indexes = std::move(idx).value();
     job.name = request->name().empty() ? parent.name() : request->name();
-    // The child belongs to the caller's tenant (an admin's: the parent's), and
-    // inherits the parent's provenance: a child of ingested KV is ingested.
-    job.tenant =
-        rpc.principal().role == auth::Role::kAdmin ? parent.tenant() : rpc.principal().tenant;
+    // The child belongs to the caller's tenant (an operator's: the parent's),
+    // and inherits the parent's provenance: a child of ingested KV is ingested.
+    job.tenant = auth::IsServerWide(rpc.principal().role) ? parent.tenant()
+                                                          : rpc.principal().tenant;
     job.provenance = parent.provenance();
     job.id_namespace =
         ctx_->access->IdNamespace(job.tenant, job.provenance == v1::PROVENANCE_INGESTED);
@@ -397,10 +397,10 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
         !s.ok()) {
       return rpc.Finish(ToGrpc(s));
     }
-    // A child belongs to the caller's tenant, as in ExtendContext (an admin's
-    // child without header.tenant: the parent's).
+    // A child belongs to the caller's tenant, as in ExtendContext (an
+    // operator's child without header.tenant: the parent's).
     const std::string& want_tenant =
-        parent && h.tenant().empty() && rpc.principal().role == auth::Role::kAdmin
+        parent && h.tenant().empty() && auth::IsServerWide(rpc.principal().role)
             ? parent->manifest().tenant()
             : h.tenant();
     auto tenant = ctx_->access->TenantFor(rpc.principal(), want_tenant);
@@ -600,10 +600,11 @@ grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext* context,
     RpcScope rpc(ctx_, context, "ListContexts", auth::Action::kRead);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     const auth::Principal& who = rpc.principal();
-    if (!request->tenant().empty() && who.role != auth::Role::kAdmin) {
+    if (!request->tenant().empty() && request->tenant() != who.tenant &&
+        !auth::IsServerWide(who.role)) {
       return rpc.Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                     "tenant: only an admin may list another tenant's contexts; "
-                                     "leave it empty to list your own"));
+                                     "tenant: only an operator may list another tenant's "
+                                     "contexts; leave it empty to list your own"));
     }
     uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
     if (page_size > 1000) {
@@ -707,7 +708,7 @@ grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
                                             const v1::ShareContextRequest* request,
                                             v1::ContextInfo* response) {
   return Guarded(ctx_, "ShareContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kAdmin);
+    RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kShare);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     if (auto fwd = MaybeForwardFlag(context, "ShareContext", request->context_id(),
                                     [&](auto ch, grpc::ClientContext* cc) {
@@ -717,7 +718,7 @@ grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
       return rpc.Finish(*fwd);
     }
     return rpc.Finish(UpdateFlag(
-        &rpc, request->context_id(), auth::Action::kAdmin,
+        &rpc, request->context_id(), auth::Action::kShare,
         [&](const storage::ContextId& id) { return ctx_->store->SetShared(id, request->shared()); },
         response));
   });
@@ -749,9 +750,10 @@ grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::
   return Guarded(ctx_, "GetStats", [&]() -> grpc::Status {
     RpcScope rpc(ctx_, context, "GetStats", auth::Action::kStats);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (rpc.principal().role != auth::Role::kAdmin) {
-      // Non-admins see their own tenant only: nothing about other tenants'
-      // contexts (counts and bytes would leak their activity).
+    if (!auth::IsServerWide(rpc.principal().role)) {
+      // All but operators see their own tenant only: nothing about other
+      // tenants' contexts (counts and bytes would leak their activity), nor
+      // server-wide sessions or queue depth.
       TenantUsage u = ctx_->quotas->Usage(rpc.principal().tenant);
       response->set_version(std::string(Version()));
       response->set_n_contexts(u.contexts);

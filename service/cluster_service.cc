@@ -45,7 +45,7 @@ grpc::Status ClusterServiceImpl::ExportContext(grpc::ServerContext* context,
                                                const v1::ExportContextRequest* request,
                                                grpc::ServerWriter<v1::ReplicaChunk>* writer) {
   return Guarded(ctx_, "ExportContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ExportContext", auth::Action::kAdmin);
+    RpcScope rpc(ctx_, context, "ExportContext", auth::Action::kCluster);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     if (!ctx_->cluster) return rpc.Finish(ClusterOff());
     auto id = ParseContextId(request->context_id());
@@ -67,7 +67,7 @@ grpc::Status ClusterServiceImpl::ReplicateContext(grpc::ServerContext* context,
                                                   const v1::ReplicateContextRequest* request,
                                                   v1::ReplicateContextResponse* response) {
   return Guarded(ctx_, "ReplicateContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ReplicateContext", auth::Action::kAdmin);
+    RpcScope rpc(ctx_, context, "ReplicateContext", auth::Action::kCluster);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     if (!ctx_->cluster) return rpc.Finish(ClusterOff());
     auto id = ParseContextId(request->context_id());
@@ -94,7 +94,7 @@ grpc::Status ClusterServiceImpl::LocalStatus(grpc::ServerContext* context,
                                              const v1::ClusterStatusRequest*,
                                              v1::ClusterNodeStatus* response) {
   return Guarded(ctx_, "LocalStatus", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "LocalStatus", auth::Action::kAdmin);
+    RpcScope rpc(ctx_, context, "LocalStatus", auth::Action::kCluster);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     if (!ctx_->cluster) return rpc.Finish(ClusterOff());
     FillLocal(ctx_, response);
@@ -106,7 +106,7 @@ grpc::Status ClusterServiceImpl::GetClusterStatus(grpc::ServerContext* context,
                                                   const v1::ClusterStatusRequest*,
                                                   v1::ClusterStatus* response) {
   return Guarded(ctx_, "GetClusterStatus", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "GetClusterStatus", auth::Action::kAdmin);
+    RpcScope rpc(ctx_, context, "GetClusterStatus", auth::Action::kCluster);
     if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
     if (!ctx_->cluster) return rpc.Finish(ClusterOff());
     auto* node = ctx_->cluster.get();

@@ -1,5 +1,5 @@
 // The cluster side of ctxcached (docs/cluster.md): the ClusterService
-// (node-to-node replication and status, admin role) and forwarding of calls
+// (node-to-node replication and status, operator role) and forwarding of calls
 // for contexts this node does not store to a node that does.
 //
 // Forwarding: a call naming a context absent here goes, unchanged, to a

@@ -167,7 +167,7 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
       ->check(CLI::Range(2u, 300u))
       ->capture_default_str();
   app.add_option("--cluster-key-file", c.cluster_key_file,
-                 "API key (admin role) this node presents to its peers");
+                 "API key (operator role) this node presents to its peers");
   app.add_option("--log-level", c.log_level, "trace|debug|info|warn|error|off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}))
       ->capture_default_str();
@@ -205,8 +205,8 @@ StatusOr<ServerConfig> ParseServerConfig(int argc, char** argv) {
   }
   if (!c.cluster.empty() && !c.keys_file.empty() && c.cluster_key_file.empty()) {
     return InvalidArgumentError(
-        "--cluster with --keys-file needs --cluster-key-file (an admin key the nodes present to "
-        "each other)");
+        "--cluster with --keys-file needs --cluster-key-file (an operator key the nodes present "
+        "to each other)");
   }
   if (c.low_watermark > c.high_watermark) {
     return InvalidArgumentError("--low-watermark must be <= --high-watermark");

@@ -156,7 +156,7 @@ struct ServerConfig {
   // etcd lease TTL: a node silent this long leaves the cluster, seconds.
   // Default: 10.
   uint32_t etcd_lease_ttl_s = 10;
-  // File holding the API key (admin role, `ctxcache keys create`) this node
+  // File holding the API key (operator role, `ctxcache keys create`) this node
   // presents to its peers. Required when --keys-file is set. Default: "".
   std::string cluster_key_file;
 

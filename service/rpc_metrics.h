@@ -7,7 +7,7 @@
 //   ... rpc.principal() ..., rpc.set_context_id(hex) ...
 //   return rpc.Finish(status);
 // The audit log gets one JSON line per call that changes state (actions
-// build and admin) and per call refused for its credentials or role: who
+// build, share and cluster) and per call refused for its credentials or role: who
 // (key id / cert subject, never the key), tenant, role, rpc, context id,
 // peer and result. Never a key, never a prompt.
 #pragma once
@@ -91,7 +91,8 @@ class RpcScope {
     const bool refused = status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
                          status.error_code() == grpc::StatusCode::PERMISSION_DENIED;
     if (ctx_->audit &&
-        (action_ == auth::Action::kBuild || action_ == auth::Action::kAdmin || refused)) {
+        (action_ == auth::Action::kBuild || action_ == auth::Action::kShare ||
+         action_ == auth::Action::kCluster || refused)) {
       Audit(status);
     }
     return status;

@@ -384,6 +384,7 @@ class ServerImpl {
         o.peer.cluster_key.pop_back();
       }
       if (o.peer.cluster_key.empty()) return InvalidArgumentError("--cluster-key-file: empty");
+      RETURN_IF_ERROR(ctx_.access->CheckPeerKey(o.peer.cluster_key, "--cluster-key-file"));
     }
     if (!c.tls_cert.empty()) {
       // Peers are verified against --tls-client-ca when set (the CA of the

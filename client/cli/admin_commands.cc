@@ -148,7 +148,7 @@ void BuildCommand::Configure(CLI::App* sub) {
   sub->add_option("--model", model_, "Model name under the server's --model-dir");
   sub->add_option("--name", name_, "A name for the context");
   sub->add_option("--label", labels_, "KEY=VALUE label (repeatable)");
-  sub->add_option("--tenant", tenant_, "Tenant");
+  sub->add_option("--tenant", tenant_, "Tenant (another than the key's: operator only)");
   sub->add_option("--ttl", ttl_s_, "Time to live in seconds (0 = server default)");
   sub->add_flag("--pin", pin_, "Pin the context against eviction");
   sub->add_flag("--bos", bos_, "Prepend the tokenizer's BOS token");
@@ -240,7 +240,8 @@ int BuildCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostre
 void ListCommand::Configure(CLI::App* sub) {
   sub->add_option("--label", labels_, "Only contexts with KEY=VALUE (repeatable)");
   sub->add_option("--limit", limit_, "At most this many contexts")->capture_default_str();
-  sub->add_option("--tenant", tenant_, "Admin: only this tenant's contexts");
+  sub->add_option("--tenant", tenant_,
+                  "Only this tenant's contexts (another than the key's: operator only)");
 }
 
 int ListCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostream& err) {

@@ -102,9 +102,9 @@ int RunCli(int argc, char** argv) {
       std::make_unique<EvictCommand>());
   add("pin", "Pin a context against eviction", std::make_unique<PinCommand>(true));
   add("unpin", "Unpin a context", std::make_unique<PinCommand>(false));
-  add("share", "Admin: make a context readable by every tenant",
+  add("share", "Admin (own tenant) or operator: make a context readable by every tenant",
       std::make_unique<ShareCommand>(true));
-  add("unshare", "Admin: make a shared context private to its tenant again",
+  add("unshare", "Admin (own tenant) or operator: make a shared context private again",
       std::make_unique<ShareCommand>(false));
   add("stats", "Server statistics", std::make_unique<StatsCommand>());
   add("watch", "Stream context events (created, ready, extended, evicted, failed)",

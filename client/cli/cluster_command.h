@@ -1,5 +1,5 @@
 // `ctxcache cluster status`: the cluster's live nodes as one node sees them
-// (ClusterService.GetClusterStatus, admin role): node id, address, zone,
+// (ClusterService.GetClusterStatus, operator role): node id, address, zone,
 // health, stored and owned contexts, replication lag; plus the rebalancer.
 // --server is any node's HOST:PORT, or etcd://host:port/<cluster> (the first
 // live node registered there answers). Exit 0 when every node is SERVING and

@@ -8,6 +8,14 @@
 
 namespace ctxcache::cli {
 
+namespace {
+
+constexpr const char* kRoleHelp =
+    "reader | builder | admin (its tenant only) | operator (server-wide: every tenant, the "
+    "cluster service)";
+
+}  // namespace
+
 void KeysCommand::Configure(CLI::App* sub) {
   sub->require_subcommand(1);
   auto file_opt = [&](CLI::App* a) {
@@ -16,8 +24,8 @@ void KeysCommand::Configure(CLI::App* sub) {
   };
   create_ = sub->add_subcommand("create", "Create a key for a tenant and role; prints it once");
   file_opt(create_);
-  create_->add_option("--tenant", tenant_, "Tenant (omit for an admin of every tenant)");
-  create_->add_option("--role", role_, "admin | builder | reader")->required();
+  create_->add_option("--tenant", tenant_, "Tenant (required but for operator keys)");
+  create_->add_option("--role", role_, kRoleHelp)->required();
   list_ = sub->add_subcommand("list", "List key ids, tenants and roles (never the keys)");
   file_opt(list_);
   revoke_ = sub->add_subcommand("revoke", "Remove a key (by id) or a cert mapping (by cn)");
@@ -28,8 +36,8 @@ void KeysCommand::Configure(CLI::App* sub) {
       "map-cert", "Map an mTLS client certificate's subject CN to a tenant and role");
   file_opt(map_cert_);
   map_cert_->add_option("--cn", cn_, "Subject common name")->required();
-  map_cert_->add_option("--tenant", tenant_, "Tenant (omit for an admin of every tenant)");
-  map_cert_->add_option("--role", role_, "admin | builder | reader")->required();
+  map_cert_->add_option("--tenant", tenant_, "Tenant (required but for operator mappings)");
+  map_cert_->add_option("--role", role_, kRoleHelp)->required();
   // The global flags (--json) may follow the nested subcommand.
   for (CLI::App* a : {create_, list_, revoke_, map_cert_}) a->fallthrough();
 }
@@ -68,11 +76,7 @@ int KeysCommand::Run(const GlobalOptions& global, std::ostream& out, std::ostrea
       }
       return 0;
     }
-    if (!tenant_.empty()) {
-      if (Status s = auth::ValidateTenantName(tenant_, "--tenant"); !s.ok()) return fail(s);
-    } else if (*role != auth::Role::kAdmin) {
-      return fail(InvalidArgumentError("--tenant is required for builder and reader mappings"));
-    }
+    if (Status s = auth::ValidateEntryTenant(tenant_, *role, "--tenant"); !s.ok()) return fail(s);
     file.subjects.erase(std::remove_if(file.subjects.begin(), file.subjects.end(),
                                        [&](const auth::SubjectEntry& e) { return e.cn == cn_; }),
                         file.subjects.end());

@@ -738,7 +738,9 @@ class Client:
                   label_filter: Optional[Mapping[str, Any]] = None,
                   state: Any = None, tenant: str = "") -> "pb.ListContextsResponse":
         """One page of ``ListContexts`` (``.contexts``, ``.next_page_token``).
-        ``tenant``: admin only, list that tenant's contexts."""
+        ``tenant``: list only that tenant's contexts; an operator may name any
+        tenant, every other role only its own (:class:`ctxcache.PermissionDenied`
+        otherwise)."""
         req = pb.ListContextsRequest(page_size=int(page_size), page_token=page_token,
                                      label_filter=_labels(label_filter),
                                      state_filter=_state(state), tenant=tenant)
@@ -784,13 +786,16 @@ class Client:
         return self.pin(context_id, False)
 
     def share(self, context_id: str, shared: bool = True) -> "pb.ContextInfo":
-        """Admin only: makes a context readable by every tenant (``shared=False``
-        undoes it)."""
+        """Role admin (its own tenant's contexts) or operator (any): makes a
+        context readable by every tenant (``shared=False`` undoes it). Another
+        tenant's context is :class:`ctxcache.NotFound`, as an unknown id."""
         return self._unary("ShareContext", self._admin.ShareContext,
                            pb.ShareContextRequest(context_id=context_id, shared=shared))
 
     def stats(self) -> "pb.ServerStats":
-        """Server-wide ``ServerStats``: version, uptime, contexts, bytes, models, ..."""
+        """``ServerStats``: version, uptime, contexts, bytes, models, ... Server-wide
+        for the operator role; every other role gets its own tenant's contexts and
+        bytes only."""
         return self._unary("GetStats", self._admin.GetStats, pb.GetStatsRequest())
 
     # --------------------------------------------------------------- decode --

@@ -43,6 +43,8 @@ def secured(pki: str, ctxcached_bin: str, model_dir: str, tmp_root: str):
         "a-reader": create_key(cli, keys_file, "reader", "a"),
         "b-builder": create_key(cli, keys_file, "builder", "b"),
         "b-reader": create_key(cli, keys_file, "reader", "b"),
+        "a-admin": create_key(cli, keys_file, "admin", "a"),
+        "operator": create_key(cli, keys_file, "operator"),
     }
     subprocess.run([cli, "keys", "map-cert", "--keys-file", keys_file, "--cn", "worker-a",
                     "--tenant", "a", "--role", "reader"], check=True, capture_output=True)
@@ -160,3 +162,125 @@ def test_native_library_speaks_tls_keys_and_tenants(secured) -> None:
     with native.NativeClient(s.address, max_attempts=1, timeout=3) as plain:
         with pytest.raises(errors.Unavailable):
             plain.context(info.context_id)
+
+
+def test_a_tenant_admin_stays_inside_its_tenant(secured) -> None:
+    """Tenant a's admin is scoped to a: b's context is NotFound to it on every
+    call (as an unknown id, the answer b's contexts give a's builders and
+    readers), naming b is PermissionDenied, GetStats shows a's numbers only."""
+    s, keys, _ = secured
+    tls = s.client_kwargs
+    with ctxcache.Client(s.address, api_key=keys["b-builder"], **tls) as bb:
+        theirs = bb.build(tokens=random_tokens(40, 31)).context
+    unknown = "0123456789abcdef0123456789abcdef"
+    with ctxcache.Client(s.address, api_key=keys["a-admin"], max_attempts=1, **tls) as aa:
+        mine = aa.build(tokens=random_tokens(40, 32)).context
+        assert mine.tenant == "a"
+        calls = {
+            "get": lambda cid: aa.get(cid),
+            "pin": lambda cid: aa.pin(cid),
+            "unpin": lambda cid: aa.unpin(cid),
+            "share": lambda cid: aa.share(cid),
+            "extend": lambda cid: aa.extend(cid, tokens=[5, 6, 7]),
+            "fetch_pages": lambda cid: aa.fetch_pages(cid, [(0, 0, [0])]),
+            "evict": lambda cid: aa.evict(cid),
+        }
+        for name, call in calls.items():
+            with pytest.raises(errors.NotFound) as foreign:
+                call(theirs.context_id)
+            with pytest.raises(errors.NotFound) as missing:
+                call(unknown)
+            assert (str(foreign.value).replace(theirs.context_id, "<id>")
+                    == str(missing.value).replace(unknown, "<id>")), name
+        listed = list(aa.list())
+        assert mine.context_id in {c.context_id for c in listed}
+        assert all(c.tenant == "a" or c.shared for c in listed)
+        assert theirs.context_id not in {c.context_id for c in listed}
+        with pytest.raises(errors.PermissionDenied, match="operator"):
+            list(aa.list(tenant="b"))
+        assert {c.tenant for c in aa.list(tenant="a")} == {"a"}
+        with pytest.raises(errors.PermissionDenied):
+            aa.build(tokens=random_tokens(16, 33), tenant="b")
+        a_stats = aa.stats()
+        # Within a, the admin does everything, sharing included.
+        assert aa.pin(mine.context_id).pinned
+        assert aa.share(mine.context_id).shared
+        assert not aa.share(mine.context_id, False).shared
+        assert not aa.unpin(mine.context_id).pinned
+    with ctxcache.Client(s.address, api_key=keys["a-reader"], **tls) as ar:
+        assert ar.stats().n_contexts == a_stats.n_contexts
+    with ctxcache.Client(s.address, api_key=keys["operator"], **tls) as op:
+        assert op.stats().n_contexts > a_stats.n_contexts
+    with ctxcache.Client(s.address, api_key=keys["b-reader"], **tls) as br:
+        assert br.get(theirs.context_id).context_id == theirs.context_id  # untouched
+
+
+def test_the_operator_reaches_every_tenant(secured) -> None:
+    s, keys, _ = secured
+    tls = s.client_kwargs
+    with ctxcache.Client(s.address, api_key=keys["b-builder"], **tls) as bb:
+        theirs = bb.build(tokens=random_tokens(40, 41)).context
+    with ctxcache.Client(s.address, api_key=keys["operator"], **tls) as op:
+        assert op.get(theirs.context_id).tenant == "b"
+        assert theirs.context_id in {c.context_id for c in op.list(tenant="b")}
+        tenants = {c.tenant for c in op.list()}
+        assert {"a", "b"} <= tenants
+        assert op.pin(theirs.context_id).pinned
+        assert not op.unpin(theirs.context_id).pinned
+        child = op.extend(theirs.context_id, tokens=[5, 6, 7]).context
+        assert child.tenant == "b"  # an operator's child stays in the parent's tenant
+        built = op.build(tokens=random_tokens(16, 42), tenant="b").context
+        assert built.tenant == "b"
+        for cid in (child.context_id, built.context_id, theirs.context_id):
+            op.evict(cid)
+        with pytest.raises(errors.NotFound):
+            op.get(theirs.context_id)
+
+
+def _cli(s_bin: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([s_bin, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_keys_file_roles_and_their_errors(ctxcached_bin: str, model_dir: str,
+                                          tmp_root: str) -> None:
+    """``ctxcache keys`` writes operator keys (no tenant) and scoped admin keys;
+    an admin without a tenant and an unknown role are refused, naming the
+    field and the expected values; ctxcached refuses a keys file whose admin
+    has no tenant (the server-wide admin of old files) with the migration."""
+    cli = os.path.join(os.path.dirname(ctxcached_bin), "ctxcache")
+    d = tempfile.mkdtemp(prefix="roles-", dir=tmp_root)
+    keys_file = os.path.join(d, "keys")
+    create_key(cli, keys_file, "operator")
+    create_key(cli, keys_file, "admin", "acme")
+    listed = json.loads(_cli(cli, "keys", "list", "--keys-file", keys_file, "--json").stdout)
+    assert sorted((k["role"], k["tenant"]) for k in listed) == [("admin", "acme"),
+                                                              ("operator", "")]
+    with open(keys_file) as f:
+        assert "tenant=- role=operator" in f.read()
+    r = _cli(cli, "keys", "create", "--keys-file", keys_file, "--role", "admin")
+    assert r.returncode == 1
+    assert "--tenant: role admin is scoped to one tenant" in r.stderr
+    assert "role operator" in r.stderr
+    r = _cli(cli, "keys", "create", "--keys-file", keys_file, "--tenant", "acme",
+             "--role", "superuser")
+    assert r.returncode == 1
+    assert "role: expected reader, builder, admin or operator, got 'superuser'" in r.stderr
+    r = _cli(cli, "keys", "map-cert", "--keys-file", keys_file, "--cn", "ops-console",
+             "--role", "operator")
+    assert r.returncode == 0, r.stderr
+
+    salt, sha = "a" * 32, "b" * 64
+    for text, expected in (
+            (f"key 0123456789ab tenant=- role=admin salt={salt} sha256={sha}\n",
+             "keys file line 1: tenant '-': role admin is scoped to one tenant"),
+            (f"key 0123456789ab tenant=acme role=superuser salt={salt} sha256={sha}\n",
+             "keys file line 1: role: expected reader, builder, admin or operator, "
+             "got 'superuser'")):
+        bad = os.path.join(d, "bad-keys")
+        with open(bad, "w") as f:
+            f.write(text)
+        server = Server(ctxcached_bin, model_dir, tempfile.mkdtemp(prefix="bad-", dir=d),
+                        ["--keys-file", bad])
+        with pytest.raises(RuntimeError, match="exited") as e:
+            server.start(timeout=20)
+        assert expected in str(e.value)

@@ -41,17 +41,34 @@ TEST(Crypto, ConstantTimeEqualAndHex) {
 }
 
 TEST(Roles, Table) {
-  EXPECT_TRUE(RoleAllows(Role::kAdmin, Action::kAdmin));
+  // The operator: everything, every tenant. An admin: everything but the
+  // ClusterService, within its tenant (IsServerWide false).
+  for (Action a : {Action::kRead, Action::kBuild, Action::kShare, Action::kStats,
+                   Action::kCluster}) {
+    EXPECT_TRUE(RoleAllows(Role::kOperator, a)) << ActionName(a);
+    EXPECT_EQ(RoleAllows(Role::kAdmin, a), a != Action::kCluster) << ActionName(a);
+  }
+  EXPECT_TRUE(IsServerWide(Role::kOperator));
+  for (Role r : {Role::kAdmin, Role::kBuilder, Role::kReader}) EXPECT_FALSE(IsServerWide(r));
   EXPECT_TRUE(RoleAllows(Role::kBuilder, Action::kBuild));
   EXPECT_FALSE(RoleAllows(Role::kBuilder, Action::kRead));
-  EXPECT_FALSE(RoleAllows(Role::kBuilder, Action::kAdmin));
+  EXPECT_FALSE(RoleAllows(Role::kBuilder, Action::kShare));
+  EXPECT_FALSE(RoleAllows(Role::kBuilder, Action::kCluster));
   EXPECT_TRUE(RoleAllows(Role::kReader, Action::kRead));
   EXPECT_FALSE(RoleAllows(Role::kReader, Action::kBuild));
-  for (Role r : {Role::kAdmin, Role::kBuilder, Role::kReader}) {
+  EXPECT_FALSE(RoleAllows(Role::kReader, Action::kCluster));
+  for (Role r : {Role::kOperator, Role::kAdmin, Role::kBuilder, Role::kReader}) {
     EXPECT_TRUE(RoleAllows(r, Action::kStats));
     EXPECT_EQ(*ParseRole(RoleName(r)), r);
   }
-  EXPECT_FALSE(ParseRole("root").ok());
+  EXPECT_EQ(RoleName(Role::kOperator), "operator");
+  // The anonymous caller (no keys file) is the operator of the default namespace.
+  EXPECT_EQ(Principal{}.role, Role::kOperator);
+  EXPECT_EQ(Principal{}.tenant, "");
+  auto bad = ParseRole("root");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(),
+            "role: expected reader, builder, admin or operator, got 'root'");
   EXPECT_TRUE(ValidateTenantName("acme-1.eu_west", "t").ok());
   EXPECT_FALSE(ValidateTenantName("", "t").ok());
   EXPECT_FALSE(ValidateTenantName("a/b", "t").ok());
@@ -59,10 +76,12 @@ TEST(Roles, Table) {
 }
 
 TEST(KeysFile, GeneratedKeysAuthenticateAndNothingElseDoes) {
-  auto admin = GenerateKey("", Role::kAdmin);
+  auto admin = GenerateKey("", Role::kOperator);
   auto reader = GenerateKey("acme", Role::kReader);
   ASSERT_TRUE(admin.ok() && reader.ok());
-  EXPECT_FALSE(GenerateKey("", Role::kReader).ok());  // non-admins need a tenant
+  // Only operators go without a tenant.
+  EXPECT_FALSE(GenerateKey("", Role::kReader).ok());
+  EXPECT_FALSE(GenerateKey("", Role::kAdmin).ok());
   KeysFile f;
   f.keys = {admin->entry, reader->entry};
   f.subjects.push_back({"worker-a", "acme", Role::kBuilder});
@@ -88,6 +107,7 @@ TEST(KeysFile, GeneratedKeysAuthenticateAndNothingElseDoes) {
   auto a = (*store)->AuthenticateBearer("Bearer " + admin->key);
   ASSERT_TRUE(a.ok());
   EXPECT_EQ(a->tenant, "");
+  EXPECT_EQ(a->role, Role::kOperator);
   std::string wrong = reader->key;
   wrong.back() = wrong.back() == 'a' ? 'b' : 'a';
   for (const std::string& bad :
@@ -135,6 +155,102 @@ TEST(KeysFile, MalformedLinesNameTheLine) {
   }
   const std::string dup = "key 0123456789ab tenant=a role=reader salt=" + salt + " sha256=" + sha;
   EXPECT_FALSE(KeysFile::Parse(dup + "\n" + dup + "\n").ok());
+}
+
+// The keys file's roles: operator (server-wide, the only role allowed the
+// default namespace "-"), admin (scoped to its tenant), builder, reader. A
+// file written before operators existed keeps working where its admins have
+// a tenant; its server-wide admins ("tenant=- role=admin") are refused with
+// the migration, not quietly narrowed.
+TEST(KeysFile, OperatorRoleParsesAndRoundTrips) {
+  const std::string salt(32, 'a'), sha(64, 'b');
+  const std::string hashes = " salt=" + salt + " sha256=" + sha + "\n";
+  const std::string text = "key 0123456789ab tenant=- role=operator" + hashes +
+                           "key 0123456789ac tenant=ops role=operator" + hashes +
+                           "key 0123456789ad tenant=acme role=admin" + hashes +
+                           "cert cn=ops-console tenant=- role=operator\n" +
+                           "cert cn=acme-console tenant=acme role=admin\n";
+  auto f = KeysFile::Parse(text);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(f->keys.size(), 3u);
+  EXPECT_EQ(f->keys[0].role, Role::kOperator);
+  EXPECT_EQ(f->keys[0].tenant, "");
+  EXPECT_EQ(f->keys[1].role, Role::kOperator);
+  EXPECT_EQ(f->keys[1].tenant, "ops");
+  EXPECT_EQ(f->keys[2].role, Role::kAdmin);  // an old tenant admin: same line, scoped meaning
+  EXPECT_EQ(f->keys[2].tenant, "acme");
+  ASSERT_EQ(f->subjects.size(), 2u);
+  EXPECT_EQ(f->subjects[0].role, Role::kOperator);
+  EXPECT_EQ(f->subjects[0].tenant, "");
+  EXPECT_EQ(f->subjects[1].role, Role::kAdmin);
+  auto again = KeysFile::Parse(f->Serialize());
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(again->Serialize(), f->Serialize());
+  EXPECT_NE(f->Serialize().find("tenant=- role=operator"), std::string::npos);
+}
+
+TEST(KeysFile, ABadRoleNamesTheLineTheFieldAndTheExpectedValues) {
+  const std::string salt(32, 'a'), sha(64, 'b');
+  for (const std::string& line :
+       {"key 0123456789ab tenant=acme role=superuser salt=" + salt + " sha256=" + sha,
+        std::string("cert cn=x tenant=acme role=superuser")}) {
+    auto r = KeysFile::Parse("# header\n" + line + "\n");
+    ASSERT_FALSE(r.ok()) << line;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(),
+              "keys file line 2: role: expected reader, builder, admin or operator, got "
+              "'superuser'")
+        << r.status().ToString();
+  }
+}
+
+TEST(KeysFile, AServerWideAdminOfAnOldFileIsRefusedWithTheMigration) {
+  const std::string salt(32, 'a'), sha(64, 'b');
+  for (const std::string& line :
+       {"key 0123456789ab tenant=- role=admin salt=" + salt + " sha256=" + sha,
+        std::string("cert cn=ops tenant=- role=admin")}) {
+    auto r = KeysFile::Parse(line + "\n");
+    ASSERT_FALSE(r.ok()) << line;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    const std::string m(r.status().message());
+    EXPECT_NE(m.find("keys file line 1: tenant '-'"), std::string::npos) << m;
+    EXPECT_NE(m.find("role admin is scoped to one tenant"), std::string::npos) << m;
+    EXPECT_NE(m.find("role operator"), std::string::npos) << m;
+    EXPECT_NE(m.find("Migrating admin keys"), std::string::npos) << m;
+  }
+  // Builders and readers still need a tenant, and are told who may go without.
+  auto r = KeysFile::Parse("cert cn=x tenant=- role=builder\n");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("only operator entries"), std::string::npos)
+      << r.status().ToString();
+  // The same rule for new keys and mappings (the CLI's --tenant).
+  Status s = ValidateEntryTenant("", Role::kAdmin, "--tenant");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message().rfind("--tenant: role admin", 0), 0u) << s.ToString();
+  EXPECT_TRUE(ValidateEntryTenant("", Role::kOperator, "--tenant").ok());
+  EXPECT_TRUE(ValidateEntryTenant("acme", Role::kAdmin, "--tenant").ok());
+  EXPECT_FALSE(ValidateEntryTenant("a/b", Role::kOperator, "--tenant").ok());
+}
+
+TEST(KeysFile, AnOperatorKeyAuthenticatesAsTheOperator) {
+  auto op = GenerateKey("", Role::kOperator);
+  auto admin = GenerateKey("acme", Role::kAdmin);
+  ASSERT_TRUE(op.ok() && admin.ok());
+  KeysFile f;
+  f.keys = {op->entry, admin->entry};
+  const std::string path = TempPath("operator-keys");
+  ASSERT_TRUE(f.Write(path).ok());
+  auto store = KeyStore::Open(path);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto p = (*store)->AuthenticateBearer("Bearer " + op->key);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->role, Role::kOperator);
+  EXPECT_EQ(p->tenant, "");
+  auto a = (*store)->AuthenticateBearer("Bearer " + admin->key);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->role, Role::kAdmin);
+  EXPECT_EQ(a->tenant, "acme");
+  std::filesystem::remove(path);
 }
 
 TEST(Tenants, ParsesQuotasWithSuffixesAndRejectsUnknownKeys) {

@@ -1,5 +1,5 @@
 """A cluster with API keys (tests/cluster, ctest cluster): nodes talk to each
-other with the --cluster-key-file admin key; forwarded calls are
+other with the --cluster-key-file operator key; forwarded calls are
 authenticated as the original caller; tenancy survives replication (the same
 tenant-salted id on every node, from one shared --id-secret-file); nodes
 without the cluster key cannot copy."""
@@ -31,13 +31,14 @@ def make_key(bin_dir: str, keys_file: str, role: str, tenant: str = "") -> str:
 def secured(bin_dir: str, model_dir: str, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("keys"))
     keys = os.path.join(d, "keys")
-    cluster_key = make_key(bin_dir, keys, "admin", "ops")
+    cluster_key = make_key(bin_dir, keys, "operator")
     with open(os.path.join(d, "cluster.key"), "w") as f:
         f.write(cluster_key + "\n")
     alice = make_key(bin_dir, keys, "builder", "alice")
     bob = make_key(bin_dir, keys, "builder", "bob")
     alice_reader = make_key(bin_dir, keys, "reader", "alice")
     bob_reader = make_key(bin_dir, keys, "reader", "bob")
+    alice_admin = make_key(bin_dir, keys, "admin", "alice")
     secret = os.path.join(d, "ID_SECRET")
     with open(secret, "w") as f:  # 32 bytes, hex (docs/security.md)
         f.write(os.urandom(32).hex() + "\n")
@@ -47,7 +48,8 @@ def secured(bin_dir: str, model_dir: str, tmp_path_factory):
         "--cluster-key-file", os.path.join(d, "cluster.key"), "--id-secret-file", secret])
     try:
         yield c, {"alice": alice, "bob": bob, "alice_reader": alice_reader,
-                  "bob_reader": bob_reader, "cluster": cluster_key}
+                  "bob_reader": bob_reader, "alice_admin": alice_admin,
+                  "cluster": cluster_key}
     finally:
         c.close()
 
@@ -75,10 +77,11 @@ def test_tenancy_survives_replication_and_forwarding(secured) -> None:
     assert bob_ctx != ctx
 
 
-def test_cluster_service_needs_the_admin_role(secured) -> None:
+def test_cluster_service_needs_the_operator_role(secured) -> None:
     c, keys = secured
     import grpc
     for key, code in ((keys["alice"], grpc.StatusCode.PERMISSION_DENIED),
+                      (keys["alice_admin"], grpc.StatusCode.PERMISSION_DENIED),
                       ("", grpc.StatusCode.UNAUTHENTICATED)):
         ch = grpc.insecure_channel(c.nodes[0].address)
         call = ch.unary_unary("/ctxcache.v1.ClusterService/ReplicateContext",

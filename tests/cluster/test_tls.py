@@ -48,7 +48,7 @@ def test_replication_and_forwarding_over_mutual_tls(bin_dir: str, model_dir: str
                              text=True).stdout
         return json.loads(out)["key"]
     with open(f"{d}/cluster.key", "w") as f:
-        f.write(key("admin", "ops"))
+        f.write(key("operator", "ops"))
     builder, reader = key("builder", "t"), key("reader", "t")
     with open(f"{d}/ID_SECRET", "w") as f:
         f.write(os.urandom(32).hex())

@@ -153,7 +153,7 @@ try:
                   + open(os.path.join(work, n + ".log")).read()[-1500:])
 
     def status() -> dict:
-        r = subprocess.run([cli, *tls, "--api-key-file", f"{secrets}/admin.key", "--json",
+        r = subprocess.run([cli, *tls, "--api-key-file", f"{secrets}/operator.key", "--json",
                             "cluster", "status", "--server", f"127.0.0.1:{ports[nodes[0]][0]}"],
                            capture_output=True, text=True, timeout=30)
         return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {}

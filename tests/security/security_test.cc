@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "ctxcache/v1/cluster_service.grpc.pb.h"
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/service/http_get.h"
@@ -213,6 +214,13 @@ class Caller {
     Prepare(&ctx);
     return admin_->ShareContext(&ctx, req, &info);
   }
+  grpc::Status ClusterLocalStatus() {
+    v1::ClusterNodeStatus out;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    return v1::ClusterService::NewStub(channel_)->LocalStatus(&ctx, v1::ClusterStatusRequest{},
+                                                               &out);
+  }
   grpc::Status Stats(v1::ServerStats* out = nullptr) {
     v1::ServerStats tmp;
     grpc::ClientContext ctx;
@@ -374,7 +382,7 @@ class SecurityTest : public ::testing::Test {
 // ---- transport --------------------------------------------------------------
 
 TEST_F(SecurityTest, TlsServesKeyedCallsAndRejectsPlaintextAndBadCa) {
-  const std::string admin = CreateKey(keys_file_, "", "admin");
+  const std::string admin = CreateKey(keys_file_, "", "operator");
   StartTlsWithKeys();
   Caller good(server_.address(), Tls(admin));
   EXPECT_TRUE(good.Stats().ok());
@@ -423,7 +431,7 @@ TEST_F(SecurityTest, MtlsRequiresAValidClientCertificateMappedToATenant) {
 }
 
 TEST_F(SecurityTest, CertificateReloadsWithoutRestartOrDroppingSessions) {
-  const std::string admin = CreateKey(keys_file_, "", "admin");
+  const std::string admin = CreateKey(keys_file_, "", "operator");
   const std::string cert = tmp_.path() + "/server.pem", key = tmp_.path() + "/server.key";
   std::filesystem::copy_file(Pki("server.pem"), cert);
   std::filesystem::copy_file(Pki("server.key"), key);
@@ -471,7 +479,7 @@ TEST_F(SecurityTest, NonLoopbackListenNeedsTlsAndKeysOrInsecure) {
   ASSERT_TRUE(p3.Start(tmp_.path() + "/d3", insecure)) << p3.log();
   EXPECT_NE(p3.log().find("--insecure"), std::string::npos);
   // TLS and keys: starts, no warning.
-  CreateKey(keys_file_, "", "admin");
+  CreateKey(keys_file_, "", "operator");
   std::vector<std::string> secured = tls_only;
   secured.insert(secured.end(), {"--keys-file", keys_file_});
   ServerProcess p4;
@@ -570,7 +578,8 @@ TEST_F(SecurityTest, RevokedKeyEndsOpenDecodeAndWatchStreams) {
 
 TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
   const std::map<std::string, std::string> keys = {
-      {"admin", CreateKey(keys_file_, "", "admin")},
+      {"operator", CreateKey(keys_file_, "", "operator")},
+      {"admin", CreateKey(keys_file_, "acme", "admin")},
       {"builder", CreateKey(keys_file_, "acme", "builder")},
       {"reader", CreateKey(keys_file_, "acme", "reader")}};
   StartTlsWithKeys();
@@ -581,14 +590,19 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
   const std::string id = done.context().context_id();
   v1::ContextInfo probe;
   {
-    Caller admin(server_.address(), Tls(keys.at("admin")));
-    ASSERT_TRUE(admin.Get(id, &probe).ok());
+    Caller op(server_.address(), Tls(keys.at("operator")));
+    ASSERT_TRUE(op.Get(id, &probe).ok());
   }
   using Rpc = std::function<grpc::Status(Caller&, int)>;
+  // A tenant's admin may call every ContextAdmin and DecodeService RPC; its
+  // reach (its own tenant only) is NoTenantCanReach... and
+  // ATenantAdminStaysInsideItsTenant's business.
+  const std::set<std::string> builds = {"operator", "admin", "builder"};
+  const std::set<std::string> reads = {"operator", "admin", "reader"};
   const std::vector<std::tuple<std::string, Rpc, std::set<std::string>>> table = {
       {"BuildContext",
        [](Caller& c, int i) { return c.Build(Tokens(24, 100 + i), nullptr, "acme"); },
-       {"admin", "builder"}},
+       builds},
       {"IngestContext",
        [&](Caller& c, int i) {
          v1::ContextInfo info;
@@ -596,23 +610,23 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
          spec.set_name("external-model");
          return c.Ingest(spec, Tokens(16, 200 + i), 0.5f, &info, "acme");
        },
-       {"admin", "builder"}},
-      {"ExtendContext",
-       [&](Caller& c, int i) { return c.Extend(id, Tokens(8, 300 + i)); },
-       {"admin", "builder"}},
-      {"GetContext", [&](Caller& c, int) { return c.Get(id); }, {"admin", "reader"}},
+       builds},
+      {"ExtendContext", [&](Caller& c, int i) { return c.Extend(id, Tokens(8, 300 + i)); },
+       builds},
+      {"GetContext", [&](Caller& c, int) { return c.Get(id); }, reads},
       {"ListContexts",
        [](Caller& c, int) {
          v1::ListContextsResponse r;
          return c.List(&r);
        },
-       {"admin", "reader"}},
-      {"PinContext", [&](Caller& c, int) { return c.Pin(id, true); }, {"admin", "builder"}},
-      {"ShareContext", [&](Caller& c, int) { return c.Share(id, false); }, {"admin"}},
-      {"GetStats", [](Caller& c, int) { return c.Stats(); }, {"admin", "builder", "reader"}},
-      {"Decode", [&](Caller& c, int) { return c.OpenSession(id); }, {"admin", "reader"}},
-      {"FetchIndex", [&](Caller& c, int) { return c.FetchIndex(id); }, {"admin", "reader"}},
-      {"FetchPages", [&](Caller& c, int) { return c.FetchPages(id); }, {"admin", "reader"}},
+       reads},
+      {"PinContext", [&](Caller& c, int) { return c.Pin(id, true); }, builds},
+      {"ShareContext", [&](Caller& c, int) { return c.Share(id, false); }, {"operator", "admin"}},
+      {"GetStats", [](Caller& c, int) { return c.Stats(); },
+       {"operator", "admin", "builder", "reader"}},
+      {"Decode", [&](Caller& c, int) { return c.OpenSession(id); }, reads},
+      {"FetchIndex", [&](Caller& c, int) { return c.FetchIndex(id); }, reads},
+      {"FetchPages", [&](Caller& c, int) { return c.FetchPages(id); }, reads},
       {"WatchContexts",
        [](Caller& c, int) {
          std::vector<v1::ContextEvent> ev;
@@ -621,7 +635,7 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
          grpc::Status s = c.StopWatch();
          return s.error_code() == grpc::StatusCode::CANCELLED ? grpc::Status::OK : s;
        },
-       {"admin", "reader"}},
+       reads},
       {"EvictContext",
        [&](Caller& c, int i) {
          // A throwaway context of acme per role, built by the builder.
@@ -629,7 +643,7 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
          EXPECT_TRUE(builder.Build(Tokens(20, 400 + i), &d).ok());
          return c.Evict(d.context().context_id());
        },
-       {"admin", "builder"}},
+       builds},
   };
   int i = 0;
   for (const auto& [rpc, call, allowed] : table) {
@@ -644,6 +658,20 @@ TEST_F(SecurityTest, EveryRoleTimesEveryRpc) {
       }
     }
   }
+  // The ClusterService is the operator's only: every other role, a tenant's
+  // admin included, is refused before the call looks for a cluster (this
+  // server has none: the operator gets FAILED_PRECONDITION saying so).
+  for (const auto& [role, key] : keys) {
+    grpc::Status s = Caller(server_.address(), Tls(key)).ClusterLocalStatus();
+    if (role == "operator") {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+      EXPECT_NE(s.error_message().find("not in a cluster"), std::string::npos);
+    } else {
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+          << role << ": " << s.error_message();
+      EXPECT_NE(s.error_message().find("'" + role + "'"), std::string::npos) << s.error_message();
+    }
+  }
 }
 
 // ---- tenancy ----------------------------------------------------------------------
@@ -653,7 +681,7 @@ TEST_F(SecurityTest, NoTenantCanReachAnotherTenantsContextThroughAnyRpc) {
   const std::string a_reader = CreateKey(keys_file_, "a", "reader");
   const std::string b_builder = CreateKey(keys_file_, "b", "builder");
   const std::string b_reader = CreateKey(keys_file_, "b", "reader");
-  const std::string admin = CreateKey(keys_file_, "", "admin");
+  const std::string admin = CreateKey(keys_file_, "", "operator");
   StartTlsWithKeys();
   Caller ab(server_.address(), Tls(a_builder)), ar(server_.address(), Tls(a_reader));
   Caller bb(server_.address(), Tls(b_builder)), br(server_.address(), Tls(b_reader));
@@ -737,7 +765,7 @@ TEST_F(SecurityTest, NoTenantCanReachAnotherTenantsContextThroughAnyRpc) {
     EXPECT_FALSE(a_events.empty());
   }
 
-  // An admin shares a's context: b may read it, but not evict or pin it.
+  // The operator shares a's context: b may read it, but not evict or pin it.
   Caller ad(server_.address(), Tls(admin));
   ASSERT_TRUE(ad.Share(a_id, true).ok());
   EXPECT_TRUE(br.Get(a_id).ok());
@@ -753,6 +781,215 @@ TEST_F(SecurityTest, NoTenantCanReachAnotherTenantsContextThroughAnyRpc) {
   EXPECT_EQ(child.context().tenant(), "b");
   ASSERT_TRUE(ad.Share(a_id, false).ok());
   EXPECT_EQ(br.Get(a_id).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// Regression: an admin key was a server-wide superuser, so tenant a's admin
+// listed, read, pinned, extended and evicted tenant b's contexts. An admin
+// is now scoped to its tenant exactly as a builder or reader is (another
+// tenant's context is NOT_FOUND, as an unknown id; naming another tenant is
+// PERMISSION_DENIED); only the operator role reaches every tenant.
+TEST_F(SecurityTest, ATenantAdminStaysInsideItsTenant) {
+  const std::string a_admin = CreateKey(keys_file_, "a", "admin");
+  const std::string b_builder = CreateKey(keys_file_, "b", "builder");
+  const std::string op_key = CreateKey(keys_file_, "", "operator");
+  StartTlsWithKeys();
+  Caller aa(server_.address(), Tls(a_admin)), bb(server_.address(), Tls(b_builder));
+  Caller op(server_.address(), Tls(op_key));
+  std::vector<v1::ContextEvent> a_events;
+  std::mutex a_mu;
+  ASSERT_TRUE(aa.StartWatch(&a_events, &a_mu).ok());
+
+  v1::BuildProgress a_done, b_done;
+  ASSERT_TRUE(aa.Build(Tokens(48, 11), &a_done).ok()) << server_.log();
+  EXPECT_EQ(a_done.context().tenant(), "a");
+  ASSERT_TRUE(bb.Build(Tokens(48, 12), &b_done).ok());
+  const std::string a_id = a_done.context().context_id();
+  const std::string b_id = b_done.context().context_id();
+
+  // Every RPC of a's admin on b's context fails exactly like an unknown id.
+  const std::string unknown = "0123456789abcdef0123456789abcdef";
+  auto same_as_unknown = [&](const std::function<grpc::Status(const std::string&)>& f,
+                             const char* what) {
+    grpc::Status foreign = f(b_id), missing = f(unknown);
+    EXPECT_EQ(foreign.error_code(), grpc::StatusCode::NOT_FOUND)
+        << what << ": " << foreign.error_message();
+    EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND) << what;
+    std::string fm = foreign.error_message(), mm = missing.error_message();
+    if (auto p = fm.find(b_id); p != std::string::npos) fm.replace(p, b_id.size(), "<id>");
+    if (auto p = mm.find(unknown); p != std::string::npos) mm.replace(p, unknown.size(), "<id>");
+    EXPECT_EQ(fm, mm) << what;
+  };
+  same_as_unknown([&](const std::string& id) { return aa.Get(id); }, "GetContext");
+  same_as_unknown([&](const std::string& id) { return aa.FetchIndex(id); }, "FetchIndex");
+  same_as_unknown([&](const std::string& id) { return aa.FetchPages(id); }, "FetchPages");
+  same_as_unknown([&](const std::string& id) { return aa.OpenSession(id); }, "Decode");
+  same_as_unknown([&](const std::string& id) { return aa.Extend(id, Tokens(4, 1)); },
+                  "ExtendContext");
+  same_as_unknown([&](const std::string& id) { return aa.Pin(id, true); }, "PinContext");
+  same_as_unknown([&](const std::string& id) { return aa.Share(id, true); }, "ShareContext");
+  same_as_unknown([&](const std::string& id) { return aa.Evict(id); }, "EvictContext");
+  // Listing: a's contexts only; naming b is refused, naming a is allowed.
+  v1::ListContextsResponse list;
+  ASSERT_TRUE(aa.List(&list).ok());
+  ASSERT_EQ(list.contexts_size(), 1);
+  EXPECT_EQ(list.contexts(0).context_id(), a_id);
+  grpc::Status named = aa.List(&list, "b");
+  EXPECT_EQ(named.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_NE(named.error_message().find("operator"), std::string::npos) << named.error_message();
+  list.Clear();
+  ASSERT_TRUE(aa.List(&list, "a").ok());
+  EXPECT_EQ(list.contexts_size(), 1);
+  // No building or ingesting into b.
+  EXPECT_EQ(aa.Build(Tokens(16, 13), nullptr, "b").error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  {
+    v1::ContextInfo ingested;
+    v1::ModelSpec spec = a_done.context().model();
+    spec.set_name("external-model");
+    EXPECT_EQ(aa.Ingest(spec, Tokens(16, 14), 0.5f, &ingested, "b").error_code(),
+              grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // GetStats: a's numbers, not the server's.
+  v1::ServerStats a_stats, all_stats;
+  ASSERT_TRUE(aa.Stats(&a_stats).ok());
+  EXPECT_EQ(a_stats.n_contexts(), 1u);
+  EXPECT_EQ(a_stats.stored_bytes(), a_done.context().stored_bytes());
+  ASSERT_TRUE(op.Stats(&all_stats).ok());
+  EXPECT_EQ(all_stats.n_contexts(), 2u);
+  // Watch: none of b's events.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_EQ(aa.StopWatch().error_code(), grpc::StatusCode::CANCELLED);
+  {
+    std::lock_guard<std::mutex> l(a_mu);
+    EXPECT_FALSE(a_events.empty());
+    for (const auto& ev : a_events) EXPECT_EQ(ev.context().tenant(), "a") << ev.DebugString();
+  }
+  // Within its tenant an admin does everything, ShareContext included.
+  EXPECT_TRUE(aa.Pin(a_id, true).ok());
+  EXPECT_TRUE(aa.Pin(a_id, false).ok());
+  EXPECT_TRUE(aa.Share(a_id, true).ok());
+  EXPECT_TRUE(aa.Share(a_id, false).ok());
+
+  // The operator reaches b's context: read, list b, pin, extend (the child
+  // stays b's), evict.
+  v1::ContextInfo info;
+  ASSERT_TRUE(op.Get(b_id, &info).ok());
+  EXPECT_EQ(info.tenant(), "b");
+  list.Clear();
+  ASSERT_TRUE(op.List(&list, "b").ok());
+  ASSERT_EQ(list.contexts_size(), 1);
+  EXPECT_EQ(list.contexts(0).context_id(), b_id);
+  list.Clear();
+  ASSERT_TRUE(op.List(&list).ok());
+  EXPECT_EQ(list.contexts_size(), 2);
+  EXPECT_TRUE(op.Pin(b_id, true).ok());
+  EXPECT_TRUE(op.Pin(b_id, false).ok());
+  EXPECT_TRUE(op.FetchPages(b_id).ok());
+  v1::BuildProgress child;
+  ASSERT_TRUE(op.Extend(b_id, Tokens(8, 15), &child).ok());
+  EXPECT_EQ(child.context().tenant(), "b");
+  EXPECT_TRUE(op.Evict(child.context().context_id()).ok());
+  EXPECT_TRUE(op.Evict(b_id).ok());
+  EXPECT_EQ(bb.Extend(b_id, Tokens(4, 16)).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// What an identity without a key gets: a verified client certificate gets
+// the tenant and role of its `cert` line, an admin mapping staying inside
+// its tenant and an operator mapping reaching every tenant; an unmapped one
+// gets UNAUTHENTICATED (MtlsRequiresAValidClientCertificateMappedToATenant).
+TEST_F(SecurityTest, ACertificateGetsItsMappedRoleAndTenantOnly) {
+  const std::string b_builder = CreateKey(keys_file_, "b", "builder");
+  std::string out;
+  ASSERT_EQ(Cli({"keys", "map-cert", "--keys-file", keys_file_, "--cn", "worker-a", "--tenant",
+                 "a", "--role", "admin"},
+                &out),
+            0)
+      << out;
+  StartTlsWithKeys({"--tls-client-ca", Pki("ca.pem")});
+  const Creds cert{"", Pki("ca.pem"), Pki("client-a.pem"), Pki("client-a.key")};
+  Caller bb(server_.address(), Creds{b_builder, cert.ca, cert.cert, cert.pkey});
+  v1::BuildProgress b_done, a_done;
+  ASSERT_TRUE(bb.Build(Tokens(40, 21), &b_done).ok()) << server_.log();
+  const std::string b_id = b_done.context().context_id();
+  {
+    Caller wa(server_.address(), cert);
+    ASSERT_TRUE(wa.Build(Tokens(40, 22), &a_done).ok());
+    EXPECT_EQ(a_done.context().tenant(), "a");
+    EXPECT_EQ(wa.Get(b_id).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(wa.Evict(b_id).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(wa.ClusterLocalStatus().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // Remapped as an operator (no tenant): the same certificate reaches b.
+  ASSERT_EQ(Cli({"keys", "map-cert", "--keys-file", keys_file_, "--cn", "worker-a", "--role",
+                 "operator"},
+                &out),
+            0)
+      << out;
+  bool reaches = false;
+  for (int i = 0; i < 60 && !reaches; ++i) {  // the keys file is re-read at most once a second
+    reaches = Caller(server_.address(), cert).Get(b_id).ok();
+    if (!reaches) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(reaches);
+}
+
+// Keys files and their roles at start-up: a bad role and a server-wide
+// admin of an old file stop ctxcached with the line, the field and the way
+// out; a cluster key of another role than operator is refused too.
+TEST_F(SecurityTest, KeysFileRolesAreCheckedAtStartup) {
+  const std::string salt(32, 'a'), sha(64, 'b');
+  auto start_with = [&](const std::string& keys_text, std::vector<std::string> extra,
+                        const std::string& dir) {
+    {
+      std::ofstream f(keys_file_);
+      f << keys_text;
+    }
+    ServerProcess p;
+    std::vector<std::string> args = {"--model-dir", ModelDir(), "--keys-file", keys_file_};
+    args.insert(args.end(), extra.begin(), extra.end());
+    EXPECT_FALSE(p.Start(tmp_.path() + "/" + dir, args)) << "started with:\n" << keys_text;
+    return p.log();
+  };
+  std::string log = start_with(
+      "key 0123456789ab tenant=acme role=superuser salt=" + salt + " sha256=" + sha + "\n", {},
+      "bad-role");
+  EXPECT_NE(log.find("keys file line 1: role: expected reader, builder, admin or operator, got "
+                     "'superuser'"),
+            std::string::npos)
+      << log;
+  log = start_with("# written before operators existed\nkey 0123456789ab tenant=- role=admin "
+                   "salt=" + salt + " sha256=" + sha + "\n",
+                   {}, "old-admin");
+  EXPECT_NE(log.find("keys file line 2: tenant '-': role admin is scoped to one tenant"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("role operator"), std::string::npos) << log;
+  // The CLI refuses to write such a key in the first place.
+  std::string out;
+  std::filesystem::remove(keys_file_);
+  EXPECT_NE(Cli({"keys", "create", "--keys-file", keys_file_, "--role", "admin"}, &out), 0);
+  EXPECT_NE(out.find("--tenant: role admin is scoped to one tenant"), std::string::npos) << out;
+  EXPECT_NE(Cli({"keys", "create", "--keys-file", keys_file_, "--tenant", "a", "--role", "root"},
+                &out),
+            0);
+  EXPECT_NE(out.find("role: expected reader, builder, admin or operator, got 'root'"),
+            std::string::npos)
+      << out;
+  // A tenant admin as the cluster key: nodes would fail to replicate.
+  const std::string admin = CreateKey(keys_file_, "ops", "admin");
+  const std::string cluster_key = tmp_.path() + "/cluster.key";
+  {
+    std::ofstream f(cluster_key);
+    f << admin << "\n";
+  }
+  ServerProcess p;
+  EXPECT_FALSE(p.Start(tmp_.path() + "/cluster-admin",
+                       {"--model-dir", ModelDir(), "--keys-file", keys_file_, "--cluster",
+                        "etcd://127.0.0.1:1/c", "--advertise-addr", "127.0.0.1:1",
+                        "--cluster-key-file", cluster_key}));
+  EXPECT_NE(p.log().find("--cluster-key-file: key " + KeyId(admin) + " has role admin"),
+            std::string::npos)
+      << p.log();
 }
 
 // The ingest-poisoning attack, in the default (no-auth) mode where it was
@@ -813,7 +1050,7 @@ TEST_F(SecurityTest, EachQuotaRefusesWithItsNameAndLeavesNothingHalfWritten) {
   }
   const std::string q = CreateKey(keys_file_, "q", "builder");
   const std::string qr = CreateKey(keys_file_, "q", "reader");
-  const std::string admin = CreateKey(keys_file_, "", "admin");
+  const std::string admin = CreateKey(keys_file_, "", "operator");
   const std::string r = CreateKey(keys_file_, "r", "builder");
   const std::string rr = CreateKey(keys_file_, "r", "reader");
   StartTlsWithKeys({"--tenants-file", tenants});

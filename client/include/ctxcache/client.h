@@ -347,7 +347,8 @@ class Client {
       const v1::ListContextsRequest& request) = 0;
   virtual StatusOr<v1::EvictContextResponse> Evict(const std::string& context_id) = 0;
   virtual StatusOr<v1::ContextInfo> Pin(const std::string& context_id, bool pinned) = 0;
-  // Admin only: make a context readable by every tenant (or undo it).
+  // Admin (its own tenant's contexts) or operator (any): make a context
+  // readable by every tenant (or undo it).
   virtual StatusOr<v1::ContextInfo> Share(const std::string& context_id, bool shared) = 0;
   virtual StatusOr<v1::ServerStats> GetStats() = 0;
   // Calls on_event for each event until it returns false, the server ends

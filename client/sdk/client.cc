@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "client/sdk/channel.h"
 #include "client/sdk/ingest.h"
@@ -291,19 +292,104 @@ class ClientImpl final : public Client {
   }
 
   StatusOr<std::unique_ptr<DecodeSession>> OpenSession(const SessionOptions& options) override {
-    if (options.mode == SelectMode::kClient) {
-      return internal::OpenClientModeSession(this, decode_.get(), options);
+    ASSIGN_OR_RETURN(SessionConn * conn, TakeSessionRoom());
+    auto release = [this, conn] {
+      std::lock_guard<std::mutex> l(session_mu_);
+      --conn->open;
+    };
+    StatusOr<std::unique_ptr<DecodeSession>> s =
+        options.mode == SelectMode::kClient
+            ? internal::OpenClientModeSession(this, conn->stub, options)
+            : internal::OpenServerModeSession(this, conn->stub, options);
+    if (!s.ok()) {
+      release();
+      return s.status();
     }
-    return internal::OpenServerModeSession(this, decode_.get(), options);
+    return std::unique_ptr<DecodeSession>(
+        new SlottedSession(std::move(s).value(), std::move(release)));
   }
 
   const ClientOptions& options() const override { return options_; }
 
  private:
+  // A connection for decode sessions and its open session streams.
+  struct SessionConn {
+    v1::DecodeService::Stub* stub = nullptr;
+    std::unique_ptr<v1::DecodeService::Stub> owned;
+    int open = 0;
+  };
+
+  // A session that gives its connection's room back when closed or destroyed.
+  class SlottedSession final : public DecodeSession {
+   public:
+    SlottedSession(std::unique_ptr<DecodeSession> inner, std::function<void()> release)
+        : release_(std::move(release)), inner_(std::move(inner)) {}
+    ~SlottedSession() override {
+      inner_.reset();
+      Release();
+    }
+    const v1::ContextInfo& context() const override { return inner_->context(); }
+    int64_t n_tokens() const override { return inner_->n_tokens(); }
+    Status Step(uint32_t layer, const float* queries, SelectedKV* out) override {
+      return inner_->Step(layer, queries, out);
+    }
+    Status Prefetch(uint32_t layer, const float* predicted_queries) override {
+      return inner_->Prefetch(layer, predicted_queries);
+    }
+    Status Append(const float* k, const float* v, const float* q) override {
+      return inner_->Append(k, v, q);
+    }
+    Status Close() override {
+      Status s = inner_->Close();
+      Release();
+      return s;
+    }
+    PageCacheStats page_cache_stats() const override { return inner_->page_cache_stats(); }
+
+   private:
+    void Release() {
+      if (release_) std::exchange(release_, nullptr)();
+    }
+    std::function<void()> release_;
+    std::unique_ptr<DecodeSession> inner_;
+  };
+
+  // The first session connection with room for a session stream (a new one
+  // when all are full), its count taken. Sessions never use the client's own
+  // connection: it stays free for the other calls (a client-mode session's
+  // FetchIndex and FetchPages streams among them).
+  StatusOr<SessionConn*> TakeSessionRoom() {
+    std::lock_guard<std::mutex> l(session_mu_);
+    SessionConn* conn = nullptr;
+    for (auto& c : session_conns_) {
+      if (c->open < std::max(1, options_.sessions_per_connection)) {
+        conn = c.get();
+        break;
+      }
+    }
+    if (conn == nullptr) {
+      // Connection numbers apart from the bulk loads' (0, 1, ...).
+      ASSIGN_OR_RETURN(auto channel,
+                       internal::MakeChannel(options_, kSessionConnectionBase +
+                                                           static_cast<int>(session_conns_.size())));
+      auto c = std::make_unique<SessionConn>();
+      c->owned = v1::DecodeService::NewStub(channel);
+      c->stub = c->owned.get();
+      conn = c.get();
+      session_conns_.push_back(std::move(c));
+    }
+    ++conn->open;
+    return conn;
+  }
+
+  static constexpr int kSessionConnectionBase = 1 << 16;
+
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::ContextAdmin::Stub> admin_;
   std::unique_ptr<v1::DecodeService::Stub> decode_;
+  std::mutex session_mu_;
+  std::vector<std::unique_ptr<SessionConn>> session_conns_;  // guarded by session_mu_
   // Stubs on connections of their own for bulk loads (created on first use).
   std::mutex bulk_mu_;
   std::vector<std::unique_ptr<v1::DecodeService::Stub>> bulk_;  // guarded by bulk_mu_
@@ -322,6 +408,11 @@ Status Client::LoadKV(const std::string& context_id, const KVLoadOptions& option
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.server.empty()) return InvalidArgumentError("server address is empty");
   if (options.timeout_s <= 0) return InvalidArgumentError("timeout_s must be > 0");
+  if (options.sessions_per_connection < 1) {
+    return InvalidArgumentError("sessions_per_connection: " +
+                                std::to_string(options.sessions_per_connection) +
+                                ", expected >= 1");
+  }
   if (options.server.rfind("etcd://", 0) == 0) return internal::ConnectCluster(options);
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, internal::MakeChannel(options));
   return std::unique_ptr<Client>(new ClientImpl(options, std::move(channel)));

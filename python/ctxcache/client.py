@@ -328,10 +328,10 @@ class Client:
         api_key: sent as ``authorization: Bearer <key>`` on every call
             (default: ``$CTXCACHE_API_KEY`` if set).
         sessions_per_connection: decode sessions (one stream each) per
-            connection: more open sessions go to further connections of
-            their own. Set it to the server's ``--max-streams-per-connection``
-            (default 256) less the other streams kept open on the client's
-            connection (``watch``).
+            connection. Sessions go on connections of their own (never the
+            client's, which stays free for the other calls), opened as
+            needed; at most the server's ``--max-streams-per-connection``
+            (default 256).
 
     Usable as a context manager (closes the channel).
 
@@ -392,14 +392,14 @@ class Client:
         self._channel = channel
         self._admin = _make_stub(self._channel, "ContextAdmin")
         self._decode = _make_stub(self._channel, "DecodeService")
-        # Decode sessions (one stream each) spread over connections of at most
-        # sessions_per_connection streams: the first is the channel above,
-        # the others channels of their own (a local subchannel pool: gRPC
-        # would otherwise share one connection per target).
+        # Decode sessions (one stream each) go on connections of their own, at
+        # most sessions_per_connection streams each (a local subchannel pool
+        # per channel: gRPC would otherwise share one connection per target);
+        # the channel above stays free for every other call.
         self.sessions_per_connection = int(sessions_per_connection)
         self._make_channel = make_channel
         self._session_lock = threading.Lock()
-        self._session_conns: List[List[Any]] = [[self._decode, 0, None]]  # [stub, open, channel]
+        self._session_conns: List[List[Any]] = []  # [stub, open streams, raw channel]
         self._health_check = self._channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=_health().HealthCheckRequest.SerializeToString,
@@ -410,7 +410,7 @@ class Client:
     def close(self) -> None:
         """Closes the channels; calls in flight are cancelled."""
         self._channel.close()
-        for _, _, channel in self._session_conns[1:]:
+        for _, _, channel in self._session_conns:
             channel.close()
 
     def _session_stub(self) -> Tuple[Any, Callable[[], None]]:
@@ -437,7 +437,7 @@ class Client:
         return conn[0], release
 
     def sessions_per_connection_open(self) -> List[int]:
-        """Open session streams per connection (the first: the client's own)."""
+        """Open session streams per session connection, in opening order."""
         with self._session_lock:
             return [c[1] for c in self._session_conns]
 

@@ -139,8 +139,9 @@ def test_sigterm_stops_the_server_cleanly(make_server) -> None:
 def test_sessions_past_a_connections_stream_limit_open_on_further_connections(
         make_server) -> None:
     """The server takes 3 streams per connection: a client that assumes 3
-    per connection opens 8 sessions over 3 connections, all usable at once,
-    and a closed session's room is reused; one that assumes more gets the
+    per connection opens 8 sessions over 3 connections of their own, all
+    usable at once, while its own connection still serves streaming calls;
+    a closed session's room is reused; one that assumes more gets the
     server's RESOURCE_EXHAUSTED naming the flag on its 4th session."""
     srv = make_server(["--max-streams-per-connection", "3"])
     with ctxcache.Client(srv.address, sessions_per_connection=3) as c:
@@ -150,6 +151,7 @@ def test_sessions_past_a_connections_stream_limit_open_on_further_connections(
         assert c.sessions_per_connection_open() == [3, 3, 2]
         for s in sessions:
             assert len(s.step(0, q).heads) == int(info.model.n_kv_heads)
+        assert c.fetch_index(info.context_id, "streaming")  # a stream on the client's own
         sessions[0].close()
         sessions[1].close()
         assert c.sessions_per_connection_open() == [1, 3, 2]

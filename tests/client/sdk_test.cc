@@ -383,6 +383,61 @@ TEST_F(PrefetchTest, PrefetchInServerModeIsANoOp) {
   EXPECT_EQ(st.hits + st.misses + st.bytes, 0u);
 }
 
+TEST(SdkTest, SessionsPastAConnectionsStreamLimitOpenOnFurtherConnections) {
+  // The server takes 3 streams per connection: with sessions_per_connection
+  // 3 the SDK opens 8 sessions (both modes) at once over 3 connections, and
+  // a closed session's room is reused; assuming more, the 4th is refused.
+  TempDir tmp;
+  auto args = ModelArgs();
+  args.insert(args.end(), {"--max-streams-per-connection", "3"});
+  ServerProcess server;
+  ASSERT_TRUE(server.Start(tmp.path() + "/data", args)) << server.log();
+  client::ClientOptions co;
+  co.server = server.address();
+  co.sessions_per_connection = 3;
+  auto client = std::move(client::Client::Connect(co)).value();
+  auto built = BuildRandom(client.get(), 96, 5);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  const std::string id = built->context().context_id();
+  std::vector<float> q(4 * 32, 0.5f);
+  std::vector<std::unique_ptr<client::DecodeSession>> sessions;
+  for (int i = 0; i < 9; ++i) {
+    client::SessionOptions so;
+    so.context_id = id;
+    so.method = "streaming";
+    so.mode = i % 2 ? client::SelectMode::kClient : client::SelectMode::kServer;
+    auto s = client->OpenSession(so);
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status().ToString();
+    sessions.push_back(std::move(s).value());
+    if (i == 7) {  // 8 open: close two, the next reuses their room
+      ASSERT_TRUE(sessions[0]->Close().ok());
+      sessions[1].reset();
+    }
+  }
+  for (size_t i = 2; i < sessions.size(); ++i) {
+    client::SelectedKV kv;
+    ASSERT_TRUE(sessions[i]->Step(0, q.data(), &kv).ok()) << i;
+    EXPECT_EQ(kv.heads.size(), 2u);
+  }
+  sessions.clear();
+  co.sessions_per_connection = 100;
+  co.max_attempts = 1;
+  auto one = std::move(client::Client::Connect(co)).value();
+  client::SessionOptions streaming;
+  streaming.context_id = id;
+  streaming.method = "streaming";
+  for (int i = 0; i < 3; ++i) {
+    auto s = one->OpenSession(streaming);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    sessions.push_back(std::move(s).value());
+  }
+  auto refused = one->OpenSession(streaming);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("max-streams-per-connection"), std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST(SdkTest, RetriesAcrossAServerRestart) {
   TempDir tmp;
   const int port = FreePort();

@@ -60,6 +60,11 @@ struct ClientOptions {
   // API key, sent as "authorization: Bearer <key>" on every call.
   // Default: "" (none).
   std::string api_key;
+  // Decode sessions (one stream each) per connection. Sessions go on
+  // connections of their own (never the client's, which stays free for the
+  // other calls), opened as needed. At most the server's
+  // --max-streams-per-connection. Default: 256 (the server's default).
+  int sessions_per_connection = 256;
 };
 
 enum class SelectMode {

@@ -436,6 +436,7 @@ TEST(SdkTest, SessionsPastAConnectionsStreamLimitOpenOnFurtherConnections) {
   EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(refused.status().message().find("max-streams-per-connection"), std::string::npos)
       << refused.status().ToString();
+  sessions.clear();  // sessions do not outlive their client
 }
 
 TEST(SdkTest, RetriesAcrossAServerRestart) {

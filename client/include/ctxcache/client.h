@@ -11,7 +11,8 @@
 // page received is checked against its crc32c (DATA_LOSS on mismatch).
 //
 // Thread-safety: Client is safe for concurrent use (one channel, many
-// calls). A DecodeSession is NOT: use one per decode stream / thread. (In
+// calls). A DecodeSession is NOT: use one per decode stream / thread. A
+// DecodeSession, KVLoad or IngestStream must not outlive its Client. (In
 // client mode a session runs its own background prefetch thread; that is
 // internal and does not change this rule.)
 #pragma once

@@ -116,6 +116,9 @@ class TacticSelector final : public Selector {
   Status Select(const SelectInput& in, Selection* out, WorkStats* stats) override;
   Status Append(const float* key, const float* value, const float* queries) override;
   Status Serialize(std::string* out) const override;
+  // Session param "P": this session's cumulative-attention target (SetTarget).
+  // InvalidArgument for any other key or a P outside (0, 1].
+  Status ApplySessionOverrides(const MethodParams& overrides) override;
   std::unique_ptr<Selector> Clone() const override;
   // Own state, plus the clusters once this instance copied them.
   uint64_t SessionBytes() const override;

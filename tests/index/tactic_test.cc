@@ -333,6 +333,40 @@ TEST_F(TacticSyntheticTest, LoadRejectsOverflowingCounts) {
   }
 }
 
+// A session's P (session param, applied through ApplySessionOverrides) is the
+// target of the adaptive mode that SelectInput::budget == 0 asks for: a
+// higher P selects more tokens and estimates at least that mass.
+TEST_F(TacticSyntheticTest, SessionTargetDrivesTheAdaptiveBudget) {
+  auto sel = BuildTacticSelector(head_.Prefill(), {});
+  ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+  ArrayKeySource ks(head_.keys.data(), head_.n_tokens, head_.head_dim);
+  SelectInput in;
+  in.queries = head_.DecodeQueries(0);
+  in.n_queries = head_.group_size;
+  in.keys = &ks;
+  in.budget = 0;
+  size_t tokens_prev = 0;
+  for (const char* p : {"0.5", "0.99"}) {
+    std::unique_ptr<Selector> session = (*sel)->Clone();
+    ASSERT_TRUE(session->ApplySessionOverrides({{"P", p}}).ok()) << p;
+    EXPECT_DOUBLE_EQ(static_cast<TacticSelector*>(session.get())->options().target,
+                     std::stod(p));
+    Selection out;
+    ASSERT_TRUE(session->Select(in, &out, nullptr).ok());
+    EXPECT_GE(out.estimated_mass, std::stod(p) - 1e-9) << p;
+    EXPECT_GT(out.merged.size(), tokens_prev) << p;
+    tokens_prev = out.merged.size();
+  }
+  // The prototype keeps its build target; other keys and bad values are refused.
+  EXPECT_DOUBLE_EQ(static_cast<TacticSelector*>(sel->get())->options().target, 0.9);
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
+           {"P", "0"}, {"P", "1.5"}, {"P", "x"}, {"cluster", "8"}}) {
+    std::unique_ptr<Selector> session = (*sel)->Clone();
+    EXPECT_EQ(session->ApplySessionOverrides({{k, v}}).code(), StatusCode::kInvalidArgument)
+        << k << "=" << v;
+  }
+}
+
 TEST(TacticParamsTest, BadParameters) {
   std::vector<float> keys(256 * 4, 1.0f);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = static_cast<float>(i % 7);

@@ -143,7 +143,8 @@ TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   auto* tactic = static_cast<TacticSelector*>(sel->get());
   EXPECT_EQ(tactic->n_sink(), 4);
-  EXPECT_EQ(tactic->n_clusters(), (4096 - 4 - 32) / 16);  // sinks and the recent tail apart
+  const int c = TacticOptions{}.avg_cluster_size;
+  EXPECT_EQ(tactic->n_clusters(), (4096 - 4 - 32) / c);  // sinks and the recent tail apart
   const int d = head_.head_dim;
   ArrayKeySource ks(head_.keys.data(), head_.n_tokens, d);
   double mass = 0, est = 0, frac = 0, scored = 0;
@@ -179,8 +180,8 @@ TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
   EXPECT_GT(mass, 0.8) << "selected fraction " << frac;
   EXPECT_NEAR(est, 0.9, 0.05);
   EXPECT_LT(frac, 0.6);
-  // Sampling: N0 (1.5%) + two windows of 64.
-  EXPECT_LT(scored, 0.015 + 128.0 / 4096 + 0.01);
+  // Sampling: N0 + two windows of 64.
+  EXPECT_LT(scored, TacticOptions{}.n0_frac + 128.0 / 4096 + 0.01);
 }
 
 TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
@@ -227,7 +228,8 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   // The 64th append re-clusters the tail: it joins the ranking.
   ASSERT_TRUE((*sel)->Append(all.data() + (base + head_.n_decode + 63) * d, nullptr, nullptr).ok());
   EXPECT_EQ((*sel)->n_ranked(), base + 64);
-  EXPECT_EQ((*sel)->n_clusters(), 4096 / 16 + 64 / 16);
+  const int cs = TacticOptions{}.avg_cluster_size;
+  EXPECT_EQ((*sel)->n_clusters(), 4096 / cs + 64 / cs);
   // Round trip after appends: identical selections.
   std::string bytes;
   ASSERT_TRUE((*sel)->Serialize(&bytes).ok());
@@ -261,7 +263,7 @@ TEST_F(TacticSyntheticTest, TwoLevelClustersAreMemberMeansAndTight) {
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   auto* tactic = static_cast<TacticSelector*>(sel->get());
   const int d = head_.head_dim;
-  const int64_t k = 4096 / 16;
+  const int64_t k = 4096 / TacticOptions{}.avg_cluster_size;
   ASSERT_EQ(tactic->n_clusters(), k);
   double sse = 0;
   int64_t covered = 0;

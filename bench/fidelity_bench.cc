@@ -6,7 +6,11 @@
 //                 cluster-optimal (ranked clusters, token granularity) and by
 //                 Tactic; average attention mass achieved; success rate
 //                 (mass >= P). Targets at P = 0.9: success >= 85%, tokens <=
-//                 2.5x optimal.
+//                 2.5x optimal. Each evaluation query attends to the context
+//                 plus the tokens decoded before it (and itself), which Tactic
+//                 holds in its tail (the seed's full attention on newly
+//                 generated tokens); --context-only drops them (each query sees
+//                 the context alone, the layout of the bench before issue 44).
 //   lfps          LFPS overlap eta with the exact top-k at a 2% budget and the
 //                 fraction of keys scored per step, over a decode with one
 //                 appended token per step. Synthetic streams (DESIGN §5.3):
@@ -14,7 +18,11 @@
 //                           per-step part (weight 1 - rho): stationary;
 //                   drift   AR(1) random walk of the query deviation (rho);
 //                   native  the generator's own decode queries.
-//                 Target: eta >= 0.85 with <= 5% keys scored.
+//                 Target: eta >= 0.85 with <= 5% keys scored. eta_after_warmup
+//                 leaves out the first --lfps-warmup steps; history_oracle[m]
+//                 is the eta of a predictor that exactly scores the union of
+//                 the last m exact top-k sets (plus sinks and local window),
+//                 the best any history-only candidate set of that size does.
 //   equal_budget  all methods at the same per-q-head token budget (5%, and the
 //                 budget Tactic picks at P = 0.9): recall@K, attention mass,
 //                 output relative error, select latency, bytes touched, and
@@ -22,7 +30,9 @@
 //                 from the selections (subgroups of 4 q heads, 16-token pages).
 //
 // Usage: ctxcache-bench fidelity [--quick] [--trace FILE] [--n N] [--steps S]
-//        [--lfps-steps T] [--seed X] [--logit-std X] [--layer-slot L] [--kv-slot H]
+//        [--lfps-steps T] [--lfps-warmup W] [--seed X] [--logit-std X]
+//        [--layer-slot L] [--kv-slot H] [--tactic-params k=v,...]
+//        [--lfps-params k=v,...] [--context-only]
 // --trace reads a .ctxtrace (model/trace.h); the last --steps stored query
 // rows are the evaluation queries over the keys before the first of them.
 #include <CLI/CLI.hpp>
@@ -124,21 +134,35 @@ double Ms(std::chrono::steady_clock::duration d) {
   return std::chrono::duration<double, std::milli>(d).count();
 }
 
-Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::vector<double>& ps,
-                 double* tokens_at_09) {
+Json TacticTable(const Workload& w, const index::TacticSelector& proto,
+                 const std::vector<double>& ps, bool context_only, double* tokens_at_09) {
   const int d = w.d;
-  ArrayKeySource ks(w.keys.data(), w.n, d);
+  // A session copy: the decoded tokens are appended to it (its tail).
+  std::unique_ptr<Selector> own = proto.Clone();
+  auto* tactic = static_cast<index::TacticSelector*>(own.get());
   struct Acc {
     double opt = 0, cluster = 0, tactic = 0, mass = 0, est = 0, success = 0;
   };
   std::vector<Acc> acc(ps.size());
   int count = 0;
-  std::vector<int32_t> by_prob(w.n), order;
+  std::vector<int32_t> by_prob, order;
   std::vector<int64_t> cend;
   for (int t = 0; t < w.n_eval_rows(); ++t) {
+    // Keys the query attends to: the context, or the context and every token
+    // up to and including its own position.
+    const int64_t n_keys =
+        context_only ? w.n : std::min<int64_t>(w.eval_pos[t] + 1, w.n_all);
+    while (tactic->n_tokens() < n_keys) {
+      if (Status s = tactic->Append(w.keys.data() + tactic->n_tokens() * d, nullptr, nullptr);
+          !s.ok()) {
+        return Json{{"error", s.ToString()}};
+      }
+    }
+    ArrayKeySource ks(w.keys.data(), n_keys, d);
+    by_prob.resize(n_keys);
     std::vector<ExactAttention> exact;
     for (int g = 0; g < w.G; ++g) {
-      auto e = ExactAttention::Compute(w.EvalQ(t) + g * d, w.keys.data(), nullptr, w.n, d);
+      auto e = ExactAttention::Compute(w.EvalQ(t) + g * d, w.keys.data(), nullptr, n_keys, d);
       if (!e.ok()) return Json{{"error", e.status().ToString()}};
       exact.push_back(std::move(*e));
     }
@@ -168,7 +192,7 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
       // Cluster-optimal walks the always-selected tokens (sinks, tail) first.
       std::vector<int32_t> fixed;
       for (int64_t i = 0; i < tactic->n_sink(); ++i) fixed.push_back(static_cast<int32_t>(i));
-      for (int64_t i = tactic->n_sink() + tactic->n_ranked(); i < w.n; ++i) {
+      for (int64_t i = tactic->n_sink() + tactic->n_ranked(); i < n_keys; ++i) {
         fixed.push_back(static_cast<int32_t>(i));
       }
       order.insert(order.begin(), fixed.begin(), fixed.end());
@@ -179,7 +203,6 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
       ++count;
     }
   }
-  (void)tactic->SetTarget(0.9);
   Json rows = Json::array();
   for (size_t pi = 0; pi < ps.size(); ++pi) {
     const Acc& a = acc[pi];
@@ -199,14 +222,44 @@ Json TacticTable(const Workload& w, index::TacticSelector* tactic, const std::ve
 }
 
 // LFPS over a decode with appends; eta vs exact top-k at budget_frac.
-Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& options) {
+// The eta of a history-only predictor: the union of the last m exact top-k
+// sets (`history`, oldest first), the sinks and the local window, exactly
+// scored; its top-k against `top`. Adds the candidates' share of n to *frac.
+double HistoryOracleEta(const ExactAttention& e, const std::vector<std::vector<int32_t>>& history,
+                        size_t m, int64_t k, const index::LfpsOptions& o,
+                        const std::vector<int32_t>& top, double* frac) {
+  const int64_t n = e.n();
+  std::vector<int32_t> cand;
+  for (int64_t i = 0; i < std::min<int64_t>(o.n_sink, n); ++i) cand.push_back(i);
+  for (int64_t i = std::max<int64_t>(0, n - o.local_window); i < n; ++i) cand.push_back(i);
+  for (size_t j = history.size() - std::min(m, history.size()); j < history.size(); ++j) {
+    cand.insert(cand.end(), history[j].begin(), history[j].end());
+  }
+  std::sort(cand.begin(), cand.end());
+  cand.erase(std::unique(cand.begin(), cand.end()), cand.end());
+  *frac += static_cast<double>(cand.size()) / static_cast<double>(n);
+  const auto& sc = e.scores();
+  const size_t kk = std::min<size_t>(cand.size(), static_cast<size_t>(k));
+  std::partial_sort(cand.begin(), cand.begin() + kk, cand.end(), [&](int32_t a, int32_t b) {
+    return sc[a] > sc[b] || (sc[a] == sc[b] && a < b);
+  });
+  cand.resize(kk);
+  std::sort(cand.begin(), cand.end());
+  return index::RecallAtK(cand, top);
+}
+
+Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& options,
+             int warmup) {
   auto built = index::LfpsSelector::Build(w.Prefill(), options);
   if (!built.ok()) return Json{{"error", built.status().ToString()}};
   index::LfpsSelector& sel = **built;
   const int d = w.d;
-  double eta = 0, mass = 0, prev_overlap = 0, select_ms = 0;
-  int count = 0, prev_count = 0;
+  double eta = 0, mass = 0, prev_overlap = 0, select_ms = 0, eta_warm = 0;
+  int count = 0, prev_count = 0, count_warm = 0;
   std::vector<std::vector<int32_t>> prev(w.G);
+  const std::vector<size_t> oracle_m = {1, 4, 16, 64};
+  std::vector<double> oracle_eta(oracle_m.size(), 0.0), oracle_frac(oracle_m.size(), 0.0);
+  std::vector<std::vector<std::vector<int32_t>>> history(w.G);
   for (int t = 0; t < w.n_eval_rows(); ++t) {
     while (sel.n_tokens() < std::min<int64_t>(w.eval_pos[t], w.n_all)) {
       if (Status s = sel.Append(w.keys.data() + sel.n_tokens() * d, nullptr, nullptr); !s.ok()) {
@@ -228,20 +281,40 @@ Json RunLfps(const Workload& w, double budget_frac, const index::LfpsOptions& op
       auto e = ExactAttention::Compute(in.queries + g * d, w.keys.data(), nullptr, n, d);
       if (!e.ok()) return Json{{"error", e.status().ToString()}};
       const auto top = e->TopK(in.budget);
-      eta += index::RecallAtK(out.per_head[g], top);
+      const double overlap = index::RecallAtK(out.per_head[g], top);
+      eta += overlap;
       mass += e->Mass(out.per_head[g]);
       if (!prev[g].empty()) {
         prev_overlap += index::RecallAtK(prev[g], top);
         ++prev_count;
       }
+      if (t >= warmup) {
+        eta_warm += overlap;
+        ++count_warm;
+        for (size_t m = 0; m < oracle_m.size(); ++m) {
+          oracle_eta[m] += HistoryOracleEta(*e, history[g], oracle_m[m], in.budget, options, top,
+                                            &oracle_frac[m]);
+        }
+      }
+      history[g].push_back(top);
+      if (history[g].size() > oracle_m.back()) history[g].erase(history[g].begin());
       prev[g] = top;
       ++count;
     }
   }
   const auto& c = sel.counters();
+  Json oracle = Json::array();
+  for (size_t m = 0; m < oracle_m.size() && count_warm > 0; ++m) {
+    oracle.push_back(Json{{"m", oracle_m[m]},
+                          {"eta", oracle_eta[m] / count_warm},
+                          {"keys_scored_frac", oracle_frac[m] / count_warm}});
+  }
   return Json{{"steps", w.n_eval_rows()},
               {"budget_frac", budget_frac},
               {"eta", eta / count},
+              {"warmup_steps", warmup},
+              {"eta_after_warmup", count_warm > 0 ? Json(eta_warm / count_warm) : Json(nullptr)},
+              {"history_oracle", oracle},
               {"keys_scored_frac", static_cast<double>(c.keys_scored) / c.keys_total},
               {"bypass_rate", static_cast<double>(c.bypassed) / c.head_steps},
               {"mass", mass / count},
@@ -317,7 +390,9 @@ int RunFidelity(int argc, char** argv) {
   bool quick = false;
   std::string trace;
   int64_t n = 8192;
-  int steps = 64, lfps_steps = 256, layer_slot = 0, kv_slot = 0;
+  int steps = 64, lfps_steps = 256, lfps_warmup = 32, layer_slot = 0, kv_slot = 0;
+  bool context_only = false;
+  std::string tactic_params_text, lfps_params_text;
   uint64_t seed = 1;
   double logit_std = 2.5;
   app.add_flag("--quick", quick, "small run (N=4096, fewer steps)");
@@ -328,6 +403,12 @@ int RunFidelity(int argc, char** argv) {
   app.add_option("--seed", seed, "synthetic seed");
   app.add_option("--logit-std", logit_std,
                  "synthetic: std of q.k/sqrt(d) (lower = flatter attention)");
+  app.add_option("--lfps-warmup", lfps_warmup, "LFPS steps left out of eta_after_warmup");
+  app.add_option("--tactic-params", tactic_params_text,
+                 "tactic build params, e.g. cluster=8,p1=0.05");
+  app.add_option("--lfps-params", lfps_params_text, "lfps params, e.g. a=0.1,eps=1");
+  app.add_flag("--context-only", context_only,
+               "Tactic table: each query attends to the context only (no decoded tokens)");
   app.add_option("--layer-slot", layer_slot, "trace: stored layer slot");
   app.add_option("--kv-slot", kv_slot, "trace: stored kv-head slot");
   try {
@@ -368,6 +449,20 @@ int RunFidelity(int argc, char** argv) {
     }
     w = FromSynthetic(*h);
   }
+  auto tactic_params = index::ParseParams(tactic_params_text);
+  auto lfps_params = index::ParseParams(lfps_params_text);
+  if (!tactic_params.ok() || !lfps_params.ok()) {
+    std::fprintf(stderr, "fidelity: %s\n",
+                 (!tactic_params.ok() ? tactic_params.status() : lfps_params.status())
+                     .ToString()
+                     .c_str());
+    return 1;
+  }
+  auto lfps_parsed = index::ParseLfpsParams(*lfps_params);
+  if (!lfps_parsed.ok()) {
+    std::fprintf(stderr, "fidelity: %s\n", lfps_parsed.status().ToString().c_str());
+    return 1;
+  }
   std::printf("fidelity: source=%s N=%lld d=%d G=%d eval_queries=%d\n", w.source.c_str(),
               static_cast<long long>(w.n), w.d, w.G, w.n_eval_rows());
 
@@ -378,7 +473,10 @@ int RunFidelity(int argc, char** argv) {
   Json index_bytes = Json::object();
   for (const std::string& name : names) {
     const auto t0 = std::chrono::steady_clock::now();
-    auto s = index::BuildSelector(name, w.Prefill(), {});
+    auto s = index::BuildSelector(name, w.Prefill(),
+                                  name == "tactic" ? *tactic_params
+                                  : name == "lfps" ? *lfps_params
+                                                   : index::MethodParams{});
     if (!s.ok()) {
       std::fprintf(stderr, "fidelity: build %s: %s\n", name.c_str(), s.status().ToString().c_str());
       return 1;
@@ -391,7 +489,7 @@ int RunFidelity(int argc, char** argv) {
 
   // 1. Tactic table.
   double tactic_tokens = 0;
-  Json table = TacticTable(w, tactic, {0.5, 0.6, 0.7, 0.8, 0.9}, &tactic_tokens);
+  Json table = TacticTable(w, *tactic, {0.5, 0.6, 0.7, 0.8, 0.9}, context_only, &tactic_tokens);
   std::printf(
       "\n| P | optimal | cluster-optimal | Tactic | Tactic/optimal | avg mass | success |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
@@ -416,9 +514,9 @@ int RunFidelity(int argc, char** argv) {
   // 2. LFPS streams (synthetic) or the trace's own rows.
   Json lfps = Json::array();
   std::printf(
-      "\n| LFPS stream | rho | eps | a | steps | eta@2%% | keys scored | bypass | exact top-k "
-      "step overlap |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+      "\n| LFPS stream | rho | eps | a | steps | eta@2%% | eta after warm-up | keys scored | "
+      "bypass | exact top-k step overlap |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   struct StreamSpec {
     std::string kind;
     double rho;
@@ -430,13 +528,23 @@ int RunFidelity(int argc, char** argv) {
                                      {"target", 0.99, 1.0, 0.2},  {"drift", 0.98, 1.0, 0.2},
                                      {"native", 0.0, 0.85, 0.2},  {"native", 0.0, 1.0, 0.2}};
   if (!trace.empty()) streams = {{"trace", 0.0, 0.85, 0.2}, {"trace", 0.0, 1.0, 0.2}};
+  // --lfps-params: one run per stream kind with exactly those options.
+  if (!lfps_params->empty()) {
+    std::vector<StreamSpec> one;
+    for (const StreamSpec& spec : streams) {
+      if (one.empty() || one.back().kind != spec.kind || one.back().rho != spec.rho) {
+        one.push_back({spec.kind, spec.rho, lfps_parsed->epsilon, lfps_parsed->a});
+      }
+    }
+    streams = one;
+  }
   for (const StreamSpec& spec : streams) {
     Json r;
-    index::LfpsOptions lfps_options;
+    index::LfpsOptions lfps_options = *lfps_parsed;
     lfps_options.epsilon = spec.eps;
     lfps_options.a = spec.a;
     if (spec.kind == "trace") {
-      r = RunLfps(w, 0.02, lfps_options);
+      r = RunLfps(w, 0.02, lfps_options, lfps_warmup);
     } else {
       index::SyntheticOptions lo = so;
       lo.n_decode_steps = kHistory + lfps_steps;
@@ -444,16 +552,18 @@ int RunFidelity(int argc, char** argv) {
       auto h = index::GenerateSyntheticHead(lo);
       if (!h.ok()) return 1;
       ShapeStream(&*h, spec.kind, spec.rho);
-      r = RunLfps(LfpsWorkload(*h, kHistory), 0.02, lfps_options);
+      r = RunLfps(LfpsWorkload(*h, kHistory), 0.02, lfps_options, lfps_warmup);
     }
     r["stream"] = spec.kind;
     r["rho"] = spec.rho;
     r["epsilon"] = spec.eps;
     r["a"] = spec.a;
     if (r.contains("eta")) {
-      std::printf("| %s | %.2f | %.2f | %.1f | %d | %.3f | %.2f%% | %.1f%% | %.3f |\n",
+      std::printf("| %s | %.2f | %.2f | %.2f | %d | %.3f | %.3f | %.2f%% | %.1f%% | %.3f |\n",
                   spec.kind.c_str(), spec.rho, spec.eps, spec.a, r["steps"].get<int>(),
-                  r["eta"].get<double>(), 100 * r["keys_scored_frac"].get<double>(),
+                  r["eta"].get<double>(),
+                  r["eta_after_warmup"].is_number() ? r["eta_after_warmup"].get<double>() : -1.0,
+                  100 * r["keys_scored_frac"].get<double>(),
                   100 * r["bypass_rate"].get<double>(), r["exact_topk_step_overlap"].get<double>());
     }
     lfps.push_back(r);
@@ -497,6 +607,9 @@ int RunFidelity(int argc, char** argv) {
               {"eval_queries", w.n_eval_rows()},
               {"build_ms", build_ms},
               {"index_memory_bytes", index_bytes},
+              {"tactic_params", tactic_params_text},
+              {"lfps_params", lfps_params_text},
+              {"tactic_queries_see", context_only ? "context" : "context and decoded tokens"},
               {"tactic_table", table},
               {"tactic_target", tactic_target},
               {"lfps", lfps},

@@ -30,6 +30,9 @@ Status CheckOptions(const LfpsOptions& o) {
     return InvalidArgumentError("lfps: local_window (local) must be in [0, 2^20]");
   }
   if (!(o.rho > 0 && o.rho <= 1)) return InvalidArgumentError("lfps: rho must be in (0, 1]");
+  if (!(o.candidate_floor >= 0 && o.candidate_floor <= 1000)) {
+    return InvalidArgumentError("lfps: floor must be in [0, 1000]");
+  }
   return Status::OK();
 }
 
@@ -116,6 +119,28 @@ std::vector<int32_t> LfpsExpand(const std::vector<float>& ver, const std::vector
   return c1;
 }
 
+std::vector<int32_t> LfpsTopUp(const std::vector<float>& ver, const std::vector<float>& sla,
+                               std::vector<int32_t> c1, int64_t lo, int64_t end, int64_t want) {
+  if (static_cast<int64_t>(c1.size()) >= want || end <= lo) return c1;
+  std::vector<char> in(end - lo, 0);
+  for (int32_t i : c1) {
+    if (i >= lo && i < end) in[i - lo] = 1;
+  }
+  std::vector<int32_t> rest;
+  for (int64_t i = lo; i < end; ++i) {
+    if (!in[i - lo]) rest.push_back(static_cast<int32_t>(i));
+  }
+  auto score = [&](int32_t i) { return std::max(std::fabs(ver[i]), std::fabs(sla[i])); };
+  const size_t take = std::min<size_t>(rest.size(), static_cast<size_t>(want) - c1.size());
+  std::partial_sort(rest.begin(), rest.begin() + take, rest.end(), [&](int32_t a, int32_t b) {
+    const float sa = score(a), sb = score(b);
+    return sa > sb || (sa == sb && a < b);
+  });
+  c1.insert(c1.end(), rest.begin(), rest.begin() + take);
+  std::sort(c1.begin(), c1.end());
+  return c1;
+}
+
 void LfpsUpdateTables(double r, const std::vector<int32_t>& c2, const std::vector<float>& w,
                       std::vector<float>* ver, std::vector<float>* sla) {
   const int64_t n = static_cast<int64_t>(ver->size());
@@ -143,6 +168,7 @@ StatusOr<LfpsOptions> ParseLfpsParams(const MethodParams& params) {
   ASSIGN_OR_RETURN(int64_t sink, rd.Int("sink", o.n_sink, 0, kMaxWindow));
   ASSIGN_OR_RETURN(int64_t local, rd.Int("local", o.local_window, 0, kMaxWindow));
   ASSIGN_OR_RETURN(o.rho, rd.Double("rho", o.rho, 1e-9, 1));
+  ASSIGN_OR_RETURN(o.candidate_floor, rd.Double("floor", o.candidate_floor, 0, 1000));
   RETURN_IF_ERROR(rd.Finish());
   o.history = static_cast<int>(s);
   o.n_sink = static_cast<int>(sink);
@@ -294,6 +320,12 @@ Status LfpsSelector::SelectHead(int h, const float* q, int64_t budget, const Key
   }
   // 3. Expansion.
   std::vector<int32_t> c1 = LfpsExpand(ver, sla, c0, lo);
+  if (options_.candidate_floor > 0) {
+    const double want =
+        options_.candidate_floor * static_cast<double>(std::max<int64_t>(0, budget - lo));
+    c1 = LfpsTopUp(ver, sla, std::move(c1), lo, local_begin,
+                   static_cast<int64_t>(std::min(std::ceil(want), static_cast<double>(n))));
+  }
   // 4. Exact scores over C1 ∪ local window.
   std::vector<int32_t> cand;
   cand.reserve(c1.size() + static_cast<size_t>(std::min<int64_t>(options_.local_window, n)));
@@ -399,6 +431,7 @@ Status LfpsSelector::Serialize(std::string* out) const {
   w.Put<int32_t>(options_.n_sink);
   w.Put<int32_t>(options_.local_window);
   w.Put<double>(options_.rho);
+  w.Put<double>(options_.candidate_floor);
   PutVector(&w, key_mean_);
   PutVector(&w, value_mean_);
   PutVector(&w, sigma_hat2_);
@@ -420,6 +453,11 @@ StatusOr<std::unique_ptr<LfpsSelector>> LfpsSelector::Load(std::string_view byte
   if (!r.Get(&sel->n_tokens_) || !r.Get(&d) || !r.Get(&g) || !r.Get(&o.history) ||
       !r.Get(&o.decay) || !r.Get(&o.epsilon) || !r.Get(&o.a) || !r.Get(&o.n_sink) ||
       !r.Get(&o.local_window) || !r.Get(&o.rho)) {
+    return DataLossError("lfps: truncated artifact header");
+  }
+  // Version 1 had no floor: its sessions keep the seed's candidate set.
+  o.candidate_floor = 0;
+  if (version >= 2 && !r.Get(&o.candidate_floor)) {
     return DataLossError("lfps: truncated artifact header");
   }
   RETURN_IF_ERROR(CheckOptions(o));

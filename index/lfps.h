@@ -13,7 +13,10 @@
 //     is "bypassed": it gets sinks + the local window only, tables unchanged.
 //  2. C0 = {i: Φver(i) > τ(Φver)} ∪ {i: Φsla(i) > τ(Φsla)}, τ(x) = a·mean(x)/κ(x),
 //     κ(x) = Σ(x−x̄)⁴ / (Σ(x−x̄)²)² (Eq. 7-8).
-//  3. C1 = C0 expanded by {−1,0,1,2}, kept where Φver > mean or Φsla > mean (Eq. 9).
+//  3. C1 = C0 expanded by {−1,0,1,2}, kept where Φver > mean or Φsla > mean (Eq. 9);
+//     then, when C1 has fewer than floor·(budget − sinks) positions, topped up
+//     with the positions of largest max(|Φver|, |Φsla|) (ctxcache addition:
+//     LfpsTopUp; floor 0 = the seed's C1).
 //  4. Exact q·k over C1 ∪ local window; top-(budget − sinks) gives C2; the
 //     head's selection is sinks ∪ C2.
 //  5. Tables updated with decay r and the softmax weights over C2 (Eq. 10).
@@ -22,7 +25,8 @@
 //
 // Params: "s" (history rows, default 32), "r" (decay, 0.95), "eps" (bypass
 // threshold, 0.85), "a" (threshold scale, 0.2), "sink" (4), "local" (recent
-// tokens scored every step, 6), "rho" (default budget fraction, 0.02).
+// tokens scored every step, 6), "rho" (default budget fraction, 0.02),
+// "floor" (candidate floor, a multiple of the top-k size, 6).
 // Unknown keys -> InvalidArgument.
 //
 // Select() needs SelectInput::keys and MUTATES the tables: one instance per
@@ -54,6 +58,13 @@ struct LfpsOptions {
   int local_window = 6;
   // Default budget as a fraction of N when SelectInput::budget == 0. Default: 0.02.
   double rho = 0.02;
+  // Candidate floor: C1 is topped up to at least floor x (budget - sinks)
+  // positions (LfpsTopUp). Default: 6. The seed has none (0): on the reference
+  // model its C1 is smaller than the top-k it must fill (0.8-2.2% of the keys
+  // at a 2% budget) and its overlap with the exact top-k is 0.22-0.34; with 6
+  // it is 0.87-0.91 at ~12% of the keys scored (5: 0.84-0.89 at ~10%;
+  // docs/algorithms.md, "LFPS: today's defaults and why").
+  double candidate_floor = 6;
 };
 
 // Per-call counters, cumulative over the life of the instance.
@@ -66,7 +77,8 @@ struct LfpsCounters {
 
 class LfpsSelector final : public Selector {
  public:
-  static constexpr uint32_t kFormatVersion = 1;
+  // 2 adds the candidate floor; a version 1 artifact loads with floor 0 (as built).
+  static constexpr uint32_t kFormatVersion = 2;
 
   // Needs keys, values and queries (G rows per position) in `prefill`.
   static StatusOr<std::unique_ptr<LfpsSelector>> Build(const HeadPrefill& prefill,
@@ -122,6 +134,13 @@ void LfpsInitialTables(const std::vector<std::vector<float>>& weights,
 // or Φsla(j) > mean(Φsla), restricted to [lo, n). Sorted, unique.
 std::vector<int32_t> LfpsExpand(const std::vector<float>& ver, const std::vector<float>& sla,
                                 const std::vector<int32_t>& c0, int64_t lo);
+
+// C1 topped up to at least `want` positions of [lo, end) with the positions
+// of largest max(|Φver(i)|, |Φsla(i)|) not in c1 (ties: the lower position).
+// A negative entry is a recent top-k member that held less than half the
+// average weight (Eq. 10): it was relevant, so it ranks by magnitude. Sorted.
+std::vector<int32_t> LfpsTopUp(const std::vector<float>& ver, const std::vector<float>& sla,
+                               std::vector<int32_t> c1, int64_t lo, int64_t end, int64_t want);
 
 // Table update (LFPS Eq. 10). c2: the selected positions; w: their normalized
 // attention (sums to 1). Φver'(i) = r·Φver(i) + w_i − 1/(2|C2|) and

@@ -64,6 +64,16 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
         return InvalidArgumentError("session param estimate_mass must be 0 or 1");
       }
       s.estimate_mass = x == 1;
+    } else if (k == "P") {
+      if (method != "tactic") {
+        return InvalidArgumentError("session param P (the cumulative-attention target of an "
+                                    "adaptive budget) applies to method tactic only; this "
+                                    "session's method is " +
+                                    method);
+      }
+      if (!(x > 0 && x <= 1)) return InvalidArgumentError("session param P must be in (0, 1]");
+      s.adaptive = true;
+      s.selector_overrides[k] = v;
     } else if (k == "rerank") {
       if (method != "csa") {
         return InvalidArgumentError(
@@ -79,7 +89,7 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
       return InvalidArgumentError("unknown session param '" + k +
                                   "'; expected rho, budget, min_budget, page_fraction, "
                                   "page_rank, whole_pages, subgroup, recent_blocks, "
-                                  "estimate_mass or rerank (csa)");
+                                  "estimate_mass, rerank (csa) or P (tactic)");
     }
   }
   if (s.WantsLogits() && method != "csa" && method != "oracle" && method != "quest") {
@@ -91,7 +101,13 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
   // 5% session fetches ~5% of the KV. Token-level selections unioned over a
   // group touch most 16-token pages otherwise (docs/benchmarks.md). `full`
   // means dense, and an explicit `budget` (tokens) keeps token-level paging.
-  if (params.find("page_fraction") == params.end() && s.budget == 0 && method != "full") {
+  if (s.adaptive && params.count("budget") > 0) {
+    return InvalidArgumentError("session params P (an adaptive budget) and budget (a fixed "
+                                "one) exclude each other");
+  }
+  // An adaptive session's budget is the selector's: no page cap unless asked.
+  if (params.find("page_fraction") == params.end() && s.budget == 0 && method != "full" &&
+      !s.adaptive) {
     s.page_fraction = s.rho;
   }
   if (s.page_fraction >= 1.0) s.page_fraction = 0;
@@ -100,6 +116,7 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
 }
 
 int64_t SessionParams::TokenBudget(int64_t n) const {
+  if (adaptive) return 0;
   if (budget > 0) return std::max<int64_t>(1, std::min(budget, n));
   const int64_t by_rho = static_cast<int64_t>(std::ceil(rho * static_cast<double>(n)));
   return std::max<int64_t>(1, std::min(std::max(by_rho, min_budget), std::max<int64_t>(n, 1)));

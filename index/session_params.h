@@ -58,6 +58,10 @@ struct SessionParams {
   double page_fraction = 0;  // 0 = no page cap
   bool whole_pages = false;
   bool estimate_mass = false;
+  // Tactic's adaptive mode (session param `P`, tactic only): the selector
+  // picks each q head's budget for its cumulative-attention target, so
+  // TokenBudget is 0 and there is no default page cap. Default: false.
+  bool adaptive = false;
   PageTableOptions table_options;
   // Method params the session's selectors take per session (rerank), as
   // given; applied by session::SparseSession::Create through
@@ -69,7 +73,8 @@ struct SessionParams {
                                        const std::map<std::string, std::string>& params,
                                        int page_size);
 
-  // Tokens per q head for a session of n tokens (>= 1, <= n when n >= 1).
+  // Tokens per q head for a session of n tokens (>= 1, <= n when n >= 1);
+  // 0 when `adaptive` (SelectInput::budget 0: the selector's own budget).
   int64_t TokenBudget(int64_t n) const;
 
   // Whether the method should return per-token logit estimates

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 
@@ -252,6 +253,19 @@ Status TacticSelector::SetTarget(double target) {
                                 ", expected in (0, 1]");
   }
   options_.target = target;
+  return Status::OK();
+}
+
+Status TacticSelector::ApplySessionOverrides(const MethodParams& overrides) {
+  for (const auto& [k, v] : overrides) {
+    if (k != "P") {
+      return InvalidArgumentError("tactic: per-session param '" + k + "'; expected P");
+    }
+    char* end = nullptr;
+    const double p = std::strtod(v.c_str(), &end);
+    if (v.empty() || *end != '\0') return InvalidArgumentError("tactic: P='" + v + "'");
+    RETURN_IF_ERROR(SetTarget(p));
+  }
   return Status::OK();
 }
 

@@ -143,7 +143,9 @@ class LfpsDecodeTest : public ::testing::Test {
 };
 
 TEST_F(LfpsDecodeTest, TracksExactTopKWithFewKeysScored) {
-  auto built = LfpsSelector::Build(Prefill(), LfpsOptions{});
+  LfpsOptions seed;  // the seed's candidate set: the tables alone
+  seed.candidate_floor = 0;
+  auto built = LfpsSelector::Build(Prefill(), seed);
   ASSERT_TRUE(built.ok()) << built.status().ToString();
   LfpsSelector& sel = **built;
   const int d = head_.head_dim;
@@ -278,6 +280,37 @@ TEST_F(LfpsDecodeTest, LoadRejectsOutOfRangeWindows) {
   }
 }
 
+// The candidate floor: C1 gets the positions of largest max(|Φver|, |Φsla|)
+// it lacks (a negative entry by magnitude), sinks and the local window apart.
+TEST(LfpsMathTest, TopUpHandComputed) {
+  //                          0     1     2      3     4     5     6     7
+  const std::vector<float> ver = {9.0f, 0.0f, 0.1f, -0.5f, 0.0f, 0.3f, 0.0f, 2.0f};
+  const std::vector<float> sla = {0.0f, 0.2f, 0.0f, 0.0f, 0.0f, 0.0f, 0.4f, 0.0f};
+  // lo = 1 (token 0 is a sink), end = 7 (token 7 is in the local window).
+  EXPECT_EQ(LfpsTopUp(ver, sla, {2}, 1, 7, 4), (std::vector<int32_t>{2, 3, 5, 6}));
+  EXPECT_EQ(LfpsTopUp(ver, sla, {2}, 1, 7, 1), (std::vector<int32_t>{2}));  // already there
+  EXPECT_EQ(LfpsTopUp(ver, sla, {}, 1, 7, 100), (std::vector<int32_t>{1, 2, 3, 4, 5, 6}));
+}
+
+// A version 1 artifact (no floor) loads with the seed's candidate set.
+TEST_F(LfpsDecodeTest, VersionOneArtifactLoadsWithoutFloor) {
+  auto built = BuildLfpsSelector(Prefill(), {{"floor", "3"}});
+  ASSERT_TRUE(built.ok());
+  std::string bytes;
+  ASSERT_TRUE((*built)->Serialize(&bytes).ok());
+  auto v2 = LfpsSelector::Load(bytes);
+  ASSERT_TRUE(v2.ok()) << v2.status().ToString();
+  EXPECT_EQ((*v2)->options().candidate_floor, 3);
+  // Version 1: the same header without the f64 floor at offset 68.
+  std::string v1 = bytes.substr(0, 68) + bytes.substr(76);
+  const uint32_t one = 1;
+  std::memcpy(v1.data() + 4, &one, sizeof(one));
+  auto loaded = LfpsSelector::Load(v1);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->options().candidate_floor, 0);
+  EXPECT_EQ((*loaded)->vertical(0), (*v2)->vertical(0));
+}
+
 TEST_F(LfpsDecodeTest, BadParameters) {
   HeadPrefill p = Prefill();
   for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{{"r", "1"},
@@ -286,6 +319,7 @@ TEST_F(LfpsDecodeTest, BadParameters) {
                                                                       {"s", "0"},
                                                                       {"sink", "-2"},
                                                                       {"rho", "1.5"},
+                                                                      {"floor", "-1"},
                                                                       {"decay", "0.9"}}) {
     auto s = BuildLfpsSelector(p, {{k, v}});
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << k << "=" << v;

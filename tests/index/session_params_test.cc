@@ -43,6 +43,38 @@ TEST(SessionParamsTest, RerankIsACsaSelectorOverride) {
       << quest.status().ToString();
 }
 
+// `P` runs Tactic adaptively: no token budget (the selector picks one per q
+// head for its target) and no default page cap; tactic only.
+TEST(SessionParamsTest, TacticTargetMakesTheSessionAdaptive) {
+  auto fixed = SessionParams::Parse("tactic", {{"rho", "0.05"}}, 16);
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_FALSE(fixed->adaptive);
+  EXPECT_EQ(fixed->TokenBudget(1000), 50);
+  auto p = SessionParams::Parse("tactic", {{"P", "0.9"}}, 16);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_TRUE(p->adaptive);
+  EXPECT_EQ(p->TokenBudget(1000), 0);
+  EXPECT_EQ(p->page_fraction, 0);
+  EXPECT_FALSE(p->whole_pages);
+  EXPECT_EQ(p->selector_overrides, (std::map<std::string, std::string>{{"P", "0.9"}}));
+  auto capped = SessionParams::Parse("tactic", {{"P", "0.9"}, {"page_fraction", "0.1"}}, 16);
+  ASSERT_TRUE(capped.ok());
+  EXPECT_DOUBLE_EQ(capped->page_fraction, 0.1);
+  EXPECT_TRUE(capped->whole_pages);
+  EXPECT_EQ(capped->TokenBudget(1000), 0);
+  for (const char* bad : {"0", "1.5"}) {
+    EXPECT_EQ(SessionParams::Parse("tactic", {{"P", bad}}, 16).status().code(),
+              StatusCode::kInvalidArgument)
+        << bad;
+  }
+  auto both = SessionParams::Parse("tactic", {{"P", "0.9"}, {"budget", "100"}}, 16);
+  EXPECT_EQ(both.status().code(), StatusCode::kInvalidArgument);
+  auto quest = SessionParams::Parse("quest", {{"P", "0.9"}}, 16);
+  EXPECT_EQ(quest.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(quest.status().message().find("tactic only"), std::string_view::npos)
+      << quest.status().ToString();
+}
+
 TEST(SessionParamsTest, FullAndExplicitBudgetKeepTokenLevelPaging) {
   auto full = SessionParams::Parse("full", {}, 16);
   ASSERT_TRUE(full.ok());

@@ -143,7 +143,8 @@ TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   auto* tactic = static_cast<TacticSelector*>(sel->get());
   EXPECT_EQ(tactic->n_sink(), 4);
-  EXPECT_EQ(tactic->n_clusters(), (4096 - 4 - 32) / 16);  // sinks and the recent tail apart
+  const int c = TacticOptions{}.avg_cluster_size;
+  EXPECT_EQ(tactic->n_clusters(), (4096 - 4 - 32) / c);  // sinks and the recent tail apart
   const int d = head_.head_dim;
   ArrayKeySource ks(head_.keys.data(), head_.n_tokens, d);
   double mass = 0, est = 0, frac = 0, scored = 0;
@@ -179,8 +180,8 @@ TEST_F(TacticSyntheticTest, SelectsWholeClustersAndEstimatesMass) {
   EXPECT_GT(mass, 0.8) << "selected fraction " << frac;
   EXPECT_NEAR(est, 0.9, 0.05);
   EXPECT_LT(frac, 0.6);
-  // Sampling: N0 (1.5%) + two windows of 64.
-  EXPECT_LT(scored, 0.015 + 128.0 / 4096 + 0.01);
+  // Sampling: N0 + two windows of 64.
+  EXPECT_LT(scored, TacticOptions{}.n0_frac + 128.0 / 4096 + 0.01);
 }
 
 TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
@@ -227,7 +228,8 @@ TEST_F(TacticSyntheticTest, AppendedTailIsSelectedUntilReclustered) {
   // The 64th append re-clusters the tail: it joins the ranking.
   ASSERT_TRUE((*sel)->Append(all.data() + (base + head_.n_decode + 63) * d, nullptr, nullptr).ok());
   EXPECT_EQ((*sel)->n_ranked(), base + 64);
-  EXPECT_EQ((*sel)->n_clusters(), 4096 / 16 + 64 / 16);
+  const int cs = TacticOptions{}.avg_cluster_size;
+  EXPECT_EQ((*sel)->n_clusters(), 4096 / cs + 64 / cs);
   // Round trip after appends: identical selections.
   std::string bytes;
   ASSERT_TRUE((*sel)->Serialize(&bytes).ok());
@@ -261,7 +263,7 @@ TEST_F(TacticSyntheticTest, TwoLevelClustersAreMemberMeansAndTight) {
   ASSERT_TRUE(sel.ok()) << sel.status().ToString();
   auto* tactic = static_cast<TacticSelector*>(sel->get());
   const int d = head_.head_dim;
-  const int64_t k = 4096 / 16;
+  const int64_t k = 4096 / TacticOptions{}.avg_cluster_size;
   ASSERT_EQ(tactic->n_clusters(), k);
   double sse = 0;
   int64_t covered = 0;
@@ -330,6 +332,40 @@ TEST_F(TacticSyntheticTest, LoadRejectsOverflowingCounts) {
     auto loaded = LoadTacticSelector(bad);
     EXPECT_EQ(loaded.status().code(), StatusCode::kDataLoss)
         << n_sink << " " << n_ranked << " " << loaded.status().ToString();
+  }
+}
+
+// A session's P (session param, applied through ApplySessionOverrides) is the
+// target of the adaptive mode that SelectInput::budget == 0 asks for: a
+// higher P selects more tokens and estimates at least that mass.
+TEST_F(TacticSyntheticTest, SessionTargetDrivesTheAdaptiveBudget) {
+  auto sel = BuildTacticSelector(head_.Prefill(), {});
+  ASSERT_TRUE(sel.ok()) << sel.status().ToString();
+  ArrayKeySource ks(head_.keys.data(), head_.n_tokens, head_.head_dim);
+  SelectInput in;
+  in.queries = head_.DecodeQueries(0);
+  in.n_queries = head_.group_size;
+  in.keys = &ks;
+  in.budget = 0;
+  size_t tokens_prev = 0;
+  for (const char* p : {"0.5", "0.99"}) {
+    std::unique_ptr<Selector> session = (*sel)->Clone();
+    ASSERT_TRUE(session->ApplySessionOverrides({{"P", p}}).ok()) << p;
+    EXPECT_DOUBLE_EQ(static_cast<TacticSelector*>(session.get())->options().target,
+                     std::stod(p));
+    Selection out;
+    ASSERT_TRUE(session->Select(in, &out, nullptr).ok());
+    EXPECT_GE(out.estimated_mass, std::stod(p) - 1e-9) << p;
+    EXPECT_GT(out.merged.size(), tokens_prev) << p;
+    tokens_prev = out.merged.size();
+  }
+  // The prototype keeps its build target; other keys and bad values are refused.
+  EXPECT_DOUBLE_EQ(static_cast<TacticSelector*>(sel->get())->options().target, 0.9);
+  for (auto [k, v] : std::vector<std::pair<std::string, std::string>>{
+           {"P", "0"}, {"P", "1.5"}, {"P", "x"}, {"cluster", "8"}}) {
+    std::unique_ptr<Selector> session = (*sel)->Clone();
+    EXPECT_EQ(session->ApplySessionOverrides({{k, v}}).code(), StatusCode::kInvalidArgument)
+        << k << "=" << v;
   }
 }
 

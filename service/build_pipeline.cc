@@ -619,6 +619,19 @@ void IngestBuilder::StopIndexBuilds() {
   if (index_thread_.joinable()) index_thread_.join();
 }
 
+Status IngestBuilder::WaitForIndexes(int n) {
+  int complete = 0;
+  for (int64_t next : next_) complete += next == n_tokens_ ? 1 : 0;
+  if (n > complete) {
+    return FailedPreconditionError("ingest: waiting for " + std::to_string(n) +
+                                   " layers' indexes, " + std::to_string(complete) +
+                                   " layers complete");
+  }
+  std::unique_lock<std::mutex> lock(index_mu_);
+  index_cv_.wait(lock, [&] { return layers_indexed_ >= n || !index_status_.ok(); });
+  return index_status_;
+}
+
 int IngestBuilder::layers_indexed() {
   std::lock_guard<std::mutex> lock(index_mu_);
   return layers_indexed_;
@@ -638,10 +651,20 @@ void IngestBuilder::LayerComplete(int layer) {
   if (!index_thread_.joinable()) index_thread_ = std::thread([this] { RunIndexBuilds(); });
 }
 
+IndexShape IngestBuilder::index_shape() const {
+  return IndexShape{spec_.n_layers, spec_.n_kv_heads, spec_.head_dim, spec_.group_size(),
+                    n_tokens_};
+}
+
+ReadQueriesFn IngestBuilder::read_queries() const {
+  return [this](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
+    queries_->sink.Gather(layer, h, q, pos);
+  };
+}
+
 void IngestBuilder::RunIndexBuilds() {
   const int NKV = spec_.n_kv_heads;
-  const IndexShape shape{spec_.n_layers, NKV, spec_.head_dim, spec_.group_size(), n_tokens_};
-  const size_t m = static_cast<size_t>(n_tokens_) * spec_.head_dim;
+  const size_t elems = static_cast<size_t>(n_tokens_) * spec_.head_dim;
   for (;;) {
     int layer = 0;
     {
@@ -652,16 +675,13 @@ void IngestBuilder::RunIndexBuilds() {
       index_queue_.pop_front();
     }
     Status s = BuildLayerArtifacts(
-        writer_.get(), shape, methods_, layer, layer + 1,
+        writer_.get(), index_shape(), methods_, layer, layer + 1,
         [&](int l, int h, float* kout, float* vout) {
           const size_t slot = static_cast<size_t>(l) * NKV + h;
-          ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, m);
-          ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, m);
+          ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, elems);
+          ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, elems);
         },
-        [&](int l, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
-          queries_->sink.Gather(l, h, q, pos);
-        },
-        nullptr, &index_cancel_);
+        read_queries(), nullptr, &index_cancel_);
     {
       // No chunk of a complete layer is accepted: its buffers go to the
       // spares (reused without a new zero fill), up to one layer's worth.
@@ -784,20 +804,10 @@ StatusOr<v1::ContextManifest> IngestBuilder::Commit() {
                                      " of " + std::to_string(n_tokens_) + ")");
     }
   }
-  {
-    std::unique_lock<std::mutex> lock(index_mu_);
-    index_cv_.wait(lock,
-                   [&] { return layers_indexed_ == spec_.n_layers || !index_status_.ok(); });
-  }
-  Status built = IndexStatus();
+  Status built = WaitForIndexes(spec_.n_layers);
   StopIndexBuilds();
   RETURN_IF_ERROR(built);
-  RETURN_IF_ERROR(RecordIndexParams(
-      writer_.get(),
-      IndexShape{spec_.n_layers, spec_.n_kv_heads, spec_.head_dim, spec_.group_size(), n_tokens_},
-      indexes_, [&](int layer, int h, std::vector<float>* q, std::vector<int64_t>* pos) {
-        queries_->sink.Gather(layer, h, q, pos);
-      }));
+  RETURN_IF_ERROR(RecordIndexParams(writer_.get(), index_shape(), indexes_, read_queries()));
   if (before_commit_) RETURN_IF_ERROR(before_commit_(writer_->bytes_written()));
   ASSIGN_OR_RETURN(v1::ContextManifest manifest, writer_->Commit());
   writer_.reset();

@@ -193,6 +193,9 @@ class IngestBuilder {
   DType kv_dtype() const { return kv_dtype_; }
   // Layers whose index builds are done (progress; they run in the background).
   int layers_indexed();
+  // Blocks until n layers' index builds are done (or one failed: its
+  // status). FailedPrecondition when fewer than n layers are complete.
+  Status WaitForIndexes(int n);
   // Waits for the index builds and flips the context to READY.
   // FailedPrecondition when a layer is incomplete; a failed index build's
   // status (also returned by the next AddChunk once it is known).
@@ -233,6 +236,8 @@ class IngestBuilder {
   std::vector<uint8_t> kc_, vc_;
 
   // Per-layer index builds (see the class comment).
+  IndexShape index_shape() const;
+  ReadQueriesFn read_queries() const;  // the sampled prefill queries (queries_)
   void LayerComplete(int layer);  // queues the layer's build
   void RunIndexBuilds();          // index_thread_'s loop
   Status IndexStatus();           // the first failed build's status, else OK

@@ -25,12 +25,8 @@ namespace ctxcache::client {
 
 namespace {
 
+using internal::DeadlineAfter;
 using internal::FromGrpc;
-
-std::chrono::system_clock::time_point Deadline(double seconds) {
-  return std::chrono::system_clock::now() +
-         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
-}
 
 class ClientImpl final : public Client {
  public:
@@ -46,7 +42,7 @@ class ClientImpl final : public Client {
   grpc::Status WithRetry(Fn fn) {
     return internal::RetryUnavailable(options_, [&] {
       grpc::ClientContext ctx;
-      ctx.set_deadline(Deadline(options_.timeout_s));
+      ctx.set_deadline(DeadlineAfter(options_.timeout_s));
       internal::AddCallCredentials(options_, &ctx);
       return fn(&ctx);
     });
@@ -56,18 +52,13 @@ class ClientImpl final : public Client {
   template <typename Fn>
   grpc::Status Once(Fn fn) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(options_.timeout_s));
+    ctx.set_deadline(DeadlineAfter(options_.timeout_s));
     internal::AddCallCredentials(options_, &ctx);
     return fn(&ctx);
   }
 
-  std::string Unreachable(const grpc::Status& s) const {
-    return "cannot reach ctxcached at " + options_.server + " (" + s.error_message() + ")";
-  }
-
   Status Convert(const grpc::Status& s, const std::string& what) const {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) return UnavailableError(Unreachable(s));
-    return FromGrpc(s, what);
+    return internal::FromGrpcCall(options_, s, what);
   }
 
   template <typename Req>
@@ -78,7 +69,7 @@ class ClientImpl final : public Client {
     bool got_done = false;
     grpc::Status s = WithRetry([&](grpc::ClientContext* ctx) {
       // Builds can take long: no per-call deadline beyond a generous one.
-      ctx->set_deadline(Deadline(std::max(options_.timeout_s, 3600.0)));
+      ctx->set_deadline(DeadlineAfter(std::max(options_.timeout_s, 3600.0)));
       std::unique_ptr<grpc::ClientReader<v1::BuildProgress>> reader;
       if constexpr (std::is_same_v<Req, v1::BuildContextRequest>) {
         reader = admin_->BuildContext(ctx, request);
@@ -166,7 +157,7 @@ class ClientImpl final : public Client {
                double max_seconds) override {
     grpc::ClientContext ctx;
     internal::AddCallCredentials(options_, &ctx);
-    if (max_seconds > 0) ctx.set_deadline(Deadline(max_seconds));
+    if (max_seconds > 0) ctx.set_deadline(DeadlineAfter(max_seconds));
     auto reader = decode_->WatchContexts(&ctx, request);
     v1::ContextEvent ev;
     while (reader->Read(&ev)) {
@@ -369,9 +360,8 @@ class ClientImpl final : public Client {
     }
     if (conn == nullptr) {
       // Connection numbers apart from the bulk loads' (0, 1, ...).
-      ASSIGN_OR_RETURN(auto channel,
-                       internal::MakeChannel(options_, kSessionConnectionBase +
-                                                           static_cast<int>(session_conns_.size())));
+      const int number = kSessionConnectionBase + static_cast<int>(session_conns_.size());
+      ASSIGN_OR_RETURN(auto channel, internal::MakeChannel(options_, number));
       auto c = std::make_unique<SessionConn>();
       c->owned = v1::DecodeService::NewStub(channel);
       c->stub = c->owned.get();

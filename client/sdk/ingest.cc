@@ -4,11 +4,11 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <string>
 
 #include "client/sdk/channel.h"
+#include "client/sdk/layout.h"
 #include "client/sdk/retry.h"
 #include "common/dtype.h"
 #include "proto/dtype_convert.h"
@@ -16,20 +16,6 @@
 namespace ctxcache::client::internal {
 
 namespace {
-
-// Bytes a layout region must hold: the end of its last element.
-unsigned __int128 Extent(int64_t head_stride, int64_t token_stride, uint32_t n_heads,
-                         uint64_t n_tokens, size_t row) {
-  return static_cast<unsigned __int128>(n_heads - 1) * static_cast<uint64_t>(head_stride) +
-         static_cast<unsigned __int128>(n_tokens - 1) * static_cast<uint64_t>(token_stride) + row;
-}
-
-std::string U128(unsigned __int128 v) {
-  if (v == 0) return "0";
-  std::string s;
-  for (; v > 0; v /= 10) s.insert(s.begin(), static_cast<char>('0' + static_cast<int>(v % 10)));
-  return s;
-}
 
 // One tensor of the layout (K, V or Q) with 0 strides made dense.
 struct Region {
@@ -54,11 +40,13 @@ Status CheckRegion(const char* name, const void* p, size_t capacity, int64_t hea
   }
   const int64_t ts = token_stride == 0 ? static_cast<int64_t>(row) : token_stride;
   const int64_t hs = head_stride == 0 ? ts * static_cast<int64_t>(n_tokens) : head_stride;
-  const unsigned __int128 need = Extent(hs, ts, n_heads, n_tokens, row);
+  const unsigned __int128 need = StridedExtent({{n_heads, hs}, {n_tokens, ts}}, row);
   if (need > capacity) {
     return InvalidArgumentError(std::string("layout.") + name + "_capacity: " +
-                                std::to_string(capacity) + " bytes, the layout reaches byte " +
-                                U128(need));
+                                std::to_string(capacity) + " bytes, expected >= " +
+                                ExtentString(need) + " for " + std::to_string(n_heads) +
+                                " heads x " + std::to_string(n_tokens) +
+                                " tokens at the layout's strides");
   }
   return Status::OK();
 }
@@ -86,11 +74,6 @@ void Gather(const Region& r, uint64_t t0, uint64_t n, size_t row, v1::Tensor* ou
   }
 }
 
-std::chrono::system_clock::time_point Deadline(double seconds) {
-  return std::chrono::system_clock::now() +
-         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
-}
-
 class IngestStreamImpl final : public IngestStream {
  public:
   IngestStreamImpl(const ClientOptions& client, const IngestShape& shape,
@@ -108,7 +91,7 @@ class IngestStreamImpl final : public IngestStream {
     AddCallCredentials(client_, &ctx_);
     const double timeout =
         options_.timeout_s > 0 ? options_.timeout_s : std::max(client_.timeout_s, 3600.0);
-    ctx_.set_deadline(Deadline(timeout));
+    ctx_.set_deadline(DeadlineAfter(timeout));
     writer_ = admin->IngestContext(&ctx_, &response_);
     v1::IngestChunk msg;
     *msg.mutable_header() = header;
@@ -186,11 +169,7 @@ class IngestStreamImpl final : public IngestStream {
   }
 
   Status Convert(const grpc::Status& s) const {
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      return UnavailableError("cannot reach ctxcached at " + client_.server + " (" +
-                              s.error_message() + ")");
-    }
-    return FromGrpc(s, "IngestContext");
+    return FromGrpcCall(client_, s, "IngestContext");
   }
 
   // A refused Write: the stream is over; its status says why.

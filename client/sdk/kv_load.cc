@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "client/sdk/channel.h"
+#include "client/sdk/layout.h"
 #include "client/sdk/retry.h"
 #include "common/crc32c.h"
 #include "proto/dtype_convert.h"
@@ -28,9 +29,9 @@ size_t ElementSize(v1::DType d) {
 // Bytes one layout region must hold: the end of its last element.
 unsigned __int128 Extent(const KVLayout& l, size_t n_slots, uint32_t n_heads, uint64_t n_tokens,
                          size_t row) {
-  return static_cast<unsigned __int128>(n_slots - 1) * static_cast<uint64_t>(l.layer_stride) +
-         static_cast<unsigned __int128>(n_heads - 1) * static_cast<uint64_t>(l.head_stride) +
-         static_cast<unsigned __int128>(n_tokens - 1) * static_cast<uint64_t>(l.token_stride) + row;
+  return StridedExtent({{n_slots, l.layer_stride}, {n_heads, l.head_stride},
+                        {n_tokens, l.token_stride}},
+                       row);
 }
 
 // Strides with 0 replaced by the dense layout's.
@@ -176,8 +177,7 @@ class KVLoadImpl final : public KVLoad {
       bytes_done_ -= layer_done;  // a retry rewrites the layer from the start
       layer_done = 0;
       grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::microseconds(static_cast<int64_t>(client_.timeout_s * 1e6)));
+      ctx.set_deadline(DeadlineAfter(client_.timeout_s));
       AddCallCredentials(client_, &ctx);
       {
         std::lock_guard<std::mutex> l(mu_);
@@ -367,7 +367,7 @@ StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
     if (need > cap) {
       return InvalidArgumentError(
           std::string(name) + ": " + std::to_string(cap) + " bytes, expected >= " +
-          (need > UINT64_MAX ? std::string("2^64") : std::to_string(static_cast<uint64_t>(need))) +
+          ExtentString(need) +
           " for " + std::to_string(layers.size()) + " layers x " + std::to_string(m.n_kv_heads()) +
           " kv heads x " + std::to_string(info.n_tokens()) + " tokens x " +
           std::to_string(m.head_dim()) + " dims at the layout's strides");

@@ -1,5 +1,5 @@
 // The SDK's gRPC status handling: the one conversion of a grpc::Status to a
-// Status, and the one retry loop (a call that fails with UNAVAILABLE: server
+// Status, call deadlines, and the one retry loop (a call that fails with UNAVAILABLE: server
 // down, restarting or draining, is retried with exponential backoff).
 //
 // Thread-safety: stateless; reentrant.
@@ -22,6 +22,23 @@ namespace ctxcache::client::internal {
 inline Status FromGrpc(const grpc::Status& s, const std::string& what) {
   if (s.ok()) return Status::OK();
   return Status(static_cast<StatusCode>(s.error_code()), what + ": " + s.error_message());
+}
+
+// A call's status for the caller: UNAVAILABLE says which server could not
+// be reached; anything else is FromGrpc's.
+inline Status FromGrpcCall(const ClientOptions& options, const grpc::Status& s,
+                           const std::string& what) {
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return UnavailableError("cannot reach ctxcached at " + options.server + " (" +
+                            s.error_message() + ")");
+  }
+  return FromGrpc(s, what);
+}
+
+// A call deadline `seconds` from now.
+inline std::chrono::system_clock::time_point DeadlineAfter(double seconds) {
+  return std::chrono::system_clock::now() +
+         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
 }
 
 inline bool IsUnavailable(const grpc::Status& s) {

@@ -218,6 +218,14 @@ def _u32_array(values: Sequence[int]) -> Any:
     return (ctypes.c_uint32 * len(values))(*[int(x) for x in values])
 
 
+_TORCH_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}  # torch dtype name -> C dtype
+
+
+def _extent(shape: Tuple[int, ...], strides: Sequence[int], item: int) -> int:
+    """Bytes a strided array reaches: the end of its last element (0 if empty)."""
+    return sum((n - 1) * st for n, st in zip(shape, strides)) + item if all(shape) else 0
+
+
 def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int, int, List[int]]:
     """(address, capacity bytes, byte strides) of a 4-D CPU array/tensor with
     the expected shape and dtype; InvalidArgument naming ``name`` otherwise."""
@@ -226,7 +234,7 @@ def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int
             raise errors.InvalidArgument(f"{name}: a {a.device} tensor; expected CPU memory "
                                          "(pinned for fast copies to the GPU)")
         tname = str(a.dtype).replace("torch.", "")
-        got = {"bfloat16": 3, "float16": 2, "float32": 1}.get(tname)
+        got = _TORCH_DTYPES.get(tname)
         if got != dtype:
             raise errors.InvalidArgument(f"{name}: dtype {tname}, expected the context's "
                                          f"{_DTYPE_NAMES[dtype]}")
@@ -254,11 +262,7 @@ def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int
     if strides[3] != item or any(s < 0 for s in strides):
         raise errors.InvalidArgument(f"{name}: strides {strides} bytes; the last dimension must "
                                      "be contiguous and no stride negative")
-    extent = sum((n - 1) * s for n, s in zip(shape, strides)) + item if all(shape) else 0
-    return addr, extent, strides
-
-
-_TORCH_DTYPES = {"float32": 1, "float16": 2, "bfloat16": 3}
+    return addr, _extent(shape, strides, item), strides
 
 
 def _host_source(a: Any, name: str, expected: Tuple[int, int, int]) -> Any:
@@ -309,7 +313,8 @@ def _as_f32(a: Any) -> Any:
         return a.float()
     import numpy as np
     if a.dtype.type in (np.uint16, np.int16):
-        return (a.astype(np.uint32) << 16).view(np.float32)
+        from ctxcache import tensors
+        return tensors.bf16_to_float32(a)
     return a.astype(np.float32)
 
 
@@ -331,8 +336,7 @@ def _source_layout(a: Any) -> Tuple[int, int, int, int, int]:
         import numpy as np
         item, strides, addr = a.itemsize, [int(st) for st in a.strides], int(a.ctypes.data)
         dtype = {np.float32: 1, np.float16: 2}.get(a.dtype.type, 3)
-    extent = sum((n - 1) * st for n, st in zip(a.shape, strides)) + item if all(a.shape) else 0
-    return addr, extent, strides[0], strides[1], dtype
+    return addr, _extent(tuple(a.shape), strides, item), strides[0], strides[1], dtype
 
 
 class _Owned:
@@ -691,9 +695,9 @@ class NativeClient(_Owned):
         own) converts first. ``parent_tokens``: the parent's n_tokens if
         known (saves a GetContext); ``timeout``: the stream's deadline in
         seconds (None: max(timeout, 3600)). A generator of layers is
-        consumed lazily. Returns the stored ``ContextInfo``. Validation failures raise
-        :class:`ctxcache.InvalidArgument` (or TypeError for non-integer
-        tokens) and store nothing."""
+        consumed lazily. Returns the stored ``ContextInfo``. Validation
+        failures raise :class:`ctxcache.InvalidArgument` (or TypeError for
+        non-integer tokens) and store nothing."""
         from ctxcache.client import ingest_header
         from ctxcache.v1 import ctxcache_service_pb2 as pb
         if model is None and not parent_id:

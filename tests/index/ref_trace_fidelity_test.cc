@@ -50,6 +50,22 @@ class RefTraceFidelityTest : public ::testing::Test {
     }
     return q;
   }
+  // Appends the trace's keys until `sel` holds n tokens, then selects for the
+  // G queries `q` over those n keys (budget 0: the selector's own).
+  static Status SelectAt(Selector* sel, const float* keys, int64_t n,
+                         const std::vector<float>& q, int64_t budget, Selection* out) {
+    const int d = trace_->head_dim;
+    while (sel->n_tokens() < n) {
+      RETURN_IF_ERROR(sel->Append(keys + sel->n_tokens() * d, nullptr, nullptr));
+    }
+    ArrayKeySource ks(keys, n, d);
+    SelectInput in;
+    in.queries = q.data();
+    in.n_queries = trace_->group_size();
+    in.budget = budget;
+    in.keys = &ks;
+    return sel->Select(in, out, nullptr);
+  }
   static model::Trace* trace_;
 };
 model::Trace* RefTraceFidelityTest::trace_ = nullptr;
@@ -68,17 +84,9 @@ TEST_F(RefTraceFidelityTest, TacticReachesPAtTheSeedsCost) {
       ASSERT_TRUE(sel.ok()) << sel.status().ToString();
       for (int64_t r = first; r < rows; ++r) {
         const int64_t n = trace_->q_positions[r] + 1;  // the query attends to itself too
-        while ((*sel)->n_tokens() < n) {
-          ASSERT_TRUE((*sel)->Append(keys + (*sel)->n_tokens() * d, nullptr, nullptr).ok());
-        }
         const std::vector<float> q = Queries(l, h, r);
-        ArrayKeySource ks(keys, n, d);
-        SelectInput in;
-        in.queries = q.data();
-        in.n_queries = G;
-        in.keys = &ks;
         Selection out;
-        ASSERT_TRUE((*sel)->Select(in, &out, nullptr).ok());
+        ASSERT_TRUE(SelectAt(sel->get(), keys, n, q, 0, &out).ok());
         for (int g = 0; g < G; ++g) {
           auto e = ExactAttention::Compute(q.data() + g * d, keys, nullptr, n, d);
           ASSERT_TRUE(e.ok());
@@ -125,23 +133,15 @@ TEST_F(RefTraceFidelityTest, LfpsOverlapsTheExactTopKAfterWarmUp) {
       ASSERT_TRUE(sel.ok()) << sel.status().ToString();
       for (int64_t r = first; r < rows; ++r) {
         const int64_t n = trace_->q_positions[r];  // keys before the query
-        while ((*sel)->n_tokens() < n) {
-          ASSERT_TRUE((*sel)->Append(keys + (*sel)->n_tokens() * d, nullptr, nullptr).ok());
-        }
         const std::vector<float> q = Queries(l, h, r);
-        ArrayKeySource ks(keys, n, d);
-        SelectInput in;
-        in.queries = q.data();
-        in.n_queries = G;
-        in.budget = static_cast<int64_t>(std::ceil(0.02 * static_cast<double>(n)));
-        in.keys = &ks;
+        const auto budget = static_cast<int64_t>(std::ceil(0.02 * static_cast<double>(n)));
         Selection out;
-        ASSERT_TRUE((*sel)->Select(in, &out, nullptr).ok());
+        ASSERT_TRUE(SelectAt(sel->get(), keys, n, q, budget, &out).ok());
         if (r - first < kWarmup) continue;
         for (int g = 0; g < G; ++g) {
           auto e = ExactAttention::Compute(q.data() + g * d, keys, nullptr, n, d);
           ASSERT_TRUE(e.ok());
-          eta += RecallAtK(out.per_head[g], e->TopK(in.budget));
+          eta += RecallAtK(out.per_head[g], e->TopK(budget));
           ++samples;
         }
       }

@@ -335,9 +335,10 @@ TEST_F(SessionStoreTest, IngestRejectsBadChunksAndAbortsWithoutCommit) {
 }
 
 TEST_F(SessionStoreTest, IngestBuildsALayersIndexesOnceTheLayerIsComplete) {
-  // Layer 0's indexes are built while layer 1 has not arrived (bounded wait:
-  // the build runs on the builder's thread); then the rest commits. A
-  // builder destroyed while a layer's build runs leaves nothing stored.
+  // Layer 0's indexes are built while layer 1 has not arrived (the build
+  // runs on the builder's thread: waited for, not timed); then the rest
+  // commits. A builder destroyed while a layer's build runs leaves nothing
+  // stored.
   for (bool commit : {false, true}) {
     auto b = IngestBuilder::Begin(store_.get(), Header(), BuildOptions{});
     ASSERT_TRUE(b.ok()) << b.status().ToString();
@@ -348,9 +349,8 @@ TEST_F(SessionStoreTest, IngestBuildsALayersIndexesOnceTheLayerIsComplete) {
       ASSERT_TRUE((*b)->AddChunk(0, start, n, k.data(), v.data(), q.data()).ok());
     }
     if (!commit) continue;  // destroyed with layer 0's build queued or running
-    for (int i = 0; i < 20000 && (*b)->layers_indexed() < 1; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    EXPECT_EQ((*b)->WaitForIndexes(2).code(), StatusCode::kFailedPrecondition);  // 1 complete
+    ASSERT_TRUE((*b)->WaitForIndexes(1).ok());
     EXPECT_EQ((*b)->layers_indexed(), 1);
     for (int layer = 1; layer < kL; ++layer) {
       for (int start = 0; start < kN; start += 40) {

@@ -15,6 +15,21 @@
 
 namespace ctxcache::storage {
 
+namespace {
+
+// Reads of pages skip RocksDB's block checksum: every page carries a crc32c
+// of its payload that DecodeInto / DecodePageView verify on each read (and a
+// header naming its layer, kv head and block that CheckPage compares), so the
+// block checksum would verify the same bytes a second time. A damaged block
+// still fails: its pages' crcs or keys no longer match (DATA_LOSS).
+rocksdb::ReadOptions PageReadOptions() {
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = false;
+  return ro;
+}
+
+}  // namespace
+
 ContextReader::ContextReader(StoreCore* core, Lease lease, v1::ContextManifest manifest,
                              std::vector<Owner> owners)
     : core_(core),
@@ -100,7 +115,7 @@ Status ContextReader::ScanPages(uint32_t layer, uint32_t kv_head, uint32_t first
   }
   core_->Touch(id_);
   auto db_lock = core_->LockDb();
-  rocksdb::ReadOptions ro;
+  rocksdb::ReadOptions ro = PageReadOptions();
   ro.fill_cache = false;
   ro.readahead_size = 4u << 20;
   std::unique_ptr<rocksdb::Iterator> it(core_->db()->NewIterator(ro, core_->cf(kCfPages)));
@@ -196,7 +211,7 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
     // memtables hold; misses come back Incomplete. Get, not MultiGet:
     // RocksDB 7.8's MultiGet reads data blocks from the file even under
     // kBlockCacheTier (and then does not cache them).
-    rocksdb::ReadOptions cached;
+    rocksdb::ReadOptions cached = PageReadOptions();
     cached.read_tier = rocksdb::kBlockCacheTier;
     for (size_t i = 0; i < n; ++i) statuses[i] = db->Get(cached, cf, keys[i], &values[i]);
     for (size_t i = 0; i < n; ++i) {
@@ -227,7 +242,7 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
       for (size_t j = 0; j < m; ++j) part_keys[j] = keys[misses[begin + j]];
       std::vector<rocksdb::PinnableSlice> part_values(m);
       std::vector<rocksdb::Status> part_statuses(m);
-      db->MultiGet(rocksdb::ReadOptions(), cf, m, part_keys.data(), part_values.data(),
+      db->MultiGet(PageReadOptions(), cf, m, part_keys.data(), part_values.data(),
                    part_statuses.data(), sorted);
       for (size_t j = 0; j < m; ++j) {
         const size_t i = misses[begin + j];
@@ -287,7 +302,7 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
       s = MultiGetPages(layer, kv_head, blocks, keys, out);
     } else {
       std::unique_ptr<rocksdb::Iterator> it(
-          core_->db()->NewIterator(rocksdb::ReadOptions(), core_->cf(kCfPages)));
+          core_->db()->NewIterator(PageReadOptions(), core_->cf(kCfPages)));
       for (size_t i = 0; i < keys.size() && s.ok(); ++i) {
         if (!(it->Valid() && it->key() == keys[i])) it->Seek(keys[i]);
         const bool found = it->Valid() && it->key() == keys[i];

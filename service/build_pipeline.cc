@@ -665,38 +665,61 @@ ReadQueriesFn IngestBuilder::read_queries() const {
 void IngestBuilder::RunIndexBuilds() {
   const int NKV = spec_.n_kv_heads;
   const size_t elems = static_cast<size_t>(n_tokens_) * spec_.head_dim;
+  // No chunk of a complete, built layer is accepted: its buffers go to the
+  // spares (reused without a new zero fill), up to one layer's worth.
+  // Called with index_mu_ held.
+  auto release = [&](int layer) {
+    for (int h = 0; h < NKV; ++h) {
+      const size_t slot = static_cast<size_t>(layer) * NKV + h;
+      for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
+        if (spare_.size() < 2 * static_cast<size_t>(NKV)) spare_.push_back(std::move(*m));
+        *m = MappedBytes();
+      }
+    }
+  };
   for (;;) {
-    int layer = 0;
+    // Every layer complete so far, built in one parallel loop over their
+    // (layer, kv head) items: one layer at a time would leave most cores
+    // idle on a model with few kv heads whose layers arrive faster than
+    // they are built.
+    std::vector<int> layers;
     {
       std::unique_lock<std::mutex> lock(index_mu_);
       index_cv_.wait(lock, [&] { return index_stop_ || !index_queue_.empty(); });
       if (index_queue_.empty() || index_cancel_) return;
-      layer = index_queue_.front();
-      index_queue_.pop_front();
+      layers.assign(index_queue_.begin(), index_queue_.end());
+      index_queue_.clear();
     }
-    Status s = BuildLayerArtifacts(
-        writer_.get(), index_shape(), methods_, layer, layer + 1,
-        [&](int l, int h, float* kout, float* vout) {
-          const size_t slot = static_cast<size_t>(l) * NKV + h;
-          ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, elems);
-          ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, elems);
-        },
-        read_queries(), nullptr, &index_cancel_);
-    {
-      // No chunk of a complete layer is accepted: its buffers go to the
-      // spares (reused without a new zero fill), up to one layer's worth.
-      std::lock_guard<std::mutex> lock(index_mu_);
-      for (int h = 0; h < NKV; ++h) {
-        const size_t slot = static_cast<size_t>(layer) * NKV + h;
-        for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
-          if (spare_.size() < 2 * static_cast<size_t>(NKV)) spare_.push_back(std::move(*m));
-          *m = MappedBytes();
-        }
+    std::sort(layers.begin(), layers.end());
+    for (size_t i = 0; i < layers.size();) {
+      size_t j = i + 1;  // [layers[i], layers[j - 1]] is a run of consecutive layers
+      while (j < layers.size() && layers[j] == layers[j - 1] + 1) ++j;
+      const int first = layers[i];
+      int released = first;
+      Status s = BuildLayerArtifacts(
+          writer_.get(), index_shape(), methods_, first, layers[j - 1] + 1,
+          [&](int l, int h, float* kout, float* vout) {
+            const size_t slot = static_cast<size_t>(l) * NKV + h;
+            ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, elems);
+            ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, elems);
+          },
+          read_queries(),
+          [&](int built_end) {  // layers [first, built_end) are built, in order
+            std::lock_guard<std::mutex> lock(index_mu_);
+            for (; released < built_end; ++released) release(released);
+          },
+          &index_cancel_);
+      {
+        // Counted only now, with the status: a waiter never sees n layers
+        // indexed before a failure among them is recorded.
+        std::lock_guard<std::mutex> lock(index_mu_);
+        for (; released <= layers[j - 1]; ++released) release(released);
+        if (!s.ok() && index_status_.ok()) index_status_ = s;
+        layers_indexed_ += static_cast<int>(j - i);
       }
-      if (!s.ok() && index_status_.ok()) index_status_ = s;
-      ++layers_indexed_;
+      index_cv_.notify_all();
+      i = j;
     }
-    index_cv_.notify_all();
   }
 }
 

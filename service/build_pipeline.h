@@ -126,10 +126,12 @@ Status CheckReusable(const v1::ContextManifest& existing,
 // An external engine's prefill (IngestContext): per-layer K/V (and
 // optionally Q) chunks in token order, then Commit. Pages are written as the
 // chunks arrive. A layer's index builds start as soon as its KV is complete,
-// on a thread of the builder's (the layer's heads in parallel on
-// ThreadPool::Default()), while later layers' chunks arrive; the layer's
-// K/V copy is then released, so a client that sends layer by layer holds a
-// few layers in memory, not the context. Commit waits for the builds. They
+// on a thread of the builder's, while later layers' chunks arrive: every
+// layer complete by then is built in one parallel loop over its (layer, kv
+// head) items on ThreadPool::Default(), so models with few kv heads still
+// use every core. A built layer's K/V copy is released, so a client that
+// sends layer by layer holds a few layers in memory, not the context.
+// Commit waits for the builds. They
 // run over the KV as stored (rounded to kv_dtype), with the same query
 // sampling as a BuildContext, so both paths produce the same artifacts for
 // the same KV.

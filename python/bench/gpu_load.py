@@ -8,8 +8,9 @@ Llama-3-8B shape with random bf16 weights, or an HF checkpoint directory):
 1. baselines: one-thread memcpy and pinned host-to-GPU copy rates (1 GiB);
 2. HF prefill of the context (``--tokens-json`` document repeated, or random
    ids), timed to its first token: the recompute time to beat;
-3. ingest of the prefill's post-RoPE K/V/Q through the gRPC client with
-   ``--indexes`` (ingest tokens/s; the ingest goal is "no longer than the
+3. ingest of the prefill's post-RoPE K/V/Q with ``--indexes``, through the
+   native library (``--ingest-client native``, the default) or the Python
+   gRPC client (ingest tokens/s; the ingest goal is "no longer than the
    prefill");
 4. bulk load of every layer into pinned host memory (``--streams`` sweep):
    GB/s, warm store;
@@ -171,11 +172,17 @@ def run_case(a, spec: str, res: dict) -> None:
             # Q only where an index needs it (csa, tactic, lfps; "" = the server's defaults).
             with_q = not indexes or any(x not in ("streaming", "quest", "full", "oracle")
                                         for x in indexes)
+            layers_kvq = ((pre.k[i], pre.v[i]) + ((pre.q[i],) if with_q else ())
+                          for i in range(len(pre.k)))
             t = time.perf_counter()
-            info = c.ingest(spec, ids, ((pre.k[i], pre.v[i], pre.q[i] if with_q else None)
-                                        for i in range(len(pre.k))),
-                            indexes=indexes or None, name="gpu-load")
+            if a.ingest_client == "native":
+                with native.NativeClient(addr, timeout=3600) as nci:
+                    info = nci.ingest(spec, ids, layers_kvq, indexes=indexes or None,
+                                      name="gpu-load")
+            else:
+                info = c.ingest(spec, ids, layers_kvq, indexes=indexes or None, name="gpu-load")
             case["ingest_s"] = time.perf_counter() - t
+            case["ingest_client"] = a.ingest_client
             case["indexes"] = indexes or "server defaults"
             case["ingest_sends_q"] = with_q
             case["ingest_tokens_per_s"] = tokens / case["ingest_s"]
@@ -335,6 +342,8 @@ def main() -> int:
     ap.add_argument("--indexes", default="streaming",
                     help="indexes to build at ingest (comma-separated; '' = server defaults)")
     ap.add_argument("--streams", default="1,4,8,16", help="warm-load stream counts to try")
+    ap.add_argument("--ingest-client", default="native", choices=("native", "grpc"),
+                    help="the ingest's client: the native library or the Python gRPC client")
     ap.add_argument("--frame-bytes", type=int, default=0, help="FetchKV frame size (0 = 4 MiB)")
     ap.add_argument("--work", default="/tmp/ctxcache-gpu-load")
     ap.add_argument("--out", default="")

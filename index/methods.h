@@ -47,6 +47,13 @@ struct MethodInfo {
   // Resolved params derived from the context's size; dropped when an
   // extended context re-resolves its parent's params.
   std::span<const std::string_view> context_dependent_params;
+  // The build reads HeadPrefill::keys (false: keys may be null, only the
+  // shape is used). A builder converts the stored keys to fp32 for a
+  // context's build only when some method reads them. Default: true.
+  bool reads_keys = true;
+  // The build reads HeadPrefill::values when they are given (null is
+  // accepted either way). Default: false.
+  bool reads_values = false;
 };
 
 // The method a context is built with and a session opens when none is named.

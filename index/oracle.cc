@@ -160,7 +160,7 @@ StatusOr<std::unique_ptr<Selector>> BuildFullSelector(const HeadPrefill& prefill
                                                       const MethodParams& params) {
   ParamReader pr("full", params);
   RETURN_IF_ERROR(pr.Finish());
-  RETURN_IF_ERROR(ValidatePrefill("full", prefill, false, false));
+  RETURN_IF_ERROR(ValidatePrefill("full", prefill, false, false, /*need_keys=*/false));
   return std::unique_ptr<Selector>(new FullSelector(prefill.n_tokens, prefill.head_dim));
 }
 
@@ -179,7 +179,7 @@ StatusOr<std::unique_ptr<Selector>> BuildOracleSelector(const HeadPrefill& prefi
   ParamReader pr("oracle", params);
   ASSIGN_OR_RETURN(double rho, pr.Ratio("rho", 0.05));
   RETURN_IF_ERROR(pr.Finish());
-  RETURN_IF_ERROR(ValidatePrefill("oracle", prefill, false, false));
+  RETURN_IF_ERROR(ValidatePrefill("oracle", prefill, false, false, /*need_keys=*/false));
   return std::unique_ptr<Selector>(new OracleSelector(prefill.n_tokens, prefill.head_dim, rho));
 }
 

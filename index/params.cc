@@ -83,7 +83,7 @@ Status ParamReader::Finish() const {
 }
 
 Status ValidatePrefill(std::string_view method, const HeadPrefill& p, bool need_queries,
-                       bool need_values) {
+                       bool need_values, bool need_keys) {
   const std::string m(method);
   if (p.n_tokens < 1 || p.n_tokens > INT32_MAX) {
     return InvalidArgumentError(m + ": prefill.n_tokens=" + std::to_string(p.n_tokens) +
@@ -93,9 +93,11 @@ Status ValidatePrefill(std::string_view method, const HeadPrefill& p, bool need_
     return InvalidArgumentError(m + ": prefill.head_dim=" + std::to_string(p.head_dim) +
                                 ", expected 1..4096");
   }
-  if (p.keys == nullptr) return InvalidArgumentError(m + ": prefill.keys is null");
   const size_t nk = static_cast<size_t>(p.n_tokens) * p.head_dim;
-  if (HasNonFinite(p.keys, nk)) return InvalidArgumentError(m + ": prefill.keys has NaN/Inf");
+  if (need_keys) {
+    if (p.keys == nullptr) return InvalidArgumentError(m + ": prefill.keys is null");
+    if (HasNonFinite(p.keys, nk)) return InvalidArgumentError(m + ": prefill.keys has NaN/Inf");
+  }
   if (need_values) {
     if (p.values == nullptr) return InvalidArgumentError(m + ": prefill.values is null");
     if (HasNonFinite(p.values, nk)) {

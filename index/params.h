@@ -46,10 +46,11 @@ class ParamReader {
   std::set<std::string> seen_;
 };
 
-// Checks the shape, pointers and finiteness of prefill data. `need_queries`
-// and `need_values` say which arrays the method uses.
+// Checks the shape, pointers and finiteness of prefill data. `need_queries`,
+// `need_values` and `need_keys` say which arrays the method uses (an array
+// it does not use may be null).
 Status ValidatePrefill(std::string_view method, const HeadPrefill& prefill, bool need_queries,
-                       bool need_values);
+                       bool need_values, bool need_keys = true);
 
 // Checks a SelectInput against a selector of head_dim `d` (queries present,
 // n_queries >= 1, budget >= 0, finite), and that a KeySource, when

@@ -44,13 +44,15 @@ const MethodInfo kMethods[] = {
      kCsaContextDependent},
     {"tactic", 2, false, false, &BuildTacticSelector, &LoadTacticSelector, &ResolveAsRequested,
      {}},
-    {"lfps", 3, false, false, &BuildLfpsSelector, &LoadLfpsSelector, &ResolveAsRequested, {}},
+    {"lfps", 3, false, false, &BuildLfpsSelector, &LoadLfpsSelector, &ResolveAsRequested, {},
+     /*reads_keys=*/true, /*reads_values=*/true},
     {"quest", 4, false, false, &BuildQuestSelector, &LoadQuestSelector, &ResolveAsRequested, {}},
-    {"full", 5, true, true, &BuildFullSelector, &LoadFullSelector, &ResolveAsRequested, {}},
+    {"full", 5, true, true, &BuildFullSelector, &LoadFullSelector, &ResolveAsRequested, {},
+     /*reads_keys=*/false},
     {"oracle", 6, true, false, &BuildOracleSelector, &LoadOracleSelector, &ResolveAsRequested,
-     {}},
+     {}, /*reads_keys=*/false},
     {"streaming", 7, true, true, &BuildStreamingSelector, &LoadStreamingSelector,
-     &ResolveAsRequested, {}},
+     &ResolveAsRequested, {}, /*reads_keys=*/false},
 };
 
 }  // namespace

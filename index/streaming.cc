@@ -88,7 +88,7 @@ StatusOr<std::unique_ptr<Selector>> BuildStreamingSelector(const HeadPrefill& pr
                                                            const MethodParams& params) {
   ASSIGN_OR_RETURN(StreamingOptions o, ParseStreamingParams(params));
   RETURN_IF_ERROR(ValidatePrefill("streaming", prefill, /*need_queries=*/false,
-                                  /*need_values=*/false));
+                                  /*need_values=*/false, /*need_keys=*/false));
   ASSIGN_OR_RETURN(auto sel, StreamingSelector::Create(prefill.n_tokens, prefill.head_dim, o));
   return std::unique_ptr<Selector>(std::move(sel));
 }

@@ -257,11 +257,20 @@ Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   std::vector<int> heads_left(static_cast<size_t>(n_layers), shape.n_kv_heads);
   std::mutex mu;
   int layers_reported = 0;  // guarded by mu
+  // Keys and values in fp32 only where a method reads them (streaming, full
+  // and oracle read neither: an ingest that builds only those converts none).
+  bool need_keys = false, need_values = false;
+  for (const IndexRequest& r : methods) {
+    ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(r.method));
+    need_keys = need_keys || info->reads_keys;
+    need_values = need_values || info->reads_values;
+  }
   ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
     // Uninitialized: read_kv writes every element (no zero fill per layer).
     const size_t elems = static_cast<size_t>(n) * d;
-    auto k = std::make_unique_for_overwrite<float[]>(elems);
-    auto v = std::make_unique_for_overwrite<float[]>(elems);
+    std::unique_ptr<float[]> k, v;
+    if (need_keys) k = std::make_unique_for_overwrite<float[]>(elems);
+    if (need_values) v = std::make_unique_for_overwrite<float[]>(elems);
     std::vector<float> q;
     std::vector<int64_t> positions;
     for (size_t item = b; item < e; ++item) {
@@ -700,8 +709,8 @@ void IngestBuilder::RunIndexBuilds() {
           writer_.get(), index_shape(), methods_, first, layers[j - 1] + 1,
           [&](int l, int h, float* kout, float* vout) {
             const size_t slot = static_cast<size_t>(l) * NKV + h;
-            ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, elems);
-            ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, elems);
+            if (kout) ConvertToFloat(kv_dtype_, keys_[slot].data(), kout, elems);
+            if (vout) ConvertToFloat(kv_dtype_, vals_[slot].data(), vout, elems);
           },
           read_queries(),
           [&](int built_end) {  // layers [first, built_end) are built, in order

@@ -94,7 +94,9 @@ struct IndexShape {
   int group_size = 0;
   int64_t n_tokens = 0;
 };
-// Writes the keys and values of (layer, kv head), n_tokens * head_dim fp32 each.
+// Writes the keys and values of (layer, kv head), n_tokens * head_dim fp32 each;
+// k or v is null when no method being built reads it (MethodInfo::reads_keys,
+// reads_values), and is then left alone.
 using ReadKvFn = std::function<void(int layer, int kv_head, float* k, float* v)>;
 // The prefill queries kept for (layer, kv head): [group][rows][d] and positions.
 using ReadQueriesFn =

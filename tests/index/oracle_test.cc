@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 
+#include "index/methods.h"
 #include "index/selector.h"
 
 namespace ctxcache::index {
@@ -153,7 +154,20 @@ TEST(SelectorRegistryTest, MethodsParamsAndErrors) {
         << rho;
   }
   keys[3] = INFINITY;
-  EXPECT_EQ(BuildSelector("oracle", p, {}).status().code(), StatusCode::kInvalidArgument);
+  // Only a method that reads the keys checks them: a builder hands the
+  // others null keys (MethodInfo::reads_keys).
+  EXPECT_EQ(BuildSelector("quest", p, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(BuildSelector("oracle", p, {}).ok());
+  HeadPrefill no_keys = p;
+  no_keys.keys = nullptr;
+  for (const MethodInfo& m : Methods()) {
+    auto built = BuildSelector(std::string(m.name), no_keys, {});
+    if (m.reads_keys) {
+      EXPECT_EQ(built.status().code(), StatusCode::kInvalidArgument) << m.name;
+    } else {
+      EXPECT_TRUE(built.ok()) << m.name << ": " << built.status().ToString();
+    }
+  }
 
   auto params = ParseParams(" m=8, C=128 ,alpha=0.25,");
   ASSERT_TRUE(params.ok());

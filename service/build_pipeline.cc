@@ -237,6 +237,22 @@ std::vector<IndexRequest> MethodsToBuild(const std::vector<IndexRequest>& reques
   return methods;
 }
 
+// Which of the stored keys and values the builds of `methods` read
+// (index::MethodInfo::reads_keys, reads_values).
+struct KvReads {
+  bool keys = false;
+  bool values = false;
+};
+StatusOr<KvReads> KvReadBy(const std::vector<IndexRequest>& methods) {
+  KvReads reads;
+  for (const IndexRequest& r : methods) {
+    ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(r.method));
+    reads.keys = reads.keys || info->reads_keys;
+    reads.values = reads.values || info->reads_values;
+  }
+  return reads;
+}
+
 // Builds and stores `methods`' artifacts of layers [first_layer, end_layer),
 // every (layer, kv head) in parallel on ThreadPool::Default().
 Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& shape,
@@ -259,12 +275,8 @@ Status BuildLayerArtifacts(storage::ContextWriter* writer, const IndexShape& sha
   int layers_reported = 0;  // guarded by mu
   // Keys and values in fp32 only where a method reads them (streaming, full
   // and oracle read neither: an ingest that builds only those converts none).
-  bool need_keys = false, need_values = false;
-  for (const IndexRequest& r : methods) {
-    ASSIGN_OR_RETURN(const index::MethodInfo* info, index::FindMethodInfo(r.method));
-    need_keys = need_keys || info->reads_keys;
-    need_values = need_values || info->reads_values;
-  }
+  ASSIGN_OR_RETURN(const KvReads reads, KvReadBy(methods));
+  const bool need_keys = reads.keys, need_values = reads.values;
   ThreadPool::Default()->ParallelFor(n_items, [&](size_t b, size_t e) {
     // Uninitialized: read_kv writes every element (no zero fill per layer).
     const size_t elems = static_cast<size_t>(n) * d;
@@ -568,6 +580,8 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->n_tokens_ = static_cast<int64_t>(header.tokens.size());
   b->indexes_ = std::move(header.indexes);
   b->methods_ = MethodsToBuild(b->indexes_);
+  ASSIGN_OR_RETURN(const KvReads reads, KvReadBy(b->methods_));
+  b->keep_kv_ = reads.keys || reads.values;
   b->before_commit_ = std::move(header.before_commit);
   storage::BuildRequest req = StoreRequest(spec, header.tokens, header);
   req.parent = header.parent;
@@ -584,7 +598,7 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
       static_cast<size_t>(b->n_tokens_) * b->spec_.head_dim * DTypeSize(b->kv_dtype_);
   b->keys_.resize(heads);
   b->vals_.resize(heads);
-  if (b->first_token_ > 0) {
+  if (b->first_token_ > 0 && b->keep_kv_) {
     for (int l = 0; l < b->spec_.n_layers; ++l) RETURN_IF_ERROR(b->MapLayer(l));
     // The child's indexes cover the parent's tokens too: its KV as stored
     // (the parent's values are exact in kv_dtype_, so the round trip through
@@ -754,6 +768,7 @@ Status IngestBuilder::CheckChunk(int layer, int64_t token_start, int64_t n) cons
 }
 
 Status IngestBuilder::MapLayer(int layer) {
+  if (!keep_kv_) return Status::OK();
   const int NKV = spec_.n_kv_heads;
   std::lock_guard<std::mutex> lock(index_mu_);
   try {
@@ -780,13 +795,16 @@ Status IngestBuilder::StoreHead(int layer, int h, int64_t token_start, int64_t n
   RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
                                     static_cast<uint64_t>(token_start), static_cast<uint32_t>(n),
                                     kv_dtype_, k, v));
-  // Indexes are built over the KV as stored, as in BuildContext.
-  const size_t row = static_cast<size_t>(spec_.head_dim) * DTypeSize(kv_dtype_);
-  const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
-  std::memcpy(keys_[slot].data() + static_cast<size_t>(token_start) * row, k,
-              static_cast<size_t>(n) * row);
-  std::memcpy(vals_[slot].data() + static_cast<size_t>(token_start) * row, v,
-              static_cast<size_t>(n) * row);
+  // Indexes are built over the KV as stored, as in BuildContext (kept only
+  // when a method being built reads it).
+  if (keep_kv_) {
+    const size_t row = static_cast<size_t>(spec_.head_dim) * DTypeSize(kv_dtype_);
+    const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
+    std::memcpy(keys_[slot].data() + static_cast<size_t>(token_start) * row, k,
+                static_cast<size_t>(n) * row);
+    std::memcpy(vals_[slot].data() + static_cast<size_t>(token_start) * row, v,
+                static_cast<size_t>(n) * row);
+  }
   return Status::OK();
 }
 

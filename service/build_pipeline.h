@@ -144,7 +144,9 @@ Status CheckReusable(const v1::ContextManifest& existing,
 // (storage::BuildRequest::parent). Begin reads the parent's KV as stored,
 // since the child's indexes cover every token; queries come from the
 // appended tokens only, as in an extend build.
-// Memory: the context's KV in fp32 (parent's part included) until Commit.
+// Memory: the K/V of the layers complete and not yet indexed, in kv_dtype (a
+// child's: every layer's, mapped at Begin); none when no method being built
+// reads them (streaming, full, oracle).
 // Thread-safety: one caller at a time.
 class IngestBuilder {
  public:
@@ -233,6 +235,9 @@ class IngestBuilder {
   // buffers not reused). keys_/vals_ slots of a layer are touched by one
   // thread at a time: the chunks' until complete, then the build's.
   std::vector<MappedBytes> keys_, vals_;
+  // False when no method being built reads the stored K/V
+  // (KvReadBy): keys_/vals_ stay empty and nothing is copied.
+  bool keep_kv_ = true;
   size_t head_bytes_ = 0;
   std::vector<MappedBytes> spare_;  // guarded by index_mu_
   Status MapLayer(int layer);       // fills the layer's slots (ResourceExhausted)

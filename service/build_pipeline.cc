@@ -790,20 +790,26 @@ Status IngestBuilder::MapLayer(int layer) {
   return Status::OK();
 }
 
-Status IngestBuilder::StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
-                                const void* v) {
-  RETURN_IF_ERROR(writer_->AppendKV(static_cast<uint32_t>(layer), static_cast<uint32_t>(h),
-                                    static_cast<uint64_t>(token_start), static_cast<uint32_t>(n),
-                                    kv_dtype_, k, v));
+Status IngestBuilder::StoreChunk(int layer, int64_t token_start, int64_t n, const void* k,
+                                 const void* v) {
+  const size_t row = static_cast<size_t>(spec_.head_dim) * DTypeSize(kv_dtype_);
+  const size_t head = static_cast<size_t>(n) * row;
+  // The kv heads' pages are encoded and written in parallel.
+  RETURN_IF_ERROR(writer_->AppendLayerKVStrided(static_cast<uint32_t>(layer),
+                                                static_cast<uint64_t>(token_start),
+                                                static_cast<uint32_t>(n), kv_dtype_, k, v, head,
+                                                row));
   // Indexes are built over the KV as stored, as in BuildContext (kept only
   // when a method being built reads it).
   if (keep_kv_) {
-    const size_t row = static_cast<size_t>(spec_.head_dim) * DTypeSize(kv_dtype_);
-    const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
-    std::memcpy(keys_[slot].data() + static_cast<size_t>(token_start) * row, k,
-                static_cast<size_t>(n) * row);
-    std::memcpy(vals_[slot].data() + static_cast<size_t>(token_start) * row, v,
-                static_cast<size_t>(n) * row);
+    const auto* kb = static_cast<const uint8_t*>(k);
+    const auto* vb = static_cast<const uint8_t*>(v);
+    for (int h = 0; h < spec_.n_kv_heads; ++h) {
+      const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
+      const size_t at = static_cast<size_t>(token_start) * row;
+      std::memcpy(keys_[slot].data() + at, kb + h * head, head);
+      std::memcpy(vals_[slot].data() + at, vb + h * head, head);
+    }
   }
   return Status::OK();
 }
@@ -813,14 +819,12 @@ Status IngestBuilder::AddChunk(int layer, int64_t token_start, int64_t n, const 
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
   RETURN_IF_ERROR(IndexStatus());
   if (token_start == first_token_ && first_token_ == 0) RETURN_IF_ERROR(MapLayer(layer));
-  const size_t per_head = static_cast<size_t>(n) * spec_.head_dim;
-  kc_.resize(per_head * DTypeSize(kv_dtype_));
+  const size_t elems = static_cast<size_t>(n) * spec_.head_dim * spec_.n_kv_heads;
+  kc_.resize(elems * DTypeSize(kv_dtype_));
   vc_.resize(kc_.size());
-  for (int h = 0; h < spec_.n_kv_heads; ++h) {
-    ConvertFromFloat(kv_dtype_, k + h * per_head, kc_.data(), per_head);
-    ConvertFromFloat(kv_dtype_, v + h * per_head, vc_.data(), per_head);
-    RETURN_IF_ERROR(StoreHead(layer, h, token_start, n, kc_.data(), vc_.data()));
-  }
+  ConvertFromFloat(kv_dtype_, k, kc_.data(), elems);
+  ConvertFromFloat(kv_dtype_, v, vc_.data(), elems);
+  RETURN_IF_ERROR(StoreChunk(layer, token_start, n, kc_.data(), vc_.data()));
   if (q != nullptr) RETURN_IF_ERROR(queries_->sink.OnChunk(layer, token_start, n, q, k, v));
   next_[static_cast<size_t>(layer)] += n;
   if (next_[static_cast<size_t>(layer)] == n_tokens_) LayerComplete(layer);
@@ -832,14 +836,7 @@ Status IngestBuilder::AddStoredChunk(int layer, int64_t token_start, int64_t n, 
   RETURN_IF_ERROR(CheckChunk(layer, token_start, n));
   RETURN_IF_ERROR(IndexStatus());
   if (token_start == first_token_ && first_token_ == 0) RETURN_IF_ERROR(MapLayer(layer));
-  const size_t head_bytes =
-      static_cast<size_t>(n) * spec_.head_dim * DTypeSize(kv_dtype_);
-  const auto* kb = static_cast<const uint8_t*>(k);
-  const auto* vb = static_cast<const uint8_t*>(v);
-  for (int h = 0; h < spec_.n_kv_heads; ++h) {
-    RETURN_IF_ERROR(StoreHead(layer, h, token_start, n, kb + h * head_bytes,
-                              vb + h * head_bytes));
-  }
+  RETURN_IF_ERROR(StoreChunk(layer, token_start, n, k, v));
   next_[static_cast<size_t>(layer)] += n;
   if (next_[static_cast<size_t>(layer)] == n_tokens_) LayerComplete(layer);
   return Status::OK();

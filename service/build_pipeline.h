@@ -223,10 +223,10 @@ class IngestBuilder {
   std::vector<int64_t> next_;                     // per layer: the next token expected
   // Checks a chunk's layer and token range against what the layer expects.
   Status CheckChunk(int layer, int64_t token_start, int64_t n) const;
-  // Stores (layer, kv head)'s rows [token_start, token_start + n), k and v in
-  // kv_dtype_, and keeps them for the index build.
-  Status StoreHead(int layer, int h, int64_t token_start, int64_t n, const void* k,
-                   const void* v);
+  // Stores rows [token_start, token_start + n) of every kv head of `layer`,
+  // k and v [n_kv_heads][n][head_dim] in kv_dtype_, and keeps them for the
+  // index build (keep_kv_).
+  Status StoreChunk(int layer, int64_t token_start, int64_t n, const void* k, const void* v);
   // [layer * n_kv + head]: the context's K and V as stored (kv_dtype_), for
   // the index build; head_bytes_ each (n_tokens_ * head_dim elements),
   // mapped when the layer's first chunk arrives (a child's at Begin, with

@@ -287,13 +287,19 @@ Status ContextWriter::AppendKV(uint32_t layer, uint32_t kv_head, uint64_t token_
 Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32_t n_tokens,
                                     DType dtype, const void* k, const void* v) {
   const size_t row = size_t{head_dim_} * DTypeSize(dtype_);
-  const size_t stride = row * n_kv_heads_;
+  return AppendLayerKVStrided(layer, token_start, n_tokens, dtype, k, v, row, row * n_kv_heads_);
+}
+
+Status ContextWriter::AppendLayerKVStrided(uint32_t layer, uint64_t token_start,
+                                           uint32_t n_tokens, DType dtype, const void* k,
+                                           const void* v, size_t head_stride,
+                                           size_t token_stride) {
   auto* kb = static_cast<const uint8_t*>(k);
   auto* vb = static_cast<const uint8_t*>(v);
   if (!core_->options().parallel_encode || n_kv_heads_ == 1) {
     for (uint32_t h = 0; h < n_kv_heads_; ++h) {
-      RETURN_IF_ERROR(AppendStrided(layer, h, token_start, n_tokens, dtype, kb + h * row,
-                                    vb + h * row, stride));
+      RETURN_IF_ERROR(AppendStrided(layer, h, token_start, n_tokens, dtype, kb + h * head_stride,
+                                    vb + h * head_stride, token_stride));
     }
     return Status::OK();
   }
@@ -304,7 +310,7 @@ Status ContextWriter::AppendLayerKV(uint32_t layer, uint64_t token_start, uint32
   pool->ParallelFor(n_kv_heads_, [&](size_t begin, size_t end) {
     for (size_t h = begin; h < end; ++h) {
       results[h] = AppendStrided(layer, static_cast<uint32_t>(h), token_start, n_tokens, dtype,
-                                 kb + h * row, vb + h * row, stride);
+                                 kb + h * head_stride, vb + h * head_stride, token_stride);
     }
   });
   for (auto& s : results) RETURN_IF_ERROR(s);

@@ -70,6 +70,13 @@ class ContextWriter {
   // (the layout a forward pass produces).
   Status AppendLayerKV(uint32_t layer, uint64_t token_start, uint32_t n_tokens, DType dtype,
                        const void* k, const void* v);
+  // The same for any layout: kv head h's row t at h * head_stride + t *
+  // token_stride bytes from k (and v). [n_kv_heads][n_tokens][head_dim] (an
+  // ingest chunk's layout) is head_stride = n_tokens * row, token_stride = row.
+  // The heads are encoded and written in parallel (parallel_encode).
+  Status AppendLayerKVStrided(uint32_t layer, uint64_t token_start, uint32_t n_tokens,
+                              DType dtype, const void* k, const void* v, size_t head_stride,
+                              size_t token_stride);
 
   // Stores an index artifact (opaque bytes, chunked) under (layer, kv_head,
   // kind); layer = kv_head = kWholeContext for per-context artifacts. A

@@ -777,6 +777,68 @@ TEST_F(StoreTest, IngestWriterMemoryIsBoundedFor32KTokens) {
   EXPECT_TRUE(store_->Verify(IdOf(*m)).ok());
 }
 
+TEST_F(StoreTest, HeadMajorLayerChunksStoreWhatPerHeadAppendsStore) {
+  StoreOptions o = TestOptions(&clock_);
+  o.page_codec.codec = PageCodec::kNone;
+  Open(o);
+  const uint32_t H = 3, d = 8, L = 2;
+  // Context a: AppendKV per head. Context b: AppendLayerKVStrided with an
+  // ingest chunk's [heads][n][d] layout (strides of a head and a token).
+  std::vector<ContextId> ids;
+  for (int mode = 0; mode < 2; ++mode) {
+    auto tokens = Tokens(70, 500 + mode);  // distinct tokens: two contexts
+    BuildRequest req;
+    req.model = MakeSpec(L, H, d);
+    req.tokens = tokens;
+    auto start = store_->BeginBuild(req);
+    ASSERT_TRUE(start.ok()) << start.status().ToString();
+    ContextWriter* w = start->writer.get();
+    const uint64_t n_all = tokens.size();
+    for (uint64_t t0 = 0; t0 < n_all; t0 += 33) {
+      const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(33, n_all - t0));
+      for (uint32_t l = 0; l < L; ++l) {
+        std::vector<uint16_t> k(size_t{H} * n * d), v(k.size());
+        for (uint32_t h = 0; h < H; ++h) {
+          for (uint32_t t = 0; t < n; ++t) {
+            for (uint32_t j = 0; j < d; ++j) {
+              const size_t at = (size_t{h} * n + t) * d + j;
+              k[at] = static_cast<uint16_t>(0x3f00 + ((l * 7 + h * 5 + t0 + t + j) % 97));
+              v[at] = static_cast<uint16_t>(0x4000 + ((l * 3 + h * 11 + t0 + t * 2 + j) % 89));
+            }
+          }
+        }
+        if (mode == 0) {
+          for (uint32_t h = 0; h < H; ++h) {
+            ASSERT_TRUE(w->AppendKV(l, h, t0, n, DType::kBF16, k.data() + size_t{h} * n * d,
+                                    v.data() + size_t{h} * n * d)
+                            .ok());
+          }
+        } else {
+          ASSERT_TRUE(w->AppendLayerKVStrided(l, t0, n, DType::kBF16, k.data(), v.data(),
+                                              size_t{n} * d * 2, size_t{d} * 2)
+                          .ok());
+        }
+      }
+    }
+    auto m = w->Commit();
+    ASSERT_TRUE(m.ok()) << m.status().ToString();
+    ids.push_back(IdOf(*m));
+  }
+  auto a = store_->OpenReader(ids[0]);
+  auto b = store_->OpenReader(ids[1]);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ((*a)->n_blocks(), (*b)->n_blocks());
+  for (uint32_t l = 0; l < L; ++l) {
+    for (uint32_t h = 0; h < H; ++h) {
+      PageBatch pa, pb;
+      ASSERT_TRUE((*a)->ReadPages(l, h, AllBlocks((*a)->n_blocks()), &pa).ok());
+      ASSERT_TRUE((*b)->ReadPages(l, h, AllBlocks((*b)->n_blocks()), &pb).ok());
+      EXPECT_EQ(pa.data, pb.data) << "layer " << l << " head " << h;
+      EXPECT_EQ(pa.crc32c, pb.crc32c);
+    }
+  }
+}
+
 TEST_F(StoreTest, TooSmallWriterBudgetIsRejected) {
   StoreOptions o = TestOptions(&clock_);
   o.write_batch_bytes = 64 << 10;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "auth/principal.h"
+#include "common/clock.h"
 #include "common/crc32c.h"
 #include "index/methods.h"
 #include "service/access.h"
@@ -23,12 +24,6 @@
 namespace ctxcache::service {
 
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A bulk request's layers: `requested` in order, or all ascending when
 // empty. INVALID_ARGUMENT naming `layers` for one out of range or repeated.
@@ -320,7 +315,7 @@ void DecodeServiceImpl::ReaperLoop() {
     streams_at_trim = streams_.size();
     const int64_t limit = int64_t{ctx_->config.session_idle_timeout_s} * 1000;
     const int64_t open_limit = int64_t{ctx_->config.session_open_timeout_s} * 1000;
-    const int64_t now = NowMs();
+    const int64_t now = SteadyNowMs();
     for (auto& [key, s] : streams_) {
       if (!s->opened.load() && s->started_ms > 0 && now - s->started_ms > open_limit) {
         spdlog::info("cancelling a Decode stream that opened no session within {} s",
@@ -354,8 +349,8 @@ grpc::Status DecodeServiceImpl::Decode(
     if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
     auto live = std::make_unique<LiveStream>();
     live->context = context;
-    live->last_activity_ms = NowMs();
-    live->started_ms = NowMs();
+    live->last_activity_ms = SteadyNowMs();
+    live->started_ms = SteadyNowMs();
     LiveStream* key = live.get();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -385,7 +380,7 @@ grpc::Status DecodeServiceImpl::Decode(
         if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
           key->opened = true;  // the idle and open timeouts see the proxied traffic
           return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream,
-                                          [key] { key->last_activity_ms = NowMs(); }));
+                                          [key] { key->last_activity_ms = SteadyNowMs(); }));
         }
       }
       if (!refuse.ok()) {  // answered; the stream may still open another session
@@ -395,7 +390,7 @@ grpc::Status DecodeServiceImpl::Decode(
       }
     }
     for (bool more = have_first; more; more = stream->Read(&req)) {
-      key->last_activity_ms = NowMs();
+      key->last_activity_ms = SteadyNowMs();
       if (req.has_open()) key->opened = true;
       // A key revoked while the session is open ends it (docs/security.md).
       if (Status s = ctx_->access->Recheck(context, rpc.principal()); !s.ok()) {

@@ -125,13 +125,7 @@ StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
   if (flat.empty() || flat[0] == nullptr) {
     return InvalidArgumentError("sparse attention: null selector");
   }
-  session::SessionShape shape;
-  shape.n_layers = spec.n_layers;
-  shape.n_q_heads = spec.n_q_heads;
-  shape.n_kv_heads = spec.n_kv_heads;
-  shape.head_dim = spec.head_dim;
-  shape.page_size = options.page_size;
-  shape.n_stored = n_context;
+  const auto shape = session::SessionShape::From(spec, options.page_size, n_context);
   ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(std::string(flat[0]->method()),
                                                             options.params, options.page_size));
   ASSIGN_OR_RETURN(auto core, session::SparseSession::CreateBorrowed(shape, params,

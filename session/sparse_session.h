@@ -47,11 +47,39 @@ struct SessionShape {
   // Tokens of the stored context.
   int64_t n_stored = 0;
 
+  // The shape of a stored context of `n_stored` tokens in pages of
+  // `page_size` tokens, for the model `spec` describes: model::ModelSpec
+  // (fields n_layers, n_q_heads, n_kv_heads, head_dim) or the proto
+  // v1::ModelSpec (accessors of those names). A template so that session/
+  // includes neither model/ nor the generated code. Not validated: call
+  // Validate.
+  template <typename Spec>
+  static SessionShape From(const Spec& spec, int64_t page_size, int64_t n_stored);
+
   int group_size() const { return n_kv_heads > 0 ? n_q_heads / n_kv_heads : 0; }
   // InvalidArgument naming the field unless every size is positive and
   // n_q_heads is a multiple of n_kv_heads.
   Status Validate() const;
 };
+
+template <typename Spec>
+SessionShape SessionShape::From(const Spec& spec, int64_t page_size, int64_t n_stored) {
+  SessionShape shape;
+  if constexpr (requires { spec.n_layers(); }) {
+    shape.n_layers = static_cast<int>(spec.n_layers());
+    shape.n_q_heads = static_cast<int>(spec.n_q_heads());
+    shape.n_kv_heads = static_cast<int>(spec.n_kv_heads());
+    shape.head_dim = static_cast<int>(spec.head_dim());
+  } else {
+    shape.n_layers = static_cast<int>(spec.n_layers);
+    shape.n_q_heads = static_cast<int>(spec.n_q_heads);
+    shape.n_kv_heads = static_cast<int>(spec.n_kv_heads);
+    shape.head_dim = static_cast<int>(spec.head_dim);
+  }
+  shape.page_size = static_cast<int>(page_size);
+  shape.n_stored = n_stored;
+  return shape;
+}
 
 // One (layer, kv head) of one step: what each q head attends and the pages
 // that carry it.

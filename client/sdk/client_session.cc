@@ -117,13 +117,8 @@ Status ClientModeSession::Open() {
       selectors.push_back(std::move(sel));
     }
   }
-  session::SessionShape shape;
-  shape.n_layers = static_cast<int>(n_layers_);
-  shape.n_q_heads = static_cast<int>(n_q_);
-  shape.n_kv_heads = static_cast<int>(n_kv_);
-  shape.head_dim = static_cast<int>(d_);
-  shape.page_size = static_cast<int>(block_);
-  shape.n_stored = static_cast<int64_t>(info_.n_tokens());
+  const auto shape = session::SessionShape::From(info_.model(), info_.block_tokens(),
+                                                 static_cast<int64_t>(info_.n_tokens()));
   ASSIGN_OR_RETURN(core_, session::SparseSession::Create(shape, params, std::move(selectors),
                                                          &fetcher_));
   pred_selectors_.resize(size_t{n_layers_} * n_kv_);

@@ -174,7 +174,7 @@ struct CsaOptions {
 // Absent keys keep CsaOptions' defaults.
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params);
 // CsaOptions::rerank's valid values: 0 or in [1, 64] (also a decode
-// session's `rerank`, index/session_params.h).
+// session's `rerank`, session/session_params.h).
 bool IsValidCsaRerank(double rerank);
 // The subspaces a build uses: m when m > 0, else the largest divisor of
 // head_dim that is <= min(16, head_dim / 4) (at least 1).

@@ -126,8 +126,8 @@ StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
     return InvalidArgumentError("sparse attention: null selector");
   }
   const auto shape = session::SessionShape::From(spec, options.page_size, n_context);
-  ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(std::string(flat[0]->method()),
-                                                            options.params, options.page_size));
+  ASSIGN_OR_RETURN(auto params, session::SessionParams::Parse(std::string(flat[0]->method()),
+                                                              options.params, options.page_size));
   ASSIGN_OR_RETURN(auto core, session::SparseSession::CreateBorrowed(shape, params,
                                                                      std::move(flat), pages));
   return std::unique_ptr<SparseAttention>(new SparseAttention(spec, std::move(core)));

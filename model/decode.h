@@ -85,7 +85,7 @@ class KvCachePageFetcher final : public session::PageFetcher {
 };
 
 struct SparseAttentionOptions {
-  // Session params as a decode session takes them (index/session_params.h:
+  // Session params as a decode session takes them (session/session_params.h:
   // rho, budget, page_fraction, whole_pages, subgroup, recent_blocks,
   // estimate_mass).
   // Default: empty (each param's own default).

@@ -101,7 +101,7 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
     selection_params.erase(it);
   }
   ASSIGN_OR_RETURN(auto session_params,
-                   index::SessionParams::Parse(method, selection_params, shape.page_size));
+                   session::SessionParams::Parse(method, selection_params, shape.page_size));
   std::vector<std::unique_ptr<index::Selector>> selectors;
   if (options.indexes != nullptr) {
     ASSIGN_OR_RETURN(s->index_, options.indexes->Get(*reader, method));

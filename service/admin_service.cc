@@ -212,6 +212,69 @@ Status IngestContents(const v1::IngestHeader& h, const storage::ContextReader* p
   return Status::OK();
 }
 
+// The builder header of an ingest from the client's: the model and the
+// contents (IngestContents), after checking the metadata, the model name,
+// a hosted model's spec and the context length. The caller sets the tenant
+// and the rest.
+Status IngestHeaderFor(ServiceContext* ctx, const v1::IngestHeader& h,
+                       const storage::ContextReader* parent, IngestBuilder::Header* header) {
+  header->model = h.model();
+  RETURN_IF_ERROR(ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."));
+  RETURN_IF_ERROR(ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes));
+  RETURN_IF_ERROR(IngestContents(h, parent, ctx->config.default_indexes, header));
+  std::shared_ptr<const LoadedModel> hosted_model;
+  if (ctx->models.IsHosted(h.model().name())) {
+    ASSIGN_OR_RETURN(hosted_model, ctx->models.Get(h.model().name()));
+    RETURN_IF_ERROR(CheckIngestSpec(hosted_model->spec, h.model()));
+  }
+  return CheckContextLength(header->tokens.size(),
+                            MaxContextTokens(ctx->config, hosted_model.get()), h.model().name());
+}
+
+// Conversion buffers of an ingest's chunks, reused from chunk to chunk.
+struct IngestScratch {
+  std::vector<float> k, v, q;
+};
+
+// Adds one IngestLayerChunk to the build. K and V already in the stored
+// dtype, and no queries: stored as they came, with no conversion (the usual
+// GPU worker's bf16 KV); else converted to float through *scratch.
+Status AddIngestChunk(const v1::IngestLayerChunk& c, IngestBuilder* b, IngestScratch* scratch) {
+  const int64_t NKV = b->n_kv_heads(), NQ = b->n_q_heads(), D = b->head_dim();
+  const int64_t n = c.n_tokens();
+  const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
+  const bool has_q = c.has_q() && !c.q().data().empty();
+  const auto k_dtype = FromProtoDType(c.k().dtype());
+  if (n > 0 && !has_q && k_dtype.ok() && *k_dtype == b->kv_dtype() &&
+      c.v().dtype() == c.k().dtype()) {
+    RETURN_IF_ERROR(CheckStoredTensor(c.k(), {NKV, n, D}, b->kv_dtype(), "chunk.k"));
+    RETURN_IF_ERROR(CheckStoredTensor(c.v(), {NKV, n, D}, b->kv_dtype(), "chunk.v"));
+    return b->AddStoredChunk(layer, static_cast<int64_t>(c.token_start()), n,
+                             c.k().data().data(), c.v().data().data());
+  }
+  std::vector<float>& k = scratch->k;
+  std::vector<float>& v = scratch->v;
+  std::vector<float>& q = scratch->q;
+  if (n > 0) {
+    RETURN_IF_ERROR(TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k));
+    RETURN_IF_ERROR(TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v));
+    if (has_q) RETURN_IF_ERROR(TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q));
+  }
+  return b->AddChunk(layer, static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
+                     has_q ? q.data() : nullptr);
+}
+
+// Commits an ingest, publishes it to the cluster (when there is one) and its
+// CREATED or EXTENDED (child) and READY events; *info is the new context.
+Status CommitIngest(ServiceContext* ctx, IngestBuilder* b, bool child, v1::ContextInfo* info) {
+  ASSIGN_OR_RETURN(v1::ContextManifest manifest, b->Commit());
+  if (ctx->cluster) RETURN_IF_ERROR(ctx->cluster->PublishReady(manifest));
+  *info = ManifestToInfo(manifest);
+  ctx->events.Publish(child ? v1::ContextEvent::EXTENDED : v1::ContextEvent::CREATED, *info);
+  ctx->events.Publish(v1::ContextEvent::READY, *info);
+  return Status::OK();
+}
+
 }  // namespace
 
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
@@ -359,33 +422,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       parent = std::move(r).value();
     }
     IngestBuilder::Header header;
-    header.model = h.model();
-    if (Status s = ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."); !s.ok()) {
-      return ToGrpc(s);
-    }
-    if (Status s = ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes);
-        !s.ok()) {
-      return ToGrpc(s);
-    }
-    if (Status s = IngestContents(h, parent.get(), ctx_->config.default_indexes, &header);
-        !s.ok()) {
-      return ToGrpc(s);
-    }
-    std::shared_ptr<const LoadedModel> hosted_model;
-    if (ctx_->models.IsHosted(h.model().name())) {
-      auto hosted = ctx_->models.Get(h.model().name());
-      if (!hosted.ok()) return ToGrpc(hosted.status());
-      if (Status s = CheckIngestSpec((*hosted)->spec, h.model()); !s.ok()) {
-        return ToGrpc(s);
-      }
-      hosted_model = *hosted;
-    }
-    if (Status s = CheckContextLength(header.tokens.size(),
-                                      MaxContextTokens(ctx_->config, hosted_model.get()),
-                                      h.model().name());
-        !s.ok()) {
-      return ToGrpc(s);
-    }
+    if (Status s = IngestHeaderFor(ctx_, h, parent.get(), &header); !s.ok()) return ToGrpc(s);
     // A child belongs to the caller's tenant, as in ExtendContext (an
     // operator's child without header.tenant: the parent's).
     const std::string& want_tenant =
@@ -420,8 +457,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       rpc.set_context_id(response->context_id());
       return grpc::Status::OK;
     }
-    const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
-    std::vector<float> k, v, q;
+    IngestScratch scratch;
     bool committed = false;
     while (reader->Read(&msg)) {
       if (context->IsCancelled()) return ToGrpc(CancelledError("ingest cancelled"));
@@ -432,49 +468,15 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       if (!msg.has_chunk()) {
         return ToGrpc(InvalidArgumentError("expected a chunk or the commit"));
       }
-      const v1::IngestLayerChunk& c = msg.chunk();
-      const int64_t n = c.n_tokens();
-      const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
-      const bool has_q = c.has_q() && !c.q().data().empty();
-      // K and V already in the stored dtype, and no queries: stored as they
-      // came, with no conversion (the usual GPU worker's bf16 KV).
-      const auto k_dtype = FromProtoDType(c.k().dtype());
-      if (n > 0 && !has_q && k_dtype.ok() && *k_dtype == b.kv_dtype() &&
-          c.v().dtype() == c.k().dtype()) {
-        Status s = CheckStoredTensor(c.k(), {NKV, n, D}, b.kv_dtype(), "chunk.k");
-        if (s.ok()) s = CheckStoredTensor(c.v(), {NKV, n, D}, b.kv_dtype(), "chunk.v");
-        if (s.ok()) {
-          s = b.AddStoredChunk(layer, static_cast<int64_t>(c.token_start()), n,
-                               c.k().data().data(), c.v().data().data());
-        }
-        if (!s.ok()) return ToGrpc(s);  // ~IngestBuilder removes what was written
-        continue;
-      }
-      Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
-      if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
-      if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
-      if (s.ok()) {
-        s = b.AddChunk(layer, static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
-                       has_q ? q.data() : nullptr);
-      }
-      if (!s.ok()) return ToGrpc(s);  // ~IngestBuilder removes what was written
+      // On an error ~IngestBuilder removes what was written.
+      if (Status s = AddIngestChunk(msg.chunk(), &b, &scratch); !s.ok()) return ToGrpc(s);
     }
     if (!committed) {
       return grpc::Status(grpc::StatusCode::ABORTED,
                           "the ingest stream ended before IngestCommit; nothing was stored");
     }
-    auto manifest = b.Commit();
-    if (!manifest.ok()) return ToGrpc(manifest.status());
-    if (ctx_->cluster) {
-      if (Status pub = ctx_->cluster->PublishReady(*manifest); !pub.ok()) {
-        return ToGrpc(pub);
-      }
-    }
-    *response = ManifestToInfo(*manifest);
+    if (Status s = CommitIngest(ctx_, &b, child, response); !s.ok()) return ToGrpc(s);
     rpc.set_context_id(response->context_id());
-    ctx_->events.Publish(child ? v1::ContextEvent::EXTENDED : v1::ContextEvent::CREATED,
-                         *response);
-    ctx_->events.Publish(v1::ContextEvent::READY, *response);
     return grpc::Status::OK;
   });
 }

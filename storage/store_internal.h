@@ -195,6 +195,29 @@ class StoreCore {
   Status CheckParentLocked(const BuildRequest& req, const ContextId& parent,
                            v1::ContextManifest* parent_manifest) const;
   StatusOr<std::vector<uint32_t>> ReadTokensRaw(const ContextId& id, uint64_t n_tokens) const;
+  // BeginBuild's steps. InvalidArgument naming the field for a request the
+  // store cannot build (model shape, dtype, fingerprint, no tokens, a
+  // writer buffer too small for the model).
+  Status CheckBuildRequest(const BuildRequest& req) const;
+  // Under mu_: a READY context of `id` fills *existing (touching its last
+  // access) and returns null; otherwise waits out another build of `id`
+  // (UNAVAILABLE past StoreOptions::concurrent_build_wait_ms), checks the
+  // parent into *parent_manifest and claims the build slot of `id` (and a
+  // child reference on the parent). UNAVAILABLE while `id` is being deleted.
+  StatusOr<std::shared_ptr<BuildSlot>> ClaimBuildSlot(const BuildRequest& req, const ContextId& id,
+                                                      v1::ContextManifest* existing,
+                                                      v1::ContextManifest* parent_manifest);
+  // InvalidArgument unless the parent's token ids are a prefix of req's.
+  Status CheckParentPrefix(const BuildRequest& req,
+                           const v1::ContextManifest& parent_manifest) const;
+  // The BUILDING manifest of a new build of `id` (stamped now).
+  v1::ContextManifest BuildingManifest(const BuildRequest& req, const ContextId& id,
+                                       const v1::ContextManifest& parent_manifest) const;
+  // One synced batch: the token ids and *man (stored_bytes set to the
+  // tokens' bytes). On a write error, best-effort deletes what may have
+  // been written.
+  Status WriteBuildingManifest(const BuildRequest& req, const ContextId& id,
+                               v1::ContextManifest* man);
   void BackgroundLoop();
 
   StoreOptions options_;

@@ -98,6 +98,7 @@
 
 namespace ctxcache::index {
 
+class ByteReader;
 class ByteWriter;
 
 struct CsaOptions {
@@ -316,6 +317,10 @@ class CsaSelector final : public Selector {
   // out[e] = the sketch score q . khat of token ids[e], e < n.
   void SketchScores(const float* q, const int32_t* ids, int64_t n, float* out) const;
   Status ReadTables(std::string_view bytes);
+  // ReadTables' last section (from the sketch versions on): rerank, the
+  // sketch bits, codes and scales into *t; sets options_.rerank (0 before
+  // those versions). DataLoss naming what is wrong.
+  Status ReadKeySketch(ByteReader* r, bool compact, uint32_t version, Tables* t);
   // The sketch section of both serialized forms: rerank, bits, codes, scales.
   void PutSketch(ByteWriter* w) const;
 

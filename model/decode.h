@@ -27,6 +27,7 @@
 #include "index/selector.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "session/attention.h"
 #include "session/page_fetcher.h"
 #include "session/sparse_session.h"
 
@@ -126,8 +127,7 @@ class SparseAttention final : public AttentionProvider {
   std::unique_ptr<session::SparseSession> session_;
   std::vector<std::vector<session::HeadStep>> last_;  // [layer][kv_head]
   std::vector<session::PageMap> pages_;               // [kv_head], reused per step
-  std::vector<const float*> krow_, vrow_;
-  std::vector<float> scratch_;
+  session::AttendScratch attend_;
   SparseAttentionStats stats_;
 };
 

@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -13,6 +12,7 @@
 #include <sstream>
 
 #include "auth/crypto.h"
+#include "common/clock.h"
 
 namespace ctxcache::auth {
 
@@ -30,12 +30,6 @@ std::string HashSecret(std::string_view salt, std::string_view secret) {
   h.Update(secret);
   Sha256::Digest d = h.Finish();
   return std::string(reinterpret_cast<const char*>(d.data()), d.size());
-}
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 Status ParseTenantRole(const std::map<std::string, std::string>& kv, const std::string& where,
@@ -241,14 +235,14 @@ Status KeyStore::Reload() {
   file_ = std::move(file);
   by_id_ = std::move(by_id);
   stamp_ = *stamp;
-  last_check_ms_ = NowMs();
+  last_check_ms_ = SteadyNowMs();
   return Status::OK();
 }
 
 StatusOr<bool> KeyStore::ReloadIfChanged(int64_t min_interval_ms) {
   {
     std::lock_guard<std::mutex> l(mu_);
-    const int64_t now = NowMs();
+    const int64_t now = SteadyNowMs();
     if (now - last_check_ms_ < min_interval_ms) return false;
     last_check_ms_ = now;
   }

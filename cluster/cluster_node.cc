@@ -6,15 +6,11 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "common/clock.h"
+
 namespace ctxcache::cluster {
 
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 // Tombstones of cluster-wide evictions live this long, seconds.
 constexpr int64_t kTombstoneTtlS = 3600;
@@ -323,7 +319,7 @@ void ClusterNode::RebalancePass() {
   }
   size_t started = 0;
   std::vector<std::pair<std::string, std::pair<std::string, std::string>>> jobs;
-  const int64_t now = NowMs();
+  const int64_t now = WallNowMs();
   for (const auto& [hex, rec] : v.contexts) {
     if (v.evicted.count(hex)) continue;
     const auto& holders = v.holders[hex];
@@ -456,7 +452,7 @@ Status ClusterNode::RecordLifecycle(const v1::ContextManifest& m) {
 
 Status ClusterNode::RecordEvicted(const storage::ContextId& id) {
   ASSIGN_OR_RETURN(int64_t lease, etcd_->GrantLease(kTombstoneTtlS));
-  RETURN_IF_ERROR(etcd_->Put(Key("evicted/" + id.ToHex()), std::to_string(NowMs()), lease));
+  RETURN_IF_ERROR(etcd_->Put(Key("evicted/" + id.ToHex()), std::to_string(WallNowMs()), lease));
   RETURN_IF_ERROR(etcd_->Delete(Key("contexts/" + id.ToHex())));
   return etcd_->Delete(Key("holders/" + id.ToHex() + "/" + self_.node_id));
 }

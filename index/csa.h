@@ -98,6 +98,7 @@
 
 namespace ctxcache::index {
 
+class ByteReader;
 class ByteWriter;
 
 struct CsaOptions {
@@ -174,7 +175,7 @@ struct CsaOptions {
 // Absent keys keep CsaOptions' defaults.
 StatusOr<CsaOptions> ParseCsaOptions(const MethodParams& params);
 // CsaOptions::rerank's valid values: 0 or in [1, 64] (also a decode
-// session's `rerank`, index/session_params.h).
+// session's `rerank`, session/session_params.h).
 bool IsValidCsaRerank(double rerank);
 // The subspaces a build uses: m when m > 0, else the largest divisor of
 // head_dim that is <= min(16, head_dim / 4) (at least 1).
@@ -301,9 +302,25 @@ class CsaSelector final : public Selector {
   // selected tokens and log sum_i exp over every covered token's estimate.
   void SearchOne(const float* q, std::vector<int32_t>* selected, std::vector<float>* logits,
                  double* log_normalizer, WorkStats* stats);
+  // SearchOne's steps. AccumulateLists: per sub-query, the nearest
+  // centroid's list (under backoff the top-tau lists, averaged) added into
+  // Scratch().acc; returns the lists gathered, adds the sub-query norms to
+  // *norm_sum. SelectBySketch (rerank > 0 with a sketch) and
+  // SelectByAccumulators pick k tokens: *selected holds the forced tokens
+  // (sinks, recent window) on entry and the selection, ascending, on return.
+  int64_t AccumulateLists(const float* q, float* norm_sum);
+  void SelectBySketch(const float* q, int64_t k, float to_logit, std::vector<int32_t>* selected,
+                      std::vector<float>* logits, double* log_normalizer, WorkStats* stats);
+  void SelectByAccumulators(int64_t k, float to_logit, int64_t n_sinks, int64_t recent_start,
+                            std::vector<int32_t>* selected, std::vector<float>* logits,
+                            double* log_normalizer);
   // out[e] = the sketch score q . khat of token ids[e], e < n.
   void SketchScores(const float* q, const int32_t* ids, int64_t n, float* out) const;
   Status ReadTables(std::string_view bytes);
+  // ReadTables' last section (from the sketch versions on): rerank, the
+  // sketch bits, codes and scales into *t; sets options_.rerank (0 before
+  // those versions). DataLoss naming what is wrong.
+  Status ReadKeySketch(ByteReader* r, bool compact, uint32_t version, Tables* t);
   // The sketch section of both serialized forms: rerank, bits, codes, scales.
   void PutSketch(ByteWriter* w) const;
 

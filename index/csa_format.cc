@@ -298,6 +298,198 @@ bool GetOptions(ByteReader* r, CsaOptions* o) {
   return ok;
 }
 
+Status Loss(const std::string& what) { return DataLossError("csa artifact: " + what); }
+
+// Plain lists: every list's ids, then every list's scores, raw; each list
+// is then put worst first.
+Status ReadPlainLists(ByteReader* r, int64_t n_lists, int64_t L, int64_t n_tokens, int32_t* ids,
+                      uint16_t* scores) {
+  const uint64_t entries = static_cast<uint64_t>(n_lists) * L;
+  if (!r->GetArray(ids, entries) || !r->GetArray(scores, entries)) {
+    return Loss("truncated lists");
+  }
+  for (uint64_t e = 0; e < entries; ++e) {
+    if (ids[e] < 0 || ids[e] >= n_tokens) return Loss("list id out of range");
+  }
+  std::vector<uint64_t> sort_a, sort_b;  // SortWorstFirst scratch
+  for (int64_t l = 0; l < n_lists; ++l) {
+    SortWorstFirst(ids + l * L, scores + l * L, L, /*ids_ascending=*/false, &sort_a, &sort_b);
+  }
+  return Status::OK();
+}
+
+// One list's L ids as varint deltas: strictly ascending, each < n_tokens.
+Status ReadVarintIds(ByteReader* r, int64_t L, int64_t n_tokens, int32_t* ids) {
+  int64_t prev = -1;
+  for (int64_t e = 0; e < L; ++e) {
+    uint64_t delta = 0;
+    // Unsigned compare: a huge delta must not wrap prev (signed overflow).
+    if (!r->GetVarint(&delta) || delta == 0 ||
+        delta > static_cast<uint64_t>(n_tokens - 1 - prev)) {
+      return Loss("bad list ids");
+    }
+    prev += static_cast<int64_t>(delta);
+    ids[e] = static_cast<int32_t>(prev);
+  }
+  return Status::OK();
+}
+
+// One list's L ids as a bitmap over the n_tokens tokens. *bitmap: scratch,
+// sized on first use, after the bytes for it are known to be there (a
+// corrupt n_tokens must not allocate).
+Status ReadBitmapIds(ByteReader* r, int64_t L, int64_t n_tokens, std::vector<uint8_t>* bitmap,
+                     int32_t* ids) {
+  const size_t bitmap_bytes = static_cast<size_t>((n_tokens + 7) / 8);
+  if (r->remaining() < bitmap_bytes) return Loss("truncated list bitmap");
+  bitmap->resize(bitmap_bytes);
+  if (!r->GetArray(bitmap->data(), bitmap->size())) return Loss("truncated list bitmap");
+  int64_t e = 0;
+  for (size_t byte = 0; byte < bitmap->size(); ++byte) {
+    for (uint32_t v = (*bitmap)[byte]; v != 0; v &= v - 1) {
+      const int64_t id = static_cast<int64_t>(byte) * 8 + __builtin_ctz(v);
+      if (id >= n_tokens || e >= L) return Loss("bad list bitmap");
+      ids[e++] = static_cast<int32_t>(id);
+    }
+  }
+  if (e != L) return Loss("bad list bitmap");
+  return Status::OK();
+}
+
+// One list's L ids Elias-Fano coded (EliasFanoShape): the k byte, the low
+// bits, the upper bitmap. *buf: scratch.
+Status ReadEliasFanoIds(ByteReader* r, int64_t L, int64_t n_tokens, std::vector<uint8_t>* buf,
+                        int32_t* ids) {
+  uint8_t k = 0;
+  if (!r->Get(&k) || k > 31) return Loss("bad Elias-Fano low bits");
+  const EliasFanoShape ef = EliasFanoFor(k, L, n_tokens);
+  if (r->remaining() < ef.low_bytes + ef.upper_bytes) return Loss("truncated Elias-Fano ids");
+  buf->resize(ef.low_bytes + ef.upper_bytes);
+  if (!r->GetArray(buf->data(), buf->size())) return Loss("truncated Elias-Fano ids");
+  const uint8_t* low = buf->data();
+  const uint8_t* upper = low + ef.low_bytes;
+  int64_t e = 0, prev = -1;
+  for (uint64_t byte = 0; byte < ef.upper_bytes; ++byte) {
+    for (uint32_t v = upper[byte]; v != 0; v &= v - 1) {
+      const uint64_t bit = byte * 8 + static_cast<uint64_t>(__builtin_ctz(v));
+      if (bit >= ef.upper_bits || e >= L) return Loss("bad Elias-Fano ids");
+      // Entry e's k low bits start at bit e * k: up to 5 bytes.
+      const uint64_t at = static_cast<uint64_t>(e) * k;
+      uint64_t window = 0;
+      const uint64_t first = at >> 3;
+      if (first + 8 <= ef.low_bytes) {
+        static_assert(std::endian::native == std::endian::little);
+        std::memcpy(&window, low + first, 8);  // the bytes are little-endian
+      } else {
+        const uint64_t last = std::min<uint64_t>(first + 5, ef.low_bytes);
+        for (uint64_t i = first; i < last; ++i) window |= uint64_t{low[i]} << (8 * (i - first));
+      }
+      const uint64_t lo = (window >> (at & 7)) & ((uint64_t{1} << k) - 1);
+      const int64_t id = static_cast<int64_t>(((bit - static_cast<uint64_t>(e)) << k) | lo);
+      if (id <= prev || id >= n_tokens) return Loss("bad Elias-Fano ids");
+      ids[e++] = static_cast<int32_t>(id);
+      prev = id;
+    }
+  }
+  if (e != L) return Loss("bad Elias-Fano ids");
+  return Status::OK();
+}
+
+// ReadCodedScores' buffers, reused from list to list.
+struct CodedListScratch {
+  CodedListScratch(int levels, int64_t L, uint8_t bits)
+      : book(levels),
+        packed((L * bits + 7) / 8),
+        codes(static_cast<size_t>(L)),
+        code_rank(levels),
+        rank_start(levels + 1) {}
+  std::vector<uint16_t> book;
+  std::vector<uint8_t> packed;
+  std::vector<uint8_t> codes;
+  std::vector<int32_t> id_copy;
+  std::vector<int> code_rank;
+  std::vector<int64_t> rank_start;
+  std::vector<uint8_t> id_bytes;  // ReadBitmapIds, ReadEliasFanoIds
+};
+
+// One list's codebook and packed 4-bit score codes; the list's ids (which
+// arrive ascending) and scores are left worst first (SortWorstFirst's order)
+// straight from the codes: a counting sort over the codebook values' ranks
+// (equal values, +0 and -0 included, share a rank), each rank's entries by
+// descending id.
+Status ReadCodedScores(ByteReader* r, int64_t L, CodedListScratch* s, int32_t* ids,
+                       uint16_t* sc) {
+  const int levels = static_cast<int>(s->book.size());
+  if (!r->GetArray(s->book.data(), s->book.size())) return Loss("truncated score codebook");
+  for (uint16_t h : s->book) {
+    if (!std::isfinite(Half(h))) return Loss("bad score codebook");
+  }
+  if (!r->GetArray(s->packed.data(), s->packed.size())) return Loss("truncated scores");
+  for (int c = 0; c < levels; ++c) {
+    int rank = 0;
+    for (int o = 0; o < levels; ++o) rank += Half(s->book[o]) < Half(s->book[c]);
+    s->code_rank[c] = rank;
+  }
+  std::fill(s->rank_start.begin(), s->rank_start.end(), 0);
+  for (int64_t e = 0; e < L; ++e) {
+    const int code = (s->packed[e >> 1] >> (4 * (e & 1))) & 0xf;
+    if (code >= levels) return Loss("bad score code");
+    s->codes[e] = static_cast<uint8_t>(code);
+    ++s->rank_start[s->code_rank[code] + 1];
+  }
+  for (int k = 0; k < levels; ++k) s->rank_start[k + 1] += s->rank_start[k];
+  s->id_copy.assign(ids, ids + L);
+  for (int64_t e = L - 1; e >= 0; --e) {
+    const int64_t at = s->rank_start[s->code_rank[s->codes[e]]]++;
+    ids[at] = s->id_copy[e];
+    sc[at] = s->book[s->codes[e]];
+  }
+  return Status::OK();
+}
+
+// Compact lists of version >= 2: per list an id coding byte and the ids
+// (bitmap, varint deltas, or from version 3 Elias-Fano), then the scores
+// (ReadCodedScores).
+Status ReadCodedLists(ByteReader* r, uint32_t version, uint8_t bits, int64_t n_lists, int64_t L,
+                      int64_t n_tokens, int32_t* all_ids, uint16_t* all_scores) {
+  CodedListScratch scratch(CodebookLevels(bits, L), L, bits);
+  for (int64_t l = 0; l < n_lists; ++l) {
+    int32_t* ids = all_ids + l * L;
+    uint8_t coding = 0;
+    if (!r->Get(&coding)) return Loss("truncated lists");
+    if (coding == kIdsBitmap) {
+      RETURN_IF_ERROR(ReadBitmapIds(r, L, n_tokens, &scratch.id_bytes, ids));
+    } else if (coding == kIdsVarint) {
+      RETURN_IF_ERROR(ReadVarintIds(r, L, n_tokens, ids));
+    } else if (coding == kIdsEliasFano && version >= 3) {
+      RETURN_IF_ERROR(ReadEliasFanoIds(r, L, n_tokens, &scratch.id_bytes, ids));
+    } else {
+      return Loss("bad list id coding");
+    }
+    RETURN_IF_ERROR(ReadCodedScores(r, L, &scratch, ids, all_scores + l * L));
+  }
+  return Status::OK();
+}
+
+// Compact lists of version 1: per list a float score range, varint ids and
+// 8-bit scores quantized over the range; each list is then put worst first.
+Status ReadQuantizedLists(ByteReader* r, int64_t n_lists, int64_t L, int64_t n_tokens,
+                          int32_t* ids, uint16_t* scores) {
+  std::vector<uint64_t> sort_a, sort_b;  // SortWorstFirst scratch
+  std::vector<uint8_t> q(L);
+  for (int64_t l = 0; l < n_lists; ++l) {
+    float lo = 0, hi = 0;
+    if (!r->Get(&lo) || !r->Get(&hi) || !std::isfinite(lo) || !std::isfinite(hi) || hi < lo) {
+      return Loss("bad list range");
+    }
+    RETURN_IF_ERROR(ReadVarintIds(r, L, n_tokens, ids + l * L));
+    if (!r->GetArray(q.data(), L)) return Loss("truncated scores");
+    const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
+    for (int64_t e = 0; e < L; ++e) scores[l * L + e] = FloatToHalf(lo + q[e] * step);
+    SortWorstFirst(ids + l * L, scores + l * L, L, /*ids_ascending=*/true, &sort_a, &sort_b);
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 void CsaSelector::PutSketch(ByteWriter* w) const {
@@ -481,222 +673,91 @@ Status CsaSelector::Serialize(std::string* out) const {
   return Status::OK();
 }
 
+Status CsaSelector::ReadKeySketch(ByteReader* r, bool compact, uint32_t version, Tables* t) {
+  options_.rerank = 0;
+  if (version >= (compact ? kCompactSketchVersion : kPlainSketchVersion)) {
+    uint8_t bits = 0;
+    if (!r->Get(&options_.rerank) || !r->Get(&bits)) return Loss("truncated key sketch header");
+    if (!CheckOptions(options_).ok()) return Loss("bad rerank");
+    if (bits != 0 && bits != kSketchBits) return Loss("bad key sketch bits");
+    if ((bits != 0) != (options_.rerank > 0)) return Loss("rerank and key sketch disagree");
+    if (bits != 0) {
+      const uint64_t cells = static_cast<uint64_t>(n_tokens_) * d_;
+      if (cells + 2 * static_cast<uint64_t>(n_tokens_) > r->remaining()) {
+        return Loss("truncated key sketch");
+      }
+      t->sketch.resize(cells);
+      t->sketch_scale.resize(static_cast<size_t>(n_tokens_));
+      if (!r->GetArray(t->sketch.data(), cells) ||
+          !r->GetArray(t->sketch_scale.data(), t->sketch_scale.size())) {
+        return Loss("truncated key sketch");
+      }
+      for (int8_t c : t->sketch) {
+        if (c < -kSketchMaxCode) return Loss("bad key sketch code");
+      }
+      for (uint16_t h : t->sketch_scale) {
+        const float v = Half(h);
+        if (!std::isfinite(v) || v < 0) return Loss("bad key sketch scale");
+      }
+    }
+  }
+  return Status::OK();
+}
+
 Status CsaSelector::ReadTables(std::string_view bytes) {
   ByteReader r(bytes);
   auto t = std::make_shared<Tables>();
-  std::vector<uint64_t> sort_a, sort_b;  // SortWorstFirst scratch
   const bool compact = bytes.substr(0, 4) == "CSAC";
   uint32_t version = 0;
   RETURN_IF_ERROR(r.GetHeader(compact ? "CSAC" : "CSAP", compact ? kCompactVersion : kPlainVersion,
                               &version, "csa"));
-  auto loss = [](const std::string& what) { return DataLossError("csa artifact: " + what); };
-  if (!GetOptions(&r, &options_)) return loss("truncated options");
-  if (!CheckOptions(options_).ok() || options_.m < 1) return loss("corrupt options");
+  if (!GetOptions(&r, &options_)) return Loss("truncated options");
+  if (!CheckOptions(options_).ok() || options_.m < 1) return Loss("corrupt options");
   if (!r.Get(&d_) || !r.Get(&n_tokens_) || !r.Get(&n_built_) || !r.Get(&L_)) {
-    return loss("truncated header");
+    return Loss("truncated header");
   }
   if (d_ < 1 || d_ > 4096 || d_ % options_.m != 0 || n_tokens_ < 1 || n_tokens_ > INT32_MAX ||
       n_built_ < 1 || n_built_ > n_tokens_ || L_ < 1 || L_ > n_built_ || options_.C > n_built_) {
-    return loss("corrupt shape fields");
+    return Loss("corrupt shape fields");
   }
   const int64_t n_lists = static_cast<int64_t>(options_.m) * options_.C;
   const size_t n_cent = static_cast<size_t>(options_.C) * d_;
-  if (n_cent * sizeof(float) > r.remaining()) return loss("truncated centroids");
+  if (n_cent * sizeof(float) > r.remaining()) return Loss("truncated centroids");
   t->centroids.resize(n_cent);
-  if (!r.GetArray(t->centroids.data(), n_cent)) return loss("truncated centroids");
+  if (!r.GetArray(t->centroids.data(), n_cent)) return Loss("truncated centroids");
   t->key_mean.resize(d_);
   if (!r.GetArray(t->key_mean.data(), d_) || HasNonFinite(t->key_mean.data(), d_) ||
       HasNonFinite(t->centroids.data(), n_cent)) {
-    return loss("bad centroids or key mean");
+    return Loss("bad centroids or key mean");
   }
   t->tail_mean.resize(static_cast<size_t>(options_.m) * options_.C);
   if (!r.GetArray(t->tail_mean.data(), t->tail_mean.size()) ||
       HasNonFinite(t->tail_mean.data(), t->tail_mean.size())) {
-    return loss("bad list tail means");
+    return Loss("bad list tail means");
   }
   const uint64_t entries = static_cast<uint64_t>(n_lists) * L_;
   uint8_t bits = 0;
   if (compact && version >= 2) {
-    if (!r.Get(&bits) || bits != kCompactScoreBits) return loss("bad score bits");
+    if (!r.Get(&bits) || bits != kCompactScoreBits) return Loss("bad score bits");
     // >= 1 coding byte, the codebook and the packed codes per list.
     const uint64_t min_list = 1 + 2 * CodebookLevels(bits, L_) + (L_ * bits + 7) / 8;
-    if (static_cast<uint64_t>(n_lists) * min_list > r.remaining()) return loss("truncated lists");
+    if (static_cast<uint64_t>(n_lists) * min_list > r.remaining()) return Loss("truncated lists");
   } else if (entries > r.remaining()) {
-    return loss("truncated lists");  // >= 1 byte per entry
+    return Loss("truncated lists");  // >= 1 byte per entry
   }
   t->ids.resize(entries);
   t->scores.resize(entries);
   if (!compact) {
-    if (!r.GetArray(t->ids.data(), entries) || !r.GetArray(t->scores.data(), entries)) {
-      return loss("truncated lists");
-    }
-    for (int32_t id : t->ids) {
-      if (id < 0 || id >= n_tokens_) return loss("list id out of range");
-    }
-    for (int64_t l = 0; l < n_lists; ++l) {
-      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
-                     /*ids_ascending=*/false, &sort_a, &sort_b);
-    }
+    RETURN_IF_ERROR(ReadPlainLists(&r, n_lists, L_, n_tokens_, t->ids.data(), t->scores.data()));
   } else if (version >= 2) {
-    const int levels = CodebookLevels(bits, L_);
-    std::vector<uint16_t> book(levels);
-    // Sized on first use, after the bytes for it are known to be there: a
-    // corrupt n_tokens must not allocate.
-    std::vector<uint8_t> bitmap, ef_buf;
-    const size_t bitmap_bytes = static_cast<size_t>((n_tokens_ + 7) / 8);
-    std::vector<uint8_t> packed((L_ * bits + 7) / 8);
-    std::vector<uint8_t> codes(static_cast<size_t>(L_));
-    std::vector<int32_t> id_copy;
-    std::vector<int> code_rank(levels);
-    std::vector<int64_t> rank_start(levels + 1);
-    for (int64_t l = 0; l < n_lists; ++l) {
-      int32_t* ids = t->ids.data() + l * L_;
-      uint8_t coding = 0;
-      if (!r.Get(&coding)) return loss("truncated lists");
-      if (coding == kIdsBitmap) {
-        if (r.remaining() < bitmap_bytes) return loss("truncated list bitmap");
-        bitmap.resize(bitmap_bytes);
-        if (!r.GetArray(bitmap.data(), bitmap.size())) return loss("truncated list bitmap");
-        int64_t e = 0;
-        for (size_t byte = 0; byte < bitmap.size(); ++byte) {
-          for (uint32_t v = bitmap[byte]; v != 0; v &= v - 1) {
-            const int64_t id = static_cast<int64_t>(byte) * 8 + __builtin_ctz(v);
-            if (id >= n_tokens_ || e >= L_) return loss("bad list bitmap");
-            ids[e++] = static_cast<int32_t>(id);
-          }
-        }
-        if (e != L_) return loss("bad list bitmap");
-      } else if (coding == kIdsVarint) {
-        int64_t prev = -1;
-        for (int64_t e = 0; e < L_; ++e) {
-          uint64_t delta = 0;
-          // Unsigned compare: a huge delta must not wrap prev (signed overflow).
-          if (!r.GetVarint(&delta) || delta == 0 ||
-              delta > static_cast<uint64_t>(n_tokens_ - 1 - prev)) {
-            return loss("bad list ids");
-          }
-          prev += static_cast<int64_t>(delta);
-          ids[e] = static_cast<int32_t>(prev);
-        }
-      } else if (coding == kIdsEliasFano && version >= 3) {
-        uint8_t k = 0;
-        if (!r.Get(&k) || k > 31) return loss("bad Elias-Fano low bits");
-        const EliasFanoShape ef = EliasFanoFor(k, L_, n_tokens_);
-        if (r.remaining() < ef.low_bytes + ef.upper_bytes) return loss("truncated Elias-Fano ids");
-        ef_buf.resize(ef.low_bytes + ef.upper_bytes);
-        if (!r.GetArray(ef_buf.data(), ef_buf.size())) return loss("truncated Elias-Fano ids");
-        const uint8_t* low = ef_buf.data();
-        const uint8_t* upper = low + ef.low_bytes;
-        int64_t e = 0, prev = -1;
-        for (uint64_t byte = 0; byte < ef.upper_bytes; ++byte) {
-          for (uint32_t v = upper[byte]; v != 0; v &= v - 1) {
-            const uint64_t bit = byte * 8 + static_cast<uint64_t>(__builtin_ctz(v));
-            if (bit >= ef.upper_bits || e >= L_) return loss("bad Elias-Fano ids");
-            // Entry e's k low bits start at bit e * k: up to 5 bytes.
-            const uint64_t at = static_cast<uint64_t>(e) * k;
-            uint64_t window = 0;
-            const uint64_t first = at >> 3;
-            if (first + 8 <= ef.low_bytes) {
-              static_assert(std::endian::native == std::endian::little);
-              std::memcpy(&window, low + first, 8);  // the bytes are little-endian
-            } else {
-              const uint64_t last = std::min<uint64_t>(first + 5, ef.low_bytes);
-              for (uint64_t i = first; i < last; ++i) window |= uint64_t{low[i]} << (8 * (i - first));
-            }
-            const uint64_t lo = (window >> (at & 7)) & ((uint64_t{1} << k) - 1);
-            const int64_t id = static_cast<int64_t>(((bit - static_cast<uint64_t>(e)) << k) | lo);
-            if (id <= prev || id >= n_tokens_) return loss("bad Elias-Fano ids");
-            ids[e++] = static_cast<int32_t>(id);
-            prev = id;
-          }
-        }
-        if (e != L_) return loss("bad Elias-Fano ids");
-      } else {
-        return loss("bad list id coding");
-      }
-      if (!r.GetArray(book.data(), book.size())) return loss("truncated score codebook");
-      for (uint16_t h : book) {
-        if (!std::isfinite(Half(h))) return loss("bad score codebook");
-      }
-      if (!r.GetArray(packed.data(), packed.size())) return loss("truncated scores");
-      // Worst entry first (SortWorstFirst's order) straight from the codes:
-      // a counting sort over the codebook values' ranks (equal values, +0
-      // and -0 included, share a rank), each rank's entries by descending
-      // id (the ids arrive ascending).
-      for (int c = 0; c < levels; ++c) {
-        int rank = 0;
-        for (int o = 0; o < levels; ++o) rank += Half(book[o]) < Half(book[c]);
-        code_rank[c] = rank;
-      }
-      std::fill(rank_start.begin(), rank_start.end(), 0);
-      for (int64_t e = 0; e < L_; ++e) {
-        const int code = (packed[e >> 1] >> (4 * (e & 1))) & 0xf;
-        if (code >= levels) return loss("bad score code");
-        codes[e] = static_cast<uint8_t>(code);
-        ++rank_start[code_rank[code] + 1];
-      }
-      for (int k = 0; k < levels; ++k) rank_start[k + 1] += rank_start[k];
-      id_copy.assign(ids, ids + L_);
-      uint16_t* sc = t->scores.data() + l * L_;
-      for (int64_t e = L_ - 1; e >= 0; --e) {
-        const int64_t at = rank_start[code_rank[codes[e]]]++;
-        ids[at] = id_copy[e];
-        sc[at] = book[codes[e]];
-      }
-    }
+    RETURN_IF_ERROR(ReadCodedLists(&r, version, bits, n_lists, L_, n_tokens_, t->ids.data(),
+                                   t->scores.data()));
   } else {
-    std::vector<uint8_t> q(L_);
-    for (int64_t l = 0; l < n_lists; ++l) {
-      float lo = 0, hi = 0;
-      if (!r.Get(&lo) || !r.Get(&hi) || !std::isfinite(lo) || !std::isfinite(hi) || hi < lo) {
-        return loss("bad list range");
-      }
-      int64_t prev = -1;
-      for (int64_t e = 0; e < L_; ++e) {
-        uint64_t delta = 0;
-        // Unsigned compare: a huge delta must not wrap prev (signed overflow).
-        if (!r.GetVarint(&delta) || delta == 0 ||
-            delta > static_cast<uint64_t>(n_tokens_ - 1 - prev)) {
-          return loss("bad list ids");
-        }
-        prev += static_cast<int64_t>(delta);
-        t->ids[l * L_ + e] = static_cast<int32_t>(prev);
-      }
-      if (!r.GetArray(q.data(), L_)) return loss("truncated scores");
-      const float step = hi > lo ? (hi - lo) / 255.0f : 0.0f;
-      for (int64_t e = 0; e < L_; ++e) t->scores[l * L_ + e] = FloatToHalf(lo + q[e] * step);
-      SortWorstFirst(t->ids.data() + l * L_, t->scores.data() + l * L_, L_,
-                     /*ids_ascending=*/true, &sort_a, &sort_b);
-    }
+    RETURN_IF_ERROR(
+        ReadQuantizedLists(&r, n_lists, L_, n_tokens_, t->ids.data(), t->scores.data()));
   }
-  options_.rerank = 0;
-  if (version >= (compact ? kCompactSketchVersion : kPlainSketchVersion)) {
-    uint8_t bits = 0;
-    if (!r.Get(&options_.rerank) || !r.Get(&bits)) return loss("truncated key sketch header");
-    if (!CheckOptions(options_).ok()) return loss("bad rerank");
-    if (bits != 0 && bits != kSketchBits) return loss("bad key sketch bits");
-    if ((bits != 0) != (options_.rerank > 0)) return loss("rerank and key sketch disagree");
-    if (bits != 0) {
-      const uint64_t cells = static_cast<uint64_t>(n_tokens_) * d_;
-      if (cells + 2 * static_cast<uint64_t>(n_tokens_) > r.remaining()) {
-        return loss("truncated key sketch");
-      }
-      t->sketch.resize(cells);
-      t->sketch_scale.resize(static_cast<size_t>(n_tokens_));
-      if (!r.GetArray(t->sketch.data(), cells) ||
-          !r.GetArray(t->sketch_scale.data(), t->sketch_scale.size())) {
-        return loss("truncated key sketch");
-      }
-      for (int8_t c : t->sketch) {
-        if (c < -kSketchMaxCode) return loss("bad key sketch code");
-      }
-      for (uint16_t h : t->sketch_scale) {
-        const float v = Half(h);
-        if (!std::isfinite(v) || v < 0) return loss("bad key sketch scale");
-      }
-    }
-  }
-  if (r.remaining() != 0) return loss("trailing bytes");
+  RETURN_IF_ERROR(ReadKeySketch(&r, compact, version, t.get()));
+  if (r.remaining() != 0) return Loss("trailing bytes");
   n_base_ = n_tokens_;
   base_ = std::move(t);
   return Status::OK();

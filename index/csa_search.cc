@@ -181,20 +181,15 @@ Status CsaSelector::ApplySessionOverrides(const MethodParams& overrides) {
   return SetRetrievalOptions(next);
 }
 
-void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
-                            std::vector<float>* logits, double* log_normalizer, WorkStats* stats) {
+int64_t CsaSelector::AccumulateLists(const float* q, float* norm_sum) {
   const int m = options_.m, C = options_.C, ds = sub_dim();
-  const int64_t n = n_tokens_;
   SearchScratch& ss = Scratch();
-  if (static_cast<int64_t>(ss.acc.size()) != n) ss.acc.assign(n, 0.0f);
-  ss.centroid_sims.resize(C);
   int64_t lists = 0;
-  float norm_sum = 0;
   for (int b = 0; b < m; ++b) {
     const float* qb = q + b * ds;
     Eigen::Map<const Eigen::VectorXf> qv(qb, ds);
     const float norm = qv.norm();
-    norm_sum += norm;
+    *norm_sum += norm;
     if (!(norm > 0)) continue;  // a zero sub-query carries no signal
     // CSAttention §3.3 (1): nearest centroid by cosine (centroids are unit).
     Eigen::Map<const RowMatrixXf> cent(centroid(b, 0), C, ds);
@@ -234,6 +229,118 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
       ++lists;
     }
   }
+  return lists;
+}
+
+void CsaSelector::SelectBySketch(const float* q, int64_t k, float to_logit,
+                                 std::vector<int32_t>* selected, std::vector<float>* logits,
+                                 double* log_normalizer, WorkStats* stats) {
+  const int64_t n = n_tokens_;
+  SearchScratch& ss = Scratch();
+  std::vector<int32_t>& forced = *selected;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(d_));
+  // Stage 2: the sketch re-scores the forced tokens and the top
+  // ceil(rerank * k) - |forced| others by acc; the best of those by the
+  // sketch fill the budget.
+  const int64_t n_forced = static_cast<int64_t>(forced.size());
+  std::vector<int32_t>& cand = ss.cand;
+  cand.clear();
+  if (k > n_forced) {
+    const int64_t want = std::min<int64_t>(
+        n - n_forced,
+        static_cast<int64_t>(std::ceil(options_.rerank * static_cast<double>(k))) - n_forced);
+    ss.forced_acc.clear();
+    for (int32_t i : forced) {
+      ss.forced_acc.push_back(ss.acc[i]);
+      ss.acc[i] = -std::numeric_limits<float>::infinity();
+    }
+    SelectTopK(ss.acc.data(), n, want, TopKOrder::kById, &cand, &ss.topk);
+    for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_acc[f];
+  }
+  ss.forced_r.resize(forced.size());
+  SketchScores(q, forced.data(), n_forced, ss.forced_r.data());
+  ss.cand_r.resize(cand.size());
+  SketchScores(q, cand.data(), static_cast<int64_t>(cand.size()), ss.cand_r.data());
+  if (log_normalizer) {
+    // Every token's best estimate: the sketch where it was computed.
+    const float to_acc = to_logit > 0 ? inv_sqrt_d / to_logit : 0.0f;
+    for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_r[f] * to_acc;
+    for (size_t c = 0; c < cand.size(); ++c) ss.acc[cand[c]] = ss.cand_r[c] * to_acc;
+    *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
+  }
+  std::vector<int32_t>& pick = ss.topk_ids;
+  pick.clear();
+  if (k > n_forced) {
+    SelectTopK(ss.cand_r.data(), static_cast<int64_t>(cand.size()), k - n_forced,
+               TopKOrder::kById, &pick, &ss.topk);  // positions in cand: ascending ids
+  }
+  std::vector<int32_t> merged;
+  merged.reserve(forced.size() + pick.size());
+  if (logits) logits->clear();
+  size_t f = 0, c = 0;
+  while (f < forced.size() || c < pick.size()) {
+    const bool take_forced = c == pick.size() || (f < forced.size() && forced[f] < cand[pick[c]]);
+    if (take_forced) {
+      merged.push_back(forced[f]);
+      if (logits) logits->push_back(ss.forced_r[f] * inv_sqrt_d);
+      ++f;
+    } else {
+      merged.push_back(cand[pick[c]]);
+      if (logits) logits->push_back(ss.cand_r[pick[c]] * inv_sqrt_d);
+      ++c;
+    }
+  }
+  *selected = std::move(merged);
+  if (stats) {
+    const uint64_t rows = forced.size() + cand.size();
+    stats->entries_touched += rows;
+    stats->bytes_touched += rows * (static_cast<uint64_t>(d_) + sizeof(uint16_t));
+  }
+}
+
+void CsaSelector::SelectByAccumulators(int64_t k, float to_logit, int64_t n_sinks,
+                                       int64_t recent_start, std::vector<int32_t>* selected,
+                                       std::vector<float>* logits, double* log_normalizer) {
+  const int64_t n = n_tokens_;
+  SearchScratch& ss = Scratch();
+  std::vector<int32_t>& forced = *selected;
+  std::vector<float>& forced_acc = ss.forced_acc;
+  forced_acc.clear();
+  // The normalizer over every token's estimate (tokens in no gathered list
+  // keep their imputed value), before the forced tokens are masked.
+  if (log_normalizer) *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
+  for (int32_t i : forced) forced_acc.push_back(ss.acc[i]);
+  if (k > static_cast<int64_t>(forced.size())) {
+    for (int32_t i : forced) ss.acc[i] = -std::numeric_limits<float>::infinity();
+    SelectTopK(ss.acc.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
+               &ss.topk_ids, &ss.topk);
+    std::vector<int32_t> merged;
+    merged.reserve(forced.size() + ss.topk_ids.size());
+    std::merge(forced.begin(), forced.end(), ss.topk_ids.begin(), ss.topk_ids.end(),
+               std::back_inserter(merged));
+    *selected = std::move(merged);
+  }
+  if (logits) {
+    logits->clear();
+    size_t f = 0;
+    const int64_t n_forced_head = n_sinks;
+    for (int32_t id : *selected) {
+      const bool is_forced = id < n_forced_head || id >= recent_start;
+      float a = is_forced ? forced_acc[f++] : ss.acc[id];
+      logits->push_back(a * to_logit);
+    }
+  }
+}
+
+void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
+                            std::vector<float>* logits, double* log_normalizer, WorkStats* stats) {
+  const int m = options_.m, C = options_.C, ds = sub_dim();
+  const int64_t n = n_tokens_;
+  SearchScratch& ss = Scratch();
+  if (static_cast<int64_t>(ss.acc.size()) != n) ss.acc.assign(n, 0.0f);
+  ss.centroid_sims.resize(C);
+  float norm_sum = 0;
+  const int64_t lists = AccumulateLists(q, &norm_sum);
   // Forced tokens: sinks and the recent window (§3.3 (4)).
   std::vector<int32_t>& forced = *selected;
   forced.clear();
@@ -245,96 +352,12 @@ void CsaSelector::SearchOne(const float* q, std::vector<int32_t>* selected,
   // Logit estimates for the page cap: acc approximates q.k with norm/proj
   // weights; with uniform weights it lacks the sub-query norms, so scale by
   // their mean. Forced tokens keep their accumulated estimate.
-  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(d_));
   const float to_logit = (options_.norm_weights || options_.proj_weights ? 1.0f : norm_sum / m) /
                          std::sqrt(static_cast<float>(d_));
-  const bool rerank = options_.rerank > 0 && has_sketch();
-  if (rerank) {
-    // Stage 2: the sketch re-scores the forced tokens and the top
-    // ceil(rerank * k) - |forced| others by acc; the best of those by the
-    // sketch fill the budget.
-    const int64_t n_forced = static_cast<int64_t>(forced.size());
-    std::vector<int32_t>& cand = ss.cand;
-    cand.clear();
-    if (k > n_forced) {
-      const int64_t want =
-          std::min<int64_t>(n - n_forced,
-                            static_cast<int64_t>(std::ceil(options_.rerank * static_cast<double>(k))) -
-                                n_forced);
-      ss.forced_acc.clear();
-      for (int32_t i : forced) {
-        ss.forced_acc.push_back(ss.acc[i]);
-        ss.acc[i] = -std::numeric_limits<float>::infinity();
-      }
-      SelectTopK(ss.acc.data(), n, want, TopKOrder::kById, &cand, &ss.topk);
-      for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_acc[f];
-    }
-    ss.forced_r.resize(forced.size());
-    SketchScores(q, forced.data(), n_forced, ss.forced_r.data());
-    ss.cand_r.resize(cand.size());
-    SketchScores(q, cand.data(), static_cast<int64_t>(cand.size()), ss.cand_r.data());
-    if (log_normalizer) {
-      // Every token's best estimate: the sketch where it was computed.
-      const float to_acc = to_logit > 0 ? inv_sqrt_d / to_logit : 0.0f;
-      for (size_t f = 0; f < forced.size(); ++f) ss.acc[forced[f]] = ss.forced_r[f] * to_acc;
-      for (size_t c = 0; c < cand.size(); ++c) ss.acc[cand[c]] = ss.cand_r[c] * to_acc;
-      *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
-    }
-    std::vector<int32_t>& pick = ss.topk_ids;
-    pick.clear();
-    if (k > n_forced) {
-      SelectTopK(ss.cand_r.data(), static_cast<int64_t>(cand.size()), k - n_forced,
-                 TopKOrder::kById, &pick, &ss.topk);  // positions in cand: ascending ids
-    }
-    std::vector<int32_t> merged;
-    merged.reserve(forced.size() + pick.size());
-    if (logits) logits->clear();
-    size_t f = 0, c = 0;
-    while (f < forced.size() || c < pick.size()) {
-      const bool take_forced = c == pick.size() || (f < forced.size() && forced[f] < cand[pick[c]]);
-      if (take_forced) {
-        merged.push_back(forced[f]);
-        if (logits) logits->push_back(ss.forced_r[f] * inv_sqrt_d);
-        ++f;
-      } else {
-        merged.push_back(cand[pick[c]]);
-        if (logits) logits->push_back(ss.cand_r[pick[c]] * inv_sqrt_d);
-        ++c;
-      }
-    }
-    *selected = std::move(merged);
-    if (stats) {
-      const uint64_t rows = forced.size() + cand.size();
-      stats->entries_touched += rows;
-      stats->bytes_touched += rows * (static_cast<uint64_t>(d_) + sizeof(uint16_t));
-    }
+  if (options_.rerank > 0 && has_sketch()) {
+    SelectBySketch(q, k, to_logit, selected, logits, log_normalizer, stats);
   } else {
-    std::vector<float>& forced_acc = ss.forced_acc;
-    forced_acc.clear();
-    // The normalizer over every token's estimate (tokens in no gathered list
-    // keep their imputed value), before the forced tokens are masked.
-    if (log_normalizer) *log_normalizer = LogSumExp(ss.acc.data(), n, to_logit);
-    for (int32_t i : forced) forced_acc.push_back(ss.acc[i]);
-    if (k > static_cast<int64_t>(forced.size())) {
-      for (int32_t i : forced) ss.acc[i] = -std::numeric_limits<float>::infinity();
-      SelectTopK(ss.acc.data(), n, k - static_cast<int64_t>(forced.size()), TopKOrder::kById,
-                 &ss.topk_ids, &ss.topk);
-      std::vector<int32_t> merged;
-      merged.reserve(forced.size() + ss.topk_ids.size());
-      std::merge(forced.begin(), forced.end(), ss.topk_ids.begin(), ss.topk_ids.end(),
-                 std::back_inserter(merged));
-      *selected = std::move(merged);
-    }
-    if (logits) {
-      logits->clear();
-      size_t f = 0;
-      const int64_t n_forced_head = n_sinks;
-      for (int32_t id : *selected) {
-        const bool is_forced = id < n_forced_head || id >= recent_start;
-        float a = is_forced ? forced_acc[f++] : ss.acc[id];
-        logits->push_back(a * to_logit);
-      }
-    }
+    SelectByAccumulators(k, to_logit, n_sinks, recent_start, selected, logits, log_normalizer);
   }
   std::fill(ss.acc.begin(), ss.acc.end(), 0.0f);
   if (stats) {

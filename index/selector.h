@@ -150,7 +150,7 @@ class Selector {
   virtual uint64_t SessionBytes() const { return MemoryBytes(); }
 
   // Per-session overrides of the method's retrieval params (a decode
-  // session's params such as csa's `rerank`; index/session_params.h), applied
+  // session's params such as csa's `rerank`; session/session_params.h), applied
   // to this instance, which must be the session's own (a Clone or a freshly
   // loaded artifact). InvalidArgument naming the param for one the method
   // does not take or a value the index cannot serve; nothing changes then.

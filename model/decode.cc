@@ -125,15 +125,9 @@ StatusOr<std::unique_ptr<SparseAttention>> SparseAttention::Create(
   if (flat.empty() || flat[0] == nullptr) {
     return InvalidArgumentError("sparse attention: null selector");
   }
-  session::SessionShape shape;
-  shape.n_layers = spec.n_layers;
-  shape.n_q_heads = spec.n_q_heads;
-  shape.n_kv_heads = spec.n_kv_heads;
-  shape.head_dim = spec.head_dim;
-  shape.page_size = options.page_size;
-  shape.n_stored = n_context;
-  ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(std::string(flat[0]->method()),
-                                                            options.params, options.page_size));
+  const auto shape = session::SessionShape::From(spec, options.page_size, n_context);
+  ASSIGN_OR_RETURN(auto params, session::SessionParams::Parse(std::string(flat[0]->method()),
+                                                              options.params, options.page_size));
   ASSIGN_OR_RETURN(auto core, session::SparseSession::CreateBorrowed(shape, params,
                                                                      std::move(flat), pages));
   return std::unique_ptr<SparseAttention>(new SparseAttention(spec, std::move(core)));
@@ -173,21 +167,17 @@ Status SparseAttention::Attend(int layer, int64_t pos, const float* q, const flo
     const session::HeadStep& step = last_[layer][g];
     const std::vector<float>& tk = core.appended_k(layer, g);
     const std::vector<float>& tv = core.appended_v(layer, g);
+    auto row_of = [&](int32_t id) {
+      const session::PageRef& page = pages_[g].at(static_cast<uint32_t>(id / b));
+      return session::StoredRow{page->k.data() + (id % b) * d, page->v.data() + (id % b) * d};
+    };
     for (int i = 0; i < G; ++i) {
-      krow_.clear();
-      vrow_.clear();
-      if (i < static_cast<int>(step.per_q_head.size())) {
-        for (int32_t id : step.per_q_head[i]) {
-          if (id >= n_context) break;  // sorted; appended tokens are the tail
-          const session::PageRef& page = pages_[g].at(static_cast<uint32_t>(id / b));
-          krow_.push_back(page->k.data() + (id % b) * d);
-          vrow_.push_back(page->v.data() + (id % b) * d);
-        }
-      }
-      stats_.context_tokens += krow_.size();
+      std::span<const int32_t> selected;
+      if (i < static_cast<int>(step.per_q_head.size())) selected = step.per_q_head[i];
       const int h = g * G + i;
-      session::AttendRows(q + int64_t{h} * d, d, krow_, vrow_, tk.data(), tv.data(), n_tail,
-                          out + int64_t{h} * d, &scratch_);
+      stats_.context_tokens +=
+          session::AttendSelected(q + int64_t{h} * d, d, selected, n_context, row_of, tk.data(),
+                                  tv.data(), n_tail, out + int64_t{h} * d, &attend_);
     }
   }
   return Status::OK();

@@ -27,6 +27,7 @@
 #include "index/selector.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "session/attention.h"
 #include "session/page_fetcher.h"
 #include "session/sparse_session.h"
 
@@ -85,7 +86,7 @@ class KvCachePageFetcher final : public session::PageFetcher {
 };
 
 struct SparseAttentionOptions {
-  // Session params as a decode session takes them (index/session_params.h:
+  // Session params as a decode session takes them (session/session_params.h:
   // rho, budget, page_fraction, whole_pages, subgroup, recent_blocks,
   // estimate_mass).
   // Default: empty (each param's own default).
@@ -126,8 +127,7 @@ class SparseAttention final : public AttentionProvider {
   std::unique_ptr<session::SparseSession> session_;
   std::vector<std::vector<session::HeadStep>> last_;  // [layer][kv_head]
   std::vector<session::PageMap> pages_;               // [kv_head], reused per step
-  std::vector<const float*> krow_, vrow_;
-  std::vector<float> scratch_;
+  session::AttendScratch attend_;
   SparseAttentionStats stats_;
 };
 

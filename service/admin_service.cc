@@ -212,111 +212,167 @@ Status IngestContents(const v1::IngestHeader& h, const storage::ContextReader* p
   return Status::OK();
 }
 
+// The builder header of an ingest from the client's: the model and the
+// contents (IngestContents), after checking the metadata, the model name,
+// a hosted model's spec and the context length. The caller sets the tenant
+// and the rest.
+Status IngestHeaderFor(ServiceContext* ctx, const v1::IngestHeader& h,
+                       const storage::ContextReader* parent, IngestBuilder::Header* header) {
+  header->model = h.model();
+  RETURN_IF_ERROR(ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."));
+  RETURN_IF_ERROR(ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes));
+  RETURN_IF_ERROR(IngestContents(h, parent, ctx->config.default_indexes, header));
+  std::shared_ptr<const LoadedModel> hosted_model;
+  if (ctx->models.IsHosted(h.model().name())) {
+    ASSIGN_OR_RETURN(hosted_model, ctx->models.Get(h.model().name()));
+    RETURN_IF_ERROR(CheckIngestSpec(hosted_model->spec, h.model()));
+  }
+  return CheckContextLength(header->tokens.size(),
+                            MaxContextTokens(ctx->config, hosted_model.get()), h.model().name());
+}
+
+// Conversion buffers of an ingest's chunks, reused from chunk to chunk.
+struct IngestScratch {
+  std::vector<float> k, v, q;
+};
+
+// Adds one IngestLayerChunk to the build. K and V already in the stored
+// dtype, and no queries: stored as they came, with no conversion (the usual
+// GPU worker's bf16 KV); else converted to float through *scratch.
+Status AddIngestChunk(const v1::IngestLayerChunk& c, IngestBuilder* b, IngestScratch* scratch) {
+  const int64_t NKV = b->n_kv_heads(), NQ = b->n_q_heads(), D = b->head_dim();
+  const int64_t n = c.n_tokens();
+  const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
+  const bool has_q = c.has_q() && !c.q().data().empty();
+  const auto k_dtype = FromProtoDType(c.k().dtype());
+  if (n > 0 && !has_q && k_dtype.ok() && *k_dtype == b->kv_dtype() &&
+      c.v().dtype() == c.k().dtype()) {
+    RETURN_IF_ERROR(CheckStoredTensor(c.k(), {NKV, n, D}, b->kv_dtype(), "chunk.k"));
+    RETURN_IF_ERROR(CheckStoredTensor(c.v(), {NKV, n, D}, b->kv_dtype(), "chunk.v"));
+    return b->AddStoredChunk(layer, static_cast<int64_t>(c.token_start()), n,
+                             c.k().data().data(), c.v().data().data());
+  }
+  std::vector<float>& k = scratch->k;
+  std::vector<float>& v = scratch->v;
+  std::vector<float>& q = scratch->q;
+  if (n > 0) {
+    RETURN_IF_ERROR(TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k));
+    RETURN_IF_ERROR(TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v));
+    if (has_q) RETURN_IF_ERROR(TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q));
+  }
+  return b->AddChunk(layer, static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
+                     has_q ? q.data() : nullptr);
+}
+
+// Commits an ingest, publishes it to the cluster (when there is one) and its
+// CREATED or EXTENDED (child) and READY events; *info is the new context.
+Status CommitIngest(ServiceContext* ctx, IngestBuilder* b, bool child, v1::ContextInfo* info) {
+  ASSIGN_OR_RETURN(v1::ContextManifest manifest, b->Commit());
+  if (ctx->cluster) RETURN_IF_ERROR(ctx->cluster->PublishReady(manifest));
+  *info = ManifestToInfo(manifest);
+  ctx->events.Publish(child ? v1::ContextEvent::EXTENDED : v1::ContextEvent::CREATED, *info);
+  ctx->events.Publish(v1::ContextEvent::READY, *info);
+  return Status::OK();
+}
+
 }  // namespace
 
 grpc::Status AdminServiceImpl::BuildContext(grpc::ServerContext* context,
                                             const v1::BuildContextRequest* request,
                                             grpc::ServerWriter<v1::BuildProgress>* writer) {
-  return Guarded(ctx_, "BuildContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "BuildContext", auth::Action::kBuild);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  const RpcSpec spec{"BuildContext", auth::Action::kBuild, Admission::kStreamNotDraining};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     if (request->input_case() == v1::BuildContextRequest::INPUT_NOT_SET) {
-      return rpc.Finish(Invalid("one of text or tokens is required"));
+      return Invalid("one of text or tokens is required");
     }
     if (Status s = ValidateMetadata(request->name(), request->labels(), request->ttl_seconds(), "");
         !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
+      return ToGrpc(s);
     }
     if (Status s = ValidateText(request->model(), "model", kMaxModelNameBytes); !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
+      return ToGrpc(s);
     }
     auto model = ctx_->models.Get(request->model());
-    if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
+    if (!model.ok()) return ToGrpc(model.status());
     BuildJob job;
     job.model = *model;
     Status s = Tokenize(**model, request->has_text(), request->text(), request->tokens(),
                         request->add_bos(), &job.tokens);
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    if (!s.ok()) return ToGrpc(s);
     s = CheckContextLength(job.tokens.size(), MaxContextTokens(ctx_->config, model->get()),
                            (*model)->name);
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    if (!s.ok()) return ToGrpc(s);
     auto idx = IndexRequests(request->indexes(), ctx_->config.default_indexes);
-    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+    if (!idx.ok()) return ToGrpc(idx.status());
     job.indexes = std::move(idx).value();
     job.name = request->name();
     auto tenant = ctx_->access->TenantFor(rpc.principal(), request->tenant());
-    if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+    if (!tenant.ok()) return ToGrpc(tenant.status());
     job.tenant = *tenant;
     job.id_namespace = ctx_->access->IdNamespace(job.tenant, /*ingested=*/false);
     job.provenance = v1::PROVENANCE_BUILT;
     job.labels.insert(request->labels().begin(), request->labels().end());
     job.ttl_ms = request->ttl_seconds() * 1000;
     job.pinned = request->pin();
-    return rpc.Finish(
-        RunBuildRpc(context, &job, writer, /*extend=*/false, &rpc, job.tokens.size()));
+    return RunBuildRpc(context, &job, writer, /*extend=*/false, &rpc, job.tokens.size());
   });
 }
 
 grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
                                              const v1::ExtendContextRequest* request,
                                              grpc::ServerWriter<v1::BuildProgress>* writer) {
-  return Guarded(ctx_, "ExtendContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ExtendContext", auth::Action::kBuild);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  const RpcSpec spec{"ExtendContext", auth::Action::kBuild, Admission::kStreamNotDraining};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto pid = ParseContextId(request->parent_id());
-    if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status().WithContext("parent_id")));
+    if (!pid.ok()) return ToGrpc(pid.status().WithContext("parent_id"));
     rpc.set_context_id(pid->ToHex());
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *pid, &refuse)) {
-      return rpc.Finish(ForwardServerStream(
+      return ForwardServerStream(
           ctx_, context, "ExtendContext", *target, *request, writer,
           [](auto ch, grpc::ClientContext* cc, const v1::ExtendContextRequest& r) {
             return v1::ContextAdmin::NewStub(ch)->ExtendContext(cc, r);
-          }));
+          });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     if (request->input_case() == v1::ExtendContextRequest::INPUT_NOT_SET) {
-      return rpc.Finish(Invalid("one of text or tokens (the appended part) is required"));
+      return Invalid("one of text or tokens (the appended part) is required");
     }
     if (Status s = ValidateMetadata(request->name(), request->labels(), request->ttl_seconds(), "");
         !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
+      return ToGrpc(s);
     }
     // A shared parent may be extended by any builder: the child belongs to
     // the caller's tenant.
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *pid, auth::Action::kRead);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (!reader.ok()) return ToGrpc(reader.status());
     const v1::ContextManifest& parent = (*reader)->manifest();
     auto model = ctx_->models.Get(parent.model().name());
-    if (!model.ok()) return rpc.Finish(ToGrpc(model.status()));
+    if (!model.ok()) return ToGrpc(model.status());
     if ((*model)->spec.fingerprint() != parent.model().fingerprint()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                     "the parent was built with a different version of model '" +
-                                         parent.model().name() + "' (fingerprint mismatch)"));
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "the parent was built with a different version of model '" +
+                              parent.model().name() + "' (fingerprint mismatch)");
     }
     auto parent_tokens = (*reader)->ReadTokens();
-    if (!parent_tokens.ok()) return rpc.Finish(ToGrpc(parent_tokens.status()));
+    if (!parent_tokens.ok()) return ToGrpc(parent_tokens.status());
     BuildJob job;
     job.model = *model;
     job.tokens.assign(parent_tokens->begin(), parent_tokens->end());
     std::vector<int32_t> extra;
     Status s =
         Tokenize(**model, request->has_text(), request->text(), request->tokens(), false, &extra);
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    if (!s.ok()) return ToGrpc(s);
     job.tokens.insert(job.tokens.end(), extra.begin(), extra.end());
     s = CheckContextLength(job.tokens.size(), MaxContextTokens(ctx_->config, model->get()),
                            (*model)->name);
-    if (!s.ok()) return rpc.Finish(ToGrpc(s));
+    if (!s.ok()) return ToGrpc(s);
     job.parent = *pid;
     // Default: the parent's index methods and parameters (CSA's C is
     // re-derived for the child).
     auto idx = ChildIndexRequests(request->indexes(), parent, ctx_->config.default_indexes);
-    if (!idx.ok()) return rpc.Finish(ToGrpc(idx.status()));
+    if (!idx.ok()) return ToGrpc(idx.status());
     job.indexes = std::move(idx).value();
     job.name = request->name().empty() ? parent.name() : request->name();
     // The child belongs to the caller's tenant (an operator's: the parent's),
@@ -331,72 +387,42 @@ grpc::Status AdminServiceImpl::ExtendContext(grpc::ServerContext* context,
     job.ttl_ms = request->ttl_seconds() * 1000;
     job.pinned = request->pin();
     reader->reset();  // drop the lease; BeginBuild takes its own reference
-    return rpc.Finish(RunBuildRpc(context, &job, writer, /*extend=*/true, &rpc, extra.size()));
+    return RunBuildRpc(context, &job, writer, /*extend=*/true, &rpc, extra.size());
   });
 }
 
 grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
                                              grpc::ServerReader<v1::IngestChunk>* reader,
                                              v1::ContextInfo* response) {
-  return Guarded(ctx_, "IngestContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "IngestContext", auth::Action::kBuild);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  const RpcSpec spec{"IngestContext", auth::Action::kBuild, Admission::kStreamNotDraining};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     v1::IngestChunk msg;
     if (!reader->Read(&msg) || !msg.has_header()) {
-      return rpc.Finish(Invalid("the first IngestChunk must carry the header"));
+      return Invalid("the first IngestChunk must carry the header");
     }
     const v1::IngestHeader& h = msg.header();
     // A child goes where its parent is stored (cluster), whole stream and all.
     std::unique_ptr<storage::ContextReader> parent;
     if (!h.parent_id().empty()) {
       auto pid = ParseContextId(h.parent_id(), "header.parent_id");
-      if (!pid.ok()) return rpc.Finish(ToGrpc(pid.status()));
+      if (!pid.ok()) return ToGrpc(pid.status());
       rpc.set_context_id(pid->ToHex());
       grpc::Status refuse;
       if (auto target = ForwardTarget(ctx_, context, *pid, &refuse)) {
-        return rpc.Finish(ForwardClientStream(
-            ctx_, context, "IngestContext", *target, msg, reader, response,
-            [](auto ch, grpc::ClientContext* cc, v1::ContextInfo* r) {
-              return v1::ContextAdmin::NewStub(ch)->IngestContext(cc, r);
-            }));
+        return ForwardClientStream(ctx_, context, "IngestContext", *target, msg, reader, response,
+                                   [](auto ch, grpc::ClientContext* cc, v1::ContextInfo* r) {
+                                     return v1::ContextAdmin::NewStub(ch)->IngestContext(cc, r);
+                                   });
       }
-      if (!refuse.ok()) return rpc.Finish(refuse);
+      if (!refuse.ok()) return refuse;
       // As ExtendContext: any parent the caller may read (a shared one too).
       auto r =
           AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *pid, auth::Action::kRead);
-      if (!r.ok()) return rpc.Finish(ToGrpc(r.status().WithContext("header.parent_id")));
+      if (!r.ok()) return ToGrpc(r.status().WithContext("header.parent_id"));
       parent = std::move(r).value();
     }
     IngestBuilder::Header header;
-    header.model = h.model();
-    if (Status s = ValidateMetadata(h.name(), h.labels(), h.ttl_seconds(), "header."); !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
-    if (Status s = ValidateText(h.model().name(), "header.model.name", kMaxModelNameBytes);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
-    if (Status s = IngestContents(h, parent.get(), ctx_->config.default_indexes, &header);
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
-    std::shared_ptr<const LoadedModel> hosted_model;
-    if (ctx_->models.IsHosted(h.model().name())) {
-      auto hosted = ctx_->models.Get(h.model().name());
-      if (!hosted.ok()) return rpc.Finish(ToGrpc(hosted.status()));
-      if (Status s = CheckIngestSpec((*hosted)->spec, h.model()); !s.ok()) {
-        return rpc.Finish(ToGrpc(s));
-      }
-      hosted_model = *hosted;
-    }
-    if (Status s = CheckContextLength(header.tokens.size(),
-                                      MaxContextTokens(ctx_->config, hosted_model.get()),
-                                      h.model().name());
-        !s.ok()) {
-      return rpc.Finish(ToGrpc(s));
-    }
+    if (Status s = IngestHeaderFor(ctx_, h, parent.get(), &header); !s.ok()) return ToGrpc(s);
     // A child belongs to the caller's tenant, as in ExtendContext (an
     // operator's child without header.tenant: the parent's).
     const std::string& want_tenant =
@@ -404,7 +430,7 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
             ? parent->manifest().tenant()
             : h.tenant();
     auto tenant = ctx_->access->TenantFor(rpc.principal(), want_tenant);
-    if (!tenant.ok()) return rpc.Finish(ToGrpc(tenant.status()));
+    if (!tenant.ok()) return ToGrpc(tenant.status());
     rpc.set_tenant(*tenant);
     header.tenant = *tenant;
     // Ingested KV is asserted by the client: its ids live apart from built
@@ -415,79 +441,43 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
     header.pinned = h.pin();
     const uint64_t new_tokens = static_cast<uint64_t>(h.tokens().ids_size());
     auto quota = ctx_->quotas->AdmitBuild(*tenant, new_tokens);
-    if (!quota.ok()) return rpc.Finish(ToGrpc(quota.status()));
+    if (!quota.ok()) return ToGrpc(quota.status());
     header.before_commit = [this, t = *tenant, g = &*quota](uint64_t bytes) {
       return ctx_->quotas->AdmitCommit(t, bytes, g);
     };
     const bool child = parent != nullptr;
     auto builder = IngestBuilder::Begin(ctx_->store.get(), std::move(header), BuildOptions{});
     parent.reset();  // the build (or the reused child) holds the parent now
-    if (!builder.ok()) return rpc.Finish(ToGrpc(builder.status()));
+    if (!builder.ok()) return ToGrpc(builder.status());
     IngestBuilder& b = **builder;
     if (b.reused()) {  // already stored with these indexes: drain the stream, return it
       while (reader->Read(&msg)) {
       }
       *response = ManifestToInfo(b.existing());
       rpc.set_context_id(response->context_id());
-      return rpc.Finish(grpc::Status::OK);
+      return grpc::Status::OK;
     }
-    const int64_t NKV = b.n_kv_heads(), NQ = b.n_q_heads(), D = b.head_dim();
-    std::vector<float> k, v, q;
+    IngestScratch scratch;
     bool committed = false;
     while (reader->Read(&msg)) {
-      if (context->IsCancelled()) return rpc.Finish(ToGrpc(CancelledError("ingest cancelled")));
+      if (context->IsCancelled()) return ToGrpc(CancelledError("ingest cancelled"));
       if (msg.has_commit()) {
         committed = true;
         break;
       }
       if (!msg.has_chunk()) {
-        return rpc.Finish(ToGrpc(InvalidArgumentError("expected a chunk or the commit")));
+        return ToGrpc(InvalidArgumentError("expected a chunk or the commit"));
       }
-      const v1::IngestLayerChunk& c = msg.chunk();
-      const int64_t n = c.n_tokens();
-      const int layer = static_cast<int>(std::min<uint32_t>(c.layer(), INT32_MAX));
-      const bool has_q = c.has_q() && !c.q().data().empty();
-      // K and V already in the stored dtype, and no queries: stored as they
-      // came, with no conversion (the usual GPU worker's bf16 KV).
-      const auto k_dtype = FromProtoDType(c.k().dtype());
-      if (n > 0 && !has_q && k_dtype.ok() && *k_dtype == b.kv_dtype() &&
-          c.v().dtype() == c.k().dtype()) {
-        Status s = CheckStoredTensor(c.k(), {NKV, n, D}, b.kv_dtype(), "chunk.k");
-        if (s.ok()) s = CheckStoredTensor(c.v(), {NKV, n, D}, b.kv_dtype(), "chunk.v");
-        if (s.ok()) {
-          s = b.AddStoredChunk(layer, static_cast<int64_t>(c.token_start()), n,
-                               c.k().data().data(), c.v().data().data());
-        }
-        if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
-        continue;
-      }
-      Status s = n > 0 ? TensorToFloat(c.k(), {NKV, n, D}, "chunk.k", &k) : Status::OK();
-      if (s.ok() && n > 0) s = TensorToFloat(c.v(), {NKV, n, D}, "chunk.v", &v);
-      if (s.ok() && n > 0 && has_q) s = TensorToFloat(c.q(), {NQ, n, D}, "chunk.q", &q);
-      if (s.ok()) {
-        s = b.AddChunk(layer, static_cast<int64_t>(c.token_start()), n, k.data(), v.data(),
-                       has_q ? q.data() : nullptr);
-      }
-      if (!s.ok()) return rpc.Finish(ToGrpc(s));  // ~IngestBuilder removes what was written
+      // On an error ~IngestBuilder removes what was written.
+      if (Status s = AddIngestChunk(msg.chunk(), &b, &scratch); !s.ok()) return ToGrpc(s);
     }
     if (!committed) {
-      return rpc.Finish(
-          grpc::Status(grpc::StatusCode::ABORTED,
-                       "the ingest stream ended before IngestCommit; nothing was stored"));
+      return grpc::Status(grpc::StatusCode::ABORTED,
+                          "the ingest stream ended before IngestCommit; nothing was stored");
     }
-    auto manifest = b.Commit();
-    if (!manifest.ok()) return rpc.Finish(ToGrpc(manifest.status()));
-    if (ctx_->cluster) {
-      if (Status pub = ctx_->cluster->PublishReady(*manifest); !pub.ok()) {
-        return rpc.Finish(ToGrpc(pub));
-      }
-    }
-    *response = ManifestToInfo(*manifest);
+    if (Status s = CommitIngest(ctx_, &b, child, response); !s.ok()) return ToGrpc(s);
     rpc.set_context_id(response->context_id());
-    ctx_->events.Publish(child ? v1::ContextEvent::EXTENDED : v1::ContextEvent::CREATED,
-                         *response);
-    ctx_->events.Publish(v1::ContextEvent::READY, *response);
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
@@ -571,52 +561,48 @@ grpc::Status AdminServiceImpl::RunBuildRpc(grpc::ServerContext* context, BuildJo
 grpc::Status AdminServiceImpl::GetContext(grpc::ServerContext* context,
                                           const v1::GetContextRequest* request,
                                           v1::ContextInfo* response) {
-  return Guarded(ctx_, "GetContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"GetContext", auth::Action::kRead};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(ForwardUnary(ctx_, context, "GetContext", *target,
-                                     [&](auto ch, grpc::ClientContext* cc) {
-                                       return v1::ContextAdmin::NewStub(ch)->GetContext(
-                                           cc, *request, response);
-                                     }));
+      return ForwardUnary(
+          ctx_, context, "GetContext", *target, [&](auto ch, grpc::ClientContext* cc) {
+            return v1::ContextAdmin::NewStub(ch)->GetContext(cc, *request, response);
+          });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto m =
         AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+    if (!m.ok()) return ToGrpc(m.status());
     *response = ManifestToInfo(*m);
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext* context,
                                             const v1::ListContextsRequest* request,
                                             v1::ListContextsResponse* response) {
-  return Guarded(ctx_, "ListContexts", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ListContexts", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"ListContexts", auth::Action::kRead};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     const auth::Principal& who = rpc.principal();
     if (!request->tenant().empty() && request->tenant() != who.tenant &&
         !auth::IsServerWide(who.role)) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                                     "tenant: only an operator may list another tenant's "
-                                     "contexts; leave it empty to list your own"));
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          "tenant: only an operator may list another tenant's "
+                          "contexts; leave it empty to list your own");
     }
     uint32_t page_size = request->page_size() == 0 ? 100 : request->page_size();
     if (page_size > 1000) {
-      return rpc.Finish(
-          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                       "page_size must be <= 1000, got " + std::to_string(request->page_size())));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "page_size must be <= 1000, got " + std::to_string(request->page_size()));
     }
     // Contexts come ordered by id; the page token is the last id returned.
     std::string after = request->page_token();
     if (!after.empty() && !storage::ContextId::FromHex(after).ok()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     "page_token is not a token returned by ListContexts"));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "page_token is not a token returned by ListContexts");
     }
     // Pages are bounded by bytes as well as count, so a page of contexts
     // with large labels still fits a message; the token still makes progress
@@ -642,37 +628,35 @@ grpc::Status AdminServiceImpl::ListContexts(grpc::ServerContext* context,
       bytes += size;
       *response->add_contexts() = std::move(info);
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
                                             const v1::EvictContextRequest* request,
                                             v1::EvictContextResponse* response) {
-  return Guarded(ctx_, "EvictContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "EvictContext", auth::Action::kBuild);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"EvictContext", auth::Action::kBuild};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     rpc.set_context_id(id->ToHex());
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(ForwardUnary(ctx_, context, "EvictContext", *target,
-                                     [&](auto ch, grpc::ClientContext* cc) {
-                                       return v1::ContextAdmin::NewStub(ch)->EvictContext(
-                                           cc, *request, response);
-                                     }));
+      return ForwardUnary(
+          ctx_, context, "EvictContext", *target, [&](auto ch, grpc::ClientContext* cc) {
+            return v1::ContextAdmin::NewStub(ch)->EvictContext(cc, *request, response);
+          });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto m =
         AccessControl::GetManifest(ctx_->store.get(), rpc.principal(), *id, auth::Action::kBuild);
-    if (!m.ok()) return rpc.Finish(ToGrpc(m.status()));
+    if (!m.ok()) return ToGrpc(m.status());
     auto deferred = ctx_->store->Delete(*id);
-    if (!deferred.ok()) return rpc.Finish(ToGrpc(deferred.status()));
+    if (!deferred.ok()) return ToGrpc(deferred.status());
     if (ctx_->cluster) {
       // Every other holder deletes its copy when it sees the tombstone.
       if (Status rec = ctx_->cluster->RecordEvicted(*id); !rec.ok()) {
-        return rpc.Finish(ToGrpc(rec.WithContext("evicted here; recording it in etcd")));
+        return ToGrpc(rec.WithContext("evicted here; recording it in etcd"));
       }
     }
     response->set_deferred(*deferred);
@@ -680,47 +664,45 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
     response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());
     ctx_->metrics.GetCounter("ctxcache_evictions_total", kEvictionsHelp)->Inc();
     ctx_->events.Publish(v1::ContextEvent::EVICTED, ManifestToInfo(*m));
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status AdminServiceImpl::PinContext(grpc::ServerContext* context,
                                           const v1::PinContextRequest* request,
                                           v1::ContextInfo* response) {
-  return Guarded(ctx_, "PinContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "PinContext", auth::Action::kBuild);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"PinContext", auth::Action::kBuild};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     if (auto fwd = MaybeForwardFlag(context, "PinContext", request->context_id(),
                                     [&](auto ch, grpc::ClientContext* cc) {
                                       return v1::ContextAdmin::NewStub(ch)->PinContext(
                                           cc, *request, response);
                                     })) {
-      return rpc.Finish(*fwd);
+      return *fwd;
     }
-    return rpc.Finish(UpdateFlag(
+    return UpdateFlag(
         &rpc, request->context_id(), auth::Action::kBuild,
         [&](const storage::ContextId& id) { return ctx_->store->SetPinned(id, request->pinned()); },
-        response));
+        response);
   });
 }
 
 grpc::Status AdminServiceImpl::ShareContext(grpc::ServerContext* context,
                                             const v1::ShareContextRequest* request,
                                             v1::ContextInfo* response) {
-  return Guarded(ctx_, "ShareContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ShareContext", auth::Action::kShare);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"ShareContext", auth::Action::kShare};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     if (auto fwd = MaybeForwardFlag(context, "ShareContext", request->context_id(),
                                     [&](auto ch, grpc::ClientContext* cc) {
                                       return v1::ContextAdmin::NewStub(ch)->ShareContext(
                                           cc, *request, response);
                                     })) {
-      return rpc.Finish(*fwd);
+      return *fwd;
     }
-    return rpc.Finish(UpdateFlag(
+    return UpdateFlag(
         &rpc, request->context_id(), auth::Action::kShare,
         [&](const storage::ContextId& id) { return ctx_->store->SetShared(id, request->shared()); },
-        response));
+        response);
   });
 }
 
@@ -747,9 +729,8 @@ grpc::Status AdminServiceImpl::UpdateFlag(
 
 grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::GetStatsRequest*,
                                         v1::ServerStats* response) {
-  return Guarded(ctx_, "GetStats", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "GetStats", auth::Action::kStats);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+  const RpcSpec spec{"GetStats", auth::Action::kStats};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     if (!auth::IsServerWide(rpc.principal().role)) {
       // All but operators see their own tenant only: nothing about other
       // tenants' contexts (counts and bytes would leak their activity), nor
@@ -759,7 +740,7 @@ grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::
       response->set_n_contexts(u.contexts);
       response->set_stored_bytes(u.stored_bytes);
       for (const auto& m : ctx_->models.Available()) response->add_models(m);
-      return rpc.Finish(grpc::Status::OK);
+      return grpc::Status::OK;
     }
     storage::StoreStats st = ctx_->store->GetStats();
     response->set_version(std::string(Version()));
@@ -772,7 +753,7 @@ grpc::Status AdminServiceImpl::GetStats(grpc::ServerContext* context, const v1::
     response->set_build_queue_depth(ctx_->build_queue.waiting());
     for (const auto& m : ctx_->models.Available()) response->add_models(m);
     for (const auto& [cf, bytes] : st.bytes_by_cf) (*response->mutable_bytes_by_kind())[cf] = bytes;
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 

@@ -44,12 +44,11 @@ void FillLocal(ServiceContext* ctx, v1::ClusterNodeStatus* out) {
 grpc::Status ClusterServiceImpl::ExportContext(grpc::ServerContext* context,
                                                const v1::ExportContextRequest* request,
                                                grpc::ServerWriter<v1::ReplicaChunk>* writer) {
-  return Guarded(ctx_, "ExportContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ExportContext", auth::Action::kCluster);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (!ctx_->cluster) return rpc.Finish(ClusterOff());
+  const RpcSpec spec{"ExportContext", auth::Action::kCluster};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
+    if (!ctx_->cluster) return ClusterOff();
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     rpc.set_context_id(id->ToHex());
     Status s = cluster::ExportContext(ctx_->store.get(), *id, kReplicaChunkBytes,
                                       [&](const v1::ReplicaChunk& c) -> Status {
@@ -59,56 +58,52 @@ grpc::Status ClusterServiceImpl::ExportContext(grpc::ServerContext* context,
                                         return Status::OK();
                                       });
     if (!s.ok()) ctx_->cluster->CountReplicationError();
-    return rpc.Finish(ToGrpc(s));
+    return ToGrpc(s);
   });
 }
 
 grpc::Status ClusterServiceImpl::ReplicateContext(grpc::ServerContext* context,
                                                   const v1::ReplicateContextRequest* request,
                                                   v1::ReplicateContextResponse* response) {
-  return Guarded(ctx_, "ReplicateContext", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "ReplicateContext", auth::Action::kCluster);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (!ctx_->cluster) return rpc.Finish(ClusterOff());
+  const RpcSpec spec{"ReplicateContext", auth::Action::kCluster};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
+    if (!ctx_->cluster) return ClusterOff();
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     rpc.set_context_id(id->ToHex());
     if (request->source_addr().empty()) {
-      return rpc.Finish(
-          grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                       "source_addr: empty (host:port of a node holding the context)"));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "source_addr: empty (host:port of a node holding the context)");
     }
     auto r = ctx_->cluster->PullFrom(*id, request->source_addr());
-    if (!r.ok()) return rpc.Finish(ToGrpc(r.status()));
+    if (!r.ok()) return ToGrpc(r.status());
     response->set_copied(r->copied);
     response->set_bytes(r->bytes);
     if (r->copied) {
       spdlog::info("cluster: copied {} from {} ({} bytes)", id->ToHex(), request->source_addr(),
                    r->bytes);
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status ClusterServiceImpl::LocalStatus(grpc::ServerContext* context,
                                              const v1::ClusterStatusRequest*,
                                              v1::ClusterNodeStatus* response) {
-  return Guarded(ctx_, "LocalStatus", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "LocalStatus", auth::Action::kCluster);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (!ctx_->cluster) return rpc.Finish(ClusterOff());
+  const RpcSpec spec{"LocalStatus", auth::Action::kCluster};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope&) -> grpc::Status {
+    if (!ctx_->cluster) return ClusterOff();
     FillLocal(ctx_, response);
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status ClusterServiceImpl::GetClusterStatus(grpc::ServerContext* context,
                                                   const v1::ClusterStatusRequest*,
                                                   v1::ClusterStatus* response) {
-  return Guarded(ctx_, "GetClusterStatus", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "GetClusterStatus", auth::Action::kCluster);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (!ctx_->cluster) return rpc.Finish(ClusterOff());
+  const RpcSpec spec{"GetClusterStatus", auth::Action::kCluster};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope&) -> grpc::Status {
+    if (!ctx_->cluster) return ClusterOff();
     auto* node = ctx_->cluster.get();
     response->set_cluster(node->options().uri.cluster);
     response->set_replicas(node->options().replicas);
@@ -134,7 +129,7 @@ grpc::Status ClusterServiceImpl::GetClusterStatus(grpc::ServerContext* context,
         out->set_health("UNREACHABLE: " + s.error_message());
       }
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "auth/principal.h"
+#include "common/clock.h"
 #include "common/crc32c.h"
 #include "index/methods.h"
 #include "service/access.h"
@@ -23,12 +24,6 @@
 namespace ctxcache::service {
 
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A bulk request's layers: `requested` in order, or all ascending when
 // empty. INVALID_ARGUMENT naming `layers` for one out of range or repeated.
@@ -320,7 +315,7 @@ void DecodeServiceImpl::ReaperLoop() {
     streams_at_trim = streams_.size();
     const int64_t limit = int64_t{ctx_->config.session_idle_timeout_s} * 1000;
     const int64_t open_limit = int64_t{ctx_->config.session_open_timeout_s} * 1000;
-    const int64_t now = NowMs();
+    const int64_t now = SteadyNowMs();
     for (auto& [key, s] : streams_) {
       if (!s->opened.load() && s->started_ms > 0 && now - s->started_ms > open_limit) {
         spdlog::info("cancelling a Decode stream that opened no session within {} s",
@@ -347,15 +342,12 @@ void DecodeServiceImpl::CancelAll() {
 grpc::Status DecodeServiceImpl::Decode(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
-  return Guarded(ctx_, "Decode", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "Decode", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
-    if (ctx_->draining) return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  const RpcSpec spec{"Decode", auth::Action::kRead, Admission::kStreamNotDraining};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto live = std::make_unique<LiveStream>();
     live->context = context;
-    live->last_activity_ms = NowMs();
-    live->started_ms = NowMs();
+    live->last_activity_ms = SteadyNowMs();
+    live->started_ms = SteadyNowMs();
     LiveStream* key = live.get();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -384,8 +376,8 @@ grpc::Status DecodeServiceImpl::Decode(
       if (id.ok()) {
         if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
           key->opened = true;  // the idle and open timeouts see the proxied traffic
-          return rpc.Finish(ForwardDecode(ctx_, context, *target, req, stream,
-                                          [key] { key->last_activity_ms = NowMs(); }));
+          return ForwardDecode(ctx_, context, *target, req, stream,
+                               [key] { key->last_activity_ms = SteadyNowMs(); });
         }
       }
       if (!refuse.ok()) {  // answered; the stream may still open another session
@@ -395,48 +387,46 @@ grpc::Status DecodeServiceImpl::Decode(
       }
     }
     for (bool more = have_first; more; more = stream->Read(&req)) {
-      key->last_activity_ms = NowMs();
+      key->last_activity_ms = SteadyNowMs();
       if (req.has_open()) key->opened = true;
       // A key revoked while the session is open ends it (docs/security.md).
       if (Status s = ctx_->access->Recheck(context, rpc.principal()); !s.ok()) {
-        return rpc.Finish(ToGrpc(s));
+        return ToGrpc(s);
       }
       if (Status s = ctx_->quotas->AdmitMessage(rpc.principal().tenant); !s.ok()) {
         stream->Write(ErrorResponse(req.request_id(), s));  // the session stays open
         continue;
       }
       if (!handler.Handle(req, [&](const v1::DecodeResponse& r) { return stream->Write(r); })) {
-        return rpc.Finish(grpc::Status::OK);  // closed
+        return grpc::Status::OK;  // closed
       }
     }
     if (context->IsCancelled()) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle"));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "session cancelled or idle");
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
                                            const v1::FetchIndexRequest* request,
                                            grpc::ServerWriter<v1::IndexChunk>* writer) {
-  return Guarded(ctx_, "FetchIndex", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "FetchIndex", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+  const RpcSpec spec{"FetchIndex", auth::Action::kRead, Admission::kStream};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(ForwardServerStream(
+      return ForwardServerStream(
           ctx_, context, "FetchIndex", *target, *request, writer,
           [](auto ch, grpc::ClientContext* cc, const v1::FetchIndexRequest& r) {
             return v1::DecodeService::NewStub(ch)->FetchIndex(cc, r);
-          }));
+          });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (!reader.ok()) return ToGrpc(reader.status());
     const v1::ContextManifest& m = (*reader)->manifest();
     std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
     std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
@@ -452,26 +442,26 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
     }
     for (uint32_t l : layers) {
       if (l >= m.model().n_layers()) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       "layers: " + std::to_string(l) + " out of range [0, " +
-                                           std::to_string(m.model().n_layers()) + ")"));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "layers: " + std::to_string(l) + " out of range [0, " +
+                                std::to_string(m.model().n_layers()) + ")");
       }
     }
     for (uint32_t h : heads) {
       if (h >= m.model().n_kv_heads()) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       "kv_heads: " + std::to_string(h) + " out of range"));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "kv_heads: " + std::to_string(h) + " out of range");
       }
     }
     constexpr size_t kChunk = 1u << 20;
     for (const auto& method : methods) {
       auto info = index::FindMethodInfo(method);
-      if (!info.ok()) return rpc.Finish(ToGrpc(info.status().WithContext("methods")));
+      if (!info.ok()) return ToGrpc(info.status().WithContext("methods"));
       const uint8_t kind = (*info)->artifact_kind;
       for (uint32_t l : layers) {
         for (uint32_t h : heads) {
           if (context->IsCancelled()) {
-            return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+            return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
           }
           auto bytes = (*reader)->ReadArtifact(l, h, kind);
           if (!bytes.ok()) {
@@ -479,7 +469,7 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
             if (s.code() == StatusCode::kNotFound) {
               s = FailedPreconditionError("context has no '" + method + "' index");
             }
-            return rpc.Finish(ToGrpc(s));
+            return ToGrpc(s);
           }
           const uint32_t crc = crc32c::Value(*bytes);
           const uint32_t n_chunks =
@@ -496,37 +486,35 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
             size_t off = size_t{c} * kChunk;
             chunk.set_data(bytes->substr(off, std::min(kChunk, bytes->size() - off)));
             if (!writer->Write(chunk)) {
-              return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+              return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
             }
           }
         }
       }
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                            const v1::FetchPagesRequest* request,
                                            grpc::ServerWriter<v1::PageBatch>* writer) {
-  return Guarded(ctx_, "FetchPages", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "FetchPages", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+  const RpcSpec spec{"FetchPages", auth::Action::kRead, Admission::kStream};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(ForwardServerStream(
+      return ForwardServerStream(
           ctx_, context, "FetchPages", *target, *request, writer,
           [](auto ch, grpc::ClientContext* cc, const v1::FetchPagesRequest& r) {
             return v1::DecodeService::NewStub(ch)->FetchPages(cc, r);
-          }));
+          });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (!reader.ok()) return ToGrpc(reader.status());
     const v1::ContextManifest& m = (*reader)->manifest();
     PageBatcher batcher(
         kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
@@ -536,63 +524,59 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                                    "Stored page bytes read for decode sessions");
     for (const auto& t : request->tables()) {
       if (context->IsCancelled()) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
       }
       if (t.layer() >= m.model().n_layers() || t.kv_head() >= m.model().n_kv_heads()) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       "tables: layer " + std::to_string(t.layer()) +
-                                           " / kv_head " + std::to_string(t.kv_head()) +
-                                           " out of range (context has " +
-                                           std::to_string(m.model().n_layers()) + " layers, " +
-                                           std::to_string(m.model().n_kv_heads()) + " kv heads)"));
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "tables: layer " + std::to_string(t.layer()) + " / kv_head " +
+                                std::to_string(t.kv_head()) + " out of range (context has " +
+                                std::to_string(m.model().n_layers()) + " layers, " +
+                                std::to_string(m.model().n_kv_heads()) + " kv heads)");
       }
       std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
       Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
-      if (!s.ok()) return rpc.Finish(ToGrpc(s));
+      if (!s.ok()) return ToGrpc(s);
       bytes_read->Inc(static_cast<double>(batch.stored_bytes));
       for (size_t i = 0; i < batch.size(); ++i) {
         if (!batcher.Add(StoredPageToProto(batch, i, t.layer(), t.kv_head()))) {
-          return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+          return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
         }
       }
     }
     batcher.Finish();
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
                                         const v1::FetchKVRequest* request,
                                         grpc::ServerWriter<v1::KVFrame>* writer) {
-  return Guarded(ctx_, "FetchKV", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "FetchKV", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+  const RpcSpec spec{"FetchKV", auth::Action::kRead, Admission::kStream};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     const size_t max_message = ctx_->config.max_message_bytes;
     const size_t max_frame =
         max_message > (128u << 10) ? max_message - (64u << 10) : max_message / 2;
     if (request->frame_bytes() > max_frame) {
-      return rpc.Finish(grpc::Status(
-          grpc::StatusCode::INVALID_ARGUMENT,
-          "frame_bytes: " + std::to_string(request->frame_bytes()) + " exceeds " +
-              std::to_string(max_frame) + " (the server's max message size minus 64 KiB)"));
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "frame_bytes: " + std::to_string(request->frame_bytes()) + " exceeds " +
+                              std::to_string(max_frame) +
+                              " (the server's max message size minus 64 KiB)");
     }
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(ForwardServerStream(
-          ctx_, context, "FetchKV", *target, *request, writer,
-          [](auto ch, grpc::ClientContext* cc, const v1::FetchKVRequest& r) {
-            return v1::DecodeService::NewStub(ch)->FetchKV(cc, r);
-          }));
+      return ForwardServerStream(ctx_, context, "FetchKV", *target, *request, writer,
+                                 [](auto ch, grpc::ClientContext* cc, const v1::FetchKVRequest& r) {
+                                   return v1::DecodeService::NewStub(ch)->FetchKV(cc, r);
+                                 });
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (!reader.ok()) return ToGrpc(reader.status());
     auto layers = LayerList(request->layers(), (*reader)->manifest().model().n_layers());
-    if (!layers.ok()) return rpc.Finish(ToGrpc(layers.status()));
+    if (!layers.ok()) return ToGrpc(layers.status());
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                    "Stored page bytes read for decode sessions");
     KVFrameOptions options;
@@ -603,47 +587,44 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     v1::KVFrame frame;
     while (frames.Next(&frame)) {
       if (context->IsCancelled()) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+        return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
       }
       if (!writer->Write(frame)) {
-        return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+        return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
       }
     }
-    return rpc.Finish(ToGrpc(frames.status()));
+    return ToGrpc(frames.status());
   });
 }
 
 grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
                                       const v1::MapKVRequest* request,
                                       grpc::ServerWriter<v1::MapKVProgress>* writer) {
-  return Guarded(ctx_, "MapKV", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "MapKV", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+  const RpcSpec spec{"MapKV", auth::Action::kRead, Admission::kStream};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
-    if (!id.ok()) return rpc.Finish(ToGrpc(id.status()));
+    if (!id.ok()) return ToGrpc(id.status());
     if (!ctx_->shm) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                                     "MapKV is off on this server (--shm-socket off); use FetchKV"));
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "MapKV is off on this server (--shm-socket off); use FetchKV");
     }
     grpc::Status refuse;
     if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return rpc.Finish(grpc::Status(
-          grpc::StatusCode::FAILED_PRECONDITION,
-          "context " + request->context_id() + " is served by " + *target +
-              ": MapKV shares memory on the serving node's own host; use FetchKV"));
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "context " + request->context_id() + " is served by " + *target +
+                              ": MapKV shares memory on the serving node's own host; use FetchKV");
     }
-    if (!refuse.ok()) return rpc.Finish(refuse);
+    if (!refuse.ok()) return refuse;
     auto reader =
         AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return rpc.Finish(ToGrpc(reader.status()));
+    if (!reader.ok()) return ToGrpc(reader.status());
     const v1::ContextManifest& m = (*reader)->manifest();
     auto layers = LayerList(request->layers(), m.model().n_layers());
-    if (!layers.ok()) return rpc.Finish(ToGrpc(layers.status()));
+    if (!layers.ok()) return ToGrpc(layers.status());
     const KVSegmentLayout layout = DenseKVSegmentLayout(m);
     const uint64_t size = layers->size() * layout.layer_stride;
     ShmSegment segment;
-    if (Status s = segment.Create(size); !s.ok()) return rpc.Finish(ToGrpc(s));
+    if (Status s = segment.Create(size); !s.ok()) return ToGrpc(s);
     const std::string token = ctx_->shm->Offer(segment.ReleaseFd());
     struct Withdraw {
       ShmBroker* broker;
@@ -665,7 +646,7 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
     seg->set_n_kv_heads(m.model().n_kv_heads());
     seg->set_head_dim(m.model().head_dim());
     if (!writer->Write(first)) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
 
     // Fill on a thread of its own (which runs up to 8 layers at a time);
@@ -712,32 +693,30 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
     }
     filler.join();
     if (client_gone) {
-      return rpc.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
-    if (!fill_status.ok()) return rpc.Finish(ToGrpc(fill_status));
+    if (!fill_status.ok()) return ToGrpc(fill_status);
     // The call ends once the client holds the segment (or gives up).
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     if (!ctx_->shm->WaitRedeemed(token, [&] {
           return context->IsCancelled() || std::chrono::steady_clock::now() > deadline;
         })) {
-      return rpc.Finish(grpc::Status(
+      return grpc::Status(
           grpc::StatusCode::DEADLINE_EXCEEDED,
-          "MapKV: the segment was not taken from " + ctx_->shm->path() + " within 60 s"));
+          "MapKV: the segment was not taken from " + ctx_->shm->path() + " within 60 s");
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 
 grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
                                               const v1::WatchRequest* request,
                                               grpc::ServerWriter<v1::ContextEvent>* writer) {
-  return Guarded(ctx_, "WatchContexts", [&]() -> grpc::Status {
-    RpcScope rpc(ctx_, context, "WatchContexts", auth::Action::kRead);
-    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-    if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+  const RpcSpec spec{"WatchContexts", auth::Action::kRead, Admission::kStream};
+  return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     if (!request->context_id().empty()) {
       auto id = ParseContextId(request->context_id());
-      if (!id.ok()) return rpc.Finish(ToGrpc(id.status().WithContext("context_id filter")));
+      if (!id.ok()) return ToGrpc(id.status().WithContext("context_id filter"));
     }
     // Only events of contexts the caller may read are ever queued for it.
     auto sub = ctx_->events.Subscribe([who = rpc.principal()](const v1::ContextInfo& c) {
@@ -751,11 +730,11 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
     // Initial empty event: tells the client the subscription is live.
     v1::ContextEvent hello;
     hello.set_type(v1::ContextEvent::TYPE_UNSPECIFIED);
-    if (!writer->Write(hello)) return rpc.Finish(grpc::Status::OK);
+    if (!writer->Write(hello)) return grpc::Status::OK;
     // A key revoked while watching ends the watch before it sees another event.
     auto still_valid = [&] { return ctx_->access->Recheck(context, rpc.principal()); };
     while (!context->IsCancelled() && !ctx_->draining) {
-      if (Status s = still_valid(); !s.ok()) return rpc.Finish(ToGrpc(s));
+      if (Status s = still_valid(); !s.ok()) return ToGrpc(s);
       std::unique_lock<std::mutex> lock(sub->mu);
       sub->cv.wait_for(lock, std::chrono::milliseconds(200),
                        [&] { return !sub->queue.empty() || sub->closed; });
@@ -772,13 +751,13 @@ grpc::Status DecodeServiceImpl::WatchContexts(grpc::ServerContext* context,
           match = match && it != ev.context().labels().end() && it->second == v;
         }
         if (match) {
-          if (Status s = still_valid(); !s.ok()) return rpc.Finish(ToGrpc(s));
-          if (!writer->Write(ev)) return rpc.Finish(grpc::Status::OK);
+          if (Status s = still_valid(); !s.ok()) return ToGrpc(s);
+          if (!writer->Write(ev)) return grpc::Status::OK;
         }
         lock.lock();
       }
     }
-    return rpc.Finish(grpc::Status::OK);
+    return grpc::Status::OK;
   });
 }
 

@@ -78,13 +78,8 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
   const v1::ContextManifest& m = reader->manifest();
   s->method_ = method;
   s->want_pages_ = want_pages;
-  session::SessionShape shape;
-  shape.n_layers = static_cast<int>(m.model().n_layers());
-  shape.n_q_heads = static_cast<int>(m.model().n_q_heads());
-  shape.n_kv_heads = static_cast<int>(m.model().n_kv_heads());
-  shape.head_dim = static_cast<int>(m.model().head_dim());
-  shape.page_size = static_cast<int>(m.block_tokens());
-  shape.n_stored = static_cast<int64_t>(m.n_tokens());
+  const auto shape = session::SessionShape::From(m.model(), m.block_tokens(),
+                                                 static_cast<int64_t>(m.n_tokens()));
   RETURN_IF_ERROR(shape.Validate().WithContext("context manifest"));
   // The session's own limit, within the server's.
   std::map<std::string, std::string> selection_params = params;
@@ -106,7 +101,7 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
     selection_params.erase(it);
   }
   ASSIGN_OR_RETURN(auto session_params,
-                   index::SessionParams::Parse(method, selection_params, shape.page_size));
+                   session::SessionParams::Parse(method, selection_params, shape.page_size));
   std::vector<std::unique_ptr<index::Selector>> selectors;
   if (options.indexes != nullptr) {
     ASSIGN_OR_RETURN(s->index_, options.indexes->Get(*reader, method));

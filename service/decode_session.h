@@ -93,7 +93,7 @@ struct DecodeSessionOptions {
 class DecodeSession {
  public:
   // Opens `method` on the context held by `reader`. params: see
-  // index/session_params.h (rho, budget, page_fraction, whole_pages,
+  // session/session_params.h (rho, budget, page_fraction, whole_pages,
   // subgroup, recent_blocks), plus "max_appended_tokens" (>= 1, at most
   // options.max_appended_tokens when that is set). InvalidArgument for an
   // unknown method or bad params; FailedPrecondition when the context lacks

@@ -6,7 +6,6 @@
 // Thread-safety: safe for concurrent use.
 #pragma once
 
-#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -14,6 +13,7 @@
 #include <memory>
 #include <mutex>
 
+#include "common/clock.h"
 #include "ctxcache/v1/ctxcache_service.pb.h"
 
 namespace ctxcache::service {
@@ -50,9 +50,7 @@ class EventHub {
     v1::ContextEvent ev;
     ev.set_type(type);
     *ev.mutable_context() = info;
-    ev.set_at_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
-                     std::chrono::system_clock::now().time_since_epoch())
-                     .count());
+    ev.set_at_ms(WallNowMs());
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& s : subs_) {
       if (s->filter && !s->filter(info)) continue;

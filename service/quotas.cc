@@ -3,17 +3,12 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/clock.h"
 #include "service/access.h"
 
 namespace ctxcache::service {
 
 namespace {
-
-int64_t NowMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 std::string TenantLabel(const std::string& tenant) { return tenant.empty() ? "-" : tenant; }
 
@@ -118,7 +113,7 @@ StatusOr<QuotaGuard> TenantQuotas::AdmitBuild(const std::string& tenant, uint64_
                   "quota max_builds=" + std::to_string(q.max_builds) +
                       " concurrent builds reached; retry when one finishes");
   }
-  const int64_t now = NowMs();
+  const int64_t now = SteadyNowMs();
   while (!st.recent_tokens.empty() && now - st.recent_tokens.front().first >= 60000) {
     st.recent_tokens.pop_front();
   }

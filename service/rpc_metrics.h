@@ -1,11 +1,14 @@
 // The scope of every RPC handler: authentication and authorization
 // (service/access.h), per-RPC accounting (count, latency and errors per
-// method, one debug log line per RPC) and the audit log. Use it first thing
-// in every ContextAdmin and DecodeService handler:
-//   RpcScope rpc(ctx_, context, "GetContext", auth::Action::kRead);
-//   if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
-//   ... rpc.principal() ..., rpc.set_context_id(hex) ...
-//   return rpc.Finish(status);
+// method, one debug log line per RPC) and the audit log. Every ContextAdmin,
+// DecodeService and ClusterService handler runs its body through HandleRpc
+// (below), which opens the scope, refuses what it must and finishes the
+// scope with the body's status:
+//   const RpcSpec spec{"GetContext", auth::Action::kRead};
+//   return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
+//     ... rpc.principal() ..., rpc.set_context_id(hex) ...
+//     return status;
+//   });
 // The audit log gets one JSON line per call that changes state (actions
 // build, share and cluster) and per call refused for its credentials or role: who
 // (key id / cert subject, never the key), tenant, role, rpc, context id,
@@ -168,6 +171,43 @@ grpc::Status Guarded(ServiceContext* ctx, const char* method, Fn&& body) {
   return grpc::Status(grpc::StatusCode::INTERNAL, std::string("internal error in ") + method +
                                                       " (incident " + std::to_string(n) +
                                                       "; the server log has the details)");
+}
+
+// What a handler admits before its body runs, after the credentials, the
+// role and the tenant's message rate (RpcScope::authorized), in this order.
+enum class Admission {
+  kCall,               // nothing more
+  kStream,             // one of the connection's and the tenant's streams
+                       // (RpcScope::AdmitStream)
+  kStreamNotDraining,  // kStream, then UNAVAILABLE "draining" while the server
+                       // drains (calls that start new work)
+};
+
+// One RPC as its handler declares it.
+struct RpcSpec {
+  const char* method;   // the RPC's name: metrics, logs, the audit log
+  auth::Action action;  // what the caller's role must allow
+  Admission admission = Admission::kCall;
+};
+
+// The prologue every handler shares: Guarded (an escaping exception becomes
+// INTERNAL), an RpcScope for spec.method and spec.action, the refusals of
+// RpcScope::authorized and of spec.admission, each finished through the
+// scope; then body(rpc), whose status finishes the scope and is returned.
+template <typename Fn>
+grpc::Status HandleRpc(ServiceContext* ctx, const grpc::ServerContext* context, const RpcSpec& spec,
+                       Fn&& body) {
+  return Guarded(ctx, spec.method, [&]() -> grpc::Status {
+    RpcScope rpc(ctx, context, spec.method, spec.action);
+    if (!rpc.authorized()) return rpc.Finish(rpc.auth_status());
+    if (spec.admission != Admission::kCall) {
+      if (grpc::Status s = rpc.AdmitStream(); !s.ok()) return rpc.Finish(s);
+    }
+    if (spec.admission == Admission::kStreamNotDraining && ctx->draining) {
+      return rpc.Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+    }
+    return rpc.Finish(body(rpc));
+  });
 }
 
 }  // namespace ctxcache::service

@@ -50,6 +50,26 @@ std::string ReadSmallFile(const std::string& path, Status* error, const char* fl
   return ss.str();
 }
 
+// The file's text without trailing whitespace (a key or token file).
+StatusOr<std::string> ReadSecretFile(const std::string& path, const char* flag) {
+  Status err;
+  std::string text = ReadSmallFile(path, &err, flag);
+  if (!err.ok()) return err;
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return text;
+}
+
+// The metrics endpoint's bearer token from --metrics-token-file ("" when
+// the flag is empty): InvalidArgument when unreadable or shorter than 16.
+StatusOr<std::string> ReadMetricsToken(const std::string& path) {
+  if (path.empty()) return std::string();
+  ASSIGN_OR_RETURN(std::string token, ReadSecretFile(path, "--metrics-token-file"));
+  if (token.size() < 16) {
+    return InvalidArgumentError("--metrics-token-file: the token must have >= 16 characters");
+  }
+  return token;
+}
+
 // The PEM files must exist and look like PEM before gRPC's watcher takes
 // over (it only logs what it cannot read).
 Status CheckPem(const std::string& path, const char* flag, const char* what) {
@@ -99,84 +119,15 @@ class ServerImpl {
   Status Start() {
     const ServerConfig& c = ctx_.config;
     ctx_.start_time = std::chrono::steady_clock::now();
-
     // Open the store first: a second ctxcached on the same dir must fail
     // before it touches any port.
-    storage::StoreOptions so;
-    so.block_cache_bytes = c.block_cache_mb << 20;
-    so.eviction.capacity_bytes = c.capacity_bytes;
-    so.eviction.high_watermark = c.high_watermark;
-    so.eviction.low_watermark = c.low_watermark;
-    so.default_ttl_ms = c.default_ttl_s * 1000;
-    auto store = storage::Store::Open(so, c.data_dir);
-    if (!store.ok()) {
-      const Status& s = store.status();
-      if (storage::IsDataDirLockedError(s.message())) {
-        return Status(s.code(), "data dir '" + c.data_dir +
-                                    "' is locked by another process (RocksDB LOCK file " +
-                                    c.data_dir +
-                                    "/LOCK): stop the other ctxcached or pass a "
-                                    "different --data-dir. Detail: " +
-                                    std::string(s.message()));
-      }
-      return s.WithContext("opening data dir '" + c.data_dir + "'");
-    }
-    ctx_.store = std::move(store).value();
-
-    // Safe defaults: without TLS and keys, loopback only (unless --insecure).
-    const bool secured = !c.tls_cert.empty() && !c.keys_file.empty();
-    if (!secured && !IsLoopbackListen(c.listen)) {
-      if (!c.insecure) {
-        return FailedPreconditionError(
-            "--listen " + c.listen +
-            " is not a loopback address, and the server has no TLS (--tls-cert/--tls-key) and "
-            "no API keys (--keys-file): anyone who reaches the port could read every context. "
-            "Configure both (docs/security.md), listen on 127.0.0.1, or pass --insecure");
-      }
-      spdlog::warn("--insecure: serving {} without {}; any client that reaches it can read, "
-                   "build and evict every context",
-                   c.listen,
-                   c.tls_cert.empty() && c.keys_file.empty() ? "TLS or API keys"
-                   : c.tls_cert.empty()                       ? "TLS"
-                                                              : "API keys");
-    }
-    RETURN_IF_ERROR(CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"));
-    RETURN_IF_ERROR(CheckPem(c.tls_key, "--tls-key", "PRIVATE KEY"));
-    RETURN_IF_ERROR(CheckPem(c.tls_client_ca, "--tls-client-ca", "CERTIFICATE"));
-    auto access = AccessControl::Create(c);
-    if (!access.ok()) return access.status();
-    ctx_.access = std::move(access).value();
-    ctx_.quotas =
-        std::make_unique<TenantQuotas>(ctx_.access.get(), ctx_.store.get(), &ctx_.metrics);
-    ApplyTenantShares();
-    if (Status s = OpenAuditLog(); !s.ok()) return s;
-    std::string metrics_token;
-    if (!c.metrics_token_file.empty()) {
-      Status err;
-      metrics_token = ReadSmallFile(c.metrics_token_file, &err, "--metrics-token-file");
-      if (!err.ok()) return err;
-      while (!metrics_token.empty() && std::isspace(static_cast<unsigned char>(metrics_token.back()))) {
-        metrics_token.pop_back();
-      }
-      if (metrics_token.size() < 16) {
-        return InvalidArgumentError("--metrics-token-file: the token must have >= 16 characters");
-      }
-    }
+    RETURN_IF_ERROR(OpenStore());
+    RETURN_IF_ERROR(CheckListenIsGuarded());
+    RETURN_IF_ERROR(OpenAccessControl());
+    ASSIGN_OR_RETURN(const std::string metrics_token, ReadMetricsToken(c.metrics_token_file));
 
     RegisterServerMetrics();
-
-    if (c.shm_socket != "off") {
-      const std::string path =
-          c.shm_socket.empty() ? c.data_dir + "/shm.sock" : c.shm_socket;
-      auto broker = ShmBroker::Start(path);
-      if (!broker.ok()) {
-        if (!c.shm_socket.empty()) return broker.status();
-        spdlog::warn("MapKV off: {} (set --shm-socket to a shorter path)",
-                     broker.status().ToString());
-      } else {
-        ctx_.shm = std::move(*broker);
-      }
-    }
+    RETURN_IF_ERROR(StartShmBroker());
 
     admin_ = std::make_unique<AdminServiceImpl>(&ctx_);
     decode_ = std::make_unique<DecodeServiceImpl>(&ctx_);
@@ -185,47 +136,7 @@ class ServerImpl {
       if (Status s = StartCluster(); !s.ok()) return s;
       RegisterClusterMetrics();
     }
-
-    grpc::EnableDefaultHealthCheckService(true);
-    // Reflection describes services from protobuf's generated pool; gRPC's
-    // health service is built on upb, so health.proto's C++ descriptors are
-    // linked in (and referenced here, so the linker keeps them).
-    const google::protobuf::Descriptor* health_descriptor =
-        grpc::health::v1::HealthCheckRequest::descriptor();
-    (void)health_descriptor;
-    if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
-    if (!c.reflection) builder.SetOption(std::make_unique<WithoutReflectionOption>());
-    int bound_port = 0;
-    builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
-    // Streaming calls are counted per connection by ConnectionStreams, which
-    // refuses the one past the limit; HTTP/2 only caps the sum with unary calls.
-    builder.AddChannelArgument(
-        GRPC_ARG_MAX_CONCURRENT_STREAMS,
-        static_cast<int>(std::min<uint64_t>(
-            uint64_t{c.max_streams_per_connection} + kUnaryStreamHeadroom, INT32_MAX)));
-    builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
-    builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
-                               static_cast<int>(c.keepalive_time_s) * 1000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
-    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    builder.RegisterService(admin_.get());
-    builder.RegisterService(decode_.get());
-    builder.RegisterService(cluster_.get());
-    server_ = builder.BuildAndStart();
-    if (!server_ || bound_port == 0) {
-      return UnavailableError("cannot listen on --listen " + c.listen +
-                              " (address in use or invalid); pick another address or port");
-    }
-    port_ = bound_port;
-    auto* health = server_->GetHealthCheckService();
-    health->SetServingStatus(true);
-    health->SetServingStatus("ctxcache.v1.ContextAdmin", true);
-    health->SetServingStatus("ctxcache.v1.DecodeService", true);
-    health->SetServingStatus("ctxcache.v1.ClusterService", true);
-    health->SetServingStatus(kPrefillHealthService, CheckModelDir());
+    RETURN_IF_ERROR(StartGrpc());
 
     if (!c.metrics_listen.empty()) {
       metrics_http_ = std::make_unique<MetricsHttpServer>(&ctx_.metrics);
@@ -235,29 +146,8 @@ class ServerImpl {
         return s;
       }
     }
-    if (!c.port_file.empty()) {
-      // Line 1: gRPC port; line 2: metrics port (0 if off). Written to a
-      // temp name and renamed, so readers never see a partial file.
-      std::string tmp = c.port_file + ".tmp";
-      {
-        std::ofstream f(tmp);
-        f << port_ << "\n" << metrics_port() << "\n";
-      }
-      std::rename(tmp.c_str(), c.port_file.c_str());
-    }
-    std::string services =
-        "ctxcache.v1.ContextAdmin, ctxcache.v1.DecodeService, ctxcache.v1.ClusterService, "
-        "grpc.health.v1.Health";
-    if (c.reflection) services += ", grpc.reflection.v1alpha.ServerReflection";
-    spdlog::info(
-        "serving gRPC on port {} ({}) over {}{}; "
-        "authentication {}; metrics on {}{}; MapKV segments on {}",
-        port_, services, c.tls_cert.empty() ? "plaintext" : "TLS",
-        c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
-        ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
-        metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",
-        metrics_token.empty() ? "" : " (bearer token required)",
-        ctx_.shm ? ctx_.shm->path() : std::string("(off)"));
+    WritePortFile();
+    LogServing(metrics_token);
     return Status::OK();
   }
 
@@ -309,6 +199,166 @@ class ServerImpl {
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
 
  private:
+  // Opens --data-dir into ctx_.store; a locked dir names the other process.
+  Status OpenStore() {
+    const ServerConfig& c = ctx_.config;
+    storage::StoreOptions so;
+    so.block_cache_bytes = c.block_cache_mb << 20;
+    so.eviction.capacity_bytes = c.capacity_bytes;
+    so.eviction.high_watermark = c.high_watermark;
+    so.eviction.low_watermark = c.low_watermark;
+    so.default_ttl_ms = c.default_ttl_s * 1000;
+    auto store = storage::Store::Open(so, c.data_dir);
+    if (!store.ok()) {
+      const Status& s = store.status();
+      if (storage::IsDataDirLockedError(s.message())) {
+        return Status(s.code(), "data dir '" + c.data_dir +
+                                    "' is locked by another process (RocksDB LOCK file " +
+                                    c.data_dir +
+                                    "/LOCK): stop the other ctxcached or pass a "
+                                    "different --data-dir. Detail: " +
+                                    std::string(s.message()));
+      }
+      return s.WithContext("opening data dir '" + c.data_dir + "'");
+    }
+    ctx_.store = std::move(store).value();
+    return Status::OK();
+  }
+
+  // Safe defaults: without TLS and keys, loopback only (unless --insecure).
+  Status CheckListenIsGuarded() const {
+    const ServerConfig& c = ctx_.config;
+    const bool secured = !c.tls_cert.empty() && !c.keys_file.empty();
+    if (!secured && !IsLoopbackListen(c.listen)) {
+      if (!c.insecure) {
+        return FailedPreconditionError(
+            "--listen " + c.listen +
+            " is not a loopback address, and the server has no TLS (--tls-cert/--tls-key) and "
+            "no API keys (--keys-file): anyone who reaches the port could read every context. "
+            "Configure both (docs/security.md), listen on 127.0.0.1, or pass --insecure");
+      }
+      spdlog::warn("--insecure: serving {} without {}; any client that reaches it can read, "
+                   "build and evict every context",
+                   c.listen,
+                   c.tls_cert.empty() && c.keys_file.empty() ? "TLS or API keys"
+                   : c.tls_cert.empty()                       ? "TLS"
+                                                              : "API keys");
+    }
+    return Status::OK();
+  }
+
+  // The TLS files, the access control (keys, tenants), the tenant quotas
+  // and shares, and the audit log.
+  Status OpenAccessControl() {
+    const ServerConfig& c = ctx_.config;
+    RETURN_IF_ERROR(CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"));
+    RETURN_IF_ERROR(CheckPem(c.tls_key, "--tls-key", "PRIVATE KEY"));
+    RETURN_IF_ERROR(CheckPem(c.tls_client_ca, "--tls-client-ca", "CERTIFICATE"));
+    auto access = AccessControl::Create(c);
+    if (!access.ok()) return access.status();
+    ctx_.access = std::move(access).value();
+    ctx_.quotas =
+        std::make_unique<TenantQuotas>(ctx_.access.get(), ctx_.store.get(), &ctx_.metrics);
+    ApplyTenantShares();
+    return OpenAuditLog();
+  }
+
+  // MapKV's broker on --shm-socket; a default path that fails only warns.
+  Status StartShmBroker() {
+    const ServerConfig& c = ctx_.config;
+    if (c.shm_socket != "off") {
+      const std::string path =
+          c.shm_socket.empty() ? c.data_dir + "/shm.sock" : c.shm_socket;
+      auto broker = ShmBroker::Start(path);
+      if (!broker.ok()) {
+        if (!c.shm_socket.empty()) return broker.status();
+        spdlog::warn("MapKV off: {} (set --shm-socket to a shorter path)",
+                     broker.status().ToString());
+      } else {
+        ctx_.shm = std::move(*broker);
+      }
+    }
+    return Status::OK();
+  }
+
+  // Builds and starts the gRPC server on --listen with the three services,
+  // health (and reflection unless --reflection false); sets port_.
+  Status StartGrpc() {
+    const ServerConfig& c = ctx_.config;
+    grpc::EnableDefaultHealthCheckService(true);
+    // Reflection describes services from protobuf's generated pool; gRPC's
+    // health service is built on upb, so health.proto's C++ descriptors are
+    // linked in (and referenced here, so the linker keeps them).
+    const google::protobuf::Descriptor* health_descriptor =
+        grpc::health::v1::HealthCheckRequest::descriptor();
+    (void)health_descriptor;
+    if (c.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    if (!c.reflection) builder.SetOption(std::make_unique<WithoutReflectionOption>());
+    int bound_port = 0;
+    builder.AddListeningPort(c.listen, ServerCredentials(), &bound_port);
+    // Streaming calls are counted per connection by ConnectionStreams, which
+    // refuses the one past the limit; HTTP/2 only caps the sum with unary calls.
+    builder.AddChannelArgument(
+        GRPC_ARG_MAX_CONCURRENT_STREAMS,
+        static_cast<int>(std::min<uint64_t>(
+            uint64_t{c.max_streams_per_connection} + kUnaryStreamHeadroom, INT32_MAX)));
+    builder.SetMaxReceiveMessageSize(static_cast<int>(c.max_message_bytes));
+    builder.SetMaxSendMessageSize(static_cast<int>(c.max_message_bytes));
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                               static_cast<int>(c.keepalive_time_s) * 1000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    builder.RegisterService(admin_.get());
+    builder.RegisterService(decode_.get());
+    builder.RegisterService(cluster_.get());
+    server_ = builder.BuildAndStart();
+    if (!server_ || bound_port == 0) {
+      return UnavailableError("cannot listen on --listen " + c.listen +
+                              " (address in use or invalid); pick another address or port");
+    }
+    port_ = bound_port;
+    auto* health = server_->GetHealthCheckService();
+    health->SetServingStatus(true);
+    health->SetServingStatus("ctxcache.v1.ContextAdmin", true);
+    health->SetServingStatus("ctxcache.v1.DecodeService", true);
+    health->SetServingStatus("ctxcache.v1.ClusterService", true);
+    health->SetServingStatus(kPrefillHealthService, CheckModelDir());
+    return Status::OK();
+  }
+
+  void WritePortFile() const {
+    const ServerConfig& c = ctx_.config;
+    if (!c.port_file.empty()) {
+      // Line 1: gRPC port; line 2: metrics port (0 if off). Written to a
+      // temp name and renamed, so readers never see a partial file.
+      std::string tmp = c.port_file + ".tmp";
+      {
+        std::ofstream f(tmp);
+        f << port_ << "\n" << metrics_port() << "\n";
+      }
+      std::rename(tmp.c_str(), c.port_file.c_str());
+    }
+  }
+
+  void LogServing(const std::string& metrics_token) const {
+    const ServerConfig& c = ctx_.config;
+    std::string services =
+        "ctxcache.v1.ContextAdmin, ctxcache.v1.DecodeService, ctxcache.v1.ClusterService, "
+        "grpc.health.v1.Health";
+    if (c.reflection) services += ", grpc.reflection.v1alpha.ServerReflection";
+    spdlog::info(
+        "serving gRPC on port {} ({}) over {}{}; "
+        "authentication {}; metrics on {}{}; MapKV segments on {}",
+        port_, services, c.tls_cert.empty() ? "plaintext" : "TLS",
+        c.tls_client_ca.empty() ? "" : " with client certificates (mTLS)",
+        ctx_.access->enabled() ? "required (keys file " + c.keys_file + ")" : "off",
+        metrics_http_ ? std::to_string(metrics_http_->port()) : "(off)",
+        metrics_token.empty() ? "" : " (bearer token required)",
+        ctx_.shm ? ctx_.shm->path() : std::string("(off)"));
+  }
+
   // Whether --default-model is hosted, so builds from text or token ids can
   // run; warns otherwise. Sessions, reads and ingests need no model, so the
   // server still serves: only the kPrefillHealthService status says so.
@@ -375,17 +425,13 @@ class ServerImpl {
     o.min_replicas = c.min_replicas == 0 ? c.replicas : c.min_replicas;
     o.lease_ttl_s = c.etcd_lease_ttl_s;
     o.peer.max_message_bytes = c.max_message_bytes;
-    Status err;
     if (!c.cluster_key_file.empty()) {
-      o.peer.cluster_key = ReadSmallFile(c.cluster_key_file, &err, "--cluster-key-file");
-      if (!err.ok()) return err;
-      while (!o.peer.cluster_key.empty() &&
-             std::isspace(static_cast<unsigned char>(o.peer.cluster_key.back()))) {
-        o.peer.cluster_key.pop_back();
-      }
+      ASSIGN_OR_RETURN(o.peer.cluster_key,
+                       ReadSecretFile(c.cluster_key_file, "--cluster-key-file"));
       if (o.peer.cluster_key.empty()) return InvalidArgumentError("--cluster-key-file: empty");
       RETURN_IF_ERROR(ctx_.access->CheckPeerKey(o.peer.cluster_key, "--cluster-key-file"));
     }
+    Status err;
     if (!c.tls_cert.empty()) {
       // Peers are verified against --tls-client-ca when set (the CA of the
       // node certificates), else against this node's own certificate.

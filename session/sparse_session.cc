@@ -81,7 +81,7 @@ class SparseSession::KeySourceImpl final : public index::KeySource {
   mutable std::vector<uint32_t> blocks_;  // scratch
 };
 
-SparseSession::SparseSession(const SessionShape& shape, const index::SessionParams& params,
+SparseSession::SparseSession(const SessionShape& shape, const SessionParams& params,
                              PageFetcher* fetcher)
     : shape_(shape), params_(params), fetcher_(fetcher) {}
 
@@ -128,14 +128,14 @@ Status SparseSession::CheckStoredSelector(const index::Selector& selector, int l
 }
 
 StatusOr<std::unique_ptr<SparseSession>> SparseSession::Create(
-    const SessionShape& shape, const index::SessionParams& params,
+    const SessionShape& shape, const SessionParams& params,
     std::vector<std::unique_ptr<index::Selector>> selectors, PageFetcher* fetcher) {
   std::vector<index::Selector*> raw;
   raw.reserve(selectors.size());
   for (const auto& s : selectors) raw.push_back(s.get());
   // The selectors are this session's own, so its overrides (csa's rerank)
   // apply to them; CreateBorrowed leaves the caller's selectors untouched.
-  index::SessionParams borrowed = params;
+  SessionParams borrowed = params;
   borrowed.selector_overrides.clear();
   ASSIGN_OR_RETURN(auto session, CreateBorrowed(shape, borrowed, std::move(raw), fetcher));
   for (auto& s : selectors) RETURN_IF_ERROR(s->ApplySessionOverrides(params.selector_overrides));
@@ -145,7 +145,7 @@ StatusOr<std::unique_ptr<SparseSession>> SparseSession::Create(
 }
 
 StatusOr<std::unique_ptr<SparseSession>> SparseSession::CreateBorrowed(
-    const SessionShape& shape, const index::SessionParams& params,
+    const SessionShape& shape, const SessionParams& params,
     std::vector<index::Selector*> selectors, PageFetcher* fetcher) {
   if (fetcher == nullptr) return InvalidArgumentError("session: page fetcher is null");
   if (!params.selector_overrides.empty()) {

@@ -32,8 +32,8 @@
 #include "common/status.h"
 #include "index/page_table.h"
 #include "index/selector.h"
-#include "index/session_params.h"
 #include "session/page_fetcher.h"
+#include "session/session_params.h"
 
 namespace ctxcache::session {
 
@@ -47,11 +47,39 @@ struct SessionShape {
   // Tokens of the stored context.
   int64_t n_stored = 0;
 
+  // The shape of a stored context of `n_stored` tokens in pages of
+  // `page_size` tokens, for the model `spec` describes: model::ModelSpec
+  // (fields n_layers, n_q_heads, n_kv_heads, head_dim) or the proto
+  // v1::ModelSpec (accessors of those names). A template so that session/
+  // includes neither model/ nor the generated code. Not validated: call
+  // Validate.
+  template <typename Spec>
+  static SessionShape From(const Spec& spec, int64_t page_size, int64_t n_stored);
+
   int group_size() const { return n_kv_heads > 0 ? n_q_heads / n_kv_heads : 0; }
   // InvalidArgument naming the field unless every size is positive and
   // n_q_heads is a multiple of n_kv_heads.
   Status Validate() const;
 };
+
+template <typename Spec>
+SessionShape SessionShape::From(const Spec& spec, int64_t page_size, int64_t n_stored) {
+  SessionShape shape;
+  if constexpr (requires { spec.n_layers(); }) {
+    shape.n_layers = static_cast<int>(spec.n_layers());
+    shape.n_q_heads = static_cast<int>(spec.n_q_heads());
+    shape.n_kv_heads = static_cast<int>(spec.n_kv_heads());
+    shape.head_dim = static_cast<int>(spec.head_dim());
+  } else {
+    shape.n_layers = static_cast<int>(spec.n_layers);
+    shape.n_q_heads = static_cast<int>(spec.n_q_heads);
+    shape.n_kv_heads = static_cast<int>(spec.n_kv_heads);
+    shape.head_dim = static_cast<int>(spec.head_dim);
+  }
+  shape.page_size = static_cast<int>(page_size);
+  shape.n_stored = n_stored;
+  return shape;
+}
 
 // One (layer, kv head) of one step: what each q head attends and the pages
 // that carry it.
@@ -106,18 +134,18 @@ class SparseSession {
   static Status CheckStoredSelector(const index::Selector& selector, int layer, int kv_head,
                                     int64_t n_tokens, int head_dim);
   static StatusOr<std::unique_ptr<SparseSession>> Create(
-      const SessionShape& shape, const index::SessionParams& params,
+      const SessionShape& shape, const SessionParams& params,
       std::vector<std::unique_ptr<index::Selector>> selectors, PageFetcher* fetcher);
   // Same, with selectors the caller owns (they must outlive the session).
   // InvalidArgument when params.selector_overrides is not empty: the
   // session does not change selectors it does not own.
   static StatusOr<std::unique_ptr<SparseSession>> CreateBorrowed(
-      const SessionShape& shape, const index::SessionParams& params,
+      const SessionShape& shape, const SessionParams& params,
       std::vector<index::Selector*> selectors, PageFetcher* fetcher);
   ~SparseSession();
 
   const SessionShape& shape() const { return shape_; }
-  const index::SessionParams& params() const { return params_; }
+  const SessionParams& params() const { return params_; }
   std::string_view method() const;
   // Tokens in layer `layer`'s sequence: stored + appended to that layer.
   int64_t n_tokens(int layer) const { return shape_.n_stored + n_appended_[layer]; }
@@ -181,8 +209,7 @@ class SparseSession {
 
  private:
   class KeySourceImpl;
-  SparseSession(const SessionShape& shape, const index::SessionParams& params,
-                PageFetcher* fetcher);
+  SparseSession(const SessionShape& shape, const SessionParams& params, PageFetcher* fetcher);
   size_t Slot(int layer, int kv_head) const {
     return static_cast<size_t>(layer) * shape_.n_kv_heads + kv_head;
   }
@@ -191,7 +218,7 @@ class SparseSession {
                                const std::vector<index::Selector*>& selectors);
 
   SessionShape shape_;
-  index::SessionParams params_;
+  SessionParams params_;
   PageFetcher* fetcher_;
   std::vector<std::unique_ptr<index::Selector>> owned_;
   std::vector<index::Selector*> selectors_;                // [layer * n_kv + head]

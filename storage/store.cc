@@ -434,17 +434,4 @@ StoreStats Store::GetStats() const { return core_->GetStats(); }
 const StoreOptions& Store::options() const { return core_->options(); }
 const std::string& Store::path() const { return core_->path(); }
 
-Clock* Clock::System() {
-  class SystemClock : public Clock {
-   public:
-    int64_t NowMillis() const override {
-      return std::chrono::duration_cast<std::chrono::milliseconds>(
-                 std::chrono::system_clock::now().time_since_epoch())
-          .count();
-    }
-  };
-  static SystemClock* clock = new SystemClock();
-  return clock;
-}
-
 }  // namespace ctxcache::storage

@@ -48,10 +48,10 @@
 #include <string_view>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "ctxcache/v1/storage.pb.h"
 #include "proto/dtype_convert.h"
-#include "storage/clock.h"
 #include "storage/eviction_policy.h"
 #include "storage/keys.h"
 #include "storage/page_codec.h"

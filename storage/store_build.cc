@@ -77,7 +77,7 @@ StatusOr<std::vector<uint32_t>> StoreCore::ReadTokensRaw(const ContextId& id,
   return out;
 }
 
-StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
+Status StoreCore::CheckBuildRequest(const BuildRequest& req) const {
   const v1::ModelSpec& m = req.model;
   if (m.n_layers() == 0 || m.n_layers() > kMaxLayersOrHeads) {
     return InvalidArgumentError("model.n_layers: expected 1..65534, got " +
@@ -112,44 +112,120 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
         " (per layer and kv head: one partial page and, with ingest_pages, one open SST index;"
         " plus two write batches)");
   }
+  return Status::OK();
+}
 
-  const ContextId id = ContextId::Compute(req.id_namespace, m.fingerprint(), req.tokens);
-  std::shared_ptr<BuildSlot> slot;
-  v1::ContextManifest parent_manifest;
-  {
-    std::unique_lock<std::mutex> l(mu_);
-    auto deadline = std::chrono::steady_clock::now() +
-                    std::chrono::milliseconds(options_.concurrent_build_wait_ms);
-    for (;;) {
-      auto it = contexts_.find(id);
-      if (it != contexts_.end() && !it->second->doomed) {
-        it->second->last_access_ms.store(clock_->NowMillis());
-        BuildStart out;
-        out.existing = it->second->manifest;
-        out.existing.set_last_access_ms(it->second->last_access_ms.load());
-        return out;
-      }
-      if (it != contexts_.end()) {
-        return UnavailableError("context " + Hex(id) +
-                                " is being deleted (leased); retry after its sessions close");
-      }
-      if (quarantined_.count(id)) return NotServedLocked(id);
-      auto b = building_.find(id);
-      if (b == building_.end()) break;
-      std::shared_ptr<BuildSlot> other = b->second;
-      // Wait for the other build of the same id; then re-check.
-      if (!build_cv_.wait_until(l, deadline, [&] { return other->done; })) {
-        return UnavailableError("context " + Hex(id) +
-                                " is being built by another request; timed out waiting");
-      }
+StatusOr<std::shared_ptr<BuildSlot>> StoreCore::ClaimBuildSlot(
+    const BuildRequest& req, const ContextId& id, v1::ContextManifest* existing,
+    v1::ContextManifest* parent_manifest) {
+  std::unique_lock<std::mutex> l(mu_);
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(options_.concurrent_build_wait_ms);
+  for (;;) {
+    auto it = contexts_.find(id);
+    if (it != contexts_.end() && !it->second->doomed) {
+      it->second->last_access_ms.store(clock_->NowMillis());
+      *existing = it->second->manifest;
+      existing->set_last_access_ms(it->second->last_access_ms.load());
+      return std::shared_ptr<BuildSlot>();
     }
-    if (req.parent) RETURN_IF_ERROR(CheckParentLocked(req, *req.parent, &parent_manifest));
-    slot = std::make_shared<BuildSlot>();
-    slot->id = id;
-    slot->parent = req.parent;
-    building_[id] = slot;
-    if (req.parent) ++contexts_[*req.parent]->children;
+    if (it != contexts_.end()) {
+      return UnavailableError("context " + Hex(id) +
+                              " is being deleted (leased); retry after its sessions close");
+    }
+    if (quarantined_.count(id)) return NotServedLocked(id);
+    auto b = building_.find(id);
+    if (b == building_.end()) break;
+    std::shared_ptr<BuildSlot> other = b->second;
+    // Wait for the other build of the same id; then re-check.
+    if (!build_cv_.wait_until(l, deadline, [&] { return other->done; })) {
+      return UnavailableError("context " + Hex(id) +
+                              " is being built by another request; timed out waiting");
+    }
   }
+  if (req.parent) RETURN_IF_ERROR(CheckParentLocked(req, *req.parent, parent_manifest));
+  auto slot = std::make_shared<BuildSlot>();
+  slot->id = id;
+  slot->parent = req.parent;
+  building_[id] = slot;
+  if (req.parent) ++contexts_[*req.parent]->children;
+  return slot;
+}
+
+Status StoreCore::CheckParentPrefix(const BuildRequest& req,
+                                    const v1::ContextManifest& parent_manifest) const {
+  ASSIGN_OR_RETURN(std::vector<uint32_t> ptoks,
+                   ReadTokensRaw(*req.parent, parent_manifest.n_tokens()));
+  if (!std::equal(ptoks.begin(), ptoks.end(), req.tokens.begin())) {
+    return InvalidArgumentError("tokens: the parent context's " + std::to_string(ptoks.size()) +
+                                " token ids are not a prefix of the request's tokens");
+  }
+  return Status::OK();
+}
+
+v1::ContextManifest StoreCore::BuildingManifest(const BuildRequest& req, const ContextId& id,
+                                                const v1::ContextManifest& parent_manifest) const {
+  const int64_t now = clock_->NowMillis();
+  v1::ContextManifest man;
+  man.set_context_id(std::string(id.AsBytes()));
+  man.set_format_version(kFormatVersion);
+  man.set_state(v1::CONTEXT_STATE_BUILDING);
+  *man.mutable_model() = req.model;
+  man.set_n_tokens(req.tokens.size());
+  man.set_block_tokens(options_.block_tokens);
+  man.set_page_codec(static_cast<v1::PageCodec>(options_.page_codec.codec));
+  man.set_zstd_level(options_.page_codec.zstd_level);
+  man.set_created_at_ms(now);
+  man.set_last_access_ms(now);
+  man.set_pinned(req.pinned);
+  man.set_tenant(req.tenant);
+  man.set_id_namespace(req.id_namespace);
+  man.set_provenance(req.provenance);
+  man.set_name(req.name);
+  for (const auto& [k, v] : req.labels) (*man.mutable_labels())[k] = v;
+  if (req.parent) {
+    man.set_parent_id(std::string(req.parent->AsBytes()));
+    man.set_prefix_tokens(parent_manifest.n_tokens());
+    man.set_shared_blocks(
+        static_cast<uint32_t>(parent_manifest.n_tokens() / options_.block_tokens));
+  }
+  return man;
+}
+
+Status StoreCore::WriteBuildingManifest(const BuildRequest& req, const ContextId& id,
+                                        v1::ContextManifest* man) {
+  RETURN_IF_ERROR(CheckDiskSpace(4 * req.tokens.size() + 4096));
+  rocksdb::WriteBatch batch;
+  uint64_t token_bytes = 0;
+  for (size_t start = 0, c = 0; start < req.tokens.size(); start += kTokensPerChunk, ++c) {
+    size_t n = std::min<size_t>(kTokensPerChunk, req.tokens.size() - start);
+    std::string v;
+    v.reserve(4 * n);
+    for (size_t i = 0; i < n; ++i) PutLE32(&v, req.tokens[start + i]);
+    token_bytes += v.size();
+    RETURN_IF_ERROR(FromRocks(
+        batch.Put(cf(kCfTokens), TokenKey(id, static_cast<uint32_t>(c)), v), "put tokens"));
+  }
+  man->set_stored_bytes(token_bytes);
+  Status s =
+      FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), EncodeManifest(*man)), "put manifest");
+  if (s.ok()) s = Write(&batch, /*sync=*/true, /*disable_wal=*/false);
+  if (!s.ok()) {
+    // Best effort: drop what may have been written.
+    DeleteContextsData({id}).IgnoreError();
+    return s.WithContext("begin build of " + Hex(id));
+  }
+  return Status::OK();
+}
+
+StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
+  RETURN_IF_ERROR(CheckBuildRequest(req));
+  const ContextId id = ContextId::Compute(req.id_namespace, req.model.fingerprint(), req.tokens);
+  BuildStart out;
+  v1::ContextManifest parent_manifest;
+  ASSIGN_OR_RETURN(std::shared_ptr<BuildSlot> slot,
+                   ClaimBuildSlot(req, id, &out.existing, &parent_manifest));
+  if (slot == nullptr) return out;  // already READY: out.existing
 
   // From here on, failures must release the slot.
   auto fail = [&](Status s) -> Status {
@@ -163,72 +239,15 @@ StatusOr<BuildStart> StoreCore::BeginBuild(const BuildRequest& req) {
     build_cv_.notify_all();
     return s;
   };
-
   if (req.parent) {
-    // The parent's token ids must be a prefix of ours.
-    auto ptoks = ReadTokensRaw(*req.parent, parent_manifest.n_tokens());
-    if (!ptoks.ok()) return fail(ptoks.status());
-    if (!std::equal(ptoks->begin(), ptoks->end(), req.tokens.begin())) {
-      return fail(InvalidArgumentError("tokens: the parent context's " +
-                                       std::to_string(ptoks->size()) +
-                                       " token ids are not a prefix of the request's tokens"));
-    }
+    if (Status s = CheckParentPrefix(req, parent_manifest); !s.ok()) return fail(s);
   }
-
-  const int64_t now = clock_->NowMillis();
-  v1::ContextManifest man;
-  man.set_context_id(std::string(id.AsBytes()));
-  man.set_format_version(kFormatVersion);
-  man.set_state(v1::CONTEXT_STATE_BUILDING);
-  *man.mutable_model() = m;
-  man.set_n_tokens(req.tokens.size());
-  man.set_block_tokens(options_.block_tokens);
-  man.set_page_codec(static_cast<v1::PageCodec>(options_.page_codec.codec));
-  man.set_zstd_level(options_.page_codec.zstd_level);
-  man.set_created_at_ms(now);
-  man.set_last_access_ms(now);
-  int64_t ttl = req.ttl_ms > 0 ? req.ttl_ms : options_.default_ttl_ms;
+  v1::ContextManifest man = BuildingManifest(req, id, parent_manifest);
+  const int64_t ttl = req.ttl_ms > 0 ? req.ttl_ms : options_.default_ttl_ms;
   slot->ttl_ms = ttl > 0 ? ttl : 0;
-  man.set_pinned(req.pinned);
-  man.set_tenant(req.tenant);
-  man.set_id_namespace(req.id_namespace);
-  man.set_provenance(req.provenance);
-  man.set_name(req.name);
-  for (const auto& [k, v] : req.labels) (*man.mutable_labels())[k] = v;
-  if (req.parent) {
-    man.set_parent_id(std::string(req.parent->AsBytes()));
-    man.set_prefix_tokens(parent_manifest.n_tokens());
-    man.set_shared_blocks(
-        static_cast<uint32_t>(parent_manifest.n_tokens() / options_.block_tokens));
-  }
-
   // BUILDING manifest first (synced), so a crash leaves a marker for GC.
   // Token ids go in the same batch.
-  if (Status s = CheckDiskSpace(4 * req.tokens.size() + 4096); !s.ok()) return fail(s);
-  rocksdb::WriteBatch batch;
-  uint64_t token_bytes = 0;
-  for (size_t start = 0, c = 0; start < req.tokens.size(); start += kTokensPerChunk, ++c) {
-    size_t n = std::min<size_t>(kTokensPerChunk, req.tokens.size() - start);
-    std::string v;
-    v.reserve(4 * n);
-    for (size_t i = 0; i < n; ++i) PutLE32(&v, req.tokens[start + i]);
-    token_bytes += v.size();
-    Status s = FromRocks(batch.Put(cf(kCfTokens), TokenKey(id, static_cast<uint32_t>(c)), v),
-                         "put tokens");
-    if (!s.ok()) return fail(s);
-  }
-  man.set_stored_bytes(token_bytes);
-  {
-    Status s =
-        FromRocks(batch.Put(cf(kCfMeta), ManifestKey(id), EncodeManifest(man)), "put manifest");
-    if (s.ok()) s = Write(&batch, /*sync=*/true, /*disable_wal=*/false);
-    if (!s.ok()) {
-      // Best effort: drop what may have been written.
-      DeleteContextsData({id}).IgnoreError();
-      return fail(s.WithContext("begin build of " + Hex(id)));
-    }
-  }
-  BuildStart out;
+  if (Status s = WriteBuildingManifest(req, id, &man); !s.ok()) return fail(s);
   out.writer.reset(new ContextWriter(this, slot, std::move(man)));
   return out;
 }

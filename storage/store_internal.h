@@ -167,6 +167,30 @@ class StoreCore {
   // key ranges without a manifest (compacting them). On a reload only
   // BUILDING manifests and ranges with no manifest at all are deleted.
   Status CollectGarbage(bool reload);
+  // CollectGarbage's steps and what they hand on.
+  struct GcPlan {
+    std::vector<ContextId> garbage;  // contexts to delete, from their manifests
+    std::set<ContextId> keep;        // key ranges not to collect
+    std::set<ContextId> orphans;     // key ranges to delete (garbage and orphans)
+    bool meta_complete = true;       // the meta column family was read to its end
+  };
+  // Step 1: sorts every manifest (READY served, FAILED or unreadable
+  // quarantined, BUILDING and EVICTING garbage); on a reload only BUILDING
+  // ones are garbage.
+  Status SortManifestsAtOpen(bool reload, GcPlan* plan);
+  // Step 2 (first open): quarantines the children of quarantined contexts
+  // and makes garbage of those whose parent is gone, to a fixed point.
+  void DropChildrenWithoutParent(GcPlan* plan);
+  // Counts each READY context's children (READY and quarantined).
+  void CountChildrenAtOpen();
+  // One key every READY context has in data column family `c` (if any).
+  std::vector<std::pair<ContextId, std::string>> ProbeKeys(int c) const;
+  // Step 3: the data column families' key ranges without a manifest join
+  // plan->orphans (or, when the meta column family was not read to its
+  // end, are quarantined); an unreadable range quarantines its context.
+  Status FindOrphanRanges(bool reload, GcPlan* plan);
+  // Quarantines the children of quarantined contexts, to a fixed point.
+  void QuarantineChildrenOfQuarantined();
   // Deletes every key of `ids`: one synced batch writes an EVICTING marker
   // over each manifest and range-deletes the data CFs; the ranges are then
   // compacted, and only if that succeeded are the markers removed (a crash
@@ -195,6 +219,29 @@ class StoreCore {
   Status CheckParentLocked(const BuildRequest& req, const ContextId& parent,
                            v1::ContextManifest* parent_manifest) const;
   StatusOr<std::vector<uint32_t>> ReadTokensRaw(const ContextId& id, uint64_t n_tokens) const;
+  // BeginBuild's steps. InvalidArgument naming the field for a request the
+  // store cannot build (model shape, dtype, fingerprint, no tokens, a
+  // writer buffer too small for the model).
+  Status CheckBuildRequest(const BuildRequest& req) const;
+  // Under mu_: a READY context of `id` fills *existing (touching its last
+  // access) and returns null; otherwise waits out another build of `id`
+  // (UNAVAILABLE past StoreOptions::concurrent_build_wait_ms), checks the
+  // parent into *parent_manifest and claims the build slot of `id` (and a
+  // child reference on the parent). UNAVAILABLE while `id` is being deleted.
+  StatusOr<std::shared_ptr<BuildSlot>> ClaimBuildSlot(const BuildRequest& req, const ContextId& id,
+                                                      v1::ContextManifest* existing,
+                                                      v1::ContextManifest* parent_manifest);
+  // InvalidArgument unless the parent's token ids are a prefix of req's.
+  Status CheckParentPrefix(const BuildRequest& req,
+                           const v1::ContextManifest& parent_manifest) const;
+  // The BUILDING manifest of a new build of `id` (stamped now).
+  v1::ContextManifest BuildingManifest(const BuildRequest& req, const ContextId& id,
+                                       const v1::ContextManifest& parent_manifest) const;
+  // One synced batch: the token ids and *man (stored_bytes set to the
+  // tokens' bytes). On a write error, best-effort deletes what may have
+  // been written.
+  Status WriteBuildingManifest(const BuildRequest& req, const ContextId& id,
+                               v1::ContextManifest* man);
   void BackgroundLoop();
 
   StoreOptions options_;

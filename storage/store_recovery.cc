@@ -134,41 +134,33 @@ void StoreCore::QuarantineAtOpen(const ContextId& id, const v1::ContextManifest*
   quarantined_[id] = std::move(q);
 }
 
-Status StoreCore::CollectGarbage(bool reload) {
-  // 1. Manifests: READY ones are served; BUILDING and EVICTING ones are
-  //    finished (deleted); FAILED or unreadable ones are quarantined.
-  //    On a reload (reopen after a disk error) only BUILDING manifests are
-  //    collected: in-memory state (leases of EVICTING contexts, quarantine)
-  //    stays as it is.
-  std::vector<ContextId> garbage;
-  std::set<ContextId> keep;  // key ranges not to collect
+Status StoreCore::SortManifestsAtOpen(bool reload, GcPlan* plan) {
   std::vector<ScannedManifest> scanned;
-  bool meta_complete = true;
-  RETURN_IF_ERROR(ScanManifests(&scanned, &meta_complete));
+  RETURN_IF_ERROR(ScanManifests(&scanned, &plan->meta_complete));
   for (auto& r : scanned) {
     const ContextId id = r.id;
     if (reload) {
       if (r.status.ok() && r.manifest.state() == v1::CONTEXT_STATE_BUILDING) {
-        garbage.push_back(id);
+        plan->garbage.push_back(id);
       } else {
-        keep.insert(id);
+        plan->keep.insert(id);
       }
       continue;
     }
     if (!r.status.ok()) {
       QuarantineAtOpen(id, nullptr, std::string(r.status.message()));
-      keep.insert(id);
+      plan->keep.insert(id);
       continue;
     }
     v1::ContextManifest& m = r.manifest;
     if (m.context_id() != id.AsBytes()) {
       QuarantineAtOpen(id, nullptr, "manifest under this key names another context id");
-      keep.insert(id);
+      plan->keep.insert(id);
       continue;
     }
     switch (m.state()) {
       case v1::CONTEXT_STATE_READY: {
-        keep.insert(id);
+        plan->keep.insert(id);
         auto e = std::make_shared<ContextEntry>();
         e->last_access_ms.store(m.last_access_ms());
         e->persisted_access_ms = m.last_access_ms();
@@ -177,24 +169,24 @@ Status StoreCore::CollectGarbage(bool reload) {
         break;
       }
       case v1::CONTEXT_STATE_FAILED:
-        keep.insert(id);
+        plan->keep.insert(id);
         quarantined_[id] = std::move(m);
         break;
       case v1::CONTEXT_STATE_EVICTING:
         ++evictions_finished_at_open_;
-        garbage.push_back(id);
+        plan->garbage.push_back(id);
         break;
       default:  // BUILDING: a build cut short
         ++gc_contexts_at_open_;
-        garbage.push_back(id);
+        plan->garbage.push_back(id);
         break;
     }
   }
-  // 2. READY children whose parent is gone (an interrupted delete) cannot
-  //    be served: drop them. Children of a quarantined context are
-  //    quarantined with it (their first blocks are its pages). Repeat for
-  //    grandchildren.
-  for (bool changed = !reload; changed;) {
+  return Status::OK();
+}
+
+void StoreCore::DropChildrenWithoutParent(GcPlan* plan) {
+  for (bool changed = true; changed;) {
     changed = false;
     for (auto it = contexts_.begin(); it != contexts_.end();) {
       const auto& m = it->second->manifest;
@@ -208,8 +200,8 @@ Status StoreCore::CollectGarbage(bool reload) {
         }
         if (!pid.ok() || contexts_.count(*pid) == 0) {
           spdlog::warn("storage: context {} lost its parent; deleting it", Hex(it->first));
-          garbage.push_back(it->first);
-          keep.erase(it->first);
+          plan->garbage.push_back(it->first);
+          plan->keep.erase(it->first);
           ++gc_contexts_at_open_;
           it = contexts_.erase(it);
           changed = true;
@@ -219,47 +211,50 @@ Status StoreCore::CollectGarbage(bool reload) {
       ++it;
     }
   }
-  if (!reload) {
-    auto count_child = [&](const v1::ContextManifest& m) {
-      if (m.parent_id().empty()) return;
-      auto pid = ContextId::FromBytes(m.parent_id());
-      if (!pid.ok()) return;
-      auto p = contexts_.find(*pid);
-      if (p != contexts_.end()) ++p->second->children;
-    };
-    for (auto& [id, e] : contexts_) count_child(e->manifest);
-    for (auto& [id, m] : quarantined_) count_child(m);
-  }
-  // 3. Orphans: key ranges in data CFs with no manifest (a crash between
-  //    writes). A range that cannot be read quarantines its context. If the
-  //    meta column family could not be read to its end, a range without a
-  //    manifest may be a context whose manifest is unreadable: quarantine
-  //    it instead of deleting it.
-  std::set<ContextId> orphan_set(garbage.begin(), garbage.end());
-  for (int c : {kCfTokens, kCfPages, kCfIndex}) {
-    // One key that every READY context has in `c` (if any).
-    std::vector<std::pair<ContextId, std::string>> probes;
-    for (const auto& [id, e] : contexts_) {
-      const v1::ContextManifest& m = e->manifest;
-      const uint64_t n_blocks =
-          (m.n_tokens() + m.block_tokens() - 1) / std::max(1u, m.block_tokens());
-      if (c == kCfTokens) {
-        probes.emplace_back(id, TokenKey(id, 0));
-      } else if (c == kCfPages && m.shared_blocks() < n_blocks) {
-        probes.emplace_back(id, PageKey(id, 0, 0, m.shared_blocks()));
-      } else if (c == kCfIndex && m.artifacts_size() > 0) {
-        const auto& a = m.artifacts(0);
-        probes.emplace_back(
-            id, ArtifactKey(id, static_cast<uint16_t>(a.layer()),
-                            static_cast<uint16_t>(a.kv_head()), static_cast<uint8_t>(a.kind()), 0));
-      }
+}
+
+void StoreCore::CountChildrenAtOpen() {
+  auto count_child = [&](const v1::ContextManifest& m) {
+    if (m.parent_id().empty()) return;
+    auto pid = ContextId::FromBytes(m.parent_id());
+    if (!pid.ok()) return;
+    auto p = contexts_.find(*pid);
+    if (p != contexts_.end()) ++p->second->children;
+  };
+  for (auto& [id, e] : contexts_) count_child(e->manifest);
+  for (auto& [id, m] : quarantined_) count_child(m);
+}
+
+std::vector<std::pair<ContextId, std::string>> StoreCore::ProbeKeys(int c) const {
+  std::vector<std::pair<ContextId, std::string>> probes;
+  for (const auto& [id, e] : contexts_) {
+    const v1::ContextManifest& m = e->manifest;
+    const uint64_t n_blocks =
+        (m.n_tokens() + m.block_tokens() - 1) / std::max(1u, m.block_tokens());
+    if (c == kCfTokens) {
+      probes.emplace_back(id, TokenKey(id, 0));
+    } else if (c == kCfPages && m.shared_blocks() < n_blocks) {
+      probes.emplace_back(id, PageKey(id, 0, 0, m.shared_blocks()));
+    } else if (c == kCfIndex && m.artifacts_size() > 0) {
+      const auto& a = m.artifacts(0);
+      probes.emplace_back(
+          id, ArtifactKey(id, static_cast<uint16_t>(a.layer()),
+                          static_cast<uint16_t>(a.kv_head()), static_cast<uint8_t>(a.kind()), 0));
     }
+  }
+  return probes;
+}
+
+Status StoreCore::FindOrphanRanges(bool reload, GcPlan* plan) {
+  std::set<ContextId>& keep = plan->keep;
+  std::set<ContextId>& orphan_set = plan->orphans;
+  for (int c : {kCfTokens, kCfPages, kCfIndex}) {
     bool complete = true;
     RETURN_IF_ERROR(ScanDataRanges(
-        c, probes,
+        c, ProbeKeys(c),
         [&](const ContextId& id) {
           if (keep.count(id) || orphan_set.count(id)) return;
-          if (!meta_complete && !reload) {
+          if (!plan->meta_complete && !reload) {
             QuarantineAtOpen(id, nullptr,
                              "key range without a readable manifest (the meta column family "
                              "could not be read to its end)");
@@ -287,8 +282,11 @@ Status StoreCore::CollectGarbage(bool reload) {
       spdlog::error("storage: {} column family only partly scanned", kCfNames[c]);
     }
   }
-  // Children of contexts quarantined in step 3 follow them.
-  for (bool changed = !reload; changed;) {
+  return Status::OK();
+}
+
+void StoreCore::QuarantineChildrenOfQuarantined() {
+  for (bool changed = true; changed;) {
     changed = false;
     for (auto it = contexts_.begin(); it != contexts_.end();) {
       auto pid = ContextId::FromBytes(it->second->manifest.parent_id());
@@ -302,11 +300,40 @@ Status StoreCore::CollectGarbage(bool reload) {
       ++it;
     }
   }
-  if (!reload) quarantined_at_open_ = quarantined_.size();
-  if (!orphan_set.empty()) {
+}
+
+Status StoreCore::CollectGarbage(bool reload) {
+  GcPlan plan;
+  // 1. Manifests: READY ones are served; BUILDING and EVICTING ones are
+  //    finished (deleted); FAILED or unreadable ones are quarantined.
+  //    On a reload (reopen after a disk error) only BUILDING manifests are
+  //    collected: in-memory state (leases of EVICTING contexts, quarantine)
+  //    stays as it is.
+  RETURN_IF_ERROR(SortManifestsAtOpen(reload, &plan));
+  // 2. READY children whose parent is gone (an interrupted delete) cannot
+  //    be served: drop them. Children of a quarantined context are
+  //    quarantined with it (their first blocks are its pages). Repeat for
+  //    grandchildren.
+  if (!reload) {
+    DropChildrenWithoutParent(&plan);
+    CountChildrenAtOpen();
+  }
+  // 3. Orphans: key ranges in data CFs with no manifest (a crash between
+  //    writes). A range that cannot be read quarantines its context. If the
+  //    meta column family could not be read to its end, a range without a
+  //    manifest may be a context whose manifest is unreadable: quarantine
+  //    it instead of deleting it.
+  plan.orphans.insert(plan.garbage.begin(), plan.garbage.end());
+  RETURN_IF_ERROR(FindOrphanRanges(reload, &plan));
+  if (!reload) {
+    // Children of contexts quarantined in step 3 follow them.
+    QuarantineChildrenOfQuarantined();
+    quarantined_at_open_ = quarantined_.size();
+  }
+  if (!plan.orphans.empty()) {
     spdlog::info("storage: open: removing {} incomplete contexts / orphaned key ranges",
-                 orphan_set.size());
-    RETURN_IF_ERROR(DeleteContextsDataNoLock({orphan_set.begin(), orphan_set.end()}));
+                 plan.orphans.size());
+    RETURN_IF_ERROR(DeleteContextsDataNoLock({plan.orphans.begin(), plan.orphans.end()}));
   }
   return Status::OK();
 }

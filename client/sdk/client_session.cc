@@ -14,7 +14,7 @@
 #include "client/sdk/prefetcher.h"
 #include "client/sdk/sessions.h"
 #include "index/methods.h"
-#include "index/session_params.h"
+#include "session/session_params.h"
 #include "session/sparse_session.h"
 
 namespace ctxcache::client::internal {
@@ -99,9 +99,9 @@ Status ClientModeSession::Open() {
   block_ = info_.block_tokens();
   ASSIGN_OR_RETURN(const index::MethodInfo* method, index::FindMethodInfo(options_.method));
   query_independent_ = method->query_independent;
-  // The server's parser (index/session_params.h): same defaults, same errors.
-  ASSIGN_OR_RETURN(auto params, index::SessionParams::Parse(options_.method, options_.params,
-                                                            static_cast<int>(block_)));
+  // The server's parser (session/session_params.h): same defaults, same errors.
+  ASSIGN_OR_RETURN(auto params, session::SessionParams::Parse(options_.method, options_.params,
+                                                              static_cast<int>(block_)));
   ASSIGN_OR_RETURN(auto artifacts, client_->FetchIndex(options_.context_id, options_.method));
   std::vector<std::unique_ptr<index::Selector>> selectors;
   for (uint32_t l = 0; l < n_layers_; ++l) {
@@ -117,13 +117,8 @@ Status ClientModeSession::Open() {
       selectors.push_back(std::move(sel));
     }
   }
-  session::SessionShape shape;
-  shape.n_layers = static_cast<int>(n_layers_);
-  shape.n_q_heads = static_cast<int>(n_q_);
-  shape.n_kv_heads = static_cast<int>(n_kv_);
-  shape.head_dim = static_cast<int>(d_);
-  shape.page_size = static_cast<int>(block_);
-  shape.n_stored = static_cast<int64_t>(info_.n_tokens());
+  const auto shape = session::SessionShape::From(info_.model(), info_.block_tokens(),
+                                                 static_cast<int64_t>(info_.n_tokens()));
   ASSIGN_OR_RETURN(core_, session::SparseSession::Create(shape, params, std::move(selectors),
                                                          &fetcher_));
   pred_selectors_.resize(size_t{n_layers_} * n_kv_);

@@ -46,18 +46,14 @@ Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* 
     const auto& tk = tail_k_[layer][h];
     const auto& tv = tail_v_[layer][h];
     // Rows: the q head's own selected context tokens, then the whole tail.
-    krow_.clear();
-    vrow_.clear();
-    for (int32_t id : mine) {
-      if (id >= n_context_) break;  // sorted; appended tokens are in the tail
+    auto row_of = [&](int32_t id) {
       auto it = std::lower_bound(head.ids.begin(), head.ids.end(), id);
       const size_t r = static_cast<size_t>(it - head.ids.begin());
-      krow_.push_back(head.k.data() + r * d);
-      vrow_.push_back(head.v.data() + r * d);
-    }
-    context_tokens_ += krow_.size();
-    session::AttendRows(q + size_t(qh) * d, d, krow_, vrow_, tk.data(), tv.data(),
-                        static_cast<int64_t>(tk.size() / d), out + size_t(qh) * d, &scores_);
+      return session::StoredRow{head.k.data() + r * d, head.v.data() + r * d};
+    };
+    context_tokens_ += session::AttendSelected(
+        q + size_t(qh) * d, d, mine, n_context_, row_of, tk.data(), tv.data(),
+        static_cast<int64_t>(tk.size() / d), out + size_t(qh) * d, &attend_);
   }
   last_[layer] = std::move(sel);
   return Status::OK();

@@ -33,6 +33,7 @@
 #include "model/decode.h"
 #include "model/kv_cache.h"
 #include "model/model.h"
+#include "session/attention.h"
 
 namespace ctxcache::client {
 
@@ -71,8 +72,7 @@ class RemoteAttention final : public model::AttentionProvider {
   // The pending token's K/V/Q, [layer][heads][d].
   std::vector<float> pend_k_, pend_v_, pend_q_;
   std::vector<SelectedKV> last_;            // [layer]
-  std::vector<const float*> krow_, vrow_;  // the rows a q head attends
-  std::vector<float> scores_;               // AttendRows scratch
+  session::AttendScratch attend_;
   uint64_t bytes_received_ = 0;
   uint64_t context_tokens_ = 0;
 };

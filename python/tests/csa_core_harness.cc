@@ -1,8 +1,9 @@
 // Test helper for python/tests/test_selection.py (not part of any build):
-// runs the compiled C++ core of a build (<build>/lib/libctxcache_index.a) on
-// inputs written by the test, so that the Python copy of the csa session
-// pipeline (python/ctxcache/torch/selection.py) can be compared bit for bit,
-// logit estimates included (the server does not send those).
+// runs the compiled C++ core of a build (<build>/lib/libctxcache_session.a
+// and libctxcache_index.a) on inputs written by the test, so that the Python
+// copy of the csa session pipeline (python/ctxcache/torch/selection.py) can be
+// compared bit for bit, logit estimates included (the server does not send
+// those).
 //
 //   csa_core_harness gemv IN OUT
 //       IN: i32 count, then per case i32 rows, i32 cols, f32 a[rows][cols],
@@ -26,7 +27,7 @@
 #include <vector>
 
 #include "index/csa.h"
-#include "index/session_params.h"
+#include "session/session_params.h"
 
 // Use the library's GEMV instance (csa.cc's), not one compiled here.
 namespace Eigen::internal {
@@ -99,7 +100,7 @@ int Step(int argc, char** argv) {
     std::fprintf(stderr, "load: %s\n", std::string(sel.status().message()).c_str());
     return 1;
   }
-  auto sp = index::SessionParams::Parse("csa", params, 16);
+  auto sp = session::SessionParams::Parse("csa", params, 16);
   if (!sp.ok()) {
     std::fprintf(stderr, "params: %s\n", std::string(sp.status().message()).c_str());
     return 1;

@@ -632,7 +632,7 @@ def core_harness(ctxcached_bin: str, tmp_path_factory: pytest.TempPathFactory) -
     """csa_core_harness.cc built against the static libraries of the build
     that made ctxcached (<build>/bin/ctxcached -> <build>/lib)."""
     build = os.path.dirname(os.path.dirname(os.path.abspath(ctxcached_bin)))
-    libs = [os.path.join(build, "lib", f"libctxcache_{m}.a") for m in ("index", "common")]
+    libs = [os.path.join(build, "lib", f"libctxcache_{m}.a") for m in ("session", "index", "common")]
     if not all(os.path.exists(p) for p in libs):
         pytest.skip(f"no static libraries under {build}/lib to build the core harness")
     cache = _cmake_cache(build)

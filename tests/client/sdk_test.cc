@@ -236,7 +236,7 @@ TEST_F(PrefetchTest, PrefetchThenStepIsServedFromTheCacheAndChangesNothing) {
 }
 
 // Streaming selects without queries: Step(l) prefetches layer l+1 by itself.
-// csa's per-session rerank (index/session_params.h): the client-side
+// csa's per-session rerank (session/session_params.h): the client-side
 // selection applies it as the server does (same tokens, same K/V), and it
 // changes what csa picks against the context's build value (6).
 TEST_F(PrefetchTest, SessionRerankSelectsTheSameOnClientAndServer) {

@@ -468,7 +468,7 @@ TEST(CsaTest, KeySketchRoundTripsAndFollowsAppends) {
   EXPECT_TRUE(s->SetRetrievalOptions(want).ok());
 }
 
-// A decode session's `rerank` param (index/session_params.h) reaches its own
+// A decode session's `rerank` param (session/session_params.h) reaches its own
 // selector through ApplySessionOverrides: the same selections as an index
 // whose options say that factor, and the shared tables stay as built.
 TEST(CsaTest, SessionOverridesSetRerankPerSession) {

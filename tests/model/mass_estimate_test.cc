@@ -22,8 +22,8 @@
 
 #include "index/methods.h"
 #include "index/metrics.h"
-#include "index/session_params.h"
 #include "model/trace.h"
+#include "session/session_params.h"
 #include "session/sparse_session.h"
 
 namespace ctxcache {
@@ -121,7 +121,7 @@ class MassEstimateTest : public ::testing::Test {
     shape.head_dim = d;
     shape.page_size = 16;
     shape.n_stored = n_;
-    auto sp = index::SessionParams::Parse(method, params, shape.page_size);
+    auto sp = session::SessionParams::Parse(method, params, shape.page_size);
     ASSERT_TRUE(sp.ok()) << sp.status().ToString();
     auto info = index::FindMethodInfo(method);
     ASSERT_TRUE(info.ok());

@@ -2,7 +2,7 @@
 at a layer-step.
 
 :class:`QuestPlanner` follows the session core (index/quest.h, then the
-page cap of index/session_params.h) with fixed shapes, so that a step needs
+page cap of session/session_params.h) with fixed shapes, so that a step needs
 no host sync:
   1. per q head, the Quest bound U(page) = sum_j max(q_j min_j, q_j max_j)
      of every page, and its top ``k_head`` pages (ties: the lower page);

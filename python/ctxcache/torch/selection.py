@@ -693,7 +693,7 @@ def _check_rerank_method(method: str) -> None:
 
 @dataclass
 class SessionParams:
-    """``index::SessionParams``: a decode session's selection params.
+    """``session::SessionParams``: a decode session's selection params.
 
     Build it with :meth:`parse` from the same params dict a server-side
     session gets (``rho``, ``budget``, ``page_fraction``, ``whole_pages``,

@@ -1,4 +1,4 @@
-#include "index/session_params.h"
+#include "session/session_params.h"
 
 #include <gtest/gtest.h>
 
@@ -6,8 +6,14 @@
 #include <set>
 #include <string>
 
-namespace ctxcache::index {
+namespace ctxcache::session {
 namespace {
+
+using index::BuildPageTables;
+using index::ExpandToTablePages;
+using index::PageBudget;
+using index::PageRank;
+using index::PageTable;
 
 TEST(SessionParamsTest, DefaultsCapPagesAndAttendWholePagesForSparseMethods) {
   auto p = SessionParams::Parse("csa", {}, 16);
@@ -198,4 +204,4 @@ TEST(SessionParamsTest, ExpandFollowsSubgroups) {
 }
 
 }  // namespace
-}  // namespace ctxcache::index
+}  // namespace ctxcache::session

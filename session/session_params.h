@@ -48,13 +48,13 @@
 #include "common/status.h"
 #include "index/page_table.h"
 
-namespace ctxcache::index {
+namespace ctxcache::session {
 
 struct SessionParams {
   double rho = 0.05;
-  int64_t budget = 0;        // 0 = use rho
-  int64_t min_budget = 0;    // floor of the rho budget, tokens
-  PageRank page_rank = PageRank::kAuto;
+  int64_t budget = 0;      // 0 = use rho
+  int64_t min_budget = 0;  // floor of the rho budget, tokens
+  index::PageRank page_rank = index::PageRank::kAuto;
   double page_fraction = 0;  // 0 = no page cap
   bool whole_pages = false;
   bool estimate_mass = false;
@@ -62,7 +62,7 @@ struct SessionParams {
   // picks each q head's budget for its cumulative-attention target, so
   // TokenBudget is 0 and there is no default page cap. Default: false.
   bool adaptive = false;
-  PageTableOptions table_options;
+  index::PageTableOptions table_options;
   // Method params the session's selectors take per session (rerank), as
   // given; applied by session::SparseSession::Create through
   // Selector::ApplySessionOverrides. Empty: the context's build values.
@@ -80,7 +80,7 @@ struct SessionParams {
   // Whether the method should return per-token logit estimates
   // (SelectInput::want_logits): the page cap ranks by them.
   bool WantsLogits() const {
-    return page_rank == PageRank::kMass || page_rank == PageRank::kMax;
+    return page_rank == index::PageRank::kMass || page_rank == index::PageRank::kMax;
   }
 
   // One (layer, kv head) step after the method's Select: applies the page
@@ -89,8 +89,8 @@ struct SessionParams {
   // in place to what each q head attends.
   // per_q_head_logits (may be null): Selection::per_head_logits.
   Status PageStep(int64_t n_tokens, std::vector<std::vector<int32_t>>* per_q_head,
-                  std::vector<PageTable>* tables,
+                  std::vector<index::PageTable>* tables,
                   const std::vector<std::vector<float>>* per_q_head_logits = nullptr) const;
 };
 
-}  // namespace ctxcache::index
+}  // namespace ctxcache::session

@@ -1,4 +1,4 @@
-#include "index/session_params.h"
+#include "session/session_params.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include "index/csa.h"
 
-namespace ctxcache::index {
+namespace ctxcache::session {
 
 StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
                                              const std::map<std::string, std::string>& params,
@@ -17,13 +17,13 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
   for (const auto& [k, v] : params) {
     if (k == "page_rank") {
       if (v == "auto") {
-        s.page_rank = PageRank::kAuto;
+        s.page_rank = index::PageRank::kAuto;
       } else if (v == "votes") {
-        s.page_rank = PageRank::kVotes;
+        s.page_rank = index::PageRank::kVotes;
       } else if (v == "mass") {
-        s.page_rank = PageRank::kMass;
+        s.page_rank = index::PageRank::kMass;
       } else if (v == "max") {
-        s.page_rank = PageRank::kMax;
+        s.page_rank = index::PageRank::kMax;
       } else {
         return InvalidArgumentError("session param page_rank='" + v +
                                     "': expected auto, votes, mass or max");
@@ -81,7 +81,7 @@ StatusOr<SessionParams> SessionParams::Parse(const std::string& method,
             "session's method is " +
             method);
       }
-      if (!IsValidCsaRerank(x)) {
+      if (!index::IsValidCsaRerank(x)) {
         return InvalidArgumentError("session param rerank must be 0 or in [1, 64]");
       }
       s.selector_overrides[k] = v;
@@ -123,22 +123,22 @@ int64_t SessionParams::TokenBudget(int64_t n) const {
 }
 
 Status SessionParams::PageStep(int64_t n_tokens, std::vector<std::vector<int32_t>>* per_q_head,
-                               std::vector<PageTable>* tables,
+                               std::vector<index::PageTable>* tables,
                                const std::vector<std::vector<float>>* logits) const {
   const int b = table_options.page_size;
   if (page_fraction > 0) {
-    ASSIGN_OR_RETURN(*per_q_head, CapSelectedPages(*per_q_head, b, n_tokens,
-                                                   PageBudget(page_fraction, n_tokens, b,
-                                                              budget > 0 ? 0 : min_budget),
-                                                   table_options.recent_blocks, logits,
-                                                   page_rank));
+    ASSIGN_OR_RETURN(*per_q_head,
+                     index::CapSelectedPages(
+                         *per_q_head, b, n_tokens,
+                         index::PageBudget(page_fraction, n_tokens, b, budget > 0 ? 0 : min_budget),
+                         table_options.recent_blocks, logits, page_rank));
   }
-  ASSIGN_OR_RETURN(*tables, BuildPageTables(*per_q_head, n_tokens, table_options));
+  ASSIGN_OR_RETURN(*tables, index::BuildPageTables(*per_q_head, n_tokens, table_options));
   if (whole_pages) {
-    ASSIGN_OR_RETURN(*per_q_head, ExpandToTablePages(*tables, static_cast<int>(per_q_head->size()),
-                                                     b, n_tokens));
+    ASSIGN_OR_RETURN(*per_q_head, index::ExpandToTablePages(
+                                      *tables, static_cast<int>(per_q_head->size()), b, n_tokens));
   }
   return Status::OK();
 }
 
-}  // namespace ctxcache::index
+}  // namespace ctxcache::session

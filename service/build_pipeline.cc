@@ -692,6 +692,7 @@ void IngestBuilder::RunIndexBuilds() {
   // spares (reused without a new zero fill), up to one layer's worth.
   // Called with index_mu_ held.
   auto release = [&](int layer) {
+    if (!keep_kv_) return;  // nothing was mapped
     for (int h = 0; h < NKV; ++h) {
       const size_t slot = static_cast<size_t>(layer) * NKV + h;
       for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {

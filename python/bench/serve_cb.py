@@ -12,7 +12,11 @@ JSON and the next one still runs):
                              prefix sharing on: the context is prefilled once);
              ctxcache_cold   CtxcacheBackend, host KV cache empty (the load
                              from ctxcached counts);
-             ctxcache_warm   CtxcacheBackend again, context KV in host memory.
+             ctxcache_warm   CtxcacheBackend again, context KV in host memory;
+           then, for each further --attention mode (sparse: ServingOptions
+           attention="sparse", --sparse-rho, --sparse-min-tokens), a cold
+           and a warm run of a backend in that mode (ctxcache_sparse_cold,
+           ctxcache_sparse_warm), compared with plain the same way.
            TTFT per request = its first token's timestamp minus the moment all
            requests were submitted; throughput = generated tokens / wall time.
   full     with every speed run: the greedy tokens of ctxcache_cold and
@@ -22,7 +26,8 @@ JSON and the next one still runs):
   tasks    --tasks JSONL (evals/longctx_tasks.py with context_ids, as
            python/bench/gpu_extend.py --add-ids writes it): each task's
            context stored, its question sent as a request; exact match of the
-           first len(answer_ids) tokens, plain against ctxcache.
+           first len(answer_ids) tokens, plain against ctxcache in each
+           --attention mode, overall and per family.
 
 ctxcached: --server HOST:PORT, or started here from $CTXCACHE_BIN_DIR (else
 ./build/bin) with a temporary data dir. The model: an HF folder (default
@@ -35,6 +40,7 @@ Prints one JSON object as the last stdout line (and writes it to --out).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -248,8 +254,8 @@ def compare(plain: Dict[str, Any], other: Dict[str, Any]) -> Dict[str, Any]:
             "first_mismatches": [r for r in common if a[r] != b[r]][:5]}
 
 
-def speed_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, Any], n: int,
-               steps: Steps) -> Dict[str, Any]:
+def speed_case(a: Any, model: Any, client: Any, backends: Dict[str, Any],
+               spec: Dict[str, Any], n: int, steps: Steps) -> Dict[str, Any]:
     import random
     cb, gen = configs(a)
     rng = random.Random(n)
@@ -258,6 +264,7 @@ def speed_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, An
     case: Dict[str, Any] = {"context_tokens": n, "n_contexts": a.n_contexts,
                             "requests": a.requests, "question_tokens": a.question_tokens,
                             "new_tokens": a.new_tokens}
+    backend = next(iter(backends.values()))
     case["stored"] = steps.run(f"publish_{n}", lambda: capture_and_publish(
         model, client, spec, contexts, cb, gen, a.step_timeout, backend.resolver),
         a.step_timeout)
@@ -271,12 +278,15 @@ def speed_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, An
         lambda: model.init_continuous_batching(generation_config=gen,
                                                continuous_batching_config=cb()),
         prompts, a.new_tokens, a.step_timeout), a.step_timeout + 60)
-    for c in [x["context_id"] for x in case["stored"]]:
-        backend.resolver.kv_cache.drop(c)  # cold: the first request loads from ctxcached
-    for name in ("ctxcache_cold", "ctxcache_warm"):
-        runs[name] = steps.run(f"{name}_{n}", lambda: run_engine(
-            lambda: backend.manager(gen, cb()), prompts, a.new_tokens, a.step_timeout),
-            a.step_timeout + 60)
+    for mode, be in backends.items():
+        prefix = "ctxcache" if mode == "dense" else f"ctxcache_{mode}"
+        for c in [x["context_id"] for x in case["stored"]]:
+            be.resolver.kv_cache.drop(c)  # cold: the first request loads from ctxcached
+        for name in (f"{prefix}_cold", f"{prefix}_warm"):
+            runs[name] = steps.run(f"{name}_{n}", lambda: run_engine(
+                lambda: be.manager(gen, cb()), prompts, a.new_tokens, a.step_timeout),
+                a.step_timeout + 60)
+        case[f"backend_{mode}"] = be.stats()
     base = runs.get("plain")
     cold, warm = runs.get("ctxcache_cold"), runs.get("ctxcache_warm")
     if cold is not None and warm is not None:
@@ -297,20 +307,21 @@ def speed_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, An
         if r is not None:
             r.pop("_tokens", None)  # after every comparison
     case["runs"] = runs
-    case["backend"] = backend.stats()
     return case
 
 
-def tasks_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, Any],
-               steps: Steps) -> Dict[str, Any]:
+def tasks_case(a: Any, model: Any, client: Any, backends: Dict[str, Any],
+               spec: Dict[str, Any], steps: Steps) -> Dict[str, Any]:
     cb, gen = configs(a)
-    with open(a.tasks, encoding="utf-8") as f:
+    opener = gzip.open if a.tasks.endswith(".gz") else open
+    with opener(a.tasks, "rt", encoding="utf-8") as f:
         items = [json.loads(x) for x in f][:a.task_limit or None]
     missing = [i for i, t in enumerate(items) if "context_ids" not in t]
     if missing:
         raise ValueError(f"--tasks: task {missing[0]} has no context_ids (write them with "
                          "python/bench/gpu_extend.py --add-ids IN OUT)")
     contexts = [[1] + t["context_ids"] for t in items]
+    backend = next(iter(backends.values()))
     stored = steps.run("tasks_publish", lambda: capture_and_publish(
         model, client, spec, contexts, cb, gen, a.step_timeout, backend.resolver),
         a.step_timeout * 2)
@@ -320,19 +331,33 @@ def tasks_case(a: Any, model: Any, client: Any, backend: Any, spec: Dict[str, An
     answers = [t["answer_ids"] for t in items]
     n_new = max(len(x) for x in answers)
     out: Dict[str, Any] = {"tasks": len(items), "stored": len(stored)}
-    for name, make in (("plain", lambda: model.init_continuous_batching(
-            generation_config=gen, continuous_batching_config=cb())),
-                       ("ctxcache", lambda: backend.manager(gen, cb()))):
+    makers = [("plain", lambda: model.init_continuous_batching(
+        generation_config=gen, continuous_batching_config=cb()))]
+    for mode, be in backends.items():
+        makers.append(("ctxcache" if mode == "dense" else f"ctxcache_{mode}",
+                       lambda be=be: be.manager(gen, cb())))
+    for name, make in makers:
         r = steps.run(f"tasks_{name}", lambda: run_engine(make, prompts, n_new, a.step_timeout),
                       a.step_timeout + 60)
         if r is None:
             continue
-        right = sum(1 for i, ans in enumerate(answers)
-                    if r["_tokens"].get(f"req_{i}", [])[:len(ans)] == ans)
-        out[name] = {"right": right, "accuracy": round(right / max(1, len(items)), 4),
-                     "finished": r["finished"], "wall_s": r["wall_s"]}
-    if "plain" in out and "ctxcache" in out:
-        out["of_plain"] = round(out["ctxcache"]["right"] / max(1, out["plain"]["right"]), 4)
+        right = [i for i, ans in enumerate(answers)
+                 if r["_tokens"].get(f"req_{i}", [])[:len(ans)] == ans]
+        fam: Dict[str, List[int]] = {}
+        for i, t in enumerate(items):
+            f = fam.setdefault(str(t.get("family", "")), [0, 0])
+            f[0] += i in right
+            f[1] += 1
+        out[name] = {"right": len(right), "accuracy": round(len(right) / max(1, len(items)), 4),
+                     "families": fam, "right_ids": right, "finished": r["finished"],
+                     "wall_s": r["wall_s"]}
+    plain = out.get("plain")
+    for name in [m for m, _ in makers[1:]]:
+        if plain is not None and name in out:
+            out[name]["of_plain"] = round(out[name]["right"] / max(1, plain["right"]), 4)
+            out[name]["families_of_plain"] = {
+                f: round(v[0] / max(1, plain["families"][f][0]), 4)
+                for f, v in out[name]["families"].items()}
     return out
 
 
@@ -349,9 +374,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--max-batch-tokens", type=int, default=8192)
-    ap.add_argument("--tasks", default="", help="task JSONL with context_ids")
+    ap.add_argument("--tasks", default="", help="task JSONL (.gz too) with context_ids")
     ap.add_argument("--task-limit", type=int, default=32)
     ap.add_argument("--on-missing", default="prefill", choices=("prefill", "error"))
+    ap.add_argument("--attention", default="dense",
+                    help="ctxcache attention modes to run, comma-separated: dense, sparse")
+    ap.add_argument("--sparse-rho", type=float, default=0.05)
+    ap.add_argument("--sparse-min-tokens", type=int, default=1024)
     ap.add_argument("--step-timeout", type=float, default=540.0, help="seconds per step")
     ap.add_argument("--budget", type=float, default=3300.0, help="seconds for the whole run")
     ap.add_argument("--quick", action="store_true")
@@ -366,7 +395,7 @@ def main() -> int:
     steps = Steps(res, a.budget)
     proc = None
     work = tempfile.mkdtemp(prefix="serve_cb-")
-    backend = None
+    backends: Dict[str, Any] = {}
     try:
         import torch
         import transformers
@@ -399,21 +428,24 @@ def main() -> int:
             raise RuntimeError("no fingerprint")
         spec = spec_of(model, fp, "hf:" + name)
         client = ctxcache.Client(addr, timeout=120)
-        backend = CtxcacheBackend(addr, model, [fp], ServingOptions(
-            on_missing=a.on_missing, refresh_interval_s=1.0, load_timeout_s=a.step_timeout,
-            rpc_timeout_s=10.0))
+        for mode in [x for x in a.attention.split(",") if x]:
+            backends[mode] = CtxcacheBackend(addr, model, [fp], ServingOptions(
+                on_missing=a.on_missing, refresh_interval_s=1.0, load_timeout_s=a.step_timeout,
+                rpc_timeout_s=10.0, attention=mode, sparse_rho=a.sparse_rho,
+                sparse_min_tokens=a.sparse_min_tokens))
         for n in [int(x) for x in a.contexts.split(",") if x]:
-            res["speed"].append(speed_case(a, model, client, backend, spec, n, steps))
+            res["speed"].append(speed_case(a, model, client, backends, spec, n, steps))
         if a.tasks:
-            res["tasks"] = steps.run("tasks", lambda: tasks_case(a, model, client, backend, spec,
-                                                                 steps), a.step_timeout * 4)
+            res["tasks"] = steps.run("tasks", lambda: tasks_case(a, model, client, backends,
+                                                                 spec, steps),
+                                     a.step_timeout * 6)
     except BaseException as e:  # reported in the JSON
         res["errors"].append({"step": "main", "error": f"{type(e).__name__}: {e}",
                               "trace": traceback.format_exc()[-2000:]})
     finally:
-        if backend is not None:
+        for be in backends.values():
             try:
-                backend.close()
+                be.close()
             except Exception:
                 pass
         stop_ctxcached(proc)

@@ -192,6 +192,13 @@ def test_options_name_the_bad_field() -> None:
     with pytest.raises(ValueError, match=r"unknown serving option\(s\) \['on_mising'\]"):
         ServingOptions.from_mapping({"on_mising": "error"})
     assert ServingOptions.from_mapping({"on_missing": "error"}).on_missing == "error"
+    with pytest.raises(ValueError, match="attention: 'quest', expected one of dense, sparse"):
+        ServingOptions(attention="quest").validate()
+    with pytest.raises(ValueError, match=r"sparse_rho: 0, expected a fraction in \(0, 1\]"):
+        ServingOptions(sparse_rho=0).validate()
+    with pytest.raises(ValueError, match="sparse_min_tokens: -1, expected an integer >= 0"):
+        ServingOptions(sparse_min_tokens=-1).validate()
+    assert ServingOptions(attention="sparse").validate().sparse_rho == 0.05
 
 
 @needs_native
@@ -319,6 +326,29 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     assert [list(o.generated_tokens) for o in got.values()] == want
     assert stats["outcomes"].get("hit", 0) == 6 and stats["outcomes"]["no_match"] == 1
     assert stats["kv_loads"] == 1 and stats["seeded_blocks"] >= 4
+    # attention="sparse" (ctxcache.serving.sparse): with every page kept it is
+    # dense attention computed in parts, so the same greedy tokens (fp32);
+    # with a quarter of the pages it still serves every request. Every
+    # request over the context took the sparse path, and the model's own
+    # attention implementation is back afterwards.
+    for rho in (1.0, 0.25):
+        sb = tcb.CtxcacheBackend(server.address, model, [spec["fingerprint"]],
+                                 ServingOptions(refresh_interval_s=0.0, rpc_timeout_s=5.0,
+                                                attention="sparse", sparse_rho=rho,
+                                                sparse_min_tokens=0))
+        try:
+            outs = sb.generate_batch(prompts, generation_config=gen,
+                                     continuous_batching_config=cb_cfg(), warmup=False,
+                                     timeout_s=120)
+            st = sb.stats()
+        finally:
+            sb.close()
+        toks = [list(o.generated_tokens) for o in outs.values()]
+        assert len(toks) == len(prompts) and all(len(t) == 8 for t in toks), toks
+        assert st["sparse_prefix_requests"] >= 6 and st["prefix_index_bytes"] > 0, st
+        if rho == 1.0:
+            assert toks == want
+        assert model.config._attn_implementation == "paged|sdpa"
     # ctxcached unreachable: "prefill" gives the same tokens, "error" fails
     # every request with a message (nothing hangs: bounded by the options).
     dead = f"127.0.0.1:{free_port()}"

@@ -41,7 +41,8 @@ import torch
 from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
 
-__all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention"]
+__all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention", "attend_part",
+           "merge_parts"]
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ExtendOptions:
     recent_blocks: int = 1
 
 
-def _merge(parts) -> torch.Tensor:
+def merge_parts(parts) -> torch.Tensor:
     """Log-sum-exp merge of (o [..., d] float, lse [...]) parts."""
     lse = parts[0][1]
     for _, x in parts[1:]:
@@ -62,11 +63,12 @@ def _merge(parts) -> torch.Tensor:
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """q [H, M, d], k/v [H, S, d] (one kv head per row block): (o [H, M, d]
-    float, lse [H, M]). causal: M == S, row i sees keys <= i."""
-    if q.is_cuda:
+    float, lse [H, M]). causal: M == S, row i sees keys <= i. CUDA with fp16 or
+    bf16: flash SDPA; otherwise plain torch."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, causal, False,
             scale=scale)[:2]
@@ -118,13 +120,13 @@ class _ExtendBase:
         rows = q.view(t, h, g, d).permute(1, 2, 0, 3).reshape(h, g * t, d)
         parts = [self._stored(layer, q, rows)]
         if o0:
-            parts.append(_attend(rows, self.k_new[layer, :, :o0], self.v_new[layer, :, :o0],
-                                 False, scale))
+            parts.append(attend_part(rows, self.k_new[layer, :, :o0],
+                                     self.v_new[layer, :, :o0], False, scale))
         kh = self.k_new[layer, :, o0:o0 + t].repeat_interleave(g, dim=0)   # [Hq, T, d]
         vh = self.v_new[layer, :, o0:o0 + t].repeat_interleave(g, dim=0)
-        oc, lc = _attend(q.transpose(0, 1), kh, vh, True, scale)          # [Hq, T, ...]
+        oc, lc = attend_part(q.transpose(0, 1), kh, vh, True, scale)      # [Hq, T, ...]
         parts.append((oc.reshape(h, g * t, d), lc.reshape(h, g * t)))
-        o = _merge(parts)                                                  # [H, G*T, d]
+        o = merge_parts(parts)                                             # [H, G*T, d]
         return o.view(h, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
 
 
@@ -137,7 +139,7 @@ class DenseExtendAttention(_ExtendBase):
 
     def _stored(self, layer, q, rows):
         n = self.n_tokens
-        return _attend(rows, self.k[layer, :, :n], self.v[layer, :, :n], False,
+        return attend_part(rows, self.k[layer, :, :n], self.v[layer, :, :n], False,
                        1.0 / math.sqrt(self.d))
 
 
@@ -175,4 +177,4 @@ class SparseExtendAttention(_ExtendBase):
         idx = tok.unsqueeze(-1).expand(-1, -1, self.d)
         ks = torch.gather(self.k[layer], 1, idx)
         vs = torch.gather(self.v[layer], 1, idx)
-        return _attend(rows, ks, vs, False, 1.0 / math.sqrt(self.d))
+        return attend_part(rows, ks, vs, False, 1.0 / math.sqrt(self.d))

@@ -11,12 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ServingOptions", "ON_MISSING_CHOICES"]
+__all__ = ["ServingOptions", "ON_MISSING_CHOICES", "ATTENTION_CHOICES"]
 
 # "prefill": the request runs as if ctxcache were absent (the engine
 # prefills the whole prompt). "error": the request fails with the
 # ctxcache error that stopped it (NotFound, Unavailable, ...).
 ON_MISSING_CHOICES = ("prefill", "error")
+# How a request attends its stored prefix (ServingOptions.attention).
+ATTENTION_CHOICES = ("dense", "sparse")
 
 
 @dataclass
@@ -52,6 +54,22 @@ class ServingOptions:
     # Parallel streams of a bulk KV load (NativeClient.start_load_kv).
     # Default: 4.
     load_streams: int = 4
+    # Attention over a stored prefix: "dense" (the engine's own paged
+    # attention over every prefix token: greedy tokens equal plain
+    # generation's) or "sparse" (ctxcache.serving.sparse: each request's
+    # tokens attend the prefix pages that the compact index picks, its own
+    # tokens in full; the engine runs without CUDA graphs then).
+    # Default: "dense".
+    attention: str = "dense"
+    # Sparse: stored pages a request's tokens attend, as a fraction of the
+    # prefix's pages (page 0 and the recent pages come on top). Default: 0.05.
+    sparse_rho: float = 0.05
+    # Sparse: the budget's floor, tokens (short prefixes are read whole up to
+    # this). Default: 1024.
+    sparse_min_tokens: int = 1024
+    # Sparse: recent pages forced besides page 0 and the prefix's last.
+    # Default: 1.
+    sparse_recent_pages: int = 1
 
     def validate(self) -> "ServingOptions":
         """Returns self; ``ValueError`` naming the first bad field."""
@@ -65,8 +83,14 @@ class ServingOptions:
         if not isinstance(self.refresh_interval_s, (int, float)) or self.refresh_interval_s < 0:
             raise ValueError(f"refresh_interval_s: {self.refresh_interval_s!r}, expected a "
                              "number of seconds >= 0")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention: {self.attention!r}, expected one of "
+                             f"{', '.join(ATTENTION_CHOICES)}")
+        if not isinstance(self.sparse_rho, (int, float)) or not 0.0 < self.sparse_rho <= 1.0:
+            raise ValueError(f"sparse_rho: {self.sparse_rho!r}, expected a fraction in (0, 1]")
         for name, low in (("rpc_attempts", 1), ("min_prefix_tokens", 1),
-                          ("host_cache_bytes", 0), ("load_streams", 1)):
+                          ("host_cache_bytes", 0), ("load_streams", 1),
+                          ("sparse_min_tokens", 0), ("sparse_recent_pages", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"{name}: {v!r}, expected an integer >= {low}")

@@ -52,6 +52,8 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from ctxcache import errors
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
+from ctxcache.serving.sparse import (PrefixIndex, RequestSpan, paged_sparse_attention,
+                                     spans_from_lengths)
 
 __all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
            "REQUEST_CONTEXT_ID", "TESTED_TRANSFORMERS"]
@@ -189,7 +191,96 @@ def capture_prefix_kv(manager: ContinuousBatchingManager, tokens: Sequence[int]
                        .permute(1, 0, 2).to("cpu"))
     return torch.stack(ks), torch.stack(vs)
 
+def _request_prefixes(cache: Any, kwargs: Dict[str, Any],
+                      indexes: Sequence["_PrefixRecord"]) -> List[RequestSpan]:
+    """The packed forward's requests (from its ``cu_seq_lens_q/k`` and
+    ``read_index``) with the stored prefix each one reads: a request whose
+    first and last prefix rows sit in the blocks registered under the
+    prefix's first and last block hashes. Three small device-to-host reads,
+    once per forward."""
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs["cu_seq_lens_k"]
+    if isinstance(cu_k, dict):
+        cu_k = cu_k["full_attention"]
+    n = cu_q.numel() - 1
+    lens = torch.cat([cu_q.long(), cu_k.long()]).tolist()
+    cq, ck = lens[:n + 1], lens[n + 1:]
+    prefixes: List[Optional[PrefixIndex]] = [None] * n
+    ri = kwargs["read_index"][0]
+    bm = _block_manager(cache)
+    bs = cache.block_size
+    first: Dict[int, Tuple["_PrefixRecord", int]] = {}
+    for rec in indexes:
+        b0, b1 = bm._hash_to_id.get(rec.first_hash), bm._hash_to_id.get(rec.last_hash)
+        if b0 is not None and b1 is not None:
+            first[b0] = (rec, b1)
+    past = [(ck[i + 1] - ck[i]) - (cq[i + 1] - cq[i]) for i in range(n)]
+    cand = [i for i in range(n) if past[i] > 0]
+    if first and cand and ri.numel():
+        at = torch.tensor([ck[i] for i in cand], dtype=torch.long, device=ri.device)
+        checks = []
+        for i, slot in zip(cand, ri[at].tolist()):
+            hit = first.get(slot // bs)
+            if hit is not None and past[i] >= hit[0].index.n_tokens:
+                checks.append((i, hit))
+        if checks:
+            at = torch.tensor([ck[i] + rec.index.n_tokens - 1 for i, (rec, _) in checks],
+                              dtype=torch.long, device=ri.device)
+            for (i, (rec, last)), slot in zip(checks, ri[at].tolist()):
+                if slot // bs == last:
+                    prefixes[i] = rec.index
+    return spans_from_lengths(cq, ck, prefixes)
+
 # -------------------------------------------------- end of the internals --
+
+
+class _PrefixRecord:
+    """A seeded prefix's compact index and the hashes of its first and last
+    blocks (how a request's blocks are recognized as the prefix's)."""
+
+    def __init__(self, index: PrefixIndex, hashes: Sequence[int]) -> None:
+        self.index = index
+        self.first_hash, self.last_hash = hashes[0], hashes[-1]
+
+
+class _SparseAttention:
+    """The attention function registered for ``attention="sparse"``: one per
+    backend, under its own name (``paged|ctxcache_<id>``). A forward's request
+    plan is made at its first layer and used by the others."""
+
+    def __init__(self, backend: "CtxcacheBackend") -> None:
+        self.backend = backend
+        self.name = f"paged|ctxcache_{uuid.uuid4().hex[:8]}"
+        self._spans: List[RequestSpan] = []
+        self.forwards = 0
+        self.prefix_requests = 0
+
+    def register(self) -> None:
+        from transformers import AttentionInterface
+        AttentionInterface.register(self.name, self)
+        AttentionInterface.register(self.name.split("|", 1)[1], self)
+
+    def __call__(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Any, dropout: float = 0.0, scaling: Optional[float] = None,
+                 **kwargs: Any) -> Tuple[torch.Tensor, None]:
+        cache = kwargs.get("cache")
+        if cache is None:
+            raise ValueError(f"{self.name} was called without a paged attention cache: it "
+                             "serves continuous batching only")
+        layer = module.layer_idx
+        group, j = cache.layer_index_to_group_indices[layer]
+        if cache.sliding_windows[layer] != 1:
+            raise NotImplementedError(f"{self.name}: layer {layer} uses a sliding window; "
+                                      "sparse attention serves full-attention layers")
+        if layer == min(cache.layer_index_to_group_indices):
+            self._spans = _request_prefixes(cache, kwargs, self.backend._prefix_records(cache))
+            self.forwards += 1
+            self.prefix_requests += sum(1 for s in self._spans if s.prefix is not None)
+        out = paged_sparse_attention(query, key, value, cache.key_cache[j],
+                                     cache.value_cache[j], kwargs["read_index"][group],
+                                     kwargs["write_index"][group], self._spans, layer,
+                                     scaling)
+        return out, None
 
 
 class CtxcacheBackend:
@@ -229,6 +320,13 @@ class CtxcacheBackend:
         self._scheduler_names: Dict[str, str] = {}
         self.seeded_blocks = 0
         self.seed_failures = 0
+        # attention="sparse": the attention function and each seeded prefix's
+        # compact index, by (context id, prefix tokens, id(cache)).
+        self._sparse: Optional[_SparseAttention] = None
+        self._indexes: Dict[Tuple[str, int, int], _PrefixRecord] = {}
+        if self.options.attention == "sparse":
+            self._sparse = _SparseAttention(self)
+            self._sparse.register()
         # A request that names a context and whose own ids start with this
         # token (its tokenizer's BOS, added to every prompt) drops it: the
         # context already starts the sequence. None = keep the ids as given.
@@ -325,7 +423,29 @@ class CtxcacheBackend:
             with self._lock:
                 self.seeded_blocks += len(got)
             held.extend(got)
+            if got and self._sparse is not None:
+                try:
+                    self._index_prefix(cache, cid, r, hashes)
+                except Exception as e:  # no index: the requests attend the prefix densely
+                    log.warning("ctxcache: indexing context %s failed (%s); dense", cid, e)
         return held, [rid for rid, _ in todo]
+
+    def _index_prefix(self, cache: Any, cid: str, r: Resolution, hashes: List[int]) -> None:
+        """The compact index of a seeded prefix's blocks (once per cache)."""
+        key = (cid, r.prefix_tokens, id(cache))
+        with self._lock:
+            if key in self._indexes:
+                return
+        o = self.options
+        index = PrefixIndex(r.kv.k, len(hashes) * cache.block_size,  # type: ignore[union-attr]
+                            torch.device(cache.device), cache.dtype, o.sparse_rho,
+                            o.sparse_min_tokens, o.sparse_recent_pages)
+        with self._lock:
+            self._indexes[key] = _PrefixRecord(index, hashes)
+
+    def _prefix_records(self, cache: Any) -> List[_PrefixRecord]:
+        with self._lock:
+            return [rec for (_, _, c), rec in self._indexes.items() if c == id(cache)]
 
     def _after_schedule(self, cache: Any, held: List[int], looked_at: List[str],
                         waiting: Dict[str, Any]) -> None:
@@ -400,7 +520,12 @@ class CtxcacheBackend:
         kv = self.resolver.kv_cache
         return {"outcomes": dict(self.resolver.outcomes), "kv_loads": kv.loads,
                 "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
-                "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures}
+                "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures,
+                "attention": self.options.attention,
+                **({"sparse_forwards": self._sparse.forwards,
+                    "sparse_prefix_requests": self._sparse.prefix_requests,
+                    "prefix_index_bytes": sum(x.index.nbytes for x in self._indexes.values())}
+                   if self._sparse is not None else {})}
 
     def close(self) -> None:
         self.resolver.close()
@@ -434,12 +559,29 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
             raise ValueError("continuous_batching_config.allow_block_sharing: False, expected True "
                              "(ctxcache serves prefixes through the paged cache's block sharing)")
         cfg.scheduler_type = backend.scheduler_name(getattr(cfg, "scheduler_type", None) or "fifo")
+        self._ctxcache_attention = backend._sparse.name if backend._sparse is not None else None
+        if self._ctxcache_attention is not None:
+            # The request plan is read from the device once per forward: no
+            # CUDA graphs, and no forward prepared while another runs.
+            cfg.use_cuda_graph = False
+            cfg.use_async_batching = False
         gen = generation_config if generation_config is not None else model.generation_config
         if gen.eos_token_id is None:
             gen.eos_token_id = -1
         super().__init__(model=model, generation_config=gen, continuous_batching_config=cfg,
                          workload_hints=workload_hints)
         self.ctxcache = backend
+
+    def switch_to_cb_friendly_attn(self, model: Any) -> None:
+        """Dense: the engine's own choice. Sparse: the backend's attention
+        function (the model's own is restored by ``stop``)."""
+        name = getattr(self, "_ctxcache_attention", None)
+        if name is None:
+            super().switch_to_cb_friendly_attn(model)
+            return
+        if model.config._attn_implementation != name:
+            self._original_attn_impl = model.config._attn_implementation
+            model.set_attn_implementation(name)
 
     def add_request(self, input_ids: List[int], request_id: Optional[str] = None,
                     max_new_tokens: Optional[int] = None, streaming: bool = False,

@@ -1,0 +1,171 @@
+"""Sparse attention over stored prefixes inside a serving engine's paged KV
+cache (the attention half of the serving backend's ``attention="sparse"``).
+
+A stored context that the backend seeded into the engine's paged cache is
+shared, block for block, by every request whose prompt starts with it. In
+dense mode each request's query tokens attend all of its prefix. Here a
+request's query tokens attend:
+
+1. the stored prefix's pages that the GPU engine's compact index picks
+   (:class:`PrefixIndex`: Quest bounds, min and max of the keys per page of
+   16 tokens, 6.25% of the prefix's K/V in bf16; the block-union table of
+   :func:`ctxcache.engine.planner.chunk_pages`: page 0, the recent pages and
+   the best ``kp`` by the largest bound any of the request's queries and
+   q heads gives; ``kp`` is the session core's page budget, ``max(ceil(rho
+   * pages), min_tokens / 16)``), read in place from the paged cache rows;
+2. the request's own earlier tokens (the rest of its prompt and its
+   generated tokens), all of them;
+3. its tokens of this forward, causally;
+
+merged by log-sum-exp (:func:`ctxcache.engine.prefill.merge_parts`), the
+parts computed by flash SDPA with its log-sum-exp on CUDA. A request with
+no stored prefix gets parts 2 and 3: dense attention. The same selection
+and merge as the engine's sparse chunked prefill of an extension
+(:class:`ctxcache.engine.SparseExtendAttention`), with the prefix's rows
+taken from the engine's block table instead of the engine's own tier.
+
+Shapes follow transformers' packed paged attention: ``query`` [1, Hq, Q, d],
+``key``/``value`` [1, H, Q, d] (the Q packed tokens of all requests), the
+layer's caches [slots, H, d], ``read_index`` the cache rows each request
+reads (its past then its new tokens, requests one after the other),
+``write_index`` the rows of the new tokens. q head j reads kv head j // G.
+Nothing here imports transformers; the adapter that calls it is
+:mod:`ctxcache.serving.transformers_cb`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
+from ctxcache.engine.pool import table_rows
+from ctxcache.engine.prefill import attend_part, merge_parts
+
+__all__ = ["PAGE_TOKENS", "PrefixIndex", "RequestSpan", "paged_sparse_attention",
+           "spans_from_lengths"]
+
+# Tokens of a page of the compact index (the session core's page).
+PAGE_TOKENS = 16
+
+
+class PrefixIndex:
+    """The compact index of one stored prefix on the device: per layer and kv
+    head, the Quest bounds of every page of its first ``n_tokens`` tokens.
+
+    Args:
+        k: the prefix's keys (post-RoPE, as the engine caches them)
+            ``[n_layers, n_kv_heads, >= n_tokens, head_dim]``, on any device.
+        n_tokens: the prefix tokens the index covers (those in the paged
+            cache's shared blocks).
+        device, dtype: where and in which dtype the engine caches keys (the
+            bounds are taken after that cast, so they bound what is read).
+        rho: stored pages a request attends, as a fraction of the prefix's.
+        min_tokens: the budget floor in tokens (``min_budget`` of the core).
+        recent_pages: recent pages forced besides page 0 and the last.
+    """
+
+    def __init__(self, k: torch.Tensor, n_tokens: int, device: torch.device,
+                 dtype: torch.dtype, rho: float, min_tokens: int, recent_pages: int) -> None:
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"rho: {rho!r}, expected in (0, 1]")
+        if n_tokens < 1 or n_tokens > k.shape[2]:
+            raise ValueError(f"n_tokens: {n_tokens}, expected 1..{k.shape[2]} (the keys given)")
+        page = PAGE_TOKENS
+        self.n_tokens = int(n_tokens)
+        self.n_pages = -(-self.n_tokens // page)
+        n_pad = self.n_pages * page
+        mins, maxs = [], []
+        for layer in range(k.shape[0]):  # one layer on the device at a time
+            kl = k[layer, :, :self.n_tokens].to(device=device, dtype=dtype)
+            if n_pad != self.n_tokens:
+                kl = torch.nn.functional.pad(kl, (0, 0, 0, n_pad - self.n_tokens))
+            mn, mx = quest_bounds(kl, self.n_tokens, page)
+            mins.append(mn)
+            maxs.append(mx)
+        self.kmin = torch.stack(mins)           # [L, H, P, d]
+        self.kmax = torch.stack(maxs)
+        self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_pages, page, min_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the bounds."""
+        return 2 * self.kmin.numel() * self.kmin.element_size()
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request of a packed forward: its query rows ``[q0, q1)``, its read
+    rows ``[k0, k0 + n_k)`` of ``read_index`` (past tokens, then the
+    ``q1 - q0`` new ones), and the stored prefix its first
+    ``prefix.n_tokens`` read rows hold (None: no stored prefix)."""
+    q0: int
+    q1: int
+    k0: int
+    n_k: int
+    prefix: Optional[PrefixIndex] = None
+
+
+def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           read_index: torch.Tensor, write_index: torch.Tensor,
+                           spans: Sequence[RequestSpan], layer: int,
+                           scaling: Optional[float] = None) -> torch.Tensor:
+    """Writes the new tokens' K/V at ``write_index`` and returns the attention
+    output ``[1, Q, Hq, d]`` (module docstring); rows of no span are zero.
+    Raises ValueError when a span does not fit the packed tensors."""
+    _, hq, n_q, d = query.shape
+    h = key.shape[1]
+    if hq % h:
+        raise ValueError(f"query heads {hq} are not a multiple of kv heads {h}")
+    g = hq // h
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    new_k = key[0].transpose(0, 1)                # [Q, H, d]
+    new_v = value[0].transpose(0, 1)
+    n_w = write_index.numel()
+    k_cache.index_copy_(0, write_index, new_k[:n_w].to(k_cache.dtype))
+    v_cache.index_copy_(0, write_index, new_v[:n_w].to(v_cache.dtype))
+    out = torch.zeros(n_q, hq, d, dtype=query.dtype, device=query.device)
+    heads = torch.arange(h, device=query.device).view(-1, 1)
+    for s in spans:
+        t = s.q1 - s.q0
+        if t <= 0:
+            continue
+        past = s.n_k - t
+        if past < 0 or s.q0 < 0 or s.q1 > n_q or (past and s.k0 + past > read_index.numel()):
+            raise ValueError(f"request span {s} does not fit {n_q} queries and "
+                             f"{read_index.numel()} read rows")
+        q = query[0, :, s.q0:s.q1].to(k_cache.dtype)              # [Hq, T, d]
+        rows = q.reshape(h, g * t, d)                            # kv head's G q heads
+        parts = []
+        c = s.prefix.n_tokens if s.prefix is not None and past >= s.prefix.n_tokens else 0
+        r = read_index[s.k0:s.k0 + past] if past else None
+        if c:
+            p = s.prefix
+            pages = chunk_pages(q.transpose(0, 1), p.kmin[layer], p.kmax[layer], p.kp,
+                                p.n_recent)
+            pages = torch.sort(pages, dim=1).values
+            slots = r[:c][table_rows(pages, PAGE_TOKENS, c)]     # [H, S] cache rows
+            parts.append(attend_part(rows, k_cache[slots, heads], v_cache[slots, heads],
+                                     False, scale))
+        if past > c:
+            own = r[c:past]
+            parts.append(attend_part(rows, k_cache[own].transpose(0, 1),
+                                     v_cache[own].transpose(0, 1), False, scale))
+        kn = key[0, :, s.q0:s.q1].to(k_cache.dtype).repeat_interleave(g, dim=0)  # [Hq, T, d]
+        vn = value[0, :, s.q0:s.q1].to(v_cache.dtype).repeat_interleave(g, dim=0)
+        oc, lc = attend_part(q, kn, vn, True, scale)
+        parts.append((oc.reshape(h, g * t, d), lc.reshape(h, g * t)))
+        o = merge_parts(parts)                                    # [H, G*T, d]
+        out[s.q0:s.q1] = o.view(hq, t, d).transpose(0, 1).to(out.dtype)
+    return out.unsqueeze(0)
+
+
+def spans_from_lengths(cu_q: List[int], cu_k: List[int],
+                       prefixes: Sequence[Optional[PrefixIndex]]) -> List[RequestSpan]:
+    """Spans from the cumulative query and key lengths of a packed batch and
+    each request's stored prefix (or None)."""
+    return [RequestSpan(cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1] - cu_k[i], prefixes[i])
+            for i in range(len(cu_q) - 1)]

@@ -1,0 +1,149 @@
+"""The serving backend's sparse attention over stored prefixes in a paged
+cache (ctxcache.serving.sparse), on the CPU: with every page kept it is
+dense causal attention over each request's whole read set; with a budget it
+is dense attention over exactly the pages the engine's block-union table
+picks, plus the request's own tokens; the new tokens land at write_index.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ctxcache.engine.planner import chunk_pages, quest_bounds  # noqa: E402
+from ctxcache.serving.sparse import (PAGE_TOKENS, PrefixIndex, RequestSpan,  # noqa: E402
+                                     paged_sparse_attention)
+
+H, G, D = 2, 2, 16
+HQ = H * G
+BLOCK = 32           # the paged cache's block: two index pages
+N_SLOTS = 64 * BLOCK
+
+
+class Batch:
+    """A paged cache holding one stored prefix in scattered blocks, and two
+    requests: A reads the prefix, then its own earlier tokens, then a chunk
+    of new tokens; B has no prefix: earlier tokens and one new token."""
+
+    def __init__(self, prefix_tokens: int, own_a: int, new_a: int, own_b: int,
+                 seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.k_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+        self.v_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+        blocks = torch.randperm(N_SLOTS // BLOCK, generator=gen).tolist()
+
+        def rows(n: int) -> list:
+            out = []
+            while len(out) < n:
+                b = blocks.pop()
+                out.extend(range(b * BLOCK, b * BLOCK + BLOCK))
+            return out[:n]
+        self.c = prefix_tokens
+        a_rows = rows(prefix_tokens) + rows(own_a + new_a)   # prefix blocks, then its own
+        b_rows = rows(own_b + 1)
+        self.read = torch.tensor(a_rows + b_rows)
+        self.write = torch.tensor(a_rows[-new_a:] + b_rows[-1:])
+        self.a_past, self.b_past = prefix_tokens + own_a, own_b
+        self.q = torch.randn(1, HQ, new_a + 1, D, generator=gen)
+        self.k = torch.randn(1, H, new_a + 1, D, generator=gen)
+        self.v = torch.randn(1, H, new_a + 1, D, generator=gen)
+        self.new_a = new_a
+        # The prefix's keys as the stored context holds them: [L=1, H, n, d]
+        self.prefix_k = self.k_cache[torch.tensor(a_rows[:prefix_tokens])].permute(1, 0, 2)
+        self.prefix_k = self.prefix_k.unsqueeze(0).contiguous()
+
+    def spans(self, prefix):
+        na = self.a_past + self.new_a
+        return [RequestSpan(0, self.new_a, 0, na, prefix),
+                RequestSpan(self.new_a, self.new_a + 1, na, self.b_past + 1, None)]
+
+
+def reference(batch: Batch, keep_a=None) -> torch.Tensor:
+    """Plain causal attention per request over its read rows after the
+    write; ``keep_a`` [H, n_prefix] bool drops request A's prefix tokens."""
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    kc[batch.write] = batch.k[0].transpose(0, 1)
+    vc[batch.write] = batch.v[0].transpose(0, 1)
+    out = torch.zeros(1, batch.q.shape[2], HQ, D)
+    na = batch.a_past + batch.new_a
+    for q0, q1, rows, past in ((0, batch.new_a, batch.read[:na], batch.a_past),
+                               (batch.new_a, batch.new_a + 1, batch.read[na:], batch.b_past)):
+        k, v = kc[rows], vc[rows]                                     # [n, H, d]
+        for j in range(q1 - q0):
+            for hq in range(HQ):
+                h = hq // G
+                vis = torch.zeros(len(rows), dtype=torch.bool)
+                vis[:past + j + 1] = True
+                if keep_a is not None and q0 == 0:
+                    vis[:batch.c] &= keep_a[h]
+                s = (k[vis, h] @ batch.q[0, hq, q0 + j]) / math.sqrt(D)
+                out[0, q0 + j, hq] = torch.softmax(s, 0) @ v[vis, h]
+    return out
+
+
+def test_every_page_kept_is_dense_causal_attention() -> None:
+    b = Batch(prefix_tokens=5 * PAGE_TOKENS + 7, own_a=9, new_a=4, own_b=13)
+    prefix = PrefixIndex(b.prefix_k, b.c, torch.device("cpu"), torch.float32, rho=1.0,
+                         min_tokens=0, recent_pages=1)
+    want = reference(b)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    got = paged_sparse_attention(b.q, b.k, b.v, kc, vc, b.read, b.write, b.spans(prefix),
+                                 layer=0)
+    assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # The new tokens were written where the engine reads them next.
+    assert torch.equal(kc[b.write], b.k[0].transpose(0, 1))
+    assert torch.equal(vc[b.write], b.v[0].transpose(0, 1))
+    # Without a prefix index request A attends its whole read set densely.
+    kc2, vc2 = b.k_cache.clone(), b.v_cache.clone()
+    dense = paged_sparse_attention(b.q, b.k, b.v, kc2, vc2, b.read, b.write, b.spans(None), 0)
+    assert torch.allclose(dense, want, atol=1e-5)
+
+
+def test_a_budget_attends_exactly_the_block_union_pages() -> None:
+    b = Batch(prefix_tokens=40 * PAGE_TOKENS, own_a=6, new_a=3, own_b=20, seed=3)
+    prefix = PrefixIndex(b.prefix_k, b.c, torch.device("cpu"), torch.float32, rho=0.1,
+                         min_tokens=0, recent_pages=1)
+    assert prefix.kp < prefix.n_pages  # a real budget: 4 + page 0 + 2 recent of 40
+    q_a = b.q[0, :, :b.new_a].transpose(0, 1)                          # [T, Hq, d]
+    pages = chunk_pages(q_a, prefix.kmin[0], prefix.kmax[0], prefix.kp, prefix.n_recent)
+    keep = torch.zeros(H, b.c, dtype=torch.bool)
+    for h in range(H):
+        for p in pages[h].tolist():
+            keep[h, p * PAGE_TOKENS:(p + 1) * PAGE_TOKENS] = True
+    assert bool(keep[:, :PAGE_TOKENS].all()) and bool(keep[:, -PAGE_TOKENS:].all())
+    want = reference(b, keep_a=keep)
+    got = paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.read,
+                                 b.write, b.spans(prefix), layer=0)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    # ... and differs from dense attention (the budget dropped pages).
+    assert not torch.allclose(got, reference(b), atol=1e-3)
+
+
+def test_prefix_index_bounds_and_budget() -> None:
+    k = torch.randn(2, H, 100, D)
+    p = PrefixIndex(k, 70, torch.device("cpu"), torch.bfloat16, rho=0.05, min_tokens=32,
+                    recent_pages=1)
+    assert p.n_pages == 5 and p.kmin.shape == (2, H, 5, D)
+    kb = torch.nn.functional.pad(k[:, :, :70].to(torch.bfloat16), (0, 0, 0, 10))
+    mn, mx = quest_bounds(kb, 70, PAGE_TOKENS)
+    assert torch.equal(p.kmin, mn) and torch.equal(p.kmax, mx)
+    # budget: max(ceil(0.05 * 5), 32 / 16) = 2 pages, plus page 0 and 2 recent
+    assert (p.n_recent, p.kp) == (2, 5)
+    assert p.nbytes == 2 * 2 * H * 5 * D * 2
+    with pytest.raises(ValueError, match="rho"):
+        PrefixIndex(k, 70, torch.device("cpu"), torch.float32, rho=0.0, min_tokens=0,
+                    recent_pages=1)
+    with pytest.raises(ValueError, match="n_tokens"):
+        PrefixIndex(k, 101, torch.device("cpu"), torch.float32, rho=0.1, min_tokens=0,
+                    recent_pages=1)
+
+
+def test_a_span_past_the_packed_tensors_is_refused() -> None:
+    b = Batch(prefix_tokens=2 * PAGE_TOKENS, own_a=1, new_a=2, own_b=1)
+    bad = [RequestSpan(0, 2, 0, b.read.numel() + 5, None)]
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.read,
+                               b.write, bad, layer=0)

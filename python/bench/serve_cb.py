@@ -378,7 +378,8 @@ def main() -> int:
     ap.add_argument("--task-limit", type=int, default=32)
     ap.add_argument("--on-missing", default="prefill", choices=("prefill", "error"))
     ap.add_argument("--attention", default="dense",
-                    help="ctxcache attention modes to run, comma-separated: dense, sparse")
+                    help="ctxcache attention modes to run, comma-separated: dense, sparse, "
+                         "sparse:R (the prompt's chunks at prefill fraction R)")
     ap.add_argument("--sparse-rho", type=float, default=0.05)
     ap.add_argument("--sparse-min-tokens", type=int, default=1024)
     ap.add_argument("--step-timeout", type=float, default=540.0, help="seconds per step")
@@ -429,10 +430,12 @@ def main() -> int:
         spec = spec_of(model, fp, "hf:" + name)
         client = ctxcache.Client(addr, timeout=120)
         for mode in [x for x in a.attention.split(",") if x]:
-            backends[mode] = CtxcacheBackend(addr, model, [fp], ServingOptions(
+            kind, _, prefill_rho = mode.partition(":")
+            backends[mode.replace(":", "_p")] = CtxcacheBackend(addr, model, [fp], ServingOptions(
                 on_missing=a.on_missing, refresh_interval_s=1.0, load_timeout_s=a.step_timeout,
-                rpc_timeout_s=10.0, attention=mode, sparse_rho=a.sparse_rho,
-                sparse_min_tokens=a.sparse_min_tokens))
+                rpc_timeout_s=10.0, attention=kind, sparse_rho=a.sparse_rho,
+                sparse_min_tokens=a.sparse_min_tokens,
+                sparse_prefill_rho=float(prefill_rho or 1.0)))
         for n in [int(x) for x in a.contexts.split(",") if x]:
             res["speed"].append(speed_case(a, model, client, backends, spec, n, steps))
         if a.tasks:

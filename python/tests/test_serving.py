@@ -198,6 +198,8 @@ def test_options_name_the_bad_field() -> None:
         ServingOptions(sparse_rho=0).validate()
     with pytest.raises(ValueError, match="sparse_min_tokens: -1, expected an integer >= 0"):
         ServingOptions(sparse_min_tokens=-1).validate()
+    with pytest.raises(ValueError, match="sparse_prefill_rho: 2, expected a fraction"):
+        ServingOptions(sparse_prefill_rho=2).validate()
     assert ServingOptions(attention="sparse").validate().sparse_rho == 0.05
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from ctxcache.engine.planner import chunk_pages, quest_bounds  # noqa: E402
 from ctxcache.serving.sparse import (PAGE_TOKENS, PrefixIndex, RequestSpan,  # noqa: E402
-                                     paged_sparse_attention)
+                                     block_table_rows, paged_sparse_attention)
 
 H, G, D = 2, 2, 16
 HQ = H * G
@@ -104,11 +104,13 @@ def test_every_page_kept_is_dense_causal_attention() -> None:
 
 def test_a_budget_attends_exactly_the_block_union_pages() -> None:
     b = Batch(prefix_tokens=40 * PAGE_TOKENS, own_a=6, new_a=3, own_b=20, seed=3)
-    prefix = PrefixIndex(b.prefix_k, b.c, torch.device("cpu"), torch.float32, rho=0.1,
-                         min_tokens=0, recent_pages=1)
-    assert prefix.kp < prefix.n_pages  # a real budget: 4 + page 0 + 2 recent of 40
+    prefix = PrefixIndex(b.prefix_k, b.c, torch.device("cpu"), torch.float32, rho=0.05,
+                         min_tokens=0, recent_pages=1, prefill_rho=0.1)
+    # a real budget: 4 + page 0 + 2 recent of 40 for a chunk (2 + 3 a step)
+    assert (prefix.kp_prefill, prefix.kp) == (7, 5)
     q_a = b.q[0, :, :b.new_a].transpose(0, 1)                          # [T, Hq, d]
-    pages = chunk_pages(q_a, prefix.kmin[0], prefix.kmax[0], prefix.kp, prefix.n_recent)
+    pages = chunk_pages(q_a, prefix.kmin[0], prefix.kmax[0], prefix.kp_prefill,
+                        prefix.n_recent)
     keep = torch.zeros(H, b.c, dtype=torch.bool)
     for h in range(H):
         for p in pages[h].tolist():
@@ -120,6 +122,17 @@ def test_a_budget_attends_exactly_the_block_union_pages() -> None:
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     # ... and differs from dense attention (the budget dropped pages).
     assert not torch.allclose(got, reference(b), atol=1e-3)
+    # By default (prefill_rho 1) a chunk of several tokens attends the whole
+    # prefix; a one-token step still reads its budget.
+    dense_prefill = PrefixIndex(b.prefix_k, b.c, torch.device("cpu"), torch.float32, rho=0.05,
+                                min_tokens=0, recent_pages=1)
+    got = paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.read,
+                                 b.write, b.spans(dense_prefill), layer=0)
+    assert torch.allclose(got, reference(b), atol=1e-5)
+    one = Batch(prefix_tokens=40 * PAGE_TOKENS, own_a=6, new_a=1, own_b=20, seed=4)
+    got = paged_sparse_attention(one.q, one.k, one.v, one.k_cache.clone(), one.v_cache.clone(),
+                                 one.read, one.write, one.spans(dense_prefill), layer=0)
+    assert not torch.allclose(got[0, :1], reference(one)[0, :1], atol=1e-3)
 
 
 def test_prefix_index_bounds_and_budget() -> None:
@@ -147,3 +160,16 @@ def test_a_span_past_the_packed_tensors_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(), b.read,
                                b.write, bad, layer=0)
+
+
+def test_block_table_rows_are_the_read_index_the_engine_would_build() -> None:
+    bs = 4
+    table = torch.tensor([[7, 2, 9, -1], [3, -1, -1, -1], [5, 6, -1, -1]], dtype=torch.int32)
+    lens = [10, 3, 0]                      # the third: a padding sequence
+    cu = [0, 10, 13, 13]
+    read, write = block_table_rows(table, cu, bs)
+    want = []
+    for b, n in enumerate(lens):
+        want += [int(table[b, p // bs]) * bs + p % bs for p in range(n)]
+    assert read.tolist() == want
+    assert write.tolist() == [want[9], want[12]]

@@ -64,6 +64,10 @@ class ServingOptions:
     # Sparse: stored pages a request's tokens attend, as a fraction of the
     # prefix's pages (page 0 and the recent pages come on top). Default: 0.05.
     sparse_rho: float = 0.05
+    # Sparse: the fraction for a forward's chunks of several tokens of a
+    # request (its prompt after the prefix); 1 = they attend the whole prefix
+    # (dense prefill, sparse decode). Default: 1.
+    sparse_prefill_rho: float = 1.0
     # Sparse: the budget's floor, tokens (short prefixes are read whole up to
     # this). Default: 1024.
     sparse_min_tokens: int = 1024
@@ -86,8 +90,10 @@ class ServingOptions:
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention: {self.attention!r}, expected one of "
                              f"{', '.join(ATTENTION_CHOICES)}")
-        if not isinstance(self.sparse_rho, (int, float)) or not 0.0 < self.sparse_rho <= 1.0:
-            raise ValueError(f"sparse_rho: {self.sparse_rho!r}, expected a fraction in (0, 1]")
+        for name in ("sparse_rho", "sparse_prefill_rho"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+                raise ValueError(f"{name}: {v!r}, expected a fraction in (0, 1]")
         for name, low in (("rpc_attempts", 1), ("min_prefix_tokens", 1),
                           ("host_cache_bytes", 0), ("load_streams", 1),
                           ("sparse_min_tokens", 0), ("sparse_recent_pages", 0)):

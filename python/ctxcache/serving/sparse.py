@@ -7,6 +7,8 @@ dense mode each request's query tokens attend all of its prefix. Here a
 request's query tokens attend:
 
 1. the stored prefix's pages that the GPU engine's compact index picks
+   (a decode step; chunks of several tokens, the prompt after the prefix,
+   attend the whole prefix unless ``prefill_rho`` < 1)
    (:class:`PrefixIndex`: Quest bounds, min and max of the keys per page of
    16 tokens, 6.25% of the prefix's K/V in bf16; the block-union table of
    :func:`ctxcache.engine.planner.chunk_pages`: page 0, the recent pages and
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,8 +46,8 @@ from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
 from ctxcache.engine.prefill import attend_part, merge_parts
 
-__all__ = ["PAGE_TOKENS", "PrefixIndex", "RequestSpan", "paged_sparse_attention",
-           "spans_from_lengths"]
+__all__ = ["PAGE_TOKENS", "PrefixIndex", "RequestSpan", "block_table_rows",
+           "paged_sparse_attention", "spans_from_lengths"]
 
 # Tokens of a page of the compact index (the session core's page).
 PAGE_TOKENS = 16
@@ -65,12 +67,16 @@ class PrefixIndex:
         rho: stored pages a request attends, as a fraction of the prefix's.
         min_tokens: the budget floor in tokens (``min_budget`` of the core).
         recent_pages: recent pages forced besides page 0 and the last.
+        prefill_rho: the fraction for a request's chunks of several tokens
+            (its prompt after the prefix); 1 = they attend the whole prefix.
     """
 
     def __init__(self, k: torch.Tensor, n_tokens: int, device: torch.device,
-                 dtype: torch.dtype, rho: float, min_tokens: int, recent_pages: int) -> None:
-        if not 0.0 < rho <= 1.0:
-            raise ValueError(f"rho: {rho!r}, expected in (0, 1]")
+                 dtype: torch.dtype, rho: float, min_tokens: int, recent_pages: int,
+                 prefill_rho: float = 1.0) -> None:
+        for name, v in (("rho", rho), ("prefill_rho", prefill_rho)):
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name}: {v!r}, expected in (0, 1]")
         if n_tokens < 1 or n_tokens > k.shape[2]:
             raise ValueError(f"n_tokens: {n_tokens}, expected 1..{k.shape[2]} (the keys given)")
         page = PAGE_TOKENS
@@ -88,6 +94,9 @@ class PrefixIndex:
         self.kmin = torch.stack(mins)           # [L, H, P, d]
         self.kmax = torch.stack(maxs)
         self.n_recent, self.kp = page_cap(rho, self.n_pages, recent_pages, page, min_tokens)
+        self.kp_prefill = page_cap(prefill_rho, self.n_pages, recent_pages, page, min_tokens)[1]
+        # chunks of several tokens attend the whole prefix
+        self.prefill_dense = prefill_rho >= 1.0
 
     @property
     def nbytes(self) -> int:
@@ -141,11 +150,13 @@ def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         rows = q.reshape(h, g * t, d)                            # kv head's G q heads
         parts = []
         c = s.prefix.n_tokens if s.prefix is not None and past >= s.prefix.n_tokens else 0
+        if c and t > 1 and s.prefix.prefill_dense:
+            c = 0                                                # dense prefill
         r = read_index[s.k0:s.k0 + past] if past else None
         if c:
             p = s.prefix
-            pages = chunk_pages(q.transpose(0, 1), p.kmin[layer], p.kmax[layer], p.kp,
-                                p.n_recent)
+            pages = chunk_pages(q.transpose(0, 1), p.kmin[layer], p.kmax[layer],
+                                p.kp if t == 1 else p.kp_prefill, p.n_recent)
             pages = torch.sort(pages, dim=1).values
             slots = r[:c][table_rows(pages, PAGE_TOKENS, c)]     # [H, S] cache rows
             parts.append(attend_part(rows, k_cache[slots, heads], v_cache[slots, heads],
@@ -169,3 +180,25 @@ def spans_from_lengths(cu_q: List[int], cu_k: List[int],
     each request's stored prefix (or None)."""
     return [RequestSpan(cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1] - cu_k[i], prefixes[i])
             for i in range(len(cu_q) - 1)]
+
+
+def block_table_rows(block_table: torch.Tensor, cu_k: List[int],
+                     block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The read and write rows of a packed decode batch given as a block table
+    (``block_table`` [B, blocks], request b's position p at row
+    ``block_table[b, p // block_size] * block_size + p % block_size``;
+    ``cu_k`` the cumulative key lengths, B + 1 of them, on the host): every
+    request's positions 0 .. n_k - 1 one request after the other, as a read
+    index, and each request's last row (its new token), as the write index.
+    Device work only."""
+    dev = block_table.device
+    n_k = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
+    total = cu_k[-1] - cu_k[0]
+    req = torch.repeat_interleave(torch.arange(len(n_k), device=dev),
+                                  torch.tensor(n_k, device=dev, dtype=torch.long))
+    starts = torch.tensor(cu_k[:-1], device=dev, dtype=torch.long) - cu_k[0]
+    pos = torch.arange(total, device=dev, dtype=torch.long) - starts[req]
+    read = block_table[req, pos // block_size].long() * block_size + pos % block_size
+    ends = torch.tensor([cu_k[i + 1] - cu_k[0] - 1 for i in range(len(n_k)) if n_k[i]],
+                        device=dev, dtype=torch.long)
+    return read, read[ends]

@@ -52,13 +52,16 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from ctxcache import errors
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
-from ctxcache.serving.sparse import (PrefixIndex, RequestSpan, paged_sparse_attention,
-                                     spans_from_lengths)
+from ctxcache.serving.sparse import (PrefixIndex, RequestSpan, block_table_rows,
+                                     paged_sparse_attention, spans_from_lengths)
 
 __all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
            "REQUEST_CONTEXT_ID", "TESTED_TRANSFORMERS"]
 
 TESTED_TRANSFORMERS = "5.17"
+# attention="sparse": requests up to this many tokens decode through
+# transformers' block-table fast path; longer ones through its read index.
+DECODE_TABLE_TOKENS = 1 << 20
 # The stored context a request names when its caller cannot pass
 # ``context_id=`` to add_request (transformers serve's handlers call
 # add_request themselves): set around the call, read by add_request.
@@ -191,22 +194,34 @@ def capture_prefix_kv(manager: ContinuousBatchingManager, tokens: Sequence[int]
                        .permute(1, 0, 2).to("cpu"))
     return torch.stack(ks), torch.stack(vs)
 
-def _request_prefixes(cache: Any, kwargs: Dict[str, Any],
-                      indexes: Sequence["_PrefixRecord"]) -> List[RequestSpan]:
-    """The packed forward's requests (from its ``cu_seq_lens_q/k`` and
-    ``read_index``) with the stored prefix each one reads: a request whose
-    first and last prefix rows sit in the blocks registered under the
-    prefix's first and last block hashes. Three small device-to-host reads,
-    once per forward."""
+def _cu_lengths(kwargs: Dict[str, Any]) -> Tuple[List[int], List[int]]:
+    """The forward's cumulative query and key lengths (one device read)."""
     cu_q = kwargs["cu_seq_lens_q"]
     cu_k = kwargs["cu_seq_lens_k"]
     if isinstance(cu_k, dict):
         cu_k = cu_k["full_attention"]
-    n = cu_q.numel() - 1
+    n = cu_q.numel()
     lens = torch.cat([cu_q.long(), cu_k.long()]).tolist()
-    cq, ck = lens[:n + 1], lens[n + 1:]
+    return lens[:n], lens[n:]
+
+
+def _block_table_rows(cache: Any, kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """transformers' decode fast path passes a block table [groups, B, blocks]
+    instead of read and write indices: the same rows, from the table."""
+    _, ck = _cu_lengths(kwargs)
+    return block_table_rows(kwargs["block_table"][0], ck, cache.block_size)
+
+
+def _request_prefixes(cache: Any, kwargs: Dict[str, Any], ri: torch.Tensor,
+                      indexes: Sequence["_PrefixRecord"]) -> List[RequestSpan]:
+    """The packed forward's requests (from its ``cu_seq_lens_q/k``; ``ri``
+    the cache rows they read) with the stored prefix each one reads: a
+    request whose first and last prefix rows sit in the blocks registered
+    under the prefix's first and last block hashes. Three small
+    device-to-host reads, once per forward."""
+    cq, ck = _cu_lengths(kwargs)
+    n = len(cq) - 1
     prefixes: List[Optional[PrefixIndex]] = [None] * n
-    ri = kwargs["read_index"][0]
     bm = _block_manager(cache)
     bs = cache.block_size
     first: Dict[int, Tuple["_PrefixRecord", int]] = {}
@@ -252,6 +267,7 @@ class _SparseAttention:
         self.backend = backend
         self.name = f"paged|ctxcache_{uuid.uuid4().hex[:8]}"
         self._spans: List[RequestSpan] = []
+        self._rows: Tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
         self.forwards = 0
         self.prefix_requests = 0
 
@@ -273,13 +289,21 @@ class _SparseAttention:
             raise NotImplementedError(f"{self.name}: layer {layer} uses a sliding window; "
                                       "sparse attention serves full-attention layers")
         if layer == min(cache.layer_index_to_group_indices):
-            self._spans = _request_prefixes(cache, kwargs, self.backend._prefix_records(cache))
+            if cache.num_groups != 1:
+                raise NotImplementedError(f"{self.name}: {cache.num_groups} layer groups; "
+                                          "sparse attention serves one group of full attention")
+            if kwargs.get("block_table") is not None:
+                self._rows = _block_table_rows(cache, kwargs)
+            else:
+                self._rows = (kwargs["read_index"][0], kwargs["write_index"][0])
+            self._spans = _request_prefixes(cache, kwargs, self._rows[0],
+                                            self.backend._prefix_records(cache))
             self.forwards += 1
             self.prefix_requests += sum(1 for s in self._spans if s.prefix is not None)
+        read_index, write_index = self._rows
         out = paged_sparse_attention(query, key, value, cache.key_cache[j],
-                                     cache.value_cache[j], kwargs["read_index"][group],
-                                     kwargs["write_index"][group], self._spans, layer,
-                                     scaling)
+                                     cache.value_cache[j], read_index, write_index,
+                                     self._spans, layer, scaling)
         return out, None
 
 
@@ -439,7 +463,8 @@ class CtxcacheBackend:
         o = self.options
         index = PrefixIndex(r.kv.k, len(hashes) * cache.block_size,  # type: ignore[union-attr]
                             torch.device(cache.device), cache.dtype, o.sparse_rho,
-                            o.sparse_min_tokens, o.sparse_recent_pages)
+                            o.sparse_min_tokens, o.sparse_recent_pages,
+                            o.sparse_prefill_rho)
         with self._lock:
             self._indexes[key] = _PrefixRecord(index, hashes)
 
@@ -571,6 +596,16 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
         super().__init__(model=model, generation_config=gen, continuous_batching_config=cfg,
                          workload_hints=workload_hints)
         self.ctxcache = backend
+        if self._ctxcache_attention is not None:
+            # transformers turns its decode fast path (a block table per
+            # request instead of a read index of every past token, built on
+            # the host each step) on for flash attention only; the sparse
+            # attention reads the block table too.
+            c = self.continuous_batching_config
+            blocks = DECODE_TABLE_TOKENS // int(c.block_size)
+            if getattr(c, "num_blocks", None):
+                blocks = min(blocks, int(c.num_blocks))
+            c.max_blocks_per_request = max(1, blocks)
 
     def switch_to_cb_friendly_attn(self, model: Any) -> None:
         """Dense: the engine's own choice. Sparse: the backend's attention

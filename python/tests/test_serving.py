@@ -386,3 +386,15 @@ def test_serve_without_the_server_packages_says_which_are_missing(capsys) -> Non
     err = capsys.readouterr().err
     for m in missing:
         assert m in err
+
+
+def test_serve_refuses_bad_sparse_settings_before_loading(capsys) -> None:
+    """The launcher's sparse flags reach ServingOptions: a bad value exits 2
+    naming the field, before any package or model is looked at."""
+    from ctxcache.serving import serve
+    rc = serve.main(["--model", "models/ctxcache-ref", "--ctxcache", "127.0.0.1:1",
+                     "--attention", "sparse", "--sparse-rho", "0"])
+    assert rc == 2
+    assert "sparse_rho: 0.0, expected a fraction in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve.main(["--model", "m", "--ctxcache", "127.0.0.1:1", "--attention", "quest"])

@@ -30,7 +30,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from ctxcache import errors
-from ctxcache.serving.options import ON_MISSING_CHOICES, ServingOptions
+from ctxcache.serving.options import ATTENTION_CHOICES, ON_MISSING_CHOICES, ServingOptions
 
 __all__ = ["main", "build_app", "CONTEXT_FIELD"]
 
@@ -196,6 +196,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--on-missing", choices=ON_MISSING_CHOICES, default="prefill",
                     help="a stored prefix that cannot be used: prefill it, or fail the request")
+    ap.add_argument("--attention", choices=ATTENTION_CHOICES, default="dense",
+                    help="attention over a stored prefix (docs/serving.md)")
+    ap.add_argument("--sparse-rho", type=float, default=0.05,
+                    help="sparse: prefix pages a decode step attends, fraction")
+    ap.add_argument("--sparse-min-tokens", type=int, default=1024,
+                    help="sparse: the budget's floor, tokens")
     ap.add_argument("--rpc-timeout", type=float, default=2.0, help="seconds per metadata RPC")
     ap.add_argument("--load-timeout", type=float, default=120.0, help="seconds per KV load")
     ap.add_argument("--host-cache-gib", type=float, default=8.0,
@@ -237,7 +243,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         options = ServingOptions(on_missing=a.on_missing, rpc_timeout_s=a.rpc_timeout,
                                  load_timeout_s=a.load_timeout,
-                                 host_cache_bytes=int(a.host_cache_gib * (1 << 30))).validate()
+                                 host_cache_bytes=int(a.host_cache_gib * (1 << 30)),
+                                 attention=a.attention, sparse_rho=a.sparse_rho,
+                                 sparse_min_tokens=a.sparse_min_tokens).validate()
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return 2

@@ -53,9 +53,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from ctxcache.torch.selection import (SKETCH_QUERY_MAX_CODE, ClientSession, CsaIndex,
-                                      CsaSession, SessionParams,
-                                      _budget_for, page_budget)
+from ctxcache.torch.selection import ClientSession, CsaIndex, CsaSession
+from ctxcache.torch.tables import (SKETCH_QUERY_MAX_CODE, SessionParams, budget_for,
+                                   page_budget)
 
 __all__ = ["LayerPlan", "TORCH_SESSIONS", "TorchCsaSession", "TorchOracleSession",
            "TorchQuestSession", "TorchStreamingSession", "capture_graph",
@@ -613,7 +613,7 @@ class TorchOracleSession(_TorchPlanner):
                              f"{self.head_dim}]")
         self.keys = keys
         rho = self.exact.indexes[(0, 0)].rho
-        self.k = _budget_for(self.params.token_budget(self.n_tokens), rho, self.n_tokens)
+        self.k = budget_for(self.params.token_budget(self.n_tokens), rho, self.n_tokens)
         self.inv = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -619,7 +619,7 @@ def max_step_pages(planner: Any) -> int:
     session) can use: the page cap's budget, page 0 and the last
     ``recent_blocks + 1`` pages (``_TorchPlanner._cap``); every page when
     the session has no page cap."""
-    from ctxcache.torch.selection import page_budget
+    from ctxcache.torch.tables import page_budget
 
     p = planner.params
     if p.page_fraction <= 0:

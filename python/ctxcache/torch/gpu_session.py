@@ -2,12 +2,14 @@
 tables as tensor ops on the queries' device (the GPU in a decode worker), for
 csa, quest, streaming and oracle.
 
-:mod:`ctxcache.torch.selection` is the exact reference: numpy, following the
-compiled C++ core operation for operation, one (layer, kv head) at a time.
-This module runs the same four stages (docs/architecture.md, "Decode path:
-one session core") for every kv head of a layer at once, with the selection
-of each q head held as a dense token mask. :func:`torch_session` makes the
-session of a method; all of them share stages 2-4 and return a
+The C++ session core (session/sparse_session.h) is the specification; the
+native library runs it in this process
+(:class:`ctxcache.native.DecodeSession` with ``client_mode``). This module
+runs the same four stages (docs/architecture.md, "Decode path: one session
+core") for every kv head of a layer at once, with the selection of each q
+head held as a dense token mask, over the tables that
+:class:`ctxcache.torch.tables.ContextTables` parses. :func:`torch_session`
+makes the session of a method; all of them share stages 2-4 and return a
 :class:`LayerPlan` from ``step(layer, queries)``.
 
 1. select, per method:
@@ -40,9 +42,10 @@ C++ loops (scatter-add, matmul, fused or unfused multiply-add, the device's
 exp; TF32 matmuls, if enabled, change oracle's scores further), so a token
 whose score ties or nearly ties the budget's boundary may be chosen
 differently. python/tests/test_selection.py (csa) and test_gpu_selection.py
-(quest, streaming, oracle) check them against the numpy reference and a real
-server on real artifacts. Like the numpy reference, this covers the stored
-context only (a session that has appended no tokens).
+(quest, streaming, oracle) check them against the C++ core through the
+library, with a real ctxcached, on real artifacts. This covers the stored
+context only (a session that has appended no tokens; the C++ core's
+selectors also take appended keys).
 """
 from __future__ import annotations
 
@@ -417,11 +420,11 @@ class TorchCsaSession(_TorchPlanner):
     def _rerank(self, lay: _Layer, q: torch.Tensor, acc: torch.Tensor, logits: torch.Tensor,
                 forced: torch.Tensor, n_sinks: int, recent_start: int,
                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``CsaIndex._rerank`` for every q head at once: the forced tokens and
-        the top ``ceil(rerank * k) - |forced|`` others by ``acc`` are scored
-        with the key sketch (an exact integer dot product, _sketch_scores);
-        the best of the others fill the budget, ties to the lower id at both
-        stages."""
+        """Stage 2 of ``CsaSelector::SearchOne`` (rerank > 0) for every q head
+        at once: the forced tokens and the top ``ceil(rerank * k) - |forced|``
+        others by ``acc`` are scored with the key sketch (an exact integer
+        dot product, _sketch_scores); the best of the others fill the
+        budget, ties to the lower id at both stages."""
         h, g, n, d = self.n_kv_heads, self.group_size, lay.n, lay.d
         hg = h * g
         dev = q.device
@@ -437,7 +440,7 @@ class TorchCsaSession(_TorchPlanner):
         if k > n_forced:
             want = min(n - n_forced, int(math.ceil(lay.rerank * float(k))) - n_forced)
         if want > 0:
-            # The candidates as the exact core takes them (ties to the lower id).
+            # The candidates as the C++ core takes them (ties to the lower id).
             ranked = torch.where(forced, torch.full_like(acc, -math.inf), acc)
             cand = _mask_indices(_top_k_mask(ranked, want), want)
             rows = torch.cat([rows, cand], dim=1)
@@ -576,7 +579,7 @@ class TorchOracleSession(_TorchPlanner):
     Not bit-exact: q.k is a batched matmul (another summation order than the
     C++ GEMV), so keys whose scores tie or nearly tie at the budget's edge
     may be chosen differently; python/tests/test_gpu_selection.py checks it
-    against the server and the numpy core on real contexts.
+    against the server and the C++ core through the library on real contexts.
     """
 
     method = "oracle"

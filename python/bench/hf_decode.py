@@ -110,7 +110,7 @@ def main() -> int:
             save()
         for sel in ("exact", "torch"):
             name = "csa_client" if sel == "exact" else "csa_client_torch"
-            log(f"decode with csa, client-side selection ({sel}) + GPU page pool")
+            log(f"decode with csa, client-side selection ({sel})")
             if a.profile and sel == "torch":  # where the host time goes, per function
                 import cProfile
                 import io
@@ -127,8 +127,10 @@ def main() -> int:
             res[name] = {
                 "selection": sel,
                 "agreement": float(np.mean([x == y for x, y in zip(out.tokens, dense_tf.tokens)])),
-                # exact: the server's pipeline, so the server's tokens; torch:
-                # the same stages as tensor ops (near-ties may differ).
+                # exact: the C++ session core through the native library, so
+                # the server's tokens (its page cache is the library's: no
+                # byte or pool counts); torch: the same stages as tensor ops
+                # with the GPU page pool (near-ties may differ).
                 "tokens_equal_server_csa": out.tokens == method_tokens.get("csa"),
                 "agreement_with_server_csa": float(np.mean(
                     [x == y for x, y in zip(out.tokens, method_tokens.get("csa", []))])),

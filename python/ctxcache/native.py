@@ -30,9 +30,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from ctxcache import errors
 
 __all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "DecodeSession", "HeadStep",
-           "library_path", "load_library"]
+           "SESSION_METHODS", "library_path", "load_library"]
 
 ABI_VERSION = 3
+# The methods a decode session runs (NativeClient.open_session; c.h).
+SESSION_METHODS = ("csa", "tactic", "lfps", "quest", "streaming", "oracle", "full")
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _ITEMSIZE = {1: 4, 2: 2, 3: 2}

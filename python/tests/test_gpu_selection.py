@@ -1,7 +1,9 @@
 """Client-side selection for quest, streaming and oracle against a real
-ctxcached: the numpy copies of the C++ selectors (ctxcache.torch.selection)
-and the torch session core (ctxcache.torch.gpu_session, on every available
-device) give the server-side session's selections and page tables.
+ctxcached: the torch session core (ctxcache.torch.gpu_session, on every
+available device) gives the selections and pages of the C++ session core,
+run in this process through the native library (a client-mode
+ctxcache.native.DecodeSession), and the server session's page tables; the
+library's selections equal the server session's.
 
 Contexts: two demo documents (tests/data/demo) built as text by a real
 ctxcached with the golden llama3 (2 layers, 4 q / 2 kv heads, head_dim 32),
@@ -12,18 +14,18 @@ subgroups of 4 q heads).
 """
 from __future__ import annotations
 
+import contextlib
 import struct
-from typing import Dict, List
+from typing import List
 
 import numpy as np
 import pytest
 
 import ctxcache
+from ctxcache import native
 from ctxcache.torch.artifacts import (parse_oracle_artifact, parse_quest_artifact,
                                       parse_streaming_artifact)
-from ctxcache.torch.selection import (ClientSession, OracleIndex, QuestIndex, SessionParams,
-                                      StreamingIndex, quest_page_scores, session_step)
-from conftest import REPO, assert_steps_match_server, session_queries
+from conftest import REPO, assert_library_steps_match_server, session_queries
 
 B = 16
 DEMO = REPO + "/tests/data/demo/"
@@ -95,20 +97,28 @@ def context_keys(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo) -> np.nd
     return out
 
 
-def _session(client, ctx, method: str, params: dict, keys=None) -> ClientSession:
-    arts = client.fetch_index(ctx.context_id, method)
-    return ClientSession(arts, n_q_heads=ctx.model.n_q_heads, params=params, method=method,
-                         keys=keys)
+@pytest.fixture(scope="module")
+def nc(server):
+    """The native library's client (libctxcache_c.so)."""
+    with native.NativeClient(server.address, timeout=60) as c:
+        yield c
 
 
-def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, seed: int,
+def library_session(nc, ctx, method: str, params: dict) -> native.DecodeSession:
+    """The C++ session core in this process through the native library: a
+    client-mode decode session of ``method`` on ``ctx``."""
+    return nc.open_session(ctx.context_id, method, params, client_mode=True)
+
+
+def _compare_with_server(client, nc, ctx, method: str, params: dict, n_steps: int, seed: int,
                          keys=None, devices=()) -> int:
-    """n_steps steps of every layer through a server session, the numpy
-    ClientSession and a torch session per device; asserts identical
-    per-q-head tokens, page tables and pages. Returns layer-steps compared."""
+    """n_steps steps of every layer through a server session, the C++ core
+    through the library and a torch session per device; asserts that the
+    library selects what the server does, and that each torch session gives
+    the library's per-q-head tokens and pages and the server's page tables.
+    Returns layer-steps compared."""
     m = ctx.model
     g = m.n_q_heads // m.n_kv_heads
-    mine = _session(client, ctx, method, params, keys)
     torch_sessions = {}
     if devices:
         import torch
@@ -129,14 +139,16 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
     exact_torch = method != "oracle"
     identical = {dev: 0 for dev in torch_sessions}
     worst = {dev: 1.0 for dev in torch_sessions}
-    with client.open_session(ctx.context_id, method, params) as s:
+    with client.open_session(ctx.context_id, method, params) as s, \
+            library_session(nc, ctx, method, params) as lib:
         for i in range(n_steps):
             for layer in range(m.n_layers):
                 q = session_queries(rng, m.n_q_heads, m.head_dim, i)
                 r = s.step(layer, q)
-                steps = mine.step(layer, q)
+                heads = lib.step(layer, q)
                 where = f"{ctx.name} {method} {params} step {i} layer {layer}"
-                want_tables = assert_steps_match_server(steps, r, g, where)
+                assert_library_steps_match_server(heads, r, g, where)
+                want_tables = sorted(r.page_tables)
                 for dev, ts in torch_sessions.items():
                     import torch
 
@@ -144,15 +156,16 @@ def _compare_with_server(client, ctx, method: str, params: dict, n_steps: int, s
                     same = True
                     for qh in range(m.n_q_heads):
                         got = torch.nonzero(plan.token_mask[qh // g, qh % g])[:, 0].cpu()
-                        a, b = set(got.tolist()), set(r.selections[qh].tolist())
+                        want = heads[qh // g].per_q_head[qh % g].tolist()
+                        a, b = set(got.tolist()), set(want)
                         worst[dev] = min(worst[dev], len(a & b) / max(1, len(a | b)))
-                        same &= got.tolist() == r.selections[qh].tolist()
+                        same &= got.tolist() == want
                     tables = sorted(
                         (h, sgi, torch.nonzero(plan.table_pages[h, sgi])[:, 0].cpu().tolist())
                         for h in range(m.n_kv_heads) for sgi in range(plan.table_pages.shape[1]))
                     same &= tables == want_tables
-                    same &= all(plan.page_ids(h).cpu().tolist() == head.blocks
-                                for h, head in enumerate(r.heads))
+                    same &= all(plan.page_ids(h).cpu().tolist() == head.pages.tolist()
+                                for h, head in enumerate(heads))
                     if exact_torch:
                         assert same, f"{where} {dev}"
                     identical[dev] += same
@@ -243,94 +256,116 @@ def test_parse_rejects_bad_quest_streaming_oracle(client, demo_contexts) -> None
     parse_oracle_artifact(o + b"\0")  # like the loader: trailing bytes are not checked
 
 
-# ----------------------------------------------------- numpy selectors, details --
+# ------------------------------------------- budgets, ties and the exact top k --
 
 
-def test_streaming_and_quest_select_details(client, demo_contexts) -> None:
+def test_streaming_and_quest_budgets_match_the_library(client, nc, demo_contexts) -> None:
+    # Token-level budgets (no page cap, no widening) around a Quest page of
+    # 12 tokens (not the store's 16) and the partial last page: the torch
+    # core selects what the C++ core does, per q head; streaming keeps the 4
+    # sinks and the most recent tokens; Quest's bounds hold for every key of
+    # their page.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch.gpu_session import quest_page_scores_torch, torch_session
+
     ctx = demo_contexts[1]  # Quest page 12
-    n, d = ctx.n_tokens, ctx.model.head_dim
-    st = StreamingIndex(client.fetch_index(ctx.context_id, "streaming")[(0, 0)])
-    q = np.random.default_rng(3).standard_normal((2, d)).astype(np.float32)
-    sel = st.select(q, budget=50)
-    want = list(range(4)) + list(range(n - 46, n))
-    assert all(h.tolist() == want for h in sel.per_head) and sel.per_head_logits == []
-    assert st.select(q, budget=3).per_head[0].tolist() == [0, 1, 2]
-    assert st.select(q, budget=n + 5).per_head[0].tolist() == list(range(n))
-    assert st.select(q).per_head[0].size == int(np.ceil(0.05 * n))  # 0 = the artifact's rho
-    qi = QuestIndex(client.fetch_index(ctx.context_id, "quest")[(1, 1)])
-    scores = quest_page_scores(q, qi.page_min, qi.page_max)
-    # The upper bound holds for every key of each page.
-    keys = context_keys(client, ctx)[1, 1]
-    dots = keys.astype(np.float64) @ q.T.astype(np.float64)  # [n, G]
-    for p in range(scores.shape[1]):
-        assert (dots[p * 12:(p + 1) * 12].max(0) <= scores[:, p] + 1e-3).all()
-    last = (n - 1) // 12
-    for budget in (1, 12, 13, 30, 100, n):
-        sel = qi.select(q, budget=budget)
-        for h, ids in enumerate(sel.per_head):
-            pages = sorted(set((ids // 12).tolist()))
-            assert ids.tolist() == [t for p in pages for t in range(p * 12, min(n, p * 12 + 12))]
-            full = [p for p in pages if p != last]
-            # The best-bound pages that fit, the first one always.
-            order = np.argsort(-scores[h], kind="stable").tolist()
-            assert order[0] in pages
-            if budget >= 12:
-                assert len(full) * 12 <= budget
-                assert [p for p in order if p != last][:len(full)] == sorted(
-                    full, key=order.index)
-            assert ids.size >= min(budget, 12 if order[0] != last else n - last * 12)
+    m = ctx.model
+    n, g, layer = ctx.n_tokens, m.n_q_heads // m.n_kv_heads, 1
+    q = np.random.default_rng(3).standard_normal((m.n_q_heads, m.head_dim)).astype(np.float32)
+    for method in ("streaming", "quest"):
+        arts = client.fetch_index(ctx.context_id, method)
+        for budget in (1, 3, 12, 13, 30, 50, 100, n, n + 5):
+            with library_session(nc, ctx, method, {"budget": budget}) as lib:
+                heads = lib.step(layer, q)
+            if method == "streaming":
+                k = min(budget, n)
+                sinks = min(4, k)
+                want = list(range(sinks)) + list(range(max(sinks, n - (k - sinks)), n))
+                assert all(h.per_q_head[j].tolist() == want for h in heads for j in range(g))
+            for dev in _torch_devices():
+                ts = torch_session(method, arts, n_q_heads=m.n_q_heads,
+                                   params={"budget": budget}, device=dev)
+                plan = ts.step(layer, torch.from_numpy(q).to(dev))
+                for qh in range(m.n_q_heads):
+                    got = torch.nonzero(plan.token_mask[qh // g, qh % g])[:, 0].cpu().tolist()
+                    assert got == heads[qh // g].per_q_head[qh % g].tolist(), \
+                        (method, budget, dev, qh)
+    ts = torch_session("quest", client.fetch_index(ctx.context_id, "quest"),
+                       n_q_heads=m.n_q_heads)
+    page, mn, mx = ts.bounds[layer]
+    assert page == 12
+    scores = quest_page_scores_torch(torch.from_numpy(q).view(m.n_kv_heads, g, -1), mn, mx)
+    keys = context_keys(client, ctx)[layer]
+    for h in range(m.n_kv_heads):
+        dots = keys[h].astype(np.float64) @ q[h * g:(h + 1) * g].T.astype(np.float64)  # [n, G]
+        for p in range(scores.shape[-1]):
+            assert (dots[p * 12:(p + 1) * 12].max(0) <= scores[h, :, p].numpy() + 1e-3).all()
 
 
-def test_quest_ties_go_to_the_lower_page(client, demo_contexts) -> None:
-    # Zero queries bound every page by 0: the lowest pages win the ties.
-    ctx = demo_contexts[0]
-    qi = QuestIndex(client.fetch_index(ctx.context_id, "quest")[(0, 0)])
-    n = ctx.n_tokens
-    r = n % 16  # the partial last page
-    z = np.zeros((2, ctx.model.head_dim), np.float32)
-    # Pages 0 and 1 (32 tokens); page 2 would overflow 40 and is skipped, so
-    # is every later full page, and the partial page too (32 + r > 40).
-    assert qi.select(z, budget=40).per_head[0].tolist() == list(range(32))
-    # With 32 + r the partial last page fits after the skipped full pages.
-    assert qi.select(z, budget=32 + r).per_head[1].tolist() == \
-        list(range(32)) + list(range(n - r, n))
-    assert qi.select(z, budget=48).per_head[0].tolist() == list(range(48))
-    o = OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(0, 0)],
-                    context_keys(client, ctx)[0, 0])
-    sel = o.select(np.zeros((2, ctx.model.head_dim), np.float32), budget=40)
-    assert sel.per_head[1].tolist() == list(range(40))  # all scores 0: the lowest ids
+def test_ties_go_to_the_lower_page_and_id(client, nc, demo_contexts) -> None:
+    # Zero queries bound every Quest page by 0 and score every key 0: the
+    # lowest pages (quest) and ids (oracle) win the ties, in the C++ core and
+    # in the torch core.
     torch = pytest.importorskip("torch")
     from ctxcache.torch.gpu_session import torch_session
 
-    keys = torch.as_tensor(context_keys(client, ctx))
-    zq = torch.zeros(ctx.model.n_q_heads, ctx.model.head_dim)
-    for dev in _torch_devices():
-        for method, want in (("quest", list(range(32))), ("oracle", list(range(40)))):
-            ts = torch_session(method, client.fetch_index(ctx.context_id, method),
-                               n_q_heads=ctx.model.n_q_heads, params={"budget": 40},
-                               device=dev, keys=keys.to(dev) if method == "oracle" else None)
-            plan = ts.step(0, zq.to(dev))
-            assert torch.nonzero(plan.token_mask[0, 0])[:, 0].cpu().tolist() == want, (method,
-                                                                                       dev)
-
-
-def test_oracle_select_is_the_exact_top_k(client, demo_contexts) -> None:
     ctx = demo_contexts[0]
+    m = ctx.model
+    n, g = ctx.n_tokens, m.n_q_heads // m.n_kv_heads
+    r = n % 16  # the partial last page
+    cases = [
+        # Pages 0 and 1 (32 tokens); page 2 would overflow 40 and is skipped,
+        # so is every later full page, and the partial page too (32 + r > 40).
+        ("quest", 40, list(range(32))),
+        # With 32 + r the partial last page fits after the skipped full pages.
+        ("quest", 32 + r, list(range(32)) + list(range(n - r, n))),
+        ("quest", 48, list(range(48))),
+        ("oracle", 40, list(range(40))),
+    ]
+    keys = torch.as_tensor(context_keys(client, ctx))
+    zq = np.zeros((m.n_q_heads, m.head_dim), np.float32)
+    for method, budget, want in cases:
+        with library_session(nc, ctx, method, {"budget": budget}) as lib:
+            heads = lib.step(0, zq)
+        assert all(h.per_q_head[j].tolist() == want for h in heads for j in range(g)), \
+            (method, budget)
+        for dev in _torch_devices():
+            ts = torch_session(method, client.fetch_index(ctx.context_id, method),
+                               n_q_heads=m.n_q_heads, params={"budget": budget},
+                               device=dev, keys=keys.to(dev) if method == "oracle" else None)
+            plan = ts.step(0, torch.from_numpy(zq).to(dev))
+            for qh in range(m.n_q_heads):
+                got = torch.nonzero(plan.token_mask[qh // g, qh % g])[:, 0].cpu().tolist()
+                assert got == want, (method, budget, dev, qh)
+
+
+def test_oracle_selects_the_exact_top_k(client, nc, demo_contexts) -> None:
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch.gpu_session import torch_session
+    from ctxcache.torch.tables import ContextTables
+
+    ctx = demo_contexts[0]
+    m = ctx.model
     keys = context_keys(client, ctx)
-    o = OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(1, 0)], keys[1, 0])
-    q = np.random.default_rng(4).standard_normal((2, ctx.model.head_dim)).astype(np.float32)
-    sel = o.select(q, budget=60)
-    for h in range(2):
-        s = keys[1, 0].astype(np.float64) @ q[h].astype(np.float64)
-        assert sel.per_head[h].tolist() == sorted(np.argsort(-s, kind="stable")[:60].tolist())
-        np.testing.assert_allclose(sel.per_head_logits[h],
-                                   s[sel.per_head[h]] / np.sqrt(ctx.model.head_dim), rtol=1e-5)
+    q = np.random.default_rng(4).standard_normal((m.n_q_heads, m.head_dim)).astype(np.float32)
+    with library_session(nc, ctx, "oracle", {"budget": 60}) as lib:
+        heads = lib.step(1, q)
+    g = m.n_q_heads // m.n_kv_heads
+    for j in range(g):  # kv head 0's group
+        s = keys[1, 0].astype(np.float64) @ q[j].astype(np.float64)
+        assert heads[0].per_q_head[j].tolist() == sorted(
+            np.argsort(-s, kind="stable")[:60].tolist())
+    arts = client.fetch_index(ctx.context_id, "oracle")
     with pytest.raises(ValueError, match="oracle: keys have shape"):
-        OracleIndex(client.fetch_index(ctx.context_id, "oracle")[(1, 0)], keys[1, 0, :-1])
+        torch_session("oracle", arts, m.n_q_heads, keys=torch.as_tensor(keys[:, :, :-1]))
+    bad = keys.copy()
+    bad[1, 0, 5, 3] = np.inf
+    with pytest.raises(ValueError, match="oracle: keys have NaN/Inf"):
+        torch_session("oracle", arts, m.n_q_heads, keys=torch.as_tensor(bad))
     with pytest.raises(ValueError, match="oracle: needs the context's keys"):
-        _session(client, ctx, "oracle", {})
+        torch_session("oracle", arts, m.n_q_heads)
     with pytest.raises(ValueError, match="method 'tactic' has no client-side selection"):
-        ClientSession(client.fetch_index(ctx.context_id, "streaming"), n_q_heads=4,
+        ContextTables(client.fetch_index(ctx.context_id, "streaming"), n_q_heads=4,
                       method="tactic")
 
 
@@ -339,23 +374,41 @@ def test_oracle_select_is_the_exact_top_k(client, demo_contexts) -> None:
 
 @pytest.mark.parametrize("params", PARAMS, ids=PARAM_IDS)
 @pytest.mark.parametrize("method", ["streaming", "quest", "oracle"])
-def test_client_sessions_match_server(client, demo_contexts, synthetic, method: str,
+def test_client_sessions_match_server(client, nc, demo_contexts, synthetic, method: str,
                                       params: dict) -> None:
     devices = _torch_devices()
     for i, ctx in enumerate(_contexts(demo_contexts, synthetic)):
         keys = context_keys(client, ctx) if method == "oracle" else None
         steps = 2 if ctx is synthetic else 4
-        assert _compare_with_server(client, ctx, method, params, n_steps=steps, seed=50 + i,
+        assert _compare_with_server(client, nc, ctx, method, params, n_steps=steps, seed=50 + i,
                                     keys=keys, devices=devices) == steps * ctx.model.n_layers
+
+
+def _quest_walk(scores: np.ndarray, n: int, page: int, budget: int) -> List[int]:
+    """The page walk of QuestSelector::Select (index/quest.cc) for one q
+    head, as its loop is written: pages by descending bound (ties: the
+    lower page, std::stable_sort), each that fits the budget taken (the
+    first always) until the taken tokens reach it; ascending."""
+    k = min(budget, n)
+    pages: List[int] = []
+    taken = 0
+    for p in np.argsort(-scores, kind="stable").tolist():
+        length = min(page, n - p * page)
+        if pages and taken + length > k:
+            continue
+        pages.append(p)
+        taken += length
+        if taken >= k:
+            break
+    return sorted(pages)
 
 
 def test_torch_quest_page_walk_equals_the_loop() -> None:
     # quest_take_pages (closed form, tensor ops) against the C++ loop
-    # (quest_take_pages_exact) for every budget, with the partial last page
-    # anywhere in the order, ties included.
+    # (_quest_walk) for every budget, with the partial last page anywhere in
+    # the order, ties included.
     torch = pytest.importorskip("torch")
     from ctxcache.torch.gpu_session import quest_take_pages
-    from ctxcache.torch.selection import quest_take_pages_exact
 
     rng = np.random.default_rng(12)
     cases = 0
@@ -372,20 +425,21 @@ def test_torch_quest_page_walk_equals_the_loop() -> None:
         for k in budgets:
             got = quest_take_pages(torch.from_numpy(scores), n, page, k)
             for h in range(scores.shape[0]):
-                want = quest_take_pages_exact(scores[h], n, page, k)
+                want = _quest_walk(scores[h], n, page, k)
                 assert torch.nonzero(got[h])[:, 0].tolist() == want, (n, page, k, h)
                 cases += 1
     assert cases > 3000
 
 
 @pytest.mark.parametrize("method", ["streaming", "quest", "oracle"])
-def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthetic,
+def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, synthetic,
                                                   method: str) -> None:
     # What generate_client(method=..., selection="torch" / "exact") runs per
-    # layer-step: the torch session (hf.PooledAttention) and the numpy session
-    # (hf._client_step), pages read through a small GpuPagePool, attention over
-    # them plus two decoded tokens; both equal attention over the rows the
-    # server's session selects, taken from the context's full KV.
+    # layer-step: the torch session (hf.PooledAttention, pages read through a
+    # small GpuPagePool) and the C++ core through the library
+    # (hf.LibrarySession: its selections and their K/V, hf.gather_selected),
+    # attention over them plus two decoded tokens; both equal attention over
+    # the rows the server's session selects, taken from the context's full KV.
     torch = pytest.importorskip("torch")
     from ctxcache.torch import hf
     from ctxcache.torch.gpu_session import torch_session
@@ -407,9 +461,7 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
                                 torch.as_tensor(np.concatenate([p.v for p in rows])))
     okeys = keys if method == "oracle" else None
     budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
-    exact = hf._Decoder(selector=ClientSession(arts, n_q_heads=m.n_q_heads, method=method,
-                                               keys=okeys), n_layers=2)
-    exact.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    exact = hf.LibrarySession(library_session(nc, ctx, method, {}))
     pooled = hf.PooledAttention(torch_session(method, arts, n_q_heads=m.n_q_heads, keys=okeys),
                                 hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
                                 capacity=1)  # grows to the 2 decoded tokens
@@ -432,7 +484,10 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
                     v = torch.cat([fv[ids], dv[qh // g]])
                     w = torch.softmax(k @ q[qh] * 0.125, dim=0)
                     want[qh] = w @ v
-                k, v, mask = hf._client_step(exact, layer, q)
+                st = exact.step(layer, q)
+                assert st.bytes_received == 0  # not reported through the C ABI
+                k, v, mask = hf.gather_selected(st, m.n_q_heads, "cpu", torch.float32,
+                                                ctx.n_tokens)
                 got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
                        "torch": pooled(layer, q, dk[None], dv[None], 0.125)}
                 for name, x in got.items():
@@ -440,11 +495,41 @@ def test_client_side_decode_steps_for_each_method(client, demo_contexts, synthet
                     # to ~2e-5 here; a different page or mask differs by ~1e-1.
                     torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4,
                                                msg=f"{method} {name}")
+    exact.close()
     assert pooled.p_max == hf.max_step_pages(pooled.planner) < n_pages
-    for pool in (exact.pool, pooled.pool):
-        # streaming's pages are the same every step: no evictions needed.
-        assert pool.misses > (0 if method == "streaming" else 40) and pool.hits > 0
-    assert exact.bytes_received == exact.pool.bytes_fetched
+    # streaming's pages are the same every step: no evictions needed.
+    assert pooled.pool.misses > (0 if method == "streaming" else 40) and pooled.pool.hits > 0
+
+
+@pytest.mark.parametrize("method", ["csa", "quest", "oracle"])
+def test_library_session_appends_like_the_server(client, nc, synthetic, method: str) -> None:
+    # generate_client(selection="exact", append=True): the library session
+    # takes each generated token's K/V/Q as tensors (bf16 here, as a model's
+    # cache holds them) and selects what a server session that got the same
+    # Appends selects, appended tokens included.
+    torch = pytest.importorskip("torch")
+    from ctxcache.torch import hf
+
+    ctx = client.build(tokens=_demo_tokens("r_admin.txt", 700), name="gpusel-append",
+                       indexes=["csa", ("quest", {"page": "16"})]).context
+    m = ctx.model
+    g = m.n_q_heads // m.n_kv_heads
+    rng = np.random.default_rng(47)
+    lib = hf.LibrarySession(library_session(nc, ctx, method, {"rho": 0.1}))
+    with client.open_session(ctx.context_id, method, {"rho": 0.1}) as s, \
+            contextlib.closing(lib):
+        for step in range(4):
+            for layer in range(m.n_layers):
+                q = session_queries(rng, m.n_q_heads, m.head_dim, step)
+                r = s.step(layer, q)
+                where = f"{method} step {step} layer {layer}"
+                assert_library_steps_match_server(lib.step(layer, torch.from_numpy(q)).heads,
+                                                  r, g, where)
+            k, v, qa = (torch.as_tensor(rng.standard_normal((m.n_layers, h, m.head_dim)),
+                                        dtype=torch.bfloat16)
+                        for h in (m.n_kv_heads, m.n_kv_heads, m.n_q_heads))
+            assert lib.append(k, v, qa, token_id=7) == ctx.n_tokens + step + 1
+            s.append(k.float().numpy(), v.float().numpy(), qa.float().numpy(), token_id=7)
 
 
 def test_generate_client_rejects_methods_without_a_client_side_session(client,
@@ -452,10 +537,12 @@ def test_generate_client_rejects_methods_without_a_client_side_session(client,
     pytest.importorskip("torch")
     from ctxcache.torch import hf
 
-    for selection in ("torch", "exact"):
-        with pytest.raises(ValueError, match="method 'tactic' has no client-side selection"):
+    # The torch core runs csa, quest, streaming and oracle; the C++ core
+    # through the library every method.
+    for selection, method in (("torch", "tactic"), ("exact", "nope")):
+        with pytest.raises(ValueError, match=f"method '{method}' has no client-side selection"):
             hf.generate_client(client, None, synthetic, 1, 1, selection=selection,
-                               method="tactic")
+                               method=method)
     with pytest.raises(ValueError, match="selection 'gpu', expected 'torch' or 'exact'"):
         hf.generate_client(client, None, synthetic, 1, 1, selection="gpu", method="quest")
     with pytest.raises(ValueError, match="keys are for method oracle, not quest"):
@@ -463,9 +550,15 @@ def test_generate_client_rejects_methods_without_a_client_side_session(client,
     with pytest.raises(ValueError, match="prefetch needs selection='torch', not 'exact'"):
         hf.generate_client(client, None, synthetic, 1, 1, method="quest", selection="exact",
                            prefetch=True)
+    with pytest.raises(ValueError, match="warm_pool needs selection='torch', not 'exact'"):
+        hf.generate_client(client, None, synthetic, 1, 1, method="quest", selection="exact",
+                           warm_pool=True)
+    with pytest.raises(ValueError, match="keys are for selection='torch'"):
+        hf.generate_client(client, None, synthetic, 1, 1, method="oracle", selection="exact",
+                           keys=object())
 
 
-def test_oracle_over_more_than_one_key_chunk_matches_server(client) -> None:
+def test_oracle_over_more_than_one_key_chunk_matches_server(client, nc) -> None:
     # 4097 keys: a server session scores them in chunks of 4096
     # (ScoreAllKeys over the page fetcher), the last chunk a single key,
     # which Eigen computes as a dot product (another order than its GEMV).
@@ -486,22 +579,23 @@ def test_oracle_over_more_than_one_key_chunk_matches_server(client) -> None:
     keys = context_keys(client, ctx)
     assert np.array_equal(keys[0, :, n - 1], keys[0, :, n - 2])
     for params in ({"budget": 50}, {"rho": 0.02}):
-        assert _compare_with_server(client, ctx, "oracle", params, n_steps=3, seed=61,
+        assert _compare_with_server(client, nc, ctx, "oracle", params, n_steps=3, seed=61,
                                     keys=keys, devices=_torch_devices()) == 3
     # Budget 1 picks key 4095 or 4096, whichever q.k rounds higher (4095 on
     # a tie): the two equal keys are scored in different chunks, in
-    # different orders, so only the server's chunking reproduces the choice.
-    mine = _session(client, ctx, "oracle", {"budget": 1}, keys)
+    # different orders, so only the server's chunking reproduces the choice
+    # (the C++ core through the library chunks like the server).
     picks = set()
-    with client.open_session(ctx.context_id, "oracle", {"budget": 1}) as s:
+    with client.open_session(ctx.context_id, "oracle", {"budget": 1}) as s, \
+            library_session(nc, ctx, "oracle", {"budget": 1}) as lib:
         for i in range(12):
             q = (keys[0, np.arange(n_q) // 2, 0] +
                  0.3 * rng.standard_normal((n_q, d))).astype(np.float32)
             r = s.step(0, q)
-            steps = mine.step(0, q)
+            heads = lib.step(0, q)
             for qh in range(n_q):
                 want = r.selections[qh].tolist()
-                assert steps[qh // 2].per_q_head[qh % 2].tolist() == want, (i, qh)
+                assert heads[qh // 2].per_q_head[qh % 2].tolist() == want, (i, qh)
                 picks.add(want[0])
     assert picks == {n - 2, n - 1}, picks  # both happen: the order matters
 
@@ -555,7 +649,7 @@ def test_cuda_graph_sessions_equal_eager(client) -> None:
         assert len(graphed._graphs) == want, (method, ctx.name)
 
 
-def test_pooled_attention_checks_its_pool_queries_and_capacity(client, synthetic) -> None:
+def test_pooled_attention_checks_its_pool_queries_and_capacity(client, nc, synthetic) -> None:
     # generate_client's torch layer-step: a pool that cannot hold one
     # layer-step's pages, a CUDA graph request off CUDA and non-finite queries
     # are ValueErrors naming the cause; the decoded-token buffer grows (and
@@ -591,21 +685,15 @@ def test_pooled_attention_checks_its_pool_queries_and_capacity(client, synthetic
     dv = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, 5, m.head_dim))).float()
     got = pa(0, q, dk, dv, 0.125).clone()
     assert pa.capacity >= 5
-    # The same step with all 5 decoded tokens attended through attend().
-    k, v, mask = hf._client_step(_pool_decoder(client, ctx, arts, m), 0, q)
+    # The same step with all 5 decoded tokens attended through attend(),
+    # over the C++ core's selection through the library.
+    with library_session(nc, ctx, "streaming", {}) as lib:
+        st = hf.LibrarySession(lib).step(0, q)
+    k, v, mask = hf.gather_selected(st, m.n_q_heads, "cpu", torch.float32)
     torch.testing.assert_close(got, hf.attend(q, k, v, mask, dk[0], dv[0], 0.125),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="scale"):
         pa(0, q, dk, dv, 0.5)
-
-
-def _pool_decoder(client, ctx, arts, m):
-    from ctxcache.torch import hf
-
-    dec = hf._Decoder(selector=ClientSession(arts, n_q_heads=m.n_q_heads, method="streaming"),
-                      n_layers=m.n_layers)
-    dec.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=1 << 24)
-    return dec
 
 
 def test_pooled_attention_graphs_equal_eager(client) -> None:

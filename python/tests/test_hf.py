@@ -114,8 +114,9 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
         csa = hf.generate(c, model, info, ids[-1], 16, method="csa", append=False)
         assert len(csa.tokens) == 16
         assert csa.bytes_received < full.bytes_received
-        # Client-side selection + GPU page pool: the exact numpy core makes
-        # the server's selections, so the server's tokens.
+        # Client-side selection by the C++ session core through the native
+        # library (a client-mode session): the server's selections, so the
+        # server's tokens.
         client_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="exact",
                                         append=False)
         assert client_csa.tokens == csa.tokens

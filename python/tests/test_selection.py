@@ -1,11 +1,10 @@
-"""Client-side csa selection (ctxcache.torch) against the C++ session core in
-a real ctxcached: the artifact parsers (CSAP, CSAC), and session steps whose
-per-q-head selections and page tables must equal the server's exactly.
-
-The server sends selections and page tables but not the selector's logit
-estimates (they rank pages by mass), so the tests also run the build's
-compiled core directly (csa_core_harness.cc, linked against the build's
-libctxcache_index.a) and compare those bit for bit.
+"""Client-side csa selection (ctxcache.torch) against the C++ session core:
+the artifact parsers (CSAP, CSAC) and the session params; the C++ core in
+this process through the native library (a client-mode
+ctxcache.native.DecodeSession) selecting what a real ctxcached's session
+selects; and the torch session core (ctxcache.torch.gpu_session) against
+the C++ core through the library: its raw selections (stage 1), final
+per-q-head tokens and pages.
 
 Contexts: the tiny llama3 (2 layers, 4 q / 2 kv heads, head_dim 32: G = 2,
 one subgroup) built from tokens, and an ingested synthetic model (2 layers,
@@ -17,26 +16,36 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-import os
-import shutil
 import struct
-import subprocess
 from typing import Dict, List
 
 import numpy as np
 import pytest
 
 import ctxcache
+from ctxcache import native
 from ctxcache.torch.artifacts import CSA_HEADER_BYTES, fma_f32, parse_csa_artifact
-from ctxcache.torch.selection import (CsaIndex, CsaSession, SessionParams, eigen_gemv,
-                                      eigen_squared_norm, session_step)
-from conftest import REPO, assert_steps_match_server, random_tokens, session_queries
+from ctxcache.torch.tables import SKETCH_QUERY_MAX_CODE, ContextTables, SessionParams
+from conftest import assert_library_steps_match_server, random_tokens, session_queries
 
 B = 16
 SYN_LAYERS, SYN_NQ, SYN_NKV, SYN_D, SYN_T = 2, 16, 2, 128, 1100
 
 
 # ------------------------------------------------------------------ contexts --
+
+
+@pytest.fixture(scope="module")
+def nc(server):
+    """The native library's client (libctxcache_c.so)."""
+    with native.NativeClient(server.address, timeout=60) as c:
+        yield c
+
+
+def library_session(nc, ctx, params: dict) -> native.DecodeSession:
+    """The C++ session core in this process through the native library: a
+    client-mode csa session on ``ctx``."""
+    return nc.open_session(ctx.context_id, "csa", params, client_mode=True)
 
 
 @pytest.fixture(scope="module")
@@ -305,19 +314,6 @@ def test_fma_f32_is_correctly_rounded() -> None:
     assert np.array_equal(fma_f32(a, b, c).view(np.uint32), want.view(np.uint32))
 
 
-def test_eigen_reductions_are_close_to_exact() -> None:
-    # Sanity only: bit-exactness is checked against the compiled core below.
-    rng = np.random.default_rng(4)
-    for n in (1, 3, 4, 5, 7, 8, 12, 16, 20, 32, 40, 64):
-        x = rng.standard_normal((5, n)).astype(np.float32)
-        np.testing.assert_allclose(eigen_squared_norm(x), (x.astype(np.float64) ** 2).sum(1),
-                                   rtol=1e-5)
-        for rows in (1, 2, 3, 7, 8, 9, 17):
-            a = rng.standard_normal((rows, n)).astype(np.float32)
-            np.testing.assert_allclose(eigen_gemv(a, x[0]), a.astype(np.float64) @ x[0],
-                                       rtol=1e-4, atol=1e-5)
-
-
 def test_session_params_parse_like_the_server() -> None:
     p = SessionParams.parse({})
     assert (p.rho, p.budget, p.page_fraction, p.whole_pages, p.subgroup, p.recent_blocks) == \
@@ -349,7 +345,7 @@ def test_session_params_parse_like_the_server() -> None:
 
 
 def test_session_rerank_changes_the_selection_and_is_checked_by_the_server(
-        client: ctxcache.Client, llama_plain) -> None:
+        client: ctxcache.Client, nc, llama_plain) -> None:
     """The per-session rerank reaches the selection on both sides (the
     PARAMS cases compare them step by step); here: it changes what csa picks
     on this context, and bad values are INVALID_ARGUMENT from the server
@@ -359,12 +355,15 @@ def test_session_rerank_changes_the_selection_and_is_checked_by_the_server(
     q = session_queries(np.random.default_rng(5), m.n_q_heads, m.head_dim, 0)
     picks = {}
     for r in (None, 0, 2):
-        sess = CsaSession(arts, n_q_heads=m.n_q_heads,
-                          params={"budget": 40} if r is None else {"budget": 40, "rerank": r})
-        picks[r] = [st.per_q_head[0].tolist() for st in sess.step(1, q)]
+        with library_session(nc, llama_plain,
+                             {"budget": 40} if r is None else {"budget": 40, "rerank": r}) as s:
+            picks[r] = [h.per_q_head[0].tolist() for h in s.step(1, q)]
     assert picks[0] != picks[None] and picks[2] != picks[0]
-    assert all(ix.options.rerank == 6.0 for ix in CsaSession(arts, n_q_heads=m.n_q_heads)
-               .indexes.values())  # the build value when the session names none
+    # The torch core's tables: the build value when the session names none.
+    assert all(a.options.rerank == 6.0 for a in ContextTables(arts, n_q_heads=m.n_q_heads)
+               .artifacts.values())
+    assert all(a.options.rerank == 2.0 for a in ContextTables(arts, m.n_q_heads, {"rerank": 2})
+               .artifacts.values())
     for params, match in (({"rerank": "0.5"}, r"rerank must be 0 or in \[1, 64\]"),
                           ({"rerank": "x"}, "is not a number")):
         with pytest.raises(ctxcache.errors.InvalidArgument, match=match):
@@ -387,83 +386,86 @@ PARAMS = [
 ]
 
 
-def _compare_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo, params: dict,
+def _compare_session(client: ctxcache.Client, nc, ctx: ctxcache.pb.ContextInfo, params: dict,
                      n_steps: int, seed: int) -> int:
     """Runs n_steps steps of every layer through a server session and through
-    CsaSession on the same queries; asserts identical selections, page tables
-    and fetched pages. Returns the number of layer-steps compared."""
+    the C++ core in this process (the library's client-mode session) on the
+    same queries; asserts identical selections and fetched pages. Returns
+    the number of layer-steps compared."""
     m = ctx.model
     g = m.n_q_heads // m.n_kv_heads
-    arts = client.fetch_index(ctx.context_id, "csa")
-    mine = CsaSession(arts, n_q_heads=m.n_q_heads, params=params)
-    assert (mine.n_layers, mine.n_kv_heads, mine.n_tokens) == \
-        (m.n_layers, m.n_kv_heads, ctx.n_tokens)
     rng = np.random.default_rng(seed)
     compared = 0
-    with client.open_session(ctx.context_id, "csa", params) as s:
+    with client.open_session(ctx.context_id, "csa", params) as s, \
+            library_session(nc, ctx, params) as lib:
+        assert lib.shape[:5] == (ctx.n_tokens, m.n_layers, m.n_q_heads, m.n_kv_heads,
+                                 m.head_dim)
         for i in range(n_steps):
             for layer in range(m.n_layers):
                 q = session_queries(rng, m.n_q_heads, m.head_dim, i)
                 r = s.step(layer, q)
-                steps = mine.step(layer, q)
-                assert_steps_match_server(steps, r, g, f"{params} step {i} layer {layer}")
+                assert_library_steps_match_server(lib.step(layer, q), r, g,
+                                                  f"{params} step {i} layer {layer}")
                 compared += 1
     return compared
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(f"{k}={v}" for k, v in
                                                                   p.items()) or "defaults")
-def test_session_steps_match_server_llama(client: ctxcache.Client, llama_plain, llama_compact,
-                                          params: dict) -> None:
-    assert _compare_session(client, llama_plain, params, n_steps=4, seed=11) == 8
-    assert _compare_session(client, llama_compact, params, n_steps=4, seed=12) == 8
+def test_session_steps_match_server_llama(client: ctxcache.Client, nc, llama_plain,
+                                          llama_compact, params: dict) -> None:
+    assert _compare_session(client, nc, llama_plain, params, n_steps=4, seed=11) == 8
+    assert _compare_session(client, nc, llama_compact, params, n_steps=4, seed=12) == 8
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(f"{k}={v}" for k, v in
                                                                   p.items()) or "defaults")
-def test_session_steps_match_server_synthetic(client: ctxcache.Client, synthetic,
+def test_session_steps_match_server_synthetic(client: ctxcache.Client, nc, synthetic,
                                               params: dict) -> None:
     for fmt, seed in (("plain", 21), ("compact", 22)):
-        assert _compare_session(client, synthetic[fmt], params, n_steps=3, seed=seed) == 6
+        assert _compare_session(client, nc, synthetic[fmt], params, n_steps=3, seed=seed) == 6
 
 
-def _compare_torch_session(client: ctxcache.Client, ctx: ctxcache.pb.ContextInfo,
+def _compare_torch_session(client: ctxcache.Client, nc, ctx: ctxcache.pb.ContextInfo,
                            params: dict, n_steps: int, seed: int,
                            device: str = "cpu") -> Dict[str, float]:
-    """The torch session core (ctxcache.torch.gpu_session, on the CPU here)
-    against the exact numpy copy of the C++ core on the same queries: per
-    layer-step and kv head, the raw selections, the final per-q-head tokens
-    and the pages. Returns the share of identical ones and the lowest
-    Jaccard overlap of a raw selection."""
+    """The torch session core (ctxcache.torch.gpu_session) against the C++
+    core through the library on the same queries: per layer-step and kv
+    head, the raw selections (stage 1: a second library session with the
+    same params but no page cap and no widening, ``page_fraction=1``,
+    ``whole_pages=0``), the final per-q-head tokens and the pages. Returns
+    the share of identical ones and the lowest Jaccard overlap of a raw
+    selection."""
     torch = pytest.importorskip("torch")
     from ctxcache.torch.gpu_session import TorchCsaSession
 
     m = ctx.model
     g = m.n_q_heads // m.n_kv_heads
     arts = client.fetch_index(ctx.context_id, "csa")
-    exact = CsaSession(arts, n_q_heads=m.n_q_heads, params=params)
     mine = TorchCsaSession(arts, n_q_heads=m.n_q_heads, params=params, device=device)
     rng = np.random.default_rng(seed)
     same_sel = same_final = same_pages = total = 0
     worst = 1.0
-    for i in range(n_steps):
-        for layer in range(m.n_layers):
-            q = session_queries(rng, m.n_q_heads, m.head_dim, i)
-            want = exact.step(layer, q, as_torch=False)
-            plan = mine.step(layer, torch.from_numpy(q).to(device))
-            for h, st in enumerate(want):
-                total += 1
-                sel_ok = final_ok = True
-                for j in range(g):
-                    a = set(st.selection.per_head[j].tolist())
-                    b = set(torch.nonzero(plan.selected[h, j])[:, 0].cpu().tolist())
-                    worst = min(worst, len(a & b) / max(1, len(a | b)))
-                    sel_ok &= a == b
-                    final_ok &= (st.per_q_head[j].tolist() ==
-                                 torch.nonzero(plan.token_mask[h, j])[:, 0].cpu().tolist())
-                same_sel += sel_ok
-                same_final += final_ok
-                same_pages += st.pages.tolist() == plan.page_ids(h).cpu().tolist()
+    with library_session(nc, ctx, params) as lib, \
+            library_session(nc, ctx, {**params, "page_fraction": 1, "whole_pages": 0}) as raw:
+        for i in range(n_steps):
+            for layer in range(m.n_layers):
+                q = session_queries(rng, m.n_q_heads, m.head_dim, i)
+                want, want_raw = lib.step(layer, q), raw.step(layer, q)
+                plan = mine.step(layer, torch.from_numpy(q).to(device))
+                for h, (st, sel) in enumerate(zip(want, want_raw)):
+                    total += 1
+                    sel_ok = final_ok = True
+                    for j in range(g):
+                        a = set(sel.per_q_head[j].tolist())
+                        b = set(torch.nonzero(plan.selected[h, j])[:, 0].cpu().tolist())
+                        worst = min(worst, len(a & b) / max(1, len(a | b)))
+                        sel_ok &= a == b
+                        final_ok &= (st.per_q_head[j].tolist() ==
+                                     torch.nonzero(plan.token_mask[h, j])[:, 0].cpu().tolist())
+                    same_sel += sel_ok
+                    same_final += final_ok
+                    same_pages += st.pages.tolist() == plan.page_ids(h).cpu().tolist()
     return {"selections": same_sel / total, "final": same_final / total,
             "pages": same_pages / total, "worst_jaccard": worst}
 
@@ -479,16 +481,17 @@ def _torch_devices() -> List[str]:
 @pytest.mark.parametrize("device", _torch_devices())
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: ",".join(f"{k}={v}" for k, v in
                                                                   p.items()) or "defaults")
-def test_torch_session_core_agrees_with_the_exact_core(client: ctxcache.Client, llama_plain,
-                                                       llama_compact, synthetic,
-                                                       params: dict, device: str) -> None:
+def test_torch_session_core_agrees_with_the_cpp_core(client: ctxcache.Client, nc, llama_plain,
+                                                     llama_compact, synthetic,
+                                                     params: dict, device: str) -> None:
     # Backoff, missing=min, period 2 (llama_compact); G = 8 with two
     # subgroups (synthetic); zero sub-queries and fp16-coarse queries with
     # many tied sums (session_queries). Ties at the budget's edge may resolve
     # differently (float sums in another order), nothing else.
     for ctx, seed in ((llama_plain, 31), (llama_compact, 32), (synthetic["plain"], 33),
                       (synthetic["compact"], 34)):
-        r = _compare_torch_session(client, ctx, params, n_steps=6, seed=seed, device=device)
+        r = _compare_torch_session(client, nc, ctx, params, n_steps=6, seed=seed,
+                                   device=device)
         # Identical everywhere on Debian's torch 1.13 CPU build.
         assert r["selections"] >= 0.95 and r["pages"] >= 0.95, (ctx.name, r)
         assert r["worst_jaccard"] >= 0.95, (ctx.name, r)
@@ -520,12 +523,13 @@ def test_torch_csa_tables_int16_and_int32_ids_plan_alike(client: ctxcache.Client
                 assert torch.equal(getattr(a, f), getattr(b, f)), (step, layer, f)
 
 
-def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Client,
+def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Client, nc,
                                                            synthetic) -> None:
-    # The HF client-side steps (ctxcache.torch.hf): the exact core's and the
-    # torch core's selections, their pages read through a small GpuPagePool
-    # (so pages are evicted and fetched again), attention over them plus two
-    # decoded tokens; both equal attention over the same rows taken from the
+    # The HF client-side steps (ctxcache.torch.hf): the C++ core's selections
+    # through the library (hf.LibrarySession, with their K/V) and the torch
+    # core's, its pages read through a small GpuPagePool (so pages are
+    # evicted and fetched again), attention over them plus two decoded
+    # tokens; both equal attention over the C++ core's rows taken from the
     # context's full KV.
     torch = pytest.importorskip("torch")
     from ctxcache.torch import hf
@@ -545,13 +549,12 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
             full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
                                 torch.as_tensor(np.concatenate([p.v for p in rows])))
     budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
-    exact = hf._Decoder(selector=CsaSession(arts, n_q_heads=m.n_q_heads), n_layers=2)
-    exact.pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget)
+    exact = hf.LibrarySession(library_session(nc, ctx, {}))
     pooled = hf.PooledAttention(TorchCsaSession(arts, n_q_heads=m.n_q_heads),
                                 hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
                                 capacity=2)
     rng = np.random.default_rng(41)
-    reference = CsaSession(arts, n_q_heads=m.n_q_heads)
+    reference = library_session(nc, ctx, {})
     for step in range(3):
         for layer in range(m.n_layers):
             q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
@@ -559,7 +562,7 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
             dk = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
             dv = torch.as_tensor(rng.standard_normal((m.n_kv_heads, 2, m.head_dim))).float()
             want = torch.zeros(m.n_q_heads, m.head_dim)
-            for h, st in enumerate(reference.step(layer, q.numpy(), as_torch=False)):
+            for h, st in enumerate(reference.step(layer, q.numpy())):
                 fk, fv = full[(layer, h)]
                 for j in range(g):
                     ids = torch.as_tensor(np.asarray(st.per_q_head[j], dtype=np.int64))
@@ -567,183 +570,45 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
                     v = torch.cat([fv[ids], dv[h]])
                     w = torch.softmax(k @ q[h * g + j] * 0.125, dim=0)
                     want[h * g + j] = w @ v
-            k, v, mask = hf._client_step(exact, layer, q)
+            k, v, mask = hf.gather_selected(exact.step(layer, q), m.n_q_heads, "cpu",
+                                            torch.float32, ctx.n_tokens)
             got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
                    "torch": pooled(layer, q, dk[None], dv[None], 0.125)}
             for name, x in got.items():
                 # float32 attention summed in another order differs by up to
                 # ~2e-5; a different page or mask differs by ~1e-1.
                 torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4, msg=name)
-    for pool in (exact.pool, pooled.pool):
-        assert pool.misses > 40 and pool.hits > 0  # evicted and re-fetched
-    assert exact.bytes_received == exact.pool.bytes_fetched
+    exact.close()
+    reference.close()
+    assert pooled.pool.misses > 40 and pooled.pool.hits > 0  # evicted and re-fetched
 
 
-def test_selection_details_and_torch_inputs(client: ctxcache.Client, synthetic) -> None:
-    ctx = synthetic["plain"]
-    raw = client.fetch_index(ctx.context_id, "csa", layers=[1], kv_heads=[0])[(1, 0)]
-    index = CsaIndex(raw)
-    o = index.options
-    q = np.random.default_rng(5).standard_normal((SYN_NQ // SYN_NKV, SYN_D)).astype(np.float32)
-    sel = index.select(q, budget=100)
-    for ids, lg in zip(sel.per_head, sel.per_head_logits):
-        assert ids.size == 100 and lg.shape == ids.shape and lg.dtype == np.float32
-        assert (np.diff(ids) > 0).all()
-        # Sinks and the recent window are always selected.
-        assert set(range(o.sinks)) <= set(ids.tolist())
-        assert set(range(SYN_T - o.recent, SYN_T)) <= set(ids.tolist())
-    assert np.array_equal(sel.merged, np.unique(np.concatenate(sel.per_head)))
-    step = session_step(CsaIndex(raw), q, {"rho": 0.05})
-    for h, ids in enumerate(step.per_q_head):  # whole pages of the subgroup's table
-        pages = step.tables[h // 4].pages
-        assert ids.tolist() == [p * B + t for p in pages.tolist() for t in range(B)
-                                if p * B + t < SYN_T]
-    assert len(step.tables) == 2 and step.tables[0].q_heads == [0, 1, 2, 3]
-    torch = pytest.importorskip("torch")
-    tstep = session_step(CsaIndex(raw), torch.from_numpy(q), {"rho": 0.05})
-    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int64 for t in tstep.per_q_head)
-    assert [t.tolist() for t in tstep.per_q_head] == [a.tolist() for a in step.per_q_head]
-    assert tstep.pages.tolist() == step.pages.tolist()
-    # bf16 queries are widened to float32 like the wire does.
-    qb = torch.from_numpy(q).to(torch.bfloat16)
-    a = session_step(CsaIndex(raw), qb, {"rho": 0.05}, as_torch=False)
-    b = session_step(CsaIndex(raw), qb.float().numpy(), {"rho": 0.05})
-    assert [x.tolist() for x in a.per_q_head] == [x.tolist() for x in b.per_q_head]
+def _sketch_query(q: np.ndarray):
+    """The query side of a csa sketch score (SketchQuery, index/csa.cc): qs =
+    max|q| / 2047 in float32 and qi = round(q / qs), ties to even."""
+    qs = np.float32(np.max(np.abs(q)) / np.float32(SKETCH_QUERY_MAX_CODE))
+    return qs, np.rint(q / qs).astype(np.int64)
 
 
-# ------------------------------------ bit-exact against the compiled core --
-
-
-def _cmake_cache(build: str) -> Dict[str, str]:
-    out: Dict[str, str] = {}
-    try:
-        with open(os.path.join(build, "CMakeCache.txt")) as f:
-            for line in f:
-                if ":" in line and "=" in line and not line.startswith(("//", "#")):
-                    key, _, value = line.rstrip("\n").partition("=")
-                    out[key.split(":")[0]] = value
-    except OSError:
-        pass
-    return out
-
-
-@pytest.fixture(scope="module")
-def core_harness(ctxcached_bin: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """csa_core_harness.cc built against the static libraries of the build
-    that made ctxcached (<build>/bin/ctxcached -> <build>/lib)."""
-    build = os.path.dirname(os.path.dirname(os.path.abspath(ctxcached_bin)))
-    libs = [os.path.join(build, "lib", f"libctxcache_{m}.a") for m in ("session", "index", "common")]
-    if not all(os.path.exists(p) for p in libs):
-        pytest.skip(f"no static libraries under {build}/lib to build the core harness")
-    cache = _cmake_cache(build)
-    if cache.get("CTXCACHE_NATIVE", "OFF").upper() in ("ON", "TRUE", "1"):
-        pytest.skip("the Python copy follows the default -march=x86-64-v3 build; this build "
-                    "uses -march=native (other Eigen packet sizes)")
-    cxx = cache.get("CMAKE_CXX_COMPILER") or shutil.which("c++") or shutil.which("g++")
-    if not cxx or not os.path.exists(cxx):
-        pytest.skip("no C++ compiler")
-    eigen_dir = cache.get("Eigen3_DIR", "")  # <prefix>/share/eigen3/cmake
-    candidates = [os.path.join(eigen_dir, "..", "..", "..", "include", "eigen3"),
-                  "/usr/include/eigen3", "/usr/local/include/eigen3"]
-    eigen = next((c for c in candidates if os.path.exists(os.path.join(c, "Eigen", "Dense"))),
-                 None)
-    if eigen is None:
-        pytest.skip("Eigen headers not found")
-    exe = str(tmp_path_factory.mktemp("harness") / "csa_core_harness")
-    # The project's default Release flags (CMakeLists.txt), so that any inline
-    # code the harness shares with the library is compiled alike.
-    cmd = [cxx, "-O3", "-DNDEBUG", "-fPIC", "-march=x86-64-v3", "-std=c++20", f"-I{REPO}",
-           "-isystem", eigen,
-           os.path.join(os.path.dirname(__file__), "csa_core_harness.cc"), "-o", exe, *libs,
-           "-lpthread"]
-    if cache.get("CTXCACHE_SANITIZE"):
-        cmd.insert(1, f"-fsanitize={cache['CTXCACHE_SANITIZE']}")
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.fail(f"building the core harness failed:\n{' '.join(cmd)}\n{r.stderr[-3000:]}")
-    return exe
-
-
-def test_eigen_gemv_matches_the_compiled_kernel(core_harness: str, tmp_path) -> None:
-    # C x d/m centroid similarities: the library's GEMV kernel. (One row, C = 1,
-    # is a dot product that Eigen inlines into the caller: not testable here.)
-    rng = np.random.default_rng(8)
-    cases = []
-    for rows in list(range(2, 20)) + [31, 32, 33, 128]:
-        for cols in list(range(1, 41)) + [64, 128]:
-            a = rng.standard_normal((rows, cols)).astype(np.float32)
-            x = (rng.standard_normal(cols) * 10.0 ** rng.integers(-3, 3, cols)).astype(np.float32)
-            cases.append((a, x))
-    with open(tmp_path / "in", "wb") as f:
-        f.write(struct.pack("<i", len(cases)))
-        for a, x in cases:
-            f.write(struct.pack("<ii", *a.shape) + a.tobytes() + x.tobytes())
-    subprocess.run([core_harness, "gemv", str(tmp_path / "in"), str(tmp_path / "out")],
-                   check=True)
-    out = np.fromfile(tmp_path / "out", dtype=np.float32)
-    pos = 0
-    for a, x in cases:
-        want = out[pos:pos + a.shape[0]]
-        pos += a.shape[0]
-        assert np.array_equal(eigen_gemv(a, x).view(np.uint32), want.view(np.uint32)), a.shape
-    assert pos == out.size
-
-
-def _run_core(harness: str, artifact: bytes, queries: List[np.ndarray], params: dict,
-              tmp_path) -> List[Dict[str, Dict[int, List[str]]]]:
-    (tmp_path / "art").write_bytes(artifact)
-    np.concatenate(queries).astype(np.float32).tofile(tmp_path / "q")
-    out = subprocess.run([harness, "step", str(tmp_path / "art"), str(tmp_path / "q"),
-                          str(queries[0].shape[0])] + [f"{k}={v}" for k, v in params.items()],
-                         check=True, capture_output=True, text=True).stdout
-    cases = []
-    for block in out.split("case ")[1:]:
-        parsed: Dict[str, Dict[int, List[str]]] = {}
-        for line in block.strip().split("\n")[1:]:
-            f = line.split()
-            parsed.setdefault(f[0], {})[int(f[1])] = f[2:]
-        cases.append(parsed)
-    return cases
-
-
-def test_select_and_page_step_bit_exact_against_the_core(core_harness: str, client, llama_plain,
-                                                         llama_compact, synthetic,
-                                                         tmp_path) -> None:
-    rng = np.random.default_rng(9)
-    compared = 0
-    for ctx in (llama_plain, llama_compact, synthetic["plain"], synthetic["compact"]):
-        g = ctx.model.n_q_heads // ctx.model.n_kv_heads
-        for (layer, kv), raw in sorted(client.fetch_index(ctx.context_id, "csa").items()):
-            for params in PARAMS:
-                queries = [session_queries(rng, g, ctx.model.head_dim, i) for i in range(8)]
-                want = _run_core(core_harness, raw, queries, params, tmp_path)
-                index = CsaIndex(raw)  # one selector per run, like the harness
-                assert len(want) == len(queries)
-                for q, ref in zip(queries, want):
-                    st = session_step(index, q, params)
-                    where = f"{ctx.name} layer {layer} kv {kv} {params}"
-                    for h in range(g):
-                        sel = st.selection
-                        assert [int(x) for x in ref["sel"][h]] == sel.per_head[h].tolist(), where
-                        bits = (sel.per_head_logits[h].view(np.uint32).tolist()
-                                if sel.per_head_logits else [])
-                        assert ref["log"][h] == ["%08x" % u for u in bits], where
-                        assert [int(x) for x in ref["att"][h]] == st.per_q_head[h].tolist(), where
-                    assert {s: [int(x) for x in p] for s, p in ref["tab"].items()} == \
-                        {t.subgroup: t.pages.tolist() for t in st.tables}, where
-                    compared += 1
-    assert compared == 4 * 4 * len(PARAMS) * 8
+def _sketch_scores(q: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """CsaSelector::SketchScores (index/csa.cc) for one query over int8 codes
+    [k, d] and fp16 scales [k]: float32(double(the exact integer dot) *
+    (double(qs) * double(scale)))."""
+    qs, qi = _sketch_query(q)
+    dots = codes.astype(np.int64) @ qi
+    return (dots.astype(np.float64) *
+            (np.float64(qs) * scales.astype(np.float64))).astype(np.float32)
 
 
 @pytest.mark.parametrize("device", _torch_devices())
-def test_torch_sketch_scores_equal_the_exact_ones(device: str) -> None:
+def test_torch_sketch_scores_are_the_cpp_ones(device: str) -> None:
     # csa stage 2 on torch (the Triton kernel on CUDA, gather + bmm on the CPU)
-    # gives the exact core's float32 scores bit for bit, with queries up to
-    # the largest codes (|qi| = 2047) and scales across the fp16 range.
+    # gives the C++ core's float32 scores bit for bit (its formula:
+    # _sketch_scores), with queries up to the largest codes (|qi| = 2047) and
+    # scales across the fp16 range.
     torch = pytest.importorskip("torch")
     import types
     from ctxcache.torch import gpu_session
-    from ctxcache.torch.selection import sketch_query, sketch_scores
     rng = np.random.default_rng(5)
     h, g, n, d, r = 2, 4, 300, 64, 77
     codes = rng.integers(-127, 128, (h, n, d)).astype(np.int8)
@@ -754,14 +619,14 @@ def test_torch_sketch_scores_equal_the_exact_ones(device: str) -> None:
     lay = types.SimpleNamespace(
         sketch=torch.as_tensor(codes, device=device),
         sketch_scale=torch.as_tensor(scales.astype(np.float64), device=device))
-    qi = np.stack([sketch_query(q[i])[1] for i in range(h * g)])
-    qs = np.array([[sketch_query(q[i])[0]] for i in range(h * g)], dtype=np.float32)
+    qi = np.stack([_sketch_query(q[i])[1] for i in range(h * g)])
+    qs = np.array([[_sketch_query(q[i])[0]] for i in range(h * g)], dtype=np.float32)
     assert np.abs(qi).max() == 2047
     got = gpu_session._sketch_scores(lay, torch.as_tensor(rows, device=device),
                                      torch.as_tensor(qi.astype(np.float32), device=device),
                                      torch.as_tensor(qs, device=device), g).cpu().numpy()
     for i in range(h * g):
-        want = sketch_scores(q[i], codes[i // g][rows[i]], scales[i // g][rows[i]])
+        want = _sketch_scores(q[i], codes[i // g][rows[i]], scales[i // g][rows[i]])
         assert np.array_equal(got[i].view(np.uint32), want.view(np.uint32)), i
     # The candidates' column indices from a mask, ascending.
     mask = torch.as_tensor(rng.random((3, 50)) < 0.3)

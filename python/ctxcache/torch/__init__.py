@@ -3,26 +3,25 @@
 * :mod:`ctxcache.torch.artifacts`: parsers of the artifacts that
   :meth:`ctxcache.Client.fetch_index` returns for csa (``CSAP``, ``CSAC``),
   quest (``QST1``), streaming (``STR1``) and oracle (``ORCL``).
-* :mod:`ctxcache.torch.selection`: the C++ sparse-session pipeline for csa,
-  quest, streaming and oracle (select, page cap, block-union page tables,
-  whole-page widening) in numpy, selecting exactly what a server-side session
-  selects (before any append). Accepts torch tensors.
+* :mod:`ctxcache.torch.tables`: one method's artifacts of a whole context,
+  parsed and checked (:class:`ContextTables`), and the session params
+  (:class:`SessionParams`) with the token and page budgets: what the torch
+  session core loads and plans with.
 
-Both need numpy only; :mod:`ctxcache.torch.gpu_session` (the same pipeline as
-torch tensor ops on a device) needs torch. ``ctxcache.torch.kernels`` (Triton GPU kernels of the
-benchmark) is not imported here: it needs triton and a CUDA device; import it
-explicitly.
+Both need numpy only; :mod:`ctxcache.torch.gpu_session` (the session core as
+torch tensor ops on a device, for csa, quest, streaming and oracle) needs
+torch. The session core itself is the C++ one: in this process through the
+native library (:class:`ctxcache.native.DecodeSession` with ``client_mode``),
+or on the server (:meth:`ctxcache.Client.open_session`).
+``ctxcache.torch.kernels`` (Triton GPU kernels of the benchmark) is not
+imported here: it needs triton and a CUDA device; import it explicitly.
 """
 from ctxcache.torch.artifacts import (CsaArtifact, CsaOptions, OracleArtifact, QuestArtifact,
                                       StreamingArtifact, parse_csa_artifact,
                                       parse_oracle_artifact, parse_quest_artifact,
                                       parse_streaming_artifact)
-from ctxcache.torch.selection import (ClientSession, CsaIndex, CsaSelection, CsaSession,
-                                      HeadStep, OracleIndex, PageTable, QuestIndex,
-                                      SessionParams, StreamingIndex, make_index, session_step)
+from ctxcache.torch.tables import ContextTables, SessionParams
 
-__all__ = ["CsaArtifact", "CsaOptions", "parse_csa_artifact", "CsaIndex", "CsaSelection",
-           "CsaSession", "HeadStep", "PageTable", "SessionParams", "session_step",
-           "ClientSession", "OracleArtifact", "OracleIndex", "QuestArtifact", "QuestIndex",
-           "StreamingArtifact", "StreamingIndex", "make_index", "parse_oracle_artifact",
+__all__ = ["CsaArtifact", "CsaOptions", "parse_csa_artifact", "ContextTables", "SessionParams",
+           "OracleArtifact", "QuestArtifact", "StreamingArtifact", "parse_oracle_artifact",
            "parse_quest_artifact", "parse_streaming_artifact"]

@@ -2,12 +2,14 @@
 tables as tensor ops on the queries' device (the GPU in a decode worker), for
 csa, quest, streaming and oracle.
 
-:mod:`ctxcache.torch.selection` is the exact reference: numpy, following the
-compiled C++ core operation for operation, one (layer, kv head) at a time.
-This module runs the same four stages (docs/architecture.md, "Decode path:
-one session core") for every kv head of a layer at once, with the selection
-of each q head held as a dense token mask. :func:`torch_session` makes the
-session of a method; all of them share stages 2-4 and return a
+The C++ session core (session/sparse_session.h) is the specification; the
+native library runs it in this process
+(:class:`ctxcache.native.DecodeSession` with ``client_mode``). This module
+runs the same four stages (docs/architecture.md, "Decode path: one session
+core") for every kv head of a layer at once, with the selection of each q
+head held as a dense token mask, over the tables that
+:class:`ctxcache.torch.tables.ContextTables` parses. :func:`torch_session`
+makes the session of a method; all of them share stages 2-4 and return a
 :class:`LayerPlan` from ``step(layer, queries)``.
 
 1. select, per method:
@@ -40,22 +42,23 @@ C++ loops (scatter-add, matmul, fused or unfused multiply-add, the device's
 exp; TF32 matmuls, if enabled, change oracle's scores further), so a token
 whose score ties or nearly ties the budget's boundary may be chosen
 differently. python/tests/test_selection.py (csa) and test_gpu_selection.py
-(quest, streaming, oracle) check them against the numpy reference and a real
-server on real artifacts. Like the numpy reference, this covers the stored
-context only (a session that has appended no tokens).
+(quest, streaming, oracle) check them against the C++ core through the
+library, with a real ctxcached, on real artifacts. This covers the stored
+context only (a session that has appended no tokens; the C++ core's
+selectors also take appended keys).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from ctxcache.torch.selection import (SKETCH_QUERY_MAX_CODE, ClientSession, CsaIndex,
-                                      CsaSession, SessionParams,
-                                      _budget_for, page_budget)
+from ctxcache.torch.artifacts import CsaArtifact
+from ctxcache.torch.tables import (SKETCH_QUERY_MAX_CODE, ContextTables, SessionParams,
+                                   budget_for, csa_missing_scores, page_budget)
 
 __all__ = ["LayerPlan", "TORCH_SESSIONS", "TorchCsaSession", "TorchOracleSession",
            "TorchQuestSession", "TorchStreamingSession", "capture_graph",
@@ -91,24 +94,24 @@ INT16_ID_TOKENS = 1 << 16
 class _Layer:
     """The csa tables of every kv head of one layer, stacked on a device."""
 
-    def __init__(self, indexes: Sequence[CsaIndex], device: Any) -> None:
-        first = indexes[0]
-        for ix in indexes:
-            if (ix.m, ix.C, ix.L, ix.head_dim, ix.n_tokens) != (first.m, first.C, first.L,
-                                                                 first.head_dim, first.n_tokens):
+    def __init__(self, arts: Sequence[CsaArtifact], device: Any) -> None:
+        first = arts[0]
+        for a in arts:
+            if (a.m, a.C, a.L, a.head_dim, a.n_tokens) != (first.m, first.C, first.L,
+                                                            first.head_dim, first.n_tokens):
                 raise ValueError("TorchCsaSession: the kv heads of a layer have different "
                                  "table shapes")
         self.o = first.options
         self.m, self.C, self.L = first.m, first.C, first.L
-        self.d, self.n, self.ds = first.head_dim, first.n_tokens, first.ds
-        h = len(indexes)
-        self.cent = torch.as_tensor(np.stack([ix._centroids for ix in indexes]),
+        self.d, self.n, self.ds = first.head_dim, first.n_tokens, first.sub_dim
+        h = len(arts)
+        self.cent = torch.as_tensor(np.stack([a.centroids for a in arts]),
                                     dtype=torch.float32, device=device)  # [H, m, C, ds]
         # On the device a list entry takes 4 bytes up to 65,536 tokens: the
         # id as int16 minus 32768 (id_offset), else int32, widened per step
         # for scatter_add_; the score as the artifacts' float16 (every
         # format's scores are fp16 values: widened exactly per step).
-        ids = np.stack([ix.artifact.ids for ix in indexes]).reshape(h * self.m * self.C, self.L)
+        ids = np.stack([a.ids for a in arts]).reshape(h * self.m * self.C, self.L)
         if self.n <= INT16_ID_TOKENS:
             self.id_offset = 1 << 15
             ids = (ids.astype(np.int32) - self.id_offset).astype(np.int16)
@@ -116,27 +119,21 @@ class _Layer:
             self.id_offset = 0
             ids = ids.astype(np.int32, copy=False)
         self.ids = torch.as_tensor(ids, device=device)
-        sc = np.stack([ix.artifact.scores for ix in indexes]).reshape(h * self.m * self.C, self.L)
+        sc = np.stack([a.scores for a in arts]).reshape(h * self.m * self.C, self.L)
         if sc.dtype != np.float16:
             raise ValueError(f"TorchCsaSession: list scores of dtype {sc.dtype}, expected float16")
         self.scores = torch.as_tensor(sc, device=device)
-        if self.o.impute_tail_mean:
-            miss = np.stack([ix._tail_mean for ix in indexes])
-        elif self.o.impute_min:
-            miss = np.stack([ix._list_min for ix in indexes])
-        else:
-            miss = np.zeros((h, self.m, self.C), dtype=np.float32)
-        self.missing = torch.as_tensor(np.asarray(miss, dtype=np.float32),
-                                       device=device).reshape(-1)
+        miss = np.stack([csa_missing_scores(a) for a in arts])
+        self.missing = torch.as_tensor(miss, device=device).reshape(-1)
         # The key sketch (stage 2, rerank > 0): int8 codes [H, n, d] and the
-        # fp16 scales widened to float64 [H, n], as CsaIndex reads them.
-        self.rerank = self.o.rerank if first._sketch is not None else 0.0
+        # fp16 scales widened to float64 [H, n] (exact).
+        self.rerank = self.o.rerank if first.sketch is not None else 0.0
         self.sketch: Optional[torch.Tensor] = None
         self.sketch_scale: Optional[torch.Tensor] = None
         if self.rerank > 0:
-            self.sketch = torch.as_tensor(np.stack([ix._sketch for ix in indexes]), device=device)
+            self.sketch = torch.as_tensor(np.stack([a.sketch for a in arts]), device=device)
             self.sketch_scale = torch.as_tensor(
-                np.stack([ix._sketch_scale.astype(np.float64) for ix in indexes]), device=device)
+                np.stack([a.sketch_scale.astype(np.float64) for a in arts]), device=device)
         self.last: Optional[torch.Tensor] = None  # the last search's selection [H, G, n]
         self.since_search = 0
 
@@ -202,14 +199,14 @@ class _TorchPlanner:
 
     method = ""
 
-    def __init__(self, exact: ClientSession, device: Any) -> None:
-        # The exact session parses and checks the artifacts and params (one
-        # code path for both); the torch sessions keep their indexes' tables.
-        self.exact = exact
-        self.params = exact.params
-        self.n_layers, self.n_kv_heads = exact.n_layers, exact.n_kv_heads
-        self.n_q_heads, self.group_size = exact.n_q_heads, exact.group_size
-        self.n_tokens, self.head_dim = exact.n_tokens, exact.head_dim
+    def __init__(self, tables: ContextTables, device: Any) -> None:
+        # The parsed and checked artifacts and params; each session copies
+        # what its stage 1 reads onto the device.
+        self.tables = tables
+        self.params = tables.params
+        self.n_layers, self.n_kv_heads = tables.n_layers, tables.n_kv_heads
+        self.n_q_heads, self.group_size = tables.n_q_heads, tables.group_size
+        self.n_tokens, self.head_dim = tables.n_tokens, tables.head_dim
         self.device = torch.device(device)
         b = self.params.page_size
         self.n_pages = (self.n_tokens + b - 1) // b
@@ -244,9 +241,6 @@ class _TorchPlanner:
         static_q.copy_(q)
         graph.replay()
         return plan
-
-    def _indexes(self, layer: int) -> List[Any]:
-        return [self.exact.indexes[(layer, h)] for h in range(self.n_kv_heads)]
 
     def reset(self) -> None:
         """Forgets any search schedule (csa's ``period`` > 1)."""
@@ -346,8 +340,8 @@ class TorchCsaSession(_TorchPlanner):
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  device: Any = "cpu") -> None:
-        super().__init__(CsaSession(artifacts, n_q_heads=n_q_heads, params=params), device)
-        self.layers = [_Layer(self._indexes(l), self.device) for l in range(self.n_layers)]
+        super().__init__(ContextTables(artifacts, n_q_heads, params, method="csa"), device)
+        self.layers = [_Layer(self.tables.layer(l), self.device) for l in range(self.n_layers)]
 
     def reset(self) -> None:
         for lay in self.layers:
@@ -426,11 +420,11 @@ class TorchCsaSession(_TorchPlanner):
     def _rerank(self, lay: _Layer, q: torch.Tensor, acc: torch.Tensor, logits: torch.Tensor,
                 forced: torch.Tensor, n_sinks: int, recent_start: int,
                 k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``CsaIndex._rerank`` for every q head at once: the forced tokens and
-        the top ``ceil(rerank * k) - |forced|`` others by ``acc`` are scored
-        with the key sketch (an exact integer dot product, _sketch_scores);
-        the best of the others fill the budget, ties to the lower id at both
-        stages."""
+        """Stage 2 of ``CsaSelector::SearchOne`` (rerank > 0) for every q head
+        at once: the forced tokens and the top ``ceil(rerank * k) - |forced|``
+        others by ``acc`` are scored with the key sketch (an exact integer
+        dot product, _sketch_scores); the best of the others fill the
+        budget, ties to the lower id at both stages."""
         h, g, n, d = self.n_kv_heads, self.group_size, lay.n, lay.d
         hg = h * g
         dev = q.device
@@ -446,7 +440,7 @@ class TorchCsaSession(_TorchPlanner):
         if k > n_forced:
             want = min(n - n_forced, int(math.ceil(lay.rerank * float(k))) - n_forced)
         if want > 0:
-            # The candidates as the exact core takes them (ties to the lower id).
+            # The candidates as the C++ core takes them (ties to the lower id).
             ranked = torch.where(forced, torch.full_like(acc, -math.inf), acc)
             cand = _mask_indices(_top_k_mask(ranked, want), want)
             rows = torch.cat([rows, cand], dim=1)
@@ -477,14 +471,17 @@ class TorchStreamingSession(_TorchPlanner):
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  device: Any = "cpu") -> None:
-        super().__init__(ClientSession(artifacts, n_q_heads, params, method="streaming"),
+        super().__init__(ContextTables(artifacts, n_q_heads, params, method="streaming"),
                          device)
-        k = self.params.token_budget(self.n_tokens)
+        n = self.n_tokens
+        k = min(self.params.token_budget(n), n)
         self.masks = []  # per layer [H, n]: the same for every step
         for layer in range(self.n_layers):
-            m = torch.zeros(self.n_kv_heads, self.n_tokens, dtype=torch.bool)
-            for h, ix in enumerate(self._indexes(layer)):
-                m[h, torch.as_tensor(ix.ids(k).astype(np.int64))] = True
+            m = torch.zeros(self.n_kv_heads, n, dtype=torch.bool)
+            for h, a in enumerate(self.tables.layer(layer)):
+                n_sink = min(a.n_sink, k)
+                m[h, :n_sink] = True
+                m[h, max(n_sink, n - (k - n_sink)):] = True
             self.masks.append(m.to(self.device))
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -549,16 +546,16 @@ class TorchQuestSession(_TorchPlanner):
     def __init__(self, artifacts: Mapping[Tuple[int, int], Any], n_q_heads: int,
                  params: Union[SessionParams, Mapping[str, Any], None] = None,
                  device: Any = "cpu") -> None:
-        super().__init__(ClientSession(artifacts, n_q_heads, params, method="quest"), device)
+        super().__init__(ContextTables(artifacts, n_q_heads, params, method="quest"), device)
         self.bounds = []  # per layer: (page size, min [H, P, d], max [H, P, d])
         for layer in range(self.n_layers):
-            ixs = self._indexes(layer)
-            if len({ix.page_size for ix in ixs}) != 1:
+            arts = self.tables.layer(layer)
+            if len({a.page_size for a in arts}) != 1:
                 raise ValueError(f"TorchQuestSession: the kv heads of layer {layer} have "
                                  "different Quest page sizes")
-            mn = torch.as_tensor(np.stack([ix.page_min for ix in ixs]), device=self.device)
-            mx = torch.as_tensor(np.stack([ix.page_max for ix in ixs]), device=self.device)
-            self.bounds.append((ixs[0].page_size, mn, mx))
+            mn = torch.as_tensor(np.stack([a.page_min for a in arts]), device=self.device)
+            mx = torch.as_tensor(np.stack([a.page_max for a in arts]), device=self.device)
+            self.bounds.append((arts[0].page_size, mn, mx))
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         page, mn, mx = self.bounds[layer]
@@ -582,7 +579,7 @@ class TorchOracleSession(_TorchPlanner):
     Not bit-exact: q.k is a batched matmul (another summation order than the
     C++ GEMV), so keys whose scores tie or nearly tie at the budget's edge
     may be chosen differently; python/tests/test_gpu_selection.py checks it
-    against the server and the numpy core on real contexts.
+    against the server and the C++ core through the library on real contexts.
     """
 
     method = "oracle"
@@ -603,17 +600,16 @@ class TorchOracleSession(_TorchPlanner):
         if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             keys = keys.float()
         keys = keys.to(dev)  # bf16/fp16 stay so (exact in float32): half the memory
-        # The exact session checks the artifacts and every (layer, kv head)'s
-        # key shape; it shares the keys on the CPU only when they are there.
-        super().__init__(ClientSession(artifacts, n_q_heads, params, method="oracle",
-                                       keys=keys.cpu() if dev.type != "cpu" else keys), dev)
+        super().__init__(ContextTables(artifacts, n_q_heads, params, method="oracle"), dev)
         if tuple(keys.shape) != (self.n_layers, self.n_kv_heads, self.n_tokens, self.head_dim):
             raise ValueError(f"oracle: keys have shape {list(keys.shape)}, expected "
                              f"[{self.n_layers}, {self.n_kv_heads}, {self.n_tokens}, "
                              f"{self.head_dim}]")
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError("oracle: keys have NaN/Inf")
         self.keys = keys
-        rho = self.exact.indexes[(0, 0)].rho
-        self.k = _budget_for(self.params.token_budget(self.n_tokens), rho, self.n_tokens)
+        rho = self.tables.artifacts[(0, 0)].rho
+        self.k = budget_for(self.params.token_budget(self.n_tokens), rho, self.n_tokens)
         self.inv = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
 
     def _select(self, layer: int, q: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -30,6 +30,7 @@ interface); ``attend``, ``gather_selected`` and ``GpuPagePool`` need torch only.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -42,7 +43,7 @@ import torch
 
 __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
            "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
-           "PooledAttention", "PrefillResult", "max_step_pages"]
+           "LibrarySession", "PooledAttention", "PrefillResult", "max_step_pages"]
 
 
 # ---------------------------------------------------------------- attention --
@@ -530,22 +531,61 @@ def _pad_pages(by_head: Sequence[Sequence[int]], device: Any) -> Tuple[torch.Ten
     return pages.to(device), valid.to(device)
 
 
+class LibrarySession:
+    """A decode session of the native library (:class:`ctxcache.native.DecodeSession`:
+    the C++ session core, in this process with ``client_mode``) with the
+    interface the decoder reads from a :class:`ctxcache.Session`: ``step``
+    takes the queries as a tensor and returns the kv heads (``ids``,
+    ``per_q_head``, ``k``, ``v``) as ``heads``; ``append`` takes tensors
+    (any device and float dtype) and returns the new ``n_tokens``. Its
+    byte counts are not reported through the C ABI: ``bytes_received`` is
+    0. Closing closes the session (and ``owner``, if given: the
+    :class:`ctxcache.native.NativeClient` made for it)."""
+
+    inline_append = True  # the decoder appends before the next step, on its own thread
+
+    def __init__(self, session: Any, owner: Any = None) -> None:
+        self.session = session
+        self.owner = owner
+
+    def step(self, layer: int, queries: Any) -> Any:
+        q = queries.detach().float().cpu().numpy() if hasattr(queries, "detach") else queries
+        return _LibraryStep(self.session.step(layer, q))
+
+    def append(self, k: Any, v: Any, q: Any = None, token_id: int = 0) -> int:
+        """``token_id`` is not sent (the C ABI's Append takes K, V, Q only)."""
+        rows = [x.detach().float().cpu().numpy() if hasattr(x, "detach") else x
+                for x in (k, v, q)]
+        self.session.append(*rows)
+        return self.session.n_tokens
+
+    def close(self) -> None:
+        try:
+            self.session.close()
+        finally:
+            if self.owner is not None:
+                self.owner.close()
+
+
+@dataclass
+class _LibraryStep:
+    heads: List[Any]  # ctxcache.native.HeadStep per kv head
+    bytes_received: int = 0
+
+
 class _Decoder:
     """The state the registered attention function reads: the session (or
-    the client-side selector and page pool, or the dense context KV), and
-    the session that receives the generated tokens (``appender``)."""
+    the torch session's pooled attention, or the dense context KV), and the
+    session that receives the generated tokens (``appender``)."""
 
     def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
-                 selector: Any = None, pool: Optional[GpuPagePool] = None,
                  appender: Any = None, n_context: int = 0, n_layers: int = 0,
                  pooled: Optional["PooledAttention"] = None) -> None:
-        self.session = session
+        self.session = session    # a Session, or a LibrarySession: its steps' K/V
         self.dense_kv = dense_kv
-        self.selector = selector  # numpy ClientSession (any client-side method)
         self.pooled = pooled      # a torch session's PooledAttention over a page pool
         self.prefetch = False     # speculative next-layer prefetch into it (_prefetch_hooks)
-        self.pool = pool
-        self.appender = appender  # a Session: Append per generated token
+        self.appender = appender  # a Session (or LibrarySession): Append per generated token
         self.n_context = n_context
         self.queries: List[Optional[torch.Tensor]] = [None] * n_layers
         self.bytes_received = 0
@@ -571,8 +611,6 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         step = dec.session.step(layer, q.float().cpu().numpy())
         dec.bytes_received += step.bytes_received
         ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32, dec.n_context)
-    elif dec.selector is not None:
-        ks, vs, masks = _client_step(dec, layer, q)
     elif dec.pooled is not None:
         before = dec.pooled.pool.bytes_fetched
         out = dec.pooled(layer, q, key, value, scale)
@@ -586,40 +624,12 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
     return out.to(query.dtype)[None, None], None  # [1, 1, n_q, d]
 
 
-def _pool_kv(dec: _Decoder, layer: int, pages: torch.Tensor, valid: torch.Tensor) -> tuple:
-    """``[H, P * block, d]`` K and V of each kv head's pages from the GPU
-    page pool (which fetches the missing ones); adds the fetched bytes to
-    the decoder's count."""
-    before = dec.pool.bytes_fetched
-    with _stage("ctxcache.pool"):
-        k, v = dec.pool.gather(layer, pages, valid)
-    dec.bytes_received += dec.pool.bytes_fetched - before
-    return k, v
-
-
-def _client_step(dec: _Decoder, layer: int, q: torch.Tensor) -> tuple:
-    """Client-side selection (ctxcache.torch.selection, the server's
-    pipeline) and the selected pages from the GPU page pool."""
-    b = dec.pool.block
-    steps = dec.selector.step(layer, q.float().cpu().numpy(), as_torch=False)
-    by_head = [[int(x) for x in st.pages] for st in steps]
-    pages, valid = _pad_pages(by_head, q.device)
-    k, v = _pool_kv(dec, layer, pages, valid)
-    mask = np.zeros((len(steps), len(steps[0].per_q_head), k.shape[1]), dtype=bool)
-    for h, st in enumerate(steps):
-        pg = np.asarray(st.pages, dtype=np.int64)
-        for j, ids in enumerate(st.per_q_head):
-            ids = np.asarray(ids, dtype=np.int64)
-            mask[h, j, np.searchsorted(pg, ids // b) * b + ids % b] = True
-    return k, v, torch.as_tensor(mask).to(q.device)
-
-
 def max_step_pages(planner: Any) -> int:
     """The most pages one kv head's layer-step of ``planner`` (a torch
     session) can use: the page cap's budget, page 0 and the last
     ``recent_blocks + 1`` pages (``_TorchPlanner._cap``); every page when
     the session has no page cap."""
-    from ctxcache.torch.selection import page_budget
+    from ctxcache.torch.tables import page_budget
 
     p = planner.params
     if p.page_fraction <= 0:
@@ -931,7 +941,11 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
                             torch.stack([dec.queries[l] for l in range(n_layers)]))
                     if pending is not None:
                         dec.appended = pending.result()
-                    pending = appends.submit(dec.appender.append, *rows, token_id=token)
+                        pending = None
+                    if getattr(dec.appender, "inline_append", False):
+                        dec.appended = dec.appender.append(*rows, token_id=token)
+                    else:
+                        pending = appends.submit(dec.appender.append, *rows, token_id=token)
             next_token = int(torch.argmax(logits))
             next_input = int(forced[i]) if forced is not None else next_token
             if dev.type == "cuda":
@@ -1000,52 +1014,73 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
                     pool_bytes: int = 1 << 30, selection: str = "torch",
                     append: bool = True, method: str = "csa",
                     keys: Optional[torch.Tensor] = None,
-                    warm_pool: bool = False, prefetch: bool = False) -> GenerateResult:
-    """As :func:`generate`, but selecting on the client and reading pages
-    from a :class:`GpuPagePool` that fetches only pages it does not hold: no
-    round trip per layer-step once the pool is warm.
+                    warm_pool: bool = False, prefetch: bool = False,
+                    native: Any = None) -> GenerateResult:
+    """As :func:`generate`, but selecting on the client.
 
-    method: ``csa``, ``quest``, ``streaming`` or ``oracle`` (the methods with
-    a client-side selection; ValueError for another), selected from the
-    artifacts FetchIndex returns for it. ``oracle`` scores every stored key:
-    ``keys`` ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
-    :func:`fetch_context_keys`, so the keys are resident on the device).
     selection: ``"torch"`` runs the session core as tensor ops on the
-    model's device (``ctxcache.torch.gpu_session.torch_session``) with the
-    pool lookup and the attention (:class:`PooledAttention`: on a GPU two
-    CUDA graph replays and one host sync per layer-step); csa's and
-    oracle's float sums run in another order than the server's, so a
-    near-tie may resolve differently; quest and streaming are exact;
-    ``"exact"`` runs the numpy copy of the C++ core
-    (``ctxcache.torch.selection.ClientSession``: the server's selections
-    exactly, on the CPU). Both select over the stored context.
+    model's device (``ctxcache.torch.gpu_session.torch_session``) and reads
+    pages from a :class:`GpuPagePool` that fetches only pages it does not
+    hold (no round trip per layer-step once the pool is warm), with the pool
+    lookup and the attention in :class:`PooledAttention` (on a GPU two CUDA
+    graph replays and one host sync per layer-step); csa's and oracle's
+    float sums run in another order than the server's, so a near-tie may
+    resolve differently; quest and streaming are exact. It selects over the
+    stored context. ``"exact"`` runs the C++ session core in this process
+    through the native library (a client-mode
+    :class:`ctxcache.native.DecodeSession`, :class:`LibrarySession`): the
+    server's selections exactly, its pages from the library's page cache
+    (FetchPages), one layer-step on the CPU per call.
+
+    method: ``csa``, ``quest``, ``streaming`` or ``oracle`` with ``"torch"``
+    (ValueError for another), any method of :data:`ctxcache.native.SESSION_METHODS`
+    with ``"exact"``; selected from the artifacts FetchIndex returns for it.
+    ``oracle`` scores every stored key: with ``"torch"``, ``keys``
+    ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
+    :func:`fetch_context_keys`, so the keys are resident on the device);
+    ``"exact"`` reads them through its page fetcher (``keys`` is a
+    ValueError).
     append: the generated tokens go to a server session of ``method`` with
-    Append, one round trip per token (on a worker thread, one in flight), as
-    a worker that shares its tokens does; the server opens that session while
-    the client sets up.
+    Append, one round trip per token, as a worker that shares its tokens
+    does. ``"torch"``: a session of its own, opened by the server while the
+    client sets up, Appends on a worker thread (one in flight). ``"exact"``:
+    the library session itself, which sends each Append to the server and
+    adds the token to its selectors before the next step, as the server's
+    session does (so its selections follow the server's with appends too).
     warm_pool: load every page of the context into the pool before the first
     step (:meth:`GpuPagePool.load_all`; the pool must hold them all), as a
     worker keeping a hot context resident; the load counts in ``ttft_s`` and
-    in the pool's misses.
-    prefetch: speculative next-layer prefetch (``selection="torch"``; see
+    in the pool's misses. ``"torch"`` only.
+    prefetch: speculative next-layer prefetch (``"torch"`` only; see
     :func:`_prefetch_hooks`): each layer's likely misses are fetched while
     the layer before it runs; ``prefetch_hits`` in the result.
-    The result carries ``pool_hits``, ``pool_misses`` and ``ttft_s`` (from the
-    call to the first token: index fetch, set-up, the Append session's open,
-    the first step)."""
+    native: the :class:`ctxcache.native.NativeClient` of ``"exact"``
+    (default: one to ``client.address`` with ``$CTXCACHE_API_KEY``, closed at
+    the end; pass one for TLS or other options).
+    The result carries ``pool_hits``, ``pool_misses`` (0 with ``"exact"``,
+    whose page cache is the library's, as is its byte count:
+    ``bytes_received`` 0) and ``ttft_s`` (from the call to the first token:
+    index fetch, set-up, the Append session's open, the first step)."""
+    from ctxcache import native as native_lib
     from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
-    from ctxcache.torch.selection import METHODS, ClientSession
 
     if selection not in ("torch", "exact"):
         raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
-    known = TORCH_SESSIONS if selection == "torch" else METHODS
+    known = TORCH_SESSIONS if selection == "torch" else native_lib.SESSION_METHODS
     if method not in known:
         raise ValueError(f"method '{method}' has no client-side selection "
                          f"(selection='{selection}'); expected one of {', '.join(known)}")
     if keys is not None and method != "oracle":
         raise ValueError(f"keys are for method oracle, not {method}")
-    if prefetch and selection != "torch":
-        raise ValueError(f"prefetch needs selection='torch', not '{selection}'")
+    if selection == "exact":
+        for name, on in (("prefetch", prefetch), ("warm_pool", warm_pool)):
+            if on:
+                raise ValueError(f"{name} needs selection='torch', not 'exact'")
+        if keys is not None:
+            raise ValueError("keys are for selection='torch'; selection='exact' scores the "
+                             "stored keys in the C++ session core")
+        return _generate_library(client, model, info, first_token, n_new, params, forced,
+                                 append, method, native)
     dev = next(model.parameters()).device
     t0 = time.perf_counter()
     opener = ThreadPoolExecutor(max_workers=1)
@@ -1059,25 +1094,17 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
         n_q = int(info.model.n_q_heads)
         n_layers = int(info.model.n_layers)
         if method == "oracle" and keys is None:
-            keys = fetch_context_keys(client, info, dev if selection == "torch" else "cpu")
+            keys = fetch_context_keys(client, info, dev)
         pool = GpuPagePool(client, info, dev, pool_bytes)
-        if selection == "torch":
-            planner = torch_session(method, arts, n_q_heads=n_q, params=params or {},
-                                    device=dev, keys=keys)
-            dec = _Decoder(pooled=PooledAttention(planner, pool, capacity=n_new,
-                                                  cuda_graphs=dev.type == "cuda"),
-                           n_layers=n_layers)
-        else:
-            dec = _Decoder(selector=ClientSession(arts, n_q_heads=n_q, params=params or {},
-                                                  method=method,
-                                                  keys=None if keys is None else keys.cpu()),
-                           n_layers=n_layers)
+        planner = torch_session(method, arts, n_q_heads=n_q, params=params or {},
+                                device=dev, keys=keys)
+        dec = _Decoder(pooled=PooledAttention(planner, pool, capacity=n_new,
+                                              cuda_graphs=dev.type == "cuda"),
+                       n_layers=n_layers)
         dec.n_context = int(info.n_tokens)
         dec.prefetch = prefetch
         if warm_pool:
             pool.load_all()
-        if dec.pooled is None:
-            dec.pool = pool  # the exact selection's steps read it (PooledAttention holds its own)
         session = opening.result() if opening is not None else None
         setup_s = time.perf_counter() - t0
         dec.appender = session
@@ -1092,6 +1119,34 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
             session.close()
     res.pool_hits, res.pool_misses = pool.hits, pool.misses
     res.prefetch_hits = pool.prefetch_hits
+    res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
+    return res
+
+
+def _generate_library(client: Any, model: Any, info: Any, first_token: int, n_new: int,
+                      params: Optional[Dict[str, Any]], forced: Optional[Sequence[int]],
+                      append: bool, method: str, native: Any) -> GenerateResult:
+    """:func:`generate_client` with ``selection="exact"``: the C++ session
+    core through the native library (a client-mode session) selects, and its
+    steps' K/V are attended like a server session's (:func:`generate`)."""
+    from ctxcache import native as native_lib
+
+    t0 = time.perf_counter()
+    owner = None
+    if native is None:
+        native = owner = native_lib.NativeClient(client.address)
+    try:
+        lib = LibrarySession(native.open_session(info.context_id, method, params or {},
+                                                 client_mode=True), owner)
+    except BaseException:
+        if owner is not None:
+            owner.close()
+        raise
+    with contextlib.closing(lib):
+        dec = _Decoder(session=lib, appender=lib if append else None,
+                       n_context=int(info.n_tokens), n_layers=int(info.model.n_layers))
+        setup_s = time.perf_counter() - t0
+        res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
     res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
     return res
 

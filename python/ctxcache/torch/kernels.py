@@ -30,8 +30,10 @@ Shapes (R = batch * n_kv_heads rows, P pages per row, B = 16 tokens/page):
   pages   [R, kp] int64 global page ids (row * P + page), any order
   q       [R, G, D] (the batch's queries viewed by kv head), bf16/fp16
   k, v    [R * P * B, D] page pool, page-major, same dtype as q
-Import needs triton and a CUDA device. The exact session pipeline (csa
-selection, page cap, page tables) is ctxcache.torch.selection, in numpy.
+Import needs triton and a CUDA device. The session pipeline (csa selection,
+page cap, page tables) is the C++ session core's (ctxcache.native.DecodeSession
+runs it through the native library); ctxcache.torch.gpu_session runs it as
+torch tensor ops.
 """
 import functools
 import math

@@ -141,6 +141,8 @@ struct Outcome {
   bool correct = false;
   std::vector<int32_t> generated;
   double seconds = 0;
+  // The mean share of the context a q head attended per layer-step.
+  double context_fraction = 0;
 };
 
 // Greedy-decodes the answer of `task` on the context `context_id` under
@@ -164,6 +166,12 @@ StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
   Outcome o;
   o.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   o.generated = r.tokens;
+  const model::ModelSpec& spec = model.spec();
+  const double head_steps = static_cast<double>(r.steps) * spec.n_layers * spec.n_q_heads;
+  if (head_steps > 0 && task.n_tokens > 0) {
+    o.context_fraction = static_cast<double>(r.context_tokens_attended) / head_steps /
+                         static_cast<double>(task.n_tokens);
+  }
   o.correct = r.tokens.size() >= task.answer_ids.size() &&
               std::equal(task.answer_ids.begin(), task.answer_ids.end(), r.tokens.begin());
   return o;
@@ -172,6 +180,8 @@ StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
 // Correct / total counters under named groups.
 struct Tally {
   std::map<std::string, std::pair<int, int>> groups;
+  double context_fraction_sum = 0;  // over the tasks scored
+  int tasks = 0;
   void Add(const std::string& group, bool correct) {
     auto& g = groups[group];
     g.first += correct ? 1 : 0;
@@ -209,7 +219,7 @@ void PrintTable(const std::vector<Config>& configs, const std::map<std::string, 
                 const std::vector<std::string>& columns) {
   std::printf("%-16s", "method@budget");
   for (const auto& c : columns) std::printf(" %12s", c.c_str());
-  std::printf("\n");
+  std::printf(" %9s\n", "ctx_frac");
   for (const Config& c : configs) {
     const Tally& t = tallies.at(c.Label());
     std::printf("%-16s", c.Label().c_str());
@@ -221,7 +231,7 @@ void PrintTable(const std::vector<Config>& configs, const std::map<std::string, 
         std::printf(" %12.3f", a);
       }
     }
-    std::printf("\n");
+    std::printf(" %9.4f\n", t.tasks > 0 ? t.context_fraction_sum / t.tasks : 0.0);
   }
 }
 
@@ -258,8 +268,13 @@ Status ScoreTask(const model::Model& model, client::Client* client,
     auto o = RunTask(model, client, info.context_id(), task, c);
     if (!o.ok()) return o.status().WithContext(c.Label());
     *decode_s += o->seconds;
-    for (const auto& g : TaskGroups(task)) (*tallies)[c.Label()].Add(g, o->correct);
-    tj["results"][c.Label()] = {{"correct", o->correct}, {"generated", o->generated}};
+    Tally& tally = (*tallies)[c.Label()];
+    for (const auto& g : TaskGroups(task)) tally.Add(g, o->correct);
+    tally.context_fraction_sum += o->context_fraction;
+    tally.tasks++;
+    tj["results"][c.Label()] = {{"correct", o->correct},
+                                {"generated", o->generated},
+                                {"context_fraction", o->context_fraction}};
   }
   return client->Evict(info.context_id()).status().WithContext("evict");
 }
@@ -466,7 +481,14 @@ int RunTasks(int argc, char** argv) {
                 {"total", ct.second},
                 {"accuracy", static_cast<double>(ct.first) / ct.second}};
       }
-      out["accuracy"][c.Label()] = {{"method", c.method}, {"budget", c.budget}, {"groups", a}};
+      const Tally& t = tallies[c.Label()];
+      // The mean over tasks of the share of its context a q head attended
+      // per layer-step (1 for full; a budget's rho plus the recent pages).
+      const double frac = t.tasks > 0 ? t.context_fraction_sum / t.tasks : 0.0;
+      out["accuracy"][c.Label()] = {{"method", c.method},
+                                    {"budget", c.budget},
+                                    {"mean_context_fraction", frac},
+                                    {"groups", a}};
     }
     out["tasks"] = results;
     return out;

@@ -182,6 +182,7 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
                         });
   if (!res.ok()) return res.status();
   res->bytes_received = attn.bytes_received();
+  res->context_tokens_attended = attn.context_tokens_attended();
   RETURN_IF_ERROR(session->Close());
   res->page_cache = session->page_cache_stats();
   return res;

@@ -94,6 +94,9 @@ struct GenerateResult {
   std::vector<double> step_seconds;        // wall time per decoded token
   uint64_t bytes_received = 0;             // page payload bytes over all steps
   int64_t steps = 0;                       // token steps (prompt + generated)
+  // GenerateRemote: context tokens attended, summed over every q head of
+  // every layer of every step (what the session selected; 0 for dense).
+  uint64_t context_tokens_attended = 0;
   PageCacheStats page_cache;               // GenerateRemote: the session's, at the end
 };
 

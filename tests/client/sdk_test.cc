@@ -292,6 +292,35 @@ TEST_F(PrefetchTest, StreamingStepPrefetchesTheNextLayer) {
   EXPECT_EQ(without->page_cache_stats().prefetch_requests, 0u);
 }
 
+// GenerateRemote counts the context tokens its q heads attended: every
+// token of every layer-step with full, the session's selection with a budget.
+TEST_F(PrefetchTest, GenerateRemoteCountsTheContextTokensAttended) {
+  auto model = model::Model::Load(testing::SourceDir() + "/tests/data/golden/llama3");
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  auto info = client_->GetContext(*id_);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  const model::ModelSpec& spec = (*model)->spec();
+  uint64_t attended[2] = {0, 0};
+  int i = 0;
+  for (const std::string method : {"full", "streaming"}) {
+    SCOPED_TRACE(method);
+    client::GenerateOptions go;
+    go.session.context_id = *id_;
+    go.session.method = method;
+    if (method != "full") go.session.params = {{"rho", "0.1"}, {"page_fraction", "0.1"}};
+    go.max_new_tokens = 4;
+    auto r = client::GenerateRemote(**model, client_, {5, 17}, go);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    attended[i++] = r->context_tokens_attended;
+    if (method == "full") {
+      EXPECT_EQ(r->context_tokens_attended,
+                uint64_t(info->n_tokens()) * spec.n_layers * spec.n_q_heads * r->steps);
+    }
+  }
+  EXPECT_GT(attended[1], 0u);
+  EXPECT_LT(attended[1], attended[0] / 2);
+}
+
 // The reference worker with speculative prefetch gives exactly the tokens
 // (and logits) it gives without.
 TEST_F(PrefetchTest, GenerateRemoteIsIdenticalWithAndWithoutPrefetch) {

@@ -316,15 +316,17 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     spec = dict(hf.model_spec(model, "tiny-llama3"), kv_dtype="f32")
     publish(client, spec, ctx, [(kv[0][i], kv[1][i]) for i in range(kv[0].shape[0])],
             indexes=["streaming"])
-    backend = tcb.CtxcacheBackend(server.address, model, [spec["fingerprint"]],
-                                  ServingOptions(refresh_interval_s=0.0, rpc_timeout_s=5.0))
-    try:
-        got = backend.generate_batch(prompts, generation_config=gen,
-                                     continuous_batching_config=cb_cfg(), warmup=False,
-                                     timeout_s=120)
-        stats = backend.stats()
-    finally:
-        backend.close()
+
+    def run_backend(options: ServingOptions):
+        b = tcb.CtxcacheBackend(server.address, model, [spec["fingerprint"]], options)
+        try:
+            outs = b.generate_batch(prompts, generation_config=gen,
+                                    continuous_batching_config=cb_cfg(), warmup=False,
+                                    timeout_s=120)
+            return outs, b.stats()
+        finally:
+            b.close()
+    got, stats = run_backend(ServingOptions(refresh_interval_s=0.0, rpc_timeout_s=5.0))
     assert [list(o.generated_tokens) for o in got.values()] == want
     assert stats["outcomes"].get("hit", 0) == 6 and stats["outcomes"]["no_match"] == 1
     assert stats["kv_loads"] == 1 and stats["seeded_blocks"] >= 4
@@ -334,17 +336,9 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     # request over the context took the sparse path, and the model's own
     # attention implementation is back afterwards.
     for rho in (1.0, 0.25):
-        sb = tcb.CtxcacheBackend(server.address, model, [spec["fingerprint"]],
-                                 ServingOptions(refresh_interval_s=0.0, rpc_timeout_s=5.0,
-                                                attention="sparse", sparse_rho=rho,
-                                                sparse_min_tokens=0))
-        try:
-            outs = sb.generate_batch(prompts, generation_config=gen,
-                                     continuous_batching_config=cb_cfg(), warmup=False,
-                                     timeout_s=120)
-            st = sb.stats()
-        finally:
-            sb.close()
+        outs, st = run_backend(ServingOptions(refresh_interval_s=0.0, rpc_timeout_s=5.0,
+                                              attention="sparse", sparse_rho=rho,
+                                              sparse_min_tokens=0))
         toks = [list(o.generated_tokens) for o in outs.values()]
         assert len(toks) == len(prompts) and all(len(t) == 8 for t in toks), toks
         assert st["sparse_prefix_requests"] >= 6 and st["prefix_index_bytes"] > 0, st

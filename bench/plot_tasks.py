@@ -26,7 +26,8 @@ def load(paths):
         with open(p, encoding="utf-8") as f:
             out = json.loads(f.read().strip().splitlines()[-1])
         for label, a in out["accuracy"].items():
-            m = merged.setdefault(label, {"method": a["method"], "budget": a["budget"], "groups": {}})
+            m = merged.setdefault(label, {"method": a["method"], "budget": a["budget"],
+                                          "groups": {}})
             for g, c in a["groups"].items():
                 t = m["groups"].setdefault(g, {"correct": 0, "total": 0})
                 t["correct"] += c["correct"]

@@ -105,9 +105,9 @@ int RunSessions(int argc, char** argv) {
   std::string dir = mkdtemp(tmpl.data());
   testing::ServerProcess server(SelfDir());
   StopOnExit stop_on_exit{&server};
-  if (!server.Start(dir + "/data", {"--metrics-listen", "", "--model-dir", mp.parent_path().string(),
-                                    "--default-model", mp.filename().string(), "--log-level",
-                                    "warn"})) {
+  if (!server.Start(dir + "/data",
+                    {"--metrics-listen", "", "--model-dir", mp.parent_path().string(),
+                     "--default-model", mp.filename().string(), "--log-level", "warn"})) {
     std::cerr << "ctxcache-bench sessions: ctxcached did not start; see " << server.log_path()
               << "\n";
     return 1;

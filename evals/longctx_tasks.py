@@ -189,7 +189,8 @@ class DocumentPool:
             for s in re.split(r"(?<=[.!?])\s+", p.replace("\n", " ")):
                 s = " ".join(s.split())
                 w = s.split()
-                if 6 <= len(w) <= 24 and s[-1:] == "." and re.fullmatch(r"[A-Za-z0-9 ,.;:'()\-]+", s):
+                if 6 <= len(w) <= 24 and s[-1:] == "." \
+                        and re.fullmatch(r"[A-Za-z0-9 ,.;:'()\-]+", s):
                     self.sentences.append((di, s))
 
     def haystack(self, rng, n_tokens):

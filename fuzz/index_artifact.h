@@ -17,7 +17,8 @@
 namespace ctxcache::fuzz {
 
 inline int FuzzIndexArtifact(std::string_view method, const uint8_t* data, size_t size) {
-  StatusOr<std::unique_ptr<index::Selector>> loaded = index::LoadSelector(method, AsView(data, size));
+  StatusOr<std::unique_ptr<index::Selector>> loaded =
+      index::LoadSelector(method, AsView(data, size));
   if (!loaded.ok()) return 0;
   index::Selector& sel = **loaded;
   std::string bytes;

@@ -82,7 +82,8 @@ void IndexSeeds() {
       {"oracle", "default", {}},
   };
   for (const Config& c : configs) {
-    StatusOr<std::unique_ptr<index::Selector>> sel = index::BuildSelector(c.method, prefill, c.params);
+    StatusOr<std::unique_ptr<index::Selector>> sel =
+        index::BuildSelector(c.method, prefill, c.params);
     Check(sel.status(), "build " + c.method + " " + c.name);
     std::string bytes;
     Check((*sel)->Serialize(&bytes), "serialize " + c.method);

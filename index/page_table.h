@@ -84,8 +84,9 @@ enum class PageRank {
   // ones (docs/benchmarks.md).
   kMass,
   // The largest logit estimate any head gives a token of the page (ties: the
-  // lower page, as Quest ranks one head's pages). With Quest's page bounds: a kv head's pages by the best
-  // bound of its q heads, among the pages some head selected.
+  // lower page, as Quest ranks one head's pages). With Quest's page bounds: a
+  // kv head's pages by the best bound of its q heads, among the pages some
+  // head selected.
   kMax,
 };
 

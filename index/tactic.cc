@@ -215,7 +215,8 @@ Status TacticSelector::AddClusters(const float* keys, int64_t n, int32_t first_i
     cl.members[fill[km.assign[i]]++] = first_id + static_cast<int32_t>(i);
   for (int64_t c = 0; c < k; ++c) {
     if (count[c + 1] == 0) continue;
-    cl.centroids.insert(cl.centroids.end(), km.centroids.row(c).data(), km.centroids.row(c).data() + d);
+    cl.centroids.insert(cl.centroids.end(), km.centroids.row(c).data(),
+                        km.centroids.row(c).data() + d);
     cl.offsets.push_back(start[c] + count[c + 1]);
   }
   n_ranked_ += n;
@@ -287,7 +288,8 @@ void TacticSelector::RankTokens(const float* q, std::vector<int32_t>* order,
   cluster_end->clear();
   cluster_end->reserve(C);
   for (int32_t c : rank) {
-    order->insert(order->end(), cl_->members.begin() + cl_->offsets[c], cl_->members.begin() + cl_->offsets[c + 1]);
+    order->insert(order->end(), cl_->members.begin() + cl_->offsets[c],
+                  cl_->members.begin() + cl_->offsets[c + 1]);
     cluster_end->push_back(static_cast<int64_t>(order->size()));
   }
 }

@@ -90,7 +90,8 @@ StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Open(
     const bool digits = !text.empty() && text.size() <= 12 &&
                         text.find_first_not_of("0123456789") == std::string::npos;
     if (digits) v = std::stoull(text);
-    if (!digits || v == 0 || (options.max_appended_tokens != 0 && v > options.max_appended_tokens)) {
+    if (!digits || v == 0 ||
+        (options.max_appended_tokens != 0 && v > options.max_appended_tokens)) {
       return InvalidArgumentError(
           "params.max_appended_tokens must be an integer in [1, " +
           (options.max_appended_tokens != 0 ? std::to_string(options.max_appended_tokens)

@@ -156,7 +156,8 @@ class ServerImpl {
   void Reload() {
     if (!ctx_.access) return;
     Status s = ctx_.access->Reload();
-    if (!s.ok()) spdlog::error("reload: {}; the previous configuration stays in force", s.ToString());
+    if (!s.ok())
+      spdlog::error("reload: {}; the previous configuration stays in force", s.ToString());
     ApplyTenantShares();
     const ServerConfig& c = ctx_.config;
     for (Status t : {CheckPem(c.tls_cert, "--tls-cert", "CERTIFICATE"),

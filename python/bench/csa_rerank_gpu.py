@@ -1,6 +1,7 @@
 """Times csa's stage 2 (key-sketch rerank) on a torch device, op by op, at a
-layer-step of a given shape, eagerly and as CUDA graph replays (default: Llama-3-8B, 32 q / 8 kv heads, d 128,
-32K tokens, 5% budget, rerank 6: the default), with random tables. Prints JSON.
+layer-step of a given shape, eagerly and as CUDA graph replays (default:
+Llama-3-8B, 32 q / 8 kv heads, d 128, 32K tokens, 5% budget, rerank 6: the
+default), with random tables. Prints JSON.
 
     python3 python/bench/csa_rerank_gpu.py [--n 32768] [--device cuda]
 """

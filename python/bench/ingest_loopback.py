@@ -94,8 +94,8 @@ def main() -> int:
         finally:
             stop_ctxcached(srv)
     best = min(runs)
-    print(json.dumps({"bench": "ingest_loopback", "client": a.client, "layers": L, "tokens": N, "kv_heads": H,
-                      "head_dim": D, "wire": a.wire, "indexes": a.indexes,
+    print(json.dumps({"bench": "ingest_loopback", "client": a.client, "layers": L, "tokens": N,
+                      "kv_heads": H, "head_dim": D, "wire": a.wire, "indexes": a.indexes,
                       "kv_gib": round(gib, 3), "client_encode_s": round(encode_s, 3),
                       "ingest_s": runs, "server_cpu_s": server_cpu,
                       "client_cpu_s": client_cpu,

@@ -497,7 +497,8 @@ class Client:
         "ctxcache.v1.ContextAdmin", "ctxcache.v1.DecodeService"): "SERVING",
         "NOT_SERVING" (draining), ... Raises :class:`ctxcache.Error` on failure."""
         h = _health()
-        resp = self._unary("Health/Check", self._health_check, h.HealthCheckRequest(service=service))
+        resp = self._unary("Health/Check", self._health_check,
+                           h.HealthCheckRequest(service=service))
         return h.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 30.0, service: str = "") -> None:

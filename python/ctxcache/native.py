@@ -251,8 +251,9 @@ def _view(a: Any, name: str, expected: Tuple[int, ...], dtype: int) -> Tuple[int
                                          "or a torch CPU tensor")
         ok = {1: (np.float32,), 2: (np.float16,), 3: (np.uint16, np.int16)}[dtype]
         if arr.dtype.type not in ok:
+            names = '/'.join(t.__name__ for t in ok)
             raise errors.InvalidArgument(f"{name}: dtype {arr.dtype}, expected "
-                                         f"{_DTYPE_NAMES[dtype]} ({'/'.join(t.__name__ for t in ok)})")
+                                         f"{_DTYPE_NAMES[dtype]} ({names})")
         if not arr.flags.writeable:
             raise errors.InvalidArgument(f"{name}: read-only array")
         shape, item = tuple(arr.shape), arr.itemsize

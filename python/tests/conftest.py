@@ -31,7 +31,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="ctxcached --model-dir (default $CTXCACHE_MODEL_DIR or "
                           "<repo>/tests/data/golden)")
     parser.addoption("--bin-dir", default=None,
-                     help="folder holding ctxcached (default $CTXCACHE_BIN_DIR or <repo>/build/bin)")
+                     help="folder holding ctxcached "
+                          "(default $CTXCACHE_BIN_DIR or <repo>/build/bin)")
 
 
 def _bin_dir(config: pytest.Config) -> str:

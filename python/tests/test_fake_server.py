@@ -67,7 +67,8 @@ class Admin:
         context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
 
     def GetContext(self, request, context):
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, f"tenant may not read {request.context_id}")
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      f"tenant may not read {request.context_id}")
 
     def BuildContext(self, request, context):
         n = len(request.tokens.ids)

@@ -135,7 +135,8 @@ class Etcd:
     def _start_once(self) -> "Etcd":
         url_c = f"http://127.0.0.1:{self.client_port}"
         url_p = f"http://127.0.0.1:{self.peer_port}"
-        args = [*self.prefix, self.binary, "--name", "test", "--data-dir", os.path.join(self.workdir, "etcd"),
+        args = [*self.prefix, self.binary, "--name", "test",
+                "--data-dir", os.path.join(self.workdir, "etcd"),
                 "--listen-client-urls", url_c, "--advertise-client-urls", url_c,
                 "--listen-peer-urls", url_p, "--initial-advertise-peer-urls", url_p,
                 "--initial-cluster", f"test={url_p}", "--log-level", "warn"]

@@ -39,7 +39,8 @@ class RefTraceFidelityTest : public ::testing::Test {
     trace_ = nullptr;
   }
   void SetUp() override {
-    if (trace_ == nullptr) GTEST_SKIP() << "CTXCACHE_REF_TRACE unset (built without ctxcache-bench)";
+    if (trace_ == nullptr)
+      GTEST_SKIP() << "CTXCACHE_REF_TRACE unset (built without ctxcache-bench)";
   }
   // The G queries of stored row r of (layer slot l, kv slot h).
   static std::vector<float> Queries(int l, int h, int64_t r) {

@@ -313,7 +313,8 @@ TEST_F(ServiceTest, ServerClientAndEmbeddedSessionsAgreeExactly) {
       double max_diff = 0;
       for (size_t i = 0; i < got.logits.size(); ++i) {
         for (size_t j = 0; j < got.logits[i].size(); ++j) {
-          max_diff = std::max(max_diff, std::fabs(double(got.logits[i][j]) - embedded.logits[i][j]));
+          max_diff =
+              std::max(max_diff, std::fabs(double(got.logits[i][j]) - embedded.logits[i][j]));
         }
       }
       // One attention routine on identical inputs; the model's Eigen GEMVs

@@ -128,7 +128,8 @@ class MissDetailTest(unittest.TestCase):
         self.assertEqual(len(right), len(bound))
         d = train.miss_detail(tok, bound, right, " 52005", context)
         self.assertEqual((d["answer"], d["got"], d["got_in_context"]), ("52005", "55226", True))
-        self.assertEqual(d["first_wrong"], next(i for i in range(len(right)) if bound[i] != right[i]))
+        self.assertEqual(d["first_wrong"],
+                         next(i for i in range(len(right)) if bound[i] != right[i]))
         d = train.miss_detail(tok, drift, right, " 52005", context)
         self.assertEqual((d["got"], d["got_in_context"]), ("52009", False))
         self.assertGreater(d["first_wrong"], 0)
@@ -183,7 +184,8 @@ class DistillTest(unittest.TestCase):
         # input only after the text part leaves the KL of row 1 alone.
         none = torch.zeros_like(self.text)
         with torch.no_grad():
-            self.assertEqual(float(train.distill_kl(m(self.x[:, :-1]), t(self.x[:, :-1]), none)), 0.0)
+            kl = train.distill_kl(m(self.x[:, :-1]), t(self.x[:, :-1]), none)
+            self.assertEqual(float(kl), 0.0)
 
     def test_gradient_pulls_toward_the_teacher(self):
         # The same 20 Adam steps on the LM loss alone and with distillation:

@@ -284,6 +284,34 @@ class DecodeStreamHandler {
   std::vector<float> query_buf_;
 };
 
+// The reader of the context `id` for a server-streaming read RPC. When
+// another node serves `id`, the whole call is forwarded there (`start` opens
+// it on a peer's stub) and nullptr comes back with the forwarded call's
+// status in *done; a refused forward or a reader that does not open also
+// return nullptr, with their status in *done.
+template <typename Req, typename Resp, typename StartFn>
+std::unique_ptr<storage::ContextReader> ReaderOrForward(
+    ServiceContext* ctx, grpc::ServerContext* context, const RpcScope& rpc, const char* method,
+    const storage::ContextId& id, const Req& request, grpc::ServerWriter<Resp>* writer,
+    StartFn start, grpc::Status* done) {
+  grpc::Status refuse;
+  if (auto target = ForwardTarget(ctx, context, id, &refuse)) {
+    *done = ForwardServerStream(ctx, context, method, *target, request, writer, start);
+    return nullptr;
+  }
+  if (!refuse.ok()) {
+    *done = refuse;
+    return nullptr;
+  }
+  auto reader =
+      AccessControl::OpenReader(ctx->store.get(), rpc.principal(), id, auth::Action::kRead);
+  if (!reader.ok()) {
+    *done = ToGrpc(reader.status());
+    return nullptr;
+  }
+  return std::move(reader).value();
+}
+
 }  // namespace
 
 DecodeServiceImpl::DecodeServiceImpl(ServiceContext* ctx) : ctx_(ctx) {
@@ -415,19 +443,15 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
   return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return ToGrpc(id.status());
-    grpc::Status refuse;
-    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return ForwardServerStream(
-          ctx_, context, "FetchIndex", *target, *request, writer,
-          [](auto ch, grpc::ClientContext* cc, const v1::FetchIndexRequest& r) {
-            return v1::DecodeService::NewStub(ch)->FetchIndex(cc, r);
-          });
-    }
-    if (!refuse.ok()) return refuse;
-    auto reader =
-        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return ToGrpc(reader.status());
-    const v1::ContextManifest& m = (*reader)->manifest();
+    grpc::Status done;
+    auto reader = ReaderOrForward(
+        ctx_, context, rpc, "FetchIndex", *id, *request, writer,
+        [](auto ch, grpc::ClientContext* cc, const v1::FetchIndexRequest& r) {
+          return v1::DecodeService::NewStub(ch)->FetchIndex(cc, r);
+        },
+        &done);
+    if (reader == nullptr) return done;
+    const v1::ContextManifest& m = reader->manifest();
     std::vector<uint32_t> layers(request->layers().begin(), request->layers().end());
     std::vector<uint32_t> heads(request->kv_heads().begin(), request->kv_heads().end());
     std::vector<std::string> methods(request->methods().begin(), request->methods().end());
@@ -463,7 +487,7 @@ grpc::Status DecodeServiceImpl::FetchIndex(grpc::ServerContext* context,
           if (context->IsCancelled()) {
             return grpc::Status(grpc::StatusCode::CANCELLED, "cancelled");
           }
-          auto bytes = (*reader)->ReadArtifact(l, h, kind);
+          auto bytes = reader->ReadArtifact(l, h, kind);
           if (!bytes.ok()) {
             Status s = bytes.status();
             if (s.code() == StatusCode::kNotFound) {
@@ -503,19 +527,15 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
   return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
     auto id = ParseContextId(request->context_id());
     if (!id.ok()) return ToGrpc(id.status());
-    grpc::Status refuse;
-    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return ForwardServerStream(
-          ctx_, context, "FetchPages", *target, *request, writer,
-          [](auto ch, grpc::ClientContext* cc, const v1::FetchPagesRequest& r) {
-            return v1::DecodeService::NewStub(ch)->FetchPages(cc, r);
-          });
-    }
-    if (!refuse.ok()) return refuse;
-    auto reader =
-        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return ToGrpc(reader.status());
-    const v1::ContextManifest& m = (*reader)->manifest();
+    grpc::Status done;
+    auto reader = ReaderOrForward(
+        ctx_, context, rpc, "FetchPages", *id, *request, writer,
+        [](auto ch, grpc::ClientContext* cc, const v1::FetchPagesRequest& r) {
+          return v1::DecodeService::NewStub(ch)->FetchPages(cc, r);
+        },
+        &done);
+    if (reader == nullptr) return done;
+    const v1::ContextManifest& m = reader->manifest();
     PageBatcher batcher(
         kMaxPageBatchBytes, [&](v1::PageBatch&& b) { return writer->Write(b); },
         ctx_->config.fault_corrupt_pages);
@@ -534,7 +554,7 @@ grpc::Status DecodeServiceImpl::FetchPages(grpc::ServerContext* context,
                                 std::to_string(m.model().n_kv_heads()) + " kv heads)");
       }
       std::vector<uint32_t> blocks(t.blocks().begin(), t.blocks().end());
-      Status s = (*reader)->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
+      Status s = reader->ReadPages(t.layer(), t.kv_head(), blocks, &batch);
       if (!s.ok()) return ToGrpc(s);
       bytes_read->Inc(static_cast<double>(batch.stored_bytes));
       for (size_t i = 0; i < batch.size(); ++i) {
@@ -564,18 +584,15 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
                               std::to_string(max_frame) +
                               " (the server's max message size minus 64 KiB)");
     }
-    grpc::Status refuse;
-    if (auto target = ForwardTarget(ctx_, context, *id, &refuse)) {
-      return ForwardServerStream(ctx_, context, "FetchKV", *target, *request, writer,
-                                 [](auto ch, grpc::ClientContext* cc, const v1::FetchKVRequest& r) {
-                                   return v1::DecodeService::NewStub(ch)->FetchKV(cc, r);
-                                 });
-    }
-    if (!refuse.ok()) return refuse;
-    auto reader =
-        AccessControl::OpenReader(ctx_->store.get(), rpc.principal(), *id, auth::Action::kRead);
-    if (!reader.ok()) return ToGrpc(reader.status());
-    auto layers = LayerList(request->layers(), (*reader)->manifest().model().n_layers());
+    grpc::Status done;
+    auto reader = ReaderOrForward(
+        ctx_, context, rpc, "FetchKV", *id, *request, writer,
+        [](auto ch, grpc::ClientContext* cc, const v1::FetchKVRequest& r) {
+          return v1::DecodeService::NewStub(ch)->FetchKV(cc, r);
+        },
+        &done);
+    if (reader == nullptr) return done;
+    auto layers = LayerList(request->layers(), reader->manifest().model().n_layers());
     if (!layers.ok()) return ToGrpc(layers.status());
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                    "Stored page bytes read for decode sessions");
@@ -583,7 +600,7 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
     options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
-    KVFrameReader frames(reader->get(), std::move(*layers), std::move(options));
+    KVFrameReader frames(reader.get(), std::move(*layers), std::move(options));
     v1::KVFrame frame;
     while (frames.Next(&frame)) {
       if (context->IsCancelled()) {

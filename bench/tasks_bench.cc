@@ -143,12 +143,15 @@ struct Outcome {
   double seconds = 0;
   // The mean share of the context a q head attended per layer-step.
   double context_fraction = 0;
+  // The mean share of the context's pages its selections touch per (layer,
+  // kv head) step (what a page-granular fetch reads).
+  double page_fraction = 0;
 };
 
 // Greedy-decodes the answer of `task` on the context `context_id` under
 // `config` through a server-side-selection session.
 StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
-                          const std::string& context_id, const TaskSpec& task,
+                          const std::string& context_id, int64_t n_pages, const TaskSpec& task,
                           const Config& config) {
   client::GenerateOptions go;
   go.session.context_id = context_id;
@@ -172,6 +175,11 @@ StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
     o.context_fraction = static_cast<double>(r.context_tokens_attended) / head_steps /
                          static_cast<double>(task.n_tokens);
   }
+  const double kv_steps = static_cast<double>(r.steps) * spec.n_layers * spec.n_kv_heads;
+  if (kv_steps > 0 && n_pages > 0) {
+    o.page_fraction =
+        static_cast<double>(r.context_pages_touched) / kv_steps / static_cast<double>(n_pages);
+  }
   o.correct = r.tokens.size() >= task.answer_ids.size() &&
               std::equal(task.answer_ids.begin(), task.answer_ids.end(), r.tokens.begin());
   return o;
@@ -181,6 +189,7 @@ StatusOr<Outcome> RunTask(const model::Model& model, client::Client* client,
 struct Tally {
   std::map<std::string, std::pair<int, int>> groups;
   double context_fraction_sum = 0;  // over the tasks scored
+  double page_fraction_sum = 0;
   int tasks = 0;
   void Add(const std::string& group, bool correct) {
     auto& g = groups[group];
@@ -219,7 +228,7 @@ void PrintTable(const std::vector<Config>& configs, const std::map<std::string, 
                 const std::vector<std::string>& columns) {
   std::printf("%-16s", "method@budget");
   for (const auto& c : columns) std::printf(" %12s", c.c_str());
-  std::printf(" %9s\n", "ctx_frac");
+  std::printf(" %9s %9s\n", "ctx_frac", "page_frac");
   for (const Config& c : configs) {
     const Tally& t = tallies.at(c.Label());
     std::printf("%-16s", c.Label().c_str());
@@ -231,7 +240,8 @@ void PrintTable(const std::vector<Config>& configs, const std::map<std::string, 
         std::printf(" %12.3f", a);
       }
     }
-    std::printf(" %9.4f\n", t.tasks > 0 ? t.context_fraction_sum / t.tasks : 0.0);
+    std::printf(" %9.4f %9.4f\n", t.tasks > 0 ? t.context_fraction_sum / t.tasks : 0.0,
+                t.tasks > 0 ? t.page_fraction_sum / t.tasks : 0.0);
   }
 }
 
@@ -265,16 +275,20 @@ Status ScoreTask(const model::Model& model, client::Client* client,
   tj["needle_token"] = task.needle_token;
   tj["answer_ids"] = task.answer_ids;
   for (const Config& c : configs) {
-    auto o = RunTask(model, client, info.context_id(), task, c);
+    const int64_t page = std::max<int64_t>(1, info.block_tokens());
+    const int64_t n_pages = (static_cast<int64_t>(info.n_tokens()) + page - 1) / page;
+    auto o = RunTask(model, client, info.context_id(), n_pages, task, c);
     if (!o.ok()) return o.status().WithContext(c.Label());
     *decode_s += o->seconds;
     Tally& tally = (*tallies)[c.Label()];
     for (const auto& g : TaskGroups(task)) tally.Add(g, o->correct);
     tally.context_fraction_sum += o->context_fraction;
+    tally.page_fraction_sum += o->page_fraction;
     tally.tasks++;
     tj["results"][c.Label()] = {{"correct", o->correct},
                                 {"generated", o->generated},
-                                {"context_fraction", o->context_fraction}};
+                                {"context_fraction", o->context_fraction},
+                                {"page_fraction", o->page_fraction}};
   }
   return client->Evict(info.context_id()).status().WithContext("evict");
 }
@@ -485,9 +499,13 @@ int RunTasks(int argc, char** argv) {
       // The mean over tasks of the share of its context a q head attended
       // per layer-step (1 for full; a budget's rho plus the recent pages).
       const double frac = t.tasks > 0 ? t.context_fraction_sum / t.tasks : 0.0;
+      // ... and of its pages that the selections touched per (layer, kv
+      // head) step.
+      const double pages = t.tasks > 0 ? t.page_fraction_sum / t.tasks : 0.0;
       out["accuracy"][c.Label()] = {{"method", c.method},
                                     {"budget", c.budget},
                                     {"mean_context_fraction", frac},
+                                    {"mean_page_fraction", pages},
                                     {"groups", a}};
     }
     out["tasks"] = results;

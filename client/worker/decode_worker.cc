@@ -30,6 +30,17 @@ Status RemoteAttention::Attend(int layer, int64_t, const float* q, const float* 
   SelectedKV sel;
   RETURN_IF_ERROR(session_->Step(static_cast<uint32_t>(layer), q, &sel));
   bytes_received_ += sel.bytes_received;
+  const int64_t page = std::max<int64_t>(1, session_->context().block_tokens());
+  for (const SelectedKV::Head& head : sel.heads) {
+    int64_t last = -1;
+    for (int32_t id : head.ids) {  // sorted
+      if (id >= n_context_) break;
+      if (id / page != last) {
+        last = id / page;
+        ++context_pages_;
+      }
+    }
+  }
   for (int h = 0; h < nkv; ++h) {
     auto& tk = tail_k_[layer][h];
     auto& tv = tail_v_[layer][h];
@@ -183,6 +194,7 @@ StatusOr<GenerateResult> GenerateRemote(const model::Model& model, Client* clien
   if (!res.ok()) return res.status();
   res->bytes_received = attn.bytes_received();
   res->context_tokens_attended = attn.context_tokens_attended();
+  res->context_pages_touched = attn.context_pages_touched();
   RETURN_IF_ERROR(session->Close());
   res->page_cache = session->page_cache_stats();
   return res;

@@ -57,6 +57,10 @@ class RemoteAttention final : public model::AttentionProvider {
 
   uint64_t bytes_received() const { return bytes_received_; }
   uint64_t context_tokens_attended() const { return context_tokens_; }
+  // Distinct context pages (of the context's block_tokens) among the rows
+  // the session returned, summed over every (layer, kv head) step: what a
+  // page-granular fetch of the same selections reads.
+  uint64_t context_pages_touched() const { return context_pages_; }
   // What the session returned for the last Attend of `layer`.
   const SelectedKV& last_selected(int layer) const { return last_[layer]; }
 
@@ -75,6 +79,7 @@ class RemoteAttention final : public model::AttentionProvider {
   session::AttendScratch attend_;
   uint64_t bytes_received_ = 0;
   uint64_t context_tokens_ = 0;
+  uint64_t context_pages_ = 0;
 };
 
 struct GenerateOptions {
@@ -97,6 +102,9 @@ struct GenerateResult {
   // GenerateRemote: context tokens attended, summed over every q head of
   // every layer of every step (what the session selected; 0 for dense).
   uint64_t context_tokens_attended = 0;
+  // GenerateRemote: distinct context pages among the selected rows, summed
+  // over every (layer, kv head) step.
+  uint64_t context_pages_touched = 0;
   PageCacheStats page_cache;               // GenerateRemote: the session's, at the end
 };
 

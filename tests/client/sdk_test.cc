@@ -315,6 +315,11 @@ TEST_F(PrefetchTest, GenerateRemoteCountsTheContextTokensAttended) {
     if (method == "full") {
       EXPECT_EQ(r->context_tokens_attended,
                 uint64_t(info->n_tokens()) * spec.n_layers * spec.n_q_heads * r->steps);
+      const uint64_t page = info->block_tokens();
+      const uint64_t n_pages = (info->n_tokens() + page - 1) / page;
+      EXPECT_EQ(r->context_pages_touched, n_pages * spec.n_layers * spec.n_kv_heads * r->steps);
+    } else {
+      EXPECT_GT(r->context_pages_touched, 0u);
     }
   }
   EXPECT_GT(attended[1], 0u);

@@ -42,7 +42,7 @@ from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
 
 __all__ = ["DenseExtendAttention", "ExtendOptions", "SparseExtendAttention", "attend_part",
-           "merge_parts"]
+           "merge_with_chunk"]
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ExtendOptions:
     recent_blocks: int = 1
 
 
-def merge_parts(parts) -> torch.Tensor:
+def _merge(parts) -> torch.Tensor:
     """Log-sum-exp merge of (o [..., d] float, lse [...]) parts."""
     lse = parts[0][1]
     for _, x in parts[1:]:
@@ -80,6 +80,21 @@ def attend_part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                           float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     return torch.softmax(s, dim=-1) @ v.float(), lse
+
+
+def merge_with_chunk(parts, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A chunk's attention: its queries ``q`` [Hq, T, d] attend their own
+    K/V ``k``/``v`` [H, T, d] causally, merged by log-sum-exp with ``parts``,
+    the (o [H, G*T, d] float, lse [H, G*T]) attention of the same queries
+    over earlier keys (row g*T + t: q head h*G + g, query t). Returns
+    [H, G*T, d] float."""
+    hq, t, d = q.shape
+    h = k.shape[0]
+    g = hq // h
+    oc, lc = attend_part(q, k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0),
+                         True, scale)                                     # [Hq, T, ...]
+    return _merge(list(parts) + [(oc.reshape(h, g * t, d), lc.reshape(h, g * t))])
 
 
 class _ExtendBase:
@@ -122,11 +137,8 @@ class _ExtendBase:
         if o0:
             parts.append(attend_part(rows, self.k_new[layer, :, :o0],
                                      self.v_new[layer, :, :o0], False, scale))
-        kh = self.k_new[layer, :, o0:o0 + t].repeat_interleave(g, dim=0)   # [Hq, T, d]
-        vh = self.v_new[layer, :, o0:o0 + t].repeat_interleave(g, dim=0)
-        oc, lc = attend_part(q.transpose(0, 1), kh, vh, True, scale)      # [Hq, T, ...]
-        parts.append((oc.reshape(h, g * t, d), lc.reshape(h, g * t)))
-        o = merge_parts(parts)                                             # [H, G*T, d]
+        o = merge_with_chunk(parts, q.transpose(0, 1), self.k_new[layer, :, o0:o0 + t],
+                             self.v_new[layer, :, o0:o0 + t], scale)      # [H, G*T, d]
         return o.view(h, g, t, d).permute(2, 0, 1, 3).reshape(t, hq, d).to(q.dtype)
 
 
@@ -140,7 +152,7 @@ class DenseExtendAttention(_ExtendBase):
     def _stored(self, layer, q, rows):
         n = self.n_tokens
         return attend_part(rows, self.k[layer, :, :n], self.v[layer, :, :n], False,
-                       1.0 / math.sqrt(self.d))
+                           1.0 / math.sqrt(self.d))
 
 
 class SparseExtendAttention(_ExtendBase):

@@ -19,7 +19,7 @@ request's query tokens attend:
    generated tokens), all of them;
 3. its tokens of this forward, causally;
 
-merged by log-sum-exp (:func:`ctxcache.engine.prefill.merge_parts`), the
+merged by log-sum-exp (:func:`ctxcache.engine.prefill.merge_with_chunk`), the
 parts computed by flash SDPA with its log-sum-exp on CUDA. A request with
 no stored prefix gets parts 2 and 3: dense attention. The same selection
 and merge as the engine's sparse chunked prefill of an extension
@@ -44,7 +44,7 @@ import torch
 
 from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
-from ctxcache.engine.prefill import attend_part, merge_parts
+from ctxcache.engine.prefill import attend_part, merge_with_chunk
 
 __all__ = ["PAGE_TOKENS", "PrefixIndex", "RequestSpan", "block_table_rows",
            "paged_sparse_attention", "spans_from_lengths"]
@@ -165,11 +165,8 @@ def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
             own = r[c:past]
             parts.append(attend_part(rows, k_cache[own].transpose(0, 1),
                                      v_cache[own].transpose(0, 1), False, scale))
-        kn = key[0, :, s.q0:s.q1].to(k_cache.dtype).repeat_interleave(g, dim=0)  # [Hq, T, d]
-        vn = value[0, :, s.q0:s.q1].to(v_cache.dtype).repeat_interleave(g, dim=0)
-        oc, lc = attend_part(q, kn, vn, True, scale)
-        parts.append((oc.reshape(h, g * t, d), lc.reshape(h, g * t)))
-        o = merge_parts(parts)                                    # [H, G*T, d]
+        o = merge_with_chunk(parts, q, key[0, :, s.q0:s.q1].to(k_cache.dtype),
+                             value[0, :, s.q0:s.q1].to(v_cache.dtype), scale)  # [H, G*T, d]
         out[s.q0:s.q1] = o.view(hq, t, d).transpose(0, 1).to(out.dtype)
     return out.unsqueeze(0)
 

@@ -205,21 +205,13 @@ def _cu_lengths(kwargs: Dict[str, Any]) -> Tuple[List[int], List[int]]:
     return lens[:n], lens[n:]
 
 
-def _block_table_rows(cache: Any, kwargs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """transformers' decode fast path passes a block table [groups, B, blocks]
-    instead of read and write indices: the same rows, from the table."""
-    _, ck = _cu_lengths(kwargs)
-    return block_table_rows(kwargs["block_table"][0], ck, cache.block_size)
-
-
-def _request_prefixes(cache: Any, kwargs: Dict[str, Any], ri: torch.Tensor,
+def _request_prefixes(cache: Any, cq: List[int], ck: List[int], ri: torch.Tensor,
                       indexes: Sequence["_PrefixRecord"]) -> List[RequestSpan]:
-    """The packed forward's requests (from its ``cu_seq_lens_q/k``; ``ri``
-    the cache rows they read) with the stored prefix each one reads: a
-    request whose first and last prefix rows sit in the blocks registered
-    under the prefix's first and last block hashes. Three small
-    device-to-host reads, once per forward."""
-    cq, ck = _cu_lengths(kwargs)
+    """The packed forward's requests (``cq``/``ck`` its cumulative query and
+    key lengths; ``ri`` the cache rows they read) with the stored prefix each
+    one reads: a request whose first and last prefix rows sit in the blocks
+    registered under the prefix's first and last block hashes. Two small
+    device-to-host reads."""
     n = len(cq) - 1
     prefixes: List[Optional[PrefixIndex]] = [None] * n
     bm = _block_manager(cache)
@@ -292,11 +284,14 @@ class _SparseAttention:
             if cache.num_groups != 1:
                 raise NotImplementedError(f"{self.name}: {cache.num_groups} layer groups; "
                                           "sparse attention serves one group of full attention")
+            cq, ck = _cu_lengths(kwargs)
             if kwargs.get("block_table") is not None:
-                self._rows = _block_table_rows(cache, kwargs)
+                # transformers' decode fast path passes a block table [groups,
+                # B, blocks] instead of read and write indices: the same rows.
+                self._rows = block_table_rows(kwargs["block_table"][0], ck, cache.block_size)
             else:
                 self._rows = (kwargs["read_index"][0], kwargs["write_index"][0])
-            self._spans = _request_prefixes(cache, kwargs, self._rows[0],
+            self._spans = _request_prefixes(cache, cq, ck, self._rows[0],
                                             self.backend._prefix_records(cache))
             self.forwards += 1
             self.prefix_requests += sum(1 for s in self._spans if s.prefix is not None)

@@ -331,7 +331,8 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
     assert stats["outcomes"].get("hit", 0) == 6 and stats["outcomes"]["no_match"] == 1
     assert stats["kv_loads"] == 1 and stats["seeded_blocks"] >= 4
     # attention="sparse" (ctxcache.serving.sparse): with every page kept it is
-    # dense attention computed in parts, so the same greedy tokens (fp32);
+    # dense attention computed in parts (a decode batch: one masked softmax
+    # per prefix), so the same greedy tokens (fp32);
     # with a quarter of the pages it still serves every request. Every
     # request over the context took the sparse path, and the model's own
     # attention implementation is back afterwards.
@@ -342,6 +343,9 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
         toks = [list(o.generated_tokens) for o in outs.values()]
         assert len(toks) == len(prompts) and all(len(t) == 8 for t in toks), toks
         assert st["sparse_prefix_requests"] >= 6 and st["prefix_index_bytes"] > 0, st
+        # the decode steps (7 per request) went through the batched call
+        assert st["sparse_batched_requests"] >= 7 * len(prompts), st
+        assert len(st["sparse_forward_log"]) == st["sparse_forwards"], st
         if rho == 1.0:
             assert toks == want
         assert model.config._attn_implementation == "paged|sdpa"

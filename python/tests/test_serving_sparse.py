@@ -12,9 +12,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ctxcache.engine.planner import chunk_pages, quest_bounds  # noqa: E402
-from ctxcache.serving.sparse import (PAGE_TOKENS, PrefixIndex, RequestSpan,  # noqa: E402
-                                     block_table_rows, paged_sparse_attention)
+from ctxcache.engine.planner import chunk_pages, decode_pages, quest_bounds  # noqa: E402
+from ctxcache.serving.sparse import (PAGE_TOKENS, ForwardPlan, PrefixIndex,  # noqa: E402
+                                     RequestSpan, block_table_rows, masked_attention,
+                                     paged_sparse_attention)
 
 H, G, D = 2, 2, 16
 HQ = H * G
@@ -173,3 +174,125 @@ def test_block_table_rows_are_the_read_index_the_engine_would_build() -> None:
         want += [int(table[b, p // bs]) * bs + p % bs for p in range(n)]
     assert read.tolist() == want
     assert write.tolist() == [want[9], want[12]]
+
+
+class DecodeBatch:
+    """A decode forward as the serving engine packs it: several requests of
+    one new token each, in a paged cache whose prefix blocks are shared by
+    the requests that read the same stored prefix. ``plan``: per request,
+    (prefix number or None, own earlier tokens)."""
+
+    def __init__(self, prefix_tokens, plan, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.k_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+        self.v_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+        blocks = torch.randperm(N_SLOTS // BLOCK, generator=gen).tolist()
+
+        def rows(n: int) -> list:
+            out = []
+            while len(out) < n:
+                b = blocks.pop()
+                out.extend(range(b * BLOCK, b * BLOCK + BLOCK))
+            return out[:n]
+        prefix_rows = [rows(n) for n in prefix_tokens]
+        self.prefixes = []
+        for pr in prefix_rows:
+            k = self.k_cache[torch.tensor(pr)].permute(1, 0, 2).unsqueeze(0).contiguous()
+            self.prefixes.append(PrefixIndex(k, len(pr), torch.device("cpu"), torch.float32,
+                                             rho=0.05, min_tokens=0, recent_pages=1))
+        read, write, self.spans, self.reads = [], [], [], []
+        for i, (which, own) in enumerate(plan):
+            r = (prefix_rows[which] if which is not None else []) + rows(own + 1)
+            self.spans.append(RequestSpan(i, i + 1, len(read), len(r),
+                                          None if which is None else self.prefixes[which]))
+            self.reads.append((which, r))
+            read += r
+            write.append(r[-1])
+        self.read, self.write = torch.tensor(read), torch.tensor(write)
+        n = len(plan)
+        self.q = torch.randn(1, HQ, n, D, generator=gen)
+        self.k = torch.randn(1, H, n, D, generator=gen)
+        self.v = torch.randn(1, H, n, D, generator=gen)
+
+    def reference(self) -> torch.Tensor:
+        """Each request: softmax over its block-union pages of its prefix
+        (chunk_pages of its one query) and all its own tokens."""
+        kc, vc = self.k_cache.clone(), self.v_cache.clone()
+        kc[self.write] = self.k[0].transpose(0, 1)
+        vc[self.write] = self.v[0].transpose(0, 1)
+        out = torch.zeros(1, len(self.reads), HQ, D)
+        for i, (which, r) in enumerate(self.reads):
+            rows = torch.tensor(r)
+            keep = torch.ones(H, len(r), dtype=torch.bool)
+            if which is not None:
+                p = self.prefixes[which]
+                pages = chunk_pages(self.q[0, :, i:i + 1].transpose(0, 1), p.kmin[0], p.kmax[0],
+                                    p.kp, p.n_recent)
+                keep[:, :p.n_tokens] = False
+                for h in range(H):
+                    for pg in pages[h].tolist():
+                        keep[h, pg * PAGE_TOKENS:min(p.n_tokens, (pg + 1) * PAGE_TOKENS)] = True
+            for hq in range(HQ):
+                h = hq // G
+                s = (kc[rows[keep[h]], h] @ self.q[0, hq, i]) / math.sqrt(D)
+                out[0, i, hq] = torch.softmax(s, 0) @ vc[rows[keep[h]], h]
+        return out
+
+
+def test_a_decode_batch_is_one_call_per_prefix_with_each_requests_own_pages() -> None:
+    # two prefixes (one ending mid-page), requests of both with own tokens
+    # of many lengths, and one request with no prefix
+    plan = [(0, 0), (1, 5), (0, 17), (None, 9), (0, 3), (1, 40)]
+    b = DecodeBatch([40 * PAGE_TOKENS, 25 * PAGE_TOKENS + 9], plan, seed=5)
+    fp = ForwardPlan(b.spans, len(plan), b.read.numel(), torch.device("cpu"))
+    assert len(fp.groups) == 3 and not fp.chunks and fp.decode_requests == len(plan)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    got = paged_sparse_attention(b.q, b.k, b.v, kc, vc, b.read, b.write, fp, layer=0)
+    want = b.reference()
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.equal(kc[b.write], b.k[0].transpose(0, 1))
+    # The budget dropped pages: not dense attention over the read set.
+    dense = DecodeBatch([40 * PAGE_TOKENS, 25 * PAGE_TOKENS + 9], plan, seed=5)
+    dense.spans = [RequestSpan(s.q0, s.q1, s.k0, s.n_k, None) for s in dense.spans]
+    assert not torch.allclose(got, paged_sparse_attention(
+        dense.q, dense.k, dense.v, dense.k_cache.clone(), dense.v_cache.clone(), dense.read,
+        dense.write, dense.spans, layer=0), atol=1e-3)
+    # A plan made for other packed tensors is refused.
+    with pytest.raises(ValueError, match="forward plan for 6 queries"):
+        paged_sparse_attention(b.q, b.k, b.v, kc, vc, b.read[:-1], b.write, fp, layer=0)
+
+
+def test_decode_pages_are_each_rows_chunk_pages() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kmin = torch.randn(3, H, 50, D, generator=gen)
+    kmax = kmin + torch.rand(3, H, 50, D, generator=gen)
+    q = torch.randn(7, HQ, D, generator=gen)
+    got = decode_pages(q, kmin, kmax, 2, 9, 2)
+    assert got.shape == (7, H, 9)
+    for i in range(7):
+        want = chunk_pages(q[i:i + 1], kmin[2], kmax[2], 9, 2)
+        assert torch.equal(torch.sort(got[i], 1).values, torch.sort(want, 1).values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_decode_path_matches_the_cpu_reference() -> None:
+    gen = torch.Generator().manual_seed(9)
+    # decode_pages: the Triton bounds and top-k pick the CPU's pages (bf16
+    # operands, fp32 sums; random data has no ties)
+    kmin = torch.randn(2, 2, 300, 64, generator=gen).to(torch.bfloat16)
+    kmax = (kmin.float() + torch.rand(2, 2, 300, 64, generator=gen)).to(torch.bfloat16)
+    q = torch.randn(16, 8, 64, generator=gen).to(torch.bfloat16)
+    cpu = decode_pages(q, kmin, kmax, 1, 20, 2)
+    gpu = decode_pages(q.cuda(), kmin.cuda(), kmax.cuda(), 1, 20, 2).cpu()
+    assert torch.equal(torch.sort(cpu, 2).values, torch.sort(gpu, 2).values)
+    # masked_attention: SDPA with a boolean mask in bf16 vs fp32
+    qa = torch.randn(5, 2, 4, 64, generator=gen)
+    ka = torch.randn(5, 2, 96, 64, generator=gen)
+    va = torch.randn(5, 2, 96, 64, generator=gen)
+    keep = torch.rand(5, 2, 96, generator=gen) < 0.3
+    keep[..., 0] = True
+    want = masked_attention(qa, ka, va, keep, 0.125)
+    got = masked_attention(qa.cuda().bfloat16(), ka.cuda().bfloat16(), va.cuda().bfloat16(),
+                           keep.cuda(), 0.125)
+    err = (got.float().cpu() - want).abs().max()
+    assert err < 3e-2, err

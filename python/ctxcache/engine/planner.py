@@ -34,8 +34,8 @@ import torch
 
 from ctxcache.engine.pool import HostTier
 
-__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "page_budget", "page_cap",
-           "quest_bounds", "token_budget"]
+__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "decode_pages", "page_budget",
+           "page_cap", "quest_bounds", "token_budget"]
 
 
 def page_budget(rho: float, n_pages: int, page: int = 16, min_budget: int = 0) -> int:
@@ -308,6 +308,31 @@ def chunk_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         m = s.amax(dim=1)
         out.copy_(m if r == 0 else torch.maximum(out, m))
     return out
+
+
+def decode_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer: int, kp: int,
+                 n_recent: int) -> torch.Tensor:
+    """The block-union tables of B one-token steps at once: int64 [B, H, kp],
+    for each row b exactly :func:`chunk_pages` of the one query ``q[b:b+1]``
+    (page 0 and the last n_recent pages, then the best by the largest bound
+    any q head of the kv head's group gives; any order). q [B, Hq, d];
+    kmin/kmax [L, H, P, d] (the layer taken by ``layer``)."""
+    b, hq, d = q.shape
+    _, h, p, _ = kmin.shape
+    g = hq // h
+    if q.is_cuda:
+        from ctxcache.engine import _triton
+        full = torch.empty(b * hq, p + 1, dtype=torch.float32, device=q.device)
+        _triton.quest_scores(q.contiguous(), kmin, kmax, layer, full)
+        s = full[:, 1:].view(b, h, g, p).amax(dim=2)
+    else:
+        qf = q.float().view(b, h, g, 1, d)
+        mn, mx = kmin[layer].float().unsqueeze(1), kmax[layer].float().unsqueeze(1)
+        s = torch.maximum(qf * mn, qf * mx).sum(-1).amax(dim=2)          # [B, H, P]
+    top = torch.empty(b * h, kp, dtype=torch.int64, device=q.device)
+    ids = QuestPlanner._top_k(s.reshape(b * h, p).contiguous(), kp, n_recent, top)
+    base = torch.arange(b * h, device=q.device, dtype=torch.int64).view(-1, 1) * p
+    return (ids - base).view(b, h, kp)
 
 
 def chunk_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kp: int,

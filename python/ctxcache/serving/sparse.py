@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ctxcache.engine.planner import chunk_pages, page_cap, quest_bounds
+from ctxcache.engine.planner import chunk_pages, decode_pages, page_cap, quest_bounds
 from ctxcache.engine.pool import table_rows
 from ctxcache.engine.prefill import attend_part, merge_with_chunk
 
-__all__ = ["PAGE_TOKENS", "PrefixIndex", "RequestSpan", "block_table_rows",
-           "paged_sparse_attention", "spans_from_lengths"]
+__all__ = ["PAGE_TOKENS", "ForwardPlan", "PrefixIndex", "RequestSpan", "block_table_rows",
+           "masked_attention", "paged_sparse_attention", "spans_from_lengths"]
 
 # Tokens of a page of the compact index (the session core's page).
 PAGE_TOKENS = 16
@@ -117,19 +117,127 @@ class RequestSpan:
     prefix: Optional[PrefixIndex] = None
 
 
+class ForwardPlan:
+    """A packed forward's requests, arranged once for all its layers.
+
+    Requests with one new token (decode steps) that read the same stored
+    prefix form one group, attended by one batched call per layer (the
+    block-union tables of all of them at once, one gather of their cache
+    rows, one masked attention); a request with no prefix, or one whose
+    read set does not yet hold all of it, joins the group without one.
+    Requests with several new tokens (prompt chunks) are attended one by
+    one. Built on the host from the spans, with one copy of small index
+    tensors to ``device``; raises ValueError when a span does not fit
+    ``n_q`` packed queries and ``n_read`` read rows."""
+
+    def __init__(self, spans: Sequence[RequestSpan], n_q: int, n_read: int,
+                 device: torch.device) -> None:
+        self.n_q, self.n_read = n_q, n_read
+        self.chunks: List[RequestSpan] = []
+        groups: dict = {}
+        for s in spans:
+            t = s.q1 - s.q0
+            if t <= 0:
+                continue
+            past = s.n_k - t
+            if past < 0 or s.q0 < 0 or s.q1 > n_q or s.k0 < 0 or s.k0 + s.n_k > n_read:
+                raise ValueError(f"request span {s} does not fit {n_q} queries and "
+                                 f"{n_read} read rows")
+            if t > 1:
+                self.chunks.append(s)
+                continue
+            prefix = s.prefix if s.prefix is not None and past >= s.prefix.n_tokens else None
+            groups.setdefault(id(prefix), (prefix, []))[1].append(s)
+        self.groups: List[_DecodeGroup] = []
+        for prefix, members in groups.values():
+            c = prefix.n_tokens if prefix is not None else 0
+            cols = torch.tensor([[m.q0, m.k0, m.n_k - c] for m in members], dtype=torch.long)
+            cols = cols.to(device)
+            max_own = max(m.n_k - c for m in members)
+            self.groups.append(_DecodeGroup(prefix, cols[:, 0], cols[:, 1], cols[:, 2],
+                                            -(-max_own // PAGE_TOKENS) * PAGE_TOKENS))
+
+    @property
+    def decode_requests(self) -> int:
+        """Requests attended by the batched decode call."""
+        return sum(g.q_rows.numel() for g in self.groups)
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    prefix: Optional[PrefixIndex]
+    q_rows: torch.Tensor      # long [n]: each request's packed query row
+    k0: torch.Tensor          # long [n]: its first row in read_index
+    own: torch.Tensor         # long [n]: its keys after the prefix (the new one last)
+    max_own: int              # the largest of them, rounded up to a page
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [n, H, M, d] attends k/v [n, H, S, d] where ``keep`` [n, H, S] is
+    True (each row keeps at least one key): [n, H, M, d] in q's dtype. CUDA
+    with fp16 or bf16: torch's SDPA with a boolean mask (fp32 softmax);
+    otherwise plain torch in fp32."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep.unsqueeze(2), scale=scale)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep.unsqueeze(2), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v.float()).to(q.dtype)
+
+
+def _decode_group(grp: _DecodeGroup, query: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, read_index: torch.Tensor, layer: int,
+                  scale: float) -> torch.Tensor:
+    """One group's attention, [n, Hq, d]: each request's block-union pages of
+    the prefix and all its keys after it (ForwardPlan)."""
+    hq, d = query.shape[1], query.shape[3]
+    h = k_cache.shape[1]
+    n, dev = grp.q_rows.numel(), query.device
+    q = query[0, :, grp.q_rows].transpose(0, 1).to(k_cache.dtype)       # [n, Hq, d]
+    p = grp.prefix
+    c = p.n_tokens if p is not None else 0
+    j = torch.arange(grp.max_own, device=dev)
+    own_keep = j < grp.own.view(-1, 1)                                   # [n, Lmax]
+    own_rows = read_index[grp.k0.view(-1, 1) + c + torch.minimum(j, grp.own.view(-1, 1) - 1)]
+    if p is None:
+        rows = own_rows.unsqueeze(1).expand(n, h, -1)
+        keep = own_keep.unsqueeze(1).expand(n, h, -1)
+    else:
+        pages = decode_pages(q, p.kmin, p.kmax, layer, p.kp, p.n_recent)    # [n, H, kp]
+        tok = torch.arange(PAGE_TOKENS, device=dev)
+        pos = (pages.unsqueeze(-1) * PAGE_TOKENS + tok).view(n, h, -1)
+        pre_rows = read_index[grp.k0.view(-1, 1, 1) + pos.clamp(max=c - 1)]
+        rows = torch.cat([pre_rows, own_rows.unsqueeze(1).expand(n, h, -1)], dim=2)
+        keep = torch.cat([pos < c, own_keep.unsqueeze(1).expand(n, h, -1)], dim=2)
+    heads = torch.arange(h, device=dev).view(1, h, 1)
+    o = masked_attention(q.view(n, h, hq // h, d), k_cache[rows, heads], v_cache[rows, heads],
+                         keep, scale)
+    return o.reshape(n, hq, d)
+
+
 def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            read_index: torch.Tensor, write_index: torch.Tensor,
-                           spans: Sequence[RequestSpan], layer: int,
+                           spans: Union[Sequence[RequestSpan], ForwardPlan], layer: int,
                            scaling: Optional[float] = None) -> torch.Tensor:
     """Writes the new tokens' K/V at ``write_index`` and returns the attention
     output ``[1, Q, Hq, d]`` (module docstring); rows of no span are zero.
-    Raises ValueError when a span does not fit the packed tensors."""
+    ``spans``: the forward's requests, or their :class:`ForwardPlan` (made
+    once for all layers). Raises ValueError when a span does not fit the
+    packed tensors."""
     _, hq, n_q, d = query.shape
     h = key.shape[1]
     if hq % h:
         raise ValueError(f"query heads {hq} are not a multiple of kv heads {h}")
     g = hq // h
+    if isinstance(spans, ForwardPlan):
+        plan = spans
+        if (plan.n_q, plan.n_read) != (n_q, read_index.numel()):
+            raise ValueError(f"forward plan for {plan.n_q} queries and {plan.n_read} read rows "
+                             f"given {n_q} and {read_index.numel()}")
+    else:
+        plan = ForwardPlan(spans, n_q, read_index.numel(), query.device)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     new_k = key[0].transpose(0, 1)                # [Q, H, d]
     new_v = value[0].transpose(0, 1)
@@ -137,26 +245,24 @@ def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     k_cache.index_copy_(0, write_index, new_k[:n_w].to(k_cache.dtype))
     v_cache.index_copy_(0, write_index, new_v[:n_w].to(v_cache.dtype))
     out = torch.zeros(n_q, hq, d, dtype=query.dtype, device=query.device)
+    for grp in plan.groups:
+        o = _decode_group(grp, query, k_cache, v_cache, read_index, layer, scale)
+        out.index_copy_(0, grp.q_rows, o.to(out.dtype))
     heads = torch.arange(h, device=query.device).view(-1, 1)
-    for s in spans:
+    for s in plan.chunks:
         t = s.q1 - s.q0
-        if t <= 0:
-            continue
         past = s.n_k - t
-        if past < 0 or s.q0 < 0 or s.q1 > n_q or (past and s.k0 + past > read_index.numel()):
-            raise ValueError(f"request span {s} does not fit {n_q} queries and "
-                             f"{read_index.numel()} read rows")
         q = query[0, :, s.q0:s.q1].to(k_cache.dtype)              # [Hq, T, d]
         rows = q.reshape(h, g * t, d)                            # kv head's G q heads
         parts = []
         c = s.prefix.n_tokens if s.prefix is not None and past >= s.prefix.n_tokens else 0
-        if c and t > 1 and s.prefix.prefill_dense:
+        if c and s.prefix.prefill_dense:
             c = 0                                                # dense prefill
         r = read_index[s.k0:s.k0 + past] if past else None
         if c:
             p = s.prefix
             pages = chunk_pages(q.transpose(0, 1), p.kmin[layer], p.kmax[layer],
-                                p.kp if t == 1 else p.kp_prefill, p.n_recent)
+                                p.kp_prefill, p.n_recent)
             pages = torch.sort(pages, dim=1).values
             slots = r[:c][table_rows(pages, PAGE_TOKENS, c)]     # [H, S] cache rows
             parts.append(attend_part(rows, k_cache[slots, heads], v_cache[slots, heads],

@@ -34,13 +34,14 @@ manager's hash table) are touched only in :func:`_seed_blocks` and
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import copy
 import logging
 import threading
 import time
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import transformers
@@ -52,7 +53,7 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from ctxcache import errors
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
-from ctxcache.serving.sparse import (PrefixIndex, RequestSpan, block_table_rows,
+from ctxcache.serving.sparse import (ForwardPlan, PrefixIndex, RequestSpan, block_table_rows,
                                      paged_sparse_attention, spans_from_lengths)
 
 __all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
@@ -258,10 +259,16 @@ class _SparseAttention:
     def __init__(self, backend: "CtxcacheBackend") -> None:
         self.backend = backend
         self.name = f"paged|ctxcache_{uuid.uuid4().hex[:8]}"
-        self._spans: List[RequestSpan] = []
+        self._plan: Optional[ForwardPlan] = None
         self._rows: Tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
         self.forwards = 0
         self.prefix_requests = 0
+        # Requests of one new token, attended by the batched decode call.
+        self.batched_requests = 0
+        # The last forwards, each (perf_counter at its first layer, query
+        # tokens, requests): the gaps between them are whole forwards with
+        # the engine's host work around them (a bounded ring).
+        self.forward_log: Deque[Tuple[float, int, int]] = collections.deque(maxlen=512)
 
     def register(self) -> None:
         from transformers import AttentionInterface
@@ -291,14 +298,17 @@ class _SparseAttention:
                 self._rows = block_table_rows(kwargs["block_table"][0], ck, cache.block_size)
             else:
                 self._rows = (kwargs["read_index"][0], kwargs["write_index"][0])
-            self._spans = _request_prefixes(cache, cq, ck, self._rows[0],
-                                            self.backend._prefix_records(cache))
+            spans = _request_prefixes(cache, cq, ck, self._rows[0],
+                                      self.backend._prefix_records(cache))
+            self._plan = ForwardPlan(spans, query.shape[2], self._rows[0].numel(), query.device)
             self.forwards += 1
-            self.prefix_requests += sum(1 for s in self._spans if s.prefix is not None)
+            self.forward_log.append((time.perf_counter(), int(query.shape[2]), len(spans)))
+            self.prefix_requests += sum(1 for s in spans if s.prefix is not None)
+            self.batched_requests += self._plan.decode_requests
         read_index, write_index = self._rows
         out = paged_sparse_attention(query, key, value, cache.key_cache[j],
                                      cache.value_cache[j], read_index, write_index,
-                                     self._spans, layer, scaling)
+                                     self._plan, layer, scaling)
         return out, None
 
 
@@ -536,14 +546,19 @@ class CtxcacheBackend:
         return {rid: results[rid] for rid in ids if rid in results}
 
     def stats(self) -> Dict[str, Any]:
-        """Counters: routing outcomes, host loads, seeded blocks."""
+        """Counters: routing outcomes, host loads, seeded blocks; in sparse mode
+        also the last forwards' log (seconds since the first logged, query
+        tokens, requests)."""
         kv = self.resolver.kv_cache
+        log = list(self._sparse.forward_log) if self._sparse is not None else []
         return {"outcomes": dict(self.resolver.outcomes), "kv_loads": kv.loads,
                 "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
                 "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures,
                 "attention": self.options.attention,
                 **({"sparse_forwards": self._sparse.forwards,
                     "sparse_prefix_requests": self._sparse.prefix_requests,
+                    "sparse_batched_requests": self._sparse.batched_requests,
+                    "sparse_forward_log": [(round(t - log[0][0], 4), q, n) for t, q, n in log],
                     "prefix_index_bytes": sum(x.index.nbytes for x in self._indexes.values())}
                    if self._sparse is not None else {})}
 

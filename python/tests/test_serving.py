@@ -346,6 +346,9 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
         # the decode steps (7 per request) went through the batched call
         assert st["sparse_batched_requests"] >= 7 * len(prompts), st
         assert len(st["sparse_forward_log"]) == st["sparse_forwards"], st
+        # every forward, the prompts' too, read the block table: no host
+        # read index of the past tokens
+        assert st["sparse_table_forwards"] == st["sparse_forwards"], st
         if rho == 1.0:
             assert toks == want
         assert model.config._attn_implementation == "paged|sdpa"

@@ -168,12 +168,17 @@ def test_block_table_rows_are_the_read_index_the_engine_would_build() -> None:
     table = torch.tensor([[7, 2, 9, -1], [3, -1, -1, -1], [5, 6, -1, -1]], dtype=torch.int32)
     lens = [10, 3, 0]                      # the third: a padding sequence
     cu = [0, 10, 13, 13]
-    read, write = block_table_rows(table, cu, bs)
+    read, write = block_table_rows(table, [0, 1, 2, 2], cu, bs)
     want = []
     for b, n in enumerate(lens):
         want += [int(table[b, p // bs]) * bs + p % bs for p in range(n)]
     assert read.tolist() == want
     assert write.tolist() == [want[9], want[12]]
+    # a chunk of new tokens (a prompt read through the table): its last 4
+    read, write = block_table_rows(table, [0, 4, 5, 5], cu, bs)
+    assert read.tolist() == want and write.tolist() == want[6:10] + [want[12]]
+    with pytest.raises(ValueError, match="exceed key lengths"):
+        block_table_rows(table, [0, 11, 12, 12], cu, bs)
 
 
 class DecodeBatch:

@@ -285,23 +285,27 @@ def spans_from_lengths(cu_q: List[int], cu_k: List[int],
             for i in range(len(cu_q) - 1)]
 
 
-def block_table_rows(block_table: torch.Tensor, cu_k: List[int],
+def block_table_rows(block_table: torch.Tensor, cu_q: List[int], cu_k: List[int],
                      block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The read and write rows of a packed decode batch given as a block table
+    """The read and write rows of a packed batch given as a block table
     (``block_table`` [B, blocks], request b's position p at row
     ``block_table[b, p // block_size] * block_size + p % block_size``;
-    ``cu_k`` the cumulative key lengths, B + 1 of them, on the host): every
-    request's positions 0 .. n_k - 1 one request after the other, as a read
-    index, and each request's last row (its new token), as the write index.
-    Device work only."""
+    ``cu_q``/``cu_k`` the cumulative query and key lengths, B + 1 of each,
+    on the host): every request's positions 0 .. n_k - 1 one request after
+    the other, as a read index, and each request's last n_q positions (its
+    new tokens), as the write index. Device work only."""
     dev = block_table.device
-    n_k = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
+    b = len(cu_k) - 1
+    n_k = [cu_k[i + 1] - cu_k[i] for i in range(b)]
+    n_q = [cu_q[i + 1] - cu_q[i] for i in range(b)]
+    if any(q > k for q, k in zip(n_q, n_k)):
+        raise ValueError(f"block table batch: query lengths {n_q} exceed key lengths {n_k}")
     total = cu_k[-1] - cu_k[0]
-    req = torch.repeat_interleave(torch.arange(len(n_k), device=dev),
+    req = torch.repeat_interleave(torch.arange(b, device=dev),
                                   torch.tensor(n_k, device=dev, dtype=torch.long))
     starts = torch.tensor(cu_k[:-1], device=dev, dtype=torch.long) - cu_k[0]
     pos = torch.arange(total, device=dev, dtype=torch.long) - starts[req]
     read = block_table[req, pos // block_size].long() * block_size + pos % block_size
-    ends = torch.tensor([cu_k[i + 1] - cu_k[0] - 1 for i in range(len(n_k)) if n_k[i]],
-                        device=dev, dtype=torch.long)
-    return read, read[ends]
+    new = [r for i in range(b) for r in range(cu_k[i + 1] - cu_k[0] - n_q[i],
+                                              cu_k[i + 1] - cu_k[0])]
+    return read, read[torch.tensor(new, device=dev, dtype=torch.long)]

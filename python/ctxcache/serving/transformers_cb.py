@@ -265,6 +265,8 @@ class _SparseAttention:
         self.prefix_requests = 0
         # Requests of one new token, attended by the batched decode call.
         self.batched_requests = 0
+        # Forwards that came with a block table (no host read index).
+        self.table_forwards = 0
         # The last forwards, each (perf_counter at its first layer, query
         # tokens, requests): the gaps between them are whole forwards with
         # the engine's host work around them (a bounded ring).
@@ -294,8 +296,11 @@ class _SparseAttention:
             cq, ck = _cu_lengths(kwargs)
             if kwargs.get("block_table") is not None:
                 # transformers' decode fast path passes a block table [groups,
-                # B, blocks] instead of read and write indices: the same rows.
-                self._rows = block_table_rows(kwargs["block_table"][0], ck, cache.block_size)
+                # B, blocks] instead of read and write indices: the same rows
+                # (every batch of this backend's manager takes it).
+                self._rows = block_table_rows(kwargs["block_table"][0], cq, ck,
+                                              cache.block_size)
+                self.table_forwards += 1
             else:
                 self._rows = (kwargs["read_index"][0], kwargs["write_index"][0])
             spans = _request_prefixes(cache, cq, ck, self._rows[0],
@@ -409,14 +414,30 @@ class CtxcacheBackend:
                 def schedule_batch(self, token_budget: int, cache_budget: int) -> Any:
                     held, seen = backend._before_schedule(self.cache, self.waiting_requests)
                     try:
-                        return super().schedule_batch(token_budget, cache_budget)
+                        out = super().schedule_batch(token_budget, cache_budget)
                     finally:
                         backend._after_schedule(self.cache, held, seen, self.waiting_requests)
+                    return backend._table_for_every_batch(self.cache, out)
 
             name = f"ctxcache:{base}:{uuid.uuid4().hex[:8]}"
             SCHEDULER_MAPPING[name] = CtxcacheScheduler
             self._scheduler_names[base] = name
             return name
+
+    def _table_for_every_batch(self, cache: Any, scheduled: Any) -> Any:
+        """Sparse mode: a batch with prompt chunks also goes through the block
+        table path, so that no forward builds a host list of every past
+        token of every request (transformers' read index: 4M entries for 32
+        requests over 128K prefixes); the sparse attention reads the table,
+        and writes the new tokens itself. Batches with a request past the
+        table's length keep the read index."""
+        reqs, fast, n_q, max_kv = scheduled
+        if self._sparse is None or fast or not reqs or cache.max_blocks_per_request <= 0:
+            return scheduled
+        limit = cache.max_blocks_per_request * cache.block_size
+        if all(f.state.position_offset + f.query_length <= limit for f in reqs):
+            return reqs, True, n_q, max_kv
+        return scheduled
 
     def _hashes_for(self, cache: Any, r: Resolution) -> List[int]:
         key = (str(r.context_id), r.prefix_tokens, id(cache), int(cache.block_size))
@@ -558,6 +579,7 @@ class CtxcacheBackend:
                 **({"sparse_forwards": self._sparse.forwards,
                     "sparse_prefix_requests": self._sparse.prefix_requests,
                     "sparse_batched_requests": self._sparse.batched_requests,
+                    "sparse_table_forwards": self._sparse.table_forwards,
                     "sparse_forward_log": [(round(t - log[0][0], 4), q, n) for t, q, n in log],
                     "prefix_index_bytes": sum(x.index.nbytes for x in self._indexes.values())}
                    if self._sparse is not None else {})}
@@ -600,6 +622,11 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
             # CUDA graphs, and no forward prepared while another runs.
             cfg.use_cuda_graph = False
             cfg.use_async_batching = False
+            # ... and no compiled forwards (their padded shapes assume a
+            # decode batch of one token per request).
+            cfg.default_compile_level = 0
+            cfg.varlen_compile_config = None
+            cfg.decode_compile_config = None
         gen = generation_config if generation_config is not None else model.generation_config
         if gen.eos_token_id is None:
             gen.eos_token_id = -1
@@ -616,6 +643,10 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
             if getattr(c, "num_blocks", None):
                 blocks = min(blocks, int(c.num_blocks))
             c.max_blocks_per_request = max(1, blocks)
+            # A compile config the model's own config carries would pad the
+            # forwards to shapes of a one-token-per-request batch.
+            c.varlen_compile_config = None
+            c.decode_compile_config = None
 
     def switch_to_cb_friendly_attn(self, model: Any) -> None:
         """Dense: the engine's own choice. Sparse: the backend's attention

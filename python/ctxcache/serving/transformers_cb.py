@@ -354,6 +354,9 @@ class CtxcacheBackend:
         self._scheduler_names: Dict[str, str] = {}
         self.seeded_blocks = 0
         self.seed_failures = 0
+        # Seconds the generation thread spent hashing prefixes' blocks,
+        # seeding them into the paged cache and building their indexes.
+        self.seed_seconds = {"hash": 0.0, "seed": 0.0, "index": 0.0}
         # attention="sparse": the attention function and each seeded prefix's
         # compact index, by (context id, prefix tokens, id(cache)).
         self._sparse: Optional[_SparseAttention] = None
@@ -463,8 +466,14 @@ class CtxcacheBackend:
                 continue
             seen.add((cid, r.prefix_tokens))
             try:
+                t0 = time.perf_counter()
                 hashes = self._hashes_for(cache, r)
+                t1 = time.perf_counter()
                 got = _seed_blocks(cache, hashes, r.kv.k, r.kv.v)  # type: ignore[union-attr]
+                t2 = time.perf_counter()
+                with self._lock:
+                    self.seed_seconds["hash"] += t1 - t0
+                    self.seed_seconds["seed"] += t2 - t1
             except Exception as e:  # a GPU-side failure: the engine prefills instead
                 log.warning("ctxcache: seeding context %s failed (%s); prefilling", cid, e)
                 with self._lock:
@@ -475,7 +484,10 @@ class CtxcacheBackend:
             held.extend(got)
             if got and self._sparse is not None:
                 try:
+                    t0 = time.perf_counter()
                     self._index_prefix(cache, cid, r, hashes)
+                    with self._lock:
+                        self.seed_seconds["index"] += time.perf_counter() - t0
                 except Exception as e:  # no index: the requests attend the prefix densely
                     log.warning("ctxcache: indexing context %s failed (%s); dense", cid, e)
         return held, [rid for rid, _ in todo]
@@ -575,6 +587,7 @@ class CtxcacheBackend:
         return {"outcomes": dict(self.resolver.outcomes), "kv_loads": kv.loads,
                 "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
                 "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures,
+                "seed_seconds": {k: round(v, 4) for k, v in self.seed_seconds.items()},
                 "attention": self.options.attention,
                 **({"sparse_forwards": self._sparse.forwards,
                     "sparse_prefix_requests": self._sparse.prefix_requests,

@@ -85,6 +85,13 @@ def test_prompt_prefix_matches_the_longest_stored_context(server, contexts) -> N
             assert (res.context_id, res.prefix_tokens, res.outcome) == (None, 0, "no_match")
             assert res.prompt == prompt
         assert r.outcomes["no_match"] == 4
+        # Ids of any integer type are routed as Python ints; a bad id is
+        # refused by position before any RPC.
+        res = r.resolve_prefix([np.int64(t) for t in a] + q)
+        assert res.context_id == ia.context_id and type(res.prompt[0]) is int
+        for bad, at in (([-1], 160), ([1.5], 160), ([1 << 32], 160)):
+            with pytest.raises(ValueError, match=f"tokens: id .* at index {at} is not a uint32"):
+                r.resolve_prefix(a + bad)
 
 
 def test_another_models_context_never_matches(client, server, contexts) -> None:

@@ -24,8 +24,10 @@ context is asserted by its ingester anyway, docs/security.md).
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +35,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ctxcache import errors
 
-__all__ = ["TOKEN_KEY_LABEL", "token_key", "KnownContext", "PrefixIndex", "TokenStore"]
+__all__ = ["TOKEN_KEY_LABEL", "token_array", "token_key", "u32le_bytes", "KnownContext",
+           "PrefixIndex", "TokenStore"]
 
 TOKEN_KEY_LABEL = "ctxcache.token_key"
 _READY = 2       # ctxcache.v1.ContextState CONTEXT_STATE_READY
@@ -41,14 +44,28 @@ _BUILT = 0       # ctxcache.v1.Provenance PROVENANCE_BUILT
 _NS_TAG = b"ctxcache-ns\x00"
 
 
-def _u32le(tokens: Sequence[int]) -> bytes:
+def token_array(tokens: Sequence[int]) -> "array.array[int]":
+    """``tokens`` as uint32s (one C pass: a 128K-token prompt in a few ms);
+    ValueError naming the first id that is not a uint32."""
     try:
-        return struct.pack(f"<{len(tokens)}I", *tokens)
-    except struct.error:
+        return array.array("I", tokens)
+    except (OverflowError, TypeError):
         for i, t in enumerate(tokens):
             if not isinstance(t, int) or not 0 <= t < (1 << 32):
                 raise ValueError(f"tokens: id {t!r} at index {i} is not a uint32") from None
         raise
+
+
+def u32le_bytes(a: "array.array[int]") -> bytes:
+    """A :func:`token_array`'s bytes, little-endian (the token key's layout)."""
+    if sys.byteorder != "little":
+        a = array.array("I", a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _u32le(tokens: Sequence[int]) -> bytes:
+    return u32le_bytes(token_array(tokens))
 
 
 def _hasher(fingerprint: bytes, namespace: bytes = b"") -> "hashlib._Hash":
@@ -180,12 +197,13 @@ class PrefixIndex:
         return at is None or time.monotonic() - at >= self.refresh_interval_s
 
     def match(self, prompt: Sequence[int], max_tokens: Optional[int] = None,
-              min_tokens: int = 1) -> List[Tuple[str, int]]:
+              min_tokens: int = 1, packed: Optional[bytes] = None) -> List[Tuple[str, int]]:
         """Stored contexts that ``prompt`` starts with, longest first:
         ``[(context_id, n_tokens)]``, with ``min_tokens <= n_tokens <=
         max_tokens`` (default ``len(prompt)``). Refreshes first when stale.
         Hashes each prompt token once per fingerprint; no RPC besides the
-        refresh."""
+        refresh. ``packed``: the prompt as little-endian uint32s, when the
+        caller has them."""
         if self.stale():
             self.refresh()
         limit = len(prompt) if max_tokens is None else min(int(max_tokens), len(prompt))
@@ -197,10 +215,13 @@ class PrefixIndex:
         for fp, by_len in snapshot.items():
             if not by_len:
                 continue
+            if packed is None:
+                packed = _u32le(prompt[:limit])
+            buf = memoryview(packed)
             h = _hasher(fp)
             done = 0
             for n in sorted(by_len):
-                h.update(_u32le(prompt[done:n]))
+                h.update(buf[4 * done:4 * n])
                 done = n
                 key = h.copy().hexdigest()[:32]
                 cid = by_len[n].get(key)
@@ -241,8 +262,17 @@ class TokenStore:
         self._keep(info.context_id, tuple(int(t) for t in tokens))
 
     def put_verified(self, context_id: str, tokens: Sequence[int]) -> None:
-        """Keeps tokens already checked by a prefix match."""
-        self._keep(context_id, tuple(int(t) for t in tokens))
+        """Keeps tokens already checked by a prefix match (Python ints). A
+        context already held is only marked used: its token key matched, so
+        its tokens are these."""
+        with self._lock:
+            t = self._tokens.pop(context_id, None)
+            if t is not None and len(t) == len(tokens):
+                self._tokens[context_id] = t  # most recently used last
+                return
+            if t is not None:
+                self._total -= len(t)
+        self._keep(context_id, tuple(tokens))
 
     def _keep(self, context_id: str, tokens: Tuple[int, ...]) -> None:
         with self._lock:

@@ -39,7 +39,8 @@ from ctxcache.client import Client
 from ctxcache.serving.kv import HostKV, HostKVCache
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.prefix import (TOKEN_KEY_LABEL, PrefixIndex, TokenStore,
-                                     check_error_is_missing, is_context_id, token_key)
+                                     check_error_is_missing, is_context_id, token_array,
+                                     token_key, u32le_bytes)
 
 __all__ = ["Resolution", "Resolver", "ModelShape", "publish"]
 
@@ -149,11 +150,13 @@ class Resolver:
         """Which context serves the request, without loading its KV (at most
         one ListContexts and a few GetContext calls, each bounded by
         ``rpc_timeout_s``). Raises per the policy table."""
-        ids = [int(t) for t in prompt]
+        arr = token_array(prompt)      # validates; Python ints, in one C pass
+        ids = arr.tolist()
         if context_id is not None:
             return self._resolve_named(ids, context_id)
         try:
-            matches = self.index.match(ids, min_tokens=self.options.min_prefix_tokens)
+            matches = self.index.match(ids, min_tokens=self.options.min_prefix_tokens,
+                                       packed=u32le_bytes(arr))
         except errors.Error as e:
             return self._fallback(ids, e)
         for cid, n in matches:

@@ -24,6 +24,8 @@ __all__ = [
     "encode_tensor",
     "to_torch",
     "torch_available",
+    "wire_itemsize",
+    "wire_torch_dtype",
 ]
 
 # Accepted spellings of a wire dtype.
@@ -49,6 +51,23 @@ def _get_torch() -> Any:
         except Exception:  # ImportError, or a broken CUDA install
             _torch = None
     return _torch
+
+
+def wire_itemsize(wire_dtype: int) -> Optional[int]:
+    """Bytes per element of a wire dtype (DTYPE_F32/F16/BF16); None for others."""
+    return _ITEMSIZE.get(int(wire_dtype))
+
+
+def wire_torch_dtype(wire_dtype: int) -> Any:
+    """The torch dtype of a wire dtype; ValueError for an unknown one."""
+    torch = _get_torch()
+    if torch is None:
+        raise ImportError("wire_torch_dtype needs torch")
+    m = {_st.DTYPE_F32: torch.float32, _st.DTYPE_F16: torch.float16,
+         _st.DTYPE_BF16: torch.bfloat16}
+    if int(wire_dtype) not in m:
+        raise ValueError(f"wire dtype {wire_dtype}: expected one of {sorted(m)}")
+    return m[int(wire_dtype)]
 
 
 def torch_available() -> bool:

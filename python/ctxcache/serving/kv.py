@@ -109,6 +109,10 @@ class HostKVCache:
         self._flights: Dict[str, _Flight] = {}
         self.loads = 0
         self.hits = 0
+        # Seconds of the loads so far: all of them, and the part spent
+        # allocating their (pinned) host buffers.
+        self.load_seconds = 0.0
+        self.alloc_seconds = 0.0
         self.failures = 0
 
     def _client(self) -> NativeClient:
@@ -198,7 +202,10 @@ class HostKVCache:
         if shape.state != 2:
             raise errors.FailedPrecondition(f"context {context_id} is not READY "
                                             f"(state {shape.state})", rpc="LoadKV")
+        t_alloc = time.monotonic()
         k, v, nbytes = _buffers(shape, self._use_torch)
+        with self._lock:
+            self.alloc_seconds += time.monotonic() - t_alloc
         load = nc.start_load_kv(context_id, k, v, streams=self.streams, shape=shape)
         try:
             deadline = t0 + timeout
@@ -212,7 +219,10 @@ class HostKVCache:
             load.wait()  # raises the load's error, if any
         finally:
             load.close()
-        return HostKV(context_id, shape, k, v, nbytes, time.monotonic() - t0)
+        took = time.monotonic() - t0
+        with self._lock:
+            self.load_seconds += took
+        return HostKV(context_id, shape, k, v, nbytes, took)
 
     def close(self) -> None:
         with self._lock:

@@ -586,6 +586,8 @@ class CtxcacheBackend:
         log = list(self._sparse.forward_log) if self._sparse is not None else []
         return {"outcomes": dict(self.resolver.outcomes), "kv_loads": kv.loads,
                 "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
+                "kv_load_seconds": round(kv.load_seconds, 4),
+                "kv_alloc_seconds": round(kv.alloc_seconds, 4),
                 "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures,
                 "seed_seconds": {k: round(v, 4) for k, v in self.seed_seconds.items()},
                 "attention": self.options.attention,

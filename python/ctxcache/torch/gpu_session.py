@@ -229,6 +229,17 @@ class _TorchPlanner:
         """Whether ``layer``'s stage 1 is a pure function of the queries."""
         return True
 
+    def graphable(self, layer: int) -> bool:
+        """Whether ``layer``'s plan is a pure function of its queries (so a
+        caller may capture :meth:`plan_queries` in a CUDA graph)."""
+        return self._graphable(layer)
+
+    def plan_queries(self, layer: int, q: torch.Tensor) -> LayerPlan:
+        """Stages 1-4 for queries ``q`` [n_q_heads, d] already float32 on the
+        session's device: :meth:`step` without its checks, which read the
+        device (no host sync, capturable when :meth:`graphable`)."""
+        return self._plan(*self._select(layer, q))
+
     def _graph_step(self, layer: int, q: torch.Tensor) -> LayerPlan:
         assert self._graphs is not None
         entry = self._graphs.get(layer)

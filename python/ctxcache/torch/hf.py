@@ -455,7 +455,7 @@ class GpuPagePool:
         dev = self.k.device
         n, (b, d) = len(wire), self.k.shape[1:]
         wdt = int(wire[0].dtype)
-        item = _t._ITEMSIZE.get(wdt)
+        item = _t.wire_itemsize(wdt)
         if item is None or any(int(p.dtype) != wdt for p in wire):
             raise errors.DataLoss("GpuPagePool: pages of unknown or mixed dtypes",
                                   rpc="FetchPages")
@@ -493,9 +493,7 @@ class GpuPagePool:
                 raise page_crc_error(wire[int(torch.nonzero(bad)[0, 0])], rpc="FetchPages")
         else:
             check_page_crcs(wire, rpc="FetchPages")
-        tdt = {_t._st.DTYPE_BF16: torch.bfloat16, _t._st.DTYPE_F16: torch.float16,
-               _t._st.DTYPE_F32: torch.float32}[wdt]
-        return rows.view(tdt).view(n, 2, b, d).to(self.k.dtype)
+        return rows.view(_t.wire_torch_dtype(wdt)).view(n, 2, b, d).to(self.k.dtype)
 
     def load_all(self) -> None:
         """Fetches every page of the context into the pool, a layer per
@@ -592,13 +590,16 @@ class _Decoder:
         self.appended = 0  # the appender's n_tokens after the last Append
 
 
-_ACTIVE: List[_Decoder] = []
-
-
 def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Any, scaling: Optional[float] = None, dropout: float = 0.0,
                         **kwargs: Any) -> tuple:
-    dec = _ACTIVE[-1]
+    # The decode's state comes with the forward (a model kwarg that HF passes
+    # down to every attention call): no process-global state, so decodes on
+    # several models or threads do not see each other's.
+    dec = kwargs.get("ctxcache_decoder")
+    if not isinstance(dec, _Decoder):
+        raise ValueError("the 'ctxcache' attention needs the forward's ctxcache_decoder "
+                         "(it runs inside ctxcache.torch.hf's generate functions only)")
     if query.shape[0] != 1 or query.shape[2] != 1:
         raise ValueError("ctxcache attention decodes one token of one sequence at a time")
     layer = module.layer_idx
@@ -692,7 +693,7 @@ class PooledAttention:
     def _pages(self, layer: int, q: torch.Tensor) -> tuple:
         """Stages 1-4 for queries q: the plan, each kv head's pages ascending
         in ``p_max`` entries, their validity and the heads' page counts."""
-        plan = self.planner._plan(*self.planner._select(layer, q))
+        plan = self.planner.plan_queries(layer, q)
         counts = plan.pages.sum(dim=1)                                  # [H]
         # Each head's pages ascending, first: a stable sort of the page flags.
         pages = torch.sort(plan.pages.to(torch.int8), dim=1, descending=True,
@@ -727,7 +728,7 @@ class PooledAttention:
         entry = self._layers.get(layer)
         if entry is not None:
             return entry
-        if not (self.use_graphs and self.planner._graphable(layer)):
+        if not (self.use_graphs and self.planner.graphable(layer)):
             return None
         from ctxcache.torch.gpu_session import capture_graph
 
@@ -768,7 +769,7 @@ class PooledAttention:
         the step's DataLoss, as if it had fetched it)."""
         if layer in self._pending or not 0 <= layer < self.planner.n_layers:
             return
-        if not self.planner._graphable(layer):
+        if not self.planner.graphable(layer):
             return  # a csa search period: predicting would advance its schedule
         self.q_pred.copy_(q)
         if self.use_graphs:
@@ -913,7 +914,6 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
     model.config._attn_implementation = "ctxcache"
     for layer in _layers(model):
         layer.self_attn.config._attn_implementation = "ctxcache"
-    _ACTIVE.append(dec)
     hooks = _prefetch_hooks(model, dec.pooled) if dec.pooled is not None and dec.prefetch else []
     res = GenerateResult()
     cache = DynamicCache()  # the generated tokens only
@@ -931,7 +931,7 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
             pos = torch.tensor([[position + i]], device=dev)
             out = model(input_ids=torch.tensor([[token]], device=dev), position_ids=pos,
                         cache_position=torch.tensor([i], device=dev), past_key_values=cache,
-                        use_cache=True)
+                        use_cache=True, ctxcache_decoder=dec)
             logits = out.logits[0, -1].float()
             if dec.appender is not None:  # the input token's K/V/Q go back to the session
                 with _stage("ctxcache.append"):
@@ -961,7 +961,6 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
             hook.remove()
         if appends is not None:
             appends.shutdown(wait=True)
-        _ACTIVE.pop()
         model.config._attn_implementation = previous
         for layer in _layers(model):
             layer.self_attn.config._attn_implementation = previous

@@ -23,6 +23,22 @@ BLOCK = 32           # the paged cache's block: two index pages
 N_SLOTS = 64 * BLOCK
 
 
+def paged_cache(gen):
+    """Random K and V caches of N_SLOTS rows, and ``rows(n)``: the rows of n
+    tokens in blocks taken at random (each block once)."""
+    k_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+    v_cache = torch.randn(N_SLOTS, H, D, generator=gen)
+    blocks = torch.randperm(N_SLOTS // BLOCK, generator=gen).tolist()
+
+    def rows(n: int) -> list:
+        out = []
+        while len(out) < n:
+            b = blocks.pop()
+            out.extend(range(b * BLOCK, b * BLOCK + BLOCK))
+        return out[:n]
+    return k_cache, v_cache, rows
+
+
 class Batch:
     """A paged cache holding one stored prefix in scattered blocks, and two
     requests: A reads the prefix, then its own earlier tokens, then a chunk
@@ -31,16 +47,7 @@ class Batch:
     def __init__(self, prefix_tokens: int, own_a: int, new_a: int, own_b: int,
                  seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.k_cache = torch.randn(N_SLOTS, H, D, generator=gen)
-        self.v_cache = torch.randn(N_SLOTS, H, D, generator=gen)
-        blocks = torch.randperm(N_SLOTS // BLOCK, generator=gen).tolist()
-
-        def rows(n: int) -> list:
-            out = []
-            while len(out) < n:
-                b = blocks.pop()
-                out.extend(range(b * BLOCK, b * BLOCK + BLOCK))
-            return out[:n]
+        self.k_cache, self.v_cache, rows = paged_cache(gen)
         self.c = prefix_tokens
         a_rows = rows(prefix_tokens) + rows(own_a + new_a)   # prefix blocks, then its own
         b_rows = rows(own_b + 1)
@@ -189,16 +196,7 @@ class DecodeBatch:
 
     def __init__(self, prefix_tokens, plan, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.k_cache = torch.randn(N_SLOTS, H, D, generator=gen)
-        self.v_cache = torch.randn(N_SLOTS, H, D, generator=gen)
-        blocks = torch.randperm(N_SLOTS // BLOCK, generator=gen).tolist()
-
-        def rows(n: int) -> list:
-            out = []
-            while len(out) < n:
-                b = blocks.pop()
-                out.extend(range(b * BLOCK, b * BLOCK + BLOCK))
-            return out[:n]
+        self.k_cache, self.v_cache, rows = paged_cache(gen)
         prefix_rows = [rows(n) for n in prefix_tokens]
         self.prefixes = []
         for pr in prefix_rows:

@@ -40,6 +40,7 @@ Prints one JSON object as the last stdout line (and writes it to --out).
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -220,6 +221,12 @@ def run_engine(make_manager: Callable[[], Any], prompts: List[list], new_tokens:
     finally:
         mgr.stop(block=True, timeout=30)
         mgr.destroy()
+        # A manager that ran out of memory can leave its cache referenced
+        # until a collection: the next manager sizes its cache from what is
+        # free (after plain's OOM it found no room: num_blocks -11).
+        del mgr
+        gc.collect()
+        torch.cuda.empty_cache()
     ttft, tokens = [], {}
     for rid in ids:
         r = results.get(rid)

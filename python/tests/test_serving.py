@@ -330,6 +330,10 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
             outs = b.generate_batch(prompts, generation_config=gen,
                                     continuous_batching_config=cb_cfg(), warmup=False,
                                     timeout_s=120)
+            # the warmup's selection kernels: the stored context's 4 blocks,
+            # batches of 1, 2, 4 and 8 (none in dense mode)
+            warmed = b.warm_sparse_kernels(block, 8)
+            assert warmed == (4 if options.attention == "sparse" else 0), warmed
             return outs, b.stats()
         finally:
             b.close()

@@ -12,7 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ctxcache.engine.planner import chunk_pages, decode_pages, quest_bounds  # noqa: E402
+from ctxcache.engine.planner import (chunk_pages, decode_pages, quest_bounds,  # noqa: E402
+                                     warm_decode_pages)
 from ctxcache.serving.sparse import (PAGE_TOKENS, ForwardPlan, PrefixIndex,  # noqa: E402
                                      RequestSpan, block_table_rows, masked_attention,
                                      paged_sparse_attention)
@@ -284,10 +285,14 @@ def test_the_cuda_decode_path_matches_the_cpu_reference() -> None:
     # operands, fp32 sums; random data has no ties)
     kmin = torch.randn(2, 2, 300, 64, generator=gen).to(torch.bfloat16)
     kmax = (kmin.float() + torch.rand(2, 2, 300, 64, generator=gen)).to(torch.bfloat16)
-    q = torch.randn(16, 8, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(13, 8, 64, generator=gen).to(torch.bfloat16)   # padded to 16 rows
     cpu = decode_pages(q, kmin, kmax, 1, 20, 2)
     gpu = decode_pages(q.cuda(), kmin.cuda(), kmax.cuda(), 1, 20, 2).cpu()
+    assert gpu.shape == (13, 2, 20)
     assert torch.equal(torch.sort(cpu, 2).values, torch.sort(gpu, 2).values)
+    # the warmup runs each padded batch shape once: 1, 2, 4, 8, 16
+    assert warm_decode_pages("cuda", torch.bfloat16, 8, 2, 64, 300, 20, 2, 16) == 5
+    assert warm_decode_pages("cpu", torch.bfloat16, 8, 2, 64, 300, 20, 2, 16) == 0
     # masked_attention: SDPA with a boolean mask in bf16 vs fp32
     qa = torch.randn(5, 2, 4, 64, generator=gen)
     ka = torch.randn(5, 2, 96, 64, generator=gen)

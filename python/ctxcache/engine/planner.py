@@ -35,7 +35,7 @@ import torch
 from ctxcache.engine.pool import HostTier
 
 __all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "decode_pages", "page_budget",
-           "page_cap", "quest_bounds", "token_budget"]
+           "page_cap", "quest_bounds", "token_budget", "warm_decode_pages"]
 
 
 def page_budget(rho: float, n_pages: int, page: int = 16, min_budget: int = 0) -> int:
@@ -320,19 +320,49 @@ def decode_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer:
     b, hq, d = q.shape
     _, h, p, _ = kmin.shape
     g = hq // h
+    n = b
     if q.is_cuda:
         from ctxcache.engine import _triton
-        full = torch.empty(b * hq, p + 1, dtype=torch.float32, device=q.device)
+        # Rows padded to a power of two: the kernels are compiled for a few
+        # batch shapes (warm_decode_pages), not for every batch size.
+        n = 1 << max(0, b - 1).bit_length()
+        if n != b:
+            q = torch.cat([q, q.new_zeros(n - b, hq, d)])
+        full = torch.empty(n * hq, p + 1, dtype=torch.float32, device=q.device)
         _triton.quest_scores(q.contiguous(), kmin, kmax, layer, full)
-        s = full[:, 1:].view(b, h, g, p).amax(dim=2)
+        s = full[:, 1:].view(n, h, g, p).amax(dim=2)
     else:
         qf = q.float().view(b, h, g, 1, d)
         mn, mx = kmin[layer].float().unsqueeze(1), kmax[layer].float().unsqueeze(1)
         s = torch.maximum(qf * mn, qf * mx).sum(-1).amax(dim=2)          # [B, H, P]
-    top = torch.empty(b * h, kp, dtype=torch.int64, device=q.device)
-    ids = QuestPlanner._top_k(s.reshape(b * h, p).contiguous(), kp, n_recent, top)
-    base = torch.arange(b * h, device=q.device, dtype=torch.int64).view(-1, 1) * p
-    return (ids - base).view(b, h, kp)
+    top = torch.empty(n * h, kp, dtype=torch.int64, device=q.device)
+    ids = QuestPlanner._top_k(s.reshape(n * h, p).contiguous(), kp, n_recent, top)
+    base = torch.arange(n * h, device=q.device, dtype=torch.int64).view(-1, 1) * p
+    return (ids - base).view(n, h, kp)[:b]
+
+
+def warm_decode_pages(device: Any, dtype: torch.dtype, n_q_heads: int, n_kv_heads: int,
+                      head_dim: int, n_pages: int, kp: int, n_recent: int,
+                      max_batch: int) -> int:
+    """Runs :func:`decode_pages` once for every batch shape it uses up to
+    ``max_batch`` rows (powers of two) over ``n_pages`` pages, so that a
+    server compiles its kernels before its first request instead of in it.
+    Returns the shapes run (0 off CUDA, where nothing is compiled)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shape = (1, n_kv_heads, n_pages, head_dim)
+    kmin = torch.randn(shape, generator=gen, device=dev).to(dtype)
+    kmax = kmin + torch.rand(shape, generator=gen, device=dev).to(dtype)
+    n, runs = 1, 0
+    while True:
+        q = torch.randn(n, n_q_heads, head_dim, generator=gen, device=dev).to(dtype)
+        decode_pages(q, kmin, kmax, 0, min(kp, n_pages), min(n_recent, n_pages))
+        runs += 1
+        if n >= max_batch:
+            return runs
+        n *= 2
 
 
 def chunk_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kp: int,

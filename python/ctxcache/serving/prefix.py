@@ -191,6 +191,16 @@ class PrefixIndex:
                     if not keys:
                         del by_len[n]
 
+    def lengths(self) -> List[int]:
+        """The token counts of the matchable contexts, ascending (refreshes
+        first when never refreshed)."""
+        with self._lock:
+            never = self._refreshed_at is None
+        if never:
+            self.refresh()
+        with self._lock:
+            return sorted({n for by_len in self._by_len.values() for n in by_len})
+
     def stale(self) -> bool:
         with self._lock:
             at = self._refreshed_at

@@ -53,8 +53,10 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from ctxcache import errors
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
-from ctxcache.serving.sparse import (ForwardPlan, PrefixIndex, RequestSpan, block_table_rows,
-                                     paged_sparse_attention, spans_from_lengths)
+from ctxcache.engine.planner import page_cap, warm_decode_pages
+from ctxcache.serving.sparse import (PAGE_TOKENS, ForwardPlan, PrefixIndex, RequestSpan,
+                                     block_table_rows, paged_sparse_attention,
+                                     spans_from_lengths)
 
 __all__ = ["CtxcacheBackend", "CtxcacheBatchingManager", "capture_prefix_kv",
            "REQUEST_CONTEXT_ID", "TESTED_TRANSFORMERS"]
@@ -63,6 +65,9 @@ TESTED_TRANSFORMERS = "5.17"
 # attention="sparse": requests up to this many tokens decode through
 # transformers' block-table fast path; longer ones through its read index.
 DECODE_TABLE_TOKENS = 1 << 20
+# The largest decode batch whose selection kernels the manager's warmup
+# compiles (larger batches compile at their first step).
+WARM_MAX_BATCH = 256
 # The stored context a request names when its caller cannot pass
 # ``context_id=`` to add_request (transformers serve's handlers call
 # add_request themselves): set around the call, read by add_request.
@@ -506,6 +511,38 @@ class CtxcacheBackend:
         with self._lock:
             self._indexes[key] = _PrefixRecord(index, hashes)
 
+    def warm_sparse_kernels(self, block_size: int, max_batch: int,
+                            max_contexts: int = 8) -> int:
+        """Sparse mode on CUDA: compiles the decode selection's kernels for
+        the page counts of the stored contexts this server can match (at
+        most ``max_contexts`` of them, the longest) and every padded batch
+        shape up to ``max_batch`` requests, so that no request waits for a
+        compilation. Returns the shapes run (0 when there is nothing to do).
+        Never raises past a log line: a failure leaves the compilation to
+        the first request."""
+        if self._sparse is None:
+            return 0
+        try:
+            dev = next(self.model.parameters()).device
+            if dev.type != "cuda":
+                return 0
+            cfg = self.model.config
+            o = self.options
+            pages = sorted({(n // block_size) * block_size // PAGE_TOKENS
+                            for n in self.resolver.index.lengths() if n >= block_size})
+            runs = 0
+            for p in pages[-max_contexts:]:
+                n_recent, kp = page_cap(o.sparse_rho, p, o.sparse_recent_pages, PAGE_TOKENS,
+                                        o.sparse_min_tokens)
+                runs += warm_decode_pages(dev, self.model.dtype, int(cfg.num_attention_heads),
+                                          self.resolver.shape.n_kv_heads,
+                                          self.resolver.shape.head_dim, p, kp, n_recent,
+                                          max_batch)
+            return runs
+        except Exception as e:  # the first request compiles instead
+            log.warning("ctxcache: warming the sparse kernels failed (%s)", e)
+            return 0
+
     def _prefix_records(self, cache: Any) -> List[_PrefixRecord]:
         with self._lock:
             return [rec for (_, _, c), rec in self._indexes.items() if c == id(cache)]
@@ -662,6 +699,14 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
             # forwards to shapes of a one-token-per-request batch.
             c.varlen_compile_config = None
             c.decode_compile_config = None
+
+    def warmup(self) -> None:
+        """transformers' warmup, then (sparse mode) the selection kernels for
+        the stored contexts' page counts (``warm_sparse_kernels``)."""
+        super().warmup()
+        c = self.continuous_batching_config
+        batch = int(getattr(c, "max_requests_per_batch", 0) or 64)
+        self.ctxcache.warm_sparse_kernels(int(c.block_size), min(batch, WARM_MAX_BATCH))
 
     def switch_to_cb_friendly_attn(self, model: Any) -> None:
         """Dense: the engine's own choice. Sparse: the backend's attention

@@ -261,6 +261,14 @@ def test_a_decode_batch_is_one_call_per_prefix_with_each_requests_own_pages() ->
     assert not torch.allclose(got, paged_sparse_attention(
         dense.q, dense.k, dense.v, dense.k_cache.clone(), dense.v_cache.clone(), dense.read,
         dense.write, dense.spans, layer=0), atol=1e-3)
+    # A request with more own keys than max_batched_own is attended alone:
+    # the same result.
+    alone = ForwardPlan(b.spans, len(plan), b.read.numel(), torch.device("cpu"),
+                        max_batched_own=20)
+    assert len(alone.chunks) == 1 and alone.decode_requests == len(plan) - 1
+    got_alone = paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(),
+                                       b.read, b.write, alone, layer=0)
+    assert torch.allclose(got_alone, want, atol=1e-5), (got_alone - want).abs().max()
     # A plan made for other packed tensors is refused.
     with pytest.raises(ValueError, match="forward plan for 6 queries"):
         paged_sparse_attention(b.q, b.k, b.v, kc, vc, b.read[:-1], b.write, fp, layer=0)

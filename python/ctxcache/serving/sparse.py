@@ -21,7 +21,11 @@ request's query tokens attend:
 
 merged by log-sum-exp (:func:`ctxcache.engine.prefill.merge_with_chunk`), the
 parts computed by flash SDPA with its log-sum-exp on CUDA. A request with
-no stored prefix gets parts 2 and 3: dense attention. The same selection
+no stored prefix gets parts 2 and 3: dense attention. The decode steps of a
+forward that read the same prefix are one batched call per layer instead
+(:class:`ForwardPlan`): their tables at once
+(:func:`ctxcache.engine.planner.decode_pages`), one gather of their rows
+and one masked softmax over parts 1-3 together. The same selection
 and merge as the engine's sparse chunked prefill of an extension
 (:class:`ctxcache.engine.SparseExtendAttention`), with the prefix's rows
 taken from the engine's block table instead of the engine's own tier.
@@ -51,6 +55,9 @@ __all__ = ["PAGE_TOKENS", "ForwardPlan", "PrefixIndex", "RequestSpan", "block_ta
 
 # Tokens of a page of the compact index (the session core's page).
 PAGE_TOKENS = 16
+# Keys after its prefix above which a decode request is attended alone, not
+# in its prefix's batched call (ForwardPlan).
+MAX_BATCHED_OWN = 8192
 
 
 class PrefixIndex:
@@ -126,13 +133,16 @@ class ForwardPlan:
     rows, one masked attention); a request with no prefix, or one whose
     read set does not yet hold all of it, joins the group without one.
     Requests with several new tokens (prompt chunks) are attended one by
-    one. Built on the host from the spans, with one copy of small index
-    tensors to ``device``; raises ValueError when a span does not fit
-    ``n_q`` packed queries and ``n_read`` read rows."""
+    one, and so is a decode request with more than ``max_batched_own`` keys
+    after its prefix (its group would pad every member to its length). Built
+    on the host from the spans, with one copy of small index tensors to
+    ``device``; raises ValueError when a span does not fit ``n_q`` packed
+    queries and ``n_read`` read rows."""
 
     def __init__(self, spans: Sequence[RequestSpan], n_q: int, n_read: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_batched_own: int = MAX_BATCHED_OWN) -> None:
         self.n_q, self.n_read = n_q, n_read
+        # Requests attended one by one: prompt chunks, long own histories.
         self.chunks: List[RequestSpan] = []
         groups: dict = {}
         for s in spans:
@@ -147,6 +157,9 @@ class ForwardPlan:
                 self.chunks.append(s)
                 continue
             prefix = s.prefix if s.prefix is not None and past >= s.prefix.n_tokens else None
+            if s.n_k - (prefix.n_tokens if prefix is not None else 0) > max_batched_own:
+                self.chunks.append(s)
+                continue
             groups.setdefault(id(prefix), (prefix, []))[1].append(s)
         self.groups: List[_DecodeGroup] = []
         for prefix, members in groups.values():
@@ -256,13 +269,13 @@ def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         rows = q.reshape(h, g * t, d)                            # kv head's G q heads
         parts = []
         c = s.prefix.n_tokens if s.prefix is not None and past >= s.prefix.n_tokens else 0
-        if c and s.prefix.prefill_dense:
+        if c and t > 1 and s.prefix.prefill_dense:
             c = 0                                                # dense prefill
         r = read_index[s.k0:s.k0 + past] if past else None
         if c:
             p = s.prefix
             pages = chunk_pages(q.transpose(0, 1), p.kmin[layer], p.kmax[layer],
-                                p.kp_prefill, p.n_recent)
+                                p.kp if t == 1 else p.kp_prefill, p.n_recent)
             pages = torch.sort(pages, dim=1).values
             slots = r[:c][table_rows(pages, PAGE_TOKENS, c)]     # [H, S] cache rows
             parts.append(attend_part(rows, k_cache[slots, heads], v_cache[slots, heads],

@@ -269,6 +269,15 @@ def test_a_decode_batch_is_one_call_per_prefix_with_each_requests_own_pages() ->
     got_alone = paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(),
                                        b.read, b.write, alone, layer=0)
     assert torch.allclose(got_alone, want, atol=1e-5), (got_alone - want).abs().max()
+    # A group larger than the gather bound is attended in slices: the same.
+    from ctxcache.serving import sparse
+    bound, sparse.MAX_GATHER_BYTES = sparse.MAX_GATHER_BYTES, 1
+    try:
+        sliced = paged_sparse_attention(b.q, b.k, b.v, b.k_cache.clone(), b.v_cache.clone(),
+                                        b.read, b.write, fp, layer=0)
+    finally:
+        sparse.MAX_GATHER_BYTES = bound
+    assert torch.allclose(sliced, want, atol=1e-5), (sliced - want).abs().max()
     # A plan made for other packed tensors is refused.
     with pytest.raises(ValueError, match="forward plan for 6 queries"):
         paged_sparse_attention(b.q, b.k, b.v, kc, vc, b.read[:-1], b.write, fp, layer=0)

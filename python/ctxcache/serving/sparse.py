@@ -58,6 +58,9 @@ PAGE_TOKENS = 16
 # Keys after its prefix above which a decode request is attended alone, not
 # in its prefix's batched call (ForwardPlan).
 MAX_BATCHED_OWN = 8192
+# The most bytes of K and V one batched decode call gathers; a larger group
+# is attended in slices of requests.
+MAX_GATHER_BYTES = 256 << 20
 
 
 class PrefixIndex:
@@ -141,6 +144,7 @@ class ForwardPlan:
 
     def __init__(self, spans: Sequence[RequestSpan], n_q: int, n_read: int,
                  device: torch.device, max_batched_own: int = MAX_BATCHED_OWN) -> None:
+        """max_batched_own: Default: MAX_BATCHED_OWN (8,192 keys)."""
         self.n_q, self.n_read = n_q, n_read
         # Requests attended one by one: prompt chunks, long own histories.
         self.chunks: List[RequestSpan] = []
@@ -258,9 +262,15 @@ def paged_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     k_cache.index_copy_(0, write_index, new_k[:n_w].to(k_cache.dtype))
     v_cache.index_copy_(0, write_index, new_v[:n_w].to(v_cache.dtype))
     out = torch.zeros(n_q, hq, d, dtype=query.dtype, device=query.device)
+    row_bytes = 2 * h * d * k_cache.element_size()               # a key row, K and V
     for grp in plan.groups:
-        o = _decode_group(grp, query, k_cache, v_cache, read_index, layer, scale)
-        out.index_copy_(0, grp.q_rows, o.to(out.dtype))
+        keys = (grp.prefix.kp * PAGE_TOKENS if grp.prefix is not None else 0) + grp.max_own
+        step = max(1, MAX_GATHER_BYTES // (keys * row_bytes))
+        for i in range(0, grp.q_rows.numel(), step):
+            sub = _DecodeGroup(grp.prefix, grp.q_rows[i:i + step], grp.k0[i:i + step],
+                               grp.own[i:i + step], grp.max_own)
+            o = _decode_group(sub, query, k_cache, v_cache, read_index, layer, scale)
+            out.index_copy_(0, sub.q_rows, o.to(out.dtype))
     heads = torch.arange(h, device=query.device).view(-1, 1)
     for s in plan.chunks:
         t = s.q1 - s.q0

@@ -500,4 +500,26 @@ int ctxcache_step_q_head(const ctxcache_step_t* st, uint32_t kv_head, uint32_t g
 
 void ctxcache_step_destroy(ctxcache_step_t* st) { delete st; }
 
+void ctxcache_step_counts(const ctxcache_step_t* st, ctxcache_step_counts_t* out) {
+  if (st == nullptr || out == nullptr) return;
+  out->bytes_received = st->kv.bytes_received;
+  out->pages_fetched = st->kv.pages;
+  out->cache_hits = st->kv.cache_hits;
+}
+
+void ctxcache_session_page_cache_stats(const ctxcache_session_t* s,
+                                       ctxcache_page_cache_stats_t* out) {
+  if (s == nullptr || out == nullptr) return;
+  const cc::PageCacheStats p = s->session->page_cache_stats();
+  out->hits = p.hits;
+  out->misses = p.misses;
+  out->bytes = p.bytes;
+  out->evictions = p.evictions;
+  out->prefetch_requests = p.prefetch_requests;
+  out->prefetched_pages = p.prefetched_pages;
+  out->prefetched_bytes = p.prefetched_bytes;
+  out->prefetch_hits = p.prefetch_hits;
+  out->prefetch_failures = p.prefetch_failures;
+}
+
 }  // extern "C"

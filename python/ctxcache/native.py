@@ -60,6 +60,17 @@ class _Progress(ctypes.Structure):
                 ("frames", ctypes.c_uint64), ("seconds", ctypes.c_double)]
 
 
+class _StepCounts(ctypes.Structure):
+    _fields_ = [("bytes_received", ctypes.c_uint64), ("pages_fetched", ctypes.c_uint64),
+                ("cache_hits", ctypes.c_uint64)]
+
+
+class _PageCacheStats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in (
+        "hits", "misses", "bytes", "evictions", "prefetch_requests", "prefetched_pages",
+        "prefetched_bytes", "prefetch_hits", "prefetch_failures")]
+
+
 class _MapLayout(ctypes.Structure):
     _fields_ = [("layer_stride", ctypes.c_uint64), ("head_stride", ctypes.c_uint64),
                 ("token_stride", ctypes.c_uint64), ("v_offset", ctypes.c_uint64),
@@ -182,6 +193,8 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_step_q_head": (I, [P, U32, U32, ctypes.POINTER(P),
                                          ctypes.POINTER(ctypes.c_size_t)]),
             "ctxcache_step_destroy": (None, [P]),
+            "ctxcache_step_counts": (None, [P, ctypes.POINTER(_StepCounts)]),
+            "ctxcache_session_page_cache_stats": (None, [P, ctypes.POINTER(_PageCacheStats)]),
             "ctxcache_ingest_start": (I, [P, P, ctypes.c_size_t, ctypes.POINTER(_IngestOptions),
                                           ctypes.POINTER(P), E]),
             "ctxcache_ingest_write_layer": (I, [P, U32, ctypes.POINTER(_IngestLayer), E]),
@@ -502,6 +515,11 @@ class DecodeSession(_Owned):
     def __init__(self, handle: int, shape: ContextShape) -> None:
         self._h = ctypes.c_void_p(handle)
         self.shape = shape
+        # The last step's counts, and the session's totals: page payload
+        # bytes received from the server, pages fetched, pages found in the
+        # session's page cache (client mode).
+        self.last_step = {"bytes_received": 0, "pages_fetched": 0, "cache_hits": 0}
+        self.totals = dict(self.last_step)
 
     @property
     def n_tokens(self) -> int:
@@ -521,9 +539,22 @@ class DecodeSession(_Owned):
         _call("Decode", _lib.ctxcache_session_step, self._live(),  # type: ignore[union-attr]
               int(layer), q.ctypes.data, ctypes.byref(st))
         try:
+            counts = _StepCounts()
+            _lib.ctxcache_step_counts(st, ctypes.byref(counts))  # type: ignore[union-attr]
+            self.last_step = {name: int(getattr(counts, name)) for name, _ in counts._fields_}
+            for name, value in self.last_step.items():
+                self.totals[name] += value
             return [self._head(st, h) for h in range(_lib.ctxcache_step_n_heads(st))]
         finally:
             _lib.ctxcache_step_destroy(st)  # type: ignore[union-attr]
+
+    def page_cache_stats(self) -> Dict[str, int]:
+        """The session's page cache so far (client mode; all 0 in server
+        mode): hits, misses, bytes held, evictions, prefetch counters."""
+        out = _PageCacheStats()
+        _lib.ctxcache_session_page_cache_stats(self._live(),  # type: ignore[union-attr]
+                                               ctypes.byref(out))
+        return {name: int(getattr(out, name)) for name, _ in out._fields_}
 
     def _head(self, st: ctypes.c_void_p, h: int) -> HeadStep:
         import numpy as np

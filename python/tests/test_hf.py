@@ -120,6 +120,10 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
         client_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="exact",
                                         append=False)
         assert client_csa.tokens == csa.tokens
+        # ... and the library's counts: the pages it fetched (each once: its
+        # page cache serves repeats), fewer bytes than full's
+        assert 0 < client_csa.bytes_received < full.bytes_received
+        assert client_csa.pool_misses > 0
         # The torch core on the device: the same stages as tensor ops; teacher
         # forced on the server's tokens, near-ties aside it predicts the same.
         torch_csa = hf.generate_client(c, model, info, ids[-1], 16, selection="torch",

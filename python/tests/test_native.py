@@ -293,6 +293,31 @@ def test_session_core_through_the_library_equals_the_server_with_appends(
                 bad.step(0, np.zeros((1, 1), np.float32))
 
 
+def test_session_steps_count_bytes_and_cache_hits(nc, all_methods):
+    """The library reports what each step moved: client mode fetches a
+    query's pages once and then finds them in its page cache; server mode
+    receives them every step. Totals are the sums of the steps."""
+    cid = all_methods.context_id
+    s = nc.context(cid)
+    q = np.random.default_rng(5).standard_normal((s.n_q_heads, s.head_dim)).astype(np.float32)
+    with nc.open_session(cid, "quest", {"rho": "0.1"}, client_mode=True) as here, \
+            nc.open_session(cid, "quest", {"rho": "0.1"}, client_mode=False) as there:
+        pages = sum(len(h.pages) for h in here.step(0, q))
+        first = dict(here.last_step)
+        here.step(0, q)
+        again = dict(here.last_step)
+        there.step(0, q)
+        assert pages > 0
+        assert first["pages_fetched"] == pages and first["cache_hits"] == 0
+        assert first["bytes_received"] > 0
+        assert again == {"bytes_received": 0, "pages_fetched": 0, "cache_hits": pages}
+        assert there.last_step == dict(first)   # the server sends the same pages
+        assert here.totals == {k: first[k] + again[k] for k in first}
+        cache = here.page_cache_stats()
+        assert cache["misses"] == pages and cache["hits"] >= pages and cache["bytes"] > 0
+        assert there.page_cache_stats()["hits"] == 0
+
+
 def test_session_params_are_checked(nc, all_methods):
     # The separator inside a value would split it: refused, naming the pair
     # (the library's own check of the string is in c_api_test).

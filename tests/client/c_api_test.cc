@@ -569,6 +569,67 @@ float Bf16ToFloat(uint16_t b) {
 // (the server converts: bf16 values round-trip exactly), in frames far
 // smaller than a layer. Refused layouts, out-of-order layers and an early
 // commit name the field and leave the stream usable.
+TEST_F(CApiTest, StepsCountTheirBytesAndTheClientCacheItsHits) {
+  const uint32_t hq = ctx_.n_q_heads, d = ctx_.head_dim;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(size_t{hq} * d);
+  for (float& x : q) x = normal(rng);
+  ctxcache_session_t* here = nullptr;
+  ctxcache_session_t* there = nullptr;
+  ASSERT_EQ(ctxcache_session_open(conn_->c, id_.c_str(), "csa", "rho=0.1", 1, &here, nullptr),
+            0);
+  ASSERT_EQ(ctxcache_session_open(conn_->c, id_.c_str(), "csa", "rho=0.1", 0, &there, nullptr),
+            0);
+  // The same query twice on layer 0: client mode fetches its pages once,
+  // then finds them in its page cache; server mode receives them each time.
+  std::vector<ctxcache_step_counts_t> mine(2), theirs(2);
+  uint64_t pages_used = 0;
+  for (int i = 0; i < 2; ++i) {
+    ctxcache_step_t* a = nullptr;
+    ctxcache_step_t* b = nullptr;
+    ASSERT_EQ(ctxcache_session_step(here, 0, q.data(), &a, nullptr), 0);
+    ASSERT_EQ(ctxcache_session_step(there, 0, q.data(), &b, nullptr), 0);
+    ctxcache_step_counts(a, &mine[i]);
+    ctxcache_step_counts(b, &theirs[i]);
+    if (i == 0) {
+      for (uint32_t h = 0; h < ctx_.n_kv_heads; ++h) {
+        const int32_t* ids;
+        const float *k, *v;
+        const uint32_t* pages;
+        size_t n, np;
+        ASSERT_EQ(ctxcache_step_head(a, h, &ids, &n, &k, &v, &pages, &np), 0);
+        pages_used += np;
+      }
+    }
+    ctxcache_step_destroy(a);
+    ctxcache_step_destroy(b);
+  }
+  ASSERT_GT(pages_used, 0u);
+  EXPECT_EQ(mine[0].pages_fetched, pages_used);
+  EXPECT_EQ(mine[0].cache_hits, 0u);
+  EXPECT_GE(mine[0].bytes_received, pages_used * 2 * d);  // K and V, >= 1 byte each element
+  EXPECT_EQ(mine[1].bytes_received, 0u);
+  EXPECT_EQ(mine[1].pages_fetched, 0u);
+  EXPECT_EQ(mine[1].cache_hits, pages_used);
+  for (const auto& t : theirs) {  // the server sends the same pages every step
+    EXPECT_EQ(t.bytes_received, mine[0].bytes_received);
+    EXPECT_EQ(t.pages_fetched, pages_used);
+    EXPECT_EQ(t.cache_hits, 0u);
+  }
+  ctxcache_page_cache_stats_t cache{}, none{};
+  ctxcache_session_page_cache_stats(here, &cache);
+  ctxcache_session_page_cache_stats(there, &none);
+  EXPECT_EQ(cache.misses, pages_used);
+  EXPECT_GE(cache.hits, pages_used);
+  EXPECT_GT(cache.bytes, 0u);
+  EXPECT_EQ(none.hits + none.misses + none.bytes, 0u);  // no client-side cache
+  ctxcache_step_counts(nullptr, &mine[0]);              // NULLs are ignored
+  ctxcache_session_page_cache_stats(here, nullptr);
+  ctxcache_session_destroy(here);
+  ctxcache_session_destroy(there);
+}
+
 TEST_F(CApiTest, IngestFromCallerBuffersEqualsLoad) {
   const uint32_t L = ctx_.n_layers, H = ctx_.n_kv_heads, D = ctx_.head_dim;
   const size_t elems = size_t{L} * H * kTokens * D;

@@ -311,6 +311,35 @@ CTXCACHE_EXPORT int ctxcache_step_q_head(const ctxcache_step_t* st, uint32_t kv_
                                          uint32_t g, const int32_t** ids, size_t* n);
 CTXCACHE_EXPORT void ctxcache_step_destroy(ctxcache_step_t* st);
 
+/* What one step moved (ctxcache/client.h SelectedKV): the page payload
+ * bytes it received from the server (K and V as sent, before decoding),
+ * the pages it fetched, and the pages it found in the session's page cache
+ * instead (client mode; 0 in server mode, where the server sends every
+ * page of every step). */
+typedef struct {
+  uint64_t bytes_received;
+  uint64_t pages_fetched;
+  uint64_t cache_hits;
+} ctxcache_step_counts_t;
+CTXCACHE_EXPORT void ctxcache_step_counts(const ctxcache_step_t* st, ctxcache_step_counts_t* out);
+
+/* A session's page cache so far (ctxcache/client.h PageCacheStats): look-ups
+ * that hit and missed, the decoded bytes it holds now, evictions, and its
+ * prefetches. All 0 in server mode (no client-side cache). */
+typedef struct {
+  uint64_t hits;
+  uint64_t misses;
+  uint64_t bytes;
+  uint64_t evictions;
+  uint64_t prefetch_requests;
+  uint64_t prefetched_pages;
+  uint64_t prefetched_bytes;
+  uint64_t prefetch_hits;
+  uint64_t prefetch_failures;
+} ctxcache_page_cache_stats_t;
+CTXCACHE_EXPORT void ctxcache_session_page_cache_stats(const ctxcache_session_t* s,
+                                                       ctxcache_page_cache_stats_t* out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -535,10 +535,11 @@ class LibrarySession:
     interface the decoder reads from a :class:`ctxcache.Session`: ``step``
     takes the queries as a tensor and returns the kv heads (``ids``,
     ``per_q_head``, ``k``, ``v``) as ``heads``; ``append`` takes tensors
-    (any device and float dtype) and returns the new ``n_tokens``. Its
-    byte counts are not reported through the C ABI: ``bytes_received`` is
-    0. Closing closes the session (and ``owner``, if given: the
-    :class:`ctxcache.native.NativeClient` made for it)."""
+    (any device and float dtype) and returns the new ``n_tokens``. A step's
+    ``bytes_received`` is the page payload the library fetched for it (pages
+    found in its page cache cost none). Closing closes the session (and
+    ``owner``, if given: the :class:`ctxcache.native.NativeClient` made for
+    it).
 
     inline_append = True  # the decoder appends before the next step, on its own thread
 
@@ -548,7 +549,8 @@ class LibrarySession:
 
     def step(self, layer: int, queries: Any) -> Any:
         q = queries.detach().float().cpu().numpy() if hasattr(queries, "detach") else queries
-        return _LibraryStep(self.session.step(layer, q))
+        heads = self.session.step(layer, q)
+        return _LibraryStep(heads, self.session.last_step["bytes_received"])
 
     def append(self, k: Any, v: Any, q: Any = None, token_id: int = 0) -> int:
         """``token_id`` is not sent (the C ABI's Append takes K, V, Q only)."""
@@ -1056,9 +1058,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     native: the :class:`ctxcache.native.NativeClient` of ``"exact"``
     (default: one to ``client.address`` with ``$CTXCACHE_API_KEY``, closed at
     the end; pass one for TLS or other options).
-    The result carries ``pool_hits``, ``pool_misses`` (0 with ``"exact"``,
-    whose page cache is the library's, as is its byte count:
-    ``bytes_received`` 0) and ``ttft_s`` (from the call to the first token:
+    The result carries ``pool_hits``, ``pool_misses`` (with ``"exact"``: the
+    library's page cache look-ups), ``bytes_received`` and ``ttft_s`` (from the call to the first token:
     index fetch, set-up, the Append session's open, the first step)."""
     from ctxcache import native as native_lib
     from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
@@ -1146,6 +1147,8 @@ def _generate_library(client: Any, model: Any, info: Any, first_token: int, n_ne
                        n_context=int(info.n_tokens), n_layers=int(info.model.n_layers))
         setup_s = time.perf_counter() - t0
         res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
+        cache = lib.session.page_cache_stats()  # the library's page cache is its pool
+        res.pool_hits, res.pool_misses = cache["hits"], cache["misses"]
     res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
     return res
 

@@ -539,7 +539,7 @@ class LibrarySession:
     ``bytes_received`` is the page payload the library fetched for it (pages
     found in its page cache cost none). Closing closes the session (and
     ``owner``, if given: the :class:`ctxcache.native.NativeClient` made for
-    it).
+    it)."""
 
     inline_append = True  # the decoder appends before the next step, on its own thread
 

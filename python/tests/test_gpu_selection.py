@@ -466,6 +466,7 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
                                 hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
                                 capacity=1)  # grows to the 2 decoded tokens
     rng = np.random.default_rng(43)
+    exact_bytes = 0
     with client.open_session(ctx.context_id, method, {}) as s:
         for step in range(3):
             for layer in range(m.n_layers):
@@ -485,7 +486,10 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
                     w = torch.softmax(k @ q[qh] * 0.125, dim=0)
                     want[qh] = w @ v
                 st = exact.step(layer, q)
-                assert st.bytes_received == 0  # not reported through the C ABI
+                # the library's page payload for this step (0 when its page
+                # cache held every page)
+                assert st.bytes_received == exact.session.last_step["bytes_received"]
+                exact_bytes += st.bytes_received
                 k, v, mask = hf.gather_selected(st, m.n_q_heads, "cpu", torch.float32,
                                                 ctx.n_tokens)
                 got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
@@ -495,6 +499,7 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
                     # to ~2e-5 here; a different page or mask differs by ~1e-1.
                     torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4,
                                                msg=f"{method} {name}")
+    assert 0 < exact_bytes == exact.session.totals["bytes_received"]
     exact.close()
     assert pooled.p_max == hf.max_step_pages(pooled.planner) < n_pages
     # streaming's pages are the same every step: no evictions needed.

@@ -32,7 +32,7 @@ from ctxcache import errors
 __all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "DecodeSession", "HeadStep",
            "SESSION_METHODS", "library_path", "load_library"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 # The methods a decode session runs (NativeClient.open_session; c.h).
 SESSION_METHODS = ("csa", "tactic", "lfps", "quest", "streaming", "oracle", "full")
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}

@@ -44,7 +44,7 @@ enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
 
 /* The ABI version this header describes; ctxcache_abi_version() returns the
  * library's. They must be equal. */
-#define CTXCACHE_ABI_VERSION 3
+#define CTXCACHE_ABI_VERSION 4
 CTXCACHE_EXPORT int ctxcache_abi_version(void);
 
 CTXCACHE_EXPORT void ctxcache_free(void* ptr);

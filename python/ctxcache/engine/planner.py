@@ -34,8 +34,8 @@ import torch
 
 from ctxcache.engine.pool import HostTier
 
-__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "decode_pages", "page_budget",
-           "page_cap", "quest_bounds", "token_budget", "warm_decode_pages"]
+__all__ = ["QuestPlanner", "chunk_pages", "chunk_scores", "decode_pages", "head_scores",
+           "page_budget", "page_cap", "quest_bounds", "token_budget", "warm_decode_pages"]
 
 
 def page_budget(rho: float, n_pages: int, page: int = 16, min_budget: int = 0) -> int:
@@ -201,17 +201,7 @@ class QuestPlanner:
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Quest bounds of every page for q [B, Hq, d]: [B * Hq, P + 1] float32,
         page p in column p + 1."""
-        if q.is_cuda:
-            from ctxcache.engine import _triton
-            _triton.quest_scores(q.contiguous(), self.kmin, self.kmax, layer, self._scores)
-            return self._scores
-        b = q.shape[0]
-        qf = q.float().view(b, self.h, self.g, 1, self.d)
-        mn = self.kmin[layer].float().unsqueeze(1)  # [H, 1, P, d]
-        mx = self.kmax[layer].float().unsqueeze(1)
-        s = torch.maximum(qf * mn, qf * mx).sum(dim=-1)  # [B, H, G, P]
-        self._scores[:, 1:].copy_(s.reshape(-1, self.n_pages))
-        return self._scores
+        return head_scores(q, self.kmin, self.kmax, layer, self._scores)
 
     def plan(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The pages of every (sequence, kv head): int32 [B, H, kp], each row's
@@ -310,6 +300,32 @@ def chunk_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     return out
 
 
+def head_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer: int,
+                out: torch.Tensor) -> torch.Tensor:
+    """Quest bounds of every page of ``layer`` for each (sequence, q head):
+    q [B, Hq, d], kmin/kmax [L, H, P, d], ``out`` float32 [B * Hq, P + 1],
+    page p's bound in column p + 1 (column 0 is left to the caller). CUDA:
+    one Triton kernel; otherwise torch in fp32. Returns ``out``."""
+    if q.is_cuda:
+        from ctxcache.engine import _triton
+        _triton.quest_scores(q.contiguous(), kmin, kmax, layer, out)
+        return out
+    b, hq, d = q.shape
+    h, p = kmin.shape[1], kmin.shape[2]
+    qf = q.float().view(b, h, hq // h, 1, d)
+    mn = kmin[layer].float().unsqueeze(1)  # [H, 1, P, d]
+    mx = kmax[layer].float().unsqueeze(1)
+    s = torch.maximum(qf * mn, qf * mx).sum(dim=-1)  # [B, H, G, P]
+    out[:, 1:].copy_(s.reshape(-1, p))
+    return out
+
+
+def _row_pages(ids: torch.Tensor, p: int) -> torch.Tensor:
+    """Global ids (row * p + page) of :meth:`QuestPlanner._top_k` -> pages."""
+    base = torch.arange(ids.shape[0], device=ids.device, dtype=torch.int64).view(-1, 1) * p
+    return ids - base
+
+
 def decode_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer: int, kp: int,
                  n_recent: int) -> torch.Tensor:
     """The block-union tables of B one-token steps at once: int64 [B, H, kp],
@@ -319,26 +335,19 @@ def decode_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, layer:
     kmin/kmax [L, H, P, d] (the layer taken by ``layer``)."""
     b, hq, d = q.shape
     _, h, p, _ = kmin.shape
-    g = hq // h
     n = b
     if q.is_cuda:
-        from ctxcache.engine import _triton
         # Rows padded to a power of two: the kernels are compiled for a few
         # batch shapes (warm_decode_pages), not for every batch size.
         n = 1 << max(0, b - 1).bit_length()
         if n != b:
             q = torch.cat([q, q.new_zeros(n - b, hq, d)])
-        full = torch.empty(n * hq, p + 1, dtype=torch.float32, device=q.device)
-        _triton.quest_scores(q.contiguous(), kmin, kmax, layer, full)
-        s = full[:, 1:].view(n, h, g, p).amax(dim=2)
-    else:
-        qf = q.float().view(b, h, g, 1, d)
-        mn, mx = kmin[layer].float().unsqueeze(1), kmax[layer].float().unsqueeze(1)
-        s = torch.maximum(qf * mn, qf * mx).sum(-1).amax(dim=2)          # [B, H, P]
+    full = head_scores(q, kmin, kmax, layer,
+                       torch.empty(n * hq, p + 1, dtype=torch.float32, device=q.device))
+    s = full[:, 1:].reshape(n, h, hq // h, p).amax(dim=2).reshape(n * h, p)
     top = torch.empty(n * h, kp, dtype=torch.int64, device=q.device)
-    ids = QuestPlanner._top_k(s.reshape(n * h, p).contiguous(), kp, n_recent, top)
-    base = torch.arange(n * h, device=q.device, dtype=torch.int64).view(-1, 1) * p
-    return (ids - base).view(n, h, kp)[:b]
+    ids = QuestPlanner._top_k(s, kp, n_recent, top)
+    return _row_pages(ids, p).view(n, h, kp)[:b]
 
 
 def warm_decode_pages(device: Any, dtype: torch.dtype, n_q_heads: int, n_kv_heads: int,
@@ -375,6 +384,4 @@ def chunk_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, kp: int
     s = chunk_scores(q, kmin, kmax, scores)
     if top is None:
         top = torch.empty(h, kp, dtype=torch.int64, device=q.device)
-    ids = QuestPlanner._top_k(s, kp, n_recent, top)
-    base = torch.arange(h, device=q.device, dtype=torch.int64).view(-1, 1) * p
-    return ids - base
+    return _row_pages(QuestPlanner._top_k(s, kp, n_recent, top), p)

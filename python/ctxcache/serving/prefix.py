@@ -276,12 +276,10 @@ class TokenStore:
         context already held is only marked used: its token key matched, so
         its tokens are these."""
         with self._lock:
-            t = self._tokens.pop(context_id, None)
+            t = self._tokens.get(context_id)
             if t is not None and len(t) == len(tokens):
-                self._tokens[context_id] = t  # most recently used last
+                self._tokens[context_id] = self._tokens.pop(context_id)  # most recently used
                 return
-            if t is not None:
-                self._total -= len(t)
         self._keep(context_id, tuple(tokens))
 
     def _keep(self, context_id: str, tokens: Tuple[int, ...]) -> None:

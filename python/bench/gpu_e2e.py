@@ -156,7 +156,8 @@ def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str,
 
 def profile_of(fn) -> dict:
     """fn() under torch.profiler (CPU + CUDA; the ctxcache.* ranges of
-    ctxcache.torch.hf) and, in a second run, under cProfile: the top rows."""
+    ctxcache.torch.hf and ctxcache.torch.pooled) and, in a second run, under
+    cProfile: the top rows."""
     import cProfile
     import io
     import pstats

@@ -659,6 +659,7 @@ grpc::Status AdminServiceImpl::EvictContext(grpc::ServerContext* context,
         return ToGrpc(rec.WithContext("evicted here; recording it in etcd"));
       }
     }
+    if (ctx_->shm_cache) ctx_->shm_cache->DropContext(id->ToHex());
     response->set_deferred(*deferred);
     response->set_evicted(!*deferred);
     response->set_bytes_reclaimed(*deferred ? 0 : m->stored_bytes());

@@ -109,6 +109,10 @@ void AddAccessOptions(CLI::App& app, ServerConfig& c) {
   app.add_option("--shm-socket", c.shm_socket,
                  "Unix socket for MapKV's shared-memory segments ('' = <data-dir>/shm.sock, "
                  "off = no MapKV)");
+  app.add_option("--shm-cache-mb", c.shm_cache_mb,
+                 "Host memory (MiB) keeping filled MapKV segments for the next MapKV of the "
+                 "same context and layers (0 = none)")
+      ->capture_default_str();
   app.add_option("--max-streams-per-connection", c.max_streams_per_connection,
                  "Streaming calls one client connection may have open; the one past it "
                  "fails with RESOURCE_EXHAUSTED")
@@ -220,6 +224,7 @@ std::string ServerConfig::ToToml() const {
      << "metrics-token-file = " << q(metrics_token_file) << "\n"
      << "max-streams-per-connection = " << max_streams_per_connection << "\n"
      << "shm-socket = " << q(shm_socket) << "\n"
+     << "shm-cache-mb = " << shm_cache_mb << "\n"
      << "cluster = " << q(cluster) << "\n"
      << "node-id = " << q(node_id) << "\n"
      << "advertise-addr = " << q(advertise_addr) << "\n"

@@ -33,6 +33,10 @@ struct ServerConfig {
   // this host (service/shm_broker.h). "" = <data_dir>/shm.sock; "off"
   // disables MapKV. Default: "".
   std::string shm_socket;
+  // Host memory, MiB, that keeps filled MapKV segments for later MapKV calls
+  // of the same context and layers (service/shm_cache.h), least recently
+  // used out first; 0 = every MapKV fills a segment of its own. Default: 0
+  uint64_t shm_cache_mb = 0;
   // If non-empty, once serving, write the bound gRPC port (line 1) and
   // metrics port (line 2) here (for scripts and tests).
   std::string port_file;

@@ -1,6 +1,7 @@
 #include "service/decode_service.h"
 
 #include <malloc.h>
+#include <unistd.h>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -614,8 +615,25 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
   });
 }
 
-grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
-                                      const v1::MapKVRequest* request,
+namespace {
+
+// MapKV's end: the call lasts until the client holds the segment (or gives
+// up, or 60 s pass).
+grpc::Status WaitSegmentTaken(ShmBroker* broker, const std::string& token,
+                              grpc::ServerContext* context) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  if (!broker->WaitRedeemed(token, [&] {
+        return context->IsCancelled() || std::chrono::steady_clock::now() > deadline;
+      })) {
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        "MapKV: the segment was not taken from " + broker->path() + " within 60 s");
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context, const v1::MapKVRequest* request,
                                       grpc::ServerWriter<v1::MapKVProgress>* writer) {
   const RpcSpec spec{"MapKV", auth::Action::kRead, Admission::kStream};
   return HandleRpc(ctx_, context, spec, [&](RpcScope& rpc) -> grpc::Status {
@@ -640,9 +658,30 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
     if (!layers.ok()) return ToGrpc(layers.status());
     const KVSegmentLayout layout = DenseKVSegmentLayout(m);
     const uint64_t size = layers->size() * layout.layer_stride;
+    ShmCache* cache = ctx_->shm_cache.get();
+    const std::string cache_key =
+        cache ? ShmCache::Key(id->ToHex(), m.created_at_ms(), *layers) : std::string();
+    const int cached_fd = cache ? cache->Lookup(cache_key) : -1;
+    if (cache) {
+      ctx_->metrics
+          .GetCounter("ctxcache_shm_cache_lookups_total",
+                      "MapKV calls on a server with --shm-cache-mb, by result",
+                      {{"result", cached_fd >= 0 ? "hit" : "miss"}})
+          ->Inc();
+    }
     ShmSegment segment;
-    if (Status s = segment.Create(size); !s.ok()) return ToGrpc(s);
-    const std::string token = ctx_->shm->Offer(segment.ReleaseFd());
+    int keep_fd = -1;  // the fd ShmCache keeps after a complete fill
+    if (cached_fd < 0) {
+      if (Status s = segment.Create(size); !s.ok()) return ToGrpc(s);
+      if (cache && segment.sealed() && size <= cache->budget()) keep_fd = segment.DupFd();
+    }
+    struct CloseKeep {
+      int& fd;
+      ~CloseKeep() {
+        if (fd >= 0) close(fd);
+      }
+    } close_keep{keep_fd};
+    const std::string token = ctx_->shm->Offer(cached_fd >= 0 ? cached_fd : segment.ReleaseFd());
     struct Withdraw {
       ShmBroker* broker;
       const std::string& token;
@@ -666,7 +705,17 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
 
-    // Fill on a thread of its own (which runs up to 8 layers at a time);
+    if (cached_fd >= 0) {
+      // Every layer is in the kept segment already.
+      for (uint32_t layer : *layers) {
+        v1::MapKVProgress p;
+        p.set_layer_ready(layer);
+        if (!writer->Write(p)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+      }
+      return WaitSegmentTaken(ctx_->shm.get(), token, context);
+    }
+
+    // Fill on a thread of its own (which runs up to 16 layers at a time);
     // this thread reports each layer as it lands.
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                    "Stored page bytes read for decode sessions");
@@ -679,7 +728,7 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
     std::thread filler([&] {
       Status s = FillKVSegment(
           reader->get(), *layers, layout, segment.data(),
-          static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency()))),
+          static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency()))),
           [&](uint32_t layer) {
             std::lock_guard<std::mutex> l(mu);
             ready.push_back(layer);
@@ -713,16 +762,11 @@ grpc::Status DecodeServiceImpl::MapKV(grpc::ServerContext* context,
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
     if (!fill_status.ok()) return ToGrpc(fill_status);
-    // The call ends once the client holds the segment (or gives up).
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    if (!ctx_->shm->WaitRedeemed(token, [&] {
-          return context->IsCancelled() || std::chrono::steady_clock::now() > deadline;
-        })) {
-      return grpc::Status(
-          grpc::StatusCode::DEADLINE_EXCEEDED,
-          "MapKV: the segment was not taken from " + ctx_->shm->path() + " within 60 s");
+    if (keep_fd >= 0) {
+      cache->Insert(cache_key, keep_fd, size);
+      keep_fd = -1;
     }
-    return grpc::Status::OK;
+    return WaitSegmentTaken(ctx_->shm.get(), token, context);
   });
 }
 

@@ -191,6 +191,7 @@ class ServerImpl {
     decode_.reset();
     cluster_.reset();
     ctx_.shm.reset();
+    ctx_.shm_cache.reset();
     ctx_.cluster.reset();
     ctx_.store.reset();  // closes RocksDB
     spdlog::info("store closed");
@@ -277,6 +278,12 @@ class ServerImpl {
                      broker.status().ToString());
       } else {
         ctx_.shm = std::move(*broker);
+        if (c.shm_cache_mb > 0) {
+          ctx_.shm_cache = std::make_unique<ShmCache>(c.shm_cache_mb << 20);
+          ctx_.metrics.AddCallbackGauge(
+              "ctxcache_shm_cache_bytes", "Bytes of MapKV segments kept by --shm-cache-mb",
+              [this] { return ctx_.shm_cache ? double(ctx_.shm_cache->bytes()) : 0.0; });
+        }
       }
     }
     return Status::OK();

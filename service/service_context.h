@@ -19,6 +19,7 @@
 #include "service/quotas.h"
 #include "service/session_memory.h"
 #include "service/shm_broker.h"
+#include "service/shm_cache.h"
 #include "storage/store.h"
 
 namespace ctxcache::service {
@@ -59,6 +60,8 @@ struct ServiceContext {
   SharedPageCache pages{config.page_cache_mb << 20};
   // MapKV's segment hand-over (null with --shm-socket off).
   std::unique_ptr<ShmBroker> shm;
+  // Filled MapKV segments kept for later calls (null unless --shm-cache-mb).
+  std::unique_ptr<ShmCache> shm_cache;
 };
 
 }  // namespace ctxcache::service

@@ -171,15 +171,21 @@ Status ShmSegment::Create(uint64_t size) {
     return ResourceExhaustedError("MapKV: cannot " + std::string(what) + " a shared segment of " +
                                   std::to_string(size) + " bytes: " + strerror(errno));
   };
-  fd_ = memfd_create("ctxcache-kv", MFD_CLOEXEC);
+  fd_ = memfd_create("ctxcache-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd_ < 0) return fail("create");
   if (ftruncate(fd_, static_cast<off_t>(size)) != 0) return fail("size");
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) return fail("map");
   data_ = static_cast<uint8_t*>(p);
   size_ = size;
+  // From here only this mapping writes: no new writable mapping, write(),
+  // resize, or reopen through /proc for writing (Linux 5.1+; an older
+  // kernel leaves the segment unsealed, and ShmCache does not keep it).
+  sealed_ = fcntl(fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
   return Status::OK();
 }
+
+int ShmSegment::DupFd() const { return fcntl(fd_, F_DUPFD_CLOEXEC, 0); }
 
 int ShmSegment::ReleaseFd() {
   const int fd = fd_;

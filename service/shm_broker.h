@@ -76,6 +76,11 @@ class ShmSegment {
   // RESOURCE_EXHAUSTED (with the size) when the segment cannot be had.
   Status Create(uint64_t size);
   uint8_t* data() { return data_; }
+  // True when only data()'s mapping can write the segment: nobody else
+  // (holders of its fd included) can write, map it writable or resize it.
+  bool sealed() const { return sealed_; }
+  // A new fd of the segment (the caller owns it; -1 on failure).
+  int DupFd() const;
   // The segment's fd, now the caller's (the mapping stays valid).
   int ReleaseFd();
 
@@ -83,6 +88,7 @@ class ShmSegment {
   int fd_ = -1;
   uint8_t* data_ = nullptr;
   uint64_t size_ = 0;
+  bool sealed_ = false;
 };
 
 }  // namespace ctxcache::service

@@ -5,6 +5,7 @@ buffers are refused naming the field with nothing written; a corrupted page
 is DataLoss; index fetches equal the gRPC client's."""
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import subprocess
@@ -182,6 +183,64 @@ def test_map_kv_equals_load(nc, built):
         np.testing.assert_array_equal(m.array()[0, 0], k[1])
         with pytest.raises(ctxcache.InvalidArgument, match="layer: 0"):
             m.wait_layer(0)
+
+
+def mapping_inode(address: int) -> int:
+    """The inode of this process's mapping that starts at ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if int(fields[0].split("-")[0], 16) == address:
+                return int(fields[4])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_shm_cache_hands_out_one_sealed_segment(make_server):
+    """With --shm-cache-mb, a second MapKV of the same context and layers
+    maps the segment the first one filled (same memory, same bytes); nobody
+    can write it, not even through the server's own descriptor; other layers
+    get a segment of their own; evicting the context frees its segments."""
+    srv = make_server(["--shm-cache-mb", "64"])
+    pid = srv.proc.pid
+    with native.NativeClient(srv.address, timeout=60) as c, \
+            ctxcache.Client(srv.address, timeout=60) as admin:
+        cid = c.build_tokens(random_tokens(300, 11))
+        s = c.context(cid)
+        k = np.zeros(s.kv_shape(), np.uint16)
+        v = np.zeros_like(k)
+        c.load_kv(cid, k, v)
+        with c.map_kv(cid) as m1:
+            m1.wait()
+            first = mapping_inode(m1.address)
+        assert segment_fds(pid) == 1  # kept by the cache
+        with c.map_kv(cid) as m2:
+            m2.wait()
+            assert mapping_inode(m2.address) == first
+            np.testing.assert_array_equal(m2.array()[:, 0], k)
+            np.testing.assert_array_equal(m2.array()[:, 1], v)
+        with c.map_kv(cid, layers=[1]) as m3:
+            m3.wait()
+            assert mapping_inode(m3.address) != first
+            np.testing.assert_array_equal(m3.array()[0, 0], k[1])
+        assert segment_fds(pid) == 2
+        # The cache's own descriptor, reopened read-write, still cannot write.
+        fd_dir = f"/proc/{pid}/fd"
+        kept = [f for f in os.listdir(fd_dir)
+                if "memfd:ctxcache-kv" in os.readlink(os.path.join(fd_dir, f))]
+        fd = os.open(os.path.join(fd_dir, kept[0]), os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"x", 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 1)
+        finally:
+            os.close(fd)
+        admin.evict(cid)
+        assert segment_fds(pid) == 0
+        with pytest.raises(ctxcache.NotFound):
+            c.map_kv(cid)
 
 
 WORKER = r"""

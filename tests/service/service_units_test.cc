@@ -1,7 +1,10 @@
 // Unit tests of service/ that start no server: the build queue, the event
 // hub, config parsing, CheckReusable, IngestBuilder and DecodeSession over a
-// real RocksDB store in a temp dir.
+// real RocksDB store in a temp dir, MapKV segments' seals and ShmCache.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -19,6 +22,8 @@
 #include "service/connection_streams.h"
 #include "service/decode_session.h"
 #include "service/events.h"
+#include "service/shm_broker.h"
+#include "service/shm_cache.h"
 #include "storage/keys.h"
 #include "storage/manifest_codec.h"
 #include "storage/store.h"
@@ -542,6 +547,78 @@ TEST_F(SessionStoreTest, SessionsShareTheLoadedIndexAndThePageCacheAndAccountMem
   EXPECT_NE(refused.status().message().find("of budget 1024 bytes"), std::string::npos)
       << refused.status().message();
   EXPECT_EQ(tiny.used(), 0u);
+}
+
+// A segment of `size` bytes whose first byte is `tag`: its fd, the caller's.
+int TaggedSegment(uint64_t size, uint8_t tag) {
+  ShmSegment seg;
+  EXPECT_TRUE(seg.Create(size).ok());
+  seg.data()[0] = tag;
+  return seg.ReleaseFd();
+}
+
+uint8_t FirstByte(int fd) {
+  uint8_t b = 0;
+  EXPECT_EQ(pread(fd, &b, 1, 0), 1);
+  close(fd);
+  return b;
+}
+
+TEST(ShmSegmentTest, OnlyTheFillMappingWritesASealedSegment) {
+  ShmSegment seg;
+  ASSERT_TRUE(seg.Create(8192).ok());
+  ASSERT_TRUE(seg.sealed());
+  seg.data()[100] = 7;  // the server's own mapping still writes
+  const int fd = seg.DupFd();
+  ASSERT_GE(fd, 0);
+  uint8_t b = 1;
+  EXPECT_EQ(pwrite(fd, &b, 1, 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(mmap(nullptr, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0), MAP_FAILED);
+  EXPECT_EQ(ftruncate(fd, 4096), -1);
+  // Reopening through /proc for writing does not help.
+  const int again = open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDWR);
+  if (again >= 0) {
+    EXPECT_EQ(pwrite(again, &b, 1, 0), -1);
+    close(again);
+  }
+  void* ro = mmap(nullptr, 8192, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(ro, MAP_FAILED);
+  EXPECT_EQ(static_cast<uint8_t*>(ro)[100], 7);
+  munmap(ro, 8192);
+  close(fd);
+}
+
+TEST(ShmCacheTest, KeepsSegmentsLeastRecentlyUsedOutWithinItsBudget) {
+  ShmCache cache(3 * 4096);
+  const std::string a = ShmCache::Key("aa", 1, {0, 1});
+  const std::string b = ShmCache::Key("bb", 1, {0, 1});
+  const std::string c = ShmCache::Key("cc", 1, {0});
+  EXPECT_NE(ShmCache::Key("aa", 2, {0, 1}), a);  // rebuilt context: another key
+  EXPECT_NE(ShmCache::Key("aa", 1, {1, 0}), a);  // another segment order
+  EXPECT_EQ(cache.Lookup(a), -1);
+  ASSERT_TRUE(cache.Insert(a, TaggedSegment(4096, 1), 4096));
+  ASSERT_TRUE(cache.Insert(b, TaggedSegment(8192, 2), 8192));
+  EXPECT_EQ(cache.bytes(), 3u * 4096);
+  EXPECT_EQ(FirstByte(cache.Lookup(a)), 1);  // a is now the most recent
+  ASSERT_TRUE(cache.Insert(c, TaggedSegment(4096, 3), 4096));  // b goes
+  EXPECT_EQ(cache.Lookup(b), -1);
+  EXPECT_EQ(FirstByte(cache.Lookup(c)), 3);
+  EXPECT_EQ(cache.entries(), 2u);
+  EXPECT_EQ(cache.bytes(), 2u * 4096);
+  // Larger than the whole budget: not kept, nothing else lost.
+  EXPECT_FALSE(cache.Insert(b, TaggedSegment(4 * 4096, 2), 4 * 4096));
+  EXPECT_EQ(cache.entries(), 2u);
+  // The same key again replaces its segment.
+  ASSERT_TRUE(cache.Insert(c, TaggedSegment(4096, 4), 4096));
+  EXPECT_EQ(FirstByte(cache.Lookup(c)), 4);
+  EXPECT_EQ(cache.bytes(), 2u * 4096);
+  // A context's segments go together, and only its own.
+  ASSERT_TRUE(cache.Insert(ShmCache::Key("aa", 1, {1}), TaggedSegment(4096, 5), 4096));
+  EXPECT_EQ(cache.DropContext("aa"), 2u * 4096);
+  EXPECT_EQ(cache.Lookup(a), -1);
+  EXPECT_EQ(FirstByte(cache.Lookup(c)), 4);
+  EXPECT_EQ(cache.bytes(), 4096u);
 }
 
 }  // namespace

@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
 
 #include "auth/principal.h"
 #include "common/dtype.h"
@@ -264,6 +268,79 @@ Status AddIngestChunk(const v1::IngestLayerChunk& c, IngestBuilder* b, IngestScr
                      has_q ? q.data() : nullptr);
 }
 
+// Stores an ingest's chunks on a thread of its own, in order, while the RPC
+// thread reads the next ones: receiving a chunk (its protobuf parse)
+// overlaps storing the one before. At most `depth` chunks wait. The first
+// error stops it: later chunks are dropped and Push and Finish return it.
+class ChunkStorer {
+ public:
+  ChunkStorer(IngestBuilder* b, size_t depth) : b_(b), depth_(depth) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  // Drops the chunks still waiting (an RPC that ends early stores no more).
+  ~ChunkStorer() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      closed_ = true;
+      queue_.clear();
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  ChunkStorer(const ChunkStorer&) = delete;
+  ChunkStorer& operator=(const ChunkStorer&) = delete;
+
+  // Queues `m` (blocking while `depth` chunks wait); the first error so far.
+  Status Push(v1::IngestChunk&& m) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return queue_.size() < depth_ || !status_.ok(); });
+    if (!status_.ok()) return status_;
+    queue_.push_back(std::move(m));
+    cv_.notify_all();
+    return Status::OK();
+  }
+  // Waits until every queued chunk is stored; the first error, if any.
+  Status Finish() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return (queue_.empty() && !busy_) || !status_.ok(); });
+    return status_;
+  }
+
+ private:
+  void Run() {
+    IngestScratch scratch;
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return !queue_.empty() || closed_; });
+      if (queue_.empty() || !status_.ok()) return;
+      v1::IngestChunk m = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      l.unlock();
+      cv_.notify_all();
+      // On an error ~IngestBuilder removes what was written.
+      Status s = AddIngestChunk(m.chunk(), b_, &scratch);
+      l.lock();
+      busy_ = false;
+      if (!s.ok()) {
+        status_ = s;
+        queue_.clear();
+      }
+      cv_.notify_all();
+    }
+  }
+
+  IngestBuilder* const b_;
+  const size_t depth_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::IngestChunk> queue_;  // guarded by mu_
+  bool busy_ = false;                  // guarded by mu_: a chunk being stored
+  bool closed_ = false;                // guarded by mu_
+  Status status_;                      // guarded by mu_
+  std::thread thread_;
+};
+
 // Commits an ingest, publishes it to the cluster (when there is one) and its
 // CREATED or EXTENDED (child) and READY events; *info is the new context.
 Status CommitIngest(ServiceContext* ctx, IngestBuilder* b, bool child, v1::ContextInfo* info) {
@@ -457,19 +534,22 @@ grpc::Status AdminServiceImpl::IngestContext(grpc::ServerContext* context,
       rpc.set_context_id(response->context_id());
       return grpc::Status::OK;
     }
-    IngestScratch scratch;
     bool committed = false;
-    while (reader->Read(&msg)) {
-      if (context->IsCancelled()) return ToGrpc(CancelledError("ingest cancelled"));
-      if (msg.has_commit()) {
-        committed = true;
-        break;
+    {
+      ChunkStorer storer(&b, /*depth=*/2);
+      while (reader->Read(&msg)) {
+        if (context->IsCancelled()) return ToGrpc(CancelledError("ingest cancelled"));
+        if (msg.has_commit()) {
+          committed = true;
+          break;
+        }
+        if (!msg.has_chunk()) {
+          return ToGrpc(InvalidArgumentError("expected a chunk or the commit"));
+        }
+        if (Status s = storer.Push(std::move(msg)); !s.ok()) return ToGrpc(s);
+        msg = v1::IngestChunk();
       }
-      if (!msg.has_chunk()) {
-        return ToGrpc(InvalidArgumentError("expected a chunk or the commit"));
-      }
-      // On an error ~IngestBuilder removes what was written.
-      if (Status s = AddIngestChunk(msg.chunk(), &b, &scratch); !s.ok()) return ToGrpc(s);
+      if (Status s = storer.Finish(); !s.ok()) return ToGrpc(s);
     }
     if (!committed) {
       return grpc::Status(grpc::StatusCode::ABORTED,

@@ -103,10 +103,12 @@ class Steps:
         return box.get("value")
 
 
-def start_server(bin_dir: str, work: str, timeout_s: float = 60.0) -> tuple:
+def start_server(bin_dir: str, work: str, shm_cache_mb: int = 0,
+                 timeout_s: float = 60.0) -> tuple:
     return start_ctxcached(bin_dir, work, ["--model-dir", "models", "--default-model",
                                            "ctxcache-ref", "--max-context-tokens", "140000",
-                                           "--session-memory-mb", "65536"], timeout_s)
+                                           "--session-memory-mb", "65536",
+                                           "--shm-cache-mb", str(shm_cache_mb)], timeout_s)
 
 
 def fingerprint(model: Any, name: str) -> bytes:
@@ -389,6 +391,11 @@ def main() -> int:
                          "sparse:R (the prompt's chunks at prefill fraction R)")
     ap.add_argument("--sparse-rho", type=float, default=0.05)
     ap.add_argument("--sparse-min-tokens", type=int, default=1024)
+    ap.add_argument("--kv-transport", default="auto", choices=("auto", "fetch", "map"),
+                    help="ServingOptions.kv_transport (auto: MapKV from the local ctxcached)")
+    ap.add_argument("--shm-cache-mb", type=int, default=0,
+                    help="ctxcached --shm-cache-mb of the server started here (0: every "
+                         "cold load fills its own segment)")
     ap.add_argument("--step-timeout", type=float, default=540.0, help="seconds per step")
     ap.add_argument("--budget", type=float, default=3300.0, help="seconds for the whole run")
     ap.add_argument("--quick", action="store_true")
@@ -412,7 +419,8 @@ def main() -> int:
                            "python": sys.version.split()[0]}
         addr = a.server
         if not addr:
-            started = steps.run("start_ctxcached", lambda: start_server(a.bin_dir, work), 90)
+            started = steps.run("start_ctxcached", lambda: start_server(a.bin_dir, work, a.shm_cache_mb),
+                                90)
             if started is None:
                 raise RuntimeError("ctxcached did not start")
             proc, addr = started
@@ -441,7 +449,7 @@ def main() -> int:
             backends[mode.replace(":", "_p")] = CtxcacheBackend(addr, model, [fp], ServingOptions(
                 on_missing=a.on_missing, refresh_interval_s=1.0, load_timeout_s=a.step_timeout,
                 rpc_timeout_s=10.0, attention=kind, sparse_rho=a.sparse_rho,
-                sparse_min_tokens=a.sparse_min_tokens,
+                sparse_min_tokens=a.sparse_min_tokens, kv_transport=a.kv_transport,
                 sparse_prefill_rho=float(prefill_rho or 1.0)))
         for n in [int(x) for x in a.contexts.split(",") if x]:
             res["speed"].append(speed_case(a, model, client, backends, spec, n, steps))

@@ -16,7 +16,7 @@ import torch
 
 from ctxcache import native
 from ctxcache.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions, HostTier,
-                             PagePool, PoolOptions, QuestPlanner, quest_bounds)
+                             MappedKV, PagePool, PoolOptions, QuestPlanner, quest_bounds)
 from ctxcache.torch.artifacts import parse_quest_artifact
 from test_gpu_selection import context_keys, demo_contexts  # noqa: F401 (fixture)
 
@@ -455,6 +455,30 @@ def test_host_tier_from_server_holds_the_stored_pages(server, client,
             assert np.array_equal(k.float().numpy(), context_keys(client, ctx))
             assert not bool(t.k[:, :, n:].any()) and not bool(t.v[:, :, n:].any())
             assert bool(t.v[:, :, :n].any())
+
+
+def test_mapped_kv_reads_the_stored_layers_in_segment_order(server,
+                                                            demo_contexts) -> None:  # noqa: F811
+    """MappedKV over MapKV: each slot's K and V equal a bulk load of that
+    layer, in the order asked for; closing unmaps (no segment left here)."""
+    ctx = demo_contexts[0]
+    with native.NativeClient(server.address, timeout=60) as nc:
+        shape = nc.context(ctx.context_id)
+        k = torch.zeros(shape.kv_shape(), dtype=torch.bfloat16)
+        v = torch.zeros_like(k)
+        nc.load_kv(ctx.context_id, k, v)
+        order = list(range(shape.n_layers))[::-1]
+        with MappedKV(nc, ctx.context_id, layers=order, register_threads=2) as m:
+            assert (m.n_slots, m.n_kv_heads, m.n_tokens) == (len(order), shape.n_kv_heads,
+                                                              shape.n_tokens)
+            for slot, layer in enumerate(order):
+                mk, mv = m.layer(slot)
+                assert torch.equal(mk, k[layer]) and torch.equal(mv, v[layer])
+            start = f"{m._address:x}-"
+        with open("/proc/self/maps") as f:
+            assert not any(line.startswith(start) for line in f)  # unmapped
+    with pytest.raises(ValueError, match="register_threads"):
+        MappedKV(None, ctx.context_id, register_threads=0)
 
 
 def test_a_killed_ctxcached_neither_stops_decode_nor_hangs_a_new_load(make_server) -> None:

@@ -207,7 +207,50 @@ def test_options_name_the_bad_field() -> None:
         ServingOptions(sparse_min_tokens=-1).validate()
     with pytest.raises(ValueError, match="sparse_prefill_rho: 2, expected a fraction"):
         ServingOptions(sparse_prefill_rho=2).validate()
+    with pytest.raises(ValueError, match="kv_transport: 'shm', expected one of auto, fetch, map"):
+        ServingOptions(kv_transport="shm").validate()
     assert ServingOptions(attention="sparse").validate().sparse_rho == 0.05
+
+
+@needs_native
+def test_kv_transports_load_the_same_kv_and_auto_falls_back_to_fetch(make_server,
+                                                                   contexts) -> None:
+    """HostKVCache over FetchKV and over MapKV (ctxcached's segment, views
+    with no copy) holds the same K and V; "auto" maps on a loopback address
+    and, when MapKV is off, fetches and says why; "map" then fails."""
+    import torch
+    from ctxcache.serving import HostKVCache
+    from ctxcache.serving.kv import HostKV
+    with pytest.raises(ValueError, match="transport: 'tcp', expected auto, fetch or map"):
+        HostKVCache("127.0.0.1:1", transport="tcp")
+    srv = make_server()
+    toks = random_tokens(200, 77, vocab=256)
+    with ctxcache.Client(srv.address, timeout=60) as c:
+        cid = c.build(tokens=toks).context.context_id
+    got = {}
+    for transport in ("fetch", "map", "auto"):
+        with HostKVCache(srv.address, transport=transport, load_timeout_s=BOUND_S) as kc:
+            kv: HostKV = kc.get(cid)
+            assert kc.mapped_loads == (transport != "fetch") and kc.map_off is None
+            got[transport] = (kv.k.clone(), kv.v.clone())
+            assert kv.k.shape == (2, 2, 200, 32) and kv.k.dtype == torch.bfloat16
+    for transport in ("map", "auto"):
+        assert torch.equal(got[transport][0], got["fetch"][0])
+        assert torch.equal(got[transport][1], got["fetch"][1])
+    # A mapped KV outlives its cache: the segment stays mapped while tensors use it.
+    with HostKVCache(srv.address, transport="map", load_timeout_s=BOUND_S) as kc:
+        k = kc.get(cid).k
+    assert torch.equal(k, got["fetch"][0])
+    del k
+    off = make_server(["--shm-socket", "off"])
+    with ctxcache.Client(off.address, timeout=60) as c:
+        cid = c.build(tokens=toks).context.context_id
+    with HostKVCache(off.address, transport="auto", load_timeout_s=BOUND_S) as kc:
+        assert torch.equal(kc.get(cid).k, got["fetch"][0])
+        assert kc.mapped_loads == 0 and "--shm-socket off" in kc.map_off
+    with HostKVCache(off.address, transport="map", load_timeout_s=BOUND_S) as kc:
+        with pytest.raises(ctxcache.FailedPrecondition, match="--shm-socket off"):
+            kc.get(cid)
 
 
 @needs_native

@@ -3,7 +3,10 @@
 Seams (each its own module; a model adapter composes them):
   page store   :mod:`ctxcache.engine.pool`: HostTier (a context's pages in
                pinned host memory, bulk-loaded through the native client),
-               PagePool (HBM slots; misses resolved on the device)
+               PagePool (HBM slots; misses resolved on the device);
+               :mod:`ctxcache.engine.mapped`: MappedKV (a context in the
+               server's shared memory on the same host, registered with
+               CUDA layer by layer)
   planner      :mod:`ctxcache.engine.planner`: QuestPlanner (the pages each
                sequence's kv head attends, from a compact index)
   attention    :mod:`ctxcache.engine.attention`: PagedAttention (in place
@@ -28,6 +31,7 @@ from ctxcache.engine.attention import DenseContextAttention, PagedAttention
 from ctxcache.engine.engine import (BatchDecoder, ContextDecoder, DenseDecoder, EngineOptions,
                                    OwnTokens)
 from ctxcache.engine.llama import LlamaExtender, LlamaStepper
+from ctxcache.engine.mapped import MappedKV
 from ctxcache.engine.planner import QuestPlanner, chunk_pages, quest_bounds
 from ctxcache.engine.pool import HostTier, PagePool, PoolOptions
 from ctxcache.engine.prefill import DenseExtendAttention, ExtendOptions, SparseExtendAttention
@@ -35,6 +39,6 @@ from ctxcache.engine.writeback import WriteBack, WriteBackOptions
 
 __all__ = ["BatchDecoder", "ContextDecoder", "DenseContextAttention", "DenseDecoder",
            "DenseExtendAttention", "EngineOptions", "ExtendOptions", "HostTier",
-           "LlamaExtender", "LlamaStepper", "OwnTokens", "PagePool", "PagedAttention",
-           "PoolOptions", "QuestPlanner", "SparseExtendAttention", "WriteBack",
+           "LlamaExtender", "LlamaStepper", "MappedKV", "OwnTokens", "PagePool",
+           "PagedAttention", "PoolOptions", "QuestPlanner", "SparseExtendAttention", "WriteBack",
            "WriteBackOptions", "chunk_pages", "quest_bounds"]

@@ -11,7 +11,11 @@ request tries again.
 The buffers are torch CPU tensors (pinned when CUDA is available, for fast
 copies to the GPU) of the context's kv dtype when torch is importable, else
 numpy arrays (bf16 as uint16). Shape ``[n_layers, n_kv_heads, n_tokens,
-head_dim]``. A stored context is immutable (content-addressed), so its KV
+head_dim]``. With ``transport="map"`` (or ``"auto"`` and ctxcached on a
+loopback address) they are instead views of ctxcached's shared-memory
+segment on this host (MapKV through :class:`ctxcache.engine.MappedKV`,
+registered with CUDA): no copy and no buffer of this process; the segment
+stays mapped while any tensor over it lives. A stored context is immutable (content-addressed), so its KV
 stays correct after ctxcached evicts it: a request that has its KV keeps it.
 """
 from __future__ import annotations
@@ -83,6 +87,11 @@ class HostKVCache:
         load_timeout_s: bound of one load, and of a caller's wait for it.
         streams: parallel streams per load.
         use_torch: True / False / None (torch when importable).
+        transport: "fetch" (FetchKV into this process's buffers), "map"
+            (MapKV, same host; needs torch) or "auto" (map when ``address``
+            is a loopback one and torch is importable; after a MapKV failure
+            that a FetchKV of the same context then gets past, fetch for
+            good: ``map_off`` says why).
         native_kwargs: extra NativeClient arguments (tls_ca, api_key, ...).
 
     Thread-safe. Counters: ``loads`` (loads started), ``hits`` (gets served
@@ -92,9 +101,15 @@ class HostKVCache:
     def __init__(self, address: str, *, capacity_bytes: int = 8 << 30,
                  load_timeout_s: float = 120.0, streams: int = 4,
                  rpc_timeout_s: float = 2.0, rpc_attempts: int = 2,
-                 use_torch: Optional[bool] = None,
+                 use_torch: Optional[bool] = None, transport: str = "fetch",
                  native_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        if transport not in ("auto", "fetch", "map"):
+            raise ValueError(f"transport: {transport!r}, expected auto, fetch or map")
         self.address = address
+        self.transport = transport
+        # Why "auto" stopped mapping (None while it maps).
+        self.map_off: Optional[str] = None
+        self.mapped_loads = 0
         self.capacity_bytes = int(capacity_bytes)
         self.load_timeout_s = float(load_timeout_s)
         self.streams = int(streams)
@@ -202,6 +217,54 @@ class HostKVCache:
         if shape.state != 2:
             raise errors.FailedPrecondition(f"context {context_id} is not READY "
                                             f"(state {shape.state})", rpc="LoadKV")
+        if self._maps():
+            try:
+                return self._load_mapped(nc, context_id, shape, t0)
+            except Exception as e:  # noqa: BLE001 (auto: fetch instead, below)
+                if self.transport == "map":
+                    raise
+                map_error = f"{type(e).__name__}: {e}"
+        else:
+            map_error = None
+        kv = self._load_fetched(nc, context_id, shape, t0, timeout)
+        if map_error is not None:
+            with self._lock:
+                self.map_off = map_error  # the context itself was fine
+        return kv
+
+    def _maps(self) -> bool:
+        if self.transport == "fetch" or self._use_torch is False:
+            return False
+        if self.transport == "map":
+            return True
+        if self.map_off is not None:
+            return False
+        host = self.address.rsplit(":", 1)[0].strip("[]")
+        if not (host.startswith("127.") or host in ("localhost", "::1")):
+            return False
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def _load_mapped(self, nc: NativeClient, context_id: str, shape: ContextShape,
+                     t0: float) -> HostKV:
+        from ctxcache.engine.mapped import MappedKV
+        m = MappedKV(nc, context_id)
+        try:
+            k, v = m.tensors()  # the segment lives as long as these do
+        except BaseException:
+            m.close()
+            raise
+        took = time.monotonic() - t0
+        with self._lock:
+            self.load_seconds += took
+            self.mapped_loads += 1
+        return HostKV(context_id, shape, k, v, m.nbytes, took)
+
+    def _load_fetched(self, nc: NativeClient, context_id: str, shape: ContextShape, t0: float,
+                      timeout: float) -> HostKV:
         t_alloc = time.monotonic()
         k, v, nbytes = _buffers(shape, self._use_torch)
         with self._lock:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["ServingOptions", "ON_MISSING_CHOICES", "ATTENTION_CHOICES"]
+__all__ = ["ServingOptions", "ON_MISSING_CHOICES", "ATTENTION_CHOICES", "KV_TRANSPORT_CHOICES"]
 
 # "prefill": the request runs as if ctxcache were absent (the engine
 # prefills the whole prompt). "error": the request fails with the
@@ -19,6 +19,7 @@ __all__ = ["ServingOptions", "ON_MISSING_CHOICES", "ATTENTION_CHOICES"]
 ON_MISSING_CHOICES = ("prefill", "error")
 # How a request attends its stored prefix (ServingOptions.attention).
 ATTENTION_CHOICES = ("dense", "sparse")
+KV_TRANSPORT_CHOICES = ("auto", "fetch", "map")
 
 
 @dataclass
@@ -54,6 +55,14 @@ class ServingOptions:
     # Parallel streams of a bulk KV load (NativeClient.start_load_kv).
     # Default: 4.
     load_streams: int = 4
+    # How a context's KV reaches host memory: "fetch" (FetchKV frames into
+    # buffers of this process), "map" (MapKV: ctxcached's shared-memory
+    # segment on this host, registered with CUDA; no copy and no buffer of
+    # this process, and a segment ctxcached keeps (--shm-cache-mb) is shared
+    # by every worker on the host), or "auto" ("map" when ctxcached's address
+    # is a loopback one, falling back to "fetch" for good if MapKV fails
+    # other than for the context itself). Default: "auto".
+    kv_transport: str = "auto"
     # Attention over a stored prefix: "dense" (the engine's own paged
     # attention over every prefix token: greedy tokens equal plain
     # generation's) or "sparse" (ctxcache.serving.sparse: each request's
@@ -87,6 +96,9 @@ class ServingOptions:
         if not isinstance(self.refresh_interval_s, (int, float)) or self.refresh_interval_s < 0:
             raise ValueError(f"refresh_interval_s: {self.refresh_interval_s!r}, expected a "
                              "number of seconds >= 0")
+        if self.kv_transport not in KV_TRANSPORT_CHOICES:
+            raise ValueError(f"kv_transport: {self.kv_transport!r}, expected one of "
+                             f"{', '.join(KV_TRANSPORT_CHOICES)}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention: {self.attention!r}, expected one of "
                              f"{', '.join(ATTENTION_CHOICES)}")

@@ -107,6 +107,7 @@ class Resolver:
         self.kv_cache = kv_cache or HostKVCache(
             address, capacity_bytes=o.host_cache_bytes, load_timeout_s=o.load_timeout_s,
             streams=o.load_streams, rpc_timeout_s=o.rpc_timeout_s, rpc_attempts=o.rpc_attempts,
+            transport=o.kv_transport,
             native_kwargs={k: v for k, v in kw.items()
                            if k in ("tls_ca", "tls_cert", "tls_key", "tls_server_name",
                                     "api_key")})

@@ -30,7 +30,8 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from ctxcache import errors
-from ctxcache.serving.options import ATTENTION_CHOICES, ON_MISSING_CHOICES, ServingOptions
+from ctxcache.serving.options import (ATTENTION_CHOICES, KV_TRANSPORT_CHOICES, ON_MISSING_CHOICES,
+                                      ServingOptions)
 
 __all__ = ["main", "build_app", "CONTEXT_FIELD"]
 
@@ -206,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-timeout", type=float, default=120.0, help="seconds per KV load")
     ap.add_argument("--host-cache-gib", type=float, default=8.0,
                     help="context KV kept in host memory, GiB")
+    ap.add_argument("--kv-transport", choices=KV_TRANSPORT_CHOICES, default="auto",
+                    help="how stored KV reaches this process: FetchKV frames, ctxcached's "
+                         "shared memory on this host (MapKV), or auto (map on loopback)")
     ap.add_argument("--fingerprint", action="append", default=[], metavar="HEX",
                     help="model fingerprint whose stored KV this model may use (repeatable; "
                          "default: SHA-256 over the weights, as ctxcache.torch.hf.model_spec)")
@@ -244,6 +248,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         options = ServingOptions(on_missing=a.on_missing, rpc_timeout_s=a.rpc_timeout,
                                  load_timeout_s=a.load_timeout,
                                  host_cache_bytes=int(a.host_cache_gib * (1 << 30)),
+                                 kv_transport=a.kv_transport,
                                  attention=a.attention, sparse_rho=a.sparse_rho,
                                  sparse_min_tokens=a.sparse_min_tokens).validate()
     except ValueError as e:

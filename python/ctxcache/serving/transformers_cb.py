@@ -625,6 +625,8 @@ class CtxcacheBackend:
                 "kv_hits": kv.hits, "kv_failures": kv.failures, "kv_bytes": kv.bytes_kept,
                 "kv_load_seconds": round(kv.load_seconds, 4),
                 "kv_alloc_seconds": round(kv.alloc_seconds, 4),
+                "kv_transport": kv.transport, "kv_mapped_loads": kv.mapped_loads,
+                "kv_map_off": kv.map_off,
                 "seeded_blocks": self.seeded_blocks, "seed_failures": self.seed_failures,
                 "seed_seconds": {k: round(v, 4) for k, v in self.seed_seconds.items()},
                 "attention": self.options.attention,

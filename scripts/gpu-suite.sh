@@ -56,7 +56,7 @@ stage() {  # stage NAME SECONDS CMD...; CTXCACHE_GPU_STAGES=a,b runs only those
 WORK="$(mktemp -d /tmp/ctxcache-gpu-XXXXXX)"
 tar -xJf .pack/ctxcache-server.tar.xz -C "$WORK"
 mkdir -p "$WORK/bin"
-for b in ctxcached ctxcache ctxcache-cluster-load ctxcache-bench; do  # wrappers named like the binaries
+for b in ctxcached ctxcache ctxcache-cluster-load ctxcache-bench fio; do  # wrappers named like the binaries
   [ -x "$WORK/ctxcache/bin/$b" ] || continue
   printf '#!/usr/bin/env bash\nexec %s/ctxcache/bin/%s.sh "$@"\n' "$WORK" "$b" >"$WORK/bin/$b"
   chmod +x "$WORK/bin/$b"
@@ -64,6 +64,8 @@ done
 ./scripts/unpack-models.sh >/dev/null
 # The native client library of the bundle (python/ctxcache/native.py).
 export CTXCACHE_NATIVE_LIB="$WORK/ctxcache/lib/libctxcache_c.so"
+# The bundle's fio (CTXCACHE_PACK_FIO=1), where the host has none.
+command -v fio >/dev/null || export PATH="$WORK/bin:$PATH"
 
 stage bundle 120 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data' --listen 127.0.0.1:0 --port-file '$WORK/ports' \

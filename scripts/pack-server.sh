@@ -13,7 +13,8 @@
 # (Debian's etcd-server, static Go, ~5.7 MB xz) as ctxcache/bin/etcd, for the
 # cluster bench (scripts/gpu-suite.sh stage cluster_bench) on a host without
 # etcd; $CTXCACHE_ETCD_BIN overrides /usr/bin/etcd.
-# Usage: [CTXCACHE_PACK_ETCD=1] scripts/pack-server.sh [BUILD_DIR] [OUT_DIR]
+# CTXCACHE_PACK_FIO=1 adds fio (below).
+# Usage: [CTXCACHE_PACK_ETCD=1] [CTXCACHE_PACK_FIO=1] scripts/pack-server.sh [BUILD_DIR] [OUT_DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${1:-$root/build}"
@@ -33,6 +34,12 @@ cp "$build/lib/libctxcache_spm.so" "$pkg/lib/"
 # ctypes (python/ctxcache/native.py finds it as $CTXCACHE_BIN_DIR/../lib); its
 # RPATH $ORIGIN finds the closure copied below.
 cp "$build/lib/libctxcache_c.so" "$pkg/lib/"
+# CTXCACHE_PACK_FIO=1: also fio (scripts/build-fio.sh: libaio static, zlib),
+# the cold-load baseline of python/bench/gpu_load.py on a host without fio.
+if [ "${CTXCACHE_PACK_FIO:-0}" = 1 ]; then
+  cp "$("$root/scripts/build-fio.sh" "$build/fio" | tail -1)" "$pkg/bin/fio"
+  bins+=(fio)
+fi
 if [ "${CTXCACHE_PACK_ETCD:-0}" = 1 ]; then
   etcd="${CTXCACHE_ETCD_BIN:-/usr/bin/etcd}"
   [ -x "$etcd" ] || { echo "pack-server: $etcd missing (apt-get install etcd-server)" >&2; exit 1; }

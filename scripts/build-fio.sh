@@ -34,9 +34,10 @@ make -C "$aio" -j"$(nproc)" libaio.a >/dev/null
 cd "$work"/fio-*/
 ./configure --disable-native --disable-numa --disable-rdma --disable-rados --disable-rbd \
   --disable-gfapi --disable-pmem --disable-http --disable-tcmalloc --disable-libnfs \
-  --disable-xnvme --disable-libzbc --disable-dfs --extra-cflags="-I$aio" >/dev/null
+  --disable-xnvme --disable-libzbc --disable-dfs --extra-cflags="-I$aio -L$aio" >/dev/null
 # libaio.a only (no libaio.so beside it): linked statically.
 make -j"$(nproc)" LDFLAGS="-L$aio" fio >/dev/null
+./fio --enghelp | grep -qx '[[:space:]]*libaio' || { echo "build-fio: libaio engine missing" >&2; exit 1; }
 mkdir -p "$out"
 strip -o "$out/fio" fio
 echo "$out/fio"

@@ -57,9 +57,12 @@ class _Mapping:
 
 
 class MappedKV:
-    """``MappedKV(client, context_id, layers=None, register_threads=4)``:
-    maps the context's layers (``layers`` in segment order; None = all) from
-    ``client`` (:class:`ctxcache.native.NativeClient`, on the server's host).
+    """``MappedKV(client, context_id, layers=None, register_threads=4,
+    register=True)``: maps the context's layers (``layers`` in segment
+    order; None = all) from ``client`` (:class:`ctxcache.native.NativeClient`,
+    on the server's host). With ``register=False`` nothing is registered:
+    the caller copies the layers into buffers of its own (e.g. a pinned
+    arena allocated once, which costs no registration per load).
 
     ``layer(slot)`` returns that slot's K and V as [n_kv_heads, n_tokens,
     head_dim] tensors over the mapping, once the layer is filled and (with
@@ -70,7 +73,7 @@ class MappedKV:
     (copies made from them are fine: it synchronizes the device first)."""
 
     def __init__(self, client: Any, context_id: str, layers: Optional[Sequence[int]] = None,
-                 register_threads: int = 4) -> None:
+                 register_threads: int = 4, register: bool = True) -> None:
         if register_threads < 1:
             raise ValueError(f"MappedKV: register_threads must be >= 1, got {register_threads}")
         kvmap = client.map_kv(context_id, layers)
@@ -91,7 +94,7 @@ class MappedKV:
         self._raw = torch.frombuffer(buf, dtype=torch.uint8)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._ready: List[Future] = []
-        if torch.cuda.is_available():
+        if register and torch.cuda.is_available():
             self._pool = ThreadPoolExecutor(register_threads, thread_name_prefix="ctxcache-reg")
             self._ready = [self._pool.submit(self._register, s) for s in range(self.n_slots)]
 

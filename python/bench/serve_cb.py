@@ -13,6 +13,9 @@ JSON and the next one still runs):
              ctxcache_cold   CtxcacheBackend, host KV cache empty (the load
                              from ctxcached counts);
              ctxcache_warm   CtxcacheBackend again, context KV in host memory;
+             ctxcache_cold_kept  (with --shm-cache-mb > 0) the host KV cache
+                             emptied again: the load maps the segment that
+                             ctxcached kept from the cold run;
            then, for each further --attention mode (sparse: ServingOptions
            attention="sparse", --sparse-rho, --sparse-min-tokens), a cold
            and a warm run of a backend in that mode (ctxcache_sparse_cold,
@@ -291,7 +294,16 @@ def speed_case(a: Any, model: Any, client: Any, backends: Dict[str, Any],
         prefix = "ctxcache" if mode == "dense" else f"ctxcache_{mode}"
         for c in [x["context_id"] for x in case["stored"]]:
             be.resolver.kv_cache.drop(c)  # cold: the first request loads from ctxcached
-        for name in (f"{prefix}_cold", f"{prefix}_warm"):
+        names = [f"{prefix}_cold", f"{prefix}_warm"]
+        if a.shm_cache_mb > 0:
+            # A worker whose host cache lost the KV (a new process, say)
+            # while ctxcached keeps it in shared memory: the load maps the
+            # kept segment.
+            names.append(f"{prefix}_cold_kept")
+        for name in names:
+            if name.endswith("_cold_kept"):
+                for c in [x["context_id"] for x in case["stored"]]:
+                    be.resolver.kv_cache.drop(c)
             runs[name] = steps.run(f"{name}_{n}", lambda: run_engine(
                 lambda: be.manager(gen, cb()), prompts, a.new_tokens, a.step_timeout),
                 a.step_timeout + 60)

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "index/eigen_blocking.h"
 
 namespace ctxcache::index {
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "common/dtype.h"
+#include "index/eigen_blocking.h"
 #include "index/topk.h"
 
 namespace ctxcache::index {

@@ -6,6 +6,8 @@
 #include <random>
 #include <string>
 
+#include "index/eigen_blocking.h"
+
 namespace ctxcache::index {
 namespace {
 

@@ -10,6 +10,7 @@
 
 #include "common/thread_pool.h"
 #include "index/byte_io.h"
+#include "index/eigen_blocking.h"
 #include "index/kmeans.h"
 #include "index/params.h"
 

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <string>
 
+#include "index/eigen_blocking.h"
 #include "model/forward.h"
 #include "model/prefill.h"
 #include "session/attention.h"

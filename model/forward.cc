@@ -6,6 +6,8 @@
 #include <limits>
 #include <string>
 
+#include "index/eigen_blocking.h"
+
 namespace ctxcache::model::internal {
 
 namespace {

@@ -28,6 +28,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 #include "common/thread_pool.h"
+#include "index/eigen_blocking.h"
 
 namespace ctxcache::model {
 

@@ -8,9 +8,10 @@
 // Every file that includes <Eigen/Core> includes this header instead of it
 // or beside it. Its inline variable fixes the cache sizes Eigen plans with,
 // once per program and before main: 48 KiB L1, 2 MiB L2, 32 MiB L3 (a
-// common server core; the products' speed is within noise of the host's
-// own sizes on the 2-core VM). Products are then the same on every x86-64-v3
-// host. Code that calls Eigen::setCpuCacheSizes itself breaks that.
+// common server core's). Products are then the same on every x86-64-v3
+// host; on a host with other caches the blocking may be slower than the one
+// Eigen would pick (not measured). Code that calls Eigen::setCpuCacheSizes
+// itself breaks that.
 #pragma once
 
 #include <Eigen/Core>

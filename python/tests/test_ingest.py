@@ -183,6 +183,12 @@ def test_ingest_errors_store_nothing(client: ctxcache.Client) -> None:
         nan = [(k.copy(), v, q) for k, v, q in kv]
         nan[0][0][0, 0, 0] = np.nan
         client.ingest(spec(), toks, nan)
+    # The same in the last layer's V: chunks before it were stored (the
+    # server stores a chunk while it receives the next), and are removed.
+    with pytest.raises(ctxcache.InvalidArgument, match="chunk.v"):
+        late = [(k, v.copy(), q) for k, v, q in kv]
+        late[-1][1][0, -1, 0] = np.inf
+        client.ingest(spec(), toks, late)
     # A stream that ends without the commit is ABORTED.
     header = ctxcache.pb.IngestHeader(tokens=ctxcache.pb.TokenIds(ids=toks))
     header.model.CopyFrom(ctxcache.storage_pb.ModelSpec(

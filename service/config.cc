@@ -179,6 +179,11 @@ Status CheckFlagCombinations(const ServerConfig& c) {
   if (c.low_watermark > c.high_watermark) {
     return InvalidArgumentError("--low-watermark must be <= --high-watermark");
   }
+  if (c.shm_cache_mb > 0 && c.shm_socket == "off") {
+    return InvalidArgumentError("--shm-cache-mb " + std::to_string(c.shm_cache_mb) +
+                                " keeps MapKV segments, and --shm-socket off turns MapKV off: "
+                                "give --shm-cache-mb 0 or a socket");
+  }
   return Status::OK();
 }
 

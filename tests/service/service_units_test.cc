@@ -144,6 +144,15 @@ TEST(ConfigTest, FlagsFileAndOverrides) {
       << overridden->ToToml();
   EXPECT_FALSE(Parse({"--no-such-flag"}).ok());
   EXPECT_FALSE(Parse({"--max-sessions", "lots"}).ok());
+  // Kept MapKV segments need MapKV.
+  EXPECT_EQ(def->shm_cache_mb, 0u);
+  auto kept = Parse({"--shm-cache-mb", "64"});
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_NE(kept->ToToml().find("shm-cache-mb = 64"), std::string::npos);
+  auto no_socket = Parse({"--shm-cache-mb", "64", "--shm-socket", "off"});
+  ASSERT_EQ(no_socket.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_socket.status().message().find("--shm-socket off"), std::string::npos)
+      << no_socket.status().message();
 }
 
 // One worker's channel must be able to hold every session the server allows.

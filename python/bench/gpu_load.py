@@ -256,17 +256,15 @@ def run_case(a, spec: str, res: dict) -> None:
                                                                case["host_tier_ttft_2_s"])
         log(f"TTFT from the pinned host tier: {case['host_tier_ttft_2_s']:.3f} s "
             f"({case['host_tier_speedup_vs_prefill']:.1f}x the prefill)")
-        # Same host through shared memory (MapKV): the first call fills a
-        # segment (the server keeps it: --shm-cache-mb), the next ones map the
-        # kept segment. This process maps it and registers each layer with
-        # CUDA on --register-threads threads (engine.MappedKV); each layer is
-        # copied to the GPU once registered, then one decode step.
+        # Same host through shared memory (MapKV, engine.MappedKV). "fill":
+        # the first MapKV fills the segment, which the server keeps
+        # (--shm-cache-mb); "kept*": later calls map the kept segment,
+        # registered with CUDA layer by layer on --register-threads threads
+        # ("kept", "kept2") or copied layer by layer into the pinned buffers
+        # k, v (a worker's pinned arena, allocated once; "kept_copy*") while
+        # the previous layer goes to the GPU. The step runs while the
+        # mapping is held.
         from ctxcache.engine import MappedKV
-        # "fill": the first MapKV fills the segment; "kept*": the kept
-        # segment, registered with CUDA layer by layer ("kept", "kept2") or
-        # copied layer by layer into the pinned buffers k, v (a worker's
-        # pinned arena, allocated once; "kept_copy*") while the previous
-        # layer goes to the GPU. The step runs while the mapping is held.
         for attempt in ("fill", "kept", "kept2", "kept_copy", "kept_copy2"):
             copy = attempt.startswith("kept_copy")
             torch.cuda.synchronize()

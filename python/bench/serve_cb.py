@@ -431,8 +431,8 @@ def main() -> int:
                            "python": sys.version.split()[0]}
         addr = a.server
         if not addr:
-            started = steps.run("start_ctxcached", lambda: start_server(a.bin_dir, work, a.shm_cache_mb),
-                                90)
+            started = steps.run("start_ctxcached",
+                                lambda: start_server(a.bin_dir, work, a.shm_cache_mb), 90)
             if started is None:
                 raise RuntimeError("ctxcached did not start")
             proc, addr = started

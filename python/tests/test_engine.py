@@ -474,7 +474,7 @@ def test_mapped_kv_reads_the_stored_layers_in_segment_order(server,
             for slot, layer in enumerate(order):
                 mk, mv = m.layer(slot)
                 assert torch.equal(mk, k[layer]) and torch.equal(mv, v[layer])
-            start = f"{m._address:x}-"
+            start = f"{m.address:x}-"
         with open("/proc/self/maps") as f:
             assert not any(line.startswith(start) for line in f)  # unmapped
     with pytest.raises(ValueError, match="register_threads"):

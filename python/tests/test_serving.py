@@ -221,7 +221,7 @@ def test_kv_transports_load_the_same_kv_and_auto_falls_back_to_fetch(make_server
     import torch
     from ctxcache.serving import HostKVCache
     from ctxcache.serving.kv import HostKV
-    with pytest.raises(ValueError, match="transport: 'tcp', expected auto, fetch or map"):
+    with pytest.raises(ValueError, match="transport: 'tcp', expected one of auto, fetch, map"):
         HostKVCache("127.0.0.1:1", transport="tcp")
     srv = make_server()
     toks = random_tokens(200, 77, vocab=256)
@@ -251,6 +251,35 @@ def test_kv_transports_load_the_same_kv_and_auto_falls_back_to_fetch(make_server
     with HostKVCache(off.address, transport="map", load_timeout_s=BOUND_S) as kc:
         with pytest.raises(ctxcache.FailedPrecondition, match="--shm-socket off"):
             kc.get(cid)
+
+
+@needs_native
+def test_a_mapped_load_from_a_stalled_ctxcached_ends_within_load_timeout(make_server) -> None:
+    """A MapKV load from a ctxcached that stopped answering (SIGSTOP) fails
+    within load_timeout_s, and a load after it resumes works. The check on
+    the elapsed time is against timers (the deadline; without the bound the
+    call's deadline was 32 times the timeout), not against the machine's
+    speed: both processes are idle while it waits."""
+    import torch
+    from ctxcache.serving import HostKVCache
+    srv = make_server()
+    toks = random_tokens(64, 79, vocab=256)
+    with ctxcache.Client(srv.address, timeout=60) as c:
+        cid = c.build(tokens=toks).context.context_id
+    with ctxcache.native.NativeClient(srv.address, timeout=60) as nc:
+        shape = nc.context(cid)
+    timeout = 1.0
+    with HostKVCache(srv.address, transport="map", load_timeout_s=timeout) as kc:
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            with pytest.raises((ctxcache.DeadlineExceeded, ctxcache.Unavailable)):
+                kc.get(cid, shape=shape)
+            assert time.monotonic() - t < 16 * timeout
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert kc.get(cid, shape=shape).k.shape == (2, 2, 64, 32)
+        assert kc.get(cid).k.dtype == torch.bfloat16
 
 
 @needs_native

@@ -175,7 +175,8 @@ typedef struct {
  * process from a shared-memory segment the server fills (no byte crosses
  * gRPC); returns once mapped, while the fill goes on. UNAVAILABLE when the
  * server's socket is not reachable from here (another host: use
- * ctxcache_load_kv). */
+ * ctxcache_load_kv). The call's deadline, fill included, is the client's
+ * timeout per layer mapped (32 layers' worth for n_layers 0). */
 CTXCACHE_EXPORT int ctxcache_map_kv_start(ctxcache_client_t* c, const char* context_id,
                                           const uint32_t* layers, size_t n_layers,
                                           ctxcache_map_t** out, char** errptr);

@@ -382,7 +382,9 @@ class Client {
   // segment is mapped, while the server still fills it (WaitLayer).
   // UNAVAILABLE when the server's socket cannot be reached (the worker is
   // on another host: use StartLoadKV); FAILED_PRECONDITION when the server
-  // has MapKV off. One attempt, no retry.
+  // has MapKV off. One attempt, no retry. The call's deadline, fill
+  // included, is ClientOptions::timeout_s per layer mapped (32 layers' worth
+  // when `layers` is empty).
   virtual StatusOr<std::unique_ptr<KVMapping>> MapKV(const std::string& context_id,
                                                      const std::vector<uint32_t>& layers) = 0;
   // StartLoadKV, then Wait. `progress` (may be null) gets the final counts.

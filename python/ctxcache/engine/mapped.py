@@ -21,10 +21,11 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from ctxcache.tensors import DTYPE_NAMES, wire_torch_dtype
+
 __all__ = ["MappedKV"]
 
 _CUDA_HOST_REGISTER_READ_ONLY = 8
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 class _Mapping:
@@ -67,7 +68,8 @@ class MappedKV:
     ``layer(slot)`` returns that slot's K and V as [n_kv_heads, n_tokens,
     head_dim] tensors over the mapping, once the layer is filled and (with
     CUDA) registered; ``tensors()`` all of them as [n_slots, n_kv_heads,
-    n_tokens, head_dim] views. The mapping lives as long as this object or
+    n_tokens, head_dim] views; ``address`` and ``nbytes`` locate the
+    segment in this process. The mapping lives as long as this object or
     any tensor taken from it; :meth:`close` (or the context manager's exit)
     releases it at once, after which tensors taken from it must not be used
     (copies made from them are fine: it synchronizes the device first)."""
@@ -83,15 +85,21 @@ class MappedKV:
         self.n_tokens, self.head_dim = int(lay["n_tokens"]), int(lay["head_dim"])
         self.layers: List[int] = (list(layers) if layers is not None
                                   else list(range(self.n_slots)))
-        self.dtype = _TORCH_DTYPES[kvmap.dtype]
+        self.dtype = wire_torch_dtype(DTYPE_NAMES[kvmap.dtype])
         self.nbytes = int(kvmap.size)
-        self._lay = {f: int(lay[f]) for f in ("layer_stride", "head_stride", "token_stride",
-                                                "v_offset")}
-        self._stride, self._v_offset = self._lay["layer_stride"], self._lay["v_offset"]
-        self._address = int(kvmap.address)
+        self._stride = int(lay["layer_stride"])  # bytes of one slot (K then V)
+        self.address = int(kvmap.address)  # where the segment is mapped here
         buf = (ctypes.c_uint8 * kvmap.size).from_address(kvmap.address)
         buf._ctxcache_owner = self._owner  # type: ignore[attr-defined]
-        self._raw = torch.frombuffer(buf, dtype=torch.uint8)
+        # K and V of every slot as [n_slots, n_kv_heads, n_tokens, head_dim]
+        # views of the segment (the layout MapKV sent, in elements).
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        item = flat.element_size()
+        size = (self.n_slots, self.n_kv_heads, self.n_tokens, self.head_dim)
+        stride = (self._stride // item, int(lay["head_stride"]) // item,
+                  int(lay["token_stride"]) // item, 1)
+        self._k = flat.as_strided(size, stride, 0)
+        self._v = flat.as_strided(size, stride, int(lay["v_offset"]) // item)
         self._pool: Optional[ThreadPoolExecutor] = None
         self._ready: List[Future] = []
         if register and torch.cuda.is_available():
@@ -100,7 +108,7 @@ class MappedKV:
 
     def _register(self, slot: int) -> None:
         self._owner.map.wait_layer(self.layers[slot])
-        addr = self._address + slot * self._stride
+        addr = self.address + slot * self._stride
         rc = torch.cuda.cudart().cudaHostRegister(addr, self._stride,
                                                   _CUDA_HOST_REGISTER_READ_ONLY)
         if int(rc) != 0:
@@ -117,11 +125,7 @@ class MappedKV:
     def layer(self, slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of segment slot ``slot`` (pinned with CUDA), waiting for it."""
         self._wait(slot)
-        base = slot * self._stride
-        shape = (self.n_kv_heads, self.n_tokens, self.head_dim)
-        k = self._raw[base:base + self._v_offset].view(self.dtype).view(shape)
-        v = self._raw[base + self._v_offset:base + self._stride].view(self.dtype).view(shape)
-        return k, v
+        return self._k[slot], self._v[slot]
 
     def tensors(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of every slot, [n_slots, n_kv_heads, n_tokens, head_dim]
@@ -131,13 +135,7 @@ class MappedKV:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        item = torch.empty((), dtype=self.dtype).element_size()
-        flat = self._raw.view(self.dtype)
-        size = (self.n_slots, self.n_kv_heads, self.n_tokens, self.head_dim)
-        stride = (self._stride // item, self._lay["head_stride"] // item,
-                  self._lay["token_stride"] // item, 1)
-        return (flat.as_strided(size, stride, 0),
-                flat.as_strided(size, stride, self._v_offset // item))
+        return self._k, self._v
 
     def close(self) -> None:
         """Waits for pending registrations, then unregisters and unmaps."""

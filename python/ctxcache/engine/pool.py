@@ -58,6 +58,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ctxcache.tensors import DTYPE_NAMES, wire_torch_dtype
+
 __all__ = ["HostTier", "PagePool", "PoolOptions", "table_rows"]
 
 
@@ -113,9 +115,9 @@ class HostTier:
         ``tier.load.wait_layer(l)`` waits for layer l, ``tier.load.wait()``
         for all."""
         shape = client.context(context_id)
-        dtypes = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
         tier = cls(shape.n_layers, shape.n_kv_heads, shape.n_tokens, shape.head_dim,
-                   dtypes[shape.kv_dtype], page=shape.block_tokens or 16, pin=pin)
+                   wire_torch_dtype(DTYPE_NAMES[shape.kv_dtype]),
+                   page=shape.block_tokens or 16, pin=pin)
         k, v = tier.token_view()
         tier.load = client.start_load_kv(context_id, k, v, streams=streams, shape=shape)
         return tier

@@ -15,8 +15,9 @@ head_dim]``. With ``transport="map"`` (or ``"auto"`` and ctxcached on a
 loopback address) they are instead views of ctxcached's shared-memory
 segment on this host (MapKV through :class:`ctxcache.engine.MappedKV`,
 registered with CUDA): no copy and no buffer of this process; the segment
-stays mapped while any tensor over it lives. A stored context is immutable (content-addressed), so its KV
-stays correct after ctxcached evicts it: a request that has its KV keeps it.
+stays mapped while any tensor over it lives. A stored context is immutable
+(content-addressed), so its KV stays correct after ctxcached evicts it: a
+request that has its KV keeps it.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from typing import Any, Dict, Optional
 
 from ctxcache import errors
 from ctxcache.native import ContextShape, NativeClient
+from ctxcache.serving.options import KV_TRANSPORT_CHOICES
+from ctxcache.tensors import DTYPE_NAMES, wire_torch_dtype
 
 __all__ = ["HostKV", "HostKVCache"]
 
@@ -56,7 +59,7 @@ def _buffers(shape: ContextShape, use_torch: Optional[bool]) -> tuple:
                 raise
             torch = None
     if torch is not None:
-        dt = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[shape.kv_dtype]
+        dt = wire_torch_dtype(DTYPE_NAMES[shape.kv_dtype])
         pin = bool(torch.cuda.is_available())
         k = torch.empty(n, dtype=dt, pin_memory=pin)
         v = torch.empty(n, dtype=dt, pin_memory=pin)
@@ -103,8 +106,9 @@ class HostKVCache:
                  rpc_timeout_s: float = 2.0, rpc_attempts: int = 2,
                  use_torch: Optional[bool] = None, transport: str = "fetch",
                  native_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        if transport not in ("auto", "fetch", "map"):
-            raise ValueError(f"transport: {transport!r}, expected auto, fetch or map")
+        if transport not in KV_TRANSPORT_CHOICES:
+            raise ValueError(f"transport: {transport!r}, expected one of "
+                             f"{', '.join(KV_TRANSPORT_CHOICES)}")
         self.address = address
         self.transport = transport
         # Why "auto" stopped mapping (None while it maps).
@@ -118,6 +122,7 @@ class HostKVCache:
         self._use_torch = use_torch
         self._native_kwargs = dict(native_kwargs or {})
         self._nc: Optional[NativeClient] = None
+        self._map_clients: Dict[int, NativeClient] = {}  # by the layers a MapKV maps
         self._lock = threading.Lock()
         self._kept: "OrderedDict[str, HostKV]" = OrderedDict()
         self._bytes = 0
@@ -138,6 +143,19 @@ class HostKVCache:
                 self._nc = NativeClient(self.address, timeout=self.load_timeout_s,
                                         max_attempts=self._rpc_attempts, **self._native_kwargs)
             return self._nc
+
+    def _map_client(self, n_layers: int) -> NativeClient:
+        """A client for MapKV calls of ``n_layers`` layers. A MapKV call's
+        deadline is its client's timeout per layer mapped (it covers the
+        fill), so this client's timeout makes the whole call end within
+        load_timeout_s."""
+        with self._lock:
+            nc = self._map_clients.get(n_layers)
+            if nc is None:
+                nc = NativeClient(self.address, timeout=self.load_timeout_s / n_layers,
+                                  max_attempts=1, **self._native_kwargs)
+                self._map_clients[n_layers] = nc
+            return nc
 
     @property
     def bytes_kept(self) -> int:
@@ -219,7 +237,7 @@ class HostKVCache:
                                             f"(state {shape.state})", rpc="LoadKV")
         if self._maps():
             try:
-                return self._load_mapped(nc, context_id, shape, t0)
+                return self._load_mapped(context_id, shape, t0)
             except Exception as e:  # noqa: BLE001 (auto: fetch instead, below)
                 if self.transport == "map":
                     raise
@@ -248,10 +266,10 @@ class HostKVCache:
             return False
         return True
 
-    def _load_mapped(self, nc: NativeClient, context_id: str, shape: ContextShape,
-                     t0: float) -> HostKV:
+    def _load_mapped(self, context_id: str, shape: ContextShape, t0: float) -> HostKV:
         from ctxcache.engine.mapped import MappedKV
-        m = MappedKV(nc, context_id)
+        m = MappedKV(self._map_client(shape.n_layers), context_id,
+                     layers=list(range(shape.n_layers)))
         try:
             k, v = m.tensors()  # the segment lives as long as these do
         except BaseException:
@@ -289,11 +307,13 @@ class HostKVCache:
 
     def close(self) -> None:
         with self._lock:
-            nc, self._nc = self._nc, None
+            clients = [self._nc] + list(self._map_clients.values())
+            self._nc, self._map_clients = None, {}
             self._kept.clear()
             self._bytes = 0
-        if nc is not None:
-            nc.close()
+        for nc in clients:
+            if nc is not None:
+                nc.close()
 
     def __enter__(self) -> "HostKVCache":
         return self

@@ -25,6 +25,16 @@ gpu_e2e).
    decoding; the load counts in its TTFT). ``--prefetch`` adds
    sparse_prefetch: (b) with speculative next-layer prefetch
    (``generate_client(prefetch=True)``).
+5. ``--engine``: the same model through ``hf.generate_engine`` (the GPU
+   engine: the context bulk-loaded into a pinned host tier, the model's step
+   as CUDA graph replays, no RPC while decoding): ``engine_dense`` (the whole
+   KV copied to the GPU, DenseDecoder) and ``engine_sparse_P<p>`` (Quest
+   pages at ``--engine-rho`` with ``rank=max``, ``min_budget=1024``, an HBM
+   pool of ``--pool-frac`` of the pages, search period p), each at every
+   batch of ``--engine-batches`` (sequence 0 feeds the context's last token,
+   the others random tokens; at batch 1 teacher-forced on (a)'s tokens for
+   the agreement), cold (the load in TTFT) and ``_warm`` (a tier loaded
+   before the call, as a worker keeps it).
 Peak GPU memory is measured per phase (torch.cuda.max_memory_allocated,
 reset before each) and given with and without the weights. Prints and
 writes JSON.
@@ -179,6 +189,68 @@ def profile_of(fn) -> dict:
             "cprofile_cumulative": text.getvalue()}
 
 
+def engine_runs(a, c, model, info, first: int, dense_tokens: list, weights: int, res: dict,
+                save) -> None:
+    """Step 5 (module docstring): hf.generate_engine, dense and sparse, cold
+    and warm, at each batch."""
+    from ctxcache import native
+    from ctxcache.engine import EngineOptions, HostTier
+    from ctxcache.torch import hf
+
+    rng = np.random.default_rng(3)
+    vocab = model.config.vocab_size
+    with native.NativeClient(a.server, timeout=900) as nc:
+        t = time.perf_counter()
+        warm = HostTier.from_server(nc, info.context_id)
+        warm.load.wait()
+        res["engine_tier_load_s"] = time.perf_counter() - t
+        kinds = [("engine_dense", "dense", None)] + [
+            (f"engine_sparse_P{p}", "sparse",
+             EngineOptions(rho=a.engine_rho, rank="max", min_budget=1024,
+                           pool_fraction=a.pool_frac, period=p))
+            for p in (int(x) for x in a.engine_periods.split(","))]
+        for b in (int(x) for x in a.engine_batches.split(",")):
+            firsts = [first] + [int(x) for x in rng.integers(3, vocab, size=b - 1)]
+            forced = [dense_tokens] if b == 1 else None
+            for name, att, opts in kinds:
+                for tier, tag in ((None, ""), (warm, "_warm")):
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                    out = hf.generate_engine(c, model, info, firsts, a.n_new, attention=att,
+                                             options=opts, forced=forced, tier=tier,
+                                             native=nc)
+                    row = {"batch": b, "ttft_s": out.ttft_s, "load_s": out.load_s,
+                           "setup_s": out.setup_s, "tokens_per_s": out.tokens_per_s,
+                           "step_ms": 1e3 * out.decode_s / max(1, a.n_new - 1),
+                           "memory_gib": {k: v / 2**30 for k, v in out.memory.items()},
+                           "peak_gib_over_start": (torch.cuda.max_memory_allocated()
+                                                   - before) / 2**30}
+                    if forced is not None:
+                        row["agreement_with_dense"] = float(np.mean(
+                            [x == y for x, y in zip(out.tokens[0], dense_tokens)]))
+                    if out.pool:
+                        row["pool"] = out.pool
+                        row["bytes_h2d_per_step"] = out.pool["bytes_h2d"] / a.n_new
+                    if tag == "" and b == 1:
+                        row["ttft_vs_prefill"] = res["prefill_s"] / out.ttft_s
+                    key = f"{name}{tag}_B{b}"
+                    res[key] = row
+                    log(f"{key}: {row}")
+                    save()
+                    del out
+            dn = res[f"engine_dense_warm_B{b}"]
+            hf_tps = res["dense"]["tokens_per_s"]
+            res[f"engine_ratio_B{b}"] = {"engine_dense_vs_hf_dense": dn["tokens_per_s"] / hf_tps}
+            for name, _, _ in kinds[1:]:
+                sp = res[f"{name}_warm_B{b}"]
+                res[f"engine_ratio_B{b}"][f"{name}_vs_engine_dense"] = (sp["tokens_per_s"]
+                                                                      / dn["tokens_per_s"])
+                res[f"engine_ratio_B{b}"][f"{name}_vs_hf_dense"] = sp["tokens_per_s"] / hf_tps
+        del warm
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -204,6 +276,11 @@ def main() -> int:
     ap.add_argument("--warm-pool", action="store_true",
                     help="also (b) with a pool holding the whole context, loaded before the "
                          "first step (sparse_warm: no misses while decoding)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also decode through hf.generate_engine (the GPU engine)")
+    ap.add_argument("--engine-batches", default="1", help="engine batch sizes")
+    ap.add_argument("--engine-periods", default="1,4", help="engine search periods")
+    ap.add_argument("--engine-rho", type=float, default=0.05, help="engine page budget")
     a = ap.parse_args()
 
     import ctxcache
@@ -309,6 +386,8 @@ def main() -> int:
         res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
                                                      res["dense"]["tokens_per_s"])
         res["ratio_ttft_dense_vs_sparse"] = res["dense"]["ttft_s"] / res["sparse"]["ttft_s"]
+        if a.engine:
+            engine_runs(a, c, model, info, first, dense["tokens"], weights, res, save)
         if a.profile_steps:
             log(f"profiling {a.profile_steps} steps of (a) and (b)")
             k = a.profile_steps

@@ -3,7 +3,10 @@ transformers path only where transformers is installed (the GPU machine:
 scripts/gpu-suite.sh), against the real ctxcached."""
 from __future__ import annotations
 
+import math
 import os
+import types
+from typing import List
 
 import numpy as np
 import pytest
@@ -199,3 +202,180 @@ def test_gpu_page_pool_fetches_only_missing_pages_and_evicts_lru(make_server) ->
         assert full.misses == m.n_layers * m.n_kv_heads * n_pages and full.hits == 3
         ref = c.fetch_pages(info.context_id, [(1, 0, [7])], dtype="raw", as_torch=True)
         assert torch.equal(k[0, 16:32], ref[0].k.view(16, d))
+
+
+# ------------------------------------------------- generate_engine on the CPU --
+# A LLaMA-shaped model of plain torch modules (the parts LlamaStepper reads:
+# embed, RoPE, RMSNorm, q/k/v/o projections, gated MLP, lm_head), so the
+# engine adapter runs in CI without transformers.
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * \
+            self.weight
+
+
+class _Rotary(torch.nn.Module):
+    def __init__(self, d: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.register_buffer("inv", 1.0 / theta ** (torch.arange(0, d, 2).float() / d))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple:
+        f = position_ids[..., None].float() * self.inv
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(n, 2 * n, bias=False)
+        self.up_proj = torch.nn.Linear(n, 2 * n, bias=False)
+        self.down_proj = torch.nn.Linear(2 * n, n, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, hidden: int, hq: int, h: int, d: int) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        for name, out in (("q_proj", hq * d), ("k_proj", h * d), ("v_proj", h * d)):
+            setattr(self.self_attn, name, torch.nn.Linear(hidden, out, bias=False))
+        self.self_attn.o_proj = torch.nn.Linear(hq * d, hidden, bias=False)
+        self.input_layernorm = _RMSNorm(hidden)
+        self.post_attention_layernorm = _RMSNorm(hidden)
+        self.mlp = _MLP(hidden)
+
+
+class _TinyLlama(torch.nn.Module):
+    def __init__(self, layers: int, hq: int, h: int, d: int, vocab: int = 96,
+                 seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        hidden = hq * d
+        self.config = types.SimpleNamespace(
+            num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=h,
+            head_dim=d, hidden_size=hidden, vocab_size=vocab)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(vocab, hidden)
+        self.model.layers = torch.nn.ModuleList(_Layer(hidden, hq, h, d) for _ in range(layers))
+        self.model.norm = _RMSNorm(hidden)
+        self.model.rotary_emb = _Rotary(d)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.to(torch.bfloat16).eval()
+
+
+@torch.no_grad()
+def _reference_decode(model: _TinyLlama, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                      firsts: List[int], feeds: List[List[int]]) -> tuple:
+    """Dense decoding written out: every step's logits [B, steps, vocab] and
+    the fed tokens' K [L, B, H, steps, d], attention in float64 over the
+    whole stored context plus the tokens so far."""
+    from ctxcache.engine.llama import _rotate_half
+    cfg = model.config
+    hq, h, d, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k_ctx.shape[2]
+    g = hq // h
+    b, steps = len(firsts), len(feeds[0]) + 1
+    own_k = torch.zeros(cfg.num_hidden_layers, b, h, steps, d, dtype=torch.bfloat16)
+    own_v = torch.zeros_like(own_k)
+    logits = torch.zeros(b, steps, cfg.vocab_size)
+    tokens = torch.tensor(firsts)
+    for t in range(steps):
+        x = model.model.embed_tokens(tokens)
+        pos = torch.full((b,), n + t)
+        cos, sin = model.model.rotary_emb(x.unsqueeze(1), pos.unsqueeze(1))
+        cos, sin = cos.view(b, 1, d), sin.view(b, 1, d)
+        for li, layer in enumerate(model.model.layers):
+            a = layer.self_attn
+            hs = layer.input_layernorm(x)
+            q = a.q_proj(hs).view(b, hq, d)
+            k = a.k_proj(hs).view(b, h, d)
+            v = a.v_proj(hs).view(b, h, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            own_k[li, :, :, t], own_v[li, :, :, t] = k, v
+            o = torch.zeros(b, hq, d, dtype=torch.float64)
+            for s in range(b):
+                for j in range(hq):
+                    keys = torch.cat([k_ctx[li, j // g], own_k[li, s, j // g, :t + 1]]).double()
+                    vals = torch.cat([v_ctx[li, j // g], own_v[li, s, j // g, :t + 1]]).double()
+                    w = torch.softmax(keys @ q[s, j].double() / math.sqrt(d), dim=0)
+                    o[s, j] = w @ vals
+            x = x + a.o_proj(o.to(torch.bfloat16).reshape(b, hq * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits[:, t] = model.lm_head(model.model.norm(x)).float()
+        if t + 1 < steps:
+            tokens = torch.tensor([f[t] for f in feeds])
+    return logits, own_k
+
+
+def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_server) -> None:
+    """hf.generate_engine on the CPU against a real ctxcached: dense and
+    sparse at full budget give the written-out dense decoding's logits
+    (teacher forced, two sequences), a sparse budget reads part of the
+    pool, and write-back stores each sequence's fed tokens as a child
+    context holding their K."""
+    import ctxcache
+    from conftest import random_tokens
+    from ctxcache import native
+    from ctxcache.engine import EngineOptions, WriteBackOptions
+
+    srv = make_server()
+    with native.NativeClient(srv.address, timeout=60) as nc, \
+            ctxcache.Client(srv.address, timeout=60) as c:
+        cid = nc.build_tokens(random_tokens(700, 21))
+        info = c.get(cid)
+        m = info.model
+        n = int(info.n_tokens)
+        k_ctx = torch.zeros(nc.context(cid).kv_shape(), dtype=torch.bfloat16)
+        v_ctx = torch.zeros_like(k_ctx)
+        nc.load_kv(cid, k_ctx, v_ctx)
+        model = _TinyLlama(m.n_layers, m.n_q_heads, m.n_kv_heads, m.head_dim)
+        firsts, steps = [5, 17], 5
+        feeds = [[(7 * s + 3 * i) % 90 + 1 for i in range(steps)] for s in range(2)]
+        want, want_k = _reference_decode(model, k_ctx, v_ctx, firsts,
+                                         [f[:steps - 1] for f in feeds])
+        runs = {"dense": hf.generate_engine(c, model, info, firsts, steps, attention="dense",
+                                            forced=feeds, keep_logits=True,
+                                            write_back=WriteBackOptions(indexes=["quest"])),
+                "full": hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
+                                           keep_logits=True,
+                                           options=EngineOptions(rho=1.0, pool_fraction=1.0))}
+        for name, r in runs.items():
+            assert r.logits.shape == want.shape, name
+            torch.testing.assert_close(r.logits, want, atol=0.03, rtol=0.03, msg=name)
+            assert r.tokens == want.argmax(-1).tolist(), name
+            assert r.load_s > 0 and r.ttft_s >= r.load_s and r.decode_s > 0
+        assert runs["full"].pool["copies"] > 0 and "pool" in runs["full"].memory
+        assert runs["dense"].memory["context"] == 2 * k_ctx.numel() * 2
+        # Write-back: a child per sequence, the context plus its fed tokens,
+        # whose appended rows hold the K the decode computed.
+        for s, child in enumerate(runs["dense"].children):
+            assert child.n_tokens == n + steps
+            ck = torch.zeros(nc.context(child.context_id).kv_shape(), dtype=torch.bfloat16)
+            nc.load_kv(child.context_id, ck, torch.zeros_like(ck))
+            assert torch.equal(ck[:, :, :n], k_ctx)
+            torch.testing.assert_close(ck[:, :, n:].float(), want_k[:, s].float(),
+                                       atol=0.02, rtol=0.02)
+        # A 20% budget with a pool of a tenth of the pages: fewer units
+        # copied than the whole context, and every step's tokens.
+        sparse = hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
+                                    options=EngineOptions(rho=0.2, pool_fraction=0.1))
+        assert [len(t) for t in sparse.tokens] == [steps, steps]
+        units = m.n_layers * m.n_kv_heads * -(-n // 16)
+        assert 0 < sparse.pool["copies"] and sparse.pool["n_slots"] < units
+        # Clear errors, nothing decoded.
+        with pytest.raises(ValueError, match="attention 'paged'"):
+            hf.generate_engine(c, model, info, firsts, steps, attention="paged")
+        with pytest.raises(ValueError, match="forced: expected 2 sequences of 5"):
+            hf.generate_engine(c, model, info, firsts, steps, forced=[feeds[0]])
+        other = _TinyLlama(m.n_layers + 1, m.n_q_heads, m.n_kv_heads, m.head_dim)
+        with pytest.raises(ValueError, match="the model expects"):
+            hf.generate_engine(c, model=other, info=info, first_tokens=firsts, n_new=steps)

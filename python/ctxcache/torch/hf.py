@@ -50,7 +50,8 @@ from ctxcache.torch.pooled import _pad_pages  # noqa: F401 (re-exported: tests u
 
 __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
            "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
-           "LibrarySession", "PooledAttention", "PrefillResult", "max_step_pages"]
+           "LibrarySession", "PooledAttention", "PrefillResult", "max_step_pages",
+           "EngineResult", "generate_engine"]
 
 
 # ---------------------------------------------------------------- attention --
@@ -509,8 +510,8 @@ def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new:
     (default: one to ``client.address`` with ``$CTXCACHE_API_KEY``, closed at
     the end; pass one for TLS or other options).
     The result carries ``pool_hits``, ``pool_misses`` (with ``"exact"``: the
-    library's page cache look-ups), ``bytes_received`` and ``ttft_s`` (from the call to the first token:
-    index fetch, set-up, the Append session's open, the first step)."""
+    library's page cache look-ups), ``bytes_received`` and ``ttft_s`` (from the call to the
+    first token: index fetch, set-up, the Append session's open, the first step)."""
     from ctxcache import native as native_lib
     from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
 
@@ -612,3 +613,157 @@ def generate_dense(model: Any, pre: PrefillResult, first_token: int, n_new: int,
           for i in range(len(pre.k))]
     return _decode(model, _Decoder(dense_kv=kv), first_token, int(pre.k[0].shape[1]), n_new,
                    forced)
+
+
+# ---------------------------------------------------------- through the engine --
+
+@dataclass
+class EngineResult:
+    """What :func:`generate_engine` decoded and what it cost. ``tokens[b][i]``
+    is sequence b's greedy token after step i (recorded before teacher
+    forcing replaces it); seconds are wall time, the host synced only after
+    the first step and after the last."""
+    tokens: List[List[int]] = field(default_factory=list)
+    logits: Optional[torch.Tensor] = None  # keep_logits: [B, n_new, vocab] float32, CPU
+    load_s: float = 0.0     # the host tier's bulk load (0 for a tier given)
+    setup_s: float = 0.0    # decoder (index, pool, preload) and CUDA graphs
+    ttft_s: float = 0.0     # from the call to the first tokens on the host
+    decode_s: float = 0.0   # steps 2 .. n_new
+    pool: Dict[str, int] = field(default_factory=dict)     # PagePool.stats() (sparse)
+    memory: Dict[str, int] = field(default_factory=dict)   # the decoder's device bytes by part
+    children: List[Any] = field(default_factory=list)      # write_back: each sequence's child
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens of all sequences per second over steps 2 .. n_new."""
+        steps = len(self.tokens[0]) - 1 if self.tokens else 0
+        return len(self.tokens) * steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def _engine_shape_error(tier: Any, model: Any) -> Optional[str]:
+    cfg = model.config
+    want = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    got = (tier.n_layers, tier.n_kv_heads, tier.head_dim)
+    if got != want:
+        return (f"the stored context has (layers, kv heads, head_dim) {got}; the model "
+                f"expects {want}")
+    return None
+
+
+@torch.no_grad()
+def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[int],
+                    n_new: int, *, attention: str = "sparse", options: Any = None,
+                    forced: Optional[Sequence[Sequence[int]]] = None, tier: Any = None,
+                    native: Any = None, streams: int = 8, cuda_graphs: bool = True,
+                    keep_logits: bool = False, write_back: Any = None) -> EngineResult:
+    """Greedy decoding of B = len(first_tokens) sequences after the stored
+    context ``info``, all through the GPU engine (:mod:`ctxcache.engine`):
+    no RPC and no host sync inside the decode.
+
+    1. The context's K/V go into a pinned host tier with one bulk load
+       (``HostTier.from_server`` through ``native``, default a
+       :class:`ctxcache.native.NativeClient` to ``client.address``, closed at
+       the end), unless ``tier`` (an :class:`ctxcache.engine.HostTier` the
+       caller keeps, e.g. a worker's warm copy) is given.
+    2. ``attention="sparse"``: a :class:`ctxcache.engine.ContextDecoder`
+       (``options``: :class:`ctxcache.engine.EngineOptions`; the Quest
+       planner over the tier's keys, an HBM pool whose misses are copied from
+       the tier on the device). ``"dense"``: the whole context copied to the
+       device, :class:`ctxcache.engine.DenseDecoder` (the baseline through
+       the same code).
+    3. The model's step (:class:`ctxcache.engine.LlamaStepper`: every layer's
+       own projections, RoPE and MLP; LLaMA-family models) runs as CUDA graph
+       replays on CUDA when ``cuda_graphs``, eagerly otherwise. Sequence b
+       feeds ``first_tokens[b]`` at position ``info.n_tokens``; with
+       ``forced`` (``[B][n_new]``) step i+1 feeds ``forced[b][i]``.
+    4. ``write_back`` (a :class:`ctxcache.engine.WriteBackOptions`): after
+       the decode, each sequence's fed tokens and their K/V are stored as a
+       child context of ``info`` (:class:`ctxcache.engine.WriteBack`);
+       ``children`` holds their ``ContextInfo``.
+
+    Raises ValueError for an unknown ``attention``, no sequences, ``n_new`` < 1,
+    a ``forced`` of another shape, or a stored context whose shape is not
+    the model's."""
+    from ctxcache import native as native_lib
+    from ctxcache.engine import (ContextDecoder, DenseDecoder, HostTier, LlamaStepper,
+                                 WriteBack)
+
+    t0 = time.perf_counter()
+    if attention not in ("sparse", "dense"):
+        raise ValueError(f"attention '{attention}', expected 'sparse' or 'dense'")
+    firsts = [int(x) for x in first_tokens]
+    b = len(firsts)
+    if b < 1 or n_new < 1:
+        raise ValueError(f"first_tokens: {b} sequences and n_new {n_new}; expected >= 1 of each")
+    if forced is not None and (len(forced) != b or any(len(f) < n_new for f in forced)):
+        raise ValueError(f"forced: expected {b} sequences of {n_new} tokens")
+    owner = None
+    if (tier is None or write_back is not None) and native is None:
+        native = owner = native_lib.NativeClient(client.address)
+    try:
+        load_s = 0.0
+        if tier is None:
+            tier = HostTier.from_server(native, info.context_id, streams=streams)
+            tier.load.wait()
+            load_s = time.perf_counter() - t0
+        err = _engine_shape_error(tier, model)
+        if err is not None:
+            raise ValueError(f"generate_engine: {err}")
+        dev = next(model.parameters()).device
+        n = int(tier.n_tokens)
+        if attention == "dense":
+            k, v = tier.token_view()
+            dec: Any = DenseDecoder(k.to(dev), v.to(dev), b, n_new)
+        else:
+            dec = ContextDecoder(tier, dev, model.config.num_attention_heads, b, n_new, options)
+        st = LlamaStepper(model, dec, b, keep_logits=keep_logits)
+        graphs = cuda_graphs and dev.type == "cuda"
+        if graphs:
+            st.capture()  # its warm-up steps' effects are undone below
+        dec.reset()
+        st.reset()
+        st.tokens.copy_(torch.tensor(firsts, dtype=torch.int64))
+        st.position.fill_(n)
+        fed = (torch.tensor([list(f[:n_new]) for f in forced], dtype=torch.int64,
+                            device=dev).t().contiguous() if forced is not None else None)
+        out = torch.empty(n_new, b, dtype=torch.int64, device=dev)
+        logits = (torch.empty(n_new, b, model.config.vocab_size, dtype=torch.float32,
+                              device=dev) if keep_logits else None)
+        res = EngineResult(load_s=load_s)
+        res.setup_s = time.perf_counter() - t0 - load_s
+        step = st.replay if graphs else st.step
+        t1 = t0
+        for i in range(n_new):
+            step()
+            out[i].copy_(st.tokens)
+            if logits is not None:
+                logits[i].copy_(st.logits)
+            if fed is not None:
+                st.tokens.copy_(fed[i])
+            if i == 0:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                res.ttft_s = t1 - t0
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        res.decode_s = time.perf_counter() - t1
+        res.tokens = out.t().tolist()
+        if logits is not None:
+            res.logits = logits.transpose(0, 1).cpu()
+        res.memory = dec.memory()
+        if attention == "sparse":
+            res.pool = dec.pool.stats()
+        if write_back is not None:
+            writers = [WriteBack(native, info, write_back) for _ in range(b)]
+            for s, w in enumerate(writers):
+                ids = [firsts[s]] + (list(forced[s][:n_new - 1]) if forced is not None
+                                     else res.tokens[s][:n_new - 1])
+                w.append_own(dec.own, s, ids, 0)
+                w.flush()
+            res.children = [w.close(write_back.timeout_s) for w in writers]
+        return res
+    finally:
+        if owner is not None:
+            owner.close()

@@ -10,9 +10,10 @@
 #      decode through ctxcached, against dense and the C++ worker;
 #   4b. data_plane: python/bench/gpu_load.py (the data plane's targets: bulk
 #      load, cold load, TTFT from the cache vs HF prefill, ingest);
-#   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, dense with the
-#      KV loaded from ctxcached against sparse with a 10% GPU page pool, on
-#      the reference model and on the Llama-3-8B shape (random weights,
+#   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, HF's dense
+#      decoding with the KV loaded from ctxcached against hf.generate_engine
+#      (dense and sparse, a 10% HBM page pool), on the reference model and
+#      on the Llama-3-8B shape (random weights,
 #      CTXCACHE_E2E_LAYERS layers, default 8). CTXCACHE_E2E_MODELS=ref or
 #      llama8b runs one of them; CTXCACHE_E2E_ARGS adds flags to both (e.g.
 #      --profile-steps 8: a torch.profiler + cProfile breakdown, *-profile.json).

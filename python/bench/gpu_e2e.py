@@ -1,40 +1,31 @@
 """End-to-end decode on the GPU against a running ctxcached, for a long
-context: (a) dense with the whole KV loaded from ctxcache onto the GPU
-against (b) sparse csa with a GPU page pool of a fraction of the context's
-pages that fetches its misses from ctxcached (the scripts/gpu-suite.sh stage
-gpu_e2e).
+context: (a) HF's own dense decoding with the whole KV loaded from ctxcache
+onto the GPU against (b) the same model through the GPU engine
+(``hf.generate_engine``) (the scripts/gpu-suite.sh stage gpu_e2e).
 
 1. Loads the model: an HF LLaMA-family checkpoint (``--model PATH``), or
    ``--model llama8b``: the Llama-3-8B shape (32 q / 8 kv heads, d 128,
    hidden 4096, MLP 14336, vocab 128256) with random bf16 weights and
-   ``--layers`` layers (the 32-layer store of a long context would not fit
-   this bench's time; say how many in the table).
+   ``--layers`` layers (say how many in the table).
 2. Prefills ``--tokens`` context tokens with HF (the ``--tokens-json``
    document, repeated to length, or random ids for llama8b) and ingests
    the post-RoPE K/V/Q (csa built server-side): prefill and ingest seconds,
    ingest tokens/s.
 3. (a) dense: FetchPages of every page of every layer, the K/V placed in an
    HF cache on the GPU, then ``--n-new`` greedy steps with the model's own
-   SDPA attention. TTFT = the fetch + the first step.
-4. (b) sparse: ``hf.generate_client`` (FetchIndex csa, the session core as
-   tensor ops on the GPU, pages through ``GpuPagePool`` sized to
-   ``--pool-frac`` of the context's pages, generated tokens appended to a
-   server session), teacher-forced on (a)'s tokens. TTFT = index fetch +
-   set-up + the first step. ``--warm-pool`` adds sparse_warm: a pool that
-   holds the whole context, loaded before the first step (no misses while
-   decoding; the load counts in its TTFT). ``--prefetch`` adds
-   sparse_prefetch: (b) with speculative next-layer prefetch
-   (``generate_client(prefetch=True)``).
-5. ``--engine``: the same model through ``hf.generate_engine`` (the GPU
-   engine: the context bulk-loaded into a pinned host tier, the model's step
-   as CUDA graph replays, no RPC while decoding): ``engine_dense`` (the whole
-   KV copied to the GPU, DenseDecoder) and ``engine_sparse_P<p>`` (Quest
-   pages at ``--engine-rho`` with ``rank=max``, ``min_budget=1024``, an HBM
-   pool of ``--pool-frac`` of the pages, search period p), each at every
-   batch of ``--engine-batches`` (sequence 0 feeds the context's last token,
-   the others random tokens; at batch 1 teacher-forced on (a)'s tokens for
-   the agreement), cold (the load in TTFT) and ``_warm`` (a tier loaded
-   before the call, as a worker keeps it).
+   SDPA attention, eagerly (HF's decode loop). TTFT = the fetch + the first
+   step.
+4. (b) ``hf.generate_engine``: the context bulk-loaded into a pinned host
+   tier, the model's step as CUDA graph replays, no RPC while decoding:
+   ``engine_dense`` (the whole KV copied to the GPU, DenseDecoder: the
+   baseline through the same code) and ``engine_sparse_P<p>`` (Quest pages
+   at ``--engine-rho`` with ``rank=max``, ``min_budget=1024``, an HBM pool of
+   ``--pool-frac`` of the pages, search period p), each at every batch of
+   ``--engine-batches`` (sequence 0 feeds the context's last token, the
+   others random tokens; at batch 1 teacher-forced on (a)'s tokens for the
+   agreement), cold (the bulk load in TTFT) and ``_warm`` (a tier loaded
+   before the call, as a worker keeps it). One untimed call first compiles
+   the kernels (a worker does that once).
 Peak GPU memory is measured per phase (torch.cuda.max_memory_allocated,
 reset before each) and given with and without the weights. Prints and
 writes JSON.
@@ -166,7 +157,7 @@ def dense_from_ctxcache(client, model, info, first: int, n_new: int, dev: str,
 
 def profile_of(fn) -> dict:
     """fn() under torch.profiler (CPU + CUDA; the ctxcache.* ranges of
-    ctxcache.torch.hf and ctxcache.torch.pooled) and, in a second run, under
+    ctxcache.torch.hf) and, in a second run, under
     cProfile: the top rows."""
     import cProfile
     import io
@@ -189,9 +180,8 @@ def profile_of(fn) -> dict:
             "cprofile_cumulative": text.getvalue()}
 
 
-def engine_runs(a, c, model, info, first: int, dense_tokens: list, weights: int, res: dict,
-                save) -> None:
-    """Step 5 (module docstring): hf.generate_engine, dense and sparse, cold
+def engine_runs(a, c, model, info, first: int, dense_tokens: list, res: dict, save) -> None:
+    """Step 4 (module docstring): hf.generate_engine, dense and sparse, cold
     and warm, at each batch."""
     from ctxcache import native
     from ctxcache.engine import EngineOptions, HostTier
@@ -212,6 +202,9 @@ def engine_runs(a, c, model, info, first: int, dense_tokens: list, weights: int,
         for b in (int(x) for x in a.engine_batches.split(",")):
             firsts = [first] + [int(x) for x in rng.integers(3, vocab, size=b - 1)]
             forced = [dense_tokens] if b == 1 else None
+            for _, att, opts in kinds:  # compiles this batch's kernels, untimed
+                hf.generate_engine(c, model, info, firsts, 2, attention=att, options=opts,
+                                   tier=warm)
             for name, att, opts in kinds:
                 for tier, tag in ((None, ""), (warm, "_warm")):
                     gc.collect()
@@ -261,7 +254,7 @@ def main() -> int:
     ap.add_argument("--tokens-json", default="", help="a document's token ids (repeated)")
     ap.add_argument("--n-new", type=int, default=32)
     ap.add_argument("--pool-frac", type=float, default=0.10,
-                    help="(b)'s page pool: this share of the context's pages")
+                    help="(b)'s HBM page pool: this share of the context's pages")
     ap.add_argument("--out", default="")
     ap.add_argument("--csa-params", default="",
                     help="k=v,... build params of the csa index (e.g. rerank=0)")
@@ -271,13 +264,6 @@ def main() -> int:
     ap.add_argument("--profile-out", default="e2e-profile.json")
     ap.add_argument("--dense-sdpa", default="flash", choices=sorted(SDPA_BACKENDS),
                     help="(a)'s SDPA backend")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="also run sparse_prefetch: (b) with speculative next-layer prefetch")
-    ap.add_argument("--warm-pool", action="store_true",
-                    help="also (b) with a pool holding the whole context, loaded before the "
-                         "first step (sparse_warm: no misses while decoding)")
-    ap.add_argument("--engine", action="store_true",
-                    help="also decode through hf.generate_engine (the GPU engine)")
     ap.add_argument("--engine-batches", default="1", help="engine batch sizes")
     ap.add_argument("--engine-periods", default="1,4", help="engine search periods")
     ap.add_argument("--engine-rho", type=float, default=0.05, help="engine page budget")
@@ -334,60 +320,7 @@ def main() -> int:
         save()
         torch.cuda.empty_cache()
 
-        block = int(info.block_tokens) or 16
-        n_pages_total = cfg.num_hidden_layers * cfg.num_key_value_heads * (
-            (len(context) + block - 1) // block)
-        page_bytes = 2 * block * res["shape"]["head_dim"] * 2  # K and V, bf16
-        pool_bytes = int(a.pool_frac * n_pages_total) * page_bytes
-        # (name, append, warm pool, prefetch)
-        runs = [("sparse", True, False, False), ("sparse_no_append", False, False, False)]
-        if a.prefetch:
-            runs.append(("sparse_prefetch", True, False, True))
-        if a.warm_pool:
-            runs.append(("sparse_warm", False, True, False))
-        for name, append, warm, prefetch in runs:
-            gc.collect()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            pages = n_pages_total if warm else int(a.pool_frac * n_pages_total)
-            out = hf.generate_client(c, model, info, first, a.n_new, forced=dense["tokens"],
-                                     pool_bytes=pages * page_bytes, selection="torch",
-                                     append=append, warm_pool=warm, prefetch=prefetch)
-            res[name] = {
-                "append": append, "prefetch": prefetch, "ttft_s": out.ttft_s,
-                "step_ms_p50": 1e3 * statistics.median(out.step_s),
-                "step_ms_p50_after_first": 1e3 * statistics.median(out.step_s[1:] or out.step_s),
-                "tokens_per_s": a.n_new / sum(out.step_s),
-                "agreement_with_dense": float(np.mean([x == y for x, y in
-                                                       zip(out.tokens, dense["tokens"])])),
-                "pool_pages": pages, "pool_gib": pages * page_bytes / 2**30,
-                "pool_hit_ratio": out.pool_hits / max(1, out.pool_hits + out.pool_misses +
-                                                      out.prefetch_hits),
-                # sparse_warm: the load's misses excluded
-                "pool_misses_while_decoding": out.pool_misses - (n_pages_total if warm else 0),
-                # missing pages a prefetch had brought (not in pool_misses)
-                "pool_prefetch_hits": out.prefetch_hits,
-                "prefetch_coverage": out.prefetch_hits / max(1, out.prefetch_hits +
-                                                             out.pool_misses),
-                "bytes_fetched_per_step": out.bytes_received / a.n_new,
-                "appended_tokens": out.appended_tokens,
-                "peak_gib": peak_gib(), "peak_gib_minus_weights": peak_gib() - weights / 2**30,
-                # the run's own peak: over what was allocated when it started
-                "peak_gib_over_start": peak_gib() - before / 2**30}
-            log(f"{name}: {res[name]}")
-            save()
-            del out
-            gc.collect()  # the run's graphs and tables (reference cycles) before the next peak
-            torch.cuda.empty_cache()
-            # What the run left allocated (0 unless something outlives generate_client).
-            res[name]["gib_left_allocated"] = (torch.cuda.memory_allocated() - before) / 2**30
-            save()
-        res["ratio_tokens_per_s_sparse_vs_dense"] = (res["sparse"]["tokens_per_s"] /
-                                                     res["dense"]["tokens_per_s"])
-        res["ratio_ttft_dense_vs_sparse"] = res["dense"]["ttft_s"] / res["sparse"]["ttft_s"]
-        if a.engine:
-            engine_runs(a, c, model, info, first, dense["tokens"], weights, res, save)
+        engine_runs(a, c, model, info, first, dense["tokens"], res, save)
         if a.profile_steps:
             log(f"profiling {a.profile_steps} steps of (a) and (b)")
             k = a.profile_steps
@@ -401,13 +334,10 @@ def main() -> int:
             prof["dense"] = profile_of(dense_run)
             del cache
             torch.cuda.empty_cache()
-            prof["sparse"] = profile_of(lambda: hf.generate_client(
-                c, model, info, first, k, forced=dense["tokens"], pool_bytes=pool_bytes,
-                selection="torch", append=True))
-            if a.prefetch:
-                prof["sparse_prefetch"] = profile_of(lambda: hf.generate_client(
-                    c, model, info, first, k, forced=dense["tokens"], pool_bytes=pool_bytes,
-                    selection="torch", append=True, prefetch=True))
+            from ctxcache.engine import EngineOptions
+            prof["engine_sparse"] = profile_of(lambda: hf.generate_engine(
+                c, model, info, [first], k, options=EngineOptions(
+                    rho=a.engine_rho, rank="max", min_budget=1024, pool_fraction=a.pool_frac)))
             with open(a.profile_out, "w") as f:
                 json.dump(prof, f, indent=1)
         c.evict(info.context_id)

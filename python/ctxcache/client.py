@@ -876,8 +876,7 @@ class Client:
         """FetchPages without decoding: the wire ``Page`` messages in the
         order the server sent them, **crc32c not checked**. For callers that
         move many pages in bulk and check the crcs themselves where the bytes
-        land (``ctxcache.torch.pooled.GpuPagePool`` checks them on the GPU), or
-        with :func:`check_page_crcs`; ``tables`` as in :meth:`fetch_pages`."""
+        land, or with :func:`check_page_crcs`; ``tables`` as in :meth:`fetch_pages`."""
         req = pb.FetchPagesRequest(context_id=context_id, tables=[_page_table(t) for t in tables])
 
         def consume(stream: Iterator["pb.PageBatch"]) -> List["pb.Page"]:

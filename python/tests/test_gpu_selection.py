@@ -434,9 +434,8 @@ def test_torch_quest_page_walk_equals_the_loop() -> None:
 @pytest.mark.parametrize("method", ["streaming", "quest", "oracle"])
 def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, synthetic,
                                                   method: str) -> None:
-    # What generate_client(method=..., selection="torch" / "exact") runs per
-    # layer-step: the torch session (hf.PooledAttention, pages read through a
-    # small GpuPagePool) and the C++ core through the library
+    # Per layer-step: the torch session's plan (its token mask over the
+    # context's K/V) and the C++ core through the library
     # (hf.LibrarySession: its selections and their K/V, hf.gather_selected),
     # attention over them plus two decoded tokens; both equal attention over
     # the rows the server's session selects, taken from the context's full KV.
@@ -447,8 +446,7 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
     ctx = synthetic
     m = ctx.model
     g = m.n_q_heads // m.n_kv_heads
-    keys = hf.fetch_context_keys(client, ctx)
-    assert torch.equal(keys, torch.as_tensor(context_keys(client, ctx)))
+    keys = torch.as_tensor(context_keys(client, ctx))
     arts = client.fetch_index(ctx.context_id, method)
     n_pages = (ctx.n_tokens + B - 1) // B
     full = {}
@@ -460,11 +458,8 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
             full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
                                 torch.as_tensor(np.concatenate([p.v for p in rows])))
     okeys = keys if method == "oracle" else None
-    budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
     exact = hf.LibrarySession(library_session(nc, ctx, method, {}))
-    pooled = hf.PooledAttention(torch_session(method, arts, n_q_heads=m.n_q_heads, keys=okeys),
-                                hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
-                                capacity=1)  # grows to the 2 decoded tokens
+    planner = torch_session(method, arts, n_q_heads=m.n_q_heads, keys=okeys)
     rng = np.random.default_rng(43)
     exact_bytes = 0
     with client.open_session(ctx.context_id, method, {}) as s:
@@ -493,7 +488,9 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
                 k, v, mask = hf.gather_selected(st, m.n_q_heads, "cpu", torch.float32,
                                                 ctx.n_tokens)
                 got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
-                       "torch": pooled(layer, q, dk[None], dv[None], 0.125)}
+                       "torch": hf.attend(q, *_context_rows(full, layer, m.n_kv_heads),
+                                          planner.plan_queries(layer, q).token_mask, dk, dv,
+                                          0.125)}
                 for name, x in got.items():
                     # float32 attention summed in another order differs by up
                     # to ~2e-5 here; a different page or mask differs by ~1e-1.
@@ -501,9 +498,13 @@ def test_client_side_decode_steps_for_each_method(client, nc, demo_contexts, syn
                                                msg=f"{method} {name}")
     assert 0 < exact_bytes == exact.session.totals["bytes_received"]
     exact.close()
-    assert pooled.p_max == hf.max_step_pages(pooled.planner) < n_pages
-    # streaming's pages are the same every step: no evictions needed.
-    assert pooled.pool.misses > (0 if method == "streaming" else 40) and pooled.pool.hits > 0
+
+
+def _context_rows(full, layer: int, n_kv_heads: int) -> tuple:
+    """The context's K and V of one layer, [H, n, d] each, from full[(layer, h)]."""
+    import torch
+    return (torch.stack([full[(layer, h)][0] for h in range(n_kv_heads)]),
+            torch.stack([full[(layer, h)][1] for h in range(n_kv_heads)]))
 
 
 @pytest.mark.parametrize("method", ["csa", "quest", "oracle"])
@@ -537,30 +538,19 @@ def test_library_session_appends_like_the_server(client, nc, synthetic, method: 
             s.append(k.float().numpy(), v.float().numpy(), qa.float().numpy(), token_id=7)
 
 
-def test_generate_client_rejects_methods_without_a_client_side_session(client,
-                                                                       synthetic) -> None:
+def test_generate_client_rejects_unknown_methods_and_selections(client, synthetic) -> None:
     pytest.importorskip("torch")
     from ctxcache.torch import hf
 
-    # The torch core runs csa, quest, streaming and oracle; the C++ core
-    # through the library every method.
-    for selection, method in (("torch", "tactic"), ("exact", "nope")):
-        with pytest.raises(ValueError, match=f"method '{method}' has no client-side selection"):
+    # The C++ core through the library runs every method; the GPU path is
+    # hf.generate_engine, named by the error for selection="torch".
+    with pytest.raises(ValueError, match="method 'nope' has no client-side selection"):
+        hf.generate_client(client, None, synthetic, 1, 1, method="nope")
+    for selection in ("torch", "gpu"):
+        with pytest.raises(ValueError, match=f"selection '{selection}', expected 'exact' "
+                                             r"\(GPU decoding: hf.generate_engine\)"):
             hf.generate_client(client, None, synthetic, 1, 1, selection=selection,
-                               method=method)
-    with pytest.raises(ValueError, match="selection 'gpu', expected 'torch' or 'exact'"):
-        hf.generate_client(client, None, synthetic, 1, 1, selection="gpu", method="quest")
-    with pytest.raises(ValueError, match="keys are for method oracle, not quest"):
-        hf.generate_client(client, None, synthetic, 1, 1, method="quest", keys=object())
-    with pytest.raises(ValueError, match="prefetch needs selection='torch', not 'exact'"):
-        hf.generate_client(client, None, synthetic, 1, 1, method="quest", selection="exact",
-                           prefetch=True)
-    with pytest.raises(ValueError, match="warm_pool needs selection='torch', not 'exact'"):
-        hf.generate_client(client, None, synthetic, 1, 1, method="quest", selection="exact",
-                           warm_pool=True)
-    with pytest.raises(ValueError, match="keys are for selection='torch'"):
-        hf.generate_client(client, None, synthetic, 1, 1, method="oracle", selection="exact",
-                           keys=object())
+                               method="quest")
 
 
 def test_oracle_over_more_than_one_key_chunk_matches_server(client, nc) -> None:
@@ -652,192 +642,3 @@ def test_cuda_graph_sessions_equal_eager(client) -> None:
                         assert torch.equal(x, y), (method, step, layer, f)
         want = 0 if ctx is periodic else m.n_layers
         assert len(graphed._graphs) == want, (method, ctx.name)
-
-
-def test_pooled_attention_checks_its_pool_queries_and_capacity(client, nc, synthetic) -> None:
-    # generate_client's torch layer-step: a pool that cannot hold one
-    # layer-step's pages, a CUDA graph request off CUDA and non-finite queries
-    # are ValueErrors naming the cause; the decoded-token buffer grows (and
-    # the step stays the attention over every decoded token).
-    torch = pytest.importorskip("torch")
-    from ctxcache.torch import hf
-    from ctxcache.torch.gpu_session import torch_session
-
-    ctx = synthetic
-    m = ctx.model
-    arts = client.fetch_index(ctx.context_id, "streaming")
-    planner = torch_session("streaming", arts, n_q_heads=m.n_q_heads)
-    p_max = hf.max_step_pages(planner)
-    page_bytes = 2 * B * m.head_dim * 2
-    small = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=(m.n_kv_heads * p_max - 1) * page_bytes)
-    with pytest.raises(ValueError, match="pool holds"):
-        hf.PooledAttention(planner, small)
-    pool = hf.GpuPagePool(client, ctx, "cpu", budget_bytes=m.n_kv_heads * p_max * page_bytes)
-    with pytest.raises(ValueError, match="not CUDA"):
-        hf.PooledAttention(planner, pool, cuda_graphs=True)
-    pa = hf.PooledAttention(planner, pool, capacity=2)
-    rng = np.random.default_rng(7)
-    q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, 0))
-    bad = q.clone()
-    bad[1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        pa(0, bad, torch.zeros(1, m.n_kv_heads, 1, m.head_dim), torch.zeros(1, m.n_kv_heads, 1,
-                                                                              m.head_dim), 0.125)
-    with pytest.raises(ValueError, match="out of range"):
-        pa(m.n_layers, q, torch.zeros(1, m.n_kv_heads, 1, m.head_dim),
-           torch.zeros(1, m.n_kv_heads, 1, m.head_dim), 0.125)
-    dk = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, 5, m.head_dim))).float()
-    dv = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, 5, m.head_dim))).float()
-    got = pa(0, q, dk, dv, 0.125).clone()
-    assert pa.capacity >= 5
-    # The same step with all 5 decoded tokens attended through attend(),
-    # over the C++ core's selection through the library.
-    with library_session(nc, ctx, "streaming", {}) as lib:
-        st = hf.LibrarySession(lib).step(0, q)
-    k, v, mask = hf.gather_selected(st, m.n_q_heads, "cpu", torch.float32)
-    torch.testing.assert_close(got, hf.attend(q, k, v, mask, dk[0], dv[0], 0.125),
-                               rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="scale"):
-        pa(0, q, dk, dv, 0.5)
-
-
-def test_pooled_attention_graphs_equal_eager(client) -> None:
-    # On a GPU generate_client's layer-step is two CUDA graph replays and one
-    # host sync (hf.PooledAttention): the same outputs, hits and misses as the
-    # eager step, with a pool small enough to miss and evict every step and a
-    # decoded-token buffer that grows (the graphs are captured again).
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from ctxcache.torch import hf
-    from ctxcache.torch.gpu_session import torch_session
-
-    info = client.build(tokens=_demo_tokens("document.txt", 1211), name="gpusel-pooled",
-                        indexes=["csa", ("quest", {"page": "16"})]).context
-    m = info.model
-    rng = np.random.default_rng(9)
-    page_bytes = 2 * B * m.head_dim * 2
-    for method in ("quest", "streaming", "csa"):
-        arts = client.fetch_index(info.context_id, method)
-        runs = []
-        for graphs in (False, True):
-            planner = torch_session(method, arts, m.n_q_heads, device="cuda")
-            slots = m.n_kv_heads * hf.max_step_pages(planner) + 3
-            pool = hf.GpuPagePool(client, info, "cuda", budget_bytes=slots * page_bytes)
-            runs.append(hf.PooledAttention(planner, pool, capacity=3, cuda_graphs=graphs))
-        eager, graphed = runs
-        mismatched = total = 0
-        for step in range(5):
-            q_step = [torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
-                      for _ in range(m.n_layers)]
-            dk = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, step + 1, m.head_dim)),
-                                 dtype=torch.bfloat16, device="cuda")
-            dv = torch.randn_like(dk)
-            for layer in range(m.n_layers):
-                q = q_step[layer].cuda()
-                a = eager(layer, q, dk, dv, 0.125).clone()
-                b = graphed(layer, q, dk, dv, 0.125)
-                total += 1
-                if method == "csa":  # float atomics: a near-tie may flip a page
-                    mismatched += not torch.allclose(a, b, rtol=1e-4, atol=1e-4)
-                else:
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5,
-                                               msg=f"{method} step {step} layer {layer}")
-        assert mismatched <= total // 10, (method, mismatched, total)
-        assert len(graphed._layers) == m.n_layers and graphed.capacity >= 5
-        if method != "csa":
-            assert (graphed.pool.hits, graphed.pool.misses) == (eager.pool.hits,
-                                                                eager.pool.misses)
-        assert graphed.pool.misses > graphed.pool.n_slots  # it evicted
-
-
-@pytest.mark.parametrize("method", ["quest", "csa"])
-def test_pooled_attention_prefetch_brings_the_missing_pages(client, synthetic,
-                                                            method: str) -> None:
-    # generate_client(prefetch=True)'s speculative fill: a prefetch with the
-    # step's own queries (a perfect prediction) brings every page the step
-    # misses, so it fetches nothing on its path; one with other queries
-    # brings some. Either way the outputs and the pool's contents are those
-    # of the step without a prefetch, and the pages a prefetch brought that
-    # the step does not miss are dropped.
-    torch = pytest.importorskip("torch")
-    from ctxcache.torch import hf
-    from ctxcache.torch.gpu_session import torch_session
-
-    ctx = synthetic if method == "quest" else client.build(
-        tokens=_demo_tokens("document.txt", 1500), name="gpusel-prefetch",
-        indexes=["csa"]).context
-    m = ctx.model
-    arts = client.fetch_index(ctx.context_id, method)
-    page_bytes = 2 * B * m.head_dim * 2
-
-    def make():
-        planner = torch_session(method, arts, n_q_heads=m.n_q_heads)
-        slots = m.n_kv_heads * hf.max_step_pages(planner) + 5
-        return hf.PooledAttention(planner, hf.GpuPagePool(client, ctx, "cpu",
-                                                          budget_bytes=slots * page_bytes),
-                                  capacity=1)
-
-    plain, exact, guess = make(), make(), make()
-    rng = np.random.default_rng(11)
-    dk = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, 1, m.head_dim))).float()
-    dv = torch.as_tensor(rng.standard_normal((1, m.n_kv_heads, 1, m.head_dim))).float()
-    for step in range(4):
-        for layer in range(m.n_layers):
-            q = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step))
-            other = torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, step + 9))
-            exact.prefetch(layer, q)
-            exact.prefetch(layer, other)  # one in flight per layer: ignored
-            guess.prefetch(layer, other)
-            want = plain(layer, q, dk, dv, 0.125).clone()
-            for pa in (exact, guess):
-                torch.testing.assert_close(pa(layer, q, dk, dv, 0.125), want, rtol=0, atol=0)
-    for pa in (exact, guess):
-        assert torch.equal(pa.pool._slot_of, plain.pool._slot_of)
-        assert pa.pool.hits == plain.pool.hits and pa.prefetch_failures == 0
-        assert pa.pool.misses + pa.pool.prefetch_hits == plain.pool.misses
-    assert plain.pool.misses > plain.pool.n_slots  # the pool evicted
-    assert exact.pool.misses == 0 and exact.prefetch_requests == m.n_layers * 4
-    assert 0 < guess.pool.prefetch_hits < plain.pool.misses
-    assert guess.pool.bytes_fetched > plain.pool.bytes_fetched  # the dropped pages
-    exact.close()
-    guess.close()
-
-
-def test_pooled_attention_graphs_leave_no_device_memory(client) -> None:
-    # A generate_client call's CUDA graphs, tables and pool are freed with it:
-    # device memory returns to where it was (graphs warmed up on a side
-    # stream kept their warm-up's temporaries allocated, ~0.5 GiB per call at
-    # 16K tokens).
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    import gc
-
-    from ctxcache.torch import hf
-    from ctxcache.torch.gpu_session import torch_session
-
-    info = client.build(tokens=_demo_tokens("document.txt", 1500), name="gpusel-leak",
-                        indexes=["csa"]).context
-    m = info.model
-    arts = client.fetch_index(info.context_id, "csa")
-    rng = np.random.default_rng(3)
-    qs = [torch.as_tensor(session_queries(rng, m.n_q_heads, m.head_dim, 0)).cuda()
-          for _ in range(m.n_layers)]
-    dk = torch.zeros(1, m.n_kv_heads, 1, m.head_dim, dtype=torch.bfloat16, device="cuda")
-
-    def run() -> int:
-        pa = hf.PooledAttention(torch_session("csa", arts, m.n_q_heads, device="cuda"),
-                                hf.GpuPagePool(client, info, "cuda", budget_bytes=1 << 22),
-                                capacity=2, cuda_graphs=True)
-        for layer in range(m.n_layers):
-            pa(layer, qs[layer], dk, dk, 0.125)
-        assert len(pa._layers) == m.n_layers
-        pa.close()
-        del pa
-        gc.collect()
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-
-    first = run()  # includes one-time caches (kernels' workspaces)
-    assert run() == first and run() == first

@@ -74,58 +74,16 @@ def test_corrupt_pages_are_data_loss(make_server) -> None:
                 s.step(0, np.full((4, 32), 0.3, np.float32))
         # Index artifacts are not corrupted by this fault: their crc holds.
         assert len(c.fetch_index(ctx.context_id, "csa")) == 4
-        # A GPU page pool checks its bulk fills (on the device when it is a
-        # GPU) and keeps nothing of a bad batch.
-        torch = pytest.importorskip("torch")
-        from ctxcache.torch import hf
+        # The GPU engine's bulk load into a host tier checks every page's
+        # crc32c natively: the load fails with DataLoss.
+        pytest.importorskip("torch")
+        from ctxcache import native
+        from ctxcache.engine import HostTier
 
-        for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
-            pool = hf.GpuPagePool(c, ctx, dev, budget_bytes=8 * 2 * 16 * 32 * 2)
-            pages = torch.tensor([[0, 1], [2, 3]])
-            with pytest.raises(ctxcache.DataLoss, match="crc32c"):
-                pool.lookup(0, pages, torch.ones(2, 2, dtype=torch.bool))
-            assert pool.misses == 0 and not pool.holds(0, 0, 0) and not pool.holds(0, 1, 3)
-        # A prefetched corrupt page is the step's DataLoss, as if it had
-        # fetched it, and the pool keeps nothing.
-        pa = _pooled(c, ctx, "streaming")
-        q = torch.ones(ctx.model.n_q_heads, ctx.model.head_dim)
-        dk = torch.zeros(1, ctx.model.n_kv_heads, 1, ctx.model.head_dim)
-        pa.prefetch(0, q)
-        with pytest.raises(ctxcache.DataLoss, match="crc32c"):
-            pa(0, q, dk, dk, 0.125)
-        assert pa.prefetch_requests == 1 and not (pa.pool._slot_of >= 0).any()
-        pa.close()
-
-
-def _pooled(client, ctx, method):
-    from ctxcache.torch import hf
-    from ctxcache.torch.gpu_session import torch_session
-
-    planner = torch_session(method, client.fetch_index(ctx.context_id, method),
-                            n_q_heads=ctx.model.n_q_heads)
-    return hf.PooledAttention(planner, hf.GpuPagePool(client, ctx, "cpu", budget_bytes=1 << 22))
-
-
-def test_a_failed_prefetch_is_counted_and_the_step_fetches_itself(make_server) -> None:
-    torch = pytest.importorskip("torch")
-    srv = make_server(["--default-indexes", "streaming"])
-    with ctxcache.Client(srv.address, timeout=30) as c, \
-            ctxcache.Client(srv.address, timeout=0.5, max_attempts=1) as short:
-        ctx = c.build(tokens=random_tokens(300, 32)).context
-        pa = _pooled(short, ctx, "streaming")
-        m = ctx.model
-        q = torch.ones(m.n_q_heads, m.head_dim)
-        dk = torch.zeros(1, m.n_kv_heads, 1, m.head_dim)
-        srv.proc.send_signal(signal.SIGSTOP)
-        try:
-            pa.prefetch(0, q)  # its FetchPages passes its deadline
-            time.sleep(1.0)
-        finally:
-            srv.proc.send_signal(signal.SIGCONT)
-        out = pa(0, q, dk, dk, 0.125)
-        assert pa.prefetch_failures == 1 and pa.pool.prefetch_hits == 0
-        assert pa.pool.misses > 0 and torch.isfinite(out).all()
-        pa.close()
+        with native.NativeClient(srv.address, timeout=30) as nc:
+            tier = HostTier.from_server(nc, ctx.context_id, streams=2, pin=False)
+            with tier.load, pytest.raises(ctxcache.DataLoss, match="crc32c"):
+                tier.load.wait()
 
 
 def test_sigterm_stops_the_server_cleanly(make_server) -> None:

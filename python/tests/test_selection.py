@@ -527,10 +527,9 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
                                                            synthetic) -> None:
     # The HF client-side steps (ctxcache.torch.hf): the C++ core's selections
     # through the library (hf.LibrarySession, with their K/V) and the torch
-    # core's, its pages read through a small GpuPagePool (so pages are
-    # evicted and fetched again), attention over them plus two decoded
-    # tokens; both equal attention over the C++ core's rows taken from the
-    # context's full KV.
+    # core's plan (its token mask over the context's K/V), attention over
+    # them plus two decoded tokens; both equal attention over the C++ core's
+    # rows taken from the context's full KV.
     torch = pytest.importorskip("torch")
     from ctxcache.torch import hf
     from ctxcache.torch.gpu_session import TorchCsaSession
@@ -548,11 +547,8 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
             rows = [p for p in pages if p.kv_head == h]
             full[(layer, h)] = (torch.as_tensor(np.concatenate([p.k for p in rows])),
                                 torch.as_tensor(np.concatenate([p.v for p in rows])))
-    budget = 40 * 2 * B * m.head_dim * 2  # 40 pages: evictions every layer
     exact = hf.LibrarySession(library_session(nc, ctx, {}))
-    pooled = hf.PooledAttention(TorchCsaSession(arts, n_q_heads=m.n_q_heads),
-                                hf.GpuPagePool(client, ctx, "cpu", budget_bytes=budget),
-                                capacity=2)
+    planner = TorchCsaSession(arts, n_q_heads=m.n_q_heads)
     rng = np.random.default_rng(41)
     reference = library_session(nc, ctx, {})
     for step in range(3):
@@ -573,14 +569,22 @@ def test_client_side_decode_steps_attend_the_selected_rows(client: ctxcache.Clie
             k, v, mask = hf.gather_selected(exact.step(layer, q), m.n_q_heads, "cpu",
                                             torch.float32, ctx.n_tokens)
             got = {"exact": hf.attend(q, k, v, mask, dk, dv, 0.125),
-                   "torch": pooled(layer, q, dk[None], dv[None], 0.125)}
+                   "torch": hf.attend(q, *_context_rows(full, layer, m.n_kv_heads),
+                                      planner.plan_queries(layer, q).token_mask, dk, dv,
+                                      0.125)}
             for name, x in got.items():
                 # float32 attention summed in another order differs by up to
                 # ~2e-5; a different page or mask differs by ~1e-1.
                 torch.testing.assert_close(x, want, rtol=1e-4, atol=1e-4, msg=name)
     exact.close()
     reference.close()
-    assert pooled.pool.misses > 40 and pooled.pool.hits > 0  # evicted and re-fetched
+
+
+def _context_rows(full, layer: int, n_kv_heads: int) -> tuple:
+    """The context's K and V of one layer, [H, n, d] each, from full[(layer, h)]."""
+    import torch
+    return (torch.stack([full[(layer, h)][0] for h in range(n_kv_heads)]),
+            torch.stack([full[(layer, h)][1] for h in range(n_kv_heads)]))
 
 
 def _sketch_query(q: np.ndarray):

@@ -25,13 +25,15 @@ selects every context token: it must decode exactly like dense attention
 over the same KV, which ``generate_dense`` computes with the same attention
 code (``attend``) over the prefill cache.
 
-The page pool and the pooled attention of ``generate_client`` with
-``selection="torch"`` (``GpuPagePool``, ``PooledAttention``, ``max_step_pages``)
-and the decode attention ``attend`` live in :mod:`ctxcache.torch.pooled`;
-this module imports them from there and re-exports them.
+On a GPU, :func:`generate_engine` is the decode path: the stored context
+bulk-loaded once into a pinned host tier, B sequences through the GPU engine
+(:mod:`ctxcache.engine`: the Quest planner, an HBM page pool whose misses
+are copied on the device, attention over pool pages in place), the model's
+whole step as CUDA graph replays, no RPC while decoding. This module only
+adapts the HF model to it (:class:`ctxcache.engine.LlamaStepper`).
 
 Needs torch and, for the model parts, transformers (>= 4.48, the attention
-interface); ``attend``, ``gather_selected`` and ``GpuPagePool`` need torch only.
+interface); ``attend`` and ``gather_selected`` need torch only.
 """
 from __future__ import annotations
 
@@ -45,16 +47,57 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ctxcache.torch.pooled import GpuPagePool, PooledAttention, _stage, attend, max_step_pages
-from ctxcache.torch.pooled import _pad_pages  # noqa: F401 (re-exported: tests use it)
 
 __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
-           "generate", "generate_client", "generate_dense", "GenerateResult", "GpuPagePool",
-           "LibrarySession", "PooledAttention", "PrefillResult", "max_step_pages",
-           "EngineResult", "generate_engine"]
+           "generate", "generate_client", "generate_dense", "generate_engine", "EngineResult",
+           "GenerateResult", "LibrarySession", "PrefillResult"]
 
 
 # ---------------------------------------------------------------- attention --
+
+def _stage(name: str) -> Any:
+    """A named range in torch.profiler traces (python/bench/gpu_e2e.py
+    --profile-steps); without a profiler it is one dispatcher call, four per
+    layer-step."""
+    return torch.autograd.profiler.record_function(name)
+
+
+def attend(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+           ctx_mask: Optional[torch.Tensor], dec_k: torch.Tensor, dec_v: torch.Tensor,
+           scale: float, dec_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One decode token's attention for every kv head at once, in float32.
+
+    Args:
+        q: ``[n_q_heads, d]`` post-RoPE queries.
+        ctx_k, ctx_v: ``[n_kv_heads, N, d]``: per kv head the K/V rows of the
+            context tokens its group of query heads may attend (the union of
+            their selections padded to N rows, or all tokens).
+        ctx_mask: ``[n_kv_heads, g, N]`` bool: the rows each query head of the
+            group attends (padding rows False); None = every row, every head.
+        dec_k, dec_v: ``[n_kv_heads, t, d]`` K/V of the decoded tokens so far
+            (including the current one), attended by every head of the group.
+        scale: the softmax scale (1/sqrt(d) unless the model says otherwise).
+        dec_valid: ``[t]`` bool, the rows of ``dec_k``/``dec_v`` that hold
+            decoded tokens (a fixed-size buffer); None = every row.
+
+    Returns:
+        ``[n_q_heads, d]`` float32: per query head, softmax over its context
+        rows and the decoded tokens.
+    """
+    n_q, d = q.shape
+    n_kv = dec_k.shape[0]
+    g = n_q // n_kv
+    n_ctx = ctx_k.shape[1]
+    k = torch.cat([ctx_k.float(), dec_k.float()], dim=1)  # [H, N + t, d]
+    v = torch.cat([ctx_v.float(), dec_v.float()], dim=1)
+    logits = torch.einsum("hgd,hnd->hgn", q.float().view(n_kv, g, d), k) * scale
+    if ctx_mask is not None and n_ctx:
+        logits[:, :, :n_ctx].masked_fill_(~ctx_mask, float("-inf"))
+    if dec_valid is not None:
+        logits[:, :, n_ctx:].masked_fill_(~dec_valid, float("-inf"))
+    out = torch.einsum("hgn,hnd->hgd", torch.softmax(logits, dim=-1), v)
+    return out.reshape(n_q, d)
+
 
 def pad_heads(rows: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per kv head ``[n_h, d]`` rows as one zero-padded ``[H, N, d]`` tensor
@@ -218,7 +261,6 @@ class GenerateResult:
     appended_tokens: int = 0  # tokens the session received with Append
     pool_hits: int = 0        # generate_client: pages found in / fetched into the pool
     pool_misses: int = 0
-    prefetch_hits: int = 0    # generate_client(prefetch=True): missing pages a prefetch brought
     ttft_s: float = 0.0       # generate_client: index fetch + set-up + first step
 
 
@@ -268,16 +310,13 @@ class _LibraryStep:
 
 class _Decoder:
     """The state the registered attention function reads: the session (or
-    the torch session's pooled attention, or the dense context KV), and the
-    session that receives the generated tokens (``appender``)."""
+    the dense context KV), and the session that receives the generated
+    tokens (``appender``)."""
 
     def __init__(self, session: Any = None, dense_kv: Optional[List[tuple]] = None,
-                 appender: Any = None, n_context: int = 0, n_layers: int = 0,
-                 pooled: Optional["PooledAttention"] = None) -> None:
+                 appender: Any = None, n_context: int = 0, n_layers: int = 0) -> None:
         self.session = session    # a Session, or a LibrarySession: its steps' K/V
         self.dense_kv = dense_kv
-        self.pooled = pooled      # a torch session's PooledAttention over a page pool
-        self.prefetch = False     # speculative next-layer prefetch into it (_prefetch_hooks)
         self.appender = appender  # a Session (or LibrarySession): Append per generated token
         self.n_context = n_context
         self.queries: List[Optional[torch.Tensor]] = [None] * n_layers
@@ -307,11 +346,6 @@ def _ctxcache_attention(module: Any, query: torch.Tensor, key: torch.Tensor, val
         step = dec.session.step(layer, q.float().cpu().numpy())
         dec.bytes_received += step.bytes_received
         ks, vs, masks = gather_selected(step, n_q, q.device, torch.float32, dec.n_context)
-    elif dec.pooled is not None:
-        before = dec.pooled.pool.bytes_fetched
-        out = dec.pooled(layer, q, key, value, scale)
-        dec.bytes_received += dec.pooled.pool.bytes_fetched - before
-        return out.to(query.dtype)[None, None], None
     else:
         ks, vs = dec.dense_kv[layer]  # [n_kv, n, d] on the device
         masks = None
@@ -325,37 +359,6 @@ def _register() -> None:
     AttentionInterface.register("ctxcache", _ctxcache_attention)
 
 
-def _prefetch_hooks(model: Any, pooled: PooledAttention) -> List[Any]:
-    """Speculative next-layer prefetch, InfiniGen-style: at the start of
-    decoder layer l, layer l+1's queries are predicted from layer l's input
-    (the residual stream changes little across a layer) through layer l+1's
-    input norm, q projection and RoPE, and ``pooled.prefetch(l + 1, ...)``
-    fetches the pages that prediction misses while layer l runs. Returns the
-    hook handles (LLaMA-family decoder layers: ``input_layernorm``,
-    ``self_attn.q_proj``, ``position_embeddings`` passed to the layer)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    layers = _layers(model)
-
-    def make(l: int) -> Any:
-        nxt = layers[l + 1]
-
-        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
-            x = args[0] if args else kwargs.get("hidden_states")
-            pe = kwargs.get("position_embeddings")
-            if x is None or pe is None or x.shape[:2] != (1, 1):
-                return
-            attn = nxt.self_attn
-            with _stage("ctxcache.predict"):
-                q = attn.q_proj(nxt.input_layernorm(x)).view(1, 1, -1, attn.head_dim)
-                q, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), *pe)
-                pooled.prefetch(l + 1, q[0, :, 0, :])
-        return hook
-
-    return [layers[l].register_forward_pre_hook(make(l), with_kwargs=True)
-            for l in range(len(layers) - 1)]
-
-
 @torch.no_grad()
 def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: int,
             forced: Optional[Sequence[int]] = None) -> GenerateResult:
@@ -367,7 +370,6 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
     model.config._attn_implementation = "ctxcache"
     for layer in _layers(model):
         layer.self_attn.config._attn_implementation = "ctxcache"
-    hooks = _prefetch_hooks(model, dec.pooled) if dec.pooled is not None and dec.prefetch else []
     res = GenerateResult()
     cache = DynamicCache()  # the generated tokens only
     token = int(first_token)
@@ -410,8 +412,6 @@ def _decode(model: Any, dec: _Decoder, first_token: int, position: int, n_new: i
         if pending is not None:
             dec.appended = pending.result()
     finally:
-        for hook in hooks:
-            hook.remove()
         if appends is not None:
             appends.shutdown(wait=True)
         model.config._attn_implementation = previous
@@ -441,137 +441,40 @@ def generate(client: Any, model: Any, info: Any, first_token: int, n_new: int, *
         return _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
 
 
-def fetch_context_keys(client: Any, info: Any, device: Any = "cpu") -> torch.Tensor:
-    """The context's stored keys, ``[n_layers, n_kv_heads, n_tokens, d]``
-    float32 on ``device`` (bf16 widened exactly), read with
-    ``Client.fetch_pages``: what the oracle scores (the whole KV's keys pass
-    through the host once)."""
-    m = info.model
-    n = int(info.n_tokens)
-    b = int(getattr(info, "block_tokens", 0) or 16)
-    n_pages = (n + b - 1) // b
-    out = torch.zeros(int(m.n_layers), int(m.n_kv_heads), n, int(m.head_dim),
-                      dtype=torch.float32)
-    for layer in range(int(m.n_layers)):
-        pages = client.fetch_pages(info.context_id, [(layer, h, list(range(n_pages)))
-                                                     for h in range(int(m.n_kv_heads))])
-        for p in pages:
-            out[layer, p.kv_head, p.block * b:p.block * b + p.n_tokens] = torch.as_tensor(p.k)
-    return out.to(device)
-
-
 def generate_client(client: Any, model: Any, info: Any, first_token: int, n_new: int, *,
                     params: Optional[Dict[str, Any]] = None,
-                    forced: Optional[Sequence[int]] = None,
-                    pool_bytes: int = 1 << 30, selection: str = "torch",
-                    append: bool = True, method: str = "csa",
-                    keys: Optional[torch.Tensor] = None,
-                    warm_pool: bool = False, prefetch: bool = False,
-                    native: Any = None) -> GenerateResult:
-    """As :func:`generate`, but selecting on the client.
-
-    selection: ``"torch"`` runs the session core as tensor ops on the
-    model's device (``ctxcache.torch.gpu_session.torch_session``) and reads
-    pages from a :class:`GpuPagePool` that fetches only pages it does not
-    hold (no round trip per layer-step once the pool is warm), with the pool
-    lookup and the attention in :class:`PooledAttention` (on a GPU two CUDA
-    graph replays and one host sync per layer-step); csa's and oracle's
-    float sums run in another order than the server's, so a near-tie may
-    resolve differently; quest and streaming are exact. It selects over the
-    stored context. ``"exact"`` runs the C++ session core in this process
-    through the native library (a client-mode
+                    forced: Optional[Sequence[int]] = None, selection: str = "exact",
+                    append: bool = True, method: str = "csa", native: Any = None) -> GenerateResult:
+    """As :func:`generate`, but selecting on the client: the C++ session core
+    runs in this process through the native library (a client-mode
     :class:`ctxcache.native.DecodeSession`, :class:`LibrarySession`): the
-    server's selections exactly, its pages from the library's page cache
-    (FetchPages), one layer-step on the CPU per call.
+    server's selections exactly, any method of
+    :data:`ctxcache.native.SESSION_METHODS`, its pages from the library's page
+    cache (FetchPages), one layer-step on the CPU per call. For decoding on a
+    GPU use :func:`generate_engine` (no RPC while decoding).
 
-    method: ``csa``, ``quest``, ``streaming`` or ``oracle`` with ``"torch"``
-    (ValueError for another), any method of :data:`ctxcache.native.SESSION_METHODS`
-    with ``"exact"``; selected from the artifacts FetchIndex returns for it.
-    ``oracle`` scores every stored key: with ``"torch"``, ``keys``
-    ``[n_layers, n_kv_heads, n_tokens, d]`` (default: read once with
-    :func:`fetch_context_keys`, so the keys are resident on the device);
-    ``"exact"`` reads them through its page fetcher (``keys`` is a
-    ValueError).
-    append: the generated tokens go to a server session of ``method`` with
-    Append, one round trip per token, as a worker that shares its tokens
-    does. ``"torch"``: a session of its own, opened by the server while the
-    client sets up, Appends on a worker thread (one in flight). ``"exact"``:
-    the library session itself, which sends each Append to the server and
-    adds the token to its selectors before the next step, as the server's
-    session does (so its selections follow the server's with appends too).
-    warm_pool: load every page of the context into the pool before the first
-    step (:meth:`GpuPagePool.load_all`; the pool must hold them all), as a
-    worker keeping a hot context resident; the load counts in ``ttft_s`` and
-    in the pool's misses. ``"torch"`` only.
-    prefetch: speculative next-layer prefetch (``"torch"`` only; see
-    :func:`_prefetch_hooks`): each layer's likely misses are fetched while
-    the layer before it runs; ``prefetch_hits`` in the result.
-    native: the :class:`ctxcache.native.NativeClient` of ``"exact"``
-    (default: one to ``client.address`` with ``$CTXCACHE_API_KEY``, closed at
-    the end; pass one for TLS or other options).
-    The result carries ``pool_hits``, ``pool_misses`` (with ``"exact"``: the
-    library's page cache look-ups), ``bytes_received`` and ``ttft_s`` (from the call to the
-    first token: index fetch, set-up, the Append session's open, the first step)."""
+    selection: ``"exact"`` (the only one; ``"torch"``, the session core as
+    tensor ops with a page pool fetching its misses per layer-step, was
+    replaced by :func:`generate_engine`: a ValueError says so).
+    append: the library session sends each Append to the server and adds the
+    token to its selectors before the next step, as the server's session
+    does (so its selections follow the server's with appends too).
+    native: the :class:`ctxcache.native.NativeClient` (default: one to
+    ``client.address`` with ``$CTXCACHE_API_KEY``, closed at the end; pass
+    one for TLS or other options).
+    The result carries ``pool_hits``, ``pool_misses`` (the library's page
+    cache look-ups), ``bytes_received`` and ``ttft_s`` (from the call to the
+    first token: the session's open and the first step)."""
     from ctxcache import native as native_lib
-    from ctxcache.torch.gpu_session import TORCH_SESSIONS, torch_session
 
-    if selection not in ("torch", "exact"):
-        raise ValueError(f"selection '{selection}', expected 'torch' or 'exact'")
-    known = TORCH_SESSIONS if selection == "torch" else native_lib.SESSION_METHODS
-    if method not in known:
-        raise ValueError(f"method '{method}' has no client-side selection "
-                         f"(selection='{selection}'); expected one of {', '.join(known)}")
-    if keys is not None and method != "oracle":
-        raise ValueError(f"keys are for method oracle, not {method}")
-    if selection == "exact":
-        for name, on in (("prefetch", prefetch), ("warm_pool", warm_pool)):
-            if on:
-                raise ValueError(f"{name} needs selection='torch', not 'exact'")
-        if keys is not None:
-            raise ValueError("keys are for selection='torch'; selection='exact' scores the "
-                             "stored keys in the C++ session core")
-        return _generate_library(client, model, info, first_token, n_new, params, forced,
-                                 append, method, native)
-    dev = next(model.parameters()).device
-    t0 = time.perf_counter()
-    opener = ThreadPoolExecutor(max_workers=1)
-    # The server opens the Append session while the client sets up.
-    opening = opener.submit(client.open_session, info.context_id, method=method,
-                            params=params or {}) if append else None
-    session = None
-    dec: Optional[_Decoder] = None
-    try:
-        arts = client.fetch_index(info.context_id, method)
-        n_q = int(info.model.n_q_heads)
-        n_layers = int(info.model.n_layers)
-        if method == "oracle" and keys is None:
-            keys = fetch_context_keys(client, info, dev)
-        pool = GpuPagePool(client, info, dev, pool_bytes)
-        planner = torch_session(method, arts, n_q_heads=n_q, params=params or {},
-                                device=dev, keys=keys)
-        dec = _Decoder(pooled=PooledAttention(planner, pool, capacity=n_new,
-                                              cuda_graphs=dev.type == "cuda"),
-                       n_layers=n_layers)
-        dec.n_context = int(info.n_tokens)
-        dec.prefetch = prefetch
-        if warm_pool:
-            pool.load_all()
-        session = opening.result() if opening is not None else None
-        setup_s = time.perf_counter() - t0
-        dec.appender = session
-        res = _decode(model, dec, first_token, int(info.n_tokens), n_new, forced)
-    finally:
-        if dec is not None and dec.pooled is not None:
-            dec.pooled.close()
-        if opening is not None and session is None and opening.exception() is None:
-            opening.result().close()  # set-up failed after the session opened
-        opener.shutdown(wait=True)
-        if session is not None:
-            session.close()
-    res.pool_hits, res.pool_misses = pool.hits, pool.misses
-    res.prefetch_hits = pool.prefetch_hits
-    res.ttft_s = setup_s + (res.step_s[0] if res.step_s else 0.0)
-    return res
+    if selection != "exact":
+        raise ValueError(f"selection '{selection}', expected 'exact' (GPU decoding: "
+                         "hf.generate_engine)")
+    if method not in native_lib.SESSION_METHODS:
+        raise ValueError(f"method '{method}' has no client-side selection; expected one of "
+                         f"{', '.join(native_lib.SESSION_METHODS)}")
+    return _generate_library(client, model, info, first_token, n_new, params, forced,
+                             append, method, native)
 
 
 def _generate_library(client: Any, model: Any, info: Any, first_token: int, n_new: int,

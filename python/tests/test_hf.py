@@ -287,7 +287,7 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
                                          [f[:steps - 1] for f in feeds])
         runs = {"dense": hf.generate_engine(c, model, info, firsts, steps, attention="dense",
                                             forced=feeds, keep_logits=True,
-                                            write_back=WriteBackOptions(indexes=["quest"])),
+                                            write_back=WriteBackOptions()),
                 "full": hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
                                            keep_logits=True,
                                            options=EngineOptions(rho=1.0, pool_fraction=1.0))}
@@ -299,9 +299,13 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
         assert runs["full"].pool["copies"] > 0 and "pool" in runs["full"].memory
         assert runs["dense"].memory["context"] == 2 * k_ctx.numel() * 2
         # Write-back: a child per sequence, the context plus its fed tokens,
-        # whose appended rows hold the K the decode computed.
+        # whose appended rows hold the K the decode computed, with the
+        # parent's indexes (csa needs the appended tokens' queries).
+        parent_methods = sorted(i.method for i in info.indexes)
+        assert "csa" in parent_methods
         for s, child in enumerate(runs["dense"].children):
             assert child.n_tokens == n + steps
+            assert sorted(i.method for i in child.indexes) == parent_methods
             ck = torch.zeros(nc.context(child.context_id).kv_shape(), dtype=torch.bfloat16)
             nc.load_kv(child.context_id, ck, torch.zeros_like(ck))
             assert torch.equal(ck[:, :, :n], k_ctx)

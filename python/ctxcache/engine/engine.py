@@ -72,13 +72,20 @@ class OwnTokens:
     """Each sequence's appended K and V per layer: [n_layers, B, H, T, d], and
     how many each holds (int32 [B] on the device). Row t of sequence b holds
     the post-RoPE K/V of the token fed at its step t;
-    :meth:`ctxcache.engine.WriteBack.append_own` stores rows on the server."""
+    :meth:`ctxcache.engine.WriteBack.append_own` stores rows on the server.
+    With ``n_q_heads`` > 0 it also keeps their post-RoPE queries ``q``
+    [n_layers, B, Hq, T, d] (what a query-centric index such as csa needs
+    when the rows are stored); otherwise ``q`` is None."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_tokens: int,
-                 head_dim: int, dtype: torch.dtype, device: Any) -> None:
+                 head_dim: int, dtype: torch.dtype, device: Any, n_q_heads: int = 0) -> None:
         shape = (n_layers, batch, n_kv_heads, max_tokens, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.q: Optional[torch.Tensor] = None
+        if n_q_heads > 0:
+            self.q = torch.zeros((n_layers, batch, n_q_heads, max_tokens, head_dim),
+                                 dtype=dtype, device=device)
         self.length = torch.zeros(batch, dtype=torch.int32, device=device)
         self._now = torch.zeros(batch, dtype=torch.int32, device=device)
         self._b = torch.arange(batch, device=device)
@@ -88,11 +95,15 @@ class OwnTokens:
         """Before a step's layers: each sequence takes one more token."""
         torch.add(self.length, 1, out=self._now)
 
-    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """The step's K, V [B, H, d] at each sequence's next position."""
+    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+            q: Optional[torch.Tensor] = None) -> None:
+        """The step's K, V [B, H, d] (and q [B, Hq, d] when queries are kept)
+        at each sequence's next position."""
         pos = self.length.long()
         self.k[layer][self._b, :, pos] = k
         self.v[layer][self._b, :, pos] = v
+        if self.q is not None and q is not None:
+            self.q[layer][self._b, :, pos] = q
 
     def end_step(self) -> None:
         self.length.add_(1)
@@ -107,7 +118,8 @@ class OwnTokens:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        q = 0 if self.q is None else self.q.numel() * self.q.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + q
 
 
 class _Decoder:
@@ -130,7 +142,7 @@ class _Decoder:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """q [B, Hq, d], the step's k, v [B, H, d] -> [B, Hq, d]."""
-        self.own.put(layer, k, v)
+        self.own.put(layer, k, v, q)
         return self._attend(layer, q)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -145,7 +157,9 @@ class ContextDecoder(_Decoder):
 
     def __init__(self, tier: HostTier, device: Any, n_q_heads: int, batch: int,
                  max_new_tokens: int, options: Optional[EngineOptions] = None,
-                 planner: Optional[QuestPlanner] = None) -> None:
+                 planner: Optional[QuestPlanner] = None, keep_queries: bool = False) -> None:
+        """keep_queries: the own tokens keep their queries too (OwnTokens.q),
+        for a write-back to contexts with query-centric indexes. Default: False."""
         o = options or EngineOptions()
         if o.period < 1:
             raise ValueError(f"EngineOptions.period: expected >= 1, got {o.period}")
@@ -177,7 +191,8 @@ class ContextDecoder(_Decoder):
         if o.preload:
             self.pool.preload()
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
-                             tier.head_dim, tier.dtype, device)
+                             tier.head_dim, tier.dtype, device,
+                             n_q_heads if keep_queries else 0)
         # Per-sequence tables, or the batch union (then no per-sequence buffers).
         self.attention = None if self.union_kp else PagedAttention(self.pool, batch,
                                                                    n_q_heads, kp)
@@ -220,10 +235,12 @@ class DenseDecoder(_Decoder):
     (what a server without prefix sharing does; DenseContextAttention)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, batch: int, max_new_tokens: int,
-                 shared: bool = True) -> None:
+                 shared: bool = True, n_q_heads_kept: int = 0) -> None:
+        """n_q_heads_kept: > 0 makes the own tokens keep their queries (that
+        many q heads; OwnTokens.q). Default: 0."""
         self.attention = DenseContextAttention(k, v, shared=shared)
         self.own = OwnTokens(k.shape[0], batch, k.shape[1], max_new_tokens, k.shape[3],
-                             k.dtype, k.device)
+                             k.dtype, k.device, n_q_heads_kept)
         self.batch = batch
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

@@ -214,12 +214,14 @@ class WriteBack:
     def append_own(self, own: Any, b: int, tokens: Any, start: int) -> None:
         """Rows [start, start + len(tokens)) of sequence b of an
         :class:`~ctxcache.engine.engine.OwnTokens`: row i holds the K/V of the
-        token fed at the sequence's step i (position context + i)."""
+        token fed at the sequence's step i (position context + i); their
+        queries too when the own tokens keep them (``own.q``)."""
         end = start + (int(tokens.shape[0]) if isinstance(tokens, torch.Tensor) else len(tokens))
         if not 0 <= start < end <= own.max_tokens:
             raise ValueError(f"WriteBack.append_own: rows [{start}, {end}) outside "
                              f"[0, {own.max_tokens})")
-        self.append(tokens, own.k[:, b, :, start:end], own.v[:, b, :, start:end])
+        q = None if getattr(own, "q", None) is None else own.q[:, b, :, start:end]
+        self.append(tokens, own.k[:, b, :, start:end], own.v[:, b, :, start:end], q)
 
     def _copy(self, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               q: Optional[torch.Tensor]) -> _Segment:

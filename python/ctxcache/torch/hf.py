@@ -581,9 +581,11 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
        feeds ``first_tokens[b]`` at position ``info.n_tokens``; with
        ``forced`` (``[B][n_new]``) step i+1 feeds ``forced[b][i]``.
     4. ``write_back`` (a :class:`ctxcache.engine.WriteBackOptions`): after
-       the decode, each sequence's fed tokens and their K/V are stored as a
-       child context of ``info`` (:class:`ctxcache.engine.WriteBack`);
-       ``children`` holds their ``ContextInfo``.
+       the decode, each sequence's fed tokens and their K/V and Q (kept on
+       the device while decoding, so the child gets the parent's
+       query-centric indexes such as csa) are stored as a child context of
+       ``info`` (:class:`ctxcache.engine.WriteBack`); ``children`` holds
+       their ``ContextInfo``.
 
     Raises ValueError for an unknown ``attention``, no sequences, ``n_new`` < 1,
     a ``forced`` of another shape, or a stored context whose shape is not
@@ -615,11 +617,14 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
             raise ValueError(f"generate_engine: {err}")
         dev = next(model.parameters()).device
         n = int(tier.n_tokens)
+        hq = model.config.num_attention_heads
+        keep_q = write_back is not None  # query-centric indexes (csa) of the child need Q
         if attention == "dense":
             k, v = tier.token_view()
-            dec: Any = DenseDecoder(k.to(dev), v.to(dev), b, n_new)
+            dec: Any = DenseDecoder(k.to(dev), v.to(dev), b, n_new,
+                                    n_q_heads_kept=hq if keep_q else 0)
         else:
-            dec = ContextDecoder(tier, dev, model.config.num_attention_heads, b, n_new, options)
+            dec = ContextDecoder(tier, dev, hq, b, n_new, options, keep_queries=keep_q)
         st = LlamaStepper(model, dec, b, keep_logits=keep_logits)
         graphs = cuda_graphs and dev.type == "cuda"
         if graphs:

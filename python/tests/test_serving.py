@@ -429,6 +429,9 @@ def test_transformers_full_prefix_gives_plain_generate_batch_tokens(client, serv
         # the decode steps (7 per request) went through the batched call
         assert st["sparse_batched_requests"] >= 7 * len(prompts), st
         assert len(st["sparse_forward_log"]) == st["sparse_forwards"], st
+        # generate_batch routes every prompt before submitting any
+        # (add_requests): the first forward schedules all of them
+        assert st["sparse_forward_log"][0][2] == len(prompts), st["sparse_forward_log"][:3]
         # every forward, the prompts' too, read the block table: no host
         # read index of the past tokens
         assert st["sparse_table_forwards"] == st["sparse_forwards"], st

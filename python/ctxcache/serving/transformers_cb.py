@@ -591,18 +591,15 @@ class CtxcacheBackend:
         if warmup:
             mgr.warmup()
         mgr.start()
-        ids: List[str] = []
         results: Dict[str, Any] = {}
+        ids = [f"req_{i}" for i in range(len(inputs))]
         try:
-            for i, prompt in enumerate(inputs):
-                rid = f"req_{i}"
-                ids.append(rid)
-                ctx = context_ids[i] if context_ids is not None else None
-                try:
-                    mgr.add_request(prompt, request_id=rid, max_new_tokens=max_new_tokens,
-                                    record_timestamps=record_timestamps, context_id=ctx)
-                except errors.Error as e:
-                    results[rid] = _failed_output(rid, prompt, e)
+            added = mgr.add_requests(inputs, request_ids=ids, context_ids=context_ids,
+                                     max_new_tokens=max_new_tokens,
+                                     record_timestamps=record_timestamps)
+            for rid, prompt, x in zip(ids, inputs, added):
+                if isinstance(x, errors.Error):
+                    results[rid] = _failed_output(rid, prompt, x)
             deadline = time.monotonic() + timeout_s
             while len(results) < len(ids) and time.monotonic() < deadline:
                 out = mgr.get_result(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
@@ -730,6 +727,40 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
         (``context_id``, else :data:`REQUEST_CONTEXT_ID`, names a stored
         context): raises the ctxcache error when the policy says "error"
         (nothing is submitted then)."""
+        rid, r = self._route(input_ids, request_id, context_id)
+        return self._submit(rid, r, max_new_tokens, streaming, record_timestamps, eos_token_id,
+                            logit_processor_kwargs)
+
+    def add_requests(self, inputs: Sequence[List[int]],
+                     request_ids: Optional[Sequence[Optional[str]]] = None,
+                     context_ids: Optional[Sequence[Optional[str]]] = None,
+                     max_new_tokens: Optional[int] = None, streaming: bool = False,
+                     record_timestamps: bool = False, eos_token_id: Any = None,
+                     **logit_processor_kwargs: Any) -> List[Any]:
+        """Many requests at once: every prompt is routed first (its stored
+        prefix resolved and loaded), then all are submitted together, so the
+        engine's first forward can schedule them all instead of the first
+        alone while the others are still being routed. Per request, in input
+        order: its request id, or the ctxcache error that refused it (nothing
+        of it submitted). ``request_ids``/``context_ids``: one per input (None
+        entries: a generated id, :data:`REQUEST_CONTEXT_ID`)."""
+        for name, xs in (("request_ids", request_ids), ("context_ids", context_ids)):
+            if xs is not None and len(xs) != len(inputs):
+                raise ValueError(f"{name}: {len(xs)} entries, expected one per input "
+                                 f"({len(inputs)})")
+        routed: List[Any] = []
+        for i, prompt in enumerate(inputs):
+            try:
+                routed.append(self._route(prompt, request_ids[i] if request_ids else None,
+                                          context_ids[i] if context_ids else None))
+            except errors.Error as e:
+                routed.append(e)
+        return [x if isinstance(x, errors.Error) else
+                self._submit(x[0], x[1], max_new_tokens, streaming, record_timestamps,
+                             eos_token_id, logit_processor_kwargs) for x in routed]
+
+    def _route(self, input_ids: List[int], request_id: Optional[str],
+               context_id: Optional[str]) -> Tuple[str, Any]:
         if context_id is None:
             context_id = REQUEST_CONTEXT_ID.get()
         ids = list(input_ids)
@@ -741,6 +772,11 @@ class CtxcacheBatchingManager(ContinuousBatchingManager):
             with self._request_lock:
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
+        return request_id, r
+
+    def _submit(self, request_id: str, r: Any, max_new_tokens: Optional[int], streaming: bool,
+                record_timestamps: bool, eos_token_id: Any,
+                logit_processor_kwargs: Dict[str, Any]) -> Optional[str]:
         self.ctxcache._track(request_id, r)
         return super().add_request(r.prompt, request_id=request_id,
                                    max_new_tokens=max_new_tokens, streaming=streaming,

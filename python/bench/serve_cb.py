@@ -201,6 +201,7 @@ def run_engine(make_manager: Callable[[], Any], prompts: List[list], new_tokens:
     through ``add_requests``: all routed, then all submitted); collects the
     results (bounded). TTFT from the submission of the first request."""
     import torch
+    from ctxcache.serving.transformers_cb import CtxcacheBatchingManager
     mgr = make_manager()
     mgr.warmup()
     mgr.start()
@@ -210,7 +211,7 @@ def run_engine(make_manager: Callable[[], Any], prompts: List[list], new_tokens:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ids = [f"req_{i}" for i in range(len(prompts))]
-        if hasattr(mgr, "add_requests"):  # ctxcache's: every prompt routed, then all submitted
+        if isinstance(mgr, CtxcacheBatchingManager):  # every prompt routed, then all submitted
             added = mgr.add_requests(prompts, request_ids=ids, max_new_tokens=new_tokens,
                                      record_timestamps=True)
             for rid, x in zip(ids, added):

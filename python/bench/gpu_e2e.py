@@ -24,8 +24,10 @@ onto the GPU against (b) the same model through the GPU engine
    ``--engine-batches`` (sequence 0 feeds the context's last token, the
    others random tokens; at batch 1 teacher-forced on (a)'s tokens for the
    agreement), cold (the bulk load in TTFT) and ``_warm`` (a tier loaded
-   before the call, as a worker keeps it). One untimed call first compiles
-   the kernels (a worker does that once).
+   before the call, as a worker keeps it), and ``_reused``: the second call
+   of an ``hf.EngineDecoding`` kept between calls (decoder and graphs made
+   once). One untimed call first compiles the kernels (a worker does that
+   once).
 Peak GPU memory is measured per phase (torch.cuda.max_memory_allocated,
 reset before each) and given with and without the weights. Prints and
 writes JSON.
@@ -251,6 +253,21 @@ def engine_runs(a, c, model, info, first: int, dense_tokens: list, res: dict, sa
                     log(f"{key}: {row}")
                     save()
                     del out
+                # A decoder kept between calls (hf.EngineDecoding, as a worker
+                # keeps one per context and batch size): a second call's TTFT.
+                eng = hf.EngineDecoding(model, warm, b, a.n_new, attention=att, options=opts)
+                eng.generate(firsts, a.n_new, forced)
+                out = eng.generate(firsts, a.n_new, forced)
+                row = {"batch": b, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s,
+                       "decoder_setup_s": eng.setup_s}
+                if out.pool:
+                    row["pool"] = out.pool
+                if b == 1:
+                    row["ttft_vs_plain_prefill"] = res["plain_prefill_s"] / out.ttft_s
+                res[f"{name}_reused_B{b}"] = row
+                log(f"{name}_reused_B{b}: {row}")
+                save()
+                del eng, out
             dn = res[f"engine_dense_warm_B{b}"]
             hf_tps = res["dense"]["tokens_per_s"]
             res[f"engine_ratio_B{b}"] = {"engine_dense_vs_hf_dense": dn["tokens_per_s"] / hf_tps}

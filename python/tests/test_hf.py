@@ -296,7 +296,11 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
             torch.testing.assert_close(r.logits, want, atol=0.03, rtol=0.03, msg=name)
             assert r.tokens == want.argmax(-1).tolist(), name
             assert r.load_s > 0 and r.ttft_s >= r.load_s and r.decode_s > 0
-        assert runs["full"].pool["copies"] > 0 and "pool" in runs["full"].memory
+        # a pool of every page is loaded when the decoder is made: this
+        # call's steps all hit it
+        full_pool = runs["full"].pool
+        assert full_pool["copies"] == 0 and full_pool["hit_requests"] > 0, full_pool
+        assert "pool" in runs["full"].memory
         assert runs["dense"].memory["context"] == 2 * k_ctx.numel() * 2
         # Write-back: a child per sequence, the context plus its fed tokens,
         # whose appended rows hold the K the decode computed, with the
@@ -326,3 +330,33 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
         other = _TinyLlama(m.n_layers + 1, m.n_q_heads, m.n_kv_heads, m.head_dim)
         with pytest.raises(ValueError, match="the model expects"):
             hf.generate_engine(c, model=other, info=info, first_tokens=firsts, n_new=steps)
+
+
+def test_engine_decoding_is_kept_between_calls(make_server) -> None:
+    """hf.EngineDecoding: one decoder for many calls; a later call decodes
+    exactly like the first (the pool keeps its pages: fewer copies), and a
+    call of another batch size or past max_new_tokens is a ValueError."""
+    from conftest import random_tokens
+    from ctxcache import native
+    from ctxcache.engine import EngineOptions, HostTier
+
+    srv = make_server()
+    with native.NativeClient(srv.address, timeout=60) as nc:
+        cid = nc.build_tokens(random_tokens(900, 23))
+        shape = nc.context(cid)
+        tier = HostTier.from_server(nc, cid, streams=2, pin=False)
+        with tier.load:
+            tier.load.wait()
+        model = _TinyLlama(shape.n_layers, shape.n_q_heads, shape.n_kv_heads, shape.head_dim)
+        eng = hf.EngineDecoding(model, tier, 2, 6, keep_logits=True,
+                                options=EngineOptions(rho=0.2, pool_fraction=0.5))
+        first = eng.generate([4, 9], 6)
+        again = eng.generate([4, 9], 6)
+        assert again.tokens == first.tokens and torch.equal(again.logits, first.logits)
+        assert 0 < again.pool["copies"] < first.pool["copies"], (first.pool, again.pool)
+        shorter = eng.generate([4, 9], 3)
+        assert [t[:3] for t in first.tokens] == shorter.tokens
+        with pytest.raises(ValueError, match="first_tokens: 1 sequences, expected the batch's 2"):
+            eng.generate([4], 2)
+        with pytest.raises(ValueError, match="n_new: 7, expected 1..6"):
+            eng.generate([4, 9], 7)

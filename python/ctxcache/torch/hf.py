@@ -49,8 +49,8 @@ import torch
 
 
 __all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
-           "generate", "generate_client", "generate_dense", "generate_engine", "EngineResult",
-           "GenerateResult", "LibrarySession", "PrefillResult"]
+           "generate", "generate_client", "generate_dense", "generate_engine", "EngineDecoding",
+           "EngineResult", "GenerateResult", "LibrarySession", "PrefillResult"]
 
 
 # ---------------------------------------------------------------- attention --
@@ -554,6 +554,120 @@ def _engine_shape_error(tier: Any, model: Any) -> Optional[str]:
     return None
 
 
+class EngineDecoding:
+    """An HF model's greedy decoding of B sequences over one stored context
+    through the GPU engine (:mod:`ctxcache.engine`), kept between calls: the
+    decoder (the planner's index, the HBM pool, the own-token buffers) and
+    the CUDA graphs of the model's step are made once, here; each
+    :meth:`generate` starts B new sequences after the context (the pool keeps
+    its pages, so a later call starts warm). :func:`generate_engine` makes
+    one for a single call.
+
+    Args:
+        model: an HF LLaMA-family model (its step: :class:`ctxcache.engine.LlamaStepper`).
+        tier: the context's :class:`ctxcache.engine.HostTier`, loaded.
+        batch: B, the sequences of every call.
+        max_new_tokens: the most steps a call may take.
+        attention: ``"sparse"`` (:class:`ctxcache.engine.ContextDecoder` with
+            ``options``, :class:`ctxcache.engine.EngineOptions`) or ``"dense"``
+            (the whole context copied to the device,
+            :class:`ctxcache.engine.DenseDecoder`).
+        cuda_graphs: replay the step as CUDA graphs (CUDA only). Default: True.
+        keep_logits: calls return every step's logits. Default: False.
+        keep_queries: the own tokens keep their queries (for a write-back to
+            contexts with query-centric indexes). Default: False.
+
+    Raises ValueError for an unknown ``attention``, ``batch`` or
+    ``max_new_tokens`` < 1, or a context whose shape is not the model's.
+    Not thread-safe: one call at a time."""
+
+    def __init__(self, model: Any, tier: Any, batch: int, max_new_tokens: int, *,
+                 attention: str = "sparse", options: Any = None, cuda_graphs: bool = True,
+                 keep_logits: bool = False, keep_queries: bool = False) -> None:
+        from ctxcache.engine import ContextDecoder, DenseDecoder, LlamaStepper
+
+        t0 = time.perf_counter()
+        if attention not in ("sparse", "dense"):
+            raise ValueError(f"attention '{attention}', expected 'sparse' or 'dense'")
+        if batch < 1 or max_new_tokens < 1:
+            raise ValueError(f"batch {batch} and max_new_tokens {max_new_tokens}: expected >= 1 "
+                             "of each")
+        err = _engine_shape_error(tier, model)
+        if err is not None:
+            raise ValueError(f"generate_engine: {err}")
+        self.model, self.tier, self.batch = model, tier, batch
+        self.max_new_tokens, self.attention = max_new_tokens, attention
+        self.device = next(model.parameters()).device
+        hq = model.config.num_attention_heads
+        if attention == "dense":
+            k, v = tier.token_view()
+            self.decoder: Any = DenseDecoder(k.to(self.device), v.to(self.device), batch,
+                                             max_new_tokens,
+                                             n_q_heads_kept=hq if keep_queries else 0)
+        else:
+            self.decoder = ContextDecoder(tier, self.device, hq, batch, max_new_tokens, options,
+                                          keep_queries=keep_queries)
+        self.stepper = LlamaStepper(model, self.decoder, batch, keep_logits=keep_logits)
+        self.graphs = cuda_graphs and self.device.type == "cuda"
+        if self.graphs:
+            self.stepper.capture()  # its warm-up steps' effects are undone by generate
+        self.setup_s = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def generate(self, first_tokens: Sequence[int], n_new: int,
+                 forced: Optional[Sequence[Sequence[int]]] = None) -> EngineResult:
+        """Sequence b feeds ``first_tokens[b]`` at position ``tier.n_tokens``;
+        with ``forced`` (``[B][n_new]``) step i+1 feeds ``forced[b][i]``. The
+        result's ``ttft_s`` counts from this call; ``pool`` holds this call's
+        pool counts. ValueError for another number of sequences than B,
+        ``n_new`` outside 1..max_new_tokens or a ``forced`` of another shape."""
+        t0 = time.perf_counter()
+        firsts = [int(x) for x in first_tokens]
+        b, dev, st, dec = self.batch, self.device, self.stepper, self.decoder
+        if len(firsts) != b:
+            raise ValueError(f"first_tokens: {len(firsts)} sequences, expected the batch's {b}")
+        if not 1 <= n_new <= self.max_new_tokens:
+            raise ValueError(f"n_new: {n_new}, expected 1..{self.max_new_tokens}")
+        if forced is not None and (len(forced) != b or any(len(f) < n_new for f in forced)):
+            raise ValueError(f"forced: expected {b} sequences of {n_new} tokens")
+        pool_before = dec.pool.stats() if self.attention == "sparse" else {}
+        dec.reset()
+        st.reset()
+        st.tokens.copy_(torch.tensor(firsts, dtype=torch.int64))
+        st.position.fill_(int(self.tier.n_tokens))
+        fed = (torch.tensor([list(f[:n_new]) for f in forced], dtype=torch.int64,
+                            device=dev).t().contiguous() if forced is not None else None)
+        out = torch.empty(n_new, b, dtype=torch.int64, device=dev)
+        logits = (torch.empty(n_new, b, self.model.config.vocab_size, dtype=torch.float32,
+                              device=dev) if st.logits is not None else None)
+        res = EngineResult()
+        step = st.replay if self.graphs else st.step
+        t1 = t0
+        for i in range(n_new):
+            step()
+            out[i].copy_(st.tokens)
+            if logits is not None:
+                logits[i].copy_(st.logits)
+            if fed is not None:
+                st.tokens.copy_(fed[i])
+            if i == 0:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                res.ttft_s = t1 - t0
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        res.decode_s = time.perf_counter() - t1
+        res.tokens = out.t().tolist()
+        if logits is not None:
+            res.logits = logits.transpose(0, 1).cpu()
+        res.memory = dec.memory()
+        if pool_before:
+            after = dec.pool.stats()
+            res.pool = {k: (v - pool_before[k] if k != "n_slots" else v) for k, v in after.items()}
+        return res
+
+
 @torch.no_grad()
 def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[int],
                     n_new: int, *, attention: str = "sparse", options: Any = None,
@@ -562,7 +676,8 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
                     keep_logits: bool = False, write_back: Any = None) -> EngineResult:
     """Greedy decoding of B = len(first_tokens) sequences after the stored
     context ``info``, all through the GPU engine (:mod:`ctxcache.engine`):
-    no RPC and no host sync inside the decode.
+    no RPC and no host sync inside the decode. One call of a fresh
+    :class:`EngineDecoding` (keep one to decode many batches over a context).
 
     1. The context's K/V go into a pinned host tier with one bulk load
        (``HostTier.from_server`` through ``native``, default a
@@ -587,12 +702,12 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
        ``info`` (:class:`ctxcache.engine.WriteBack`); ``children`` holds
        their ``ContextInfo``.
 
+    ``ttft_s`` counts from the call: load, set-up and the first step.
     Raises ValueError for an unknown ``attention``, no sequences, ``n_new`` < 1,
     a ``forced`` of another shape, or a stored context whose shape is not
     the model's."""
     from ctxcache import native as native_lib
-    from ctxcache.engine import (ContextDecoder, DenseDecoder, HostTier, LlamaStepper,
-                                 WriteBack)
+    from ctxcache.engine import HostTier, WriteBack
 
     t0 = time.perf_counter()
     if attention not in ("sparse", "dense"):
@@ -612,63 +727,19 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
             tier = HostTier.from_server(native, info.context_id, streams=streams)
             tier.load.wait()
             load_s = time.perf_counter() - t0
-        err = _engine_shape_error(tier, model)
-        if err is not None:
-            raise ValueError(f"generate_engine: {err}")
-        dev = next(model.parameters()).device
-        n = int(tier.n_tokens)
-        hq = model.config.num_attention_heads
-        keep_q = write_back is not None  # query-centric indexes (csa) of the child need Q
-        if attention == "dense":
-            k, v = tier.token_view()
-            dec: Any = DenseDecoder(k.to(dev), v.to(dev), b, n_new,
-                                    n_q_heads_kept=hq if keep_q else 0)
-        else:
-            dec = ContextDecoder(tier, dev, hq, b, n_new, options, keep_queries=keep_q)
-        st = LlamaStepper(model, dec, b, keep_logits=keep_logits)
-        graphs = cuda_graphs and dev.type == "cuda"
-        if graphs:
-            st.capture()  # its warm-up steps' effects are undone below
-        dec.reset()
-        st.reset()
-        st.tokens.copy_(torch.tensor(firsts, dtype=torch.int64))
-        st.position.fill_(n)
-        fed = (torch.tensor([list(f[:n_new]) for f in forced], dtype=torch.int64,
-                            device=dev).t().contiguous() if forced is not None else None)
-        out = torch.empty(n_new, b, dtype=torch.int64, device=dev)
-        logits = (torch.empty(n_new, b, model.config.vocab_size, dtype=torch.float32,
-                              device=dev) if keep_logits else None)
-        res = EngineResult(load_s=load_s)
-        res.setup_s = time.perf_counter() - t0 - load_s
-        step = st.replay if graphs else st.step
-        t1 = t0
-        for i in range(n_new):
-            step()
-            out[i].copy_(st.tokens)
-            if logits is not None:
-                logits[i].copy_(st.logits)
-            if fed is not None:
-                st.tokens.copy_(fed[i])
-            if i == 0:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                res.ttft_s = t1 - t0
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        res.decode_s = time.perf_counter() - t1
-        res.tokens = out.t().tolist()
-        if logits is not None:
-            res.logits = logits.transpose(0, 1).cpu()
-        res.memory = dec.memory()
-        if attention == "sparse":
-            res.pool = dec.pool.stats()
+        eng = EngineDecoding(model, tier, b, n_new, attention=attention, options=options,
+                             cuda_graphs=cuda_graphs, keep_logits=keep_logits,
+                             keep_queries=write_back is not None)
+        started = time.perf_counter() - t0
+        res = eng.generate(firsts, n_new, forced)
+        res.load_s, res.setup_s = load_s, eng.setup_s
+        res.ttft_s += started
         if write_back is not None:
             writers = [WriteBack(native, info, write_back) for _ in range(b)]
             for s, w in enumerate(writers):
                 ids = [firsts[s]] + (list(forced[s][:n_new - 1]) if forced is not None
                                      else res.tokens[s][:n_new - 1])
-                w.append_own(dec.own, s, ids, 0)
+                w.append_own(eng.decoder.own, s, ids, 0)
                 w.flush()
             res.children = [w.close(write_back.timeout_s) for w in writers]
         return res

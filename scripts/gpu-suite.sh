@@ -144,6 +144,8 @@ stage gpu_e2e 560 bash -c "
       --profile-out '$OUT/gpu_e2e_llama8b-profile.json' \${CTXCACHE_E2E_ARGS:-} || rc=1;;
   esac
   kill -TERM \$pid; wait \$pid
+  echo \"ctxcached exit status: \$?\" >>'$WORK/server-e2e.log'
+  [ \$rc -eq 0 ] || tail -200 '$WORK/server-e2e.log' >'$OUT/gpu_e2e-server-tail.log'
   exit \$rc"
 # 6. Cluster read scaling (bench/cluster/cluster_scaling.py).
 stage cluster_bench 900 bash -c "

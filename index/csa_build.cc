@@ -216,8 +216,10 @@ float BuildList(const float* row, int64_t n, int64_t L, ListScratch* s, int32_t*
 
 StatusOr<std::unique_ptr<CsaSelector>> CsaSelector::Build(const HeadPrefill& p,
                                                           const CsaOptions& options) {
-  RETURN_IF_ERROR(CheckOptions(options));
+  // The prefill first: without queries the resolved C is 1, and the options'
+  // error (tau > C) would hide the cause.
   RETURN_IF_ERROR(ValidatePrefill("csa", p, /*need_queries=*/true, /*need_values=*/false));
+  RETURN_IF_ERROR(CheckOptions(options));
   const int d = p.head_dim;
   CsaOptions o = options;
   o.m = CsaSubspaces(o.m, d);

@@ -109,6 +109,12 @@ Status ValidatePrefill(std::string_view method, const HeadPrefill& p, bool need_
       return InvalidArgumentError(m + ": prefill.group_size=" + std::to_string(p.group_size) +
                                   ", expected >= 1");
     }
+    if (p.n_queries == 0) {
+      return InvalidArgumentError(m + ": prefill.n_queries=0, expected 1..n_tokens (" +
+                                  std::to_string(p.n_tokens) + "): " + m +
+                                  " is built from the tokens' post-RoPE queries (an ingest "
+                                  "sends them as chunk.q)");
+    }
     if (p.n_queries < 1 || p.n_queries > p.n_tokens) {
       return InvalidArgumentError(m + ": prefill.n_queries=" + std::to_string(p.n_queries) +
                                   ", expected 1..n_tokens (" + std::to_string(p.n_tokens) + ")");

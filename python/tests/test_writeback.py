@@ -221,6 +221,30 @@ def test_bad_appends_are_refused_before_anything_is_queued(client) -> None:
         WriteBack(client, parent, WriteBackOptions(timeout_s=0))
 
 
+def test_a_child_of_a_csa_context_needs_the_appended_tokens_queries(client) -> None:
+    """A child inherits its parent's indexes; csa is built from the tokens'
+    queries, so appends without q fail the flush with INVALID_ARGUMENT naming
+    chunk.q (nothing stored), and the same appends with q store a child with
+    csa."""
+    k, v = _kv(51, T0)
+    q = torch.randn(L, NQ, T0, D, generator=torch.Generator().manual_seed(52))
+    parent = client.ingest(SPEC, list(range(51, 51 + T0)),
+                           [(k[i], v[i], q[i]) for i in range(L)], indexes=["csa"],
+                           name="wb-csa")
+    before = {c.context_id for c in client.list()}
+    ak, av = _kv(53, 6)
+    wb = WriteBack(client, parent)
+    wb.append(range(6), ak, av)
+    with pytest.raises(ctxcache.InvalidArgument, match=r"n_queries=0.*chunk\.q"):
+        wb.close(timeout=60)
+    assert {c.context_id for c in client.list()} == before
+    aq = torch.randn(L, NQ, 6, D, generator=torch.Generator().manual_seed(54))
+    wb = WriteBack(client, parent)
+    wb.append(range(6), ak, av, aq.to(torch.bfloat16))
+    child = wb.close(timeout=60)
+    assert child.n_tokens == T0 + 6 and [i.method for i in child.indexes] == ["csa"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_writeback_copies_cuda_tensors_on_a_side_stream(client) -> None:
     parent, _, _ = _store(client, 51, "wb-cuda")

@@ -725,7 +725,8 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
         load_s = 0.0
         if tier is None:
             tier = HostTier.from_server(native, info.context_id, streams=streams)
-            tier.load.wait()
+            with tier.load:  # closed (its native handle freed) once the tier is full
+                tier.load.wait()
             load_s = time.perf_counter() - t0
         eng = EngineDecoding(model, tier, b, n_new, attention=attention, options=options,
                              cuda_graphs=cuda_graphs, keep_logits=keep_logits,

@@ -183,19 +183,25 @@ def profile_of(fn) -> dict:
 
 
 @torch.no_grad()
-def plain_prefill(model, ids: list, dev: str) -> float:
-    """What the cache saves: HF's own prefill of the context plus the first
-    token to the first token's argmax, one forward (after a short warm-up):
-    seconds."""
-    model(input_ids=torch.tensor([ids[:256]], device=dev), use_cache=True, logits_to_keep=1)
-    x = torch.tensor([ids], device=dev)
+def prefill_first_token(model, ids) -> tuple:
+    """HF prefill of ids, to the argmax of the last position: (seconds, cache, token)."""
+    x = torch.tensor([ids], device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
     out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-    int(torch.argmax(out.logits[0, -1]))
+    tok = int(torch.argmax(out.logits[0, -1]))
     torch.cuda.synchronize()
-    secs = time.perf_counter() - t
-    del out
+    return time.perf_counter() - t, out.past_key_values, tok
+
+
+@torch.no_grad()
+def plain_prefill(model, ids: list) -> float:
+    """What the cache saves: HF's own prefill of the context plus the first
+    token to the first token's argmax, one forward (after a short warm-up):
+    seconds."""
+    prefill_first_token(model, ids[:256])
+    secs, cache, _ = prefill_first_token(model, ids)
+    del cache
     torch.cuda.empty_cache()
     return secs
 
@@ -212,7 +218,8 @@ def engine_runs(a, c, model, info, first: int, dense_tokens: list, res: dict, sa
     with native.NativeClient(a.server, timeout=900) as nc:
         t = time.perf_counter()
         warm = HostTier.from_server(nc, info.context_id)
-        warm.load.wait()
+        with warm.load:
+            warm.load.wait()
         res["engine_tier_load_s"] = time.perf_counter() - t
         kinds = [("engine_dense", "dense", None)] + [
             (f"engine_sparse_P{p}", "sparse",
@@ -341,7 +348,7 @@ def main() -> int:
         res["ttft_prefill_ingest_s"] = pre.seconds + pre.ingest_s
         del pre
         torch.cuda.empty_cache()
-        res["plain_prefill_s"] = plain_prefill(model, context + [first], dev)
+        res["plain_prefill_s"] = plain_prefill(model, context + [first])
         res["kv_gib"] = (2 * cfg.num_hidden_layers * res["shape"]["n_kv_heads"] * len(context)
                          * res["shape"]["head_dim"] * 2) / 2**30
         log(f"ingested in {res['ingest_s']:.1f} s; (a) dense with the KV from ctxcache")

@@ -43,7 +43,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_e2e import SDPA_BACKENDS, load_model  # noqa: E402
+from gpu_e2e import SDPA_BACKENDS, load_model, prefill_first_token  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -87,18 +87,6 @@ def fio_randread(path: str) -> dict:
         return {"fio_randread_qd32_gb_per_s": job["bw_bytes"] / 1e9}
     except Exception as e:  # noqa: BLE001
         return {"fio": f"skipped ({type(e).__name__}: {e})"[:200]}
-
-
-@torch.no_grad()
-def prefill_first_token(model, ids) -> tuple:
-    """HF prefill of ids, to the argmax of the last position: (seconds, cache, token)."""
-    x = torch.tensor([ids], device="cuda")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = model(input_ids=x, use_cache=True, logits_to_keep=1)
-    tok = int(torch.argmax(out.logits[0, -1]))
-    torch.cuda.synchronize()
-    return time.perf_counter() - t, out.past_key_values, tok
 
 
 def cache_kv(cache, layer: int):

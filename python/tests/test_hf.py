@@ -221,7 +221,10 @@ def _reference_decode(model: _TinyLlama, k_ctx: torch.Tensor, v_ctx: torch.Tenso
     """Dense decoding written out: every step's logits [B, steps, vocab] and
     the fed tokens' K [L, B, H, steps, d], attention in float64 over the
     whole stored context plus the tokens so far."""
-    from ctxcache.engine.llama import _rotate_half
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
     cfg = model.config
     hq, h, d, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, k_ctx.shape[2]
     g = hq // h
@@ -241,8 +244,8 @@ def _reference_decode(model: _TinyLlama, k_ctx: torch.Tensor, v_ctx: torch.Tenso
             q = a.q_proj(hs).view(b, hq, d)
             k = a.k_proj(hs).view(b, h, d)
             v = a.v_proj(hs).view(b, h, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             own_k[li, :, :, t], own_v[li, :, :, t] = k, v
             o = torch.zeros(b, hq, d, dtype=torch.float64)
             for s in range(b):
@@ -327,6 +330,10 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
             hf.generate_engine(c, model, info, firsts, steps, attention="paged")
         with pytest.raises(ValueError, match="forced: expected 2 sequences of 5"):
             hf.generate_engine(c, model, info, firsts, steps, forced=[feeds[0]])
+        with pytest.raises(ValueError, match="first_tokens: no sequences"):
+            hf.generate_engine(c, model, info, [], steps)
+        with pytest.raises(ValueError, match="n_new: 0, expected >= 1"):
+            hf.generate_engine(c, model, info, firsts, 0)
         other = _TinyLlama(m.n_layers + 1, m.n_q_heads, m.n_kv_heads, m.head_dim)
         with pytest.raises(ValueError, match="the model expects"):
             hf.generate_engine(c, model=other, info=info, first_tokens=firsts, n_new=steps)

@@ -80,12 +80,7 @@ class HostTier:
     ``n_tokens`` are zero."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True,
-                 zero: bool = True) -> None:
-        """zero: every row starts zero; False leaves the rows below
-        ``n_tokens`` uninitialized (only the page padding is zeroed) for a
-        caller that fills them all, e.g. a bulk load (no pass over the
-        whole tier before the load writes it). Default: True."""
+                 dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True) -> None:
         if min(n_layers, n_kv_heads, n_tokens, head_dim, page) < 1:
             raise ValueError("HostTier: n_layers, n_kv_heads, n_tokens, head_dim and page "
                              "must be >= 1")
@@ -94,12 +89,8 @@ class HostTier:
         self.n_pages = (n_tokens + page - 1) // page
         shape = (n_layers, n_kv_heads, self.n_pages * page, head_dim)
         pin = pin and torch.cuda.is_available()
-        make = torch.zeros if zero else torch.empty
-        self.k = make(shape, dtype=dtype, pin_memory=pin)
-        self.v = make(shape, dtype=dtype, pin_memory=pin)
-        if not zero and shape[2] > n_tokens:
-            self.k[:, :, n_tokens:].zero_()
-            self.v[:, :, n_tokens:].zero_()
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.load: Any = None  # the background bulk load filling the tier, if any
 
     @property
@@ -126,7 +117,7 @@ class HostTier:
         shape = client.context(context_id)
         tier = cls(shape.n_layers, shape.n_kv_heads, shape.n_tokens, shape.head_dim,
                    wire_torch_dtype(DTYPE_NAMES[shape.kv_dtype]),
-                   page=shape.block_tokens or 16, pin=pin, zero=False)
+                   page=shape.block_tokens or 16, pin=pin)
         k, v = tier.token_view()
         tier.load = client.start_load_kv(context_id, k, v, streams=streams, shape=shape)
         return tier

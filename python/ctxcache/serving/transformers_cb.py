@@ -54,6 +54,7 @@ from ctxcache import errors
 from ctxcache.serving.options import ServingOptions
 from ctxcache.serving.router import ModelShape, Resolution, Resolver
 from ctxcache.engine.planner import page_cap, warm_decode_pages
+from ctxcache.torch import hf
 from ctxcache.serving.sparse import (PAGE_TOKENS, ForwardPlan, PrefixIndex, RequestSpan,
                                      block_table_rows, paged_sparse_attention,
                                      spans_from_lengths)
@@ -78,12 +79,8 @@ log = logging.getLogger("ctxcache.serving")
 
 def model_shape(model: Any) -> ModelShape:
     """The paged-cache shape of an HF causal LM (its text config)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
-        else model.config
-    n_q = int(cfg.num_attention_heads)
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
-    return ModelShape(int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", n_q)),
-                      int(d))
+    n_layers, _, n_kv, d = hf.model_heads(model)
+    return ModelShape(n_layers, n_kv, d)
 
 
 # ----------------------------------------------- transformers internals --
@@ -345,7 +342,6 @@ class CtxcacheBackend:
                  client_kwargs: Optional[Dict[str, Any]] = None,
                  label_filter: Optional[Dict[str, str]] = None) -> None:
         if fingerprints is None:
-            from ctxcache.torch import hf
             fingerprints = [hf.model_spec(model, "")["fingerprint"]]
         self.model = model
         self.shape = model_shape(model)

@@ -48,7 +48,8 @@ import numpy as np
 import torch
 
 
-__all__ = ["attend", "gather_selected", "pad_heads", "model_spec", "prefill", "prefill_and_ingest",
+__all__ = ["attend", "gather_selected", "pad_heads", "model_heads", "model_spec", "prefill",
+           "prefill_and_ingest",
            "generate", "generate_client", "generate_dense", "generate_engine", "EngineDecoding",
            "EngineResult", "GenerateResult", "LibrarySession", "PrefillResult"]
 
@@ -150,20 +151,28 @@ def _layers(model: Any) -> Any:
     return model.model.layers
 
 
+def model_heads(model: Any) -> Tuple[int, int, int, int]:
+    """An HF causal LM's attention shape from its (text) config: layers, q
+    heads, kv heads, head_dim."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
+    n_q = int(cfg.num_attention_heads)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    return (int(cfg.num_hidden_layers), n_q, int(getattr(cfg, "num_key_value_heads", n_q)),
+            int(d))
+
+
 def model_spec(model: Any, name: str) -> Dict[str, Any]:
     """The ModelSpec of an HF LLaMA-family model for ``Client.ingest``: its
     shape, kv_dtype bf16, and a fingerprint = SHA-256 over the parameters
     (names and bytes, in name order), so different weights never share ids."""
-    cfg = model.config
-    n_q = cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    n_layers, n_q, n_kv, d = model_heads(model)
     h = hashlib.sha256()
     for pname, p in sorted(model.state_dict().items()):
         h.update(pname.encode())
         h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-    return {"name": name, "n_layers": cfg.num_hidden_layers, "n_q_heads": n_q,
-            "n_kv_heads": getattr(cfg, "num_key_value_heads", n_q), "head_dim": d,
-            "kv_dtype": "bf16", "fingerprint": h.digest()}
+    return {"name": name, "n_layers": n_layers, "n_q_heads": n_q, "n_kv_heads": n_kv,
+            "head_dim": d, "kv_dtype": "bf16", "fingerprint": h.digest()}
 
 
 @dataclass
@@ -544,14 +553,29 @@ class EngineResult:
 
 
 def _engine_shape_error(tier: Any, model: Any) -> Optional[str]:
-    cfg = model.config
-    want = (cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
-            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    n_layers, _, n_kv, d = model_heads(model)
     got = (tier.n_layers, tier.n_kv_heads, tier.head_dim)
-    if got != want:
+    if got != (n_layers, n_kv, d):
         return (f"the stored context has (layers, kv heads, head_dim) {got}; the model "
-                f"expects {want}")
+                f"expects {(n_layers, n_kv, d)}")
     return None
+
+
+def _check_sequences(first_tokens: Sequence[int], n_new: int, max_new: Optional[int],
+                     forced: Optional[Sequence[Sequence[int]]]) -> List[int]:
+    """The first tokens as ints, after checking n_new (1..max_new, or >= 1
+    when max_new is None) and forced ([B][>= n_new]); ValueError naming the
+    argument otherwise."""
+    firsts = [int(x) for x in first_tokens]
+    b = len(firsts)
+    if b < 1:
+        raise ValueError("first_tokens: no sequences, expected >= 1")
+    if n_new < 1 or (max_new is not None and n_new > max_new):
+        raise ValueError(f"n_new: {n_new}, expected "
+                         + (f"1..{max_new}" if max_new is not None else ">= 1"))
+    if forced is not None and (len(forced) != b or any(len(f) < n_new for f in forced)):
+        raise ValueError(f"forced: expected {b} sequences of {n_new} tokens")
+    return firsts
 
 
 class EngineDecoding:
@@ -622,14 +646,11 @@ class EngineDecoding:
         pool counts. ValueError for another number of sequences than B,
         ``n_new`` outside 1..max_new_tokens or a ``forced`` of another shape."""
         t0 = time.perf_counter()
-        firsts = [int(x) for x in first_tokens]
         b, dev, st, dec = self.batch, self.device, self.stepper, self.decoder
-        if len(firsts) != b:
-            raise ValueError(f"first_tokens: {len(firsts)} sequences, expected the batch's {b}")
-        if not 1 <= n_new <= self.max_new_tokens:
-            raise ValueError(f"n_new: {n_new}, expected 1..{self.max_new_tokens}")
-        if forced is not None and (len(forced) != b or any(len(f) < n_new for f in forced)):
-            raise ValueError(f"forced: expected {b} sequences of {n_new} tokens")
+        if len(first_tokens) != b:
+            raise ValueError(f"first_tokens: {len(first_tokens)} sequences, expected the "
+                             f"batch's {b}")
+        firsts = _check_sequences(first_tokens, n_new, self.max_new_tokens, forced)
         pool_before = dec.pool.stats() if self.attention == "sparse" else {}
         dec.reset()
         st.reset()
@@ -712,12 +733,10 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
     t0 = time.perf_counter()
     if attention not in ("sparse", "dense"):
         raise ValueError(f"attention '{attention}', expected 'sparse' or 'dense'")
-    firsts = [int(x) for x in first_tokens]
+    # Checked before the load (which may move gigabytes): the same checks as
+    # EngineDecoding's.
+    firsts = _check_sequences(first_tokens, n_new, None, forced)
     b = len(firsts)
-    if b < 1 or n_new < 1:
-        raise ValueError(f"first_tokens: {b} sequences and n_new {n_new}; expected >= 1 of each")
-    if forced is not None and (len(forced) != b or any(len(f) < n_new for f in forced)):
-        raise ValueError(f"forced: expected {b} sequences of {n_new} tokens")
     owner = None
     if (tier is None or write_back is not None) and native is None:
         native = owner = native_lib.NativeClient(client.address)

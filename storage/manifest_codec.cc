@@ -2,15 +2,11 @@
 
 #include <cstdio>
 
+#include "common/byte_order.h"
 #include "common/crc32c.h"
 
 namespace ctxcache::storage {
 namespace {
-
-uint32_t GetLE32(const char* p) {
-  const auto* u = reinterpret_cast<const unsigned char*>(p);
-  return uint32_t{u[0]} | (uint32_t{u[1]} << 8) | (uint32_t{u[2]} << 16) | (uint32_t{u[3]} << 24);
-}
 
 std::string Hex32(uint32_t v) {
   char buf[16];

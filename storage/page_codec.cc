@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/byte_order.h"
 #include "common/crc32c.h"
 
 namespace ctxcache::storage {
@@ -24,22 +25,6 @@ struct ZstdContexts {
 ZstdContexts& ThreadContexts() {
   thread_local ZstdContexts ctx;
   return ctx;
-}
-
-void PutLE16(char* p, uint16_t v) {
-  p[0] = static_cast<char>(v);
-  p[1] = static_cast<char>(v >> 8);
-}
-void PutLE32(char* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<char>(v >> (8 * i));
-}
-uint16_t GetLE16(const char* p) {
-  const auto* u = reinterpret_cast<const uint8_t*>(p);
-  return static_cast<uint16_t>(u[0] | (u[1] << 8));
-}
-uint32_t GetLE32(const char* p) {
-  const auto* u = reinterpret_cast<const uint8_t*>(p);
-  return uint32_t{u[0]} | (uint32_t{u[1]} << 8) | (uint32_t{u[2]} << 16) | (uint32_t{u[3]} << 24);
 }
 
 }  // namespace

@@ -25,8 +25,6 @@
 
 namespace ctxcache::storage {
 
-using store_detail::PutLE32;
-using store_detail::GetLE32;
 
 namespace {
 

@@ -26,8 +26,6 @@ namespace ctxcache::storage {
 
 using store_detail::kMaxLayersOrHeads;
 using store_detail::Hex;
-using store_detail::PutLE32;
-using store_detail::GetLE32;
 
 // ---- Builds -----------------------------------------------------------------
 

@@ -324,6 +324,29 @@ int ctxcache_fetch_pages(ctxcache_client_t* c, const char* context_id, uint32_t 
   return Report(Status::OK(), errptr);
 }
 
+int ctxcache_fetch_pages_into(ctxcache_client_t* c, const char* context_id,
+                              const ctxcache_page_table_t* tables, size_t n_tables,
+                              const ctxcache_kv_layout_t* layout, char** errptr) {
+  if (c == nullptr || context_id == nullptr || layout == nullptr ||
+      (n_tables > 0 && tables == nullptr)) {
+    return Invalid("client, context_id, tables and layout must not be NULL", errptr);
+  }
+  ctxcache::v1::FetchPagesRequest req;
+  req.set_context_id(context_id);
+  for (size_t i = 0; i < n_tables; ++i) {
+    if (tables[i].n_blocks > 0 && tables[i].blocks == nullptr) {
+      return Invalid("tables[" + std::to_string(i) + "].blocks: NULL with n_blocks > 0", errptr);
+    }
+    auto* t = req.add_tables();
+    t->set_layer(tables[i].layer);
+    t->set_kv_head(tables[i].kv_head);
+    t->mutable_blocks()->Add(tables[i].blocks, tables[i].blocks + tables[i].n_blocks);
+  }
+  cc::KVLayout l;
+  ToLayout(*layout, &l);
+  return Report(c->client->FetchPagesInto(req, l), errptr);
+}
+
 int ctxcache_fetch_index(ctxcache_client_t* c, const char* context_id, const char* method,
                          ctxcache_index_t** out, char** errptr) {
   if (c == nullptr || context_id == nullptr || method == nullptr || out == nullptr) {

@@ -395,6 +395,15 @@ Status Client::LoadKV(const std::string& context_id, const KVLoadOptions& option
   return s;
 }
 
+Status Client::FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout) {
+  ASSIGN_OR_RETURN(v1::ContextInfo info, GetContext(request.context_id()));
+  RETURN_IF_ERROR(internal::CheckKVLoad(info, KVLoadOptions{}, layout).status());
+  RETURN_IF_ERROR(internal::CheckPageTables(info, request));
+  std::vector<v1::Page> pages;
+  RETURN_IF_ERROR(FetchPages(request, &pages));
+  return internal::ScatterPages(info, request, pages, layout);
+}
+
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.server.empty()) return InvalidArgumentError("server address is empty");
   if (options.timeout_s <= 0) return InvalidArgumentError("timeout_s must be > 0");

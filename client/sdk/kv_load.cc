@@ -376,6 +376,79 @@ StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
   return layers;
 }
 
+Status CheckPageTables(const v1::ContextInfo& info, const v1::FetchPagesRequest& request) {
+  const auto& m = info.model();
+  const uint32_t bt = info.block_tokens() ? info.block_tokens() : 16;
+  const uint64_t n_blocks = (info.n_tokens() + bt - 1) / bt;
+  if (request.tables_size() == 0) return InvalidArgumentError("tables: empty, expected >= 1");
+  for (int i = 0; i < request.tables_size(); ++i) {
+    const v1::PageTable& t = request.tables(i);
+    const std::string at = "tables[" + std::to_string(i) + "]";
+    if (t.layer() >= m.n_layers()) {
+      return InvalidArgumentError(at + ".layer: " + std::to_string(t.layer()) +
+                                  ", expected < n_layers " + std::to_string(m.n_layers()));
+    }
+    if (t.kv_head() >= m.n_kv_heads()) {
+      return InvalidArgumentError(at + ".kv_head: " + std::to_string(t.kv_head()) +
+                                  ", expected < n_kv_heads " + std::to_string(m.n_kv_heads()));
+    }
+    for (int j = 0; j < t.blocks_size(); ++j) {
+      if (t.blocks(j) >= n_blocks || (j > 0 && t.blocks(j) <= t.blocks(j - 1))) {
+        return InvalidArgumentError(at + ".blocks[" + std::to_string(j) + "]: " +
+                                    std::to_string(t.blocks(j)) +
+                                    ", expected strictly increasing blocks < " +
+                                    std::to_string(n_blocks));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Status ScatterPages(const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
+                    const std::vector<v1::Page>& pages, const KVLayout& layout) {
+  const KVLayout l = Dense(layout, info);
+  const size_t row = info.model().head_dim() * ElementSize(l.dtype);
+  const uint32_t bt = info.block_tokens() ? info.block_tokens() : 16;
+  size_t next = 0;
+  for (const v1::PageTable& t : request.tables()) {
+    for (uint32_t block : t.blocks()) {
+      if (next >= pages.size()) {
+        return DataLossError("FetchPages: " + std::to_string(pages.size()) +
+                             " pages for a request of more");
+      }
+      const v1::Page& p = pages[next++];
+      const uint64_t first = uint64_t{block} * bt;
+      const uint64_t n = std::min<uint64_t>(bt, info.n_tokens() - first);
+      if (p.layer() != t.layer() || p.kv_head() != t.kv_head() || p.block() != block ||
+          p.k().size() != n * row || p.v().size() != n * row) {
+        return DataLossError("FetchPages: page " + std::to_string(next - 1) +
+                             " is not (layer " + std::to_string(t.layer()) + ", kv head " +
+                             std::to_string(t.kv_head()) + ", block " + std::to_string(block) +
+                             ") of " + std::to_string(n) + " tokens");
+      }
+      const int64_t base = int64_t{t.layer()} * l.layer_stride +
+                           int64_t{t.kv_head()} * l.head_stride;
+      char* k = static_cast<char*>(l.k) + base;
+      char* v = static_cast<char*>(l.v) + base;
+      const int64_t at = static_cast<int64_t>(first) * l.token_stride;
+      if (l.token_stride == static_cast<int64_t>(row)) {  // the page's rows are adjacent
+        std::memcpy(k + at, p.k().data(), n * row);
+        std::memcpy(v + at, p.v().data(), n * row);
+        continue;
+      }
+      for (uint64_t r = 0; r < n; ++r) {
+        std::memcpy(k + at + r * l.token_stride, p.k().data() + r * row, row);
+        std::memcpy(v + at + r * l.token_stride, p.v().data() + r * row, row);
+      }
+    }
+  }
+  if (next != pages.size()) {
+    return DataLossError("FetchPages: " + std::to_string(pages.size()) + " pages for " +
+                         std::to_string(next) + " requested");
+  }
+  return Status::OK();
+}
+
 std::unique_ptr<KVLoad> StartKVLoad(const ClientOptions& client, const v1::ContextInfo& info,
                                     std::vector<uint32_t> layers, const KVLoadOptions& options,
                                     const KVLayout& layout, KVStubFor stubs) {

@@ -22,6 +22,18 @@ namespace ctxcache::client::internal {
 StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
                                             const KVLoadOptions& options, const KVLayout& layout);
 
+// Each table of a FetchPages request against the context: its layer and
+// kv head in range, its blocks in range and strictly increasing, at least
+// one table; INVALID_ARGUMENT naming the field (tables[i].blocks[j]).
+Status CheckPageTables(const v1::ContextInfo& info, const v1::FetchPagesRequest& request);
+
+// Writes `pages` (FetchPages' answer to `request`, crc32c-checked by it)
+// into `layout` (checked by CheckKVLoad for every layer; layer slot =
+// layer): K and V rows of each page at its tokens' rows. DATA_LOSS when
+// the pages are not the request's, in its order.
+Status ScatterPages(const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
+                    const std::vector<v1::Page>& pages, const KVLayout& layout);
+
 // Stream i's stub (i < options.streams); called from the load's threads,
 // so it must be safe for concurrent use and outlive the load.
 using KVStubFor = std::function<v1::DecodeService::Stub*(int stream)>;

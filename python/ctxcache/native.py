@@ -29,10 +29,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ctxcache import errors
 
-__all__ = ["NativeClient", "KVLoad", "KVMap", "ContextShape", "DecodeSession", "HeadStep",
-           "SESSION_METHODS", "library_path", "load_library"]
+__all__ = ["NativeClient", "KVLoad", "KVMap", "IndexArtifacts", "ContextShape", "DecodeSession",
+           "HeadStep", "SESSION_METHODS", "library_path", "load_library"]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 # The methods a decode session runs (NativeClient.open_session; c.h).
 SESSION_METHODS = ("csa", "tactic", "lfps", "quest", "streaming", "oracle", "full")
 _DTYPES = {"f32": 1, "f16": 2, "bf16": 3}
@@ -45,6 +45,11 @@ class _Layout(ctypes.Structure):
                 ("k_capacity", ctypes.c_size_t), ("v_capacity", ctypes.c_size_t),
                 ("layer_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
                 ("token_stride", ctypes.c_int64), ("dtype", ctypes.c_int32)]
+
+
+class _PageTable(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_uint32), ("kv_head", ctypes.c_uint32),
+                ("blocks", ctypes.POINTER(ctypes.c_uint32)), ("n_blocks", ctypes.c_size_t)]
 
 
 class _Context(ctypes.Structure):
@@ -176,6 +181,8 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_map_destroy": (None, [P]),
             "ctxcache_fetch_pages": (I, [P, S, U32, U32, ctypes.POINTER(U32), ctypes.c_size_t, P,
                                          ctypes.c_size_t, E]),
+            "ctxcache_fetch_pages_into": (I, [P, S, ctypes.POINTER(_PageTable), ctypes.c_size_t,
+                                              ctypes.POINTER(_Layout), E]),
             "ctxcache_fetch_index": (I, [P, S, S, ctypes.POINTER(P), E]),
             "ctxcache_index_get": (I, [P, U32, U32, ctypes.POINTER(ctypes.c_void_p),
                                        ctypes.POINTER(ctypes.c_size_t)]),
@@ -495,6 +502,29 @@ class KVMap(_Owned):
         a.flags.writeable = False
         return a
 
+class IndexArtifacts(_Owned):
+    """A method's serialized artifacts of every (layer, kv head)
+    (:meth:`NativeClient.open_index`), held by the library: :meth:`view`
+    returns one without a copy. Closing (or garbage collection) frees them;
+    views taken from it must not be used after that."""
+
+    _destroy = "ctxcache_index_destroy"
+
+    def __init__(self, handle: int) -> None:
+        self._h = ctypes.c_void_p(handle)
+
+    def view(self, layer: int, kv_head: int) -> Optional[memoryview]:
+        """The artifact of (layer, kv_head) as a read-only memoryview (no
+        copy), or None when the index has none."""
+        data, size = ctypes.c_void_p(), ctypes.c_size_t()
+        if _lib.ctxcache_index_get(self._live(), int(layer), int(kv_head),  # type: ignore
+                                   ctypes.byref(data), ctypes.byref(size)) != 0:
+            return None
+        if not size.value:
+            return memoryview(b"")
+        return memoryview((ctypes.c_uint8 * size.value).from_address(data.value)).toreadonly()
+
+
 class HeadStep(NamedTuple):
     """One kv head of a layer-step (ctxcache/client.h SelectedKV::Head)."""
     ids: Any          # int32 [n]: the union of the group's selections, sorted
@@ -682,6 +712,34 @@ class NativeClient(_Owned):
         with self.start_load_kv(context_id, k, v, layers, streams, frame_bytes) as load:
             return load.wait()
 
+    def fetch_pages_into(self, context_id: str, tables: Sequence[Tuple[int, int, Any]], k: Any,
+                         v: Any, shape: Optional[ContextShape] = None) -> None:
+        """Writes the pages of ``tables`` ((layer, kv head, blocks), blocks
+        strictly increasing; a list or a numpy array) into ``k`` and ``v``,
+        buffers of the whole context indexed (layer, kv head, token, dim) as
+        :meth:`start_load_kv` takes them: each page's rows where a bulk load
+        of every layer puts them, other rows untouched. One FetchPages call,
+        crc32c-checked, the GIL released. A bad table or buffer raises
+        :class:`ctxcache.InvalidArgument` naming it, with nothing written."""
+        import numpy as np
+        shape = shape or self.context(context_id)
+        dtype = _DTYPES[shape.kv_dtype]
+        expected = shape.kv_shape()
+        k_addr, k_cap, k_str = _view(k, "k", expected, dtype)
+        v_addr, v_cap, v_str = _view(v, "v", expected, dtype)
+        if k_str != v_str:
+            raise errors.InvalidArgument(f"v: strides {v_str} differ from k's {k_str}")
+        layout = _Layout(k_addr, v_addr, k_cap, v_cap, k_str[0], k_str[1], k_str[2], dtype)
+        keep = []
+        arr = (_PageTable * len(tables))()
+        for i, (layer, head, blocks) in enumerate(tables):
+            b = np.ascontiguousarray(blocks, dtype=np.uint32)
+            keep.append(b)
+            arr[i] = _PageTable(int(layer), int(head),
+                                b.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), b.size)
+        _call("FetchPages", _lib.ctxcache_fetch_pages_into,  # type: ignore[union-attr]
+              self._live(), context_id.encode(), arr, len(tables), ctypes.byref(layout))
+
     def map_kv(self, context_id: str, layers: Optional[Sequence[int]] = None) -> KVMap:
         """Same-host bulk load: the server copies the K and V of ``layers``
         (default all) into a shared-memory segment and hands it to this
@@ -793,20 +851,24 @@ class NativeClient(_Owned):
         finally:
             _lib.ctxcache_ingest_destroy(h)  # type: ignore[union-attr]
 
-    def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
-        """A method's serialized artifacts by (layer, kv head), crc32c-checked."""
-        shape = self.context(context_id)
+    def open_index(self, context_id: str, method: str) -> IndexArtifacts:
+        """A method's serialized artifacts of every (layer, kv head) (FetchIndex,
+        crc32c-checked), kept by the library until closed (views without a
+        copy)."""
         h = ctypes.c_void_p()
         _call("FetchIndex", _lib.ctxcache_fetch_index, self._live(),  # type: ignore[union-attr]
               context_id.encode(), method.encode(), ctypes.byref(h))
+        return IndexArtifacts(h.value or 0)
+
+    def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
+        """A method's serialized artifacts by (layer, kv head), crc32c-checked
+        (copies of :meth:`open_index`'s)."""
+        shape = self.context(context_id)
         out: Dict[Tuple[int, int], bytes] = {}
-        try:
-            data, size = ctypes.c_void_p(), ctypes.c_size_t()
+        with self.open_index(context_id, method) as idx:
             for layer in range(shape.n_layers):
                 for head in range(shape.n_kv_heads):
-                    if _lib.ctxcache_index_get(h, layer, head, ctypes.byref(data),  # type: ignore
-                                               ctypes.byref(size)) == 0:
-                        out[(layer, head)] = ctypes.string_at(data.value, size.value)
-        finally:
-            _lib.ctxcache_index_destroy(h)  # type: ignore[union-attr]
+                    view = idx.view(layer, head)
+                    if view is not None:
+                        out[(layer, head)] = bytes(view)
         return out

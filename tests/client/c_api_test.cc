@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -263,6 +264,74 @@ TEST_F(CApiTest, BadLayoutsAreRefusedAndNothingIsWritten) {
   EXPECT_EQ(ctxcache_load_kv_start(conn_->c, "not-an-id", nullptr, 0, 0, 0, &good, &load, &e2.msg),
             3);
   EXPECT_NE(e2.str().find("context_id"), std::string::npos) << e2.str();
+}
+
+// Pages written into a whole-context layout (padded token rows, as a
+// worker's host tier): the asked pages land where a bulk load puts them, the
+// other rows keep their bytes; bad tables and layouts write nothing.
+TEST_F(CApiTest, FetchPagesIntoALayout) {
+  const size_t row = ctx_.head_dim * 2;
+  const uint64_t padded = 19 * 16;  // the tier pads the last page
+  const size_t elems = size_t{ctx_.n_layers} * ctx_.n_kv_heads * padded * ctx_.head_dim;
+  std::vector<uint16_t> k(elems, 0xABCD), v(elems, 0xABCD);
+  const int64_t hs = static_cast<int64_t>(padded * row), ls = hs * ctx_.n_kv_heads;
+  ctxcache_kv_layout_t layout{k.data(), v.data(), elems * 2, elems * 2, ls, hs, 0, CTXCACHE_BF16};
+  const uint32_t b0[] = {0, 7, 18}, b1[] = {3};
+  const uint32_t last = ctx_.n_layers - 1, head = ctx_.n_kv_heads - 1;
+  const ctxcache_page_table_t tables[] = {{0, 0, b0, 3}, {last, head, b1, 1}};
+  Err e;
+  ASSERT_EQ(ctxcache_fetch_pages_into(conn_->c, id_.c_str(), tables, 2, &layout, &e.msg), 0)
+      << e.str();
+  const char* kb = reinterpret_cast<const char*>(k.data());
+  const char* vb = reinterpret_cast<const char*>(v.data());
+  size_t written = 0;
+  for (const auto& t : tables) {
+    const std::vector<Page> all = Pages(t.layer, t.kv_head);
+    for (size_t i = 0; i < t.n_blocks; ++i) {
+      const Page& p = all[t.blocks[i]];
+      const int64_t at = t.layer * ls + t.kv_head * hs + int64_t{p.block} * 16 * row;
+      EXPECT_EQ(std::memcmp(kb + at, p.k.data(), p.k.size()), 0) << t.layer << " " << p.block;
+      EXPECT_EQ(std::memcmp(vb + at, p.v.data(), p.v.size()), 0) << t.layer << " " << p.block;
+      written += p.n_tokens * ctx_.head_dim;
+    }
+  }
+  const auto untouched = [](const std::vector<uint16_t>& buf) {
+    return static_cast<size_t>(std::count(buf.begin(), buf.end(), 0xABCD));
+  };
+  EXPECT_EQ(untouched(k), elems - written);
+  EXPECT_EQ(untouched(v), elems - written);
+
+  // Bad input: INVALID_ARGUMENT naming the field, nothing written.
+  std::vector<uint16_t> k2(elems, 0xABCD), v2(elems, 0xABCD);
+  ctxcache_kv_layout_t fresh{k2.data(), v2.data(), elems * 2, elems * 2, ls, hs, 0, CTXCACHE_BF16};
+  const uint32_t unsorted[] = {4, 2}, past[] = {19};
+  const ctxcache_page_table_t bad_blocks[] = {{0, 0, b0, 3}, {1, 0, unsorted, 2}};
+  const ctxcache_page_table_t bad_range[] = {{0, 0, past, 1}};
+  const ctxcache_page_table_t bad_head[] = {{0, ctx_.n_kv_heads, b1, 1}};
+  const ctxcache_page_table_t bad_layer[] = {{ctx_.n_layers, 0, b1, 1}};
+  struct Case {
+    const ctxcache_page_table_t* t;
+    size_t n;
+    ctxcache_kv_layout_t l;
+    const char* field;
+  };
+  ctxcache_kv_layout_t small = fresh;
+  small.v_capacity = static_cast<size_t>(ls * ctx_.n_layers - hs);  // one kv head short
+  ctxcache_kv_layout_t f16 = fresh;
+  f16.dtype = CTXCACHE_F16;
+  for (const Case& c : {Case{bad_blocks, 2, fresh, "tables[1].blocks[1]"},
+                        Case{bad_range, 1, fresh, "tables[0].blocks[0]"},
+                        Case{bad_head, 1, fresh, "tables[0].kv_head"},
+                        Case{bad_layer, 1, fresh, "tables[0].layer"},
+                        Case{tables, 0, fresh, "tables"}, Case{tables, 2, small, "v_capacity"},
+                        Case{tables, 2, f16, "layout.dtype"}}) {
+    Err bad;
+    EXPECT_EQ(ctxcache_fetch_pages_into(conn_->c, id_.c_str(), c.t, c.n, &c.l, &bad.msg), 3)
+        << c.field;
+    EXPECT_NE(bad.str().find(c.field), std::string::npos) << bad.str();
+  }
+  EXPECT_EQ(untouched(k2), elems);
+  EXPECT_EQ(untouched(v2), elems);
 }
 
 TEST_F(CApiTest, FetchPagesAndIndex) {

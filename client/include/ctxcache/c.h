@@ -44,7 +44,7 @@ enum { CTXCACHE_F32 = 1, CTXCACHE_F16 = 2, CTXCACHE_BF16 = 3 };
 
 /* The ABI version this header describes; ctxcache_abi_version() returns the
  * library's. They must be equal. */
-#define CTXCACHE_ABI_VERSION 4
+#define CTXCACHE_ABI_VERSION 5
 CTXCACHE_EXPORT int ctxcache_abi_version(void);
 
 CTXCACHE_EXPORT void ctxcache_free(void* ptr);
@@ -200,6 +200,27 @@ CTXCACHE_EXPORT int ctxcache_fetch_pages(ctxcache_client_t* c, const char* conte
                                          uint32_t layer, uint32_t kv_head,
                                          const uint32_t* blocks, size_t n_blocks, void* out,
                                          size_t out_capacity, char** errptr);
+
+/* One (layer, kv head)'s pages for ctxcache_fetch_pages_into. */
+typedef struct {
+  uint32_t layer;
+  uint32_t kv_head;
+  const uint32_t* blocks; /* strictly increasing */
+  size_t n_blocks;
+} ctxcache_page_table_t;
+
+/* The pages of tables[0..n_tables) (one FetchPages call, crc32c-checked)
+ * written in place into a layout of the whole context (layer slot i =
+ * layer i; the checks of ctxcache_load_kv_start for every layer): each
+ * page's K and V rows at its tokens' rows, where a bulk load puts them;
+ * other rows untouched (ctxcache/client.h Client::FetchPagesInto). A bad
+ * layout or table fails with INVALID_ARGUMENT naming the field
+ * (tables[i].blocks[j], layout.k_capacity, ...), and nothing is written. */
+CTXCACHE_EXPORT int ctxcache_fetch_pages_into(ctxcache_client_t* c, const char* context_id,
+                                              const ctxcache_page_table_t* tables,
+                                              size_t n_tables,
+                                              const ctxcache_kv_layout_t* layout,
+                                              char** errptr);
 
 /* A method's serialized index artifacts (docs/storage-format.md), every
  * (layer, kv head), crc32c-checked. */

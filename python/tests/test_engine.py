@@ -457,6 +457,64 @@ def test_host_tier_from_server_holds_the_stored_pages(server, client,
             assert bool(t.v[:, :, :n].any())
 
 
+def test_an_on_demand_tier_plans_from_the_stored_index_and_fetches_only_planned_pages(
+        server, client, demo_contexts) -> None:  # noqa: F811
+    """HostTier.on_demand + QuestPlanner.from_index: the bounds read from the
+    stored Quest artifacts are the bounds of the loaded keys, bit for bit; a
+    decoder over the on-demand tier attends like one over the loaded tier,
+    step after step, while the tier holds only the units its steps planned;
+    the bulk load started later completes it."""
+    with native.NativeClient(server.address, timeout=60) as nc:
+        for ctx in demo_contexts:
+            m = ctx.model
+            loaded = HostTier.from_server(nc, ctx.context_id, streams=2, pin=False)
+            with loaded.load:
+                loaded.load.wait()
+            lazy = HostTier.on_demand(nc, ctx.context_id, pin=False)
+            assert lazy.present is not None and not bool(lazy.present.any())
+            if parse_quest_artifact(nc.fetch_index(ctx.context_id, "quest")[(0, 0)]) \
+                    .page_size != 16:
+                with nc.open_index(ctx.context_id, "quest") as idx, \
+                        pytest.raises(ValueError, match="page 12; expected the tier's"):
+                    QuestPlanner.from_index(idx, lazy, "cpu", m.n_q_heads, 2)
+                continue
+            with nc.open_index(ctx.context_id, "quest") as idx:
+                planner = QuestPlanner.from_index(idx, lazy, "cpu", m.n_q_heads, 2, rho=0.1)
+            ref = QuestPlanner.from_tier(loaded, "cpu", m.n_q_heads, 2, rho=0.1)
+            assert torch.equal(planner.kmin, ref.kmin) and torch.equal(planner.kmax, ref.kmax)
+            with pytest.raises(ValueError, match="holds no keys to plan from"):
+                ContextDecoder(lazy, "cpu", m.n_q_heads, 2, 4)
+            opts = EngineOptions(rho=0.1, pool_fraction=0.3)
+            a = ContextDecoder(lazy, "cpu", m.n_q_heads, 2, 4, opts, planner=planner)
+            b = ContextDecoder(loaded, "cpu", m.n_q_heads, 2, 4, opts)
+            g = torch.Generator().manual_seed(ctx.n_tokens)
+            planned = set()
+            for _ in range(3):
+                a.begin_step()
+                b.begin_step()
+                for layer in range(m.n_layers):
+                    q = torch.randn(2, m.n_q_heads, m.head_dim, generator=g).to(torch.bfloat16)
+                    k = torch.randn(2, m.n_kv_heads, m.head_dim, generator=g).to(torch.bfloat16)
+                    v = torch.randn(2, m.n_kv_heads, m.head_dim, generator=g).to(torch.bfloat16)
+                    assert torch.equal(a.attend(layer, q, k, v), b.attend(layer, q, k, v))
+                    planned |= set(a.pool.units(layer, planner.pages[layer]).view(-1).tolist())
+                a.end_step()
+                b.end_step()
+            # Exactly the planned units are present, with the stored bytes;
+            # the others are still zero.
+            have = set(torch.nonzero(lazy.present).view(-1).tolist())
+            assert have == planned and lazy.units_fetched == len(planned) < lazy.n_units
+            rows = lambda t: t.k.view(t.n_units, t.page, -1)  # noqa: E731
+            idx_have = torch.tensor(sorted(have))
+            assert torch.equal(rows(lazy)[idx_have], rows(loaded)[idx_have])
+            assert not bool(rows(lazy)[lazy.present.logical_not()].any())
+            assert lazy.fill(idx_have) == 0
+            lazy.start_load(streams=2)
+            lazy.load.wait()
+            assert lazy.complete() and lazy.present is None and lazy.fill(idx_have) == 0
+            assert torch.equal(lazy.k, loaded.k) and torch.equal(lazy.v, loaded.v)
+
+
 def test_mapped_kv_reads_the_stored_layers_in_segment_order(server,
                                                             demo_contexts) -> None:  # noqa: F811
     """MappedKV over MapKV: each slot's K and V equal a bulk load of that

@@ -339,6 +339,44 @@ def test_generate_engine_decodes_a_stored_context_like_dense_attention(make_serv
             hf.generate_engine(c, model=other, info=info, first_tokens=firsts, n_new=steps)
 
 
+def test_on_demand_decoding_equals_a_loaded_tier_and_fetches_only_the_first_steps_pages(
+        make_server) -> None:
+    """generate_engine(on_demand=True) on the CPU against a real ctxcached:
+    the planner's index read from the stored Quest artifacts and a tier
+    filled by each step's pages, then by a bulk load after the first step,
+    give the same logits and tokens as the tier loaded first; the first
+    step fetched only what it attends. Without a stored Quest index it
+    fails naming it, nothing decoded."""
+    import ctxcache
+    from conftest import random_tokens
+    from ctxcache.engine import EngineOptions
+
+    srv = make_server()
+    with ctxcache.Client(srv.address, timeout=60) as c:
+        info = c.build(tokens=random_tokens(900, 23), indexes=["quest"]).context
+        m = info.model
+        model = _TinyLlama(m.n_layers, m.n_q_heads, m.n_kv_heads, m.head_dim)
+        firsts, steps = [5, 17], 6
+        feeds = [[(7 * s + 3 * i) % 90 + 1 for i in range(steps)] for s in range(2)]
+        for period in (1, 2):
+            opts = EngineOptions(rho=0.1, pool_fraction=0.2, period=period)
+            loaded = hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
+                                        keep_logits=True, options=opts)
+            lazy = hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
+                                      keep_logits=True, options=opts, on_demand=True)
+            assert torch.equal(lazy.logits, loaded.logits), period
+            assert lazy.tokens == loaded.tokens
+            units = m.n_layers * m.n_kv_heads * -(-int(info.n_tokens) // 16)
+            # Two sequences' pages of every layer: at most 2 x kp per kv head.
+            assert 0 < lazy.first_step_units < units // 2, (lazy.first_step_units, units)
+            assert lazy.first_step_units <= lazy.units_fetched <= units
+        with pytest.raises(ValueError, match="on_demand: for attention 'sparse'"):
+            hf.generate_engine(c, model, info, firsts, steps, attention="dense", on_demand=True)
+        plain = c.build(tokens=random_tokens(900, 24), indexes=["streaming"]).context
+        with pytest.raises(ctxcache.errors.FailedPrecondition, match="no .quest. index"):
+            hf.generate_engine(c, model, plain, firsts, steps, on_demand=True)
+
+
 def test_engine_decoding_is_kept_between_calls(make_server) -> None:
     """hf.EngineDecoding: one decoder for many calls; a later call decodes
     exactly like the first (the pool keeps its pages: fewer copies), and a

@@ -168,6 +168,10 @@ class ContextDecoder(_Decoder):
         # Whether the current step plans (the model adapter sets it from its
         # step counter: steps 0, P, 2P, ... plan).
         self.planning = True
+        if planner is None and tier.present is not None:
+            raise ValueError("ContextDecoder: a tier filled on demand holds no keys to plan "
+                             "from; pass planner=QuestPlanner.from_index(...) (the stored "
+                             "Quest index)")
         self.planner = planner or QuestPlanner.from_tier(
             tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
             select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank,
@@ -188,7 +192,10 @@ class ContextDecoder(_Decoder):
                              PoolOptions(n_slots=o.pool_slots, fraction=o.pool_fraction,
                                          min_slots=0 if o.pool_slots else need),
                              max_requests=tier.n_kv_heads * (self.union_kp or batch * kp))
-        if o.preload:
+        # With a tier that fills on demand, the preload waits for it to complete
+        # (on_tier_complete).
+        self._preload = o.preload
+        if o.preload and tier.present is None:
             self.pool.preload()
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
                              tier.head_dim, tier.dtype, device,
@@ -204,17 +211,31 @@ class ContextDecoder(_Decoder):
         if self.planning and self.period > 1:
             self.pool.hold()
 
+    def on_tier_complete(self) -> None:
+        """Call once an on-demand tier has become complete (between steps): a
+        pool with a slot for every unit then preloads them (EngineOptions.preload)."""
+        if self._preload and self.tier.present is None:
+            self.pool.preload()
+
+    def _resolve(self, layer: int, pages: torch.Tensor) -> None:
+        if self.tier.present is not None:
+            # An on-demand tier: the planned units are fetched into it first
+            # (a host sync and a FetchPages call: steps before the tier is
+            # complete run eagerly, not as CUDA graphs).
+            self.tier.fill(self.pool.units(layer, pages))
+        self.pool.resolve(layer, pages)
+
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         if self.union_attention is not None:
             pages = self.planner.union_pages[layer]
             if self.planning:
                 self.planner.plan_union(layer, q)
-                self.pool.resolve(layer, pages.unsqueeze(0))
+                self._resolve(layer, pages.unsqueeze(0))
             return self.union_attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
                                         self.own.now, refresh=self.planning)
         if self.planning:
             pages = self.planner.plan(layer, q)
-            self.pool.resolve(layer, pages)
+            self._resolve(layer, pages)
         else:
             pages = self.planner.pages[layer]
         return self.attention(layer, q, pages, self.own.k[layer], self.own.v[layer],

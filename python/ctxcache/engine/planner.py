@@ -21,9 +21,11 @@ those; the planner fills the rest with pages no q head took (the latest
 ones), a superset: attention over more pages, never fewer.
 
 Its index is the context's Quest bounds, min and max of the keys per page
-and dim: computed on the device from the loaded keys (bf16 keys: equal to
-the stored Quest artifact's float bounds, which tests check), 2 * head_dim
-values per page of 16 tokens: 6.25% of the KV bytes in bf16.
+and dim, 2 * head_dim values per page of 16 tokens: 6.25% of the KV bytes
+in bf16. Either computed on the device from the loaded keys
+(:meth:`QuestPlanner.from_tier`), or read from the stored Quest artifacts
+(:meth:`QuestPlanner.from_index`: float bounds of bf16 keys, so the bf16
+bounds are the same bits, which tests check), which needs no key loaded.
 """
 from __future__ import annotations
 
@@ -187,6 +189,49 @@ class QuestPlanner:
             kmax[layer].copy_(mx)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, rho, recent_blocks,
                    select_algo, fused_cap, rank, union_rho, min_budget)
+
+    @classmethod
+    def from_index(cls, index: Any, tier: HostTier, device: Any, n_q_heads: int, batch: int,
+                   **options: Any) -> "QuestPlanner":
+        """Bounds from the context's stored Quest artifacts (``index``: a
+        :class:`ctxcache.native.IndexArtifacts` of method "quest", or any
+        object whose ``view(layer, kv_head)`` gives a ``QST1`` artifact,
+        docs/storage-format.md), converted to the tier's dtype; no key is
+        read. ``options``: the constructor's (rho, rank, ...). ValueError
+        when an artifact is missing, malformed, or of another page size,
+        token count or head_dim than the tier's."""
+        import warnings
+
+        import numpy as np
+        dev = torch.device(device)
+        shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
+        pin = dev.type == "cuda"
+        host = [torch.empty(shape, dtype=tier.dtype, pin_memory=pin) for _ in range(2)]
+        p, d = tier.n_pages, tier.head_dim
+        for layer in range(tier.n_layers):
+            for h in range(tier.n_kv_heads):
+                view = index.view(layer, h)
+                where = f"quest index (layer {layer}, kv head {h})"
+                if view is None:
+                    raise ValueError(f"{where}: missing; the context needs a 'quest' index "
+                                     "(ingest or build it with indexes including 'quest')")
+                if len(view) < 32 or bytes(view[:4]) != b"QST1":
+                    raise ValueError(f"{where}: not a QST1 artifact")
+                n, hd, page, _ = np.frombuffer(view, dtype=np.dtype("<i8,<i4,<i4,<f8"),
+                                               count=1, offset=8)[0]
+                if (int(n), int(hd), int(page)) != (tier.n_tokens, d, tier.page):
+                    raise ValueError(f"{where}: n_tokens {n}, head_dim {hd}, page {page}; "
+                                     f"expected the tier's {tier.n_tokens}, {d}, {tier.page}")
+                if len(view) != 32 + 8 * p * d:
+                    raise ValueError(f"{where}: {len(view)} bytes, expected {32 + 8 * p * d}")
+                with warnings.catch_warnings():  # read-only buffer: only read here
+                    warnings.simplefilter("ignore")
+                    f32 = torch.frombuffer(view, dtype=torch.float32, count=2 * p * d,
+                                           offset=32).view(2, p, d)
+                host[0][layer, h].copy_(f32[0])
+                host[1][layer, h].copy_(f32[1])
+        kmin, kmax = (x.to(dev, non_blocking=True) for x in host)
+        return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, **options)
 
     @property
     def hbm_bytes(self) -> int:

@@ -77,7 +77,15 @@ def table_rows(pages: torch.Tensor, page: int, n_tokens: int) -> torch.Tensor:
 class HostTier:
     """A stored context's K and V in (pinned) host memory, page-padded:
     ``k``, ``v`` [n_layers, n_kv_heads, n_pages * page, head_dim]; tokens past
-    ``n_tokens`` are zero."""
+    ``n_tokens`` are zero.
+
+    Filled by a bulk load (:meth:`from_server`; ``load`` waits for layers),
+    or on demand (:meth:`on_demand`): then ``present`` (bool [n_units], on
+    the host) says which units hold their bytes, :meth:`fill` fetches the
+    units a step asks for (FetchPages into the tier), and
+    :meth:`start_load` starts the bulk load of the rest; once it is done,
+    :meth:`complete` sets ``present`` to None, meaning every unit is in.
+    Readers of units (the pool's resolve) must only read present ones."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True) -> None:
@@ -92,6 +100,10 @@ class HostTier:
         self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.load: Any = None  # the background bulk load filling the tier, if any
+        # On demand: which units hold their bytes (None: all, or a load's).
+        self.present: Optional[torch.Tensor] = None
+        self._source: Any = None  # (native client, context id, shape) when on demand
+        self.units_fetched = 0  # units fetched on demand (FetchPages)
 
     @property
     def n_units(self) -> int:
@@ -121,6 +133,66 @@ class HostTier:
         k, v = tier.token_view()
         tier.load = client.start_load_kv(context_id, k, v, streams=streams, shape=shape)
         return tier
+
+    @classmethod
+    def on_demand(cls, client: Any, context_id: str, pin: bool = True) -> "HostTier":
+        """An empty tier for a stored context that :meth:`fill` fills unit by
+        unit through ``client`` (a :class:`ctxcache.native.NativeClient`,
+        kept for :meth:`start_load`); nothing is transferred yet."""
+        shape = client.context(context_id)
+        tier = cls(shape.n_layers, shape.n_kv_heads, shape.n_tokens, shape.head_dim,
+                   wire_torch_dtype(DTYPE_NAMES[shape.kv_dtype]),
+                   page=shape.block_tokens or 16, pin=pin)
+        tier.present = torch.zeros(tier.n_units, dtype=torch.bool)
+        tier._source = (client, context_id, shape)
+        return tier
+
+    def fill(self, units: torch.Tensor) -> int:
+        """Makes ``units`` (int64 unit ids, any order and repeats, on any
+        device: read here, a host sync) present: one FetchPages call for
+        those absent, grouped by (layer, kv head). Returns how many it
+        fetched (0 once the tier is complete)."""
+        if self.present is None:
+            return 0
+        u = torch.unique(units.reshape(-1).to("cpu", torch.int64))
+        u = u[~self.present[u]]
+        if not u.numel():
+            return 0
+        client, context_id, shape = self._source
+        head, page = u // self.n_pages, u % self.n_pages
+        starts = torch.nonzero(torch.diff(head, prepend=head[:1] - 1)).view(-1).tolist()
+        ends = starts[1:] + [u.numel()]
+        pages, heads = page.to(torch.int32).numpy(), head.tolist()
+        tables = [(heads[a] // self.n_kv_heads, heads[a] % self.n_kv_heads, pages[a:b])
+                  for a, b in zip(starts, ends)]
+        k, v = self.token_view()
+        client.fetch_pages_into(context_id, tables, k, v, shape=shape)
+        self.present[u] = True
+        self.units_fetched += int(u.numel())
+        return int(u.numel())
+
+    def start_load(self, streams: int = 8) -> None:
+        """On demand: starts the bulk load of the whole context into the tier in
+        the background (the units already fetched come again with the same
+        bytes); :meth:`complete` then says when it is done. No-op otherwise."""
+        if self.present is None or self.load is not None:
+            return
+        client, context_id, shape = self._source
+        k, v = self.token_view()
+        self.load = client.start_load_kv(context_id, k, v, streams=streams, shape=shape)
+
+    def complete(self) -> bool:
+        """Whether every unit is in the tier (no host wait: an on-demand tier
+        whose bulk load has finished becomes complete here, raising the
+        load's error if it failed)."""
+        if self.present is None:
+            return True
+        if self.load is None or not self.load.done:
+            return False
+        self.load.wait()  # raises the load's failure
+        self.load.close()
+        self.present = None
+        return True
 
 
 @dataclass

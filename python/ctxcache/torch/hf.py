@@ -537,13 +537,17 @@ class EngineResult:
     the first step and after the last."""
     tokens: List[List[int]] = field(default_factory=list)
     logits: Optional[torch.Tensor] = None  # keep_logits: [B, n_new, vocab] float32, CPU
-    load_s: float = 0.0     # the host tier's bulk load (0 for a tier given)
+    load_s: float = 0.0     # the tier's bulk load (0 for a tier given; on demand: the index)
     setup_s: float = 0.0    # decoder (index, pool, preload) and CUDA graphs
     ttft_s: float = 0.0     # from the call to the first tokens on the host
     decode_s: float = 0.0   # steps 2 .. n_new
     pool: Dict[str, int] = field(default_factory=dict)     # PagePool.stats() (sparse)
     memory: Dict[str, int] = field(default_factory=dict)   # the decoder's device bytes by part
     children: List[Any] = field(default_factory=list)      # write_back: each sequence's child
+    # On demand: units (page of a layer's kv head) the first step fetched, and
+    # all steps before the tier was complete.
+    first_step_units: int = 0
+    units_fetched: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -600,6 +604,17 @@ class EngineDecoding:
         keep_logits: calls return every step's logits. Default: False.
         keep_queries: the own tokens keep their queries (for a write-back to
             contexts with query-centric indexes). Default: False.
+        planner: the sparse decoder's planner (a
+            :class:`ctxcache.engine.QuestPlanner`); required for a tier filled
+            on demand (``QuestPlanner.from_index``). Default: None = from the
+            tier's keys.
+
+    A tier filled on demand (:meth:`ctxcache.engine.HostTier.on_demand`):
+    steps run eagerly, each planning step fetching the pages it picks into
+    the tier; after the first step the tier's bulk load starts in the
+    background (``streams`` FetchKV streams), and once it is complete the
+    step's CUDA graphs are captured (at a planning step) and replayed from
+    then on.
 
     Raises ValueError for an unknown ``attention``, ``batch`` or
     ``max_new_tokens`` < 1, or a context whose shape is not the model's.
@@ -607,7 +622,8 @@ class EngineDecoding:
 
     def __init__(self, model: Any, tier: Any, batch: int, max_new_tokens: int, *,
                  attention: str = "sparse", options: Any = None, cuda_graphs: bool = True,
-                 keep_logits: bool = False, keep_queries: bool = False) -> None:
+                 keep_logits: bool = False, keep_queries: bool = False, planner: Any = None,
+                 streams: int = 8) -> None:
         from ctxcache.engine import ContextDecoder, DenseDecoder, LlamaStepper
 
         t0 = time.perf_counter()
@@ -624,18 +640,42 @@ class EngineDecoding:
         self.device = next(model.parameters()).device
         hq = model.config.num_attention_heads
         if attention == "dense":
+            if tier.present is not None:
+                raise ValueError("attention 'dense' needs the whole context: a tier filled "
+                                 "on demand is for 'sparse'")
             k, v = tier.token_view()
             self.decoder: Any = DenseDecoder(k.to(self.device), v.to(self.device), batch,
                                              max_new_tokens,
                                              n_q_heads_kept=hq if keep_queries else 0)
         else:
             self.decoder = ContextDecoder(tier, self.device, hq, batch, max_new_tokens, options,
-                                          keep_queries=keep_queries)
+                                          planner=planner, keep_queries=keep_queries)
         self.stepper = LlamaStepper(model, self.decoder, batch, keep_logits=keep_logits)
         self.graphs = cuda_graphs and self.device.type == "cuda"
-        if self.graphs:
+        self.streams = streams
+        self.captured = False
+        if self.graphs and tier.present is None:
             self.stepper.capture()  # its warm-up steps' effects are undone by generate
+            self.captured = True
         self.setup_s = time.perf_counter() - t0
+
+    def _catch_up(self) -> None:
+        """Between steps, with a tier filled on demand: once its bulk load is
+        done, the decoder preloads if it may, and at a planning step the
+        graphs are captured (their warm-up steps' effects on the sequences
+        undone; the pool keeps what they resolved, the complete tier's bytes)."""
+        st, dec = self.stepper, self.decoder
+        if self.tier.present is not None and self.tier.complete():
+            dec.on_tier_complete()
+        if (self.graphs and not self.captured and self.tier.present is None
+                and st.n_steps % st.period == 0):
+            saved = (st.tokens.clone(), st.position.clone(), dec.own.length.clone(), st.n_steps)
+            st.capture()
+            st.tokens.copy_(saved[0])
+            st.position.copy_(saved[1])
+            dec.own.length.copy_(saved[2])
+            st.n_steps = saved[3]
+            self.captured = True
 
     @torch.no_grad()
     def generate(self, first_tokens: Sequence[int], n_new: int,
@@ -662,10 +702,14 @@ class EngineDecoding:
         logits = (torch.empty(n_new, b, self.model.config.vocab_size, dtype=torch.float32,
                               device=dev) if st.logits is not None else None)
         res = EngineResult()
-        step = st.replay if self.graphs else st.step
         t1 = t0
         for i in range(n_new):
-            step()
+            if not self.captured:
+                self._catch_up()
+            (st.replay if self.captured else st.step)()
+            if i == 0 and self.tier.present is not None:
+                res.first_step_units = self.tier.units_fetched
+                self.tier.start_load(self.streams)  # on demand: the rest, in the background
             out[i].copy_(st.tokens)
             if logits is not None:
                 logits[i].copy_(st.logits)
@@ -694,7 +738,8 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
                     n_new: int, *, attention: str = "sparse", options: Any = None,
                     forced: Optional[Sequence[Sequence[int]]] = None, tier: Any = None,
                     native: Any = None, streams: int = 8, cuda_graphs: bool = True,
-                    keep_logits: bool = False, write_back: Any = None) -> EngineResult:
+                    keep_logits: bool = False, write_back: Any = None,
+                    on_demand: bool = False) -> EngineResult:
     """Greedy decoding of B = len(first_tokens) sequences after the stored
     context ``info``, all through the GPU engine (:mod:`ctxcache.engine`):
     no RPC and no host sync inside the decode. One call of a fresh
@@ -723,6 +768,14 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
        ``info`` (:class:`ctxcache.engine.WriteBack`); ``children`` holds
        their ``ContextInfo``.
 
+    ``on_demand`` (sparse, no ``tier`` given): instead of step 1, the
+    planner's index is the context's stored Quest index (FetchIndex; the
+    context must have one) and the tier fills on demand
+    (:meth:`ctxcache.engine.HostTier.on_demand`): the first steps fetch the
+    pages they pick, and the bulk load starts after the first step (see
+    :class:`EngineDecoding`). The first token then needs the index and the
+    first step's pages only.
+
     ``ttft_s`` counts from the call: load, set-up and the first step.
     Raises ValueError for an unknown ``attention``, no sequences, ``n_new`` < 1,
     a ``forced`` of another shape, or a stored context whose shape is not
@@ -736,24 +789,44 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
     # Checked before the load (which may move gigabytes): the same checks as
     # EngineDecoding's.
     firsts = _check_sequences(first_tokens, n_new, None, forced)
+    if on_demand and (attention != "sparse" or tier is not None):
+        raise ValueError("on_demand: for attention 'sparse' without a tier given")
     b = len(firsts)
     owner = None
     if (tier is None or write_back is not None) and native is None:
         native = owner = native_lib.NativeClient(client.address)
     try:
-        load_s = 0.0
-        if tier is None:
+        load_s, planner = 0.0, None
+        if on_demand:
+            from ctxcache.engine import EngineOptions, QuestPlanner
+            tier = HostTier.on_demand(native, info.context_id)
+            o = options or EngineOptions()
+            with native.open_index(info.context_id, "quest") as index:
+                planner = QuestPlanner.from_index(
+                    index, tier, next(model.parameters()).device,
+                    model.config.num_attention_heads, b, rho=o.rho,
+                    recent_blocks=o.recent_blocks, select_algo=o.select_algo,
+                    fused_cap=o.fused_cap, rank=o.rank, union_rho=o.union_rho,
+                    min_budget=o.min_budget)
+            load_s = time.perf_counter() - t0
+        elif tier is None:
             tier = HostTier.from_server(native, info.context_id, streams=streams)
             with tier.load:  # closed (its native handle freed) once the tier is full
                 tier.load.wait()
             load_s = time.perf_counter() - t0
         eng = EngineDecoding(model, tier, b, n_new, attention=attention, options=options,
                              cuda_graphs=cuda_graphs, keep_logits=keep_logits,
-                             keep_queries=write_back is not None)
+                             keep_queries=write_back is not None, planner=planner,
+                             streams=streams)
         started = time.perf_counter() - t0
         res = eng.generate(firsts, n_new, forced)
         res.load_s, res.setup_s = load_s, eng.setup_s
         res.ttft_s += started
+        if on_demand:
+            res.units_fetched = tier.units_fetched
+            if tier.load is not None and tier.present is not None:
+                tier.load.wait()  # the bulk load outlives no call (and its errors surface)
+                tier.load.close()
         if write_back is not None:
             writers = [WriteBack(native, info, write_back) for _ in range(b)]
             for s, w in enumerate(writers):

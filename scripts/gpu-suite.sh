@@ -115,7 +115,9 @@ stage data_plane 590 bash -c "
     >'$WORK/long-dp.json' || exit 1
   rc=0
   for c in \${CTXCACHE_LOAD_CASES:-models/ctxcache-ref:8:32768 llama8b:32:32768 llama8b:8:131072}; do
-    idx=streaming; case \$c in models/*) idx=;; esac  # the reference model: its default indexes
+    # quest: the engine's index (the sparse time to first token reads it);
+    # the reference model also gets its default index (csa).
+    idx=streaming,quest; case \$c in models/*) idx=csa,quest;; esac
     PYTHONPATH='$WORK/site' python3 python/bench/gpu_load.py --bin-dir '$WORK/bin' --case \$c \
       --indexes \"\$idx\" --tokens-json '$WORK/long-dp.json' --work '$WORK/load' \
       --out '$OUT/gpu_load_'\$(echo \$c | tr -c 'a-z0-9\n' _).json \${CTXCACHE_LOAD_ARGS:-} || rc=1

@@ -105,7 +105,7 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
     server = make_server(["--default-indexes", "csa"])
     ids = list(np.random.default_rng(0).integers(3, 1000, size=1200))
     with ctxcache.Client(server.address, timeout=120) as c:
-        info, pre = hf.prefill_and_ingest(c, model, ids[:-1], indexes=["csa"])
+        info, pre = hf.prefill_and_ingest(c, model, ids[:-1], indexes=["csa", "quest"])
         dense_out = hf.generate_dense(model, pre, ids[-1], 16)
         # The generated tokens go back to the session (append=True); its
         # selections of them are dropped (the model's cache holds them), so
@@ -143,6 +143,14 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
                                  options=EngineOptions(rho=0.1, rank="max", min_budget=256))
         assert sum(a == b for a, b in zip(eng.tokens[0], dense_out.tokens)) >= 12, eng.tokens
         assert 0 < eng.pool["copies"] and eng.ttft_s > 0
+        # On demand (the stored Quest index; each step fetches its pages until
+        # the bulk load started after the first step completes, then the
+        # step's CUDA graphs are captured): the loaded tier's tokens.
+        lazy = hf.generate_engine(c, model, info, [ids[-1]], 16, forced=[dense_out.tokens],
+                                  on_demand=True, options=EngineOptions(
+                                      rho=0.1, rank="max", min_budget=256))
+        assert lazy.tokens == eng.tokens
+        assert 0 < lazy.first_step_units <= lazy.units_fetched
         with pytest.raises(ValueError, match="generate_engine"):
             hf.generate_client(c, model, info, ids[-1], 4, selection="torch")
 

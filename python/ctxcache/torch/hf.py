@@ -709,7 +709,8 @@ class EngineDecoding:
             (st.replay if self.captured else st.step)()
             if i == 0 and self.tier.present is not None:
                 res.first_step_units = self.tier.units_fetched
-                self.tier.start_load(self.streams)  # on demand: the rest, in the background
+                if n_new > 1:  # on demand: the rest, in the background
+                    self.tier.start_load(self.streams)
             out[i].copy_(st.tokens)
             if logits is not None:
                 logits[i].copy_(st.logits)

@@ -349,11 +349,20 @@ int ctxcache_fetch_pages_into(ctxcache_client_t* c, const char* context_id,
 
 int ctxcache_fetch_index(ctxcache_client_t* c, const char* context_id, const char* method,
                          ctxcache_index_t** out, char** errptr) {
+  return ctxcache_fetch_index_layers(c, context_id, method, nullptr, 0, out, errptr);
+}
+
+int ctxcache_fetch_index_layers(ctxcache_client_t* c, const char* context_id, const char* method,
+                                const uint32_t* layers, size_t n_layers, ctxcache_index_t** out,
+                                char** errptr) {
   if (c == nullptr || context_id == nullptr || method == nullptr || out == nullptr) {
     return Invalid("client, context_id, method and out must not be NULL", errptr);
   }
+  if (n_layers > 0 && layers == nullptr) return Invalid("layers: NULL with n_layers > 0", errptr);
   *out = nullptr;
-  auto index = c->client->FetchIndex(context_id, method);
+  auto index = c->client->FetchIndex(
+      context_id, method,
+      n_layers ? std::vector<uint32_t>(layers, layers + n_layers) : std::vector<uint32_t>{});
   if (!index.ok()) return Report(index.status(), errptr);
   *out = new ctxcache_index_t{std::move(*index)};
   return Report(Status::OK(), errptr);

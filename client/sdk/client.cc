@@ -175,12 +175,15 @@ class ClientImpl final : public Client {
     return Convert(s, "WatchContexts");
   }
 
+  using Client::FetchIndex;
   StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
-      const std::string& context_id, const std::string& method) override {
+      const std::string& context_id, const std::string& method,
+      const std::vector<uint32_t>& layers) override {
     std::map<std::pair<uint32_t, uint32_t>, std::string> out;
     v1::FetchIndexRequest req;
     req.set_context_id(context_id);
     req.add_methods(method);
+    req.mutable_layers()->Add(layers.begin(), layers.end());
     auto s = WithRetry([&](grpc::ClientContext* c) {
       out.clear();
       auto reader = decode_->FetchIndex(c, req);

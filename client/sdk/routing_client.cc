@@ -205,10 +205,12 @@ class RoutingClient final : public Client {
            })
         .status();
   }
+  using Client::FetchIndex;
   StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
-      const std::string& id, const std::string& method) override {
+      const std::string& id, const std::string& method,
+      const std::vector<uint32_t>& layers) override {
     return OnContext<std::map<std::pair<uint32_t, uint32_t>, std::string>>(
-        id, [&](Client* c) { return c->FetchIndex(id, method); });
+        id, [&](Client* c) { return c->FetchIndex(id, method, layers); });
   }
   Status FetchPages(const v1::FetchPagesRequest& request, std::vector<v1::Page>* pages) override {
     return OnContext<bool>(request.context_id(),

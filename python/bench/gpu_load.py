@@ -139,7 +139,7 @@ def sparse_ttft(a, case: dict, nc, model, info, tok: int) -> None:
     from ctxcache.engine import EngineOptions
     from ctxcache.torch import hf
     opts = EngineOptions(rho=a.sparse_rho, rank="max", min_budget=1024)
-    unit_bytes = 2 * 16 * model.config.head_dim * 2
+    unit_bytes = 2 * 16 * hf.model_heads(model)[3] * 2
     for attempt in ("1", "2"):
         torch.cuda.synchronize()
         r = hf.generate_engine(nc, model, info, [tok], 1, on_demand=True, native=nc,
@@ -147,8 +147,9 @@ def sparse_ttft(a, case: dict, nc, model, info, tok: int) -> None:
         case[f"sparse_ttft_{attempt}_s"] = r.ttft_s
         case[f"sparse_ttft_{attempt}_index_s"] = r.load_s
         case[f"sparse_ttft_{attempt}_setup_s"] = r.setup_s
-        log(f"sparse TTFT ({attempt}): {r.ttft_s:.3f} s (index {r.load_s:.3f} s, set-up "
-            f"{r.setup_s:.3f} s, first step {r.first_step_units} units)")
+        case[f"sparse_ttft_{attempt}_start"] = r.start
+        log(f"sparse TTFT ({attempt}): {r.ttft_s:.3f} s (index {r.load_s:.3f} s: {r.start}, "
+            f"set-up {r.setup_s:.3f} s, first step {r.first_step_units} units)")
     case["sparse_ttft_rho"] = a.sparse_rho
     case["sparse_first_step_gib"] = r.first_step_units * unit_bytes / 2**30
     best = min(case["sparse_ttft_1_s"], case["sparse_ttft_2_s"])

@@ -184,6 +184,8 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             "ctxcache_fetch_pages_into": (I, [P, S, ctypes.POINTER(_PageTable), ctypes.c_size_t,
                                               ctypes.POINTER(_Layout), E]),
             "ctxcache_fetch_index": (I, [P, S, S, ctypes.POINTER(P), E]),
+            "ctxcache_fetch_index_layers": (I, [P, S, S, ctypes.POINTER(U32), ctypes.c_size_t,
+                                                ctypes.POINTER(P), E]),
             "ctxcache_index_get": (I, [P, U32, U32, ctypes.POINTER(ctypes.c_void_p),
                                        ctypes.POINTER(ctypes.c_size_t)]),
             "ctxcache_index_destroy": (None, [P]),
@@ -503,22 +505,32 @@ class KVMap(_Owned):
         return a
 
 class IndexArtifacts(_Owned):
-    """A method's serialized artifacts of every (layer, kv head)
-    (:meth:`NativeClient.open_index`), held by the library: :meth:`view`
-    returns one without a copy. Closing (or garbage collection) frees them;
-    views taken from it must not be used after that."""
+    """A method's serialized artifacts (:meth:`NativeClient.open_index`), held
+    by the library (one handle per fetch): :meth:`view` returns one without
+    a copy. Closing (or garbage collection) frees them; views taken from it
+    must not be used after that."""
 
     _destroy = "ctxcache_index_destroy"
 
-    def __init__(self, handle: int) -> None:
-        self._h = ctypes.c_void_p(handle)
+    def __init__(self, handles: Sequence[int]) -> None:
+        self._handles = [ctypes.c_void_p(h) for h in handles]
+        self._h = self._handles[0] if self._handles else ctypes.c_void_p()
+
+    def close(self) -> None:
+        for h in self._handles:
+            if h:
+                _lib.ctxcache_index_destroy(h)  # type: ignore[union-attr]
+        self._handles = []
+        self._h = ctypes.c_void_p()
 
     def view(self, layer: int, kv_head: int) -> Optional[memoryview]:
         """The artifact of (layer, kv_head) as a read-only memoryview (no
         copy), or None when the index has none."""
         data, size = ctypes.c_void_p(), ctypes.c_size_t()
-        if _lib.ctxcache_index_get(self._live(), int(layer), int(kv_head),  # type: ignore
-                                   ctypes.byref(data), ctypes.byref(size)) != 0:
+        self._live()
+        if not any(_lib.ctxcache_index_get(h, int(layer), int(kv_head),  # type: ignore
+                                           ctypes.byref(data), ctypes.byref(size)) == 0
+                   for h in self._handles):
             return None
         if not size.value:
             return memoryview(b"")
@@ -851,14 +863,41 @@ class NativeClient(_Owned):
         finally:
             _lib.ctxcache_ingest_destroy(h)  # type: ignore[union-attr]
 
-    def open_index(self, context_id: str, method: str) -> IndexArtifacts:
-        """A method's serialized artifacts of every (layer, kv head) (FetchIndex,
-        crc32c-checked), kept by the library until closed (views without a
-        copy)."""
-        h = ctypes.c_void_p()
-        _call("FetchIndex", _lib.ctxcache_fetch_index, self._live(),  # type: ignore[union-attr]
-              context_id.encode(), method.encode(), ctypes.byref(h))
-        return IndexArtifacts(h.value or 0)
+    def open_index(self, context_id: str, method: str, layers: Optional[Sequence[int]] = None,
+                   streams: int = 1) -> IndexArtifacts:
+        """A method's serialized artifacts of every kv head of ``layers``
+        (default all; FetchIndex, crc32c-checked), kept by the library until
+        closed (views without a copy). ``streams`` > 1 splits the layers into
+        that many runs fetched by concurrent calls (the GIL released)."""
+        if layers is None:
+            layers = range(self.context(context_id).n_layers)
+        layers = list(layers)
+        n = max(1, min(int(streams), len(layers)))
+        runs = [layers[i * len(layers) // n:(i + 1) * len(layers) // n] for i in range(n)]
+
+        def fetch(run: List[int]) -> int:
+            h = ctypes.c_void_p()
+            arr = _u32_array(run)
+            _call("FetchIndex", _lib.ctxcache_fetch_index_layers,  # type: ignore[union-attr]
+                  self._live(), context_id.encode(), method.encode(), arr, len(run),
+                  ctypes.byref(h))
+            return h.value or 0
+
+        if n == 1:
+            return IndexArtifacts([fetch(runs[0])])
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(fetch, r) for r in runs]
+        handles, errs = [], []
+        for f in futures:
+            try:
+                handles.append(f.result())
+            except Exception as e:  # noqa: BLE001 (the first is raised, after freeing all)
+                errs.append(e)
+        if errs:
+            IndexArtifacts(handles).close()
+            raise errs[0]
+        return IndexArtifacts(handles)
 
     def fetch_index(self, context_id: str, method: str) -> Dict[Tuple[int, int], bytes]:
         """A method's serialized artifacts by (layer, kv head), crc32c-checked

@@ -472,6 +472,12 @@ def test_an_on_demand_tier_plans_from_the_stored_index_and_fetches_only_planned_
                 loaded.load.wait()
             lazy = HostTier.on_demand(nc, ctx.context_id, pin=False)
             assert lazy.present is not None and not bool(lazy.present.any())
+            # Not zero-filled: rows not present must never be read (NaN here
+            # would reach the attention outputs); the padding is zero.
+            n = ctx.n_tokens
+            assert not bool(lazy.k[:, :, n:].any()) and not bool(lazy.v[:, :, n:].any())
+            lazy.k[:, :, :n].fill_(float("nan"))
+            lazy.v[:, :, :n].fill_(float("nan"))
             if parse_quest_artifact(nc.fetch_index(ctx.context_id, "quest")[(0, 0)]) \
                     .page_size != 16:
                 with nc.open_index(ctx.context_id, "quest") as idx, \
@@ -501,13 +507,13 @@ def test_an_on_demand_tier_plans_from_the_stored_index_and_fetches_only_planned_
                 a.end_step()
                 b.end_step()
             # Exactly the planned units are present, with the stored bytes;
-            # the others are still zero.
+            # the others still hold the NaNs.
             have = set(torch.nonzero(lazy.present).view(-1).tolist())
             assert have == planned and lazy.units_fetched == len(planned) < lazy.n_units
             rows = lambda t: t.k.view(t.n_units, t.page, -1)  # noqa: E731
             idx_have = torch.tensor(sorted(have))
             assert torch.equal(rows(lazy)[idx_have], rows(loaded)[idx_have])
-            assert not bool(rows(lazy)[lazy.present.logical_not()].any())
+            assert bool(rows(lazy)[lazy.present.logical_not()].isnan().any())
             assert lazy.fill(idx_have) == 0
             lazy.start_load(streams=2)
             lazy.load.wait()

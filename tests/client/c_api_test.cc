@@ -377,6 +377,24 @@ TEST_F(CApiTest, FetchPagesAndIndex) {
   const char* data = nullptr;
   size_t len = 0;
   EXPECT_EQ(ctxcache_index_get(index, 9, 0, &data, &len), 5);
+  // One layer's artifacts alone: the same bytes, and no other layer's.
+  const uint32_t last[] = {ctx_.n_layers - 1};
+  ctxcache_index_t* one = nullptr;
+  ASSERT_EQ(ctxcache_fetch_index_layers(conn_->c, id_.c_str(), "csa", last, 1, &one, &e.msg), 0)
+      << e.str();
+  for (uint32_t h = 0; h < ctx_.n_kv_heads; ++h) {
+    const char *a = nullptr, *b = nullptr;
+    size_t la = 0, lb = 0;
+    ASSERT_EQ(ctxcache_index_get(one, last[0], h, &a, &la), 0);
+    ASSERT_EQ(ctxcache_index_get(index, last[0], h, &b, &lb), 0);
+    EXPECT_EQ(std::string(a, la), std::string(b, lb));
+    EXPECT_EQ(ctxcache_index_get(one, 0, h, &a, &la), 5);
+  }
+  ctxcache_index_destroy(one);
+  const uint32_t past[] = {ctx_.n_layers};
+  Err range;
+  EXPECT_EQ(ctxcache_fetch_index_layers(conn_->c, id_.c_str(), "csa", past, 1, &one, &range.msg), 3);
+  EXPECT_NE(range.str().find("layers"), std::string::npos) << range.str();
   ctxcache_index_destroy(index);
   Err unknown;
   EXPECT_EQ(ctxcache_fetch_index(conn_->c, id_.c_str(), "nope", &index, &unknown.msg), 3);

@@ -227,6 +227,13 @@ CTXCACHE_EXPORT int ctxcache_fetch_pages_into(ctxcache_client_t* c, const char* 
 CTXCACHE_EXPORT int ctxcache_fetch_index(ctxcache_client_t* c, const char* context_id,
                                          const char* method, ctxcache_index_t** out,
                                          char** errptr);
+/* The same for layers[0..n_layers) only (n_layers 0 = every layer): a
+ * worker fetches a large index as several concurrent calls, or layer by
+ * layer as it needs them. INVALID_ARGUMENT for a layer out of range. */
+CTXCACHE_EXPORT int ctxcache_fetch_index_layers(ctxcache_client_t* c, const char* context_id,
+                                                const char* method, const uint32_t* layers,
+                                                size_t n_layers, ctxcache_index_t** out,
+                                                char** errptr);
 /* The artifact of (layer, kv_head): *data stays valid until the index is
  * destroyed. NOT_FOUND (5) when there is none. */
 CTXCACHE_EXPORT int ctxcache_index_get(const ctxcache_index_t* idx, uint32_t layer,

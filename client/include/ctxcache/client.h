@@ -362,9 +362,16 @@ class Client {
   virtual Status Watch(const v1::WatchRequest& request,
                        const std::function<bool(const v1::ContextEvent&)>& on_event,
                        double max_seconds) = 0;
-  // Serialized index artifacts for client-side selection: key (layer, kv head).
+  // Serialized index artifacts for client-side selection: key (layer, kv head),
+  // of `layers` (empty = every layer; INVALID_ARGUMENT for one out of range).
   virtual StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
-      const std::string& context_id, const std::string& method) = 0;
+      const std::string& context_id, const std::string& method,
+      const std::vector<uint32_t>& layers) = 0;
+  // Every layer's.
+  StatusOr<std::map<std::pair<uint32_t, uint32_t>, std::string>> FetchIndex(
+      const std::string& context_id, const std::string& method) {
+    return FetchIndex(context_id, method, {});
+  }
   // Pages for the given tables, crc-checked.
   virtual Status FetchPages(const v1::FetchPagesRequest& request, std::vector<v1::Page>* pages) = 0;
 

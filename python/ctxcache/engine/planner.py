@@ -205,9 +205,11 @@ class QuestPlanner:
         import numpy as np
         dev = torch.device(device)
         shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
-        pin = dev.type == "cuda"
-        host = [torch.empty(shape, dtype=tier.dtype, pin_memory=pin) for _ in range(2)]
+        kmin = torch.empty(shape, dtype=tier.dtype, device=dev)
+        kmax = torch.empty(shape, dtype=tier.dtype, device=dev)
         p, d = tier.n_pages, tier.head_dim
+        # One layer's float bounds at a time on the device, narrowed there.
+        f32 = torch.empty((tier.n_kv_heads, 2, p, d), dtype=torch.float32, device=dev)
         for layer in range(tier.n_layers):
             for h in range(tier.n_kv_heads):
                 view = index.view(layer, h)
@@ -226,11 +228,10 @@ class QuestPlanner:
                     raise ValueError(f"{where}: {len(view)} bytes, expected {32 + 8 * p * d}")
                 with warnings.catch_warnings():  # read-only buffer: only read here
                     warnings.simplefilter("ignore")
-                    f32 = torch.frombuffer(view, dtype=torch.float32, count=2 * p * d,
-                                           offset=32).view(2, p, d)
-                host[0][layer, h].copy_(f32[0])
-                host[1][layer, h].copy_(f32[1])
-        kmin, kmax = (x.to(dev, non_blocking=True) for x in host)
+                    f32[h].copy_(torch.frombuffer(view, dtype=torch.float32, count=2 * p * d,
+                                                  offset=32).view(2, p, d))
+            kmin[layer].copy_(f32[:, 0])
+            kmax[layer].copy_(f32[:, 1])
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, **options)
 
     @property

@@ -53,6 +53,7 @@ Thread-safety: one stream at a time; resolves of one pool must be ordered.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -88,7 +89,11 @@ class HostTier:
     Readers of units (the pool's resolve) must only read present ones."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, head_dim: int,
-                 dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True) -> None:
+                 dtype: torch.dtype = torch.bfloat16, page: int = 16, pin: bool = True,
+                 zero: bool = True) -> None:
+        """zero: fill with zeros (False: only the last page's padding rows;
+        the rest is undefined until written, for a tier whose units are
+        tracked by ``present``). Default: True."""
         if min(n_layers, n_kv_heads, n_tokens, head_dim, page) < 1:
             raise ValueError("HostTier: n_layers, n_kv_heads, n_tokens, head_dim and page "
                              "must be >= 1")
@@ -97,13 +102,19 @@ class HostTier:
         self.n_pages = (n_tokens + page - 1) // page
         shape = (n_layers, n_kv_heads, self.n_pages * page, head_dim)
         pin = pin and torch.cuda.is_available()
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        make = torch.zeros if zero else torch.empty
+        self.k = make(shape, dtype=dtype, pin_memory=pin)
+        self.v = make(shape, dtype=dtype, pin_memory=pin)
+        if not zero:
+            self.k[:, :, n_tokens:].zero_()
+            self.v[:, :, n_tokens:].zero_()
         self.load: Any = None  # the background bulk load filling the tier, if any
         # On demand: which units hold their bytes (None: all, or a load's).
         self.present: Optional[torch.Tensor] = None
         self._source: Any = None  # (native client, context id, shape) when on demand
+        self._streams, self._pool = 1, None  # concurrent fetches of fill()
         self.units_fetched = 0  # units fetched on demand (FetchPages)
+        self.fill_s = 0.0  # seconds in fill()
 
     @property
     def n_units(self) -> int:
@@ -135,25 +146,30 @@ class HostTier:
         return tier
 
     @classmethod
-    def on_demand(cls, client: Any, context_id: str, pin: bool = True) -> "HostTier":
+    def on_demand(cls, client: Any, context_id: str, pin: bool = True,
+                  streams: int = 8) -> "HostTier":
         """An empty tier for a stored context that :meth:`fill` fills unit by
         unit through ``client`` (a :class:`ctxcache.native.NativeClient`,
-        kept for :meth:`start_load`); nothing is transferred yet."""
+        kept for :meth:`start_load`), with up to ``streams`` concurrent
+        calls; nothing is transferred yet, and nothing zero-filled (units
+        not present are never read)."""
         shape = client.context(context_id)
         tier = cls(shape.n_layers, shape.n_kv_heads, shape.n_tokens, shape.head_dim,
                    wire_torch_dtype(DTYPE_NAMES[shape.kv_dtype]),
-                   page=shape.block_tokens or 16, pin=pin)
+                   page=shape.block_tokens or 16, pin=pin, zero=False)
         tier.present = torch.zeros(tier.n_units, dtype=torch.bool)
         tier._source = (client, context_id, shape)
+        tier._streams = max(1, int(streams))
         return tier
 
     def fill(self, units: torch.Tensor) -> int:
         """Makes ``units`` (int64 unit ids, any order and repeats, on any
-        device: read here, a host sync) present: one FetchPages call for
-        those absent, grouped by (layer, kv head). Returns how many it
-        fetched (0 once the tier is complete)."""
+        device: read here, a host sync) present: FetchPages calls for those
+        absent, grouped by (layer, kv head) into up to ``streams`` concurrent
+        calls. Returns how many it fetched (0 once the tier is complete)."""
         if self.present is None:
             return 0
+        t0 = time.perf_counter()
         u = torch.unique(units.reshape(-1).to("cpu", torch.int64))
         u = u[~self.present[u]]
         if not u.numel():
@@ -166,9 +182,21 @@ class HostTier:
         tables = [(heads[a] // self.n_kv_heads, heads[a] % self.n_kv_heads, pages[a:b])
                   for a, b in zip(starts, ends)]
         k, v = self.token_view()
-        client.fetch_pages_into(context_id, tables, k, v, shape=shape)
+        n = min(self._streams, len(tables))
+        if n == 1:
+            client.fetch_pages_into(context_id, tables, k, v, shape=shape)
+        else:
+            from concurrent.futures import ThreadPoolExecutor, wait
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._streams)
+            futures = [self._pool.submit(client.fetch_pages_into, context_id, tables[i::n], k, v,
+                                         shape) for i in range(n)]
+            wait(futures)
+            for f in futures:
+                f.result()  # raises the first failure
         self.present[u] = True
         self.units_fetched += int(u.numel())
+        self.fill_s += time.perf_counter() - t0
         return int(u.numel())
 
     def start_load(self, streams: int = 8) -> None:
@@ -192,6 +220,9 @@ class HostTier:
         self.load.wait()  # raises the load's failure
         self.load.close()
         self.present = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
         return True
 
 

@@ -548,6 +548,8 @@ class EngineResult:
     # all steps before the tier was complete.
     first_step_units: int = 0
     units_fetched: int = 0
+    # On demand: seconds of the start (tier_s, index_fetch_s, index_convert_s).
+    start: Dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -709,6 +711,7 @@ class EngineDecoding:
             (st.replay if self.captured else st.step)()
             if i == 0 and self.tier.present is not None:
                 res.first_step_units = self.tier.units_fetched
+                res.start["first_step_fill_s"] = self.tier.fill_s
                 if n_new > 1:  # on demand: the rest, in the background
                     self.tier.start_load(self.streams)
             out[i].copy_(st.tokens)
@@ -797,12 +800,14 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
     if (tier is None or write_back is not None) and native is None:
         native = owner = native_lib.NativeClient(client.address)
     try:
-        load_s, planner = 0.0, None
+        load_s, planner, start = 0.0, None, {}
         if on_demand:
             from ctxcache.engine import EngineOptions, QuestPlanner
-            tier = HostTier.on_demand(native, info.context_id)
+            tier = HostTier.on_demand(native, info.context_id, streams=streams)
             o = options or EngineOptions()
-            with native.open_index(info.context_id, "quest") as index:
+            t_tier = time.perf_counter()
+            with native.open_index(info.context_id, "quest", streams=streams) as index:
+                t_index = time.perf_counter()
                 planner = QuestPlanner.from_index(
                     index, tier, next(model.parameters()).device,
                     model.config.num_attention_heads, b, rho=o.rho,
@@ -810,6 +815,8 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
                     fused_cap=o.fused_cap, rank=o.rank, union_rho=o.union_rho,
                     min_budget=o.min_budget)
             load_s = time.perf_counter() - t0
+            start = {"tier_s": t_tier - t0, "index_fetch_s": t_index - t_tier,
+                     "index_convert_s": load_s - (t_index - t0)}
         elif tier is None:
             tier = HostTier.from_server(native, info.context_id, streams=streams)
             with tier.load:  # closed (its native handle freed) once the tier is full
@@ -824,7 +831,7 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
         res.load_s, res.setup_s = load_s, eng.setup_s
         res.ttft_s += started
         if on_demand:
-            res.units_fetched = tier.units_fetched
+            res.units_fetched, res.start = tier.units_fetched, {**start, **res.start}
             if tier.load is not None and tier.present is not None:
                 tier.load.wait()  # the bulk load outlives no call (and its errors surface)
                 tier.load.close()

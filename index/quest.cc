@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "common/dtype.h"
 #include "index/byte_io.h"
 #include "index/params.h"
 
@@ -141,19 +142,32 @@ Status QuestSelector::Append(const float* key, const float*, const float*) {
 
 Status QuestSelector::Serialize(std::string* out) const {
   out->clear();
-  ByteWriter w(out);
-  w.PutHeader("QST1", kFormatVersion);
-  w.Put<int64_t>(n_tokens_);
-  w.Put<int32_t>(head_dim_);
-  w.Put<int32_t>(options_.page_size);
-  w.Put<double>(options_.rho);
   const size_t shared = static_cast<size_t>(n_base_pages_) * head_dim_;
   std::vector<float> mn(base_->min.begin(), base_->min.begin() + shared);
   std::vector<float> mx(base_->max.begin(), base_->max.begin() + shared);
   mn.insert(mn.end(), page_min_.begin(), page_min_.end());
   mx.insert(mx.end(), page_max_.begin(), page_max_.end());
-  PutVector(&w, mn);
-  PutVector(&w, mx);
+  // Version 2 when the bf16 form loses nothing (every bound of bf16 keys).
+  std::vector<uint16_t> mn16(mn.size()), mx16(mx.size());
+  FloatToBf16(mn.data(), mn16.data(), mn.size());
+  FloatToBf16(mx.data(), mx16.data(), mx.size());
+  bool exact = true;
+  for (size_t i = 0; i < mn.size() && exact; ++i) {
+    exact = Bf16ToFloat(mn16[i]) == mn[i] && Bf16ToFloat(mx16[i]) == mx[i];
+  }
+  ByteWriter w(out);
+  w.PutHeader("QST1", exact ? 2 : 1);
+  w.Put<int64_t>(n_tokens_);
+  w.Put<int32_t>(head_dim_);
+  w.Put<int32_t>(options_.page_size);
+  w.Put<double>(options_.rho);
+  if (exact) {
+    PutVector(&w, mn16);
+    PutVector(&w, mx16);
+  } else {
+    PutVector(&w, mn);
+    PutVector(&w, mx);
+  }
   return Status::OK();
 }
 
@@ -186,10 +200,19 @@ StatusOr<std::unique_ptr<QuestSelector>> QuestSelector::Load(std::string_view by
   }
   std::unique_ptr<QuestSelector> sel(new QuestSelector(d, o));
   const size_t floats = static_cast<size_t>((n + o.page_size - 1) / o.page_size) * d;
-  if (floats > r.remaining() / sizeof(float)) return DataLossError("quest: truncated artifact");
+  const size_t item = version == 2 ? sizeof(uint16_t) : sizeof(float);
+  if (floats > r.remaining() / item) return DataLossError("quest: truncated artifact");
   sel->page_min_.resize(floats);
   sel->page_max_.resize(floats);
-  if (!GetVector(&r, &sel->page_min_) || !GetVector(&r, &sel->page_max_) || r.remaining() != 0) {
+  if (version == 2) {
+    std::vector<uint16_t> mn(floats), mx(floats);
+    if (!GetVector(&r, &mn) || !GetVector(&r, &mx) || r.remaining() != 0) {
+      return DataLossError("quest: truncated or oversized artifact");
+    }
+    Bf16ToFloat(mn.data(), sel->page_min_.data(), floats);
+    Bf16ToFloat(mx.data(), sel->page_max_.data(), floats);
+  } else if (!GetVector(&r, &sel->page_min_) || !GetVector(&r, &sel->page_max_) ||
+             r.remaining() != 0) {
     return DataLossError("quest: truncated or oversized artifact");
   }
   sel->n_tokens_ = n;

@@ -32,7 +32,11 @@ struct QuestOptions {
 
 class QuestSelector final : public Selector {
  public:
-  static constexpr uint32_t kFormatVersion = 1;
+  // The newest format this build reads. Serialize writes version 2 (bounds
+  // as bf16, half the bytes) when every bound is a bf16 value, as it is for
+  // keys stored in bf16, and version 1 (float bounds) otherwise; Load reads
+  // both (docs/storage-format.md, "Quest").
+  static constexpr uint32_t kFormatVersion = 2;
 
   // keys: n_tokens * head_dim, row-major. InvalidArgument on bad sizes/options.
   static StatusOr<std::unique_ptr<QuestSelector>> Build(const float* keys, int64_t n_tokens,

@@ -196,9 +196,11 @@ def test_parse_quest_streaming_oracle_artifacts(client, demo_contexts) -> None:
         for (layer, h), raw in arts.items():
             a = parse_quest_artifact(raw)
             p = (n + page - 1) // page
+            # The store's keys are bf16, so their bounds are too: version 2,
+            # bf16 bounds (half version 1's float32 ones).
             assert (a.magic, a.version, a.n_tokens, a.head_dim, a.page_size, a.rho) == \
-                ("QST1", 1, n, d, page, 0.05)
-            assert len(raw) == 32 + 8 * p * d
+                ("QST1", 2, n, d, page, 0.05)
+            assert len(raw) == 32 + 4 * p * d
             # The bounds are the min/max of each page's stored keys (built
             # from the same bf16-rounded keys the store holds).
             k = keys[layer, h]
@@ -223,8 +225,17 @@ def test_parse_rejects_bad_quest_streaming_oracle(client, demo_contexts) -> None
         parse_quest_artifact(s)
     with pytest.raises(ValueError, match="quest: bad magic"):
         parse_quest_artifact(q[:3])
-    with pytest.raises(ValueError, match="unsupported format version 2"):
-        parse_quest_artifact(q[:4] + struct.pack("<I", 2) + q[8:])
+    with pytest.raises(ValueError, match="unsupported format version 3"):
+        parse_quest_artifact(q[:4] + struct.pack("<I", 3) + q[8:])
+    # Version 1 (float32 bounds) of the same bounds parses to the same arrays.
+    a2 = parse_quest_artifact(q)
+    v1 = (q[:4] + struct.pack("<I", 1) + q[8:32] + a2.page_min.astype("<f4").tobytes()
+          + a2.page_max.astype("<f4").tobytes())
+    a1 = parse_quest_artifact(v1)
+    assert a1.version == 1 and np.array_equal(a1.page_min, a2.page_min) \
+        and np.array_equal(a1.page_max, a2.page_max)
+    with pytest.raises(ValueError, match="quest artifact: truncated"):
+        parse_quest_artifact(v1[:-2])
     with pytest.raises(ValueError, match="truncated header"):
         parse_quest_artifact(q[:31])
     for cut in (32, len(q) - 4):

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <random>
 
+#include "common/dtype.h"
+
 namespace ctxcache::index {
 namespace {
 
@@ -146,6 +148,47 @@ TEST(QuestTest, AppendMatchesRebuildAndRoundTrips) {
   bad_version[4] = 9;
   EXPECT_EQ(LoadQuestSelector(bad_version).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(LoadQuestSelector("XXXX").status().code(), StatusCode::kInvalidArgument);
+}
+
+// Keys that are bf16 values (as stored KV is) give version 2, bounds as bf16:
+// the same selections as version 1 from the same keys, in half the payload.
+// Keys that are not stay version 1. Both load; a truncated version 2 is
+// DATA_LOSS.
+TEST(QuestTest, Bf16KeysSerializeAsVersion2WithTheSameBounds) {
+  const int d = 16;
+  const int64_t n = 200;  // last page partial
+  auto keys = RandomMatrix(n, d, 11);
+  auto rounded = keys;
+  for (float& x : rounded) x = Bf16ToFloat(FloatToBf16(x));
+  auto f32 = QuestSelector::Build(keys.data(), n, d, QuestOptions{});
+  auto b16 = QuestSelector::Build(rounded.data(), n, d, QuestOptions{});
+  ASSERT_TRUE(f32.ok() && b16.ok());
+  std::string v1, v2;
+  ASSERT_TRUE((*f32)->Serialize(&v1).ok());
+  ASSERT_TRUE((*b16)->Serialize(&v2).ok());
+  const size_t pages = (n + 15) / 16;
+  EXPECT_EQ(v1[4], 1);
+  EXPECT_EQ(v2[4], 2);
+  EXPECT_EQ(v1.size(), 32 + 8 * pages * d);
+  EXPECT_EQ(v2.size(), 32 + 4 * pages * d);
+  auto loaded = QuestSelector::Load(v2);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  for (int64_t p = 0; p < static_cast<int64_t>(pages); ++p) {
+    for (int j = 0; j < d; ++j) {
+      std::vector<float> q(d, 0.0f);
+      q[j] = 1.0f;  // the page's max in dim j
+      EXPECT_EQ((*loaded)->PageScore(q.data(), p), (*b16)->PageScore(q.data(), p));
+      q[j] = -1.0f;  // minus its min
+      EXPECT_EQ((*loaded)->PageScore(q.data(), p), (*b16)->PageScore(q.data(), p));
+    }
+  }
+  std::string again;
+  ASSERT_TRUE((*loaded)->Serialize(&again).ok());
+  EXPECT_EQ(again, v2);
+  EXPECT_TRUE(QuestSelector::Load(v1).ok());
+  EXPECT_EQ(QuestSelector::Load(v2.substr(0, v2.size() - 2)).status().code(),
+            StatusCode::kDataLoss);
+  EXPECT_EQ(QuestSelector::Load(v2 + "xx").status().code(), StatusCode::kDataLoss);
 }
 
 TEST(QuestTest, BadParameters) {

@@ -63,6 +63,103 @@ def page_cap(rho: float, n_pages: int, recent_blocks: int, page: int = 16,
     return n_recent, min(n_pages, budget + n_recent + 1)
 
 
+def _bounds_like(tier: HostTier, device: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
+    dev = torch.device(device)
+    return (torch.empty(shape, dtype=tier.dtype, device=dev),
+            torch.empty(shape, dtype=tier.dtype, device=dev))
+
+
+def _copy_quest_layer(index: Any, layer: int, tier: HostTier, kmin: torch.Tensor,
+                      kmax: torch.Tensor) -> None:
+    """One layer's stored Quest artifacts (``index.view(layer, h)``) into
+    kmin/kmax[layer] (QuestPlanner.from_index's checks)."""
+    import warnings
+
+    import numpy as np
+    p, d = tier.n_pages, tier.head_dim
+    staged = {1: torch.float32, 2: torch.bfloat16}  # version 1: float32 bounds, 2: bf16
+    for h in range(tier.n_kv_heads):
+        view = index.view(layer, h)
+        where = f"quest index (layer {layer}, kv head {h})"
+        if view is None:
+            raise ValueError(f"{where}: missing; the context needs a 'quest' index "
+                             "(ingest or build it with indexes including 'quest')")
+        if len(view) < 32 or bytes(view[:4]) != b"QST1":
+            raise ValueError(f"{where}: not a QST1 artifact")
+        version = int(np.frombuffer(view, dtype="<u4", count=1, offset=4)[0])
+        if version not in staged:
+            raise ValueError(f"{where}: format version {version}, expected 1 or 2")
+        n, hd, page, _ = np.frombuffer(view, dtype=np.dtype("<i8,<i4,<i4,<f8"), count=1,
+                                       offset=8)[0]
+        if (int(n), int(hd), int(page)) != (tier.n_tokens, d, tier.page):
+            raise ValueError(f"{where}: n_tokens {n}, head_dim {hd}, page {page}; "
+                             f"expected the tier's {tier.n_tokens}, {d}, {tier.page}")
+        want = 32 + 2 * p * d * (4 if version == 1 else 2)
+        if len(view) != want:
+            raise ValueError(f"{where}: {len(view)} bytes, expected {want}")
+        with warnings.catch_warnings():  # read-only buffer: only read here
+            warnings.simplefilter("ignore")
+            src = torch.frombuffer(view, dtype=staged[version], count=2 * p * d,
+                                   offset=32).view(2, p, d)
+        kmin[layer, h].copy_(src[0])  # to the device, then narrowed (version 1)
+        kmax[layer, h].copy_(src[1])
+
+
+class _IndexLoad:
+    """QuestPlanner.from_server_index's background load: a thread fetches the
+    layers in order, ``streams`` in flight (one FetchIndex call each), copies
+    each into the bounds as it comes and sets its event once the copies are
+    complete on the device."""
+
+    def __init__(self, client: Any, context_id: str, tier: HostTier, kmin: torch.Tensor,
+                 kmax: torch.Tensor, streams: int) -> None:
+        import threading
+        import time
+        self._t0 = time.perf_counter()
+        self.seconds = 0.0  # from the start to the last layer's bounds (once loaded)
+        self._ready = [threading.Event() for _ in range(tier.n_layers)]
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(
+            target=self._run, args=(client, context_id, tier, kmin, kmax, max(1, streams)),
+            name="ctxcache-index-load", daemon=True)
+        self._thread.start()
+
+    def _run(self, client: Any, context_id: str, tier: HostTier, kmin: torch.Tensor,
+             kmax: torch.Tensor, streams: int) -> None:
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+        try:
+            with ThreadPoolExecutor(streams) as pool:
+                futures = [pool.submit(client.open_index, context_id, "quest", [layer])
+                           for layer in range(tier.n_layers)]
+                try:
+                    for layer, f in enumerate(futures):
+                        with f.result() as index:
+                            _copy_quest_layer(index, layer, tier, kmin, kmax)
+                        if kmin.is_cuda:  # complete before a reader on another stream
+                            torch.cuda.current_stream(kmin.device).synchronize()
+                        if layer == tier.n_layers - 1:
+                            self.seconds = time.perf_counter() - self._t0
+                        self._ready[layer].set()
+                finally:
+                    for f in futures:
+                        f.cancel()
+        except BaseException as e:  # noqa: BLE001 (handed to the waiting planner)
+            self._error = e
+        finally:
+            for ev in self._ready:
+                ev.set()
+
+    def wait(self, layer: Optional[int]) -> None:
+        if layer is None:
+            self._thread.join()
+        else:
+            self._ready[layer].wait()
+        if self._error is not None:
+            raise self._error
+
+
 def quest_bounds(keys: torch.Tensor, n_tokens: int, page: int) -> tuple:
     """Per-page min and max of ``keys`` [..., n_pages * page, d] over the first
     ``n_tokens`` tokens: ([..., n_pages, d], same), keys' dtype."""
@@ -109,6 +206,8 @@ class QuestPlanner:
         if not 0.0 < rho <= 1.0:
             raise ValueError(f"rho: expected in (0, 1], got {rho}")
         self.kmin, self.kmax = kmin, kmax
+        # Bounds loading in the background (from_server_index), or None.
+        self.index_load: Optional[_IndexLoad] = None
         self.n_layers, self.h, self.n_pages, self.d = kmin.shape
         if n_q_heads % self.h:
             raise ValueError(f"n_q_heads {n_q_heads} is not a multiple of n_kv_heads {self.h}")
@@ -200,39 +299,33 @@ class QuestPlanner:
         read. ``options``: the constructor's (rho, rank, ...). ValueError
         when an artifact is missing, malformed, or of another page size,
         token count or head_dim than the tier's."""
-        import warnings
-
-        import numpy as np
-        dev = torch.device(device)
-        shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
-        kmin = torch.empty(shape, dtype=tier.dtype, device=dev)
-        kmax = torch.empty(shape, dtype=tier.dtype, device=dev)
-        p, d = tier.n_pages, tier.head_dim
-        # One layer's float bounds at a time on the device, narrowed there.
-        f32 = torch.empty((tier.n_kv_heads, 2, p, d), dtype=torch.float32, device=dev)
+        kmin, kmax = _bounds_like(tier, device)
         for layer in range(tier.n_layers):
-            for h in range(tier.n_kv_heads):
-                view = index.view(layer, h)
-                where = f"quest index (layer {layer}, kv head {h})"
-                if view is None:
-                    raise ValueError(f"{where}: missing; the context needs a 'quest' index "
-                                     "(ingest or build it with indexes including 'quest')")
-                if len(view) < 32 or bytes(view[:4]) != b"QST1":
-                    raise ValueError(f"{where}: not a QST1 artifact")
-                n, hd, page, _ = np.frombuffer(view, dtype=np.dtype("<i8,<i4,<i4,<f8"),
-                                               count=1, offset=8)[0]
-                if (int(n), int(hd), int(page)) != (tier.n_tokens, d, tier.page):
-                    raise ValueError(f"{where}: n_tokens {n}, head_dim {hd}, page {page}; "
-                                     f"expected the tier's {tier.n_tokens}, {d}, {tier.page}")
-                if len(view) != 32 + 8 * p * d:
-                    raise ValueError(f"{where}: {len(view)} bytes, expected {32 + 8 * p * d}")
-                with warnings.catch_warnings():  # read-only buffer: only read here
-                    warnings.simplefilter("ignore")
-                    f32[h].copy_(torch.frombuffer(view, dtype=torch.float32, count=2 * p * d,
-                                                  offset=32).view(2, p, d))
-            kmin[layer].copy_(f32[:, 0])
-            kmax[layer].copy_(f32[:, 1])
+            _copy_quest_layer(index, layer, tier, kmin, kmax)
         return cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, **options)
+
+    @classmethod
+    def from_server_index(cls, client: Any, context_id: str, tier: HostTier, device: Any,
+                          n_q_heads: int, batch: int, streams: int = 4,
+                          **options: Any) -> "QuestPlanner":
+        """:meth:`from_index` with the artifacts fetched in the background,
+        layer by layer in order (``streams`` layers in flight, through
+        ``client``, a :class:`ctxcache.native.NativeClient`): returns at once,
+        and planning a layer waits for that layer's bounds only, so a first
+        step overlaps the rest of the index. :meth:`wait_index` waits for
+        all (and raises what the load raised)."""
+        kmin, kmax = _bounds_like(tier, device)
+        planner = cls(kmin, kmax, tier.n_tokens, n_q_heads, batch, tier.page, **options)
+        planner.index_load = _IndexLoad(client, context_id, tier, kmin, kmax, streams)
+        return planner
+
+    def wait_index(self, layer: Optional[int] = None) -> None:
+        """Until ``layer``'s bounds (None: every layer's) are on the device,
+        when they are loading in the background (:meth:`from_server_index`)."""
+        if self.index_load is not None:
+            self.index_load.wait(layer)
+            if layer is None:
+                self.index_load = None
 
     @property
     def hbm_bytes(self) -> int:
@@ -247,6 +340,7 @@ class QuestPlanner:
     def scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Quest bounds of every page for q [B, Hq, d]: [B * Hq, P + 1] float32,
         page p in column p + 1."""
+        self.wait_index(layer)
         return head_scores(q, self.kmin, self.kmax, layer, self._scores)
 
     def plan(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -255,6 +349,7 @@ class QuestPlanner:
         if not self.per_sequence:
             raise ValueError("plan: this planner keeps the batch union only (union_rho > 0); "
                              "use plan_union")
+        self.wait_index(layer)
         if q.shape[0] != self.batch:
             raise ValueError(f"plan: batch {q.shape[0]}, planner made for {self.batch}")
         s = self.scores(layer, q)
@@ -295,6 +390,7 @@ class QuestPlanner:
         ``union_pages[layer]``. q [B, Hq, d]."""
         if not self.union_kp:
             raise ValueError("plan_union: the planner was made with union_rho 0")
+        self.wait_index(layer)
         top = chunk_pages(q, self.kmin[layer], self.kmax[layer], self.union_kp, self.n_recent,
                           self._union_scores, self._union_top)
         out = self.union_pages[layer]

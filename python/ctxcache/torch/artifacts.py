@@ -750,15 +750,16 @@ class OracleArtifact:
     rho: float
 
 
-def _header(buf: bytes, magic: bytes, what: str) -> int:
-    """Checks magic and version 1 like ``ByteReader::GetHeader``; returns the
-    version."""
+def _header(buf: bytes, magic: bytes, what: str, newest: int = 1) -> int:
+    """Checks magic and a version in [1, newest] like
+    ``ByteReader::GetHeader``; returns the version."""
     if len(buf) < 8 or buf[:4] != magic:
         got = buf[:4] if len(buf) >= 4 else f"an artifact of {len(buf)} bytes"
         raise ValueError(f"{what}: bad magic {got!r}, expected {magic.decode()!r}")
     (version,) = struct.unpack_from("<I", buf, 4)
-    if version != 1:
-        raise ValueError(f"{what}: unsupported format version {version}, this parser reads 1")
+    if not 1 <= version <= newest:
+        raise ValueError(f"{what}: unsupported format version {version}, this parser reads "
+                         f"{'1' if newest == 1 else f'1 to {newest}'}")
     return version
 
 
@@ -768,10 +769,12 @@ def parse_quest_artifact(data: bytes) -> QuestArtifact:
     Raises ValueError naming the problem for the cases ``QuestSelector::Load``
     rejects: a bad magic or version, a truncated header, page <= 0, rho
     outside (0, 1], n_tokens outside [0, 2^31 - 2], d outside [1, 4096], a
-    size other than 32 + 8 * P * d; and non-finite page bounds.
+    size other than 32 + 8 * P * d (version 1, float32 bounds) or
+    32 + 4 * P * d (version 2, bf16 bounds, widened here); and non-finite
+    page bounds.
     """
     buf = bytes(data)
-    version = _header(buf, b"QST1", "quest")
+    version = _header(buf, b"QST1", "quest", newest=2)
     if len(buf) < 32:
         raise ValueError(f"quest artifact: truncated header ({len(buf)} bytes, expected >= 32)")
     n, d, page, rho = struct.unpack_from("<qiid", buf, 8)
@@ -783,15 +786,22 @@ def parse_quest_artifact(data: bytes) -> QuestArtifact:
         raise ValueError(f"quest artifact: corrupt header (n_tokens={n}, d={d}); expected "
                          "n_tokens in [0, 2^31 - 2], d in [1, 4096]")
     p = (n + page - 1) // page
-    want = 32 + 8 * p * d
+    item = 2 if version == 2 else 4
+    want = 32 + 2 * item * p * d
     if len(buf) < want:
         raise ValueError(f"quest artifact: truncated ({len(buf)} bytes, expected {want} for "
                          f"{p} pages of dim {d})")
     if len(buf) > want:
         raise ValueError(f"quest artifact: trailing bytes ({len(buf) - want} after the page "
                          "bounds)")
-    mn = np.frombuffer(buf, dtype="<f4", count=p * d, offset=32).astype(np.float32)
-    mx = np.frombuffer(buf, dtype="<f4", count=p * d, offset=32 + 4 * p * d).astype(np.float32)
+    if version == 2:  # bf16: the high half of a float32
+        raw = np.frombuffer(buf, dtype="<u2", count=2 * p * d, offset=32).astype(np.uint32)
+        both = (raw << 16).view(np.float32)
+        mn, mx = both[:p * d].copy(), both[p * d:].copy()
+    else:
+        mn = np.frombuffer(buf, dtype="<f4", count=p * d, offset=32).astype(np.float32)
+        mx = np.frombuffer(buf, dtype="<f4", count=p * d,
+                           offset=32 + 4 * p * d).astype(np.float32)
     if not (np.isfinite(mn).all() and np.isfinite(mx).all()):
         raise ValueError("quest artifact: bad page bounds (not finite)")
     return QuestArtifact(magic="QST1", version=version, n_tokens=int(n), head_dim=int(d),

@@ -593,6 +593,15 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
         },
         &done);
     if (reader == nullptr) return done;
+    const bool some_pages = request->tables_size() > 0;
+    if (some_pages && request->layers_size() > 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "tables: given with layers; ask for whole layers or for page tables");
+    }
+    if (some_pages) {
+      Status s = CheckPageTables(reader->manifest(), reader->n_blocks(), request->tables());
+      if (!s.ok()) return ToGrpc(s);
+    }
     auto layers = LayerList(request->layers(), reader->manifest().model().n_layers());
     if (!layers.ok()) return ToGrpc(layers.status());
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
@@ -601,7 +610,15 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
     options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
-    KVFrameReader frames(reader.get(), std::move(*layers), std::move(options));
+    std::unique_ptr<KVFrameReader> reader_frames =
+        some_pages ? std::make_unique<KVFrameReader>(
+                         reader.get(),
+                         std::vector<v1::PageTable>(request->tables().begin(),
+                                                    request->tables().end()),
+                         std::move(options))
+                   : std::make_unique<KVFrameReader>(reader.get(), std::move(*layers),
+                                                     std::move(options));
+    KVFrameReader& frames = *reader_frames;
     v1::KVFrame frame;
     while (frames.Next(&frame)) {
       if (context->IsCancelled()) {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <span>
+#include <string>
 
 #include "proto/dtype_convert.h"
 
@@ -15,6 +17,38 @@ KVFrameReader::KVFrameReader(const storage::ContextReader* reader, std::vector<u
                              KVFrameOptions options)
     : reader_(reader), layers_(std::move(layers)), options_(std::move(options)) {
   producer_ = std::thread([this] { Produce(); });
+}
+
+KVFrameReader::KVFrameReader(const storage::ContextReader* reader,
+                             std::vector<v1::PageTable> tables, KVFrameOptions options)
+    : reader_(reader), tables_(std::move(tables)), options_(std::move(options)) {
+  producer_ = std::thread([this] { Produce(); });
+}
+
+Status CheckPageTables(const v1::ContextManifest& m, uint32_t n_blocks,
+                       const google::protobuf::RepeatedPtrField<v1::PageTable>& tables) {
+  for (int i = 0; i < tables.size(); ++i) {
+    const v1::PageTable& t = tables[i];
+    const std::string at = "tables[" + std::to_string(i) + "]";
+    if (t.layer() >= m.model().n_layers()) {
+      return InvalidArgumentError(at + ".layer: " + std::to_string(t.layer()) +
+                                  ", expected < n_layers " + std::to_string(m.model().n_layers()));
+    }
+    if (t.kv_head() >= m.model().n_kv_heads()) {
+      return InvalidArgumentError(at + ".kv_head: " + std::to_string(t.kv_head()) +
+                                  ", expected < n_kv_heads " +
+                                  std::to_string(m.model().n_kv_heads()));
+    }
+    for (int j = 0; j < t.blocks_size(); ++j) {
+      if (t.blocks(j) >= n_blocks || (j > 0 && t.blocks(j) <= t.blocks(j - 1))) {
+        return InvalidArgumentError(at + ".blocks[" + std::to_string(j) + "]: " +
+                                    std::to_string(t.blocks(j)) +
+                                    ", expected strictly increasing blocks < " +
+                                    std::to_string(n_blocks));
+      }
+    }
+  }
+  return Status::OK();
 }
 
 KVFrameReader::~KVFrameReader() {
@@ -42,6 +76,52 @@ Status KVFrameReader::status() const {
   return status_;
 }
 
+bool KVFrameReader::Push(v1::KVFrame&& frame) {
+  std::unique_lock<std::mutex> l(mu_);
+  cv_.wait(l, [&] { return queue_.size() < options_.read_ahead || stop_; });
+  if (stop_) return false;
+  queue_.push_back(std::move(frame));
+  l.unlock();
+  cv_.notify_all();
+  return true;
+}
+
+Status KVFrameReader::ProduceTables(size_t page_bytes) {
+  const v1::ContextManifest& m = reader_->manifest();
+  const size_t per_frame =
+      std::max<size_t>(1, options_.frame_bytes / std::max<size_t>(1, page_bytes));
+  storage::PageBatch batch;
+  for (const v1::PageTable& t : tables_) {
+    for (int b0 = 0; b0 < t.blocks_size(); b0 += static_cast<int>(per_frame)) {
+      const int n = static_cast<int>(std::min<size_t>(per_frame, t.blocks_size() - b0));
+      RETURN_IF_ERROR(reader_->ReadPages(
+          t.layer(), t.kv_head(), std::span<const uint32_t>(t.blocks().data() + b0, n), &batch));
+      v1::KVFrame frame;
+      frame.set_layer(t.layer());
+      frame.set_kv_head(t.kv_head());
+      frame.set_first_block(t.blocks(b0));
+      frame.set_n_blocks(static_cast<uint32_t>(n));
+      frame.set_dtype(m.model().kv_dtype());
+      std::string* payload = frame.mutable_payload();
+      payload->reserve(static_cast<size_t>(n) * page_bytes);
+      uint32_t tokens = 0;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const size_t half = size_t{batch.n_tokens[i]} * batch.head_dim * DTypeSize(batch.dtype);
+        payload->append(reinterpret_cast<const char*>(batch.K(i)), half);
+        payload->append(reinterpret_cast<const char*>(batch.V(i)), half);
+        frame.add_blocks(batch.blocks[i]);
+        frame.add_page_crc32c(batch.crc32c[i]);
+        tokens += batch.n_tokens[i];
+      }
+      if (options_.on_bytes_read) options_.on_bytes_read(batch.stored_bytes);
+      frame.set_n_tokens(tokens);
+      if (options_.corrupt_for_testing && !payload->empty()) (*payload)[0] ^= 0x01;
+      if (!Push(std::move(frame))) return Status::OK();
+    }
+  }
+  return Status::OK();
+}
+
 void KVFrameReader::Produce() {
   const v1::ContextManifest& m = reader_->manifest();
   const uint32_t n_blocks = reader_->n_blocks();
@@ -51,6 +131,14 @@ void KVFrameReader::Produce() {
   const uint32_t per_frame = static_cast<uint32_t>(
       std::clamp<size_t>(options_.frame_bytes / std::max<size_t>(1, page_bytes), 1, n_blocks));
   Status s;
+  if (!tables_.empty()) {
+    s = ProduceTables(page_bytes);
+    std::lock_guard<std::mutex> l(mu_);
+    status_ = s;
+    done_ = true;
+    cv_.notify_all();
+    return;
+  }
   bool stopped = false;  // the consumer went away: read nothing more
   for (size_t li = 0; li < layers_.size() && s.ok() && !stopped; ++li) {
     const uint32_t layer = layers_[li];

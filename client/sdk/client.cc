@@ -250,6 +250,13 @@ class ClientImpl final : public Client {
     return BulkStub(static_cast<int>(next_bulk_.fetch_add(1) % kPageConnections));
   }
 
+  Status FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout) override {
+    ASSIGN_OR_RETURN(v1::ContextInfo info, GetContext(request.context_id()));
+    RETURN_IF_ERROR(internal::CheckKVLoad(info, KVLoadOptions{}, layout).status());
+    RETURN_IF_ERROR(internal::CheckPageTables(info, request));
+    return internal::FetchTablesInto(options_, NextBulk(), info, request, layout);
+  }
+
   StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& context_id,
                                                 const KVLoadOptions& options,
                                                 const KVLayout& layout) override {
@@ -421,15 +428,6 @@ Status Client::LoadKV(const std::string& context_id, const KVLoadOptions& option
   Status s = load->Wait();
   if (progress != nullptr) *progress = load->progress();
   return s;
-}
-
-Status Client::FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout) {
-  ASSIGN_OR_RETURN(v1::ContextInfo info, GetContext(request.context_id()));
-  RETURN_IF_ERROR(internal::CheckKVLoad(info, KVLoadOptions{}, layout).status());
-  RETURN_IF_ERROR(internal::CheckPageTables(info, request));
-  std::vector<v1::Page> pages;
-  RETURN_IF_ERROR(FetchPages(request, &pages));
-  return internal::ScatterPages(info, request, pages, layout);
 }
 
 StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {

@@ -43,6 +43,75 @@ KVLayout Dense(KVLayout l, const v1::ContextInfo& info) {
   return l;
 }
 
+}  // namespace
+
+Status PlaceFrame(const v1::ContextInfo& info, const KVLayout& dense, int64_t slot,
+                  const v1::KVFrame& f) {
+  const uint32_t block_tokens = info.block_tokens() ? info.block_tokens() : 16;
+  const uint64_t n_blocks = (info.n_tokens() + block_tokens - 1) / block_tokens;
+  const size_t row = info.model().head_dim() * ElementSize(dense.dtype);
+  const bool listed = !f.blocks().empty();
+  // Built only for an error message: no allocation per good frame.
+  auto where = [&f] {
+    return "FetchKV frame (layer " + std::to_string(f.layer()) + ", kv head " +
+           std::to_string(f.kv_head()) + ", blocks " + std::to_string(f.first_block()) + "+" +
+           std::to_string(f.n_blocks()) + ")";
+  };
+  if (f.layer() >= info.model().n_layers() || f.kv_head() >= info.model().n_kv_heads() ||
+      (!listed && uint64_t{f.first_block()} + f.n_blocks() > n_blocks) ||
+      (listed && f.blocks_size() != static_cast<int>(f.n_blocks())) ||
+      f.page_crc32c_size() != static_cast<int>(f.n_blocks()) || f.dtype() != dense.dtype) {
+    return DataLossError(where() + ": does not match the context (" +
+                         std::to_string(info.model().n_kv_heads()) + " kv heads, " +
+                         std::to_string(n_blocks) + " blocks, dtype " +
+                         v1::DType_Name(dense.dtype) + ")");
+  }
+  const char* src = f.payload().data();
+  const char* end = src + f.payload().size();
+  const int64_t base = slot * dense.layer_stride + int64_t{f.kv_head()} * dense.head_stride;
+  char* k_head = static_cast<char*>(dense.k) + base;
+  char* v_head = static_cast<char*>(dense.v) + base;
+  auto copy_rows = [&](char* dst, const char* from, uint64_t tokens) {
+    if (dense.token_stride == static_cast<int64_t>(row)) {
+      std::memcpy(dst, from, tokens * row);
+      return;
+    }
+    for (uint64_t t = 0; t < tokens; ++t) {
+      std::memcpy(dst + static_cast<int64_t>(t) * dense.token_stride, from + t * row, row);
+    }
+  };
+  for (uint32_t i = 0; i < f.n_blocks(); ++i) {
+    const uint64_t block = listed ? f.blocks(static_cast<int>(i)) : uint64_t{f.first_block()} + i;
+    if (block >= n_blocks || (listed && i > 0 && block <= f.blocks(static_cast<int>(i) - 1))) {
+      return DataLossError(where() + ": block " + std::to_string(block) +
+                           " is out of range or out of order");
+    }
+    const uint64_t t0 = block * block_tokens;
+    const uint64_t tokens = std::min<uint64_t>(block_tokens, info.n_tokens() - t0);
+    const size_t half = tokens * row;
+    if (end - src < static_cast<ptrdiff_t>(2 * half)) {
+      return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
+                           " bytes is short");
+    }
+    if (crc32c::Value(std::string_view(src, 2 * half)) != f.page_crc32c(static_cast<int>(i))) {
+      return DataLossError("FetchKV: page crc32c mismatch (context " + info.context_id() +
+                           ", layer " + std::to_string(f.layer()) + ", kv head " +
+                           std::to_string(f.kv_head()) + ", block " + std::to_string(block) +
+                           "): the page was corrupted in transit");
+    }
+    copy_rows(k_head + static_cast<int64_t>(t0) * dense.token_stride, src, tokens);
+    copy_rows(v_head + static_cast<int64_t>(t0) * dense.token_stride, src + half, tokens);
+    src += 2 * half;
+  }
+  if (src != end) {
+    return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
+                         " bytes is long");
+  }
+  return Status::OK();
+}
+
+namespace {
+
 class KVLoadImpl final : public KVLoad {
  public:
   KVLoadImpl(const ClientOptions& client, const v1::ContextInfo& info, std::vector<uint32_t> layers,
@@ -228,60 +297,11 @@ class KVLoadImpl final : public KVLoad {
   // Checks one frame against the context and its crc32c, then copies its
   // pages into the layout.
   Status Place(uint32_t layer, const v1::KVFrame& f) {
-    // Built only for an error message: no allocation per good frame.
-    auto where = [&f] {
-      return "FetchKV frame (layer " + std::to_string(f.layer()) + ", kv head " +
-             std::to_string(f.kv_head()) + ", blocks " + std::to_string(f.first_block()) + "+" +
-             std::to_string(f.n_blocks()) + ")";
-    };
-    if (f.layer() != layer || f.kv_head() >= info_.model().n_kv_heads() ||
-        uint64_t{f.first_block()} + f.n_blocks() > n_blocks_ ||
-        f.page_crc32c_size() != static_cast<int>(f.n_blocks()) || f.dtype() != layout_.dtype) {
-      return DataLossError(
-          where() + ": does not match the context (layer " + std::to_string(layer) + ", " +
-          std::to_string(info_.model().n_kv_heads()) + " kv heads, " + std::to_string(n_blocks_) +
-          " blocks, dtype " + v1::DType_Name(layout_.dtype) + ")");
+    if (f.layer() != layer || !f.blocks().empty()) {
+      return DataLossError("FetchKV frame (layer " + std::to_string(f.layer()) +
+                           "): not a run of layer " + std::to_string(layer));
     }
-    const char* src = f.payload().data();
-    const char* end = src + f.payload().size();
-    char* k_head = static_cast<char*>(layout_.k) + slot_[layer] * layout_.layer_stride +
-                   int64_t{f.kv_head()} * layout_.head_stride;
-    char* v_head = static_cast<char*>(layout_.v) + slot_[layer] * layout_.layer_stride +
-                   int64_t{f.kv_head()} * layout_.head_stride;
-    for (uint32_t i = 0; i < f.n_blocks(); ++i) {
-      const uint64_t block = f.first_block() + i;
-      const uint64_t t0 = block * block_tokens_;
-      const uint64_t tokens = std::min<uint64_t>(block_tokens_, info_.n_tokens() - t0);
-      const size_t half = tokens * row_;
-      if (end - src < static_cast<ptrdiff_t>(2 * half)) {
-        return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
-                             " bytes is short");
-      }
-      if (crc32c::Value(std::string_view(src, 2 * half)) != f.page_crc32c(static_cast<int>(i))) {
-        return DataLossError("FetchKV: page crc32c mismatch (context " + info_.context_id() +
-                             ", layer " + std::to_string(layer) + ", kv head " +
-                             std::to_string(f.kv_head()) + ", block " + std::to_string(block) +
-                             "): the page was corrupted in transit");
-      }
-      CopyRows(k_head + static_cast<int64_t>(t0) * layout_.token_stride, src, tokens);
-      CopyRows(v_head + static_cast<int64_t>(t0) * layout_.token_stride, src + half, tokens);
-      src += 2 * half;
-    }
-    if (src != end) {
-      return DataLossError(where() + ": payload of " + std::to_string(f.payload().size()) +
-                           " bytes is long");
-    }
-    return Status::OK();
-  }
-
-  void CopyRows(char* dst, const char* src, uint64_t tokens) const {
-    if (layout_.token_stride == static_cast<int64_t>(row_)) {
-      std::memcpy(dst, src, tokens * row_);
-      return;
-    }
-    for (uint64_t t = 0; t < tokens; ++t) {
-      std::memcpy(dst + static_cast<int64_t>(t) * layout_.token_stride, src + t * row_, row_);
-    }
+    return PlaceFrame(info_, layout_, slot_[layer], f);
   }
 
   const ClientOptions client_;
@@ -404,49 +424,43 @@ Status CheckPageTables(const v1::ContextInfo& info, const v1::FetchPagesRequest&
   return Status::OK();
 }
 
-Status ScatterPages(const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
-                    const std::vector<v1::Page>& pages, const KVLayout& layout) {
-  const KVLayout l = Dense(layout, info);
-  const size_t row = info.model().head_dim() * ElementSize(l.dtype);
-  const uint32_t bt = info.block_tokens() ? info.block_tokens() : 16;
-  size_t next = 0;
-  for (const v1::PageTable& t : request.tables()) {
-    for (uint32_t block : t.blocks()) {
-      if (next >= pages.size()) {
-        return DataLossError("FetchPages: " + std::to_string(pages.size()) +
-                             " pages for a request of more");
-      }
-      const v1::Page& p = pages[next++];
-      const uint64_t first = uint64_t{block} * bt;
-      const uint64_t n = std::min<uint64_t>(bt, info.n_tokens() - first);
-      if (p.layer() != t.layer() || p.kv_head() != t.kv_head() || p.block() != block ||
-          p.k().size() != n * row || p.v().size() != n * row) {
-        return DataLossError("FetchPages: page " + std::to_string(next - 1) +
-                             " is not (layer " + std::to_string(t.layer()) + ", kv head " +
-                             std::to_string(t.kv_head()) + ", block " + std::to_string(block) +
-                             ") of " + std::to_string(n) + " tokens");
-      }
-      const int64_t base = int64_t{t.layer()} * l.layer_stride +
-                           int64_t{t.kv_head()} * l.head_stride;
-      char* k = static_cast<char*>(l.k) + base;
-      char* v = static_cast<char*>(l.v) + base;
-      const int64_t at = static_cast<int64_t>(first) * l.token_stride;
-      if (l.token_stride == static_cast<int64_t>(row)) {  // the page's rows are adjacent
-        std::memcpy(k + at, p.k().data(), n * row);
-        std::memcpy(v + at, p.v().data(), n * row);
-        continue;
-      }
-      for (uint64_t r = 0; r < n; ++r) {
-        std::memcpy(k + at + r * l.token_stride, p.k().data() + r * row, row);
-        std::memcpy(v + at + r * l.token_stride, p.v().data() + r * row, row);
-      }
+Status FetchTablesInto(const ClientOptions& client, v1::DecodeService::Stub* stub,
+                       const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
+                       const KVLayout& layout) {
+  const KVLayout dense = Dense(layout, info);
+  v1::FetchKVRequest req;
+  req.set_context_id(request.context_id());
+  *req.mutable_tables() = request.tables();
+  uint64_t expected = 0;
+  for (const v1::PageTable& t : request.tables()) expected += t.blocks_size();
+  return RetryUnavailable(client, [&]() -> Status {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineAfter(client.timeout_s));
+    AddCallCredentials(client, &ctx);
+    auto reader = stub->FetchKV(&ctx, req);
+    v1::KVFrame f;
+    Status s;
+    uint64_t pages = 0;
+    while (s.ok() && reader->Read(&f)) {
+      s = PlaceFrame(info, dense, f.layer(), f);
+      pages += f.n_blocks();
     }
-  }
-  if (next != pages.size()) {
-    return DataLossError("FetchPages: " + std::to_string(pages.size()) + " pages for " +
-                         std::to_string(next) + " requested");
-  }
-  return Status::OK();
+    if (!s.ok()) ctx.TryCancel();
+    grpc::Status g = reader->Finish();
+    if (!s.ok()) return s;
+    if (!g.ok()) {
+      if (g.error_code() == grpc::StatusCode::UNAVAILABLE) {
+        return UnavailableError("FetchKV: cannot reach ctxcached at " + client.server + " (" +
+                                g.error_message() + ")");
+      }
+      return FromGrpc(g, "FetchKV");
+    }
+    if (pages != expected) {
+      return DataLossError("FetchKV: " + std::to_string(pages) + " pages for tables of " +
+                           std::to_string(expected));
+    }
+    return Status::OK();
+  });
 }
 
 std::unique_ptr<KVLoad> StartKVLoad(const ClientOptions& client, const v1::ContextInfo& info,

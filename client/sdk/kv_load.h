@@ -27,12 +27,20 @@ StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
 // one table; INVALID_ARGUMENT naming the field (tables[i].blocks[j]).
 Status CheckPageTables(const v1::ContextInfo& info, const v1::FetchPagesRequest& request);
 
-// Writes `pages` (FetchPages' answer to `request`, crc32c-checked by it)
-// into `layout` (checked by CheckKVLoad for every layer; layer slot =
-// layer): K and V rows of each page at its tokens' rows. DATA_LOSS when
-// the pages are not the request's, in its order.
-Status ScatterPages(const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
-                    const std::vector<v1::Page>& pages, const KVLayout& layout);
+// Checks a FetchKV frame against the context and each page's crc32c, then
+// copies its pages (a run, or the pages KVFrame.blocks lists) into `dense`
+// (a layout with its zero strides filled in) at layer slot `slot`.
+// DATA_LOSS naming the frame or page otherwise.
+Status PlaceFrame(const v1::ContextInfo& info, const KVLayout& dense, int64_t slot,
+                  const v1::KVFrame& f);
+
+// One FetchKV call on `stub` for the page tables of `request` (checked by
+// CheckPageTables; layout by CheckKVLoad for every layer, layer slot =
+// layer): each frame's pages written into `layout` where a bulk load puts
+// them. DATA_LOSS for a corrupted page or a short answer.
+Status FetchTablesInto(const ClientOptions& client, v1::DecodeService::Stub* stub,
+                       const v1::ContextInfo& info, const v1::FetchPagesRequest& request,
+                       const KVLayout& layout);
 
 // Stream i's stub (i < options.streams); called from the load's threads,
 // so it must be safe for concurrent use and outlive the load.

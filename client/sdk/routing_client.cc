@@ -221,6 +221,14 @@ class RoutingClient final : public Client {
                            })
         .status();
   }
+  Status FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout) override {
+    return OnContext<bool>(request.context_id(),
+                           [&](Client* c) -> StatusOr<bool> {
+                             RETURN_IF_ERROR(c->FetchPagesInto(request, layout));
+                             return true;
+                           })
+        .status();
+  }
   StatusOr<std::unique_ptr<KVLoad>> StartLoadKV(const std::string& id,
                                                 const KVLoadOptions& options,
                                                 const KVLayout& layout) override {

@@ -63,6 +63,44 @@ def test_dense_load_equals_fetch_pages(nc, client, built):
     np.testing.assert_array_equal(v, want_v)
 
 
+def test_fetch_kv_page_tables(nc, client, built):
+    """FetchKV with page tables (what fetch_pages_into sends): frames list
+    their scattered pages in `blocks`, several per frame, with each page's
+    crc32c; the server refuses tables beside layers and bad tables, naming
+    the field. fetch_pages_into puts those pages where a load puts them."""
+    import grpc
+
+    from ctxcache.v1 import ctxcache_service_pb2 as pb
+    cid = built.context_id
+    table = pb.PageTable(layer=1, kv_head=0, blocks=[0, 3, 7, 18])
+    frames = list(client._decode.FetchKV(pb.FetchKVRequest(context_id=cid, tables=[table],
+                                                           frame_bytes=2 * 2048)))
+    assert [list(f.blocks) for f in frames] == [[0, 3], [7, 18]]
+    assert all(len(f.page_crc32c) == f.n_blocks == 2 for f in frames)
+    for bad, field in ((pb.FetchKVRequest(context_id=cid, layers=[0], tables=[table]), "tables"),
+                       (pb.FetchKVRequest(context_id=cid, tables=[
+                           table, pb.PageTable(layer=0, kv_head=1, blocks=[4, 4])]),
+                        "tables[1].blocks[1]"),
+                       (pb.FetchKVRequest(context_id=cid, tables=[
+                           pb.PageTable(layer=2, kv_head=0, blocks=[1])]), "tables[0].layer")):
+        with pytest.raises(grpc.RpcError) as e:
+            list(client._decode.FetchKV(bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    s = nc.context(cid)
+    k = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    v = np.full(s.kv_shape(), 0xABAB, np.uint16)
+    nc.fetch_pages_into(cid, [(1, 0, table.blocks), (0, 1, [2])], k, v)
+    want_k, want_v = reference_kv(client, built, [0, 1])
+    for layer, head, blocks in ((1, 0, table.blocks), (0, 1, [2])):
+        for b in blocks:
+            rows = slice(16 * b, min(16 * b + 16, s.n_tokens))
+            np.testing.assert_array_equal(k[layer, head, rows], want_k[layer, head, rows])
+            np.testing.assert_array_equal(v[layer, head, rows], want_v[layer, head, rows])
+    # Nothing else was written (no stored bf16 equals the 0xABAB filler).
+    written = sum(min(16, s.n_tokens - 16 * b) for b in [*table.blocks, 2]) * s.head_dim
+    assert int((k != 0xABAB).sum()) == int((v != 0xABAB).sum()) == written
+
+
 def test_permuted_view_reversed_layers_and_priority(nc, client, built):
     # Memory as [token][slot][head][dim]; passed as a (slot, head, token, dim) view.
     s = nc.context(built.context_id)

@@ -851,6 +851,14 @@ TEST(CApiCorruptionTest, CorruptedPageIsDataLoss) {
   EXPECT_EQ(ctxcache_load_kv(conn.c, id.c_str(), nullptr, 0, 0, 0, &layout, nullptr, &e.msg), 15);
   EXPECT_NE(e.str().find("crc32c mismatch"), std::string::npos) << e.str();
   EXPECT_NE(e.str().find("block 0"), std::string::npos) << e.str();
+  // The same for some pages only (FetchKV with page tables): the frame's
+  // first page, block 2, is the corrupted one.
+  const uint32_t blocks[] = {2, 5};
+  const ctxcache_page_table_t tables[] = {{1, 1, blocks, 2}};
+  Err some;
+  EXPECT_EQ(ctxcache_fetch_pages_into(conn.c, id.c_str(), tables, 1, &layout, &some.msg), 15);
+  EXPECT_NE(some.str().find("crc32c mismatch"), std::string::npos) << some.str();
+  EXPECT_NE(some.str().find("layer 1, kv head 1, block 2"), std::string::npos) << some.str();
 }
 
 TEST(CApiConnectTest, BadOptionsAndUnreachableServer) {

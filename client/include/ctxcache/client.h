@@ -397,17 +397,19 @@ class Client {
   // StartLoadKV, then Wait. `progress` (may be null) gets the final counts.
   Status LoadKV(const std::string& context_id, const KVLoadOptions& options,
                 const KVLayout& layout, KVLoadProgress* progress = nullptr);
-  // The pages of `request`'s tables (one FetchPages call, crc32c-checked)
-  // written in place into `layout`, a layout of the whole context (layer
-  // slot i = layer i): each page's K and V rows land at its tokens' rows,
-  // where a bulk load of every layer puts them; rows of pages not asked for
-  // are left untouched. For a worker that fills its host tier on demand
-  // (the pages a step selects) before, or beside, a bulk load. Checked
-  // before anything is written: the layout as StartLoadKV checks it for
-  // every layer, and each table's layer, kv head and blocks (in range,
-  // strictly increasing), INVALID_ARGUMENT naming the field. A page whose
-  // crc32c fails is DATA_LOSS (pages before it may have been written).
-  Status FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout);
+  // The pages of `request`'s tables written in place into `layout`, a
+  // layout of the whole context (layer slot i = layer i): each page's K and
+  // V rows land at its tokens' rows, where a bulk load of every layer puts
+  // them; rows of pages not asked for are left untouched. One FetchKV call
+  // with page tables (pages in large frames, each page's crc32c checked),
+  // on one of the bulk connections; call it concurrently for more. For a
+  // worker that fills its host tier on demand (the pages a step selects)
+  // before, or beside, a bulk load. Checked before anything is written: the
+  // layout as StartLoadKV checks it for every layer, and each table's
+  // layer, kv head and blocks (in range, strictly increasing),
+  // INVALID_ARGUMENT naming the field. A page whose crc32c fails is
+  // DATA_LOSS (pages before it may have been written).
+  virtual Status FetchPagesInto(const v1::FetchPagesRequest& request, const KVLayout& layout) = 0;
 
   // Stores a context from KV computed elsewhere (IngestContext; docs/api.md):
   // `header` as the first message of the stream (its model and tokens; with

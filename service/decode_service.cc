@@ -610,6 +610,7 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
     options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
+    options.pool = &frames_;
     std::unique_ptr<KVFrameReader> reader_frames =
         some_pages ? std::make_unique<KVFrameReader>(
                          reader.get(),
@@ -627,6 +628,7 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
       if (!writer->Write(frame)) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
       }
+      frames.Recycle(std::move(frame));
     }
     return ToGrpc(frames.status());
   });

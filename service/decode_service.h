@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "ctxcache/v1/ctxcache_service.grpc.pb.h"
+#include "service/kv_frames.h"
 #include "service/service_context.h"
 
 namespace ctxcache::service {
@@ -54,6 +55,7 @@ class DecodeServiceImpl final : public v1::DecodeService::Service {
   bool stop_ = false;                                                     // guarded by mu_
   std::unordered_map<LiveStream*, std::unique_ptr<LiveStream>> streams_;  // guarded by mu_
   std::thread reaper_;
+  FramePool frames_;  // FetchKV's frames, reused across calls
 };
 
 }  // namespace ctxcache::service

@@ -15,13 +15,19 @@ namespace ctxcache::service {
 
 KVFrameReader::KVFrameReader(const storage::ContextReader* reader, std::vector<uint32_t> layers,
                              KVFrameOptions options)
-    : reader_(reader), layers_(std::move(layers)), options_(std::move(options)) {
+    : reader_(reader),
+      layers_(std::move(layers)),
+      options_(std::move(options)),
+      pool_(options_.pool != nullptr ? options_.pool : &own_pool_) {
   producer_ = std::thread([this] { Produce(); });
 }
 
 KVFrameReader::KVFrameReader(const storage::ContextReader* reader,
                              std::vector<v1::PageTable> tables, KVFrameOptions options)
-    : reader_(reader), tables_(std::move(tables)), options_(std::move(options)) {
+    : reader_(reader),
+      tables_(std::move(tables)),
+      options_(std::move(options)),
+      pool_(options_.pool != nullptr ? options_.pool : &own_pool_) {
   producer_ = std::thread([this] { Produce(); });
 }
 
@@ -71,6 +77,22 @@ bool KVFrameReader::Next(v1::KVFrame* frame) {
   return true;
 }
 
+v1::KVFrame FramePool::Take() {
+  std::lock_guard<std::mutex> l(mu_);
+  if (frames_.empty()) return v1::KVFrame();
+  v1::KVFrame frame = std::move(frames_.back());
+  frames_.pop_back();
+  return frame;
+}
+
+void FramePool::Give(v1::KVFrame&& frame) {
+  frame.Clear();  // the payload and the lists keep their capacity
+  std::lock_guard<std::mutex> l(mu_);
+  if (frames_.size() < max_) frames_.push_back(std::move(frame));
+}
+
+void KVFrameReader::Recycle(v1::KVFrame&& frame) { pool_->Give(std::move(frame)); }
+
 Status KVFrameReader::status() const {
   std::lock_guard<std::mutex> l(mu_);
   return status_;
@@ -96,7 +118,7 @@ Status KVFrameReader::ProduceTables(size_t page_bytes) {
       const int n = static_cast<int>(std::min<size_t>(per_frame, t.blocks_size() - b0));
       RETURN_IF_ERROR(reader_->ReadPages(
           t.layer(), t.kv_head(), std::span<const uint32_t>(t.blocks().data() + b0, n), &batch));
-      v1::KVFrame frame;
+      v1::KVFrame frame = pool_->Take();
       frame.set_layer(t.layer());
       frame.set_kv_head(t.kv_head());
       frame.set_first_block(t.blocks(b0));
@@ -145,7 +167,7 @@ void KVFrameReader::Produce() {
     for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok() && !stopped; ++h) {
       for (uint32_t b0 = 0; b0 < n_blocks && s.ok() && !stopped; b0 += per_frame) {
         const uint32_t n = std::min(per_frame, n_blocks - b0);
-        v1::KVFrame frame;
+        v1::KVFrame frame = pool_->Take();
         frame.set_layer(layer);
         frame.set_kv_head(h);
         frame.set_first_block(b0);

@@ -2,13 +2,17 @@
 
 Seams (each its own module; a model adapter composes them):
   page store   :mod:`ctxcache.engine.pool`: HostTier (a context's pages in
-               pinned host memory, bulk-loaded through the native client),
-               PagePool (HBM slots; misses resolved on the device);
+               pinned host memory, bulk-loaded through the native client,
+               or filled on demand with the pages steps plan, then
+               bulk-loaded), PagePool (HBM slots; misses resolved on the
+               device);
                :mod:`ctxcache.engine.mapped`: MappedKV (a context in the
                server's shared memory on the same host, registered with
                CUDA layer by layer)
   planner      :mod:`ctxcache.engine.planner`: QuestPlanner (the pages each
-               sequence's kv head attends, from a compact index)
+               sequence's kv head attends, from a compact index: the
+               tier's keys' page bounds, or the stored Quest index, which
+               can load in the background layer by layer)
   attention    :mod:`ctxcache.engine.attention`: PagedAttention (in place
                over pool pages plus own tokens), DenseContextAttention
   decode       :mod:`ctxcache.engine.engine`: ContextDecoder and DenseDecoder

@@ -707,13 +707,14 @@ class EngineDecoding:
                               device=dev) if st.logits is not None else None)
         res = EngineResult()
         t1 = t0
+        fetched, fill_s = self.tier.units_fetched, self.tier.fill_s  # this call's, below
         for i in range(n_new):
             if not self.captured:
                 self._catch_up()
             (st.replay if self.captured else st.step)()
             if i == 0 and self.tier.present is not None:
-                res.first_step_units = self.tier.units_fetched
-                res.start["first_step_fill_s"] = self.tier.fill_s
+                res.first_step_units = self.tier.units_fetched - fetched
+                res.start["first_step_fill_s"] = self.tier.fill_s - fill_s
                 load = getattr(self.decoder.planner, "index_load", None)
                 if load is not None:  # how long the index took, if it is in
                     res.start["index_s"] = load.seconds

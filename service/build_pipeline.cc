@@ -581,7 +581,8 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
   b->indexes_ = std::move(header.indexes);
   b->methods_ = MethodsToBuild(b->indexes_);
   ASSIGN_OR_RETURN(const KvReads reads, KvReadBy(b->methods_));
-  b->keep_kv_ = reads.keys || reads.values;
+  b->keep_keys_ = reads.keys;
+  b->keep_values_ = reads.values;
   b->before_commit_ = std::move(header.before_commit);
   storage::BuildRequest req = StoreRequest(spec, header.tokens, header);
   req.parent = header.parent;
@@ -598,7 +599,7 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
       static_cast<size_t>(b->n_tokens_) * b->spec_.head_dim * DTypeSize(b->kv_dtype_);
   b->keys_.resize(heads);
   b->vals_.resize(heads);
-  if (b->first_token_ > 0 && b->keep_kv_) {
+  if (b->first_token_ > 0 && (b->keep_keys_ || b->keep_values_)) {
     for (int l = 0; l < b->spec_.n_layers; ++l) RETURN_IF_ERROR(b->MapLayer(l));
     // The child's indexes cover the parent's tokens too: its KV as stored
     // (the parent's values are exact in kv_dtype_, so the round trip through
@@ -608,8 +609,12 @@ StatusOr<std::unique_ptr<IngestBuilder>> IngestBuilder::Begin(storage::Store* st
                             [&](int layer, int h, int64_t n, const float* k, const float* v) {
                               const size_t slot = static_cast<size_t>(layer) * nkv + h;
                               const size_t m = static_cast<size_t>(std::min(n, b->n_tokens_)) * d;
-                              ConvertFromFloat(b->kv_dtype_, k, b->keys_[slot].data(), m);
-                              ConvertFromFloat(b->kv_dtype_, v, b->vals_[slot].data(), m);
+                              if (b->keep_keys_) {
+                                ConvertFromFloat(b->kv_dtype_, k, b->keys_[slot].data(), m);
+                              }
+                              if (b->keep_values_) {
+                                ConvertFromFloat(b->kv_dtype_, v, b->vals_[slot].data(), m);
+                              }
                             });
     if (!s.ok()) return s.WithContext("reading the parent's KV");
   }
@@ -692,10 +697,9 @@ void IngestBuilder::RunIndexBuilds() {
   // spares (reused without a new zero fill), up to one layer's worth.
   // Called with index_mu_ held.
   auto release = [&](int layer) {
-    if (!keep_kv_) return;  // nothing was mapped
     for (int h = 0; h < NKV; ++h) {
       const size_t slot = static_cast<size_t>(layer) * NKV + h;
-      for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
+      for (MappedBytes* m : Kept(slot)) {
         if (spare_.size() < 2 * static_cast<size_t>(NKV)) spare_.push_back(std::move(*m));
         *m = MappedBytes();
       }
@@ -768,14 +772,21 @@ Status IngestBuilder::CheckChunk(int layer, int64_t token_start, int64_t n) cons
   return Status::OK();
 }
 
+std::vector<MappedBytes*> IngestBuilder::Kept(size_t slot) {
+  std::vector<MappedBytes*> out;
+  if (keep_keys_) out.push_back(&keys_[slot]);
+  if (keep_values_) out.push_back(&vals_[slot]);
+  return out;
+}
+
 Status IngestBuilder::MapLayer(int layer) {
-  if (!keep_kv_) return Status::OK();
+  if (!keep_keys_ && !keep_values_) return Status::OK();
   const int NKV = spec_.n_kv_heads;
   std::lock_guard<std::mutex> lock(index_mu_);
   try {
     for (int h = 0; h < NKV; ++h) {
       const size_t slot = static_cast<size_t>(layer) * NKV + h;
-      for (MappedBytes* m : {&keys_[slot], &vals_[slot]}) {
+      for (MappedBytes* m : Kept(slot)) {
         if (!spare_.empty()) {
           *m = std::move(spare_.back());
           spare_.pop_back();
@@ -785,8 +796,10 @@ Status IngestBuilder::MapLayer(int layer) {
       }
     }
   } catch (const std::bad_alloc&) {
-    return ResourceExhaustedError("ingest: cannot map " + std::to_string(2 * NKV * head_bytes_) +
-                                  " bytes for layer " + std::to_string(layer) + "'s K and V");
+    const size_t kept = static_cast<size_t>(keep_keys_) + static_cast<size_t>(keep_values_);
+    return ResourceExhaustedError("ingest: cannot map " +
+                                  std::to_string(kept * NKV * head_bytes_) + " bytes for layer " +
+                                  std::to_string(layer) + "'s stored K/V");
   }
   return Status::OK();
 }
@@ -802,15 +815,13 @@ Status IngestBuilder::StoreChunk(int layer, int64_t token_start, int64_t n, cons
                                                 row));
   // Indexes are built over the KV as stored, as in BuildContext (kept only
   // when a method being built reads it).
-  if (keep_kv_) {
-    const auto* kb = static_cast<const uint8_t*>(k);
-    const auto* vb = static_cast<const uint8_t*>(v);
-    for (int h = 0; h < spec_.n_kv_heads; ++h) {
-      const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
-      const size_t at = static_cast<size_t>(token_start) * row;
-      std::memcpy(keys_[slot].data() + at, kb + h * head, head);
-      std::memcpy(vals_[slot].data() + at, vb + h * head, head);
-    }
+  const auto* kb = static_cast<const uint8_t*>(k);
+  const auto* vb = static_cast<const uint8_t*>(v);
+  for (int h = 0; (keep_keys_ || keep_values_) && h < spec_.n_kv_heads; ++h) {
+    const size_t slot = static_cast<size_t>(layer) * spec_.n_kv_heads + h;
+    const size_t at = static_cast<size_t>(token_start) * row;
+    if (keep_keys_) std::memcpy(keys_[slot].data() + at, kb + h * head, head);
+    if (keep_values_) std::memcpy(vals_[slot].data() + at, vb + h * head, head);
   }
   return Status::OK();
 }

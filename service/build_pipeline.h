@@ -225,7 +225,7 @@ class IngestBuilder {
   Status CheckChunk(int layer, int64_t token_start, int64_t n) const;
   // Stores rows [token_start, token_start + n) of every kv head of `layer`,
   // k and v [n_kv_heads][n][head_dim] in kv_dtype_, and keeps them for the
-  // index build (keep_kv_).
+  // index build (keep_keys_, keep_values_).
   Status StoreChunk(int layer, int64_t token_start, int64_t n, const void* k, const void* v);
   // [layer * n_kv + head]: the context's K and V as stored (kv_dtype_), for
   // the index build; head_bytes_ each (n_tokens_ * head_dim elements),
@@ -235,9 +235,11 @@ class IngestBuilder {
   // buffers not reused). keys_/vals_ slots of a layer are touched by one
   // thread at a time: the chunks' until complete, then the build's.
   std::vector<MappedBytes> keys_, vals_;
-  // False when no method being built reads the stored K/V
-  // (KvReadBy): keys_/vals_ stay empty and nothing is copied.
-  bool keep_kv_ = true;
+  // Whether a method being built reads the stored K (V) (KvReadBy): when
+  // not, keys_ (vals_) stay empty and nothing is copied into them.
+  bool keep_keys_ = true, keep_values_ = true;
+  // The kept buffers of slot [layer * n_kv + head]: keys_ and/or vals_.
+  std::vector<MappedBytes*> Kept(size_t slot);
   size_t head_bytes_ = 0;
   std::vector<MappedBytes> spare_;  // guarded by index_mu_
   Status MapLayer(int layer);       // fills the layer's slots (ResourceExhausted)

@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "common/crc32c.h"
 #include "index/methods.h"
+#include "proto/page_tables.h"
 #include "service/access.h"
 #include "service/cluster_service.h"
 #include "service/decode_session.h"
@@ -599,7 +600,9 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
                           "tables: given with layers; ask for whole layers or for page tables");
     }
     if (some_pages) {
-      Status s = CheckPageTables(reader->manifest(), reader->n_blocks(), request->tables());
+      const auto& model = reader->manifest().model();
+      Status s = CheckPageTables(model.n_layers(), model.n_kv_heads(), reader->n_blocks(),
+                                 request->tables());
       if (!s.ok()) return ToGrpc(s);
     }
     auto layers = LayerList(request->layers(), reader->manifest().model().n_layers());

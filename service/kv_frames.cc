@@ -31,32 +31,6 @@ KVFrameReader::KVFrameReader(const storage::ContextReader* reader,
   producer_ = std::thread([this] { Produce(); });
 }
 
-Status CheckPageTables(const v1::ContextManifest& m, uint32_t n_blocks,
-                       const google::protobuf::RepeatedPtrField<v1::PageTable>& tables) {
-  for (int i = 0; i < tables.size(); ++i) {
-    const v1::PageTable& t = tables[i];
-    const std::string at = "tables[" + std::to_string(i) + "]";
-    if (t.layer() >= m.model().n_layers()) {
-      return InvalidArgumentError(at + ".layer: " + std::to_string(t.layer()) +
-                                  ", expected < n_layers " + std::to_string(m.model().n_layers()));
-    }
-    if (t.kv_head() >= m.model().n_kv_heads()) {
-      return InvalidArgumentError(at + ".kv_head: " + std::to_string(t.kv_head()) +
-                                  ", expected < n_kv_heads " +
-                                  std::to_string(m.model().n_kv_heads()));
-    }
-    for (int j = 0; j < t.blocks_size(); ++j) {
-      if (t.blocks(j) >= n_blocks || (j > 0 && t.blocks(j) <= t.blocks(j - 1))) {
-        return InvalidArgumentError(at + ".blocks[" + std::to_string(j) + "]: " +
-                                    std::to_string(t.blocks(j)) +
-                                    ", expected strictly increasing blocks < " +
-                                    std::to_string(n_blocks));
-      }
-    }
-  }
-  return Status::OK();
-}
-
 KVFrameReader::~KVFrameReader() {
   {
     std::lock_guard<std::mutex> l(mu_);

@@ -69,7 +69,7 @@ class KVFrameReader {
   // `reader` must outlive this object. `layers` are valid layer numbers.
   KVFrameReader(const storage::ContextReader* reader, std::vector<uint32_t> layers,
                 KVFrameOptions options);
-  // Only the pages of `tables` (checked by CheckPageTables), table by table;
+  // Only the pages of `tables` (checked by proto/page_tables.h), table by table;
   // each frame holds pages of one table and lists them in KVFrame.blocks.
   KVFrameReader(const storage::ContextReader* reader, std::vector<v1::PageTable> tables,
                 KVFrameOptions options);
@@ -106,12 +106,6 @@ class KVFrameReader {
   Status status_;                  // guarded by mu_
   std::thread producer_;
 };
-
-// Page tables of a FetchKV request against the context: at least one, each
-// (layer, kv_head) in range and its blocks strictly increasing and below
-// n_blocks; INVALID_ARGUMENT naming the field (tables[i].blocks[j]).
-Status CheckPageTables(const v1::ContextManifest& m, uint32_t n_blocks,
-                       const google::protobuf::RepeatedPtrField<v1::PageTable>& tables);
 
 // Where each element goes in a KV segment: K of (layer slot i, kv head h,
 // token t) at i * layer_stride + h * head_stride + t * token_stride, V at

@@ -15,6 +15,7 @@
 #include "client/sdk/retry.h"
 #include "common/crc32c.h"
 #include "proto/dtype_convert.h"
+#include "proto/page_tables.h"
 
 namespace ctxcache::client::internal {
 
@@ -397,31 +398,9 @@ StatusOr<std::vector<uint32_t>> CheckKVLoad(const v1::ContextInfo& info,
 }
 
 Status CheckPageTables(const v1::ContextInfo& info, const v1::FetchPagesRequest& request) {
-  const auto& m = info.model();
   const uint32_t bt = info.block_tokens() ? info.block_tokens() : 16;
-  const uint64_t n_blocks = (info.n_tokens() + bt - 1) / bt;
-  if (request.tables_size() == 0) return InvalidArgumentError("tables: empty, expected >= 1");
-  for (int i = 0; i < request.tables_size(); ++i) {
-    const v1::PageTable& t = request.tables(i);
-    const std::string at = "tables[" + std::to_string(i) + "]";
-    if (t.layer() >= m.n_layers()) {
-      return InvalidArgumentError(at + ".layer: " + std::to_string(t.layer()) +
-                                  ", expected < n_layers " + std::to_string(m.n_layers()));
-    }
-    if (t.kv_head() >= m.n_kv_heads()) {
-      return InvalidArgumentError(at + ".kv_head: " + std::to_string(t.kv_head()) +
-                                  ", expected < n_kv_heads " + std::to_string(m.n_kv_heads()));
-    }
-    for (int j = 0; j < t.blocks_size(); ++j) {
-      if (t.blocks(j) >= n_blocks || (j > 0 && t.blocks(j) <= t.blocks(j - 1))) {
-        return InvalidArgumentError(at + ".blocks[" + std::to_string(j) + "]: " +
-                                    std::to_string(t.blocks(j)) +
-                                    ", expected strictly increasing blocks < " +
-                                    std::to_string(n_blocks));
-      }
-    }
-  }
-  return Status::OK();
+  return ctxcache::CheckPageTables(info.model().n_layers(), info.model().n_kv_heads(),
+                                   (info.n_tokens() + bt - 1) / bt, request.tables());
 }
 
 Status FetchTablesInto(const ClientOptions& client, v1::DecodeService::Stub* stub,

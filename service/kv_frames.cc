@@ -82,6 +82,14 @@ bool KVFrameReader::Push(v1::KVFrame&& frame) {
   return true;
 }
 
+bool KVFrameReader::Send(v1::KVFrame&& frame, uint32_t tokens, uint64_t stored) {
+  if (options_.on_bytes_read) options_.on_bytes_read(stored);
+  frame.set_n_tokens(tokens);
+  std::string* payload = frame.mutable_payload();
+  if (options_.corrupt_for_testing && !payload->empty()) (*payload)[0] ^= 0x01;
+  return Push(std::move(frame));
+}
+
 Status KVFrameReader::ProduceTables(size_t page_bytes) {
   const v1::ContextManifest& m = reader_->manifest();
   const size_t per_frame =
@@ -109,37 +117,21 @@ Status KVFrameReader::ProduceTables(size_t page_bytes) {
         frame.add_page_crc32c(batch.crc32c[i]);
         tokens += batch.n_tokens[i];
       }
-      if (options_.on_bytes_read) options_.on_bytes_read(batch.stored_bytes);
-      frame.set_n_tokens(tokens);
-      if (options_.corrupt_for_testing && !payload->empty()) (*payload)[0] ^= 0x01;
-      if (!Push(std::move(frame))) return Status::OK();
+      if (!Send(std::move(frame), tokens, batch.stored_bytes)) return Status::OK();
     }
   }
   return Status::OK();
 }
 
-void KVFrameReader::Produce() {
+Status KVFrameReader::ProduceRuns(size_t page_bytes) {
   const v1::ContextManifest& m = reader_->manifest();
   const uint32_t n_blocks = reader_->n_blocks();
-  auto dtype = FromProtoDType(m.model().kv_dtype());
-  const size_t page_bytes =
-      2 * size_t{m.block_tokens()} * m.model().head_dim() * (dtype.ok() ? DTypeSize(*dtype) : 4);
   const uint32_t per_frame = static_cast<uint32_t>(
-      std::clamp<size_t>(options_.frame_bytes / std::max<size_t>(1, page_bytes), 1, n_blocks));
-  Status s;
-  if (!tables_.empty()) {
-    s = ProduceTables(page_bytes);
-    std::lock_guard<std::mutex> l(mu_);
-    status_ = s;
-    done_ = true;
-    cv_.notify_all();
-    return;
-  }
-  bool stopped = false;  // the consumer went away: read nothing more
-  for (size_t li = 0; li < layers_.size() && s.ok() && !stopped; ++li) {
-    const uint32_t layer = layers_[li];
-    for (uint32_t h = 0; h < m.model().n_kv_heads() && s.ok() && !stopped; ++h) {
-      for (uint32_t b0 = 0; b0 < n_blocks && s.ok() && !stopped; b0 += per_frame) {
+      std::clamp<size_t>(options_.frame_bytes / std::max<size_t>(1, page_bytes), 1,
+                         std::max<uint32_t>(1, n_blocks)));
+  for (const uint32_t layer : layers_) {
+    for (uint32_t h = 0; h < m.model().n_kv_heads(); ++h) {
+      for (uint32_t b0 = 0; b0 < n_blocks; b0 += per_frame) {
         const uint32_t n = std::min(per_frame, n_blocks - b0);
         v1::KVFrame frame = pool_->Take();
         frame.set_layer(layer);
@@ -152,28 +144,28 @@ void KVFrameReader::Produce() {
         uint32_t tokens = 0;
         uint64_t stored = 0;
         // One copy: from the stored value (verified) into the frame.
-        s = reader_->ScanPages(
+        RETURN_IF_ERROR(reader_->ScanPages(
             layer, h, b0, n, [&](uint32_t, uint32_t n_tokens, uint32_t crc, std::string_view raw) {
               payload->append(raw);
               frame.add_page_crc32c(crc);
               tokens += n_tokens;
               stored += raw.size();
               return Status::OK();
-            });
-        if (!s.ok()) break;
-        if (options_.on_bytes_read) options_.on_bytes_read(stored);
-        frame.set_n_tokens(tokens);
-        if (options_.corrupt_for_testing && !payload->empty()) (*payload)[0] ^= 0x01;
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return queue_.size() < options_.read_ahead || stop_; });
-        stopped = stop_;
-        if (stopped) break;
-        queue_.push_back(std::move(frame));
-        l.unlock();
-        cv_.notify_all();
+            }));
+        // The consumer went away: read nothing more.
+        if (!Send(std::move(frame), tokens, stored)) return Status::OK();
       }
     }
   }
+  return Status::OK();
+}
+
+void KVFrameReader::Produce() {
+  const v1::ContextManifest& m = reader_->manifest();
+  auto dtype = FromProtoDType(m.model().kv_dtype());
+  const size_t page_bytes =
+      2 * size_t{m.block_tokens()} * m.model().head_dim() * (dtype.ok() ? DTypeSize(*dtype) : 4);
+  const Status s = tables_.empty() ? ProduceRuns(page_bytes) : ProduceTables(page_bytes);
   {
     std::lock_guard<std::mutex> l(mu_);
     status_ = s;

@@ -88,7 +88,11 @@ class KVFrameReader {
 
  private:
   void Produce();
+  // Whole layers as runs of consecutive pages; only the tables' pages.
+  Status ProduceRuns(size_t page_bytes);
   Status ProduceTables(size_t page_bytes);
+  // Completes a frame (its token count, the metrics) and hands it over.
+  bool Send(v1::KVFrame&& frame, uint32_t tokens, uint64_t stored);
   // Hands a frame to the consumer; false once it went away.
   bool Push(v1::KVFrame&& frame);
 

@@ -44,6 +44,16 @@ KVLayout Dense(KVLayout l, const v1::ContextInfo& info) {
   return l;
 }
 
+// A failed FetchKV call's status (UNAVAILABLE naming the server, so that a
+// retry loop recognizes it).
+Status FetchKVError(const ClientOptions& client, const grpc::Status& g) {
+  if (g.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    return UnavailableError("FetchKV: cannot reach ctxcached at " + client.server + " (" +
+                            g.error_message() + ")");
+  }
+  return FromGrpc(g, "FetchKV");
+}
+
 }  // namespace
 
 Status PlaceFrame(const v1::ContextInfo& info, const KVLayout& dense, int64_t slot,
@@ -274,13 +284,7 @@ class KVLoadImpl final : public KVLoad {
         contexts_[stream] = nullptr;
       }
       if (!s.ok()) return s;
-      if (!g.ok()) {
-        if (g.error_code() == grpc::StatusCode::UNAVAILABLE) {
-          return UnavailableError("FetchKV: cannot reach ctxcached at " + client_.server + " (" +
-                                  g.error_message() + ")");
-        }
-        return FromGrpc(g, "FetchKV");
-      }
+      if (!g.ok()) return FetchKVError(client_, g);
       if (pages != uint64_t{n_blocks_} * info_.model().n_kv_heads()) {
         return DataLossError(
             "FetchKV: layer " + std::to_string(layer) + " ended after " + std::to_string(pages) +
@@ -427,13 +431,7 @@ Status FetchTablesInto(const ClientOptions& client, v1::DecodeService::Stub* stu
     if (!s.ok()) ctx.TryCancel();
     grpc::Status g = reader->Finish();
     if (!s.ok()) return s;
-    if (!g.ok()) {
-      if (g.error_code() == grpc::StatusCode::UNAVAILABLE) {
-        return UnavailableError("FetchKV: cannot reach ctxcached at " + client.server + " (" +
-                                g.error_message() + ")");
-      }
-      return FromGrpc(g, "FetchKV");
-    }
+    if (!g.ok()) return FetchKVError(client, g);
     if (pages != expected) {
       return DataLossError("FetchKV: " + std::to_string(pages) + " pages for tables of " +
                            std::to_string(expected));

@@ -730,8 +730,9 @@ class NativeClient(_Owned):
         strictly increasing; a list or a numpy array) into ``k`` and ``v``,
         buffers of the whole context indexed (layer, kv head, token, dim) as
         :meth:`start_load_kv` takes them: each page's rows where a bulk load
-        of every layer puts them, other rows untouched. One FetchPages call,
-        crc32c-checked, the GIL released. A bad table or buffer raises
+        of every layer puts them, other rows untouched. One FetchKV call with
+        page tables (frames of many pages, each page crc32c-checked), the GIL
+        released. A bad table or buffer raises
         :class:`ctxcache.InvalidArgument` naming it, with nothing written."""
         import numpy as np
         shape = shape or self.context(context_id)
@@ -749,7 +750,7 @@ class NativeClient(_Owned):
             keep.append(b)
             arr[i] = _PageTable(int(layer), int(head),
                                 b.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), b.size)
-        _call("FetchPages", _lib.ctxcache_fetch_pages_into,  # type: ignore[union-attr]
+        _call("FetchKV", _lib.ctxcache_fetch_pages_into,  # type: ignore[union-attr]
               self._live(), context_id.encode(), arr, len(tables), ctypes.byref(layout))
 
     def map_kv(self, context_id: str, layers: Optional[Sequence[int]] = None) -> KVMap:
@@ -904,7 +905,7 @@ class NativeClient(_Owned):
         (copies of :meth:`open_index`'s)."""
         shape = self.context(context_id)
         out: Dict[Tuple[int, int], bytes] = {}
-        with self.open_index(context_id, method) as idx:
+        with self.open_index(context_id, method, range(shape.n_layers)) as idx:
             for layer in range(shape.n_layers):
                 for head in range(shape.n_kv_heads):
                     view = idx.view(layer, head)

@@ -67,6 +67,12 @@ class EngineOptions:
     # its own rho of the pages. Default: 0.
     union_rho: float = 0.0
 
+    def planner_options(self) -> Dict[str, Any]:
+        """The QuestPlanner constructor's keyword arguments these options set."""
+        return dict(rho=self.rho, recent_blocks=self.recent_blocks, select_algo=self.select_algo,
+                    fused_cap=self.fused_cap, rank=self.rank, union_rho=self.union_rho,
+                    min_budget=self.min_budget)
+
 
 class OwnTokens:
     """Each sequence's appended K and V per layer: [n_layers, B, H, T, d], and
@@ -172,10 +178,8 @@ class ContextDecoder(_Decoder):
             raise ValueError("ContextDecoder: a tier filled on demand holds no keys to plan "
                              "from; pass planner=QuestPlanner.from_index(...) (the stored "
                              "Quest index)")
-        self.planner = planner or QuestPlanner.from_tier(
-            tier, device, n_q_heads, batch, rho=o.rho, recent_blocks=o.recent_blocks,
-            select_algo=o.select_algo, fused_cap=o.fused_cap, rank=o.rank,
-            union_rho=o.union_rho, min_budget=o.min_budget)
+        self.planner = planner or QuestPlanner.from_tier(tier, device, n_q_heads, batch,
+                                                         **o.planner_options())
         kp = self.planner.kp
         self.union_kp = self.planner.union_kp
         # The pool holds at least one step's pages of every layer: otherwise
@@ -220,7 +224,7 @@ class ContextDecoder(_Decoder):
     def _resolve(self, layer: int, pages: torch.Tensor) -> None:
         if self.tier.present is not None:
             # An on-demand tier: the planned units are fetched into it first
-            # (a host sync and a FetchPages call: steps before the tier is
+            # (a host sync and fetch_pages_into calls: steps before the tier is
             # complete run eagerly, not as CUDA graphs).
             self.tier.fill(self.pool.units(layer, pages))
         self.pool.resolve(layer, pages)

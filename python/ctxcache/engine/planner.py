@@ -30,6 +30,9 @@ bounds are the same bits, which tests check), which needs no key loaded.
 from __future__ import annotations
 
 import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Tuple
 
 import torch
@@ -72,36 +75,31 @@ def _bounds_like(tier: HostTier, device: Any) -> Tuple[torch.Tensor, torch.Tenso
 
 def _copy_quest_layer(index: Any, layer: int, tier: HostTier, kmin: torch.Tensor,
                       kmax: torch.Tensor) -> None:
-    """One layer's stored Quest artifacts (``index.view(layer, h)``) into
+    """One layer's stored Quest artifacts (``index.view(layer, h)``, read in
+    place: header and size checked by artifacts.quest_layout) into
     kmin/kmax[layer] (QuestPlanner.from_index's checks)."""
     import warnings
 
-    import numpy as np
+    from ctxcache.torch.artifacts import quest_layout
     p, d = tier.n_pages, tier.head_dim
-    staged = {1: torch.float32, 2: torch.bfloat16}  # version 1: float32 bounds, 2: bf16
     for h in range(tier.n_kv_heads):
         view = index.view(layer, h)
         where = f"quest index (layer {layer}, kv head {h})"
         if view is None:
             raise ValueError(f"{where}: missing; the context needs a 'quest' index "
                              "(ingest or build it with indexes including 'quest')")
-        if len(view) < 32 or bytes(view[:4]) != b"QST1":
-            raise ValueError(f"{where}: not a QST1 artifact")
-        version = int(np.frombuffer(view, dtype="<u4", count=1, offset=4)[0])
-        if version not in staged:
-            raise ValueError(f"{where}: format version {version}, expected 1 or 2")
-        n, hd, page, _ = np.frombuffer(view, dtype=np.dtype("<i8,<i4,<i4,<f8"), count=1,
-                                       offset=8)[0]
-        if (int(n), int(hd), int(page)) != (tier.n_tokens, d, tier.page):
-            raise ValueError(f"{where}: n_tokens {n}, head_dim {hd}, page {page}; "
-                             f"expected the tier's {tier.n_tokens}, {d}, {tier.page}")
-        want = 32 + 2 * p * d * (4 if version == 1 else 2)
-        if len(view) != want:
-            raise ValueError(f"{where}: {len(view)} bytes, expected {want}")
+        try:
+            lay = quest_layout(view)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if (lay.n_tokens, lay.head_dim, lay.page_size) != (tier.n_tokens, d, tier.page):
+            raise ValueError(f"{where}: n_tokens {lay.n_tokens}, head_dim {lay.head_dim}, "
+                             f"page {lay.page_size}; expected the tier's {tier.n_tokens}, {d}, "
+                             f"{tier.page}")
+        dtype = torch.bfloat16 if lay.item == 2 else torch.float32
         with warnings.catch_warnings():  # read-only buffer: only read here
             warnings.simplefilter("ignore")
-            src = torch.frombuffer(view, dtype=staged[version], count=2 * p * d,
-                                   offset=32).view(2, p, d)
+            src = torch.frombuffer(view, dtype=dtype, count=2 * p * d, offset=32).view(2, p, d)
         kmin[layer, h].copy_(src[0])  # to the device, then narrowed (version 1)
         kmax[layer, h].copy_(src[1])
 
@@ -114,8 +112,6 @@ class _IndexLoad:
 
     def __init__(self, client: Any, context_id: str, tier: HostTier, kmin: torch.Tensor,
                  kmax: torch.Tensor, streams: int) -> None:
-        import threading
-        import time
         self._t0 = time.perf_counter()
         self.seconds = 0.0  # from the start to the last layer's bounds (once loaded)
         self._ready = [threading.Event() for _ in range(tier.n_layers)]
@@ -127,8 +123,6 @@ class _IndexLoad:
 
     def _run(self, client: Any, context_id: str, tier: HostTier, kmin: torch.Tensor,
              kmax: torch.Tensor, streams: int) -> None:
-        import time
-        from concurrent.futures import ThreadPoolExecutor
         try:
             with ThreadPoolExecutor(streams) as pool:
                 futures = [pool.submit(client.open_index, context_id, "quest", [layer])
@@ -276,9 +270,7 @@ class QuestPlanner:
         """Bounds from the tier's keys, one layer at a time through the device
         (waits for each layer of a background load)."""
         dev = torch.device(device)
-        shape = (tier.n_layers, tier.n_kv_heads, tier.n_pages, tier.head_dim)
-        kmin = torch.empty(shape, dtype=tier.dtype, device=dev)
-        kmax = torch.empty(shape, dtype=tier.dtype, device=dev)
+        kmin, kmax = _bounds_like(tier, dev)
         for layer in layers or range(tier.n_layers):
             if tier.load is not None:
                 tier.load.wait_layer(layer)

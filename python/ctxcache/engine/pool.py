@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -83,7 +84,7 @@ class HostTier:
     Filled by a bulk load (:meth:`from_server`; ``load`` waits for layers),
     or on demand (:meth:`on_demand`): then ``present`` (bool [n_units], on
     the host) says which units hold their bytes, :meth:`fill` fetches the
-    units a step asks for (FetchPages into the tier), and
+    units a step asks for (NativeClient.fetch_pages_into), and
     :meth:`start_load` starts the bulk load of the rest; once it is done,
     :meth:`complete` sets ``present`` to None, meaning every unit is in.
     Readers of units (the pool's resolve) must only read present ones."""
@@ -113,7 +114,7 @@ class HostTier:
         self.present: Optional[torch.Tensor] = None
         self._source: Any = None  # (native client, context id, shape) when on demand
         self._streams, self._pool = 1, None  # concurrent fetches of fill()
-        self.units_fetched = 0  # units fetched on demand (FetchPages)
+        self.units_fetched = 0  # units fetched on demand (fill)
         self.fill_s = 0.0  # seconds in fill()
 
     @property
@@ -164,8 +165,8 @@ class HostTier:
 
     def fill(self, units: torch.Tensor) -> int:
         """Makes ``units`` (int64 unit ids, any order and repeats, on any
-        device: read here, a host sync) present: FetchPages calls for those
-        absent, grouped by (layer, kv head) into up to ``streams`` concurrent
+        device: read here, a host sync) present: fetch_pages_into calls for
+        those absent, grouped by (layer, kv head) into up to ``streams`` concurrent
         calls. Returns how many it fetched (0 once the tier is complete)."""
         if self.present is None:
             return 0
@@ -178,15 +179,14 @@ class HostTier:
         head, page = u // self.n_pages, u % self.n_pages
         starts = torch.nonzero(torch.diff(head, prepend=head[:1] - 1)).view(-1).tolist()
         ends = starts[1:] + [u.numel()]
-        pages, heads = page.to(torch.int32).numpy(), head.tolist()
-        tables = [(heads[a] // self.n_kv_heads, heads[a] % self.n_kv_heads, pages[a:b])
-                  for a, b in zip(starts, ends)]
+        pages = page.to(torch.int32).numpy()
+        tables = [(hh // self.n_kv_heads, hh % self.n_kv_heads, pages[a:b])
+                  for hh, a, b in zip(head[starts].tolist(), starts, ends)]
         k, v = self.token_view()
         n = min(self._streams, len(tables))
         if n == 1:
             client.fetch_pages_into(context_id, tables, k, v, shape=shape)
         else:
-            from concurrent.futures import ThreadPoolExecutor, wait
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._streams)
             futures = [self._pool.submit(client.fetch_pages_into, context_id, tables[i::n], k, v,

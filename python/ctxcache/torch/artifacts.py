@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 __all__ = ["CsaOptions", "CsaArtifact", "parse_csa_artifact", "fma_f32",
            "CSA_FORMAT_VERSION", "CSA_HEADER_BYTES", "QuestArtifact", "StreamingArtifact",
-           "OracleArtifact", "parse_quest_artifact", "parse_streaming_artifact",
-           "parse_oracle_artifact"]
+           "OracleArtifact", "QuestLayout", "parse_quest_artifact", "parse_streaming_artifact",
+           "parse_oracle_artifact", "quest_layout"]
 
 CSA_FORMAT_VERSION = 4  # the newest version this parser (and the C++ build) reads
 CSA_PLAIN_VERSION = 2  # CSAP: 1 (no key sketch) or 2
@@ -750,11 +750,11 @@ class OracleArtifact:
     rho: float
 
 
-def _header(buf: bytes, magic: bytes, what: str, newest: int = 1) -> int:
+def _header(buf: Any, magic: bytes, what: str, newest: int = 1) -> int:
     """Checks magic and a version in [1, newest] like
-    ``ByteReader::GetHeader``; returns the version."""
-    if len(buf) < 8 or buf[:4] != magic:
-        got = buf[:4] if len(buf) >= 4 else f"an artifact of {len(buf)} bytes"
+    ``ByteReader::GetHeader``; returns the version. ``buf``: any bytes-like."""
+    if len(buf) < 8 or bytes(buf[:4]) != magic:
+        got = bytes(buf[:4]) if len(buf) >= 4 else f"an artifact of {len(buf)} bytes"
         raise ValueError(f"{what}: bad magic {got!r}, expected {magic.decode()!r}")
     (version,) = struct.unpack_from("<I", buf, 4)
     if not 1 <= version <= newest:
@@ -763,17 +763,25 @@ def _header(buf: bytes, magic: bytes, what: str, newest: int = 1) -> int:
     return version
 
 
-def parse_quest_artifact(data: bytes) -> QuestArtifact:
-    """Parses one ``QST1`` artifact (docs/storage-format.md, "Quest").
+class QuestLayout(NamedTuple):
+    """Where a ``QST1`` artifact holds its bounds: ``pages`` x ``head_dim``
+    minima at byte 32, the maxima right after them, each ``item`` bytes
+    (version 1: float32, 4; version 2: bf16, 2)."""
+    version: int
+    n_tokens: int
+    head_dim: int
+    page_size: int
+    rho: float
+    pages: int
+    item: int
 
-    Raises ValueError naming the problem for the cases ``QuestSelector::Load``
-    rejects: a bad magic or version, a truncated header, page <= 0, rho
-    outside (0, 1], n_tokens outside [0, 2^31 - 2], d outside [1, 4096], a
-    size other than 32 + 8 * P * d (version 1, float32 bounds) or
-    32 + 4 * P * d (version 2, bf16 bounds, widened here); and non-finite
-    page bounds.
-    """
-    buf = bytes(data)
+
+def quest_layout(buf: Any) -> QuestLayout:
+    """Checks a ``QST1`` artifact's header and size (any bytes-like, read in
+    place) as ``QuestSelector::Load`` does: ValueError for a bad magic or
+    version, a truncated header, page <= 0, rho outside (0, 1], n_tokens
+    outside [0, 2^31 - 2], d outside [1, 4096], or a size other than
+    32 + 2 * item * P * d."""
     version = _header(buf, b"QST1", "quest", newest=2)
     if len(buf) < 32:
         raise ValueError(f"quest artifact: truncated header ({len(buf)} bytes, expected >= 32)")
@@ -794,6 +802,20 @@ def parse_quest_artifact(data: bytes) -> QuestArtifact:
     if len(buf) > want:
         raise ValueError(f"quest artifact: trailing bytes ({len(buf) - want} after the page "
                          "bounds)")
+    return QuestLayout(version, int(n), int(d), int(page), float(rho), int(p), item)
+
+
+def parse_quest_artifact(data: bytes) -> QuestArtifact:
+    """Parses one ``QST1`` artifact (docs/storage-format.md, "Quest").
+
+    Raises ValueError naming the problem for the cases ``QuestSelector::Load``
+    rejects (:func:`quest_layout`; version 2's bf16 bounds are widened here)
+    and for non-finite page bounds.
+    """
+    buf = bytes(data)
+    lay = quest_layout(buf)
+    version, n, d, page, rho, p = (lay.version, lay.n_tokens, lay.head_dim, lay.page_size,
+                                   lay.rho, lay.pages)
     if version == 2:  # bf16: the high half of a float32
         raw = np.frombuffer(buf, dtype="<u2", count=2 * p * d, offset=32).astype(np.uint32)
         both = (raw << 16).view(np.float32)

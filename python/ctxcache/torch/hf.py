@@ -537,7 +537,7 @@ class EngineResult:
     the first step and after the last."""
     tokens: List[List[int]] = field(default_factory=list)
     logits: Optional[torch.Tensor] = None  # keep_logits: [B, n_new, vocab] float32, CPU
-    load_s: float = 0.0     # the tier's bulk load (0 for a tier given; on demand: the index)
+    load_s: float = 0.0     # the tier's bulk load (0 for a tier given; on demand: tier, planner)
     setup_s: float = 0.0    # decoder (index, pool, preload) and CUDA graphs
     ttft_s: float = 0.0     # from the call to the first tokens on the host
     decode_s: float = 0.0   # steps 2 .. n_new
@@ -611,6 +611,7 @@ class EngineDecoding:
             :class:`ctxcache.engine.QuestPlanner`); required for a tier filled
             on demand (``QuestPlanner.from_index``). Default: None = from the
             tier's keys.
+        streams: FetchKV streams of an on-demand tier's bulk load. Default: 8.
 
     A tier filled on demand (:meth:`ctxcache.engine.HostTier.on_demand`):
     steps run eagerly, each planning step fetching the pages it picks into
@@ -816,10 +817,7 @@ def generate_engine(client: Any, model: Any, info: Any, first_tokens: Sequence[i
             # step plans each layer as soon as its bounds are in.
             planner = QuestPlanner.from_server_index(
                 native, info.context_id, tier, next(model.parameters()).device,
-                model.config.num_attention_heads, b, streams=4, rho=o.rho,
-                recent_blocks=o.recent_blocks, select_algo=o.select_algo,
-                fused_cap=o.fused_cap, rank=o.rank, union_rho=o.union_rho,
-                min_budget=o.min_budget)
+                model.config.num_attention_heads, b, streams=4, **o.planner_options())
             load_s = time.perf_counter() - t0
             start = {"tier_s": t_tier - t0}
         elif tier is None:

@@ -610,7 +610,9 @@ grpc::Status DecodeServiceImpl::FetchKV(grpc::ServerContext* context,
     Counter* bytes_read = ctx_->metrics.GetCounter("ctxcache_page_bytes_read_total",
                                                    "Stored page bytes read for decode sessions");
     KVFrameOptions options;
-    if (request->frame_bytes() > 0) options.frame_bytes = request->frame_bytes();
+    if (request->frame_bytes() > 0) {
+      options.frame_bytes = options.table_frame_bytes = request->frame_bytes();
+    }
     options.corrupt_for_testing = ctx_->config.fault_corrupt_pages;
     options.on_bytes_read = [bytes_read](uint64_t b) { bytes_read->Inc(static_cast<double>(b)); };
     options.pool = &frames_;

@@ -93,7 +93,7 @@ bool KVFrameReader::Send(v1::KVFrame&& frame, uint32_t tokens, uint64_t stored) 
 Status KVFrameReader::ProduceTables(size_t page_bytes) {
   const v1::ContextManifest& m = reader_->manifest();
   const size_t per_frame =
-      std::max<size_t>(1, options_.frame_bytes / std::max<size_t>(1, page_bytes));
+      std::max<size_t>(1, options_.table_frame_bytes / std::max<size_t>(1, page_bytes));
   storage::PageBatch batch;
   for (const v1::PageTable& t : tables_) {
     for (int b0 = 0; b0 < t.blocks_size(); b0 += static_cast<int>(per_frame)) {

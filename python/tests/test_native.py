@@ -63,6 +63,31 @@ def test_dense_load_equals_fetch_pages(nc, client, built):
     np.testing.assert_array_equal(v, want_v)
 
 
+def test_fetch_kv_frame_defaults(nc, client):
+    """Without frame_bytes, a page table's frames carry about 1 MiB (reading,
+    sending and placing overlap within a call) and a whole layer's 4 MiB:
+    600 pages of 2 KiB (head_dim 32, bf16) are 2 frames for a table (512 +
+    88 pages) and 1 frame for each kv head of a layer."""
+    from ctxcache.v1 import ctxcache_service_pb2 as pb
+    t, d = 600 * 16, 32
+    rng = np.random.default_rng(7)
+    layers = [(rng.standard_normal((1, t, d)).astype(np.float32),
+               rng.standard_normal((1, t, d)).astype(np.float32))]
+    spec = {"name": "frames", "n_layers": 1, "n_q_heads": 2, "n_kv_heads": 1, "head_dim": d,
+            "rope": {"theta": 10000.0}, "kv_dtype": "bf16",
+            "fingerprint": b"ctxcache-python-tests-frames-000"}
+    cid = nc.ingest(spec, list(range(9, 9 + t)), layers, indexes=["streaming"]).context_id
+    table = pb.PageTable(layer=0, kv_head=0, blocks=list(range(600)))
+    frames = list(client._decode.FetchKV(pb.FetchKVRequest(context_id=cid, tables=[table])))
+    assert [f.n_blocks for f in frames] == [512, 88]
+    frames = list(client._decode.FetchKV(pb.FetchKVRequest(context_id=cid, layers=[0])))
+    assert [f.n_blocks for f in frames] == [600]
+    frames = list(client._decode.FetchKV(pb.FetchKVRequest(context_id=cid, tables=[table],
+                                                           frame_bytes=4 << 20)))
+    assert [f.n_blocks for f in frames] == [600]
+    client.evict(cid)
+
+
 def test_fetch_kv_page_tables(nc, client, built):
     """FetchKV with page tables (what fetch_pages_into sends): frames list
     their scattered pages in `blocks`, several per frame, with each page's

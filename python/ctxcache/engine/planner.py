@@ -202,6 +202,7 @@ class QuestPlanner:
         self.kmin, self.kmax = kmin, kmax
         # Bounds loading in the background (from_server_index), or None.
         self.index_load: Optional[_IndexLoad] = None
+        self.index_wait_s = 0.0  # seconds planning waited for it (wait_index)
         self.n_layers, self.h, self.n_pages, self.d = kmin.shape
         if n_q_heads % self.h:
             raise ValueError(f"n_q_heads {n_q_heads} is not a multiple of n_kv_heads {self.h}")
@@ -315,7 +316,9 @@ class QuestPlanner:
         """Until ``layer``'s bounds (None: every layer's) are on the device,
         when they are loading in the background (:meth:`from_server_index`)."""
         if self.index_load is not None:
+            t0 = time.perf_counter()
             self.index_load.wait(layer)
+            self.index_wait_s += time.perf_counter() - t0
             if layer is None:
                 self.index_load = None
 

@@ -116,6 +116,8 @@ class HostTier:
         self._streams, self._pool = 1, None  # concurrent fetches of fill()
         self.units_fetched = 0  # units fetched on demand (fill)
         self.fill_s = 0.0  # seconds in fill()
+        self.fill_wait_s = 0.0  # of those, waiting for the units (a host sync) and sorting them
+        self.fill_fetch_s = 0.0  # of those, in the fetch_pages_into calls
 
     @property
     def n_units(self) -> int:
@@ -173,7 +175,10 @@ class HostTier:
         t0 = time.perf_counter()
         u = torch.unique(units.reshape(-1).to("cpu", torch.int64))
         u = u[~self.present[u]]
+        t1 = time.perf_counter()
+        self.fill_wait_s += t1 - t0
         if not u.numel():
+            self.fill_s += t1 - t0
             return 0
         client, context_id, shape = self._source
         head, page = u // self.n_pages, u % self.n_pages
@@ -184,6 +189,7 @@ class HostTier:
                   for hh, a, b in zip(head[starts].tolist(), starts, ends)]
         k, v = self.token_view()
         n = min(self._streams, len(tables))
+        t2 = time.perf_counter()
         if n == 1:
             client.fetch_pages_into(context_id, tables, k, v, shape=shape)
         else:
@@ -194,9 +200,11 @@ class HostTier:
             wait(futures)
             for f in futures:
                 f.result()  # raises the first failure
+        t3 = time.perf_counter()
+        self.fill_fetch_s += t3 - t2
         self.present[u] = True
         self.units_fetched += int(u.numel())
-        self.fill_s += time.perf_counter() - t0
+        self.fill_s += t3 - t0
         return int(u.numel())
 
     def start_load(self, streams: int = 8) -> None:

@@ -549,7 +549,9 @@ class EngineResult:
     first_step_units: int = 0
     units_fetched: int = 0
     # On demand: seconds of the start (tier_s; index_s, the background index
-    # load, when it ended before the first token; first_step_fill_s).
+    # load, when it ended before the first token; first_step_fill_s, of which
+    # first_step_fill_wait_s waiting for the planned units and
+    # first_step_fill_fetch_s in the fetch calls).
     start: Dict[str, float] = field(default_factory=dict)
 
     @property
@@ -708,17 +710,24 @@ class EngineDecoding:
                               device=dev) if st.logits is not None else None)
         res = EngineResult()
         t1 = t0
-        fetched, fill_s = self.tier.units_fetched, self.tier.fill_s  # this call's, below
+        tier = self.tier  # this call's fill counters, below
+        fetched, fills = tier.units_fetched, (tier.fill_s, tier.fill_wait_s, tier.fill_fetch_s)
+        index_wait = getattr(self.decoder.planner, "index_wait_s", 0.0)
         for i in range(n_new):
             if not self.captured:
                 self._catch_up()
             (st.replay if self.captured else st.step)()
             if i == 0 and self.tier.present is not None:
                 res.first_step_units = self.tier.units_fetched - fetched
-                res.start["first_step_fill_s"] = self.tier.fill_s - fill_s
-                load = getattr(self.decoder.planner, "index_load", None)
+                res.start["first_step_fill_s"] = tier.fill_s - fills[0]
+                res.start["first_step_fill_wait_s"] = tier.fill_wait_s - fills[1]
+                res.start["first_step_fill_fetch_s"] = tier.fill_fetch_s - fills[2]
+                planner = self.decoder.planner
+                load = getattr(planner, "index_load", None)
                 if load is not None:  # how long the index took, if it is in
                     res.start["index_s"] = load.seconds
+                if hasattr(planner, "index_wait_s"):
+                    res.start["first_step_index_wait_s"] = planner.index_wait_s - index_wait
                 if n_new > 1:  # on demand: the rest, in the background
                     self.tier.start_load(self.streams)
             out[i].copy_(st.tokens)

@@ -10,6 +10,8 @@
 #      decode through ctxcached, against dense and the C++ worker;
 #   4b. data_plane: python/bench/gpu_load.py (the data plane's targets: bulk
 #      load, cold load, TTFT from the cache vs HF prefill, ingest);
+#   4c. page_fetch: python/bench/page_fetch.py (a step's scattered pages,
+#      framed and per page, against a bulk load; CTXCACHE_PAGE_FETCH_ARGS);
 #   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, HF's dense
 #      decoding with the KV loaded from ctxcached against hf.generate_engine
 #      (dense and sparse, a 10% HBM page pool), on the reference model and
@@ -123,6 +125,12 @@ stage data_plane 590 bash -c "
       --out '$OUT/gpu_load_'\$(echo \$c | tr -c 'a-z0-9\n' _).json \${CTXCACHE_LOAD_ARGS:-} || rc=1
   done
   exit \$rc"
+# 4c. A decode step's scattered pages through the native library (framed
+#     FetchKV with page tables, per-page FetchPages) against a bulk load,
+#     on one ctxcached over loopback (python/bench/page_fetch.py).
+stage page_fetch 300 bash -c "
+  PYTHONPATH='$WORK/site' python3 python/bench/page_fetch.py --bin-dir '$WORK/bin' \
+    \${CTXCACHE_PAGE_FETCH_ARGS:---tokens 131072 --layers 4 --streams 1,8,16} >'$OUT/page_fetch.json'"
 # 5. End to end at 32K (python/bench/gpu_e2e.py), one server for both models.
 stage gpu_e2e 560 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data-e2e' --listen 127.0.0.1:0 --port-file '$WORK/ports-e2e' \

@@ -98,8 +98,10 @@ Status KVFrameReader::ProduceTables(size_t page_bytes) {
   for (const v1::PageTable& t : tables_) {
     for (int b0 = 0; b0 < t.blocks_size(); b0 += static_cast<int>(per_frame)) {
       const int n = static_cast<int>(std::min<size_t>(per_frame, t.blocks_size() - b0));
-      RETURN_IF_ERROR(reader_->ReadPages(
-          t.layer(), t.kv_head(), std::span<const uint32_t>(t.blocks().data() + b0, n), &batch));
+      // Each page once, for a worker's own tier: the block cache stays as it is.
+      RETURN_IF_ERROR(reader_->ReadPages(t.layer(), t.kv_head(),
+                                         std::span<const uint32_t>(t.blocks().data() + b0, n),
+                                         &batch, /*fill_cache=*/false));
       v1::KVFrame frame = pool_->Take();
       frame.set_layer(t.layer());
       frame.set_kv_head(t.kv_head());

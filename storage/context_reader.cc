@@ -192,7 +192,8 @@ struct FirstError {
 
 Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
                                     std::span<const uint32_t> blocks,
-                                    std::span<const rocksdb::Slice> keys, PageBatch* out) const {
+                                    std::span<const rocksdb::Slice> keys, bool fill_cache,
+                                    PageBatch* out) const {
   const size_t n = keys.size();
   // Keys of one owner are sorted; owners are visited parent-first, so the
   // whole list is sorted only without a parent.
@@ -242,8 +243,9 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
       for (size_t j = 0; j < m; ++j) part_keys[j] = keys[misses[begin + j]];
       std::vector<rocksdb::PinnableSlice> part_values(m);
       std::vector<rocksdb::Status> part_statuses(m);
-      db->MultiGet(PageReadOptions(), cf, m, part_keys.data(), part_values.data(),
-                   part_statuses.data(), sorted);
+      rocksdb::ReadOptions ro = PageReadOptions();
+      ro.fill_cache = fill_cache;
+      db->MultiGet(ro, cf, m, part_keys.data(), part_values.data(), part_statuses.data(), sorted);
       for (size_t j = 0; j < m; ++j) {
         const size_t i = misses[begin + j];
         part_errors[p].Keep(i, CheckAndDecode(layer, kv_head, blocks[i], part_statuses[j],
@@ -267,11 +269,23 @@ Status ContextReader::MultiGetPages(uint32_t layer, uint32_t kv_head,
 
 Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
                                 PageBatch* out) const {
-  return ReadPages(layer, kv_head, blocks, out, core_->options().page_read_method);
+  return ReadPagesWith(layer, kv_head, blocks, out, core_->options().page_read_method, true);
 }
 
 Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
                                 PageBatch* out, PageReadMethod method) const {
+  return ReadPagesWith(layer, kv_head, blocks, out, method, true);
+}
+
+Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
+                                PageBatch* out, bool fill_cache) const {
+  return ReadPagesWith(layer, kv_head, blocks, out, core_->options().page_read_method,
+                       fill_cache);
+}
+
+Status ContextReader::ReadPagesWith(uint32_t layer, uint32_t kv_head,
+                                    std::span<const uint32_t> blocks, PageBatch* out,
+                                    PageReadMethod method, bool fill_cache) const {
   out->dtype = dtype_;
   out->head_dim = manifest_.model().head_dim();
   out->block_tokens = manifest_.block_tokens();
@@ -299,10 +313,11 @@ Status ContextReader::ReadPages(uint32_t layer, uint32_t kv_head, std::span<cons
       keys[i] = rocksdb::Slice(k, kPageKeySize);
     }
     if (method == PageReadMethod::kMultiGet) {
-      s = MultiGetPages(layer, kv_head, blocks, keys, out);
+      s = MultiGetPages(layer, kv_head, blocks, keys, fill_cache, out);
     } else {
-      std::unique_ptr<rocksdb::Iterator> it(
-          core_->db()->NewIterator(PageReadOptions(), core_->cf(kCfPages)));
+      rocksdb::ReadOptions ro = PageReadOptions();
+      ro.fill_cache = fill_cache;
+      std::unique_ptr<rocksdb::Iterator> it(core_->db()->NewIterator(ro, core_->cf(kCfPages)));
       for (size_t i = 0; i < keys.size() && s.ok(); ++i) {
         if (!(it->Valid() && it->key() == keys[i])) it->Seek(keys[i]);
         const bool found = it->Valid() && it->key() == keys[i];

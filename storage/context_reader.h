@@ -73,6 +73,11 @@ class ContextReader {
                    PageBatch* out) const;
   Status ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
                    PageBatch* out, PageReadMethod method) const;
+  // The same, leaving the block cache as it is when `fill_cache` is false:
+  // for pages fetched once (a worker filling its own host tier), which would
+  // only churn the cache. Pages already cached are still read from it.
+  Status ReadPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
+                   PageBatch* out, bool fill_cache) const;
 
   // Bulk read: visits pages [first_block, first_block + n) of (layer,
   // kv_head) in order (first_block + n <= n_blocks()), each verified like
@@ -119,7 +124,10 @@ class ContextReader {
   // up to StoreOptions::read_io_depth concurrent MultiGets on the store's
   // I/O pool. Sets out->stored_bytes.
   Status MultiGetPages(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
-                       std::span<const rocksdb::Slice> keys, PageBatch* out) const;
+                       std::span<const rocksdb::Slice> keys, bool fill_cache,
+                       PageBatch* out) const;
+  Status ReadPagesWith(uint32_t layer, uint32_t kv_head, std::span<const uint32_t> blocks,
+                       PageBatch* out, PageReadMethod method, bool fill_cache) const;
 
   StoreCore* core_;
   Lease lease_;

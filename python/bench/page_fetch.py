@@ -10,7 +10,11 @@ The context: --layers x --kv-heads x --tokens random bf16 K/V (head_dim
   (layer, kv head)'s pages, one table per call, --streams calls at a time
   (FetchKV with page tables: many pages per frame);
 - ``per_page``: the same pages through ``ctxcache_fetch_pages`` (FetchPages:
-  one ``Page`` message per page), the same concurrency.
+  one ``Page`` message per page), the same concurrency;
+- ``step_cold`` / ``step_warm``: a decode step's first pass as the engine's
+  on-demand tier makes it, layer by layer (each layer's --kv-heads tables
+  in concurrent calls, waited for before the next layer), on pages not read
+  before, then on the same pages again: milliseconds per layer.
 
 Usage: python3 python/bench/page_fetch.py --bin-dir build/bin [--tokens 32768]
 """
@@ -104,6 +108,30 @@ def main() -> int:
                 if rc:
                     raise RuntimeError(f"ctxcache_fetch_pages: code {rc}")
 
+        # A decode step's first pass, as the engine's on-demand tier makes it:
+        # layer after layer, each (layer, kv head)'s table in its own call, all
+        # of a layer's calls at once and waited for before the next layer
+        # (the step plans layer l + 1 from layer l's output). Pages not read
+        # before (cold: the bulk load leaves the block cache alone), then the
+        # same pages again (warm); into pinned buffers where CUDA is there.
+        pin = torch.cuda.is_available()
+        pk = torch.zeros(shape.kv_shape(), dtype=torch.bfloat16, pin_memory=pin)
+        pv = torch.zeros_like(pk, pin_memory=pin)
+        rng2 = np.random.default_rng(2)
+        step_tables = [[(layer, h, np.sort(rng2.choice(n_pages, max(1, int(a.fraction * n_pages)),
+                                                       replace=False)).astype(np.uint32))
+                        for h in range(H)] for layer in range(L)]
+        step_pool = ThreadPoolExecutor(H)
+        for kind in ("cold", "warm"):
+            per_layer = []
+            for group in step_tables:
+                t = time.perf_counter()
+                list(step_pool.map(lambda tb: nc.fetch_pages_into(cid, [tb], pk, pv, shape), group))
+                per_layer.append(time.perf_counter() - t)
+            step_bytes = sum(len(b) for _, _, b in step_tables[0]) * page_bytes
+            res[f"step_{kind}_ms_per_layer"] = 1e3 * sum(per_layer) / L
+            res[f"step_{kind}_gb_per_s"] = step_bytes * L / sum(per_layer) / 1e9
+        step_pool.shutdown()
         for streams in [int(x) for x in a.streams.split(",") if x]:
             pool = ThreadPoolExecutor(streams)
             framed = best(lambda: list(pool.map(

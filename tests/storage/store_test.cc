@@ -452,6 +452,33 @@ TEST_F(StoreTest, BadInputsGetClearErrors) {
             StatusCode::kInvalidArgument);
 }
 
+// ReadPages with fill_cache false (what FetchKV with page tables uses: a
+// worker fetches each page once into its own tier) reads the same bytes and
+// leaves the block cache as it is; the default keeps what it read there.
+TEST_F(StoreTest, ReadPagesWithoutFillingTheBlockCache) {
+  Open();
+  auto m = BuildContext(store_.get(), MakeSpec(2, 2, 32), Tokens(64));
+  ASSERT_TRUE(m.ok());
+  const ContextId id = IdOf(*m);
+  const std::vector<uint32_t> blocks{0, 1, 2, 3};
+  for (auto method : {PageReadMethod::kMultiGet, PageReadMethod::kIterator}) {
+    SCOPED_TRACE(method == PageReadMethod::kMultiGet ? "MultiGet" : "iterator");
+    StoreOptions o = TestOptions(&clock_);
+    o.page_read_method = method;
+    Open(o);  // an empty block cache
+    auto r = store_->OpenReader(id);
+    ASSERT_TRUE(r.ok());
+    const uint64_t before = store_->GetStats().block_cache_usage_bytes;
+    PageBatch once, cached;
+    ASSERT_TRUE((*r)->ReadPages(1, 1, blocks, &once, /*fill_cache=*/false).ok());
+    EXPECT_EQ(store_->GetStats().block_cache_usage_bytes, before);
+    ASSERT_TRUE((*r)->ReadPages(1, 1, blocks, &cached).ok());
+    EXPECT_GT(store_->GetStats().block_cache_usage_bytes, before);
+    EXPECT_EQ(once.data, cached.data);
+    EXPECT_EQ(once.crc32c, cached.crc32c);
+  }
+}
+
 TEST_F(StoreTest, FlippedBitInStoredPageIsDataLoss) {
   Open();
   auto spec = MakeSpec(2, 2, 32);

@@ -14,7 +14,8 @@ The context: --layers x --kv-heads x --tokens random bf16 K/V (head_dim
 - ``step_cold`` / ``step_warm``: a decode step's first pass as the engine's
   on-demand tier makes it, layer by layer (each layer's --kv-heads tables
   in concurrent calls, waited for before the next layer), on pages not read
-  before, then on the same pages again: milliseconds per layer.
+  before, then on the same pages again: milliseconds per layer;
+  ``step_cold_split2``: the same on other pages, each table in two calls.
 
 Usage: python3 python/bench/page_fetch.py --bin-dir build/bin [--tokens 32768]
 """
@@ -117,18 +118,27 @@ def main() -> int:
         pin = torch.cuda.is_available()
         pk = torch.zeros(shape.kv_shape(), dtype=torch.bfloat16, pin_memory=pin)
         pv = torch.zeros_like(pk, pin_memory=pin)
-        rng2 = np.random.default_rng(2)
-        step_tables = [[(layer, h, np.sort(rng2.choice(n_pages, max(1, int(a.fraction * n_pages)),
-                                                       replace=False)).astype(np.uint32))
-                        for h in range(H)] for layer in range(L)]
-        step_pool = ThreadPoolExecutor(H)
-        for kind in ("cold", "warm"):
+
+        def step_pages(seed: int) -> list:
+            r = np.random.default_rng(seed)
+            return [[(layer, h, np.sort(r.choice(n_pages, max(1, int(a.fraction * n_pages)),
+                                                 replace=False)).astype(np.uint32))
+                     for h in range(H)] for layer in range(L)]
+
+        step_pool = ThreadPoolExecutor(2 * H)
+        fresh = step_pages(2)
+        # cold_split2: other pages not read before, each table in two calls.
+        for kind, pages, split in (("cold", fresh, 1), ("warm", fresh, 1),
+                                   ("cold_split2", step_pages(3), 2)):
             per_layer = []
-            for group in step_tables:
+            for group in pages:
+                calls = [(layer, h, part) for layer, h, b in group
+                         for part in np.array_split(b, split)]
                 t = time.perf_counter()
-                list(step_pool.map(lambda tb: nc.fetch_pages_into(cid, [tb], pk, pv, shape), group))
+                list(step_pool.map(lambda tb: nc.fetch_pages_into(cid, [tb], pk, pv, shape),
+                                   calls))
                 per_layer.append(time.perf_counter() - t)
-            step_bytes = sum(len(b) for _, _, b in step_tables[0]) * page_bytes
+            step_bytes = sum(len(b) for _, _, b in pages[0]) * page_bytes
             res[f"step_{kind}_ms_per_layer"] = 1e3 * sum(per_layer) / L
             res[f"step_{kind}_gb_per_s"] = step_bytes * L / sum(per_layer) / 1e9
         step_pool.shutdown()

@@ -107,8 +107,8 @@ def _copy_quest_layer(index: Any, layer: int, tier: HostTier, kmin: torch.Tensor
 class _IndexLoad:
     """QuestPlanner.from_server_index's background load: a thread fetches the
     layers in order, ``streams`` in flight (one FetchIndex call each), copies
-    each into the bounds as it comes and sets its event once the copies are
-    complete on the device."""
+    each into the bounds as it comes (on a CUDA stream of its own) and sets
+    its event once the copies are complete on the device."""
 
     def __init__(self, client: Any, context_id: str, tier: HostTier, kmin: torch.Tensor,
                  kmax: torch.Tensor, streams: int) -> None:
@@ -128,11 +128,17 @@ class _IndexLoad:
                 futures = [pool.submit(client.open_index, context_id, "quest", [layer])
                            for layer in range(tier.n_layers)]
                 try:
+                    # The copies on a stream of their own: on the decoder's,
+                    # the first step's kernels would queue behind them.
+                    side = torch.cuda.Stream(kmin.device) if kmin.is_cuda else None
                     for layer, f in enumerate(futures):
                         with f.result() as index:
-                            _copy_quest_layer(index, layer, tier, kmin, kmax)
-                        if kmin.is_cuda:  # complete before a reader on another stream
-                            torch.cuda.current_stream(kmin.device).synchronize()
+                            if side is None:
+                                _copy_quest_layer(index, layer, tier, kmin, kmax)
+                            else:
+                                with torch.cuda.stream(side):
+                                    _copy_quest_layer(index, layer, tier, kmin, kmax)
+                                side.synchronize()  # complete before a reader on any stream
                         if layer == tier.n_layers - 1:
                             self.seconds = time.perf_counter() - self._t0
                         self._ready[layer].set()

@@ -712,7 +712,8 @@ class EngineDecoding:
         t1 = t0
         tier = self.tier  # this call's fill counters, below
         fetched, fills = tier.units_fetched, (tier.fill_s, tier.fill_wait_s, tier.fill_fetch_s)
-        index_wait = getattr(self.decoder.planner, "index_wait_s", 0.0)
+        planner = getattr(self.decoder, "planner", None)  # None: a dense decoder
+        index_wait = getattr(planner, "index_wait_s", 0.0)
         for i in range(n_new):
             if not self.captured:
                 self._catch_up()
@@ -722,7 +723,6 @@ class EngineDecoding:
                 res.start["first_step_fill_s"] = tier.fill_s - fills[0]
                 res.start["first_step_fill_wait_s"] = tier.fill_wait_s - fills[1]
                 res.start["first_step_fill_fetch_s"] = tier.fill_fetch_s - fills[2]
-                planner = self.decoder.planner
                 load = getattr(planner, "index_load", None)
                 if load is not None:  # how long the index took, if it is in
                     res.start["index_s"] = load.seconds

@@ -231,6 +231,10 @@ def _call(rpc: str, fn: Any, *args: Any) -> None:
         if err.value:
             msg = ctypes.string_at(err.value).decode("utf-8", "replace")
             _lib.ctxcache_free(err)  # type: ignore[union-attr]
+        # The library's message may already start with the RPC's name, which
+        # the error's str() puts in front again.
+        if rpc and msg.startswith(rpc + ": "):
+            msg = msg[len(rpc) + 2:]
         raise errors.error_for_code(code, msg, rpc)
 
 

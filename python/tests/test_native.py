@@ -174,8 +174,10 @@ def test_bad_buffers_are_refused_and_nothing_is_written(nc, built):
         with pytest.raises(ctxcache.InvalidArgument, match=what.replace("[", r"\[")):
             nc.load_kv(built.context_id, kk, vv, layers=layers)
     assert (k == 0xABAB).all() and (v == 0xABAB).all()
-    with pytest.raises(ctxcache.NotFound):
+    with pytest.raises(ctxcache.NotFound) as e:
         nc.load_kv("00112233445566778899aabbccddeeff", k, v)
+    # The RPC's name once, in front of the library's message.
+    assert str(e.value).count(f"{e.value.rpc}:") == 1 and e.value.rpc, str(e.value)
     with pytest.raises(ctxcache.InvalidArgument, match="context_id"):
         nc.context("nope")
 

@@ -67,7 +67,7 @@ Status CheckStoredTensor(const v1::Tensor& t, const std::vector<int64_t>& shape,
                          const char* what);
 
 // Page i of a stored batch of (layer, kv_head), bytes as stored, with its
-// crc32c.
+// stored crc32c (over K then V; the read verified it).
 v1::Page StoredPageToProto(const storage::PageBatch& batch, size_t i, uint32_t layer,
                            uint32_t kv_head);
 

@@ -55,8 +55,8 @@ struct KVFrameOptions {
   // The same for page tables (a decode step's scattered pages, often a few
   // MiB a call): smaller frames let reading, sending and the client's
   // placing overlap within one call. Default: 1 MiB (a call of 410 pages,
-  // 3.3 MB, on the 2-core VM: 0.65-0.78 GB/s, against 0.42-0.56 in one
-  // 4 MiB frame; python/bench/page_fetch.py).
+  // 3.3 MB, on the 2-core VM: 0.70-0.78 GB/s, against 0.42-0.56 in one
+  // 4 MiB frame; docs/benchmarks.md, "Sparse time to first token").
   size_t table_frame_bytes = 1u << 20;
   // Frames read ahead of the consumer. Default: 4.
   size_t read_ahead = 4;

@@ -19,18 +19,19 @@ inline Status CheckPageTables(uint32_t n_layers, uint32_t n_kv_heads, uint64_t n
   if (tables.empty()) return InvalidArgumentError("tables: empty, expected >= 1");
   for (int i = 0; i < tables.size(); ++i) {
     const v1::PageTable& t = tables[i];
-    const std::string at = "tables[" + std::to_string(i) + "]";
+    // Built only for an error message: no allocation per good table.
+    auto at = [i] { return "tables[" + std::to_string(i) + "]"; };
     if (t.layer() >= n_layers) {
-      return InvalidArgumentError(at + ".layer: " + std::to_string(t.layer()) +
+      return InvalidArgumentError(at() + ".layer: " + std::to_string(t.layer()) +
                                   ", expected < n_layers " + std::to_string(n_layers));
     }
     if (t.kv_head() >= n_kv_heads) {
-      return InvalidArgumentError(at + ".kv_head: " + std::to_string(t.kv_head()) +
+      return InvalidArgumentError(at() + ".kv_head: " + std::to_string(t.kv_head()) +
                                   ", expected < n_kv_heads " + std::to_string(n_kv_heads));
     }
     for (int j = 0; j < t.blocks_size(); ++j) {
       if (t.blocks(j) >= n_blocks || (j > 0 && t.blocks(j) <= t.blocks(j - 1))) {
-        return InvalidArgumentError(at + ".blocks[" + std::to_string(j) + "]: " +
+        return InvalidArgumentError(at() + ".blocks[" + std::to_string(j) + "]: " +
                                     std::to_string(t.blocks(j)) +
                                     ", expected strictly increasing blocks < " +
                                     std::to_string(n_blocks));

@@ -25,7 +25,7 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_server import start_ctxcached, stop_ctxcached  # noqa: E402
 from ctxcache import native  # noqa: E402
 
 
@@ -50,19 +51,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="page-fetch-")
-    ports = os.path.join(work, "ports")
-    proc = subprocess.Popen(
-        [os.path.join(a.bin_dir, "ctxcached"), "--data-dir", os.path.join(work, "data"),
-         "--listen", "127.0.0.1:0", "--port-file", ports, "--metrics-listen", "",
-         "--model-dir", a.model_dir, "--default-model", "llama3",
-         "--max-context-tokens", str(max(65536, a.tokens))],
-        stdout=open(os.path.join(work, "server.log"), "w"), stderr=subprocess.STDOUT)
+    proc = None
     try:
-        for _ in range(300):
-            if os.path.exists(ports) and os.path.getsize(ports):
-                break
-            time.sleep(0.1)
-        addr = "127.0.0.1:" + open(ports).read().split()[0]
+        proc, addr = start_ctxcached(a.bin_dir, work, [
+            "--model-dir", a.model_dir, "--default-model", "llama3",
+            "--max-context-tokens", str(max(65536, a.tokens))])
         L, H, D, T = a.layers, a.kv_heads, 128, a.tokens
         g = torch.Generator().manual_seed(0)
         layers = [(torch.randn(H, T, D, generator=g).bfloat16(),
@@ -153,9 +146,8 @@ def main() -> int:
             pool.shutdown()
         nc.close()
     finally:
-        proc.terminate()
-        proc.wait()
-        subprocess.run(["rm", "-rf", work])
+        stop_ctxcached(proc)
+        shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res))
     return 0
 

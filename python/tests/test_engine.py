@@ -510,6 +510,9 @@ def test_an_on_demand_tier_plans_from_the_stored_index_and_fetches_only_planned_
             # the others still hold the NaNs.
             have = set(torch.nonzero(lazy.present).view(-1).tolist())
             assert have == planned and lazy.units_fetched == len(planned) < lazy.n_units
+            # The fill's time in parts: waiting for the units, then the fetch calls.
+            assert lazy.fill_fetch_s > 0 and lazy.fill_wait_s > 0
+            assert lazy.fill_wait_s + lazy.fill_fetch_s <= lazy.fill_s + 1e-9
             rows = lambda t: t.k.view(t.n_units, t.page, -1)  # noqa: E731
             idx_have = torch.tensor(sorted(have))
             assert torch.equal(rows(lazy)[idx_have], rows(loaded)[idx_have])

@@ -718,18 +718,18 @@ class EngineDecoding:
             if not self.captured:
                 self._catch_up()
             (st.replay if self.captured else st.step)()
-            if i == 0 and self.tier.present is not None:
-                res.first_step_units = self.tier.units_fetched - fetched
+            if i == 0 and tier.present is not None:
+                res.first_step_units = tier.units_fetched - fetched
                 res.start["first_step_fill_s"] = tier.fill_s - fills[0]
                 res.start["first_step_fill_wait_s"] = tier.fill_wait_s - fills[1]
                 res.start["first_step_fill_fetch_s"] = tier.fill_fetch_s - fills[2]
                 load = getattr(planner, "index_load", None)
                 if load is not None:  # how long the index took, if it is in
                     res.start["index_s"] = load.seconds
-                if hasattr(planner, "index_wait_s"):
+                if planner is not None:
                     res.start["first_step_index_wait_s"] = planner.index_wait_s - index_wait
                 if n_new > 1:  # on demand: the rest, in the background
-                    self.tier.start_load(self.streams)
+                    tier.start_load(self.streams)
             out[i].copy_(st.tokens)
             if logits is not None:
                 logits[i].copy_(st.logits)

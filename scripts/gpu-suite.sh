@@ -12,6 +12,10 @@
 #      load, cold load, TTFT from the cache vs HF prefill, ingest);
 #   4c. page_fetch: python/bench/page_fetch.py (a step's scattered pages,
 #      framed and per page, against a bulk load; CTXCACHE_PAGE_FETCH_ARGS);
+#   4d. gpu_engine: python/bench/gpu_engine.py (the engine's decode step,
+#      sparse against dense in one process; each of the ';'-separated
+#      argument lists in CTXCACHE_ENGINE_RUNS one run, gpu_engine-I.json;
+#      default the 8B shape at 32K, batch 1, fused and module steps);
 #   5. python/bench/gpu_e2e.py (stage gpu_e2e): a 32K context, HF's dense
 #      decoding with the KV loaded from ctxcached against hf.generate_engine
 #      (dense and sparse, a 10% HBM page pool), on the reference model and
@@ -131,6 +135,15 @@ stage data_plane 590 bash -c "
 stage page_fetch 300 bash -c "
   PYTHONPATH='$WORK/site' python3 python/bench/page_fetch.py --bin-dir '$WORK/bin' \
     \${CTXCACHE_PAGE_FETCH_ARGS:---tokens 131072 --layers 4 --streams 1,8,16} >'$OUT/page_fetch.json'"
+# 4d. The engine's decode step (python/bench/gpu_engine.py), one process a run.
+stage gpu_engine 560 bash -c "
+  cd python/bench && i=0 && rc=0 &&
+  IFS=';' read -ra runs <<< \"\${CTXCACHE_ENGINE_RUNS:---layers 32 --tokens 32768 --kv prefill \
+--batches 1 --periods 1,4 --steps-kind fused,modules}\" &&
+  for r in \"\${runs[@]}\"; do
+    i=\$((i + 1))
+    PYTHONPATH='$WORK/site' python3 gpu_engine.py \$r >'$OUT/gpu_engine-'\$i.json || rc=1
+  done; exit \$rc"
 # 5. End to end at 32K (python/bench/gpu_e2e.py), one server for both models.
 stage gpu_e2e 560 bash -c "
   '$WORK/bin/ctxcached' --data-dir '$WORK/data-e2e' --listen 127.0.0.1:0 --port-file '$WORK/ports-e2e' \

@@ -38,6 +38,7 @@ import torch
 
 from ctxcache.engine import (BatchDecoder, ContextDecoder, DenseDecoder,  # noqa: E402
                              EngineOptions, HostTier, LlamaStepper, QuestPlanner)
+from ctxcache.engine.llama import fusable  # noqa: E402
 from gpu_e2e import load_model  # noqa: E402
 
 T0 = time.perf_counter()
@@ -278,6 +279,84 @@ def profile(stepper, decoder, n: int) -> list:
     return rows
 
 
+def dense_rows_into(a, model, weights: int, kvs, n: int, first: int, max_new: int,
+                    dbatches, fused, res: dict) -> None:
+    """res["dense"]: the dense decoder's rows with one kind of model step."""
+    dense_rows = []
+    for b in dbatches:
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            dec = make_dense(kvs, b, max_new, bool(a.dense_shared))
+            st = LlamaStepper(model, dec, b, fused=fused)
+            row = {"batch": b, **time_steps(st, dec, n, first, a.steps, a.warm)}
+            mem = dec.memory()
+            row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
+            row["kv_gib_per_seq"] = gib(mem["context"] / b + mem["own"] / b)
+            dense_rows.append(row)
+            log(f"dense {row}")
+            del st, dec
+        except torch.cuda.OutOfMemoryError:
+            dense_rows.append({"batch": b, "oom": True})
+            break
+        finally:
+            torch.cuda.empty_cache()
+    res["dense"] = dense_rows
+
+
+def sparse_rows_into(a, model, weights: int, tiers, dev, hq: int, n: int, first: int,
+                     max_new: int, options, tag, configs, batches, fused, kv_bytes: int,
+                     res: dict) -> None:
+    """res["sparse"] and the throughput ratios against res["dense"], with one
+    kind of model step."""
+    dense_rows, sparse_rows = res["dense"], []
+    for period, union in configs:
+        for b in batches:
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                dec = make_sparse(tiers, dev, hq, b, max_new, options(period, union))
+                st = LlamaStepper(model, dec, b, fused=fused)
+                row = {"batch": b, "period": period, "union_rho": union,
+                       **time_steps(st, dec, n, first, a.steps, a.warm,
+                                    stats=lambda: pool_stats(dec))}
+                t = row.pop("timed")
+                req = t["hit_requests"] + t["miss_requests"]
+                row["hit_ratio_timed"] = round(t["hit_requests"] / max(1, req), 4)
+                row["h2d_mib_per_step_timed"] = round(t["bytes_h2d"] / 2**20 / a.steps, 2)
+                row["unplaced"] = pool_stats(dec)["unplaced"]
+                one = getattr(dec, "decoders", [dec])[0]
+                mem = dec.memory()
+                row["kp"] = one.union_kp or one.planner.kp
+                row["pool_slots"] = one.pool.n_slots
+                row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
+                row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
+                row["gib_per_seq"] = gib(sum(mem.values()) / b)
+                row["index_fraction_of_kv"] = round(
+                    mem["index"] / kv_bytes, 4)
+                if a.profile and b == batches[0]:
+                    row["profile"] = profile(st, dec, n)
+                sparse_rows.append(row)
+                log(f"sparse {row}")
+                del st, dec
+            except torch.cuda.OutOfMemoryError:
+                sparse_rows.append({"batch": b, "period": period, "union_rho": union,
+                                    "oom": True})
+                break
+            finally:
+                torch.cuda.empty_cache()
+    res["sparse"] = sparse_rows
+    by_b = {r["batch"]: r for r in dense_rows if "ms_per_step" in r}
+    for r in sparse_rows:
+        if "ms_per_step" in r and r["batch"] in by_b:
+            r["speedup_vs_dense_same_batch"] = round(by_b[r["batch"]]["ms_per_step"] /
+                                                     r["ms_per_step"], 3)
+    best_d = max((r["tokens_per_s"] for r in dense_rows if "tokens_per_s" in r), default=0)
+    for period, union in configs:
+        best_s = max((r["tokens_per_s"] for r in sparse_rows if r.get("period") == period
+                      and r.get("union_rho") == union and "tokens_per_s" in r), default=0)
+        res[f"throughput_ratio_best_{tag(period, union)}"] = (round(best_s / best_d, 3)
+                                                             if best_d else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama8b")
@@ -307,6 +386,10 @@ def main() -> int:
     ap.add_argument("--fidelity-batch", type=int, default=4)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--steps-kind", default="auto",
+                    help="the model step(s) to time, in order, e.g. fused,modules: fused = "
+                         "a layer's elementwise ops as Triton kernels, modules = the HF "
+                         "modules' ops; auto = fused where llama.fusable allows")
     a = ap.parse_args()
     dev = "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -360,75 +443,29 @@ def main() -> int:
         log(f"fidelity {res['fidelity']}")
         del dense, sparse
         torch.cuda.empty_cache()
-    dense_rows, sparse_rows = [], []
     batches = [int(x) for x in a.batches.split(",") if x]
     dbatches = [int(x) for x in (a.dense_batches or a.batches).split(",") if x]
-    for b in dbatches:
-        try:
-            torch.cuda.reset_peak_memory_stats()
-            dec = make_dense(kvs, b, max_new, bool(a.dense_shared))
-            st = LlamaStepper(model, dec, b)
-            row = {"batch": b, **time_steps(st, dec, n, first, a.steps, a.warm)}
-            mem = dec.memory()
-            row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
-            row["kv_gib_per_seq"] = gib(mem["context"] / b + mem["own"] / b)
-            dense_rows.append(row)
-            log(f"dense {row}")
-            del st, dec
-        except torch.cuda.OutOfMemoryError:
-            dense_rows.append({"batch": b, "oom": True})
-            break
-        finally:
-            torch.cuda.empty_cache()
-    res["dense"] = dense_rows
+    kinds = [x for x in a.steps_kind.split(",") if x]
+    fused_of = {"auto": None, "fused": True, "modules": False}
+    if not kinds or any(x not in fused_of for x in kinds):
+        raise SystemExit(f"--steps-kind: expected a list of {sorted(fused_of)}, got "
+                         f"{a.steps_kind!r}")
+    outs = {}
+    why = fusable(model)
+    for kind in kinds:
+        # One kind: rows at the top level as before; several: by_steps_kind.
+        out = res if len(kinds) == 1 else res.setdefault("by_steps_kind", {}).setdefault(kind, {})
+        out["fused"] = fused_of[kind] is not False and not why
+        out["not_fused_because"] = why if fused_of[kind] is not False else "asked"
+        outs[kind] = out
+        dense_rows_into(a, model, weights, kvs, n, first, max_new, dbatches, fused_of[kind],
+                        out)
     del kvs, k, v
     torch.cuda.empty_cache()
-    for period, union in configs:
-        for b in batches:
-            try:
-                torch.cuda.reset_peak_memory_stats()
-                dec = make_sparse(tiers, dev, hq, b, max_new, options(period, union))
-                st = LlamaStepper(model, dec, b)
-                row = {"batch": b, "period": period, "union_rho": union,
-                       **time_steps(st, dec, n, first, a.steps, a.warm,
-                                    stats=lambda: pool_stats(dec))}
-                t = row.pop("timed")
-                req = t["hit_requests"] + t["miss_requests"]
-                row["hit_ratio_timed"] = round(t["hit_requests"] / max(1, req), 4)
-                row["h2d_mib_per_step_timed"] = round(t["bytes_h2d"] / 2**20 / a.steps, 2)
-                row["unplaced"] = pool_stats(dec)["unplaced"]
-                one = getattr(dec, "decoders", [dec])[0]
-                mem = dec.memory()
-                row["kp"] = one.union_kp or one.planner.kp
-                row["pool_slots"] = one.pool.n_slots
-                row["gib_beyond_weights"] = gib(torch.cuda.max_memory_allocated() - weights)
-                row["engine_gib"] = {x: gib(y) for x, y in mem.items()}
-                row["gib_per_seq"] = gib(sum(mem.values()) / b)
-                row["index_fraction_of_kv"] = round(
-                    mem["index"] / (a.contexts * 2 * L * H * n * d * 2), 4)
-                if a.profile and b == batches[0]:
-                    row["profile"] = profile(st, dec, n)
-                sparse_rows.append(row)
-                log(f"sparse {row}")
-                del st, dec
-            except torch.cuda.OutOfMemoryError:
-                sparse_rows.append({"batch": b, "period": period, "union_rho": union,
-                                    "oom": True})
-                break
-            finally:
-                torch.cuda.empty_cache()
-    res["sparse"] = sparse_rows
-    by_b = {r["batch"]: r for r in dense_rows if "ms_per_step" in r}
-    for r in sparse_rows:
-        if "ms_per_step" in r and r["batch"] in by_b:
-            r["speedup_vs_dense_same_batch"] = round(by_b[r["batch"]]["ms_per_step"] /
-                                                     r["ms_per_step"], 3)
-    best_d = max((r["tokens_per_s"] for r in dense_rows if "tokens_per_s" in r), default=0)
-    for period, union in configs:
-        best_s = max((r["tokens_per_s"] for r in sparse_rows if r.get("period") == period
-                      and r.get("union_rho") == union and "tokens_per_s" in r), default=0)
-        res[f"throughput_ratio_best_{tag(period, union)}"] = (round(best_s / best_d, 3)
-                                                             if best_d else None)
+    for kind in kinds:
+        sparse_rows_into(a, model, weights, tiers, dev, hq, n, first, max_new, options, tag,
+                         configs, batches, fused_of[kind], a.contexts * 2 * L * H * n * d * 2,
+                         outs[kind])
     print(json.dumps(res))
     return 0
 

@@ -656,3 +656,79 @@ def test_extension_prefill_is_dense_at_full_budget_and_block_union_below() -> No
         SparseExtendAttention(k, v, n, 8, ExtendOptions(rho=0.0))
     with pytest.raises(ValueError, match="max_tokens 8"):
         sp.attend(0, torch.cat([q, q])[:5], torch.cat([kn, kn])[:5], torch.cat([vn, vn])[:5])
+
+
+def test_the_fused_step_runs_only_models_it_matches() -> None:
+    """llama.fusable names why a model cannot run the fused step (here: a
+    CPU model whose norm is not one of transformers' Llama RMSNorms), and
+    fused=True then raises; the default falls back to the modules' step."""
+    from ctxcache.engine import LlamaStepper, llama
+    from test_hf import _TinyLlama
+    model = _TinyLlama(layers=1, hq=4, h=2, d=16)
+    assert "CUDA" in llama.fusable(model) or "triton" in llama.fusable(model)
+    dec = DenseDecoder(torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16),
+                       torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16), 1, 2)
+    with pytest.raises(ValueError, match="fused"):
+        LlamaStepper(model, dec, 1, fused=True)
+    assert LlamaStepper(model, dec, 1).rows is llama._module_rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels are Triton (CUDA)")
+def test_the_fused_step_equals_the_modules_step_on_a_transformers_llama() -> None:
+    """On CUDA, an HF LlamaForCausalLM's fused step (llama._fused_rows: the
+    residual add with RMSNorm, RoPE and silu * up as Triton kernels) against
+    its modules' step (_module_rows): RoPE and silu * up to the bit, the
+    norm within one bf16 rounding, and teacher-forced decode steps over a
+    dense context with the same logits and tokens."""
+    transformers = pytest.importorskip("transformers")
+    from ctxcache.engine import LlamaStepper, _triton, llama
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    assert llama.fusable(model) == ""
+    dev, r = "cuda", 37
+    g = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn(r, 256, device=dev, generator=g).to(torch.bfloat16)
+    res = torch.randn(r, 256, device=dev, generator=g).to(torch.bfloat16)
+    norm = model.model.layers[0].input_layernorm
+    xo, y = _triton.add_rmsnorm(x, res, norm.weight, norm.variance_epsilon)
+    assert torch.equal(xo, x + res)
+    want = norm(x + res)
+    close = torch.isclose(y.float(), want.float(), rtol=2 ** -7, atol=0)
+    assert close.all() and (y == want).float().mean() > 0.99
+    q = torch.randn(r, 4 * 64, device=dev, generator=g).to(torch.bfloat16)
+    k = torch.randn(r, 2 * 64, device=dev, generator=g).to(torch.bfloat16)
+    pos = torch.arange(1000, 1000 + r, device=dev)
+    cos, sin = model.model.rotary_emb(x.unsqueeze(1), pos.unsqueeze(1))
+    qo, ko = _triton.rope(q, k, cos.reshape(r, 64).contiguous(),
+                          sin.reshape(r, 64).contiguous(), 4, 2, 64)
+    c3, s3 = cos.view(r, 1, 64), sin.view(r, 1, 64)
+    for got, src, h in ((qo, q, 4), (ko, k, 2)):
+        src = src.view(r, h, 64)
+        assert torch.equal(got, src * c3 + llama._rotate_half(src) * s3)
+    gate = torch.randn(r, 704, device=dev, generator=g).to(torch.bfloat16) * 4
+    up = torch.randn(r, 704, device=dev, generator=g).to(torch.bfloat16)
+    assert torch.equal(_triton.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    # Whole steps, teacher-forced on the module step's tokens.
+    n, b = 300, 3
+    kc = torch.randn(2, 2, n, 64, device=dev, generator=g).to(torch.bfloat16)
+    vc = torch.randn(2, 2, n, 64, device=dev, generator=g).to(torch.bfloat16)
+    runs = []
+    for fused in (False, True):
+        st = LlamaStepper(model, DenseDecoder(kc, vc, b, 8), b, keep_logits=True, fused=fused)
+        assert st.rows is (llama._fused_rows if fused else llama._module_rows)
+        st.position.fill_(n)
+        runs.append(st)
+    feed = torch.tensor([5, 77, 301], device=dev)
+    for _ in range(6):
+        outs = []
+        for st in runs:
+            st.tokens.copy_(feed)
+            st.step()
+            outs.append((st.logits.clone(), st.tokens.clone()))
+        torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=2e-2)
+        assert torch.equal(outs[1][1], outs[0][1])
+        feed = outs[0][1]

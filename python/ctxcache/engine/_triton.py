@@ -1,12 +1,14 @@
 """The engine's Triton kernels (CUDA only): miss resolution of the page pool,
-Quest page bounds for the planner, and attention over pool pages plus each
-sequence's own tokens. Import needs triton and a CUDA device; the CPU
-reference of each is in the module that calls it."""
+Quest page bounds for the planner, attention over pool pages plus each
+sequence's own tokens, and the elementwise steps of a Llama layer. Import
+needs triton and a CUDA device; the CPU reference of each is in the module
+that calls it."""
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ctxcache.torch import kernels as _k
 from ctxcache.torch.kernels import attend_rows
@@ -422,3 +424,106 @@ def tail_merge(q: torch.Tensor, tail_k: torch.Tensor, tail_v: torch.Tensor,
         lse_ctx.stride(2), (1.0 / math.sqrt(d)) * math.log2(math.e), G=g,
         GP=max(16, triton.next_power_of_2(g)), D=d, BT=16, num_warps=4)
     return out
+
+
+# ------------------------------------------------------- a layer's elementwise --
+# The Llama layer's elementwise steps of a bfloat16 model, each one kernel,
+# rounding to bfloat16 where transformers' modules do (so the fused step
+# decodes the module step's tokens): the residual add and RMSNorm
+# (LlamaRMSNorm: float32 statistics, the normalized row rounded, then times
+# the weight), RoPE on q and k (x * cos + rotate_half(x) * sin, each product
+# rounded), and the gated MLP's silu(gate) * up. The torch reference of each
+# is llama._module_rows, the step over the model's own modules.
+
+@triton.jit
+def _bf16(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), as float32.
+    Integer ops, so the compiler keeps the rounding (a cast to bfloat16 and
+    back may be folded away)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, xo_ptr, y_ptr, N, inv_n, eps,
+                        ADD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    xf = tl.load(x_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        r = tl.load(r_ptr + row * N + offs, mask=m, other=0.0)
+        xf = _bf16(xf + r.to(tl.float32))
+        tl.store(xo_ptr + row * N + offs, xf.to(tl.bfloat16), mask=m)
+    var = tl.sum(xf * xf, axis=0) * inv_n
+    h = _bf16(xf * libdevice.rsqrt(var + eps))
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * N + offs, (w * h).to(tl.bfloat16), mask=m)
+
+
+def add_rmsnorm(x: torch.Tensor, res, weight: torch.Tensor, eps: float):
+    """(x + res, rmsnorm(x + res) * weight), or (x, rmsnorm(x) * weight) when
+    res is None. x, res [R, N] contiguous bfloat16, weight [N] bfloat16."""
+    r, n = x.shape
+    y = torch.empty_like(x)
+    xo = x if res is None else torch.empty_like(x)
+    block = triton.next_power_of_2(n)
+    _add_rmsnorm_kernel[(r,)](x, x if res is None else res, weight, xo, y, n, 1.0 / n, eps,
+                              ADD=res is not None, BLOCK=block,
+                              num_warps=min(16, max(1, block // 512)))
+    return xo, y
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, HQ, H,
+                 D: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    j = tl.arange(0, D)
+    if head < HQ:
+        src = q_ptr + (row * HQ + head) * D
+        dst = qo_ptr + (row * HQ + head) * D
+    else:
+        src = k_ptr + (row * H + head - HQ) * D
+        dst = ko_ptr + (row * H + head - HQ) * D
+    c = tl.load(cos_ptr + row * D + j).to(tl.float32)
+    s = tl.load(sin_ptr + row * D + j).to(tl.float32)
+    x = tl.load(src + j).to(tl.float32)
+    xr = tl.load(src + (j + HALF) % D).to(tl.float32)
+    xr = tl.where(j < HALF, -xr, xr)
+    tl.store(dst + j, (_bf16(x * c) + _bf16(xr * s)).to(tl.bfloat16))
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         hq: int, h: int, d: int):
+    """RoPE of q [R, hq * d] and k [R, h * d] (contiguous bfloat16) by cos,
+    sin [R, d] (contiguous bfloat16; d a power of two). Returns q [R, hq, d]
+    and k [R, h, d], new tensors."""
+    r = q.shape[0]
+    qo = torch.empty(r, hq, d, dtype=q.dtype, device=q.device)
+    ko = torch.empty(r, h, d, dtype=k.dtype, device=k.device)
+    _rope_kernel[(r, hq + h)](q, k, cos, sin, qo, ko, hq, h, D=d, HALF=d // 2,
+                              num_warps=1 if d <= 128 else 2)
+    return qo, ko
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
+    s = _bf16(libdevice.div_rn(g, 1.0 + libdevice.exp(-g)))
+    tl.store(y_ptr + row * N + offs, (s * u).to(tl.bfloat16), mask=m)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for g, u [R, N] contiguous bfloat16, rounded as torch
+    rounds them."""
+    r, n = g.shape
+    y = torch.empty_like(g)
+    block = 1024
+    _silu_mul_kernel[(r, triton.cdiv(n, block))](g, u, y, n, BLOCK=block, num_warps=4)
+    return y

@@ -309,13 +309,14 @@ def sparse_rows_into(a, model, weights: int, tiers, dev, hq: int, n: int, first:
     """res["sparse"] and the throughput ratios against res["dense"], with one
     kind of model step."""
     dense_rows, sparse_rows = res["dense"], []
-    for period, union in configs:
+    for period, union, look in configs:
         for b in batches:
             try:
                 torch.cuda.reset_peak_memory_stats()
-                dec = make_sparse(tiers, dev, hq, b, max_new, options(period, union))
+                dec = make_sparse(tiers, dev, hq, b, max_new, options(period, union, look))
                 st = LlamaStepper(model, dec, b, fused=fused)
                 row = {"batch": b, "period": period, "union_rho": union,
+                       "lookahead": bool(getattr(dec, "lookahead", False)),
                        **time_steps(st, dec, n, first, a.steps, a.warm,
                                     stats=lambda: pool_stats(dec))}
                 t = row.pop("timed")
@@ -339,7 +340,7 @@ def sparse_rows_into(a, model, weights: int, tiers, dev, hq: int, n: int, first:
                 del st, dec
             except torch.cuda.OutOfMemoryError:
                 sparse_rows.append({"batch": b, "period": period, "union_rho": union,
-                                    "oom": True})
+                                    "lookahead": look, "oom": True})
                 break
             finally:
                 torch.cuda.empty_cache()
@@ -350,10 +351,11 @@ def sparse_rows_into(a, model, weights: int, tiers, dev, hq: int, n: int, first:
             r["speedup_vs_dense_same_batch"] = round(by_b[r["batch"]]["ms_per_step"] /
                                                      r["ms_per_step"], 3)
     best_d = max((r["tokens_per_s"] for r in dense_rows if "tokens_per_s" in r), default=0)
-    for period, union in configs:
+    for period, union, look in configs:
         best_s = max((r["tokens_per_s"] for r in sparse_rows if r.get("period") == period
-                      and r.get("union_rho") == union and "tokens_per_s" in r), default=0)
-        res[f"throughput_ratio_best_{tag(period, union)}"] = (round(best_s / best_d, 3)
+                      and r.get("union_rho") == union and r.get("lookahead") == look
+                      and "tokens_per_s" in r), default=0)
+        res[f"throughput_ratio_best_{tag(period, union, look)}"] = (round(best_s / best_d, 3)
                                                              if best_d else None)
 
 
@@ -369,6 +371,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--rho", type=float, default=0.05)
     ap.add_argument("--periods", default="1", help="search periods to run, e.g. 1,4")
+    ap.add_argument("--lookahead", default="1",
+                    help="EngineOptions.lookahead values to run with a period > 1, e.g. 1,0 "
+                         "(0: plan in line at each period's first step; tag _inline)")
     ap.add_argument("--union-rhos", default="0",
                     help="batch-union budgets to run (0: each sequence its own pages)")
     ap.add_argument("--rank", default="votes", choices=("votes", "max"))
@@ -395,11 +400,15 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     periods = [int(x) for x in a.periods.split(",") if x]
     unions = [float(x) for x in a.union_rhos.split(",") if x]
-    configs = [(p, u) for u in unions for p in periods]
+    looks = [bool(int(x)) for x in a.lookahead.split(",") if x]
+    # Lookahead only changes per-sequence pages with a period above 1.
+    configs = list(dict.fromkeys((p, u, lk and p > 1 and not u) for u in unions
+                                 for p in periods for lk in looks))
     res = {"bench": "gpu_engine", "device": torch.cuda.get_device_name(), "model": a.model,
            "layers": a.layers, "tokens": a.tokens, "kv": a.kv, "rho": a.rho,
            "pool_fraction": a.pool_fraction, "steps": a.steps, "warm": a.warm,
-           "contexts": a.contexts, "periods": periods, "union_rhos": unions, "cap": a.cap,
+           "contexts": a.contexts, "periods": periods, "union_rhos": unions,
+           "lookahead": a.lookahead, "cap": a.cap,
            "rank": a.rank, "min_budget": a.min_budget,
            "dense_shared": bool(a.dense_shared), "select_algo": a.select_algo or "default"}
     model = load_model(a.model, a.layers, dev)
@@ -426,19 +435,21 @@ def main() -> int:
     first = 11
     max_new = a.warm + a.steps + 8 + a.fidelity
 
-    def options(period: int, union: float = 0.0) -> EngineOptions:
+    def options(period: int, union: float = 0.0, look: bool = True) -> EngineOptions:
         return EngineOptions(rho=a.rho, pool_fraction=a.pool_fraction, period=period,
                              select_algo=a.select_algo, fused_cap=a.cap == "fused",
-                             rank=a.rank, union_rho=union, min_budget=a.min_budget)
+                             rank=a.rank, union_rho=union, min_budget=a.min_budget,
+                             lookahead=look)
 
-    def tag(period: int, union: float) -> str:
-        return f"p{period}" + (f"_u{union}" if union else "")
+    def tag(period: int, union: float, look: bool) -> str:
+        return (f"p{period}" + (f"_u{union}" if union else "")
+                + ("_inline" if period > 1 and not union and not look else ""))
 
     if a.fidelity:
         fb = a.fidelity_batch
         dense = make_dense(kvs, fb, max_new, True)
-        sparse = {tag(p, u): make_sparse(tiers, dev, hq, fb, max_new, options(p, u))
-                  for p, u in configs}
+        sparse = {tag(p, u, lk): make_sparse(tiers, dev, hq, fb, max_new, options(p, u, lk))
+                  for p, u, lk in configs}
         res["fidelity"] = fidelity(model, dense, sparse, n, a.fidelity, first)
         log(f"fidelity {res['fidelity']}")
         del dense, sparse

@@ -109,12 +109,45 @@ def test_pool_hold_keeps_a_whole_window_resident() -> None:
     pool.check()
 
 
+def test_pool_hold_next_keeps_the_last_window_and_the_new_one() -> None:
+    """hold_next: the window before stays resident beside the new one (a
+    lookahead decoder reads the current plan while it resolves the next);
+    the window before that may go."""
+    t = _tier(layers=2, heads=1, n=16 * 12)
+    per_layer = lambda p: torch.tensor([[p]], dtype=torch.int32)  # noqa: E731
+    pool = PagePool(t, "cpu", PoolOptions(n_slots=12), max_requests=3)
+
+    def window(pages) -> None:
+        for layer in (0, 1):
+            pool.resolve(layer, per_layer(pages))
+
+    def resident(pages) -> bool:
+        return all(int(pool.slot_of[layer * t.n_pages + u]) >= 0 for layer in (0, 1)
+                   for u in pages)
+
+    pool.hold()
+    window([0, 1, 2])
+    pool.hold_next()
+    window([5, 6, 7])
+    assert resident([0, 1, 2]) and resident([5, 6, 7])
+    pool.hold_next()
+    window([8, 9, 10])   # 18 units held by three windows would not fit in 12
+    assert resident([5, 6, 7]) and resident([8, 9, 10])
+    assert not resident([0, 1, 2])
+    pool.hold()          # hold ends the earlier windows: 12 new units fit
+    window([3, 4, 11])
+    window([0, 1, 2])
+    assert resident([3, 4, 11]) and resident([0, 1, 2])
+    with pytest.raises(RuntimeError, match="no free slot"):
+        window([5, 6, 7])  # 18 units in one window > 12 slots: the contract
+
+
 def test_a_search_period_reuses_the_plan_without_pool_traffic() -> None:
     """period 2: odd steps attend the pages planned at the step before (with
     their own tokens, which grow), and make no pool requests."""
     t = _tier(layers=2, heads=2, n=16 * 30, d=32, seed=6)
     b, hq = 2, 8
-    opts = EngineOptions(rho=0.1, period=2, pool_fraction=0.01)
+    opts = EngineOptions(rho=0.1, period=2, pool_fraction=0.01, lookahead=False)
     eng = ContextDecoder(t, "cpu", hq, b, 6, opts)
     assert eng.pool.n_slots >= eng.planner.step_units()  # sized to hold a step's pages
     g = torch.Generator().manual_seed(7)
@@ -174,6 +207,61 @@ def _reference_plan(kmin, kmax, q, layer, k_head, kp, n_recent) -> list:
             rows.append(set(sorted(range(p), key=lambda x: key[x])[:kp]))
         out.append(rows)
     return out
+
+
+def test_lookahead_plans_the_next_pages_in_the_step_before_and_keeps_them_resident(
+) -> None:
+    """EngineOptions.lookahead with period 3 through the model adapter: step 0
+    plans in line, steps 2, 5, ... attend the current plan and then plan the
+    next from their own queries (the pool resolves those pages then), every
+    other step attends the last plan with no pool traffic; the plan attended
+    is always resident, and the pool is sized for two plans."""
+    from ctxcache.engine import LlamaStepper
+    from test_hf import _TinyLlama
+    model = _TinyLlama(layers=2, hq=4, h=2, d=16)
+    t = _tier(layers=2, heads=2, n=16 * 40, d=16, seed=9)
+    b = 2
+    eng = ContextDecoder(t, "cpu", 4, b, 10, EngineOptions(rho=0.1, period=3,
+                                                           pool_fraction=0.01))
+    assert eng.lookahead and eng.pool.n_slots >= 2 * eng.planner.step_units()
+    st = LlamaStepper(model, eng, b)
+    assert st.modes() == ["plan", "reuse", "preplan"]
+    seen = []
+    attend = eng.attend
+
+    def spy(layer, q, k, v):
+        before = eng.planner.pages[layer].clone()
+        units = eng.pool.units(layer, before).reshape(-1)
+        if not eng.planning:  # the pages it attends are resident
+            assert bool((eng.pool.slot_of[units] >= 0).all())
+        out = attend(layer, q, k, v)
+        seen.append((layer, q.clone(), before, eng.planner.pages[layer].clone()))
+        return out
+
+    eng.attend = spy
+    st.tokens.copy_(torch.tensor([3, 17]))
+    st.position.fill_(t.n_tokens)
+    modes, plans = [], {}
+    for step in range(8):
+        mode = st._mode_of()
+        modes.append(mode)
+        seen.clear()
+        s0 = eng.pool.stats()
+        st.step()
+        s1 = eng.pool.stats()
+        moved = s1["hit_requests"] + s1["miss_requests"] - s0["hit_requests"] - s0["miss_requests"]
+        assert moved == (0 if mode == "reuse" else 2 * b * 2 * eng.planner.kp), (step, mode)
+        for layer, q, before, after in seen:
+            if mode == "reuse":
+                assert torch.equal(after, before) and torch.equal(before, plans[layer])
+            elif mode == "preplan":
+                assert torch.equal(before, plans[layer])  # attended the current plan
+                fresh = QuestPlanner(eng.planner.kmin, eng.planner.kmax, t.n_tokens, 4, b,
+                                     rho=0.1).plan(layer, q)
+                assert torch.equal(after, fresh)           # then planned from its queries
+            plans[layer] = after
+        eng.pool.check()
+    assert modes == ["plan", "reuse", "preplan", "reuse", "reuse", "preplan", "reuse", "reuse"]
 
 
 def test_quest_planner_follows_the_documented_ranking() -> None:

@@ -45,6 +45,15 @@ class EngineOptions:
     # pool then holds a planning step's pages of all layers until the next
     # one. Default: 1 (plan every step).
     period: int = 1
+    # With a period above 1 (and per-sequence pages): the step before each
+    # planning step plans the next pages from its own queries, and the pool
+    # resolves them on a side stream while the step's later layers run, so
+    # their copies over PCIe overlap the step's compute; the steps after
+    # attend those pages with no planning at all. Each plan is then one
+    # step older when used (1..P steps instead of 0..P-1), and the pool
+    # holds two plans' pages. Step 0 (and the first step after a capture)
+    # plans in line. Default: True.
+    lookahead: bool = True
     # CUDA: the planner's page cap as one counting kernel
     # (QuestPlanner.fused_cap; the same pages as the scatter and top-k).
     # Default: True.
@@ -172,8 +181,11 @@ class ContextDecoder(_Decoder):
         self.tier, self.device, self.batch = tier, torch.device(device), batch
         self.period = o.period
         # Whether the current step plans (the model adapter sets it from its
-        # step counter: steps 0, P, 2P, ... plan).
+        # step counter: steps 0, P, 2P, ... plan; with lookahead, step 0
+        # only), and whether it plans the next steps' pages after attending
+        # (lookahead: steps P - 1, 2P - 1, ...).
         self.planning = True
+        self.prefetching = False
         if planner is None and tier.present is not None:
             raise ValueError("ContextDecoder: a tier filled on demand holds no keys to plan "
                              "from; pass planner=QuestPlanner.from_index(...) (the stored "
@@ -182,16 +194,20 @@ class ContextDecoder(_Decoder):
                                                          **o.planner_options())
         kp = self.planner.kp
         self.union_kp = self.planner.union_kp
+        self.lookahead = bool(o.lookahead and o.period > 1 and not self.union_kp)
         # The pool holds at least one step's pages of every layer: otherwise
         # pages used every step are evicted before their next use (CLOCK, like
         # LRU, gets no hits on a cyclic sweep larger than the cache), and a
         # period > 1 could not keep its planning step's pages.
         need = (tier.n_layers * tier.n_kv_heads * self.union_kp if self.union_kp
                 else self.planner.step_units())
+        if self.lookahead:
+            need *= 2  # the plan in use and the next one
         if o.pool_slots and o.period > 1 and o.pool_slots < min(need, tier.n_units):
-            raise ValueError(f"EngineOptions.pool_slots: {o.pool_slots} cannot hold one "
-                             f"step's pages with period {o.period}: expected >= "
-                             f"{min(need, tier.n_units)} (or 0 to size it)")
+            raise ValueError(f"EngineOptions.pool_slots: {o.pool_slots} cannot hold "
+                             f"{'two plans' if self.lookahead else 'one step'}'s pages with "
+                             f"period {o.period}: expected >= {min(need, tier.n_units)} "
+                             f"(or 0 to size it)")
         self.pool = PagePool(tier, device,
                              PoolOptions(n_slots=o.pool_slots, fraction=o.pool_fraction,
                                          min_slots=0 if o.pool_slots else need),
@@ -204,6 +220,12 @@ class ContextDecoder(_Decoder):
         self.own = OwnTokens(tier.n_layers, batch, tier.n_kv_heads, max_new_tokens,
                              tier.head_dim, tier.dtype, device,
                              n_q_heads if keep_queries else 0)
+        # Lookahead: each layer's queries of the step before a planning step
+        # (what the side stream plans from), and that stream.
+        self._q_next: Optional[torch.Tensor] = None
+        self._side: Any = None
+        if self.lookahead and self.device.type == "cuda":
+            self._side = torch.cuda.Stream(self.device)
         # Per-sequence tables, or the batch union (then no per-sequence buffers).
         self.attention = None if self.union_kp else PagedAttention(self.pool, batch,
                                                                    n_q_heads, kp)
@@ -214,6 +236,13 @@ class ContextDecoder(_Decoder):
         super().begin_step()
         if self.planning and self.period > 1:
             self.pool.hold()
+        elif self.prefetching:
+            self.pool.hold_next()
+
+    def end_step(self) -> None:
+        if self.prefetching and self._side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        super().end_step()
 
     def on_tier_complete(self) -> None:
         """Call once an on-demand tier has become complete (between steps): a
@@ -242,8 +271,27 @@ class ContextDecoder(_Decoder):
             self._resolve(layer, pages)
         else:
             pages = self.planner.pages[layer]
-        return self.attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
-                              self.own.now)
+        out = self.attention(layer, q, pages, self.own.k[layer], self.own.v[layer],
+                             self.own.now)
+        if self.prefetching:
+            self._plan_next(layer, q)
+        return out
+
+    def _plan_next(self, layer: int, q: torch.Tensor) -> None:
+        """Lookahead: plans the layer's next pages from this step's queries
+        and resolves them, on the side stream (after this layer's attention,
+        which read the plan being replaced; the step's end waits for it).
+        The pool's two windows keep the current plan resident meanwhile."""
+        if self._q_next is None:  # at the first (eager) step, before any capture
+            self._q_next = torch.zeros((self.tier.n_layers,) + tuple(q.shape), dtype=q.dtype,
+                                       device=q.device)
+        self._q_next[layer].copy_(q)
+        if self._side is None:
+            self._resolve(layer, self.planner.plan(layer, self._q_next[layer]))
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            self._resolve(layer, self.planner.plan(layer, self._q_next[layer]))
 
     def memory(self) -> Dict[str, int]:
         """Device bytes by part: pool, planner index, own tokens."""
@@ -291,8 +339,13 @@ class BatchDecoder:
         periods = {int(getattr(d, "period", 1)) for d in decoders}
         if len(periods) != 1:
             raise ValueError(f"BatchDecoder: the decoders' periods differ: {sorted(periods)}")
+        looks = {bool(getattr(d, "lookahead", False)) for d in decoders}
+        if len(looks) != 1:
+            raise ValueError("BatchDecoder: the decoders' lookahead differs (a batch union "
+                             "or a period of 1 has none)")
         self.decoders = list(decoders)
         self.period = periods.pop()
+        self.lookahead = looks.pop()
         self.batch = sum(d.batch for d in decoders)
         self._bounds = []
         start = 0
@@ -308,6 +361,15 @@ class BatchDecoder:
     def planning(self, value: bool) -> None:
         for d in self.decoders:
             d.planning = value
+
+    @property
+    def prefetching(self) -> bool:
+        return bool(getattr(self.decoders[0], "prefetching", False))
+
+    @prefetching.setter
+    def prefetching(self, value: bool) -> None:
+        for d in self.decoders:
+            d.prefetching = value
 
     def begin_step(self) -> None:
         for d in self.decoders:

@@ -9,7 +9,9 @@ whole step (every layer, the argmax, the position advance) as one CUDA graph
 and :meth:`replay` runs it. A decoder with a search period P > 1 (its
 ``period`` and ``planning`` attributes) gets two graphs, a planning step and
 a step that reuses the plan; the stepper's step counter picks one (steps 0,
-P, 2P, ... plan). :class:`LlamaExtender` runs the same layers over a chunk
+P, 2P, ... plan). With lookahead (the decoder's ``lookahead`` and
+``prefetching``) a third, the step before each plan's first use, plans the
+next pages after attending; only step 0 then plans in line. :class:`LlamaExtender` runs the same layers over a chunk
 of new tokens of one sequence (chunked prefill of an extension).
 
 On CUDA, for the bfloat16 models :func:`fusable` accepts (transformers'
@@ -186,24 +188,53 @@ class LlamaStepper(_Parts):
             self.logits = torch.zeros(batch, model.config.vocab_size, dtype=torch.float32,
                                       device=dev)
         self.period = int(getattr(decoder, "period", 1))
-        # Steps run since the last reset (planning steps: n_steps % period == 0).
+        self.lookahead = self.period > 1 and bool(getattr(decoder, "lookahead", False))
+        # Steps run since the last reset (see _mode_of).
         self.n_steps = 0
-        self.graphs: Dict[bool, torch.cuda.CUDAGraph] = {}
+        # The next step plans in line whatever n_steps says (after a capture,
+        # whose warm-up steps planned from their own queries).
+        self.replan = False
+        self.graphs: Dict[str, torch.cuda.CUDAGraph] = {}
 
     def reset(self) -> None:
         """The next step is step 0 again (a planning step)."""
         self.n_steps = 0
+        self.replan = False
 
-    def _mode(self) -> None:
+    def modes(self) -> list:
+        """The kinds of step the decoder runs: "plan" (plans and resolves
+        in line), "reuse" (attends the last plan's pages), "preplan" (reuses,
+        then plans and resolves the next pages: lookahead)."""
+        if self.period == 1:
+            return ["plan"]
+        return ["plan", "reuse"] + (["preplan"] if self.lookahead else [])
+
+    def _mode_of(self) -> str:
+        if self.period == 1 or self.replan or self.n_steps == 0:
+            return "plan"
+        r = self.n_steps % self.period
+        if self.lookahead:
+            return "preplan" if r == self.period - 1 else "reuse"
+        return "plan" if r == 0 else "reuse"
+
+    def _apply(self, mode: str) -> None:
         if self.period > 1:
-            self.decoder.planning = self.n_steps % self.period == 0
+            self.decoder.planning = mode == "plan"
+            if self.lookahead:
+                self.decoder.prefetching = mode == "preplan"
+
+    def _advance(self, mode: str) -> None:
+        self.n_steps += 1
+        if mode == "plan":
+            self.replan = False
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
         """One step, eagerly; returns ``tokens`` (now the next ones)."""
-        self._mode()
+        mode = self._mode_of()
+        self._apply(mode)
         self._step()
-        self.n_steps += 1
+        self._advance(mode)
         return self.tokens
 
     def _step(self) -> None:
@@ -221,25 +252,26 @@ class LlamaStepper(_Parts):
         """Records a step as a CUDA graph, one per mode (after one eager
         warm-up step of each, whose effects are undone by the caller
         resetting tokens, positions and the decoder's own tokens), and
-        resets the step counter."""
-        modes = [True, False] if self.period > 1 else [True]
-        self.reset()
-        for plan in modes:
-            self.n_steps = 0 if plan else 1
-            self.step()
+        resets the step counter; the next step plans in line."""
+        modes = self.modes()
+        for mode in modes:
+            self._apply(mode)
+            self._step()
         torch.cuda.synchronize()
-        for plan in modes:
-            self.n_steps = 0 if plan else 1
-            self._mode()
+        for mode in modes:
+            self._apply(mode)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 self._step()
-            self.graphs[plan] = g
+            self.graphs[mode] = g
         self.reset()
+        self.replan = True
 
     def replay(self) -> torch.Tensor:
         """One step by graph replay (the mode of the step counter)."""
         assert self.graphs, "capture() first"
-        self.graphs[self.n_steps % self.period == 0].replay()
-        self.n_steps += 1
+        mode = self._mode_of()
+        self._apply(mode)
+        self.graphs[mode].replay()
+        self._advance(mode)
         return self.tokens

@@ -14,8 +14,9 @@ sequence that reads the context, for all layers. Device tables:
   page_of  int32 [n_slots]  the slot's unit, -1 empty
   stamp    int32 [n_slots]  the layer-step that last used the slot
   ref      int32 [n_slots]  CLOCK's reference bit
-  clock    int32 [3]        the hand, the layer-step counter "now", and
-                            "floor": slots stamped at or after it are in use
+  clock    int32 [4]        the hand, the layer-step counter "now",
+                            "floor": slots stamped at or after it are in use,
+                            and the start of the latest hold window
 
 :meth:`PagePool.resolve` makes the units a layer-step asks for resident, on
 the device and with no host sync, in three steps (CUDA: three Triton kernels
@@ -38,13 +39,17 @@ it: floor follows now, and the next layer may evict it. Between
 :meth:`PagePool.hold` and :meth:`PagePool.release` (device-side, capturable)
 floor stays put, so every unit resolved in that window stays resident until
 it ends: a decoder that reuses a step's pages for later steps holds the pool
-over the planning step (``hold_slots`` says how many slots that needs).
+over the planning step. :meth:`PagePool.hold_next` opens a new window and
+keeps the last one too (floor moves to the last window's start): a decoder
+that resolves the next plan's pages while its steps still read the current
+plan's (EngineOptions.lookahead) holds two windows, and the pool needs the
+slots of both.
 
 Contract: a resolve (one layer) asks for at most ``n_slots`` distinct units
 (n_kv_heads * n_pages at most, however many sequences ask), so a slot
 not used by the layer-step always exists (ValueError at construction when
-``max_requests`` could exceed it); inside a hold, the window's distinct
-units are at most ``n_slots`` (the caller sizes the pool with
+``max_requests`` could exceed it); inside a hold, the held windows'
+distinct units are at most ``n_slots`` (the caller sizes the pool with
 ``min_slots``). Between resolves the tables are consistent:
 ``slot_of[page_of[s]] == s`` for every filled slot.
 
@@ -273,7 +278,7 @@ class PagePool:
         self.page_of = torch.full((n,), -1, **i32)
         self.stamp = torch.full((n,), -1, **i32)
         self.ref = torch.zeros(n, **i32)
-        self.clock = torch.zeros(3, **i32)        # hand, now, floor
+        self.clock = torch.zeros(4, **i32)        # hand, now, floor, window
         self.n_miss = torch.zeros(2, **i32)       # being counted, of the last resolve
         # Hit requests, missed requests, units copied, units left unplaced
         # (the last only if the contract above is broken).
@@ -331,15 +336,26 @@ class PagePool:
 
     def hold(self) -> None:
         """From now until :meth:`release`, units resolved stay resident (no
-        host sync; capturable)."""
+        host sync; capturable). Opens a window and ends any earlier ones."""
         self._held = True
         self.clock[2:3].copy_(self.clock[1:2])
+        self.clock[3:4].copy_(self.clock[1:2])
+
+    def hold_next(self) -> None:
+        """Opens a new window and keeps the latest one held: units resolved
+        since that window began stay resident, with those from now on, until
+        the next hold_next, hold or release (no host sync; capturable). Units
+        of earlier windows may go."""
+        self._held = True
+        self.clock[2:3].copy_(self.clock[3:4])
+        self.clock[3:4].copy_(self.clock[1:2])
 
     def release(self) -> None:
         """Ends a hold: from the next resolve on, a slot is in use only for its
         own layer-step."""
         self._held = False
         self.clock[2:3].copy_(self.clock[1:2])
+        self.clock[3:4].copy_(self.clock[1:2])
 
     def units(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Unit ids of ``pages`` [B, H, kp] (page ids per kv head) at ``layer``."""

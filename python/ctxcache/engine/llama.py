@@ -11,8 +11,9 @@ and :meth:`replay` runs it. A decoder with a search period P > 1 (its
 a step that reuses the plan; the stepper's step counter picks one (steps 0,
 P, 2P, ... plan). With lookahead (the decoder's ``lookahead`` and
 ``prefetching``) a third, the step before each plan's first use, plans the
-next pages after attending; only step 0 then plans in line. :class:`LlamaExtender` runs the same layers over a chunk
-of new tokens of one sequence (chunked prefill of an extension).
+next pages after attending; only step 0 then plans in line.
+:class:`LlamaExtender` runs the same layers over a chunk of new tokens of
+one sequence (chunked prefill of an extension).
 
 On CUDA, for the bfloat16 models :func:`fusable` accepts (transformers'
 Llama, Mistral and Qwen2), each run of a layer's elementwise ops is one Triton

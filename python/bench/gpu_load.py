@@ -11,7 +11,10 @@ Llama-3-8B shape with random bf16 weights, or an HF checkpoint directory):
 3. ingest of the prefill's post-RoPE K/V/Q with ``--indexes``, through the
    native library (``--ingest-client native``, the default) or the Python
    gRPC client (ingest tokens/s; the ingest goal is "no longer than the
-   prefill");
+   prefill"); then, with ``--ingest-overlap 1`` (the default), the prefill
+   and ingest overlapped (``hf.prefill_and_ingest(overlap=True)``: each
+   layer's K/V sent as the forward computes it) on the tokens rotated by
+   one: the forward's time and how long after it the context is READY;
 4. bulk load of every layer into pinned host memory (``--streams`` sweep):
    GB/s, warm store;
 5. cold load: the same after ``echo 3 > /proc/sys/vm/drop_caches`` (when
@@ -161,6 +164,31 @@ def sparse_ttft(a, case: dict, nc, model, info, tok: int) -> None:
         f"TTFT from the cache (FetchKV)")
 
 
+def ingest_overlapped(addr: str, model, ids: list, indexes: list, with_q: bool, case: dict,
+                      prefill_s: float) -> None:
+    """hf.prefill_and_ingest(overlap=True) through the native library: one
+    forward whose layers go to the ingest as they are computed. The tokens
+    are rotated by one (another context id: the same tokens would be reused)."""
+    from ctxcache import native
+    from ctxcache.torch import hf
+    rotated = ids[1:] + ids[:1]
+    with native.NativeClient(addr, timeout=3600) as nci:
+        info, pre = hf.prefill_and_ingest(nci, model, rotated, indexes=indexes or None,
+                                          name="gpu-load-overlap", overlap=True,
+                                          send_q=with_q)
+    case["overlap_forward_s"] = pre.seconds
+    case["overlap_ingest_s"] = pre.ingest_s
+    case["overlap_ready_after_prefill_s"] = pre.ready_after_prefill_s
+    case["overlap_ready_from_prefill_start_s"] = pre.seconds + pre.ready_after_prefill_s
+    case["overlap_ready_over_prefill"] = case["overlap_ready_from_prefill_start_s"] / prefill_s
+    case["overlap_n_tokens"] = info.n_tokens
+    log(f"overlapped prefill + ingest: forward {pre.seconds:.2f} s, READY "
+        f"{pre.ready_after_prefill_s:.2f} s after it ({case['overlap_ready_over_prefill']:.2f}x "
+        f"the plain prefill from its start)")
+    del pre
+    torch.cuda.empty_cache()
+
+
 def run_case(a, spec: str, res: dict) -> None:
     import ctxcache
     from ctxcache import native
@@ -213,6 +241,8 @@ def run_case(a, spec: str, res: dict) -> None:
             case["ingest_over_prefill"] = case["ingest_s"] / prefill_s
             del pre
             torch.cuda.empty_cache()
+            if a.ingest_overlap:
+                ingest_overlapped(addr, model, ids, indexes, with_q, case, prefill_s)
         log(f"ingested in {case['ingest_s']:.1f} s")
         nc = native.NativeClient(addr, timeout=600)
         shape = nc.context(info.context_id)
@@ -373,6 +403,9 @@ def main() -> int:
     ap.add_argument("--indexes", default="streaming",
                     help="indexes to build at ingest (comma-separated; '' = server defaults)")
     ap.add_argument("--streams", default="1,4,8,16", help="warm-load stream counts to try")
+    ap.add_argument("--ingest-overlap", type=int, default=1,
+                    help="1: also prefill and ingest overlapped (hf.prefill_and_ingest "
+                         "overlap=True) on the tokens rotated by one")
     ap.add_argument("--ingest-client", default="native", choices=("native", "grpc"),
                     help="the ingest's client: the native library or the Python gRPC client")
     ap.add_argument("--frame-bytes", type=int, default=0, help="FetchKV frame size (0 = 4 MiB)")

@@ -155,6 +155,56 @@ def test_hf_full_through_ctxcache_equals_dense_and_csa_agrees(make_server) -> No
             hf.generate_client(c, model, info, ids[-1], 4, selection="torch")
 
 
+@pytest.mark.skipif(transformers is None, reason="set CTXCACHE_HF_TESTS=1 with transformers")
+def test_overlapped_prefill_and_ingest_stores_the_prefills_kv(make_server) -> None:
+    """prefill_and_ingest(overlap=True): the ingest runs beside the forward,
+    layer by layer, and stores exactly the KV a plain prefill computes; a
+    forward that fails part-way stores nothing."""
+    import ctxcache
+    from ctxcache import native
+    from ctxcache.engine import HostTier
+    from transformers import AutoModelForCausalLM
+
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(repo, "models", "ctxcache-ref"),
+                                                 dtype=torch.bfloat16).to(dev).eval()
+    server = make_server([])
+    ids = [int(x) for x in np.random.default_rng(3).integers(3, 1000, size=1500)]
+    want = hf.prefill(model, ids)
+    with ctxcache.Client(server.address, timeout=120) as c, \
+            native.NativeClient(server.address, timeout=120) as nc:
+        before = len(c.list())
+        # The forward fails at layer 3: the ingest's generator ends with an
+        # error, the stream is not committed.
+        def fail(*_: object) -> None:
+            raise RuntimeError("layer 3 failed")
+
+        boom = hf._layers(model)[3].self_attn.register_forward_pre_hook(fail)
+        try:
+            with pytest.raises(RuntimeError, match="layer 3 failed"):
+                hf.prefill_and_ingest(nc, model, ids, indexes=["quest"], overlap=True,
+                                      send_q=False)
+        finally:
+            boom.remove()
+        assert len(c.list()) == before
+        info, pre = hf.prefill_and_ingest(nc, model, ids, indexes=["quest"], overlap=True,
+                                          send_q=False)
+        assert info.n_tokens == len(ids) and pre.q == []
+        assert 0 <= pre.ready_after_prefill_s <= pre.ingest_s
+        tier = HostTier.from_server(nc, info.context_id, pin=False)
+        tier.load.wait()
+        tk, tv = tier.token_view()
+        for layer in range(len(want.k)):
+            assert torch.equal(pre.k[layer], want.k[layer])
+            assert torch.equal(tk[layer], want.k[layer]) and torch.equal(tv[layer], want.v[layer])
+        # With Q (query-centric indexes read it): the prefill's Q as well.
+        info_q, pre_q = hf.prefill_and_ingest(nc, model, ids[:-1], indexes=["csa"], overlap=True)
+        assert info_q.n_tokens == len(ids) - 1
+        want_q = hf.prefill(model, ids[:-1])
+        assert all(torch.equal(a, b) for a, b in zip(pre_q.q, want_q.q))
+
+
 # ------------------------------------------------- generate_engine on the CPU --
 # A LLaMA-shaped model of plain torch modules (the parts LlamaStepper reads:
 # embed, RoPE, RMSNorm, q/k/v/o projections, gated MLP, lm_head), so the

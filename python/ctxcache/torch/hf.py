@@ -244,19 +244,160 @@ def _cache_kv(cache: Any, layer: int) -> tuple:
 
 def prefill_and_ingest(client: Any, model: Any, context_ids: Sequence[int], *,
                        name: str = "hf-context", model_name: str = "",
-                       indexes: Any = None, keep_cache: bool = False) -> tuple:
+                       indexes: Any = None, keep_cache: bool = False, overlap: bool = False,
+                       send_q: bool = True) -> tuple:
     """Prefills ``context_ids`` with ``model`` and ingests the KV (and Q) into
     ctxcache. Returns ``(ContextInfo, PrefillResult)``; the result carries
-    ``ingest_s``, the ingest's wall time."""
-    pre = prefill(model, context_ids, keep_cache=keep_cache)
+    ``ingest_s``, the ingest's wall time, and ``ready_after_prefill_s``, how
+    long after the prefill's forward the context was READY.
+
+    overlap: one forward over the whole context (no chunks), and each layer's
+    K/V (and Q) go to the host on a side CUDA stream and into the ingest as
+    soon as that layer has run: the ingest (a thread of its own) runs beside
+    the rest of the forward instead of after it. The stored context is the
+    same. Default: False (prefill in chunks, then ingest). send_q: send the
+    queries (csa, tactic and lfps need them; quest, streaming, full and
+    oracle do not). Default: True."""
     spec = model_spec(model, model_name or "hf:" + str(getattr(model.config, "_name_or_path",
                                                                   "model")).split("/")[-1])
+    if overlap:
+        return _prefill_and_ingest_overlapped(client, model, spec, list(context_ids), name,
+                                              indexes, keep_cache, send_q)
+    pre = prefill(model, context_ids, keep_cache=keep_cache)
     t0 = time.perf_counter()
     info = client.ingest(spec, list(context_ids),
-                         ((pre.k[i], pre.v[i], pre.q[i]) for i in range(len(pre.k))),
+                         ((pre.k[i], pre.v[i]) + ((pre.q[i],) if send_q else ())
+                          for i in range(len(pre.k))),
                          indexes=indexes, name=name)
     pre.ingest_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+    pre.ready_after_prefill_s = pre.ingest_s  # type: ignore[attr-defined]
     return info, pre
+
+
+@torch.no_grad()
+def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List[int],
+                                   name: str, indexes: Any, keep_cache: bool,
+                                   send_q: bool) -> tuple:
+    """prefill_and_ingest(overlap=True). Three threads: this one runs the
+    forward and, as the cache takes a layer's K/V, queues the layer's device
+    tensors with an event; a copier waits for each event on a side stream
+    and copies the layer to the host (releasing the device copy of Q); the
+    ingest consumes the host layers in order. A failed forward ends the
+    ingest's generator with an error (nothing is stored)."""
+    import queue
+    import threading
+    from transformers import DynamicCache
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    dev = next(model.parameters()).device
+    layers = _layers(model)
+    n_layers = len(layers)
+    on_cuda = dev.type == "cuda"
+    qs: Dict[int, torch.Tensor] = {}
+    to_copy: "queue.Queue[Any]" = queue.Queue()
+    to_send: "queue.Queue[Any]" = queue.Queue()
+    host: Dict[str, List[Any]] = {"k": [None] * n_layers, "v": [None] * n_layers,
+                                  "q": [None] * n_layers}
+    failed = object()
+    seen = [0]
+
+    class _Cache(DynamicCache):
+        def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> Any:
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            ev = None
+            if on_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            to_copy.put((layer_idx, out[0][0], out[1][0], qs.pop(layer_idx, None), ev))
+            seen[0] += 1
+            return out
+
+    def make_hook(i: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            b, t, _ = hidden.shape
+            q = module.q_proj(hidden).view(b, t, -1, module.head_dim).transpose(1, 2)
+            qs[i], _ = apply_rotary_pos_emb(q, q, cos, sin)
+            qs[i] = qs[i][0]
+        return hook
+
+    def copier() -> None:
+        stream = torch.cuda.Stream(dev) if on_cuda else None
+        for _ in range(n_layers):
+            item = to_copy.get()
+            if item is failed:
+                break
+            layer, k, v, q, ev = item
+            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                if ev is not None:
+                    stream.wait_event(ev)
+                parts = [x.to("cpu", torch.bfloat16) if x is not None else None
+                         for x in (k, v, q)]
+            del k, v, q, item
+            host["k"][layer], host["v"][layer], host["q"][layer] = parts
+            to_send.put(layer)
+        else:
+            return
+        to_send.put(failed)
+
+    def sent_layers() -> Any:
+        for want in range(n_layers):
+            layer = to_send.get()
+            if layer is failed:
+                raise RuntimeError("prefill_and_ingest: the prefill failed; nothing is stored")
+            assert layer == want, (layer, want)
+            yield ((host["k"][layer], host["v"][layer])
+                   + ((host["q"][layer],) if send_q else ()))
+
+    result: Dict[str, Any] = {}
+
+    def ingest() -> None:
+        t0 = time.perf_counter()
+        try:
+            result["info"] = client.ingest(spec, ids, sent_layers(), indexes=indexes, name=name)
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller's thread)
+            result["error"] = e
+        result["ingest_done"] = time.perf_counter()
+        result["ingest_s"] = result["ingest_done"] - t0
+
+    hooks = ([layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True)
+              for i, layer in enumerate(layers)] if send_q else [])
+    threads = [threading.Thread(target=copier, name="ctxcache-prefill-copy", daemon=True),
+               threading.Thread(target=ingest, name="ctxcache-prefill-ingest", daemon=True)]
+    for th in threads:
+        th.start()
+    cache = _Cache()
+    x = torch.as_tensor(ids, dtype=torch.long, device=dev)[None]
+    if on_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if on_cuda:
+            torch.cuda.synchronize()
+        if seen[0] != n_layers:
+            raise RuntimeError(f"prefill_and_ingest: the cache took {seen[0]} layers' K/V, "
+                               f"the model has {n_layers}; nothing is stored")
+    except BaseException:
+        to_copy.put(failed)
+        raise
+    finally:
+        secs = time.perf_counter() - t0
+        t_prefill = time.perf_counter()
+        for hk in hooks:
+            hk.remove()
+        for th in threads:
+            th.join()
+    if "error" in result:
+        raise result["error"]
+    pre = PrefillResult(host["k"], host["v"], host["q"] if send_q else [], secs,
+                        cache if keep_cache else None)
+    pre.ingest_s = result["ingest_s"]  # type: ignore[attr-defined]
+    pre.ready_after_prefill_s = max(  # type: ignore[attr-defined]
+        0.0, result["ingest_done"] - t_prefill)
+    return result["info"], pre
 
 
 # ------------------------------------------------------------------ decode --

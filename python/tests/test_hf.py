@@ -174,7 +174,7 @@ def test_overlapped_prefill_and_ingest_stores_the_prefills_kv(make_server) -> No
     want = hf.prefill(model, ids)
     with ctxcache.Client(server.address, timeout=120) as c, \
             native.NativeClient(server.address, timeout=120) as nc:
-        before = len(c.list())
+        before = len(list(c.list()))
         # The forward fails at layer 3: the ingest's generator ends with an
         # error, the stream is not committed.
         def fail(*_: object) -> None:
@@ -187,7 +187,7 @@ def test_overlapped_prefill_and_ingest_stores_the_prefills_kv(make_server) -> No
                                       send_q=False)
         finally:
             boom.remove()
-        assert len(c.list()) == before
+        assert len(list(c.list())) == before
         info, pre = hf.prefill_and_ingest(nc, model, ids, indexes=["quest"], overlap=True,
                                           send_q=False)
         assert info.n_tokens == len(ids) and pre.q == []

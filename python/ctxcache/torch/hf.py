@@ -324,7 +324,24 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
         return hook
 
     def copier() -> None:
+        # Device-to-host through pinned staging buffers (an async copy on a
+        # side stream, then an event wait and a host copy with the GIL
+        # released): a copy straight into pageable memory is synchronous in
+        # the driver and slowed the forward beside it.
         stream = torch.cuda.Stream(dev) if on_cuda else None
+        staging: Dict[int, torch.Tensor] = {}
+
+        def to_host(x: Any, slot: int) -> Any:
+            if x is None:
+                return None
+            if stream is None:
+                return x.to("cpu", torch.bfloat16)
+            buf = staging.get(slot)
+            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                buf = staging[slot] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            buf.copy_(x, non_blocking=True)
+            return buf
+
         for _ in range(n_layers):
             item = to_copy.get()
             if item is failed:
@@ -333,8 +350,11 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
             with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
                 if ev is not None:
                     stream.wait_event(ev)
-                parts = [x.to("cpu", torch.bfloat16) if x is not None else None
-                         for x in (k, v, q)]
+                parts = [to_host(x, i) for i, x in enumerate((k, v, q))]
+                if stream is not None:
+                    stream.synchronize()
+                    parts = [torch.empty(x.shape, dtype=torch.bfloat16).copy_(x)
+                             if x is not None else None for x in parts]
             del k, v, q, item
             host["k"][layer], host["v"][layer], host["q"][layer] = parts
             to_send.put(layer)

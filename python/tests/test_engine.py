@@ -480,6 +480,43 @@ def test_a_batch_over_two_contexts_equals_each_context_alone() -> None:
         BatchDecoder([make(t1, 1), ContextDecoder(t2, "cpu", 8, 1, 4, EngineOptions(period=2))])
 
 
+def test_a_lookahead_batch_over_two_contexts_decodes_as_each_context_alone() -> None:
+    """Through the model adapter with period 3 and lookahead: a BatchDecoder
+    over two contexts gives each sequence the logits its context's decoder
+    gives alone (the adapter sets planning and prefetching on every decoder);
+    decoders whose lookahead differs cannot share a batch."""
+    from ctxcache.engine import LlamaStepper
+    from test_hf import _TinyLlama
+    model = _TinyLlama(layers=2, hq=4, h=2, d=16, seed=2)
+    t1, t2 = _tier(n=16 * 30, d=16, seed=11), _tier(n=16 * 22, d=16, seed=12)
+    opts = EngineOptions(rho=0.1, period=3, pool_fraction=0.01)
+
+    def make(t, b):
+        return ContextDecoder(t, "cpu", 4, b, 10, opts)
+
+    both = BatchDecoder([make(t1, 2), make(t2, 1)])
+    assert both.lookahead
+    steppers = [LlamaStepper(model, both, 3, keep_logits=True)]
+    alone = [make(t1, 2), make(t2, 1)]
+    steppers += [LlamaStepper(model, d, d.batch, keep_logits=True) for d in alone]
+    firsts = torch.tensor([5, 9, 21])
+    steppers[0].tokens.copy_(firsts)
+    steppers[1].tokens.copy_(firsts[:2])
+    steppers[2].tokens.copy_(firsts[2:])
+    # Both contexts' sequences at their own context's length.
+    steppers[0].position.copy_(torch.tensor([t1.n_tokens] * 2 + [t2.n_tokens]))
+    steppers[1].position.fill_(t1.n_tokens)
+    steppers[2].position.fill_(t2.n_tokens)
+    for _ in range(7):
+        for st in steppers:
+            st.step()
+        assert torch.equal(steppers[0].logits[:2], steppers[1].logits)
+        assert torch.equal(steppers[0].logits[2:], steppers[2].logits)
+    with pytest.raises(ValueError, match="lookahead differs"):
+        BatchDecoder([make(t1, 1), ContextDecoder(t2, "cpu", 4, 1, 4, EngineOptions(
+            period=3, lookahead=False))])
+
+
 def test_bounds_equal_the_stored_quest_artifact_and_pages_cover_the_core(
         server, client, demo_contexts) -> None:  # noqa: F811
     """The engine's index is the stored Quest artifact (the C++ build), bit

@@ -150,6 +150,27 @@ TEST(QuestTest, AppendMatchesRebuildAndRoundTrips) {
   EXPECT_EQ(LoadQuestSelector("XXXX").status().code(), StatusCode::kInvalidArgument);
 }
 
+// Build computes each page's bounds in one pass: the same artifact as
+// appending every key to an empty selector, at page multiples and between.
+TEST(QuestTest, BuildEqualsAppendingEveryKey) {
+  const int d = 8;
+  auto keys = RandomMatrix(100, d, 5);
+  for (int64_t n : {0, 1, 15, 16, 17, 32, 100}) {
+    auto built = QuestSelector::Build(keys.data(), n, d, QuestOptions{});
+    ASSERT_TRUE(built.ok());
+    auto grown = QuestSelector::Build(keys.data(), 0, d, QuestOptions{});
+    ASSERT_TRUE(grown.ok());
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_TRUE((*grown)->Append(keys.data() + i * d, nullptr, nullptr).ok());
+    }
+    std::string a, b;
+    ASSERT_TRUE((*built)->Serialize(&a).ok());
+    ASSERT_TRUE((*grown)->Serialize(&b).ok());
+    EXPECT_EQ(a, b) << "n " << n;
+    EXPECT_EQ((*built)->n_pages(), (n + 15) / 16);
+  }
+}
+
 // Keys that are bf16 values (as stored KV is) give version 2, bounds as bf16:
 // the same selections as version 1 from the same keys, in half the payload.
 // Keys that are not stay version 1. Both load; a truncated version 2 is

@@ -416,7 +416,9 @@ def test_on_demand_decoding_equals_a_loaded_tier_and_fetches_only_the_first_step
         model = _TinyLlama(m.n_layers, m.n_q_heads, m.n_kv_heads, m.head_dim)
         firsts, steps = [5, 17], 6
         feeds = [[(7 * s + 3 * i) % 90 + 1 for i in range(steps)] for s in range(2)]
-        for period in (1, 2):
+        # Periods above 1 plan ahead (EngineOptions.lookahead, the default);
+        # period 3 has reuse steps between the planning-ahead ones.
+        for period in (1, 2, 3):
             opts = EngineOptions(rho=0.1, pool_fraction=0.2, period=period)
             loaded = hf.generate_engine(c, model, info, firsts, steps, forced=feeds,
                                         keep_logits=True, options=opts)

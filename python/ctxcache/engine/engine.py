@@ -12,6 +12,7 @@ a model's whole step can be captured as one CUDA graph.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -286,11 +287,11 @@ class ContextDecoder(_Decoder):
             self._q_next = torch.zeros((self.tier.n_layers,) + tuple(q.shape), dtype=q.dtype,
                                        device=q.device)
         self._q_next[layer].copy_(q)
-        if self._side is None:
-            self._resolve(layer, self.planner.plan(layer, self._q_next[layer]))
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
+        side = contextlib.nullcontext()
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            side = torch.cuda.stream(self._side)
+        with side:
             self._resolve(layer, self.planner.plan(layer, self._q_next[layer]))
 
     def memory(self) -> Dict[str, int]:

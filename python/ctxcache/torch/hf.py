@@ -194,25 +194,11 @@ def prefill(model: Any, input_ids: Sequence[int], keep_cache: bool = False,
     captures every layer's post-RoPE Q (through a pre-hook on the attention
     module, recomputing its projection and RoPE) and K/V (from the cache)."""
     from transformers import DynamicCache
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     dev = next(model.parameters()).device
     layers = _layers(model)
     qs: List[List[torch.Tensor]] = [[] for _ in layers]
-    hooks = []
-
-    def make_hook(i: int, attn: Any) -> Any:
-        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            b, t, _ = hidden.shape
-            q = module.q_proj(hidden).view(b, t, -1, module.head_dim).transpose(1, 2)
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            qs[i].append(q[0].to("cpu", torch.bfloat16))
-        return attn.register_forward_pre_hook(hook, with_kwargs=True)
-
-    for i, layer in enumerate(layers):
-        hooks.append(make_hook(i, layer.self_attn))
+    hooks = _query_hooks(layers, lambda i, q: qs[i].append(q.to("cpu", torch.bfloat16)))
     ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=dev)[None]
     cache = DynamicCache()
     if dev.type == "cuda":
@@ -234,6 +220,27 @@ def prefill(model: Any, input_ids: Sequence[int], keep_cache: bool = False,
         vs.append(v[0].to("cpu", torch.bfloat16))
     q_all = [torch.cat(x, dim=1) for x in qs]
     return PrefillResult(ks, vs, q_all, secs, cache if keep_cache else None)
+
+
+def _query_hooks(layers: Any, sink: Any) -> list:
+    """Forward pre-hooks on every layer's attention that recompute its
+    post-RoPE queries (the q projection and RoPE of the layer's input) and
+    pass them to ``sink(layer, q [n_q_heads, T, d])`` on the device; the
+    caller removes the returned handles."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    def make_hook(i: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            b, t, _ = hidden.shape
+            q = module.q_proj(hidden).view(b, t, -1, module.head_dim).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            sink(i, q[0])
+        return hook
+
+    return [layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True)
+            for i, layer in enumerate(layers)]
 
 
 def _cache_kv(cache: Any, layer: int) -> tuple:
@@ -287,7 +294,6 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
     import queue
     import threading
     from transformers import DynamicCache
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     dev = next(model.parameters()).device
     layers = _layers(model)
@@ -300,6 +306,7 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
                                   "q": [None] * n_layers}
     failed = object()
     seen = [0]
+    result: Dict[str, Any] = {}
 
     class _Cache(DynamicCache):
         def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any,
@@ -312,16 +319,6 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
             to_copy.put((layer_idx, out[0][0], out[1][0], qs.pop(layer_idx, None), ev))
             seen[0] += 1
             return out
-
-    def make_hook(i: int) -> Any:
-        def hook(module: Any, args: Any, kwargs: Dict[str, Any]) -> None:
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            b, t, _ = hidden.shape
-            q = module.q_proj(hidden).view(b, t, -1, module.head_dim).transpose(1, 2)
-            qs[i], _ = apply_rotary_pos_emb(q, q, cos, sin)
-            qs[i] = qs[i][0]
-        return hook
 
     def copier() -> None:
         # Device-to-host through pinned staging buffers (an async copy on a
@@ -342,36 +339,41 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
             buf.copy_(x, non_blocking=True)
             return buf
 
-        for _ in range(n_layers):
-            item = to_copy.get()
-            if item is failed:
-                break
-            layer, k, v, q, ev = item
-            with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-                if ev is not None:
-                    stream.wait_event(ev)
-                parts = [to_host(x, i) for i, x in enumerate((k, v, q))]
-                if stream is not None:
-                    stream.synchronize()
-                    parts = [torch.empty(x.shape, dtype=torch.bfloat16).copy_(x)
-                             if x is not None else None for x in parts]
-            del k, v, q, item
-            host["k"][layer], host["v"][layer], host["q"][layer] = parts
-            to_send.put(layer)
-        else:
-            return
-        to_send.put(failed)
+        sent = 0
+        try:
+            for _ in range(n_layers):
+                item = to_copy.get()
+                if item is failed:
+                    break
+                layer, k, v, q, ev = item
+                with (torch.cuda.stream(stream) if stream is not None
+                      else contextlib.nullcontext()):
+                    if ev is not None:
+                        stream.wait_event(ev)
+                    parts = [to_host(x, i) for i, x in enumerate((k, v, q))]
+                    if stream is not None:
+                        stream.synchronize()
+                        parts = [torch.empty(x.shape, dtype=torch.bfloat16).copy_(x)
+                                 if x is not None else None for x in parts]
+                del k, v, q, item
+                host["k"][layer], host["v"][layer], host["q"][layer] = parts
+                to_send.put(layer)
+                sent += 1
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller's thread)
+            result["copy_error"] = e
+        finally:
+            if sent < n_layers:  # the ingest's generator ends with an error
+                to_send.put(failed)
 
     def sent_layers() -> Any:
         for want in range(n_layers):
             layer = to_send.get()
             if layer is failed:
-                raise RuntimeError("prefill_and_ingest: the prefill failed; nothing is stored")
+                raise RuntimeError("prefill_and_ingest: the prefill or its copy to the host "
+                                   "failed; nothing is stored")
             assert layer == want, (layer, want)
             yield ((host["k"][layer], host["v"][layer])
                    + ((host["q"][layer],) if send_q else ()))
-
-    result: Dict[str, Any] = {}
 
     def ingest() -> None:
         t0 = time.perf_counter()
@@ -382,8 +384,7 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
         result["ingest_done"] = time.perf_counter()
         result["ingest_s"] = result["ingest_done"] - t0
 
-    hooks = ([layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True)
-              for i, layer in enumerate(layers)] if send_q else [])
+    hooks = _query_hooks(layers, qs.__setitem__) if send_q else []
     threads = [threading.Thread(target=copier, name="ctxcache-prefill-copy", daemon=True),
                threading.Thread(target=ingest, name="ctxcache-prefill-ingest", daemon=True)]
     for th in threads:
@@ -404,14 +405,15 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
         to_copy.put(failed)
         raise
     finally:
-        secs = time.perf_counter() - t0
         t_prefill = time.perf_counter()
+        secs = t_prefill - t0
         for hk in hooks:
             hk.remove()
         for th in threads:
             th.join()
-    if "error" in result:
-        raise result["error"]
+    for key in ("copy_error", "error"):  # the copy's failure is the cause of the ingest's
+        if key in result:
+            raise result[key]
     pre = PrefillResult(host["k"], host["v"], host["q"] if send_q else [], secs,
                         cache if keep_cache else None)
     pre.ingest_s = result["ingest_s"]  # type: ignore[attr-defined]

@@ -376,17 +376,18 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
                    + ((host["q"][layer],) if send_q else ()))
 
     def ingest() -> None:
-        t0 = time.perf_counter()
         try:
             result["info"] = client.ingest(spec, ids, sent_layers(), indexes=indexes, name=name)
         except BaseException as e:  # noqa: BLE001 (re-raised by the caller's thread)
             result["error"] = e
         result["ingest_done"] = time.perf_counter()
-        result["ingest_s"] = result["ingest_done"] - t0
 
     hooks = _query_hooks(layers, qs.__setitem__) if send_q else []
     threads = [threading.Thread(target=copier, name="ctxcache-prefill-copy", daemon=True),
                threading.Thread(target=ingest, name="ctxcache-prefill-ingest", daemon=True)]
+    # The ingest's wall time counts from here, before its thread starts (so
+    # it never starts after the forward's end, however late the thread runs).
+    t_start = time.perf_counter()
     for th in threads:
         th.start()
     cache = _Cache()
@@ -416,7 +417,7 @@ def _prefill_and_ingest_overlapped(client: Any, model: Any, spec: Any, ids: List
             raise result[key]
     pre = PrefillResult(host["k"], host["v"], host["q"] if send_q else [], secs,
                         cache if keep_cache else None)
-    pre.ingest_s = result["ingest_s"]  # type: ignore[attr-defined]
+    pre.ingest_s = result["ingest_done"] - t_start  # type: ignore[attr-defined]
     pre.ready_after_prefill_s = max(  # type: ignore[attr-defined]
         0.0, result["ingest_done"] - t_prefill)
     return result["info"], pre
